@@ -1,0 +1,231 @@
+"""The one place that knows how mlx-lm versions differ.
+
+Supported: mlx-lm 0.30.4 (the seeds' version) and 0.32.x. Differences are
+detected by feature, not by version string:
+
+    |                          | 0.30.4                       | 0.32.x                         |
+    |--------------------------|------------------------------|--------------------------------|
+    | BatchGenerator.next()    | list of responses            | (prompt, generation) responses |
+    | stop_tokens              | set of ids                   | sequences of id sequences      |
+    | in-flight cache          | active_batch.extract_cache   | BatchGenerator.extract_cache   |
+    | KVCache.state            | (k, v) sliced to offset      | (k, v, offset), full buffer    |
+    | meta_state / from_state  | strings / (state, meta)      | none / (state)                 |
+
+Everything above this module speaks :class:`LayerState` and
+:class:`GenResponse`, which are the same under both versions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from importlib.metadata import version as _dist_version
+from typing import Any, Iterable, Sequence
+
+import mlx.core as mx
+from mlx_lm.generate import BatchGenerator
+from mlx_lm.models import cache as C
+
+MLX_VERSION = _dist_version("mlx")
+MLX_LM_VERSION = _dist_version("mlx-lm")
+
+# 0.30.4 caches carry string meta_state beside state; 0.32 folds it into state.
+HAS_META_STATE = hasattr(C._BaseCache, "meta_state")
+# 0.32 splits prompt-processing responses from generation responses.
+HAS_NEXT_GENERATED = hasattr(BatchGenerator, "next_generated")
+
+KV, ROTATING, QUANTIZED = "KVCache", "RotatingKVCache", "QuantizedKVCache"
+
+
+class UnsupportedCacheError(TypeError):
+    """A layer cache type this engine cannot extract or rebuild."""
+
+
+@dataclass(slots=True)
+class LayerState:
+    """One layer's cache in version-independent form.
+
+    ``keys``/``values`` hold only the valid part of the buffer, in buffer
+    order: ``[..., :offset, :]`` for KVCache and QuantizedKVCache (each a
+    tuple ``(packed, scales, biases)`` there), and ``[..., :min(len, offset), :]``
+    for RotatingKVCache, whose ring order is given by ``idx`` and ``keep``.
+    """
+
+    kind: str
+    keys: Any
+    values: Any
+    offset: int
+    keep: int = 0
+    max_size: int | None = None
+    idx: int = 0
+    group_size: int | None = None
+    bits: int | None = None
+
+    def __post_init__(self):
+        if self.kind not in (KV, ROTATING, QUANTIZED):
+            raise UnsupportedCacheError(f"unknown cache kind {self.kind!r}")
+        if self.offset < 0:
+            raise ValueError(f"offset must be >= 0, got {self.offset}")
+        if self.kind == ROTATING and (self.max_size is None or self.max_size <= 0):
+            raise ValueError("RotatingKVCache state needs a positive max_size")
+        if self.kind == QUANTIZED and (self.group_size is None or self.bits is None):
+            raise ValueError("QuantizedKVCache state needs group_size and bits")
+
+
+def _trim(x, n: int):
+    if isinstance(x, (tuple, list)):
+        return tuple(a[..., :n, :] for a in x)
+    return x[..., :n, :]
+
+
+def _buffer_len(x) -> int:
+    return (x[0] if isinstance(x, (tuple, list)) else x).shape[2]
+
+
+def read_layer(cache: Any) -> LayerState:
+    """Read a live mlx-lm cache object without copying its arrays."""
+    kind = type(cache).__name__
+    if kind not in (KV, ROTATING, QUANTIZED):
+        raise UnsupportedCacheError(f"cannot extract a {kind}; supported: {KV}, {ROTATING}, {QUANTIZED}")
+    if cache.keys is None:
+        return LayerState(kind, None, None, 0, **_meta(cache, kind, idx=0))
+    # Attributes are named alike in both versions; state differs, so read attributes.
+    valid = cache.offset if kind != ROTATING else min(_buffer_len(cache.keys), cache.offset)
+    return LayerState(
+        kind,
+        _trim(cache.keys, valid),
+        _trim(cache.values, valid),
+        int(cache.offset),
+        **_meta(cache, kind, idx=int(getattr(cache, "_idx", 0))),
+    )
+
+
+def _meta(cache, kind: str, idx: int) -> dict:
+    if kind == ROTATING:
+        return {"keep": int(cache.keep), "max_size": int(cache.max_size), "idx": idx}
+    if kind == QUANTIZED:
+        return {"group_size": int(cache.group_size), "bits": int(cache.bits)}
+    return {}
+
+
+def build_layer(state: LayerState) -> Any:
+    """Rebuild the real mlx-lm cache object through its ``from_state``."""
+    cls = getattr(C, state.kind)
+    if state.keys is None:
+        if state.kind == ROTATING:
+            return cls(max_size=state.max_size, keep=state.keep)
+        if state.kind == QUANTIZED:
+            return cls(group_size=state.group_size, bits=state.bits)
+        return cls()
+    k, v = state.keys, state.values
+    if state.kind == QUANTIZED:
+        k, v = tuple(k), tuple(v)
+    if HAS_META_STATE:
+        meta = {
+            KV: "",
+            ROTATING: (state.keep, state.max_size, state.offset, state.idx),
+            QUANTIZED: (state.offset, state.group_size, state.bits),
+        }[state.kind]
+        obj = cls.from_state((k, v), tuple(map(str, meta)) if meta else meta)
+    else:
+        full = {
+            KV: (k, v, state.offset),
+            ROTATING: (k, v, state.offset, state.keep, state.max_size, state.idx),
+            QUANTIZED: (k, v, state.offset, state.group_size, state.bits),
+        }[state.kind]
+        obj = cls.from_state(full)
+    if state.kind == KV:
+        obj.offset = state.offset  # 0.30.4's setter derives it from the shape
+    return obj
+
+
+# ---------------------------------------------------------------- generation
+
+
+@dataclass(slots=True)
+class GenResponse:
+    """One generated token of one sequence, as both versions report it."""
+
+    uid: int
+    token: int
+    logprobs: mx.array
+    finish_reason: str | None
+    cache: list | None  # the sequence's per-layer caches once it has finished
+
+
+def make_batch_generator(
+    model,
+    *,
+    max_tokens: int,
+    stop_tokens: Iterable[int],
+    completion_batch_size: int = 32,
+    prefill_batch_size: int = 8,
+    prefill_step_size: int = 2048,
+    sampler=None,
+) -> BatchGenerator:
+    """A greedy (unless ``sampler``) BatchGenerator stopping on single-id tokens."""
+    stops = sorted({int(t) for t in stop_tokens})
+    kw = dict(
+        max_tokens=max_tokens,
+        completion_batch_size=completion_batch_size,
+        prefill_batch_size=prefill_batch_size,
+        prefill_step_size=prefill_step_size,
+        sampler=sampler,
+    )
+    if HAS_NEXT_GENERATED:
+        return BatchGenerator(model, stop_tokens=[[t] for t in stops], **kw)
+    return BatchGenerator(model, stop_tokens=set(stops), **kw)
+
+
+def insert(gen: BatchGenerator, prompts: Sequence[Sequence[int]], caches: Sequence[list | None], max_tokens: Sequence[int]) -> list[int]:
+    """Queue prompts (token ids) with optional per-prompt caches; returns uids."""
+    return list(
+        gen.insert([list(map(int, p)) for p in prompts], max_tokens=list(max_tokens), caches=list(caches))
+    )
+
+
+def next_responses(gen: BatchGenerator) -> list[GenResponse]:
+    """Advance one decode step; an empty list means nothing is left to do."""
+    raw = gen.next_generated() if HAS_NEXT_GENERATED else gen.next()
+    return [
+        GenResponse(
+            int(r.uid),
+            int(r.token),
+            r.logprobs,
+            r.finish_reason,
+            list(r.prompt_cache) if r.finish_reason is not None else None,
+        )
+        for r in raw
+    ]
+
+
+def extract_in_flight(gen: BatchGenerator, uid: int) -> list | None:
+    """Per-layer caches of a sequence still in the generator, or None if unknown.
+
+    The returned caches cover the prompt and the tokens generated so far,
+    except for the newest token, which has been sampled but not yet fed.
+    """
+    if HAS_NEXT_GENERATED:
+        found = gen.extract_cache([uid])
+        return list(found[uid][0]) if uid in found else None
+    batch = gen.active_batch
+    if batch is not None and uid in batch.uids:
+        return list(batch.extract_cache(batch.uids.index(uid)))
+    for entry in gen.unprocessed_prompts:
+        if entry[0] == uid:
+            return list(entry[3])
+    return None
+
+
+def remove(gen: BatchGenerator, uids: Sequence[int]) -> None:
+    gen.remove(list(uids))
+
+
+def finished_cache_tokens(prompt_len: int, generated: int) -> int:
+    """How many tokens a finished sequence's cache holds.
+
+    Under both versions the decode loop feeds a sampled token to the model
+    before it reports it, so a finished cache already covers the prompt and
+    every generated token, the last one included. tests/unit/test_compat.py
+    pins this under each version.
+    """
+    return prompt_len + generated
