@@ -138,6 +138,43 @@ def build_layer(state: LayerState) -> Any:
     return obj
 
 
+def temporal_rotating(state: LayerState) -> LayerState:
+    """The same rotating cache, unrolled into temporal order and cut to the window.
+
+    A RotatingKVCache buffer is a ring: ``keep`` pinned slots, then slots that
+    are overwritten in turn at ``idx``. After a long multi-token prefill the
+    buffer can also be longer than ``max_size`` (mlx-lm trims it lazily)::
+
+        ring (offset > len):   [ k0 k1 | t6 t7 t8 t3 t4 t5 ]   keep=2, idx=5
+                                 pinned   newer ^idx older
+        temporal:              [ k0 k1 | t3 t4 t5 t6 t7 t8 ]   idx = len = 8
+
+    The unrolled form keeps ``keep`` pinned tokens plus the newest
+    ``max_size - keep``; the next update sees exactly the same tokens either
+    way. mlx-lm 0.30.4 can only batch this form: its BatchRotatingKVCache.merge
+    fails on an over-long buffer, so every rebuilt rotating cache uses it.
+    """
+    assert state.kind == ROTATING, state.kind
+    if state.keys is None:
+        return state
+    keep, idx, n = state.keep, state.idx, _buffer_len(state.keys)
+
+    def unroll(x):
+        if idx == n:
+            order = x
+        elif idx < state.offset:
+            order = mx.concatenate([x[..., :keep, :], x[..., idx:, :], x[..., keep:idx, :]], axis=2)
+        else:
+            order = x[..., :idx, :]
+        if order.shape[2] > state.max_size:
+            tail = order.shape[2] - (state.max_size - keep)
+            order = mx.concatenate([order[..., :keep, :], order[..., tail:, :]], axis=2)
+        return order
+
+    keys, values = unroll(state.keys), unroll(state.values)
+    return LayerState(ROTATING, keys, values, state.offset, keep, state.max_size, keys.shape[2])
+
+
 # ---------------------------------------------------------------- generation
 
 
@@ -201,8 +238,8 @@ def next_responses(gen: BatchGenerator) -> list[GenResponse]:
 def extract_in_flight(gen: BatchGenerator, uid: int) -> list | None:
     """Per-layer caches of a sequence still in the generator, or None if unknown.
 
-    The returned caches cover the prompt and the tokens generated so far,
-    except for the newest token, which has been sampled but not yet fed.
+    Like a finished cache, it covers the prompt and every token reported so
+    far (see :func:`finished_cache_tokens`).
     """
     if HAS_NEXT_GENERATED:
         found = gen.extract_cache([uid])

@@ -1,0 +1,221 @@
+"""semantic.compat under whichever mlx-lm is installed (make test / make test-compat)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models import cache as C
+
+from semantic import compat
+from tests.tiny_models import tiny_gemma3
+
+
+def _prefill(model, cache, tokens):
+    logits = model(mx.array([tokens]), cache=cache)
+    mx.eval(logits)
+    return logits[0, -1]
+
+
+def _greedy(model, cache, first_logits, n):
+    out, logits = [], first_logits
+    for _ in range(n):
+        t = int(mx.argmax(logits))
+        out.append(t)
+        logits = _prefill(model, cache, [t])
+    return out, logits
+
+
+def _assert_same_state(a: compat.LayerState, b: compat.LayerState):
+    assert (a.kind, a.offset, a.keep, a.max_size, a.idx, a.group_size, a.bits) == (
+        b.kind, b.offset, b.keep, b.max_size, b.idx, b.group_size, b.bits
+    )
+    for x, y in ((a.keys, b.keys), (a.values, b.values)):
+        xs = x if isinstance(x, tuple) else (x,)
+        ys = y if isinstance(y, tuple) else (y,)
+        assert len(xs) == len(ys)
+        for p, q in zip(xs, ys):
+            assert p.shape == q.shape and p.dtype == q.dtype
+            assert np.array_equal(np.array(p), np.array(q))
+
+
+def _caches(model, kind):
+    n = len(model.layers)
+    if kind == "quantized":
+        return [C.QuantizedKVCache(group_size=32, bits=8) for _ in range(n)]
+    return model.make_cache() if hasattr(model, "make_cache") else [C.KVCache() for _ in range(n)]
+
+
+@pytest.mark.parametrize(
+    "which,kind,prompt_len",
+    [
+        ("llama", "kv", 13),
+        ("llama", "quantized", 13),
+        ("gemma", "mixed", 5),    # ring buffer not yet full
+        ("gemma", "mixed", 21),   # ring buffer wrapped (window 8)
+    ],
+)
+def test_rebuilt_cache_is_bit_identical_and_continues_like_the_original(
+    llama_tiny, gemma_tiny, which, kind, prompt_len
+):
+    model = llama_tiny if which == "llama" else gemma_tiny
+    rng = np.random.default_rng(prompt_len)
+    tokens = rng.integers(1, 255, size=prompt_len).tolist()
+    original = _caches(model, kind)
+    logits = _prefill(model, original, tokens)
+    # Two decode steps move the rotating write index off the buffer edge.
+    _, logits = _greedy(model, original, logits, 2)
+
+    states = [compat.read_layer(c) for c in original]
+    rebuilt = [compat.build_layer(s) for s in states]
+    assert [type(c) for c in rebuilt] == [type(c) for c in original]
+    for s, c in zip(states, rebuilt):
+        _assert_same_state(s, compat.read_layer(c))
+
+    a, la = _greedy(model, original, logits, 6)
+    b, lb = _greedy(model, rebuilt, logits, 6)
+    assert a == b
+    assert np.array_equal(np.array(la), np.array(lb))
+
+
+def test_wrapped_rotating_state_keeps_ring_metadata(gemma_tiny):
+    cache = gemma_tiny.make_cache()
+    _prefill(gemma_tiny, cache, list(range(1, 22)))
+    _greedy(gemma_tiny, cache, _prefill(gemma_tiny, cache, [7]), 3)
+    state = compat.read_layer(cache[0])
+    assert state.kind == compat.ROTATING
+    assert state.offset == 21 + 1 + 3
+    assert state.max_size == 8 and state.keys.shape[2] == 8
+    assert 0 <= state.idx <= 8
+
+
+def test_empty_cache_reads_and_rebuilds_empty():
+    for fresh in (C.KVCache(), C.RotatingKVCache(max_size=8, keep=2), C.QuantizedKVCache(32, 4)):
+        state = compat.read_layer(fresh)
+        assert state.keys is None and state.offset == 0
+        rebuilt = compat.build_layer(state)
+        assert type(rebuilt) is type(fresh) and rebuilt.empty()
+    assert compat.build_layer(compat.read_layer(C.RotatingKVCache(max_size=8, keep=2))).keep == 2
+
+
+def test_unsupported_cache_types_are_refused_with_a_named_error():
+    with pytest.raises(compat.UnsupportedCacheError, match="ArraysCache"):
+        compat.read_layer(C.ArraysCache(2))
+    with pytest.raises(compat.UnsupportedCacheError):
+        compat.LayerState("TupleCache", None, None, 0)
+    with pytest.raises(ValueError, match="max_size"):
+        compat.LayerState(compat.ROTATING, None, None, 0)
+    with pytest.raises(ValueError, match="group_size"):
+        compat.LayerState(compat.QUANTIZED, None, None, 0)
+
+
+def _run(gen, uids):
+    tokens = {u: [] for u in uids}
+    finished = {}
+    while responses := compat.next_responses(gen):
+        for r in responses:
+            tokens[r.uid].append(r.token)
+            if r.finish_reason is not None:
+                finished[r.uid] = r
+    return tokens, finished
+
+
+@pytest.mark.parametrize("which", ["llama", "gemma"])
+def test_finished_cache_holds_prompt_and_every_generated_token(llama_tiny, gemma_tiny, which):
+    model = llama_tiny if which == "llama" else gemma_tiny
+    prompts = [list(range(3, 14)), list(range(40, 45))]
+    gen = compat.make_batch_generator(model, max_tokens=6, stop_tokens=[])
+    uids = compat.insert(gen, prompts, [None, None], [6, 4])
+    tokens, finished = _run(gen, uids)
+    for uid, prompt in zip(uids, prompts):
+        r = finished[uid]
+        assert r.finish_reason == "length"
+        assert len(r.cache) == len(model.layers)
+        global_layer = next(c for c in r.cache if type(c) is C.KVCache)
+        assert global_layer.offset == compat.finished_cache_tokens(len(prompt), len(tokens[uid]))
+
+
+def test_stop_token_ends_a_sequence_with_reason_stop(llama_tiny):
+    prompt = list(range(10, 20))
+    gen = compat.make_batch_generator(llama_tiny, max_tokens=5, stop_tokens=[])
+    tokens, _ = _run(gen, compat.insert(gen, [prompt], [None], [5]))
+    first = next(iter(tokens.values()))[0]
+    gen = compat.make_batch_generator(llama_tiny, max_tokens=5, stop_tokens={first, 255})
+    tokens, finished = _run(gen, compat.insert(gen, [prompt], [None], [5]))
+    (uid,) = finished
+    assert tokens[uid] == [first] and finished[uid].finish_reason == "stop"
+
+
+def test_in_flight_cache_covers_every_reported_token(llama_tiny):
+    prompt = list(range(5, 12))
+    gen = compat.make_batch_generator(llama_tiny, max_tokens=10, stop_tokens=[])
+    (uid,) = compat.insert(gen, [prompt], [None], [10])
+    reported = 0
+    for _ in range(3):
+        reported += len(compat.next_responses(gen))
+        cache = compat.extract_in_flight(gen, uid)
+        assert cache[0].offset == compat.finished_cache_tokens(len(prompt), reported)
+    assert compat.extract_in_flight(gen, uid + 1000) is None
+    compat.remove(gen, [uid])
+    assert compat.extract_in_flight(gen, uid) is None
+
+
+@pytest.mark.parametrize("which", ["llama", "gemma"])
+def test_injected_rebuilt_cache_in_a_batch_matches_a_fresh_prefill(llama_tiny, gemma_tiny, which):
+    """A cache read and rebuilt through compat, inserted beside another sequence,
+    continues exactly as a fresh prefill of the same tokens (greedy)."""
+    model = llama_tiny if which == "llama" else gemma_tiny
+    history = list(range(30, 50))  # wraps the tiny Gemma's window of 8
+    turn = [7, 8, 9]
+    other = list(range(100, 111))
+
+    gen = compat.make_batch_generator(model, max_tokens=5, stop_tokens=[])
+    fresh_uid, other_uid = compat.insert(gen, [history + turn, other], [None, None], [5, 5])
+    fresh, _ = _run(gen, [fresh_uid, other_uid])
+
+    cache = model.make_cache() if hasattr(model, "make_cache") else [C.KVCache() for _ in model.layers]
+    _prefill(model, cache, history)
+    rebuilt = [compat.build_layer(_canonical(compat.read_layer(c))) for c in cache]
+    gen = compat.make_batch_generator(model, max_tokens=5, stop_tokens=[])
+    cached_uid, other_uid2 = compat.insert(gen, [turn, other], [rebuilt, None], [5, 5])
+    cached, _ = _run(gen, [cached_uid, other_uid2])
+
+    assert cached[cached_uid] == fresh[fresh_uid]
+    assert cached[other_uid2] == fresh[other_uid]
+
+
+def _canonical(state):
+    return compat.temporal_rotating(state) if state.kind == compat.ROTATING else state
+
+
+@pytest.mark.parametrize("prompt_len,decode", [(5, 0), (8, 0), (9, 0), (21, 0), (21, 3), (6, 5)])
+@pytest.mark.parametrize("keep", [0, 2])
+def test_temporal_rotating_continues_exactly_like_the_ring(prompt_len, decode, keep):
+    """Unrolled and cut to the window, a rotating cache gives the same next
+    logits as the ring it came from: before the window fills, right at it,
+    past it after a long prefill, and mid-ring after decode steps."""
+    model = tiny_gemma3(seed=3)
+    caches = model.make_cache()
+    for i, c in enumerate(caches):
+        if isinstance(c, C.RotatingKVCache):
+            caches[i] = C.RotatingKVCache(max_size=8, keep=keep)
+    logits = _prefill(model, caches, list(range(50, 50 + prompt_len)))
+    _, logits = _greedy(model, caches, logits, decode)
+    unrolled = [compat.build_layer(_canonical(compat.read_layer(c))) for c in caches]
+    for c in unrolled:
+        if isinstance(c, C.RotatingKVCache):
+            assert c.keys.shape[2] <= 8 and c._idx == c.keys.shape[2]
+    a, la = _greedy(model, caches, logits, 5)
+    b, lb = _greedy(model, unrolled, logits, 5)
+    assert a == b
+    np.testing.assert_allclose(np.array(la), np.array(lb), rtol=1e-5, atol=1e-5)
+    # and a multi-token step (the concat path) agrees too
+    np.testing.assert_allclose(
+        np.array(_prefill(model, caches, [1, 2, 3])), np.array(_prefill(model, unrolled, [1, 2, 3])),
+        rtol=1e-5, atol=1e-5,
+    )
+
+
+def test_versions_are_reported():
+    assert compat.MLX_LM_VERSION.count(".") >= 1
+    assert compat.HAS_META_STATE == (not compat.HAS_NEXT_GENERATED)
