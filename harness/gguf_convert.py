@@ -95,6 +95,11 @@ def pack_bits(q: np.ndarray, bits: int) -> np.ndarray:
     """
     rows, cols = q.shape
     assert (cols * bits) % 32 == 0, (cols, bits)
+    if 32 % bits == 0:  # 2/4/8 bits: whole weights per word, no bit-level temporaries
+        per_word = 32 // bits
+        shifts = (np.arange(per_word, dtype=np.uint32) * bits)[None, None, :]
+        words = q.astype(np.uint32).reshape(rows, cols // per_word, per_word) << shifts
+        return np.bitwise_or.reduce(words, axis=-1)
     shifts = np.arange(bits, dtype=np.uint32)
     stream = ((q.astype(np.uint32)[..., None] >> shifts) & 1).astype(np.uint8)
     packed = np.packbits(stream.reshape(rows, -1), axis=-1, bitorder="little")
