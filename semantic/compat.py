@@ -25,6 +25,8 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models import cache as C
 
+from semantic.errors import UnsupportedCacheError
+
 MLX_VERSION = _dist_version("mlx")
 MLX_LM_VERSION = _dist_version("mlx-lm")
 
@@ -34,10 +36,6 @@ HAS_META_STATE = hasattr(C._BaseCache, "meta_state")
 HAS_NEXT_GENERATED = hasattr(BatchGenerator, "next_generated")
 
 KV, ROTATING, QUANTIZED = "KVCache", "RotatingKVCache", "QuantizedKVCache"
-
-
-class UnsupportedCacheError(TypeError):
-    """A layer cache type this engine cannot extract or rebuild."""
 
 
 @dataclass(slots=True)

@@ -1,0 +1,107 @@
+"""Token blocks of KV data, and the set of blocks that make up one agent's cache.
+
+Layers are grouped by cache shape (see ``LayerSpec.group``): all global
+layers form one group, sliding layers with the same window another. A block
+holds one token span for every layer of one group::
+
+    tokens      0 ........ 255 | 256 ...... 511 | 512 .. 600
+    global      [ block 7     ] [ block 2      ] [ block 9 ]   all layers of the group
+    sliding     (evicted)       [ block 4 ~~~~ ] [ block 5 ]   window 512: only what is held
+
+Full global/sliding blocks are hash-chained and shareable (see ``pool``);
+partial blocks (the tail, or a window edge) are private to one agent.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from semantic.spec import ModelCacheSpec
+
+# (keys, values): each an mx.array of shape (1, heads, n_tokens, dim), or for a
+# quantized layer a (packed, scales, biases) tuple of such arrays.
+LayerKV = tuple[Any, Any]
+
+
+def _nbytes(x) -> int:
+    return sum(a.nbytes for a in x) if isinstance(x, tuple) else x.nbytes
+
+
+@dataclass(slots=True, eq=False)
+class KVBlock:
+    """Tokens ``[start, start + n_tokens)`` of one layer group.
+
+    ``layer_data`` maps each layer index of the group to its K/V arrays.
+    ``token_hash`` is set when the block is full and registered for sharing;
+    ``token_ids`` are kept to confirm every hash hit.
+    """
+
+    block_id: int
+    group: str
+    start: int
+    n_tokens: int
+    token_ids: tuple[int, ...]
+    layer_data: dict[int, LayerKV]
+    token_hash: int | None = None
+
+    def __post_init__(self):
+        assert self.n_tokens > 0 and self.start >= 0, (self.start, self.n_tokens)
+        assert len(self.token_ids) == self.n_tokens
+
+    @property
+    def end(self) -> int:
+        return self.start + self.n_tokens
+
+    @property
+    def nbytes(self) -> int:
+        return sum(_nbytes(k) + _nbytes(v) for k, v in self.layer_data.values())
+
+
+@dataclass(eq=False)
+class AgentBlocks:
+    """One agent's cache: the token ids it covers and its blocks per group.
+
+    It holds one pool reference per block; :meth:`release` (or dropping the
+    object) gives them back. Not slotted, so it can be weakly referenced.
+    """
+
+    spec: ModelCacheSpec
+    token_ids: tuple[int, ...]
+    groups: dict[str, list[KVBlock]]
+    block_tokens: int
+    _release: Callable[[list[KVBlock]], None] | None = field(default=None, repr=False)
+    _finalizer: Any = field(default=None, repr=False)
+
+    def __post_init__(self):
+        self.token_ids = tuple(int(t) for t in self.token_ids)
+        if self._release is not None:
+            self._finalizer = weakref.finalize(self, self._release, self.unique_blocks())
+
+    @property
+    def total_tokens(self) -> int:
+        return len(self.token_ids)
+
+    def num_layers(self) -> int:
+        return self.spec.n_layers
+
+    def blocks_for_layer(self, layer: int) -> list[KVBlock]:
+        """Blocks holding this layer's K/V, in token order."""
+        return self.groups[self.spec.layers[layer].group]
+
+    def unique_blocks(self) -> list[KVBlock]:
+        return [b for blocks in self.groups.values() for b in blocks]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.unique_blocks())
+
+    @property
+    def released(self) -> bool:
+        return self._finalizer is not None and not self._finalizer.alive
+
+    def release(self) -> None:
+        """Return this cache's blocks to the pool; later calls do nothing."""
+        if self._finalizer is not None:
+            self._finalizer()

@@ -1,0 +1,198 @@
+"""Exact conversion between live mlx-lm caches and pooled blocks.
+
+Extraction cuts each layer group's K/V at block boundaries. Full blocks are
+looked up by their chained key first: a hit takes a reference instead of a
+copy, so history an agent already stored, or a prefix another agent stored,
+is never copied twice. Everything else is copied once into new blocks.
+
+Sliding layers are read through ``compat.temporal_rotating``: the ring is
+unrolled, so a window of ``W`` tokens with ``keep`` pinned holds positions::
+
+    [0, keep)  +  [T - (W - keep), T)          (all of [0, T) while T <= W)
+
+and only those positions are stored. Reconstruction asks the blocks for the
+same positions and builds a ``RotatingKVCache`` in that temporal order with
+its write index at the end, which mlx-lm continues exactly like the ring.
+
+Reconstruction copies each layer once (one concatenate of its pieces) and
+not at all when a layer's tokens sit in a single block.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import mlx.core as mx
+
+from semantic import compat
+from semantic.blocks import AgentBlocks, KVBlock
+from semantic.errors import CacheMismatchError, CacheShapeError
+from semantic.pool import BlockPool, chain_hash
+from semantic.spec import GLOBAL, LayerSpec, ModelCacheSpec
+
+
+def held_ranges(layer: LayerSpec, total: int) -> list[tuple[int, int]]:
+    """Token positions a layer's cache holds after ``total`` tokens."""
+    if layer.kind == GLOBAL or total <= layer.window:
+        return [(0, total)] if total else []
+    keep = [(0, layer.keep)] if layer.keep else []
+    return keep + [(total - (layer.window - layer.keep), total)]
+
+
+def _split(ranges: list[tuple[int, int]], bt: int) -> list[tuple[int, int, int]]:
+    """Cut ranges at block boundaries: (start, end, shift), where position p of
+    a piece sits at index p - shift of the layer's unrolled buffer."""
+    out, buffered = [], 0
+    for a, b in ranges:
+        shift = a - buffered
+        buffered += b - a
+        while a < b:
+            e = min(b, (a // bt + 1) * bt)
+            out.append((a, e, shift))
+            a = e
+    return out
+
+
+def _slice(x, a: int, b: int, copy: bool):
+    if isinstance(x, tuple):
+        return tuple(_slice(p, a, b, copy) for p in x)
+    if a == 0 and b == x.shape[2]:
+        return x
+    view = x[..., a:b, :]
+    return mx.contiguous(view) if copy else view
+
+
+def _cat(parts: list):
+    if len(parts) == 1:
+        return parts[0]
+    if isinstance(parts[0], tuple):
+        return tuple(mx.concatenate(p, axis=2) for p in zip(*parts))
+    return mx.concatenate(parts, axis=2)
+
+
+def _check(i: int, layer: LayerSpec, x, n: int, what: str) -> None:
+    """Shape and dtype of one K or V piece against the spec."""
+    dim = layer.head_dim if what == "keys" else layer.v_head_dim
+    if layer.kv_bits:
+        if not (isinstance(x, tuple) and len(x) == 3):
+            raise CacheShapeError(f"layer {i} {what}: a quantized layer needs (packed, scales, biases)")
+        side = (1, layer.n_kv_heads, n, dim // layer.kv_group_size)
+        want = [(1, layer.n_kv_heads, n, dim * layer.kv_bits // 32), side, side]
+        shapes = [tuple(p.shape) for p in x]
+        if shapes != want or x[1].dtype != layer.mx_dtype:
+            raise CacheShapeError(f"layer {i} {what}: shapes {shapes} / {x[1].dtype}, spec needs {want} / {layer.dtype}")
+        return
+    if isinstance(x, tuple) or tuple(x.shape) != (1, layer.n_kv_heads, n, dim) or x.dtype != layer.mx_dtype:
+        got = [p.shape for p in x] if isinstance(x, tuple) else (tuple(x.shape), x.dtype)
+        raise CacheShapeError(
+            f"layer {i} {what}: got {got}, spec needs {(1, layer.n_kv_heads, n, dim)} {layer.dtype}"
+        )
+
+
+def _read(spec: ModelCacheSpec, caches: Sequence, total: int) -> list[compat.LayerState]:
+    if len(caches) != spec.n_layers:
+        raise CacheMismatchError(f"{len(caches)} layer caches for a spec of {spec.n_layers} layers")
+    states = []
+    for i, (c, layer) in enumerate(zip(caches, spec.layers)):
+        st = compat.read_layer(c)
+        if st.kind != layer.cache_kind:
+            raise CacheMismatchError(f"layer {i} is a {st.kind}; the spec says {layer.cache_kind}")
+        if st.kind == compat.ROTATING:
+            if (st.max_size, st.keep) != (layer.window, layer.keep):
+                raise CacheMismatchError(
+                    f"layer {i} window/keep {st.max_size}/{st.keep} != spec {layer.window}/{layer.keep}"
+                )
+            st = compat.temporal_rotating(st)
+        if st.offset != total:
+            raise CacheMismatchError(f"layer {i} holds {st.offset} tokens but {total} token ids were given")
+        if total:
+            n = sum(b - a for a, b in held_ranges(layer, total))
+            _check(i, layer, st.keys, n, "keys")
+            _check(i, layer, st.values, n, "values")
+        states.append(st)
+    return states
+
+
+def extract(pool: BlockPool, caches: Sequence, token_ids: Sequence[int]) -> AgentBlocks:
+    """Store live caches covering ``token_ids`` as pooled blocks.
+
+    All-or-nothing: when the pool cannot hold the new blocks it raises
+    :class:`PoolExhaustedError` before taking any block.
+    """
+    spec, bt = pool.spec, pool.block_tokens
+    tokens = tuple(int(t) for t in token_ids)
+    total = len(tokens)
+    states = _read(spec, caches, total)
+
+    chain: list[int] = []
+    for b in range(total // bt):
+        chain.append(chain_hash(chain[-1] if chain else None, tokens[b * bt : (b + 1) * bt]))
+
+    # Plan first, so a full pool fails before anything changes.
+    plan = []  # (group, layers, start, end, key, hit)
+    need = 0
+    for group, layers in spec.groups().items():
+        for a, b, shift in _split(held_ranges(spec.layers[layers[0]], total), bt):
+            key = hit = None
+            if b - a == bt:
+                key = chain_hash(chain[a // bt], (), group)
+                hit = pool.lookup(key, tokens[a:b])
+            need += hit is None or pool.is_free(hit)
+            plan.append((group, layers, a, b, shift, key, hit))
+    pool.require_free(need)
+
+    groups: dict[str, list[KVBlock]] = {g: [] for g in spec.groups()}
+    fresh = []
+    for group, layers, a, b, shift, key, hit in plan:
+        if hit is not None:
+            groups[group].append(pool.acquire(hit))
+            continue
+        data = {}
+        for i in layers:
+            st = states[i]
+            data[i] = (_slice(st.keys, a - shift, b - shift, True), _slice(st.values, a - shift, b - shift, True))
+            fresh.append(data[i])
+        groups[group].append(pool.allocate(group, a, tokens[a:b], data, key))
+    mx.eval(fresh)
+    return AgentBlocks(spec, tokens, groups, bt, _release=pool.release)
+
+
+def reconstruct(blocks: AgentBlocks, materialize: bool = True) -> list:
+    """Real mlx-lm cache objects, one per layer, for the tokens of ``blocks``.
+
+    With ``materialize`` the arrays are evaluated before returning, so the
+    cost lands here and not in the first model call.
+    """
+    if blocks.released:
+        raise CacheMismatchError("these AgentBlocks were released; their blocks may be reused")
+    spec, total = blocks.spec, blocks.total_tokens
+    caches = []
+    for i, layer in enumerate(spec.layers):
+        ranges = held_ranges(layer, total)
+        keys, values = [], []
+        for a, b in ranges:
+            for blk in blocks.blocks_for_layer(i):
+                s, e = max(a, blk.start), min(b, blk.end)
+                if s < e:
+                    k, v = blk.layer_data[i]
+                    keys.append(_slice(k, s - blk.start, e - blk.start, False))
+                    values.append(_slice(v, s - blk.start, e - blk.start, False))
+        held = sum(b - a for a, b in ranges)
+        got = sum((k[0] if isinstance(k, tuple) else k).shape[2] for k in keys)
+        if got != held:
+            raise CacheMismatchError(f"layer {i}: blocks hold {got} of the {held} tokens it needs")
+        if not held:
+            caches.append(layer.make_cache())
+            continue
+        k, v = _cat(keys), _cat(values)
+        _check(i, layer, k, held, "keys")
+        _check(i, layer, v, held, "values")
+        if layer.kind == GLOBAL:
+            kind = compat.QUANTIZED if layer.kv_bits else compat.KV
+            state = compat.LayerState(kind, k, v, total, group_size=layer.kv_group_size, bits=layer.kv_bits)
+        else:
+            state = compat.LayerState(compat.ROTATING, k, v, total, layer.keep, layer.window, idx=held)
+        caches.append(compat.build_layer(state))
+    if materialize:
+        mx.eval([(c.keys, c.values) for c in caches if not c.empty()])
+    return caches

@@ -1,0 +1,255 @@
+"""Continuous batching over mlx-lm's BatchGenerator, with pooled caches in and out.
+
+Two lanes drive the sequences, one step at a time:
+
+- the batch lane, mlx-lm's ``BatchGenerator`` (through ``compat``), for
+  ``KVCache`` and ``RotatingKVCache`` layers: sequences of any length share
+  each forward pass and finish independently;
+- the solo lane, one ``generate_step`` per sequence, for specs with
+  ``QuantizedKVCache`` layers, which mlx-lm's batch caches cannot merge. It is
+  exact (the same quantized attention as a fresh run) but unbatched: each
+  quantized sequence costs its own forward pass per step.
+
+A request given a cache prefills only the tokens the cache does not cover.
+Each agent has at most one request in flight; a second ``submit`` raises
+:class:`AgentBusyError` (queueing belongs to the scheduler above).
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+import mlx.core as mx
+from mlx_lm.generate import generate_step
+
+from semantic import compat, convert
+from semantic.blocks import AgentBlocks
+from semantic.errors import (
+    AgentBusyError,
+    CacheError,
+    InvalidRequestError,
+    UnknownSequenceError,
+)
+from semantic.pool import BlockPool
+from semantic.spec import ModelCacheSpec
+
+
+@dataclass(slots=True)
+class Completion:
+    """A finished request. ``blocks`` is None only when storing the cache
+    failed (``cache_error`` says why); the generated tokens are kept."""
+
+    uid: int
+    agent_id: str
+    token_ids: list[int]       # generated tokens, the stop token included
+    text: str
+    finish_reason: str         # "stop" or "length"
+    blocks: AgentBlocks | None
+    logprobs: list[float]      # natural-log probability of each generated token
+    prompt_tokens: int         # tokens prefilled for this request
+    cached_tokens: int         # tokens the injected cache already covered
+    cache_error: str | None = None
+
+
+@dataclass(slots=True)
+class _Seq:
+    uid: int
+    agent_id: str
+    tokens: list[int]          # cached + new prompt tokens
+    cached: int
+    max_tokens: int
+    generated: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    gen_uid: int | None = None           # batch lane
+    solo: Iterator | None = None         # solo lane
+    solo_cache: list | None = None
+
+
+def _greedy(logprobs: mx.array) -> mx.array:
+    return mx.argmax(logprobs, axis=-1)
+
+
+class BlockPoolBatchEngine:
+    """Runs agents' requests in one continuous batch and stores their caches in ``pool``."""
+
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        pool: BlockPool,
+        spec: ModelCacheSpec,
+        *,
+        max_batch: int = 8,
+        prefill_step_size: int = 512,
+        stop_tokens: Sequence[int] | None = None,
+    ):
+        spec.require_same(pool.spec, "the pool")
+        quant = next((l for l in spec.layers if l.kv_bits), None)
+        probe = ModelCacheSpec.from_model(
+            model, kv_bits=quant.kv_bits if quant else None, kv_group_size=quant.kv_group_size if quant else 64
+        )
+        spec.require_same(probe, "the spec")
+        self.model, self.tokenizer, self.pool, self.spec = model, tokenizer, pool, spec
+        self.vocab_size = _vocab_size(model)
+        self.stop_tokens = frozenset(int(t) for t in (tokenizer.eos_token_ids if stop_tokens is None else stop_tokens))
+        self.prefill_step_size = prefill_step_size
+        self._gen = compat.make_batch_generator(
+            model,
+            max_tokens=1,  # every insert passes its own
+            stop_tokens=self.stop_tokens,
+            completion_batch_size=max_batch,
+            prefill_batch_size=max_batch,
+            prefill_step_size=prefill_step_size,
+        )
+        self._uids = itertools.count()
+        self._seqs: dict[int, _Seq] = {}
+        self._by_gen_uid: dict[int, int] = {}
+        self._busy: dict[str, int] = {}
+        self._finished: weakref.WeakValueDictionary[int, AgentBlocks] = weakref.WeakValueDictionary()
+
+    # ------------------------------------------------------------ requests
+
+    def _prompt_ids(self, prompt, continuing: bool) -> list[int]:
+        if isinstance(prompt, str):
+            # a continuation must not get a second BOS in the middle of the history
+            return list(self.tokenizer.encode(prompt, add_special_tokens=not continuing))
+        try:
+            return [int(t) for t in prompt]
+        except (TypeError, ValueError):
+            raise InvalidRequestError("prompt must be text or a sequence of token ids") from None
+
+    def submit(self, agent_id: str, prompt, cache: AgentBlocks | None = None, max_tokens: int = 32) -> int:
+        """Queue a request and return its uid.
+
+        ``prompt`` is text or token ids. With ``cache``, it is either the
+        continuation after ``cache.token_ids`` or the whole sequence starting
+        with them; only the tokens after the cache are prefilled. Nothing
+        changes in the engine when this raises.
+        """
+        if not isinstance(agent_id, str) or not agent_id:
+            raise InvalidRequestError(f"agent_id must be a non-empty string, got {agent_id!r}")
+        if agent_id in self._busy:
+            raise AgentBusyError(f"agent {agent_id!r} already has request {self._busy[agent_id]} in flight")
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens <= 0:
+            raise InvalidRequestError(f"max_tokens must be a positive integer, got {max_tokens!r}")
+        ids = self._prompt_ids(prompt, continuing=cache is not None)
+        cached: list[int] = []
+        if cache is not None:
+            if not isinstance(cache, AgentBlocks):
+                raise InvalidRequestError(f"cache must be AgentBlocks, got {type(cache).__name__}")
+            self.spec.require_same(cache.spec, "this cache")
+            cached = list(cache.token_ids)
+            if not (len(ids) > len(cached) and ids[: len(cached)] == cached):
+                ids = cached + ids
+        new = ids[len(cached):]
+        if not new:
+            raise InvalidRequestError("empty prompt: nothing to prefill after the cache")
+        bad = [t for t in new if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
+        caches = self.reconstruct_cache(cache) if cache is not None else None
+
+        seq = _Seq(next(self._uids), agent_id, ids, len(cached), max_tokens)
+        if self.spec.quantized:
+            seq.solo_cache = caches if caches is not None else self.spec.make_cache()
+            seq.solo = generate_step(
+                mx.array(new),
+                self.model,
+                max_tokens=max_tokens,
+                sampler=_greedy,
+                prompt_cache=seq.solo_cache,
+                prefill_step_size=self.prefill_step_size,
+            )
+        else:
+            (seq.gen_uid,) = compat.insert(self._gen, [new], [caches], [max_tokens])
+            self._by_gen_uid[seq.gen_uid] = seq.uid
+        self._seqs[seq.uid] = seq
+        self._busy[agent_id] = seq.uid
+        return seq.uid
+
+    # ------------------------------------------------------------ driving
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._seqs)
+
+    def step(self) -> Iterator[Completion]:
+        """Run until no request is in flight, yielding each as it finishes."""
+        while self._seqs:
+            finished: list[tuple[_Seq, str, list]] = []
+            if self._by_gen_uid:
+                for r in compat.next_responses(self._gen):
+                    seq = self._seqs[self._by_gen_uid[r.uid]]
+                    seq.generated.append(r.token)
+                    seq.logprobs.append(r.logprobs[r.token].item())
+                    if r.finish_reason is not None:
+                        finished.append((seq, r.finish_reason, r.cache))
+            for seq in [s for s in self._seqs.values() if s.solo is not None]:
+                token, logprobs = next(seq.solo)
+                seq.generated.append(int(token))
+                seq.logprobs.append(logprobs[token].item())
+                reason = "stop" if token in self.stop_tokens else "length" if len(seq.generated) >= seq.max_tokens else None
+                if reason:
+                    seq.solo.close()
+                    finished.append((seq, reason, seq.solo_cache))
+            for seq, reason, caches in finished:
+                yield self._finish(seq, reason, caches)
+
+    def _finish(self, seq: _Seq, reason: str, caches: list) -> Completion:
+        del self._seqs[seq.uid]
+        self._busy.pop(seq.agent_id, None)
+        if seq.gen_uid is not None:
+            self._by_gen_uid.pop(seq.gen_uid, None)
+        tokens = seq.tokens + seq.generated
+        assert compat.finished_cache_tokens(len(seq.tokens), len(seq.generated)) == len(tokens)
+        blocks, error = None, None
+        try:
+            blocks = convert.extract(self.pool, caches, tokens)
+            self._finished[seq.uid] = blocks
+        except CacheError as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        return Completion(
+            uid=seq.uid,
+            agent_id=seq.agent_id,
+            token_ids=list(seq.generated),
+            text=self.tokenizer.decode(seq.generated),
+            finish_reason=reason,
+            blocks=blocks,
+            logprobs=list(seq.logprobs),
+            prompt_tokens=len(seq.tokens) - seq.cached,
+            cached_tokens=seq.cached,
+            cache_error=error,
+        )
+
+    # ------------------------------------------------------------ caches
+
+    def reconstruct_cache(self, blocks: AgentBlocks, materialize: bool = True) -> list:
+        """Real mlx-lm cache objects, one per layer, for ``blocks``."""
+        self.spec.require_same(blocks.spec, "these blocks")
+        return convert.reconstruct(blocks, materialize=materialize)
+
+    def extract_cache(self, uid: int) -> AgentBlocks:
+        """The cache of a sequence as AgentBlocks.
+
+        In flight: a new AgentBlocks for the tokens processed so far (the
+        caller owns it). Finished: the Completion's blocks, while they live.
+        """
+        seq = self._seqs.get(uid)
+        if seq is None:
+            blocks = self._finished.get(uid)
+            if blocks is None or blocks.released:
+                raise UnknownSequenceError(f"no sequence {uid} in flight or finished with live blocks")
+            return blocks
+        caches = seq.solo_cache if seq.solo is not None else compat.extract_in_flight(self._gen, seq.gen_uid)
+        held = compat.read_layer(caches[0]).offset
+        return convert.extract(self.pool, caches, (seq.tokens + seq.generated)[:held])
+
+
+def _vocab_size(model) -> int:
+    args = getattr(model, "args", None)
+    if args is not None and getattr(args, "vocab_size", None):
+        return int(args.vocab_size)
+    return int(model.model.embed_tokens.weight.shape[0])

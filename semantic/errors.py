@@ -1,0 +1,35 @@
+"""Every error the engine raises on purpose, under one base class."""
+
+from __future__ import annotations
+
+
+class CacheError(Exception):
+    """Base class: catch this to handle any engine or cache-file failure."""
+
+
+class PoolExhaustedError(CacheError):
+    """The block pool has fewer free blocks than an allocation needs."""
+
+
+class CacheMismatchError(CacheError):
+    """A cache belongs to another model or cache spec than the one in use."""
+
+
+class CacheShapeError(CacheMismatchError):
+    """A block's arrays do not have the shape or dtype the spec requires."""
+
+
+class UnsupportedCacheError(CacheError, TypeError):
+    """A layer cache type the engine cannot extract or rebuild."""
+
+
+class AgentBusyError(CacheError):
+    """The agent already has a request in flight."""
+
+
+class InvalidRequestError(CacheError, ValueError):
+    """A request the engine refuses before touching any state."""
+
+
+class UnknownSequenceError(CacheError, KeyError):
+    """No sequence with this uid is in flight or recently finished."""
