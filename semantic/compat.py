@@ -173,6 +173,35 @@ def temporal_rotating(state: LayerState) -> LayerState:
     return LayerState(ROTATING, keys, values, state.offset, keep, state.max_size, keys.shape[2])
 
 
+def _rotating_extract_clamped(self, idx):
+    """BatchRotatingKVCache.extract of mlx-lm 0.30.4, with one fix.
+
+    Upstream slices ``keys[:, :, padding:_idx]``, but once the ring rotates
+    ``left_padding`` keeps decreasing below zero, and a negative start slices
+    from the end: a finished sequence keeps only its newest few tokens of
+    the window. Clamping the padding at zero keeps the whole window; this is
+    the fix mlx-lm 0.32 ships (`max(0, left_padding)`), backported.
+    """
+    cache = C.RotatingKVCache(self.max_size)
+    padding = max(0, self.left_padding[idx].item())
+    cache.keys = self.keys[idx : idx + 1]
+    cache.values = self.values[idx : idx + 1]
+    cache._idx = self._idx
+    if self.rotated:
+        cache.keys = mx.roll(cache.keys, -self._idx, axis=2)
+        cache.values = mx.roll(cache.values, -self._idx, axis=2)
+        cache._idx = self.max_size
+    cache.keys = mx.contiguous(cache.keys[:, :, padding : cache._idx])
+    cache.values = mx.contiguous(cache.values[:, :, padding : cache._idx])
+    cache.offset = self.offset[idx].item()
+    cache._idx = cache.keys.shape[2]
+    return cache
+
+
+if HAS_META_STATE and hasattr(C, "BatchRotatingKVCache"):
+    C.BatchRotatingKVCache.extract = _rotating_extract_clamped
+
+
 # ---------------------------------------------------------------- generation
 
 

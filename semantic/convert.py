@@ -71,7 +71,7 @@ def _cat(parts: list):
 
 
 def _check(i: int, layer: LayerSpec, x, n: int, what: str) -> None:
-    """Shape and dtype of one K or V piece against the spec."""
+    """Shape and dtype of K or V holding ``n`` tokens against the spec."""
     dim = layer.head_dim if what == "keys" else layer.v_head_dim
     if layer.kv_bits:
         if not (isinstance(x, tuple) and len(x) == 3):
@@ -136,10 +136,12 @@ def extract(pool: BlockPool, caches: Sequence, token_ids: Sequence[int]) -> Agen
             key = hit = None
             if b - a == bt:
                 key = chain_hash(chain[a // bt], (), group)
-                hit = pool.lookup(key, tokens[a:b])
+                hit = pool.lookup(key, tokens[a:b], count=False)
             need += hit is None or pool.is_free(hit)
             plan.append((group, layers, a, b, shift, key, hit))
     pool.require_free(need)
+    looked_up = [hit for *_, key, hit in plan if key is not None]
+    pool.record_lookups(hits=sum(h is not None for h in looked_up), misses=sum(h is None for h in looked_up))
 
     groups: dict[str, list[KVBlock]] = {g: [] for g in spec.groups()}
     fresh = []
@@ -175,6 +177,9 @@ def reconstruct(blocks: AgentBlocks, materialize: bool = True) -> list:
                 s, e = max(a, blk.start), min(b, blk.end)
                 if s < e:
                     k, v = blk.layer_data[i]
+                    # per piece: concatenate would silently promote a wrong dtype
+                    _check(i, layer, k, blk.n_tokens, "keys")
+                    _check(i, layer, v, blk.n_tokens, "values")
                     keys.append(_slice(k, s - blk.start, e - blk.start, False))
                     values.append(_slice(v, s - blk.start, e - blk.start, False))
         held = sum(b - a for a, b in ranges)
@@ -185,8 +190,6 @@ def reconstruct(blocks: AgentBlocks, materialize: bool = True) -> list:
             caches.append(layer.make_cache())
             continue
         k, v = _cat(keys), _cat(values)
-        _check(i, layer, k, held, "keys")
-        _check(i, layer, v, held, "values")
         if layer.kind == GLOBAL:
             kind = compat.QUANTIZED if layer.kv_bits else compat.KV
             state = compat.LayerState(kind, k, v, total, group_size=layer.kv_group_size, bits=layer.kv_bits)

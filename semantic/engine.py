@@ -179,24 +179,28 @@ class BlockPoolBatchEngine:
     def step(self) -> Iterator[Completion]:
         """Run until no request is in flight, yielding each as it finishes."""
         while self._seqs:
-            finished: list[tuple[_Seq, str, list]] = []
-            if self._by_gen_uid:
-                for r in compat.next_responses(self._gen):
-                    seq = self._seqs[self._by_gen_uid[r.uid]]
-                    seq.generated.append(r.token)
-                    seq.logprobs.append(r.logprobs[r.token].item())
-                    if r.finish_reason is not None:
-                        finished.append((seq, r.finish_reason, r.cache))
-            for seq in [s for s in self._seqs.values() if s.solo is not None]:
-                token, logprobs = next(seq.solo)
-                seq.generated.append(int(token))
-                seq.logprobs.append(logprobs[token].item())
-                reason = "stop" if token in self.stop_tokens else "length" if len(seq.generated) >= seq.max_tokens else None
-                if reason:
-                    seq.solo.close()
-                    finished.append((seq, reason, seq.solo_cache))
-            for seq, reason, caches in finished:
-                yield self._finish(seq, reason, caches)
+            yield from self.step_once()
+
+    def step_once(self) -> list[Completion]:
+        """Advance every in-flight request by one token (the first call also
+        prefills newly submitted ones); return those that finished."""
+        finished: list[tuple[_Seq, str, list]] = []
+        if self._by_gen_uid:
+            for r in compat.next_responses(self._gen):
+                seq = self._seqs[self._by_gen_uid[r.uid]]
+                seq.generated.append(r.token)
+                seq.logprobs.append(r.logprobs[r.token].item())
+                if r.finish_reason is not None:
+                    finished.append((seq, r.finish_reason, r.cache))
+        for seq in [s for s in self._seqs.values() if s.solo is not None]:
+            token, logprobs = next(seq.solo)
+            seq.generated.append(int(token))
+            seq.logprobs.append(logprobs[token].item())
+            reason = "stop" if token in self.stop_tokens else "length" if len(seq.generated) >= seq.max_tokens else None
+            if reason:
+                seq.solo.close()
+                finished.append((seq, reason, seq.solo_cache))
+        return [self._finish(seq, reason, caches) for seq, reason, caches in finished]
 
     def _finish(self, seq: _Seq, reason: str, caches: list) -> Completion:
         del self._seqs[seq.uid]

@@ -87,6 +87,11 @@ class BlockPool:
             self.misses += not hit
         return block if hit else None
 
+    def record_lookups(self, hits: int, misses: int) -> None:
+        """Count lookups made with ``count=False`` once they took effect."""
+        self.hits += hits
+        self.misses += misses
+
     def is_free(self, block: KVBlock) -> bool:
         return self._refs[block.block_id] == 0
 

@@ -77,7 +77,7 @@ class LayerSpec:
 
     def token_bytes(self) -> float:
         """Bytes of K plus V per cached token (quantized: packed + scales + biases)."""
-        width = mx.finfo(self.mx_dtype).bits // 8  # bf16 has no numpy dtype
+        width = self.mx_dtype.size
         if not self.kv_bits:
             return self.n_kv_heads * (self.head_dim + self.v_head_dim) * width
         per = lambda d: d * self.kv_bits / 8 + 2 * (d // self.kv_group_size) * width  # noqa: E731

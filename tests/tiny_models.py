@@ -58,3 +58,30 @@ def tiny_gemma3(seed: int = 0, layers: int = 4, window: int = 8):
     model.sanitize({})  # no lm_head weight: tie the output to the embedding
     mx.eval(model.parameters())
     return model
+
+
+def byte_tokenizer():
+    """A real mlx-lm TokenizerWrapper over a 256-symbol byte-level vocabulary,
+    matching the tiny models' embedding size; byte 255 is the EOS token."""
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    byte_to_char = sorted(alphabet, key=lambda ch: _byte_of(ch))
+    vocab = {ch: i for i, ch in enumerate(byte_to_char)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    eos = byte_to_char[255]
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos)
+    return TokenizerWrapper(hf, eos_token_ids=[255])
+
+
+def _byte_of(ch: str) -> int:
+    """Inverse of GPT-2's bytes_to_unicode for one character."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    if ord(ch) in bs:
+        return ord(ch)
+    extra = [b for b in range(256) if b not in bs]
+    return extra[ord(ch) - 256]

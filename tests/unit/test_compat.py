@@ -123,16 +123,21 @@ def _run(gen, uids):
 @pytest.mark.parametrize("which", ["llama", "gemma"])
 def test_finished_cache_holds_prompt_and_every_generated_token(llama_tiny, gemma_tiny, which):
     model = llama_tiny if which == "llama" else gemma_tiny
-    prompts = [list(range(3, 14)), list(range(40, 45))]
+    prompts = [list(range(3, 14)), list(range(40, 45)), list(range(60, 65))]
     gen = compat.make_batch_generator(model, max_tokens=6, stop_tokens=[])
-    uids = compat.insert(gen, prompts, [None, None], [6, 4])
+    uids = compat.insert(gen, prompts, [None, None, None], [6, 4, 6])
     tokens, finished = _run(gen, uids)
     for uid, prompt in zip(uids, prompts):
         r = finished[uid]
         assert r.finish_reason == "length"
         assert len(r.cache) == len(model.layers)
         global_layer = next(c for c in r.cache if type(c) is C.KVCache)
-        assert global_layer.offset == compat.finished_cache_tokens(len(prompt), len(tokens[uid]))
+        held = compat.finished_cache_tokens(len(prompt), len(tokens[uid]))
+        assert global_layer.offset == held
+        for c in r.cache:
+            if isinstance(c, C.RotatingKVCache):  # the whole window survives a wrapped ring
+                state = compat.temporal_rotating(compat.read_layer(c))
+                assert state.offset == held and state.keys.shape[2] == min(held, c.max_size)
 
 
 def test_stop_token_ends_a_sequence_with_reason_stop(llama_tiny):

@@ -1,0 +1,177 @@
+"""Extraction into blocks and reconstruction are exact for every cache type."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models import cache as C
+
+from semantic import (
+    BlockPool,
+    CacheMismatchError,
+    CacheShapeError,
+    LayerSpec,
+    ModelCacheSpec,
+    PoolExhaustedError,
+    UnsupportedCacheError,
+)
+from semantic import compat
+from semantic.convert import extract, held_ranges, reconstruct
+from tests.tiny_models import tiny_gemma3
+
+
+def _run(model, caches, tokens):
+    out = model(mx.array([tokens]), cache=caches)
+    mx.eval(out)
+    return out[0, -1]
+
+
+def _parts(x):
+    return x if isinstance(x, tuple) else (x,)
+
+
+def _spans(blocks):
+    return {g: [(b.start, b.end) for b in bl] for g, bl in blocks.groups.items()}
+
+
+def _gemma_with_keep(keep):
+    model = tiny_gemma3(seed=5)
+    layers = [
+        LayerSpec("sliding", 1, 32, 32, "float32", window=8, keep=keep) if l.kind == "sliding" else l
+        for l in ModelCacheSpec.from_model(model).layers
+    ]
+    return model, ModelCacheSpec(tuple(layers))
+
+
+CASES = {
+    "kv": lambda llama, gemma: (llama, ModelCacheSpec.from_model(llama)),
+    "quantized": lambda llama, gemma: (llama, ModelCacheSpec.from_model(llama, kv_bits=4, kv_group_size=32)),
+    "mixed": lambda llama, gemma: (gemma, ModelCacheSpec.from_model(gemma)),
+    "rotating-keep2": lambda llama, gemma: _gemma_with_keep(2),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("total,decode", [(3, 0), (8, 0), (13, 0), (21, 0), (19, 3)])
+def test_reconstructed_cache_equals_the_live_one_and_continues_identically(llama_tiny, gemma_tiny, case, total, decode):
+    model, spec = CASES[case](llama_tiny, gemma_tiny)
+    pool = BlockPool(spec, 64, block_tokens=4)
+    tokens = [int(t) for t in np.random.default_rng(total).integers(1, 250, total)]
+    live = spec.make_cache()
+    _run(model, live, tokens)
+    for t in range(decode):  # single-token steps move the ring's write index
+        tokens.append(7 + t)
+        _run(model, live, [tokens[-1]])
+
+    blocks = extract(pool, live, tokens)
+    rebuilt = reconstruct(blocks)
+    assert [type(c) for c in rebuilt] == [type(c) for c in live]
+    for a, b in zip(live, rebuilt):
+        sa, sb = compat.read_layer(a), compat.read_layer(b)
+        if sa.kind == compat.ROTATING:
+            sa = compat.temporal_rotating(sa)
+        assert (sa.offset, sa.keep, sa.max_size, sa.idx, sa.bits) == (sb.offset, sb.keep, sb.max_size, sb.idx, sb.bits)
+        for x, y in zip(_parts(sa.keys) + _parts(sa.values), _parts(sb.keys) + _parts(sb.values)):
+            assert np.array_equal(np.array(x), np.array(y))
+    nxt = [3, 4, 5]
+    np.testing.assert_allclose(
+        np.array(_run(model, live, nxt)), np.array(_run(model, rebuilt, nxt)), rtol=1e-5, atol=1e-5
+    )
+
+
+def test_block_layout_follows_block_boundaries_and_the_window(gemma_tiny):
+    spec = ModelCacheSpec.from_model(gemma_tiny)
+    pool = BlockPool(spec, 32, block_tokens=4)
+    live = spec.make_cache()
+    tokens = list(range(1, 14))
+    _run(gemma_tiny, live, tokens)
+    blocks = extract(pool, live, tokens)
+    assert _spans(blocks) == {
+        "sliding-w8-k0": [(5, 8), (8, 12), (12, 13)],  # window of 8: positions 5..12
+        "global": [(0, 4), (4, 8), (8, 12), (12, 13)],
+    }
+    assert blocks.total_tokens == 13 and blocks.num_layers() == 4
+    assert blocks.blocks_for_layer(1) is blocks.groups["global"]
+    assert held_ranges(spec.layers[0], 13) == [(5, 13)]
+    keep_layer = LayerSpec("sliding", 1, 32, 32, "float32", window=8, keep=2)
+    assert held_ranges(keep_layer, 13) == [(0, 2), (7, 13)]
+
+
+def test_two_histories_with_a_common_prefix_share_its_full_blocks(llama_tiny):
+    spec = ModelCacheSpec.from_model(llama_tiny)
+    pool = BlockPool(spec, 32, block_tokens=4)
+    prefix = list(range(20, 29))  # two full blocks and one token
+    a_live, b_live = spec.make_cache(), spec.make_cache()
+    _run(llama_tiny, a_live, prefix + [1, 2])
+    _run(llama_tiny, b_live, prefix + [3, 4, 5])
+    a = extract(pool, a_live, prefix + [1, 2])
+    b = extract(pool, b_live, prefix + [3, 4, 5])
+    assert [blk.block_id for blk in a.groups["global"][:2]] == [blk.block_id for blk in b.groups["global"][:2]]
+    assert a.groups["global"][2] is not b.groups["global"][2]
+    assert [pool.refcount(blk) for blk in a.groups["global"]] == [2, 2, 1]
+    stats = pool.stats()
+    assert (stats.used, stats.shared, stats.hits) == (4, 2, 2)
+    a.release()
+    assert pool.stats().used == 3 and a.released
+    a.release()  # a second release changes nothing
+    assert pool.stats().used == 3
+
+
+def test_extraction_into_a_full_pool_fails_before_taking_any_block(llama_tiny):
+    spec = ModelCacheSpec.from_model(llama_tiny)
+    pool = BlockPool(spec, 2, block_tokens=4)
+    live = spec.make_cache()
+    _run(llama_tiny, live, list(range(1, 11)))
+    before = pool.stats()
+    with pytest.raises(PoolExhaustedError, match="need 3 free blocks"):
+        extract(pool, live, list(range(1, 11)))
+    assert pool.stats() == before
+
+
+def test_caches_that_do_not_fit_the_spec_are_refused(llama_tiny, gemma_tiny):
+    spec = ModelCacheSpec.from_model(llama_tiny)
+    pool = BlockPool(spec, 16, block_tokens=4)
+    live = ModelCacheSpec.from_model(gemma_tiny).make_cache()
+    _run(gemma_tiny, live, [1, 2, 3])
+    with pytest.raises(CacheMismatchError):
+        extract(pool, live, [1, 2, 3])
+    live = spec.make_cache()
+    _run(llama_tiny, live, [1, 2, 3])
+    with pytest.raises(CacheMismatchError, match="holds 3 tokens but 2"):
+        extract(pool, live, [1, 2])
+    with pytest.raises(UnsupportedCacheError, match="ArraysCache"):
+        extract(pool, [C.ArraysCache(2)] * 3, [])
+
+
+def test_a_block_with_a_wrong_shape_is_caught_on_reconstruction(llama_tiny):
+    spec = ModelCacheSpec.from_model(llama_tiny)
+    pool = BlockPool(spec, 16, block_tokens=4)
+    live = spec.make_cache()
+    _run(llama_tiny, live, [1, 2, 3, 4, 5])
+    blocks = extract(pool, live, [1, 2, 3, 4, 5])
+    k, v = blocks.groups["global"][1].layer_data[2]
+    blocks.groups["global"][1].layer_data[2] = (k.astype(mx.float16), v)
+    with pytest.raises(CacheShapeError, match="layer 2 keys"):
+        reconstruct(blocks)
+    blocks.groups["global"].pop()
+    with pytest.raises(CacheMismatchError, match="blocks hold 4 of the 5 tokens"):
+        reconstruct(blocks)
+
+
+def test_released_blocks_cannot_be_reconstructed(llama_tiny):
+    spec = ModelCacheSpec.from_model(llama_tiny)
+    pool = BlockPool(spec, 16, block_tokens=4)
+    live = spec.make_cache()
+    _run(llama_tiny, live, [1, 2, 3])
+    blocks = extract(pool, live, [1, 2, 3])
+    blocks.release()
+    with pytest.raises(CacheMismatchError, match="released"):
+        reconstruct(blocks)
+
+
+def test_an_empty_history_reconstructs_to_empty_caches(gemma_tiny):
+    spec = ModelCacheSpec.from_model(gemma_tiny)
+    blocks = extract(BlockPool(spec, 4, block_tokens=4), spec.make_cache(), [])
+    assert blocks.total_tokens == 0 and blocks.unique_blocks() == []
+    assert all(c.empty() for c in reconstruct(blocks))
