@@ -1,0 +1,165 @@
+"""The engine's invariant with real weights: continuing from reconstructed
+blocks equals a fresh prefill of the same tokens.
+
+For each case: generate from S, take the Completion's blocks, continue with
+new tokens T for 32 greedy steps, and compare with a fresh prefill of
+S + generated + T run in the same batch. Both models compute in float32 here
+(the GGUF weights are dequantized on the fly by quantized matmuls or stored
+dense; activations and caches are float32). The two sides differ only in
+summation order (one long prefill against cached history plus a short one,
+batch padding), which moves a logprob by about 1e-5 over 32 steps on CPU;
+LOGPROB_TOL = 1e-3 leaves room for a Metal device's different kernels and
+still catches a wrong, missing or shifted token, which moves logprobs by
+whole nats.
+
+These runs are slow on a CPU (about 0.1 s per prefilled token), so each test
+prefills only what its case needs and puts the fresh reference in the same
+batch as the cached continuation.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from semantic import BlockPool, BlockPoolBatchEngine, ModelCacheSpec, compat
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+LOGPROB_TOL = 1e-3
+STEPS = 32
+HISTORY = (Path(__file__).parents[1] / "data" / "history.txt").read_text()
+
+
+def _engine(loaded, kv_bits=None, blocks=64):
+    spec = ModelCacheSpec.from_model(loaded.model, kv_bits=kv_bits, kv_group_size=64)
+    pool = BlockPool(spec, blocks)
+    # No stop tokens: every sequence runs exactly max_tokens steps.
+    return BlockPoolBatchEngine(loaded.model, loaded.tokenizer, pool, spec, stop_tokens=[])
+
+
+def _run(engine):
+    return {c.uid: c for c in engine.step()}
+
+
+def _assert_same(cached, fresh):
+    assert len(cached.token_ids) == STEPS
+    assert cached.token_ids == fresh.token_ids
+    diff = np.max(np.abs(np.array(cached.logprobs) - np.array(fresh.logprobs)))
+    print(f"max |logprob diff| over {STEPS} steps: {diff:.2e}")
+    assert diff <= LOGPROB_TOL
+
+
+def _history(tokenizer, n):
+    ids = tokenizer.encode(HISTORY)
+    assert len(ids) >= n, "tests/data/history.txt is too short for this case"
+    return ids[:n]
+
+
+def _continue_and_compare(engine, agent, first, T):
+    """Continue ``first`` (a Completion) with T, beside a fresh prefill of the same tokens."""
+    S_gen = list(first.blocks.token_ids)
+    cached_uid = engine.submit(agent, T, cache=first.blocks, max_tokens=STEPS)
+    fresh_uid = engine.submit(agent + "-fresh", S_gen + T, max_tokens=STEPS)
+    done = _run(engine)
+    cached, fresh = done[cached_uid], done[fresh_uid]
+    assert (cached.prompt_tokens, cached.cached_tokens) == (len(T), len(S_gen))
+    assert fresh.prompt_tokens == len(S_gen) + len(T)
+    _assert_same(cached, fresh)
+    return cached, fresh
+
+
+def test_gemma3_continues_exactly_after_its_sliding_window_wrapped(gemma3):
+    engine = _engine(gemma3)
+    window = engine.spec.layers[0].window
+    assert window == 512 and {l.kind for l in engine.spec.layers} == {"sliding", "global"}
+    S = _history(gemma3.tokenizer, 530)
+    uid = engine.submit("a", S, max_tokens=4)
+    first = _run(engine)[uid]
+    assert first.blocks.total_tokens == 534  # past the window: the ring has wrapped
+
+    # Sliding layers hold only the last 512 positions; global layers hold all.
+    sliding = next(i for i, l in enumerate(engine.spec.layers) if l.kind == "sliding")
+    glob = next(i for i, l in enumerate(engine.spec.layers) if l.kind == "global")
+    held = lambda i: sum(b.n_tokens for b in first.blocks.blocks_for_layer(i))  # noqa: E731
+    assert (held(sliding), held(glob)) == (512, 534)
+
+    T = gemma3.tokenizer.encode(" Ilse read the note twice and", add_special_tokens=False)
+    cached, _ = _continue_and_compare(engine, "a", first, T)
+    caches = engine.reconstruct_cache(cached.blocks)
+    assert compat.read_layer(caches[sliding]).offset == 534 + len(T) + STEPS
+
+
+def test_smollm2_batch_of_three_finishes_at_different_steps_and_each_continues(smollm2):
+    """EXP-004: sequences of different lengths finish independently, each
+    cache is extracted as it finishes, and each continues exactly."""
+    engine = _engine(smollm2)
+    ids = smollm2.tokenizer.encode(HISTORY)
+    prompts = {"short": ids[:20], "medium": ids[100:145], "long": ids[200:280]}
+    limits = {"short": 7, "medium": 3, "long": 5}
+    uids = {a: engine.submit(a, p, max_tokens=limits[a]) for a, p in prompts.items()}
+    finished, step = {}, 0
+    while engine.in_flight:
+        step += 1
+        for c in engine.step_once():
+            finished[c.agent_id] = (step, c)
+    # The first step prefills and samples one token each; each then finishes
+    # on the step its max_tokens is reached, while the others keep going.
+    assert {a: s for a, (s, _) in finished.items()} == limits
+    for agent, (_, c) in finished.items():
+        assert c.uid == uids[agent] and c.blocks.total_tokens == len(prompts[agent]) + limits[agent]
+
+    T = smollm2.tokenizer.encode(" The keeper wrote", add_special_tokens=False)
+    pairs = {}
+    for agent, (_, c) in finished.items():
+        pairs[agent] = (
+            engine.submit(agent, T, cache=c.blocks, max_tokens=STEPS),
+            engine.submit(agent + "-fresh", list(c.blocks.token_ids) + T, max_tokens=STEPS),
+        )
+    done = _run(engine)
+    for agent, (cached_uid, fresh_uid) in pairs.items():
+        _assert_same(done[cached_uid], done[fresh_uid])
+
+
+def test_two_agents_sharing_a_512_token_prefix_hold_its_blocks_once(smollm2):
+    engine = _engine(smollm2)
+    pool = engine.pool
+    prefix = _history(smollm2.tokenizer, 512)
+    tok = smollm2.tokenizer
+    sa = tok.encode(" Question: who was Ilse?", add_special_tokens=False)
+    sb = tok.encode(" Question: what did the keeper leave?", add_special_tokens=False)
+    ua = engine.submit("a", prefix + sa, max_tokens=3)
+    ub = engine.submit("b", prefix + sb, max_tokens=3)
+    done = _run(engine)
+    a, b = done[ua].blocks, done[ub].blocks
+
+    # 512 tokens = two full 256-token blocks, stored once with two references;
+    # each agent's tail (suffix + generated) is its own partial block.
+    shared = a.groups["global"][:2]
+    assert [blk.block_id for blk in b.groups["global"][:2]] == [blk.block_id for blk in shared]
+    assert [pool.refcount(blk) for blk in shared] == [2, 2]
+    assert a.groups["global"][2] is not b.groups["global"][2]
+    stats = pool.stats()
+    assert (stats.used, stats.shared, stats.hits) == (4, 2, 2)
+
+    Ta = tok.encode(" Answer briefly.", add_special_tokens=False)
+    Tb = tok.encode(" Answer in one sentence.", add_special_tokens=False)
+    uids = {
+        "a": (engine.submit("a", Ta, cache=a, max_tokens=STEPS), engine.submit("a-fresh", list(a.token_ids) + Ta, max_tokens=STEPS)),
+        "b": (engine.submit("b", Tb, cache=b, max_tokens=STEPS), engine.submit("b-fresh", list(b.token_ids) + Tb, max_tokens=STEPS)),
+    }
+    done = _run(engine)
+    for cached_uid, fresh_uid in uids.values():
+        _assert_same(done[cached_uid], done[fresh_uid])
+
+
+def test_smollm2_quantized_cache_continues_exactly_in_the_solo_lane(smollm2):
+    engine = _engine(smollm2, kv_bits=8)
+    assert engine.spec.quantized
+    S = _history(smollm2.tokenizer, 60)
+    uid = engine.submit("q", S, max_tokens=4)
+    first = _run(engine)[uid]
+    T = smollm2.tokenizer.encode(" The archivist", add_special_tokens=False)
+    _continue_and_compare(engine, "q", first, T)
