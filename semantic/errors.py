@@ -33,3 +33,23 @@ class InvalidRequestError(CacheError, ValueError):
 
 class UnknownSequenceError(CacheError, KeyError):
     """No sequence with this uid is in flight or recently finished."""
+
+
+class CacheCorruptError(CacheError):
+    """A cache file is damaged, truncated, edited, or in an unknown format.
+
+    ``path`` names the file and ``reason`` says what is wrong with it; the
+    file is never half-loaded.
+    """
+
+    def __init__(self, path, reason: str):
+        self.path = str(path)
+        self.reason = reason
+        super().__init__(f"{self.path}: {reason}")
+
+    def __reduce__(self):
+        return type(self), (self.path, self.reason)
+
+
+class InvalidAgentIdError(CacheError, ValueError):
+    """An agent id the cache store cannot accept (not a usable string)."""

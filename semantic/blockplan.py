@@ -1,0 +1,121 @@
+"""Which pooled blocks a history needs, and taking them all or none.
+
+Every way into the pool cuts a history the same way and keys its full blocks
+the same way, so caches that arrive by different roads (a live mlx-lm cache,
+a file) share their common prefix::
+
+    tokens     0 ...... 255 | 256 ..... 511 | 512 .. 600
+    chain      c0            c1              (partial: no key)
+    key        hash(c0, group) per group, so one chain serves every group
+
+:func:`plan` looks every full block up without taking anything;
+:func:`commit` checks the pool can hold the misses, then acquires the hits
+and allocates the misses with data from a callback. A caller may read data
+between the two (``persistence.load`` reads only the blocks that missed).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from semantic.blocks import AgentBlocks, KVBlock, LayerKV
+from semantic.convert import held_ranges
+from semantic.pool import BlockPool, chain_hash
+from semantic.spec import LayerSpec, ModelCacheSpec
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedBlock:
+    """Tokens ``[start, end)`` of one layer group.
+
+    Position ``p`` sits at index ``p - shift`` of a layer's held (unrolled)
+    buffer. ``key`` is set for full blocks; ``hit`` is the pooled block with
+    that key and the same token ids, if any.
+    """
+
+    group: str
+    layers: tuple[int, ...]
+    start: int
+    end: int
+    shift: int
+    key: int | None
+    hit: KVBlock | None
+
+
+@dataclass(frozen=True, slots=True)
+class BlockPlan:
+    """The blocks of one history, and how many free blocks taking them costs."""
+
+    blocks: tuple[PlannedBlock, ...]
+    need: int
+
+
+def block_spans(layer: LayerSpec, total: int, block_tokens: int) -> list[tuple[int, int, int]]:
+    """Held positions of a layer cut at block boundaries: ``(start, end, shift)``."""
+    out, buffered = [], 0
+    for a, b in held_ranges(layer, total):
+        shift = a - buffered
+        buffered += b - a
+        while a < b:
+            e = min(b, (a // block_tokens + 1) * block_tokens)
+            out.append((a, e, shift))
+            a = e
+    return out
+
+
+def chain_keys(token_ids: Sequence[int], block_tokens: int) -> list[int]:
+    """One chained key per full block of ``token_ids`` (group-independent)."""
+    chain: list[int] = []
+    for b in range(len(token_ids) // block_tokens):
+        chain.append(chain_hash(chain[-1] if chain else None, token_ids[b * block_tokens : (b + 1) * block_tokens]))
+    return chain
+
+
+def plan(pool: BlockPool, spec: ModelCacheSpec, token_ids: Sequence[int]) -> BlockPlan:
+    """Look up every full block of ``token_ids`` in ``pool``; change nothing."""
+    bt = pool.block_tokens
+    tokens = tuple(int(t) for t in token_ids)
+    chain = chain_keys(tokens, bt)
+    out, need = [], 0
+    for group, layers in spec.groups().items():
+        for a, b, shift in block_spans(spec.layers[layers[0]], len(tokens), bt):
+            key = hit = None
+            if b - a == bt:
+                key = chain_hash(chain[a // bt], (), group)
+                hit = pool.lookup(key, tokens[a:b], count=False)
+            # a cached hit sits in the free queue: acquiring it takes a free slot
+            need += hit is None or pool.is_free(hit)
+            out.append(PlannedBlock(group, layers, a, b, shift, key, hit))
+    return BlockPlan(tuple(out), need)
+
+
+def commit(
+    pool: BlockPool,
+    spec: ModelCacheSpec,
+    token_ids: Sequence[int],
+    planned: BlockPlan,
+    data: Callable[[PlannedBlock], dict[int, LayerKV]],
+    release: Callable[[list[KVBlock]], None] | None = None,
+) -> AgentBlocks:
+    """Take ``planned`` from ``pool`` as one agent's blocks.
+
+    Raises :class:`PoolExhaustedError` before taking any block when the pool
+    cannot hold the misses, or when ``data(p)``, which gives each missed
+    block's K/V per layer, raises. The plan must be fresh: nothing may have used the pool since
+    :func:`plan` made it. ``release`` (default ``pool.release``) is what the
+    returned AgentBlocks calls to give its blocks back.
+    """
+    tokens = tuple(int(t) for t in token_ids)
+    pool.require_free(planned.need)
+    # all data first, so a failing callback leaves the pool untouched
+    fresh = {i: data(p) for i, p in enumerate(planned.blocks) if p.hit is None}
+    keyed = [p for p in planned.blocks if p.key is not None]
+    pool.record_lookups(hits=sum(p.hit is not None for p in keyed), misses=sum(p.hit is None for p in keyed))
+    groups: dict[str, list[KVBlock]] = {g: [] for g in spec.groups()}
+    for i, p in enumerate(planned.blocks):
+        if p.hit is not None:
+            groups[p.group].append(pool.acquire(p.hit))
+        else:
+            groups[p.group].append(pool.allocate(p.group, p.start, tokens[p.start : p.end], fresh[i], p.key))
+    return AgentBlocks(spec, tokens, groups, pool.block_tokens, _release=release or pool.release)

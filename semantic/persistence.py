@@ -1,0 +1,673 @@
+"""Cache files: one agent's blocks in a crash-safe, verified safetensors file.
+
+The file holds our block layout, not mlx-lm's cache state, so it loads the
+same under every mlx-lm version (and is readable by ``safetensors`` or
+``mx.load`` without this module)::
+
+    8 bytes     N, the header length (little-endian u64)
+    N bytes     JSON: the tensor table, and __metadata__ with
+                  "semantic_kv"          the document (JSON, below)
+                  "semantic_kv_xxh3_128" the xxh3-128 of the document
+    data        per layer group, per block in token order, per part, one tensor
+                (layers of the group, 1, heads, block tokens, dim)
+
+    "global/0/00000256/keys"            layers (1, 3, 5)   tokens 256..511
+    "sliding-w512-k0/0/00000512/values" layers (0, 2, 4)   tokens 512..767
+
+The document holds the format version, model fingerprint, cache spec, block
+size, the exact token ids, each layer's cache type and meta, an xxh3-128
+per tensor, and the mlx / mlx-lm versions that wrote it. A sliding layer's
+blocks hold its window in temporal order (see ``convert``), so a wrapped ring
+buffer is stored unrolled and the ring index is simply the held count.
+
+Writes go to a temporary file in the same directory, are fsynced, renamed
+over the real name and the directory is fsynced: a crash leaves the old file
+or the new one. Loads check the header against the layout the document
+implies, the file size, and every tensor's checksum before any block reaches
+the pool; anything wrong raises :class:`CacheCorruptError`. Nothing is ever
+unpickled.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import struct
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+import mlx.core as mx
+import xxhash
+
+from semantic import compat
+from semantic.blockplan import PlannedBlock, block_spans, commit, plan
+from semantic.blocks import AgentBlocks, KVBlock
+from semantic.convert import held_ranges
+from semantic.errors import (
+    CacheCorruptError,
+    CacheError,
+    CacheMismatchError,
+    CacheShapeError,
+    InvalidRequestError,
+)
+from semantic.pool import BlockPool
+from semantic.spec import SLIDING, LayerSpec, ModelCacheSpec
+
+FORMAT_VERSION = 1
+DOC_KEY = "semantic_kv"
+DOC_HASH_KEY = "semantic_kv_xxh3_128"
+HASH = "xxh3_128"
+SUFFIX = ".safetensors"
+TMP_SUFFIX = ".tmp"
+MAX_HEADER_BYTES = 100_000_000  # the limit the safetensors library itself enforces
+
+_ST_DTYPES = {"float32": ("F32", 4), "float16": ("F16", 2), "bfloat16": ("BF16", 2), "uint32": ("U32", 4)}
+_MX_DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16, "uint32": mx.uint32}
+_QPARTS = ("packed", "scales", "biases")
+
+
+# ---------------------------------------------------------------- layout
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSlot:
+    """One tensor of a file: one part of one block for a stack of layers."""
+
+    name: str
+    group: str
+    layers: tuple[int, ...]
+    start: int
+    end: int
+    side: str             # "keys" or "values"
+    part: int | None      # index into (packed, scales, biases) for quantized layers
+    dtype: str
+    shape: tuple[int, ...]  # (len(layers), 1, heads, end - start, dim)
+
+    @property
+    def nbytes(self) -> int:
+        n = _ST_DTYPES[self.dtype][1]
+        for d in self.shape:
+            n *= d
+        return n
+
+    def layer_shape(self) -> tuple[int, ...]:
+        return self.shape[1:]
+
+
+def _parts(layer: LayerSpec, n: int) -> list[tuple[str, int | None, str, tuple[int, ...]]]:
+    """(side, part, dtype, shape) of each array one layer holds for ``n`` tokens."""
+    out = []
+    for side, dim in (("keys", layer.head_dim), ("values", layer.v_head_dim)):
+        if layer.kv_bits:
+            g = dim // layer.kv_group_size
+            out.append((side, 0, "uint32", (1, layer.n_kv_heads, n, dim * layer.kv_bits // 32)))
+            out.append((side, 1, layer.dtype, (1, layer.n_kv_heads, n, g)))
+            out.append((side, 2, layer.dtype, (1, layer.n_kv_heads, n, g)))
+        else:
+            out.append((side, None, layer.dtype, (1, layer.n_kv_heads, n, dim)))
+    return out
+
+
+def _stacks(spec: ModelCacheSpec, layers: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """Layers of one group that share a shape, so their blocks stack in one tensor."""
+    out: dict[tuple, list[int]] = {}
+    for i in layers:
+        l = spec.layers[i]
+        out.setdefault((l.n_kv_heads, l.head_dim, l.v_head_dim, l.dtype), []).append(i)
+    return [tuple(v) for v in out.values()]
+
+
+def layout(spec: ModelCacheSpec, total: int, block_tokens: int) -> list[TensorSlot]:
+    """Every tensor a file of ``total`` tokens holds, in file order."""
+    slots = []
+    for group, layers in spec.groups().items():
+        stacks = _stacks(spec, layers)
+        for a, b, _ in block_spans(spec.layers[layers[0]], total, block_tokens):
+            for s, stack in enumerate(stacks):
+                for side, part, dtype, shape in _parts(spec.layers[stack[0]], b - a):
+                    suffix = side if part is None else f"{side}.{_QPARTS[part]}"
+                    name = f"{group}/{s}/{a:08d}/{suffix}"
+                    slots.append(TensorSlot(name, group, stack, a, b, side, part, dtype, (len(stack), *shape)))
+    return slots
+
+
+def _layer_meta(spec: ModelCacheSpec, total: int) -> list[dict]:
+    """Per-layer cache type and meta, as mlx-lm would rebuild the cache."""
+    out = []
+    for l in spec.layers:
+        held = sum(b - a for a, b in held_ranges(l, total))
+        out.append(
+            {
+                "cache": l.cache_kind,
+                "offset": total,
+                "window": l.window,
+                "keep": l.keep,
+                # rebuilt rotating caches are unrolled: the write index is the held count
+                "ring_idx": held if l.kind == SLIDING else None,
+                "bits": l.kv_bits,
+                "group_size": l.kv_group_size,
+            }
+        )
+    return out
+
+
+# ---------------------------------------------------------------- header
+
+
+@dataclass(frozen=True, slots=True)
+class CacheFileInfo:
+    """What a cache file's header says, checked against its layout and size
+    (everything but the tensor checksums, which :func:`load` verifies)."""
+
+    path: str
+    format_version: int
+    model_fingerprint: str
+    agent_id: str | None
+    spec: ModelCacheSpec
+    token_ids: tuple[int, ...]
+    block_tokens: int
+    mlx_version: str
+    mlx_lm_version: str
+    nbytes: int                      # file size in bytes
+    data_offset: int                 # where tensor data starts
+    slots: tuple[TensorSlot, ...] = field(repr=False)
+    digests: dict[str, str] = field(repr=False)
+    inode: tuple[int, int] = field(repr=False)  # (st_dev, st_ino) of the file read
+
+    @property
+    def total_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+def _canon(x: Any) -> str:
+    """Canonical JSON, so that 1 != 1.0 != true when comparing header values."""
+    return json.dumps(x, sort_keys=True, separators=(",", ":"))
+
+
+def _header_bytes(doc: dict, slots: list[TensorSlot]) -> bytes:
+    text = _canon(doc)
+    meta = {"format": "semantic-kv", DOC_KEY: text, DOC_HASH_KEY: xxhash.xxh3_128(text.encode()).hexdigest()}
+    table: dict[str, Any] = {"__metadata__": meta}
+    offset = 0
+    for s in slots:
+        table[s.name] = _entry(s, offset)
+        offset += s.nbytes
+    raw = json.dumps(table, separators=(",", ":")).encode()
+    raw += b" " * (-(8 + len(raw)) % 8)  # data starts 8-byte aligned, as safetensors pads
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def _entry(s: TensorSlot, offset: int) -> dict:
+    return {"dtype": _ST_DTYPES[s.dtype][0], "shape": list(s.shape), "data_offsets": [offset, offset + s.nbytes]}
+
+
+def read_header(path: str | os.PathLike) -> CacheFileInfo:
+    """Read and check a cache file's header without reading its tensors.
+
+    Raises:
+        CacheCorruptError: the header is damaged, edited, of an unknown
+            format version, or does not match the file's size.
+        OSError: the file cannot be opened (FileNotFoundError when absent).
+    """
+    path = str(path)
+    with open(path, "rb", buffering=0) as f:
+        st = os.fstat(f.fileno())
+        head = f.read(8)
+        if len(head) < 8:
+            raise CacheCorruptError(path, f"truncated: {st.st_size} bytes, no header length")
+        (n,) = struct.unpack("<Q", head)
+        if not 2 <= n <= min(MAX_HEADER_BYTES, st.st_size - 8):
+            raise CacheCorruptError(path, f"header length {n} does not fit a file of {st.st_size} bytes")
+        raw = f.read(n)
+    if len(raw) != n:
+        raise CacheCorruptError(path, f"truncated header: {len(raw)} of {n} bytes")
+    doc, table = _document(path, raw)
+    return _check(path, doc, table, st, 8 + n)
+
+
+def _document(path: str, raw: bytes) -> tuple[dict, dict]:
+    try:
+        table = json.loads(raw)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise CacheCorruptError(path, f"header is not JSON ({type(exc).__name__}: {exc})") from None
+    if not isinstance(table, dict):
+        raise CacheCorruptError(path, "header is not a JSON object")
+    meta = table.pop("__metadata__", None)
+    if not isinstance(meta, dict) or not isinstance(meta.get(DOC_KEY), str):
+        raise CacheCorruptError(path, f"no {DOC_KEY!r} document in the metadata: not a semantic-kv cache file")
+    text = meta[DOC_KEY]
+    try:
+        digest = xxhash.xxh3_128(text.encode()).hexdigest()
+    except UnicodeEncodeError:
+        raise CacheCorruptError(path, "document is not valid UTF-8") from None
+    if meta.get(DOC_HASH_KEY) != digest:
+        raise CacheCorruptError(path, f"document checksum mismatch ({HASH} {digest} != {meta.get(DOC_HASH_KEY)!r})")
+    try:
+        doc = json.loads(text)
+    except (ValueError, RecursionError):
+        raise CacheCorruptError(path, "document is not JSON") from None
+    if not isinstance(doc, dict):
+        raise CacheCorruptError(path, "document is not a JSON object")
+    version = doc.get("format_version")
+    if version != FORMAT_VERSION or type(version) is not int:
+        raise CacheCorruptError(
+            path, f"unknown format version {version!r}; this build reads version {FORMAT_VERSION}"
+        )
+    return doc, table
+
+
+def _check(path: str, doc: dict, table: dict, st: os.stat_result, data_offset: int) -> CacheFileInfo:
+    try:
+        spec = ModelCacheSpec.from_dict(doc["spec"])
+        tokens = doc["token_ids"]
+        bt = doc["block_tokens"]
+        fingerprint, agent_id = doc["model_fingerprint"], doc["agent_id"]
+        digests = doc["tensors"]
+        versions = (doc["mlx"], doc["mlx_lm"])
+        layers = doc["layers"]
+    except (KeyError, TypeError, ValueError, CacheError) as exc:
+        raise CacheCorruptError(path, f"malformed document ({type(exc).__name__}: {exc})") from None
+    if not (isinstance(tokens, list) and all(type(t) is int and t >= 0 for t in tokens)):
+        raise CacheCorruptError(path, "token_ids must be a list of non-negative integers")
+    if type(bt) is not int or bt <= 0:
+        raise CacheCorruptError(path, f"block_tokens must be a positive integer, got {bt!r}")
+    if not isinstance(fingerprint, str) or not (agent_id is None or isinstance(agent_id, str)):
+        raise CacheCorruptError(path, "model_fingerprint and agent_id must be strings")
+    if not all(isinstance(v, str) for v in versions):
+        raise CacheCorruptError(path, "mlx and mlx_lm versions must be strings")
+    if _canon(layers) != _canon(_layer_meta(spec, len(tokens))):
+        raise CacheCorruptError(path, "per-layer cache meta does not match the spec and token count")
+    slots = layout(spec, len(tokens), bt)
+    names = [s.name for s in slots]
+    if not isinstance(digests, dict) or sorted(digests) != sorted(names):
+        raise CacheCorruptError(path, "the document's checksums do not name the layout's tensors")
+    if not all(isinstance(d, str) and len(d) == 32 for d in digests.values()):
+        raise CacheCorruptError(path, f"checksums must be 32-digit {HASH} hex strings")
+    offset = 0
+    for s in slots:
+        got = table.get(s.name)
+        if got is None:
+            raise CacheCorruptError(path, f"tensor {s.name} is missing")
+        want = _entry(s, offset)
+        if _canon(got) != _canon(want):
+            raise CacheCorruptError(path, f"tensor {s.name}: header says {_canon(got)}, the layout needs {_canon(want)}")
+        offset += s.nbytes
+    extra = sorted(set(table) - set(names))
+    if extra:
+        raise CacheCorruptError(path, f"unexpected tensors {extra[:3]}")
+    if st.st_size != data_offset + offset:
+        raise CacheCorruptError(
+            path, f"file is {st.st_size} bytes but its header describes {data_offset + offset} (truncated or extended)"
+        )
+    return CacheFileInfo(
+        path=path,
+        format_version=FORMAT_VERSION,
+        model_fingerprint=fingerprint,
+        agent_id=agent_id,
+        spec=spec,
+        token_ids=tuple(tokens),
+        block_tokens=bt,
+        mlx_version=versions[0],
+        mlx_lm_version=versions[1],
+        nbytes=st.st_size,
+        data_offset=data_offset,
+        slots=tuple(slots),
+        digests=dict(digests),
+        inode=(st.st_dev, st.st_ino),
+    )
+
+
+# ---------------------------------------------------------------- hashing
+
+_executor: ThreadPoolExecutor | None = None
+_executor_lock = threading.Lock()
+
+
+def _hasher() -> ThreadPoolExecutor:
+    """Two hashing threads: xxhash releases the GIL on buffers over 64 KiB, so
+    hashing overlaps writing (save) and runs on both cores (load)."""
+    global _executor
+    with _executor_lock:
+        if _executor is None:
+            _executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="semantic-kv-hash")
+        return _executor
+
+
+def _bytes(a: mx.array) -> memoryview:
+    """The raw bytes of an evaluated, row-contiguous array, without a copy."""
+    mv = memoryview(a)
+    assert mv.c_contiguous, "only row-contiguous arrays have one byte view"
+    return mv.cast("B") if mv.ndim != 1 or mv.format != "B" else mv
+
+
+def _digest(views: Iterable[memoryview]) -> str:
+    h = xxhash.xxh3_128()
+    for v in views:
+        h.update(v)
+    return h.hexdigest()
+
+
+# ---------------------------------------------------------------- save
+
+
+def _sources(blocks: AgentBlocks, slots: list[TensorSlot]) -> list[list[mx.array]]:
+    """Per slot, the arrays of its layers, checked against the slot's shape."""
+    by_start = {(g, b.start): b for g, bl in blocks.groups.items() for b in bl}
+    wanted = {(s.group, s.start, s.end) for s in slots}
+    have = {(g, b.start, b.end) for g, bl in blocks.groups.items() for b in bl}
+    if wanted != have:
+        diff = sorted(wanted ^ have)[:3]
+        raise CacheShapeError(f"blocks do not cover the layout of {blocks.total_tokens} tokens: {diff}")
+    out = []
+    for s in slots:
+        block = by_start[(s.group, s.start)]
+        arrays = []
+        for i in s.layers:
+            kv = block.layer_data[i][0 if s.side == "keys" else 1]
+            a = kv if s.part is None else kv[s.part]
+            if tuple(a.shape) != s.layer_shape() or a.dtype != _MX_DTYPES[s.dtype]:
+                raise CacheShapeError(
+                    f"layer {i} {s.side} [{s.start}, {s.end}): {tuple(a.shape)} {a.dtype}, "
+                    f"the spec needs {s.layer_shape()} {s.dtype}"
+                )
+            arrays.append(a)
+        out.append(arrays)
+    return out
+
+
+def _contiguous(arrays: list[list[mx.array]]) -> list[list[mx.array]]:
+    flat = [a for row in arrays for a in row]
+    mx.eval(flat)
+    fixed = [[a if memoryview(a).c_contiguous else mx.contiguous(a) for a in row] for row in arrays]
+    mx.eval([a for row in fixed for a in row])
+    return fixed
+
+
+def _write_all(fd: int, view: memoryview) -> None:
+    while view.nbytes:
+        n = os.write(fd, view)
+        view = view[n:]
+
+
+def _fsync_file(fd: int) -> None:
+    # macOS fsync does not flush the drive's cache; F_FULLFSYNC does
+    import fcntl
+
+    if hasattr(fcntl, "F_FULLFSYNC"):
+        fcntl.fcntl(fd, fcntl.F_FULLFSYNC)
+    else:
+        os.fsync(fd)
+
+
+def _fsync_dir(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def temp_name(path: str | os.PathLike) -> str:
+    """A fresh temporary name beside ``path``: ``.<name>.<pid>.<random>.tmp``."""
+    p = Path(path)
+    return str(p.with_name(f".{p.name}.{os.getpid()}.{secrets.token_hex(4)}{TMP_SUFFIX}"))
+
+
+def save(
+    path: str | os.PathLike,
+    blocks: AgentBlocks,
+    *,
+    model_fingerprint: str,
+    agent_id: str | None = None,
+    durable: bool = True,
+) -> CacheFileInfo:
+    """Write ``blocks`` to ``path`` atomically.
+
+    The data goes to a temporary file in the same directory while a second
+    thread checksums it; the header (with the checksums) is written last,
+    then the file is fsynced, renamed over ``path``, and the directory is
+    fsynced. A crash at any point leaves ``path`` absent, old, or new.
+
+    Args:
+        path: the file to write; its directory must exist.
+        blocks: one agent's cache; it is only read.
+        model_fingerprint: identifies the model weights; :func:`load` refuses
+            the file for any other fingerprint.
+        agent_id: recorded in the document (the store lists agents by it).
+        durable: fsync file and directory. Without it a process crash is
+            still safe, but a power loss may lose the newest file.
+
+    Returns:
+        The written file's :class:`CacheFileInfo`.
+    """
+    if blocks.released:
+        raise CacheMismatchError("these AgentBlocks were released; their blocks may be reused")
+    if not isinstance(model_fingerprint, str) or not model_fingerprint:
+        raise InvalidRequestError(f"model_fingerprint must be a non-empty string, got {model_fingerprint!r}")
+    if agent_id is not None and not isinstance(agent_id, str):
+        raise InvalidRequestError(f"agent_id must be a string or None, got {agent_id!r}")
+    path = os.fspath(path)
+    spec, total, bt = blocks.spec, blocks.total_tokens, blocks.block_tokens
+    slots = layout(spec, total, bt)
+    arrays = _contiguous(_sources(blocks, slots))
+    doc = {
+        "format_version": FORMAT_VERSION,
+        "model_fingerprint": model_fingerprint,
+        "agent_id": agent_id,
+        "spec": spec.to_dict(),
+        "block_tokens": bt,
+        "token_ids": list(blocks.token_ids),
+        "layers": _layer_meta(spec, total),
+        "hash": HASH,
+        "tensors": {s.name: "0" * 32 for s in slots},
+        "mlx": compat.MLX_VERSION,
+        "mlx_lm": compat.MLX_LM_VERSION,
+    }
+    placeholder = _header_bytes(doc, slots)
+    tmp = temp_name(path)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+    try:
+        try:
+            _write_all(fd, memoryview(placeholder))
+            pending = []
+            for s, row in zip(slots, arrays):
+                views = [_bytes(a) for a in row]
+                pending.append(_hasher().submit(_digest, views))
+                for v in views:
+                    _write_all(fd, v)
+            doc["tensors"] = {s.name: f.result() for s, f in zip(slots, pending)}
+            header = _header_bytes(doc, slots)
+            assert len(header) == len(placeholder), "checksums are fixed-width: the header cannot change length"
+            os.pwrite(fd, header, 0)
+            if durable:
+                _fsync_file(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    if durable:
+        _fsync_dir(os.path.dirname(os.path.abspath(path)))
+    st = os.stat(path)
+    return CacheFileInfo(
+        path=path,
+        format_version=FORMAT_VERSION,
+        model_fingerprint=model_fingerprint,
+        agent_id=agent_id,
+        spec=spec,
+        token_ids=blocks.token_ids,
+        block_tokens=bt,
+        mlx_version=compat.MLX_VERSION,
+        mlx_lm_version=compat.MLX_LM_VERSION,
+        nbytes=st.st_size,
+        data_offset=len(header),
+        slots=tuple(slots),
+        digests=dict(doc["tensors"]),
+        inode=(st.st_dev, st.st_ino),
+    )
+
+
+# ---------------------------------------------------------------- load
+
+
+class _Replaced(Exception):
+    """The file at the path changed between reading its header and its data."""
+
+
+def _read_tensors(info: CacheFileInfo, slots: list[TensorSlot]) -> dict[str, mx.array]:
+    """The named tensors, evaluated and checked against their checksums."""
+    if not slots:
+        return {}
+    try:
+        loaded = mx.load(info.path)
+    except (RuntimeError, ValueError, OSError) as exc:
+        raise CacheCorruptError(info.path, f"mx.load failed: {exc}") from None
+    st = os.stat(info.path)
+    if (st.st_dev, st.st_ino) != info.inode:
+        raise _Replaced
+    out = {}
+    for s in slots:
+        t = loaded.get(s.name)
+        if t is None or tuple(t.shape) != s.shape or t.dtype != _MX_DTYPES[s.dtype]:
+            raise CacheCorruptError(info.path, f"tensor {s.name} does not load as {s.shape} {s.dtype}")
+        out[s.name] = t
+    try:
+        mx.eval(list(out.values()))
+    except (RuntimeError, ValueError) as exc:  # e.g. the file shrank under us
+        raise CacheCorruptError(info.path, f"reading tensors failed: {exc}") from None
+    names = list(out)
+    digests = _hasher().map(lambda n: _digest([_bytes(out[n])]), names)
+    for name, got in zip(names, digests):
+        if got != info.digests[name]:
+            raise CacheCorruptError(info.path, f"tensor {name}: checksum mismatch ({HASH} {got} != {info.digests[name]})")
+    return out
+
+
+def _unstack(t: mx.array, slot: TensorSlot) -> dict[int, mx.array]:
+    """Per-layer views (no copy) of a stacked block tensor."""
+    if len(slot.layers) == 1:
+        return {slot.layers[0]: t.reshape(slot.layer_shape())}
+    parts = mx.split(t, len(slot.layers), axis=0)
+    return {i: p.reshape(slot.layer_shape()) for i, p in zip(slot.layers, parts)}
+
+
+class _FileBlocks:
+    """The file's tensors, served as the pool's blocks (any block size)."""
+
+    def __init__(self, info: CacheFileInfo):
+        self.info = info
+        self.by_group: dict[str, list[TensorSlot]] = {}
+        for s in info.slots:
+            self.by_group.setdefault(s.group, []).append(s)
+        self.arrays: dict[str, mx.array] = {}
+
+    def needed(self, planned: Iterable[PlannedBlock]) -> list[TensorSlot]:
+        """Slots overlapping blocks that missed the pool and are not read yet."""
+        out = {}
+        for p in planned:
+            if p.hit is None:
+                for s in self.by_group[p.group]:
+                    if s.start < p.end and p.start < s.end and s.name not in self.arrays:
+                        out[s.name] = s
+        return list(out.values())
+
+    def read(self, slots: list[TensorSlot]) -> None:
+        self.arrays.update(_read_tensors(self.info, slots))
+
+    def data(self, p: PlannedBlock) -> dict[int, Any]:
+        """K/V per layer of one planned block, lazily: views when it is exactly
+        one file block, else the overlapping pieces sliced, joined and copied."""
+        pieces: dict[tuple[int, str, int | None], list[mx.array]] = {}
+        whole = False
+        for s in self.by_group[p.group]:
+            if not (s.start < p.end and p.start < s.end):
+                continue
+            whole = (s.start, s.end) == (p.start, p.end)
+            for i, a in _unstack(self.arrays[s.name], s).items():
+                if not whole:
+                    a = a[..., max(p.start, s.start) - s.start : min(p.end, s.end) - s.start, :]
+                pieces.setdefault((i, s.side, s.part), []).append(a)
+        out: dict[int, Any] = {}
+        for i in p.layers:
+            sides = []
+            for side in ("keys", "values"):
+                keys = sorted((k for k in pieces if k[:2] == (i, side)), key=lambda k: -1 if k[2] is None else k[2])
+                arrays = [pieces[k][0] if whole else mx.contiguous(mx.concatenate(pieces[k], axis=2)) for k in keys]
+                sides.append(arrays[0] if keys[0][2] is None else tuple(arrays))
+            out[i] = tuple(sides)
+        return out
+
+
+def load(
+    path: str | os.PathLike,
+    pool: BlockPool,
+    *,
+    model_fingerprint: str | None = None,
+    lock: AbstractContextManager | None = None,
+) -> AgentBlocks:
+    """Load a cache file into ``pool`` as one agent's blocks.
+
+    Full blocks already in the pool (the same tokens under the same chained
+    key) are shared, not read: only the tensors of blocks that miss are read
+    and checksummed. The pool is changed only once every read tensor has
+    been verified, and not at all when this raises.
+
+    Args:
+        path: a file written by :func:`save`.
+        pool: the pool to load into; its spec must be the file's.
+        model_fingerprint: when given, the file must have been written for it.
+        lock: held around every use of ``pool`` (not around file reads),
+            for callers that share the pool between threads.
+
+    Raises:
+        CacheCorruptError: the file is damaged in any way.
+        CacheMismatchError: the file belongs to another model or cache spec.
+        PoolExhaustedError: the pool cannot hold the blocks that missed.
+        FileNotFoundError: there is no file at ``path``.
+    """
+    for _ in range(3):
+        try:
+            return _load_once(os.fspath(path), pool, model_fingerprint, lock or nullcontext())
+        except _Replaced:
+            continue  # a writer renamed a new file over it meanwhile: read the new one
+    raise CacheCorruptError(path, "the file kept being replaced while it was loading")
+
+
+def _load_once(path: str, pool: BlockPool, fingerprint: str | None, lock: AbstractContextManager) -> AgentBlocks:
+    info = read_header(path)
+    pool.spec.require_same(info.spec, f"cache file {path}")
+    if fingerprint is not None and info.model_fingerprint != fingerprint:
+        raise CacheMismatchError(
+            f"cache file {path} was written for model {info.model_fingerprint!r}, not {fingerprint!r}"
+        )
+    source = _FileBlocks(info)
+    with lock:
+        planned = plan(pool, info.spec, info.token_ids)
+    source.read(source.needed(planned.blocks))  # the slow part, outside the lock
+    with lock:
+        planned = plan(pool, info.spec, info.token_ids)
+        late = source.needed(planned.blocks)  # hits that were recycled meanwhile
+        if late:
+            source.read(late)
+        release = pool.release if isinstance(lock, nullcontext) else _locked(pool.release, lock)
+        blocks = commit(pool, info.spec, info.token_ids, planned, source.data, release=release)
+    # only views and copies of verified, evaluated tensors: this cannot fail
+    mx.eval([b.layer_data for b in blocks.unique_blocks()])
+    return blocks
+
+
+def _locked(fn, lock: AbstractContextManager):
+    def call(blocks: list[KVBlock]) -> None:
+        with lock:
+            fn(blocks)
+
+    return call

@@ -1,0 +1,74 @@
+"""Helpers shared by the persistence and store tests: real AgentBlocks from
+the engine on tiny models, synthetic ones in any geometry, and comparisons."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models import cache as C
+
+from semantic import BlockPool, BlockPoolBatchEngine, ModelCacheSpec, compat
+from semantic.blocks import AgentBlocks
+from semantic.convert import extract, reconstruct
+from tests.tiny_models import byte_tokenizer
+
+LOGPROB_TOL = 1e-4  # as tests/unit/test_engine.py: float32 tiny models, reordered sums move ~1e-6
+
+
+def engine(model, kv_bits=None, blocks=256, block_tokens=4) -> BlockPoolBatchEngine:
+    spec = ModelCacheSpec.from_model(model, kv_bits=kv_bits, kv_group_size=32)
+    pool = BlockPool(spec, blocks, block_tokens=block_tokens)
+    return BlockPoolBatchEngine(model, byte_tokenizer(), pool, spec, stop_tokens=[])
+
+
+def run(eng: BlockPoolBatchEngine) -> dict:
+    return {c.uid: c for c in eng.step()}
+
+
+def history(n: int, seed: int | None = None) -> list[int]:
+    return [int(t) for t in np.random.default_rng(n if seed is None else seed).integers(1, 250, n)]
+
+
+def generate(eng: BlockPoolBatchEngine, agent: str, prompt, max_tokens: int):
+    uid = eng.submit(agent, prompt, max_tokens=max_tokens)
+    return run(eng)[uid]
+
+
+def arrays(blocks: AgentBlocks) -> list[np.ndarray]:
+    """Every array of the rebuilt mlx-lm caches, in layer order (bfloat16 as raw uint16)."""
+    out = []
+    for c in reconstruct(blocks):
+        st = compat.read_layer(c)
+        for x in (st.keys, st.values):
+            for a in x if isinstance(x, tuple) else (() if x is None else (x,)):
+                out.append(np.array(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a))
+    return out
+
+
+def assert_identical(a: AgentBlocks, b: AgentBlocks) -> None:
+    assert a.token_ids == b.token_ids
+    assert a.spec == b.spec
+    xs, ys = arrays(a), arrays(b)
+    assert len(xs) == len(ys)
+    for x, y in zip(xs, ys):
+        assert x.dtype == y.dtype and x.shape == y.shape
+        assert np.array_equal(x, y)
+
+
+def synthetic(spec: ModelCacheSpec, pool: BlockPool, tokens: list[int], seed: int = 0) -> AgentBlocks:
+    """AgentBlocks of random K/V in ``spec``'s geometry (global layers only),
+    through a real mlx-lm KVCache and ``extract``; no model needed."""
+    key = mx.random.key(seed)
+    caches = []
+    for layer in spec.layers:
+        assert layer.kind == "global" and not layer.kv_bits, "synthetic caches are plain global layers"
+        key, kk, kv = mx.random.split(key, 3)
+        shape = (1, layer.n_kv_heads, len(tokens))
+        c = C.KVCache()
+        if tokens:
+            c.update_and_fetch(
+                mx.random.normal((*shape, layer.head_dim), key=kk).astype(layer.mx_dtype),
+                mx.random.normal((*shape, layer.v_head_dim), key=kv).astype(layer.mx_dtype),
+            )
+        caches.append(c)
+    return extract(pool, caches, tokens)

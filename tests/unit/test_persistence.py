@@ -1,0 +1,289 @@
+"""Cache files: exact round trips, prefix sharing on load, atomic saves, and
+every kind of damage refused with a named error."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import xxhash
+
+from semantic import (
+    BlockPool,
+    CacheCorruptError,
+    CacheMismatchError,
+    InvalidRequestError,
+    LayerSpec,
+    ModelCacheSpec,
+    PoolExhaustedError,
+)
+from semantic import persistence
+from semantic.persistence import DOC_HASH_KEY, DOC_KEY, FORMAT_VERSION
+from tests.cache_helpers import (
+    LOGPROB_TOL,
+    assert_identical,
+    engine,
+    generate,
+    history,
+    run,
+    synthetic,
+)
+from tests.tiny_models import tiny_gemma3
+
+STEPS = 16
+
+
+@pytest.fixture
+def gemma_file(gemma_tiny, tmp_path):
+    """A tiny Gemma cache of 43 tokens (window 8 wrapped) saved to disk."""
+    eng = engine(gemma_tiny)
+    done = generate(eng, "a", history(37), 6)
+    path = tmp_path / "a.safetensors"
+    persistence.save(path, done.blocks, model_fingerprint="tiny-gemma")
+    return path, done.blocks, eng
+
+
+# ---------------------------------------------------------------- round trips
+
+
+@pytest.mark.parametrize(
+    "which,kv_bits,n",
+    [("llama", None, 21), ("llama", 8, 21), ("gemma", None, 37)],
+    ids=["kv", "quantized-8bit", "gemma-window-wrapped"],
+)
+def test_a_loaded_cache_is_bit_identical_and_continues_like_a_fresh_prefill(
+    llama_tiny, gemma_tiny, tmp_path, which, kv_bits, n
+):
+    model = llama_tiny if which == "llama" else gemma_tiny
+    first = generate(engine(model, kv_bits), "a", history(n), 6)
+    path = tmp_path / "a.safetensors"
+    persistence.save(path, first.blocks, model_fingerprint="tiny")
+
+    eng = engine(model, kv_bits)  # a fresh pool, as after a restart
+    loaded = persistence.load(path, eng.pool, model_fingerprint="tiny")
+    assert_identical(loaded, first.blocks)
+    T = [11, 12, 13]
+    cont = eng.submit("a", T, cache=loaded, max_tokens=STEPS)
+    ref = eng.submit("b", list(first.blocks.token_ids) + T, max_tokens=STEPS)
+    done = run(eng)
+    assert done[cont].cached_tokens == n + 6
+    assert done[cont].token_ids == done[ref].token_ids
+    np.testing.assert_allclose(done[cont].logprobs, done[ref].logprobs, atol=LOGPROB_TOL, rtol=0)
+
+
+def test_loading_into_a_pool_that_holds_the_prefix_shares_its_full_blocks(gemma_file):
+    path, original, eng = gemma_file
+    pool = eng.pool
+    before = pool.stats()
+    loaded = persistence.load(path, pool)
+    assert_identical(loaded, original)
+    # 43 tokens in blocks of 4: 10 full global blocks, and the window's one full sliding block
+    shared = [b for b in loaded.unique_blocks() if any(b is o for o in original.unique_blocks())]
+    assert [(b.group, b.start) for b in shared] == [("sliding-w8-k0", 36)] + [("global", 4 * i) for i in range(10)]
+    assert all(pool.refcount(b) == 2 for b in shared)
+    after = pool.stats()
+    assert (after.hits - before.hits, after.used - before.used) == (11, 3)  # 3 partial blocks are private
+
+
+def test_a_file_loads_into_a_pool_of_another_block_size(gemma_file, gemma_tiny):
+    path, original, _ = gemma_file
+    for bt in (3, 16):
+        pool = BlockPool(original.spec, 64, block_tokens=bt)
+        loaded = persistence.load(path, pool)
+        assert loaded.block_tokens == bt
+        assert_identical(loaded, original)
+
+
+def test_bfloat16_and_float16_caches_round_trip(tmp_path):
+    for dtype in ("bfloat16", "float16"):
+        spec = ModelCacheSpec((LayerSpec("global", 2, 32, 16, dtype),) * 3)
+        blocks = synthetic(spec, BlockPool(spec, 16, block_tokens=8), history(21), seed=3)
+        path = tmp_path / f"{dtype}.safetensors"
+        persistence.save(path, blocks, model_fingerprint="synthetic")
+        assert_identical(persistence.load(path, BlockPool(spec, 16, block_tokens=8)), blocks)
+
+
+def test_an_empty_history_round_trips(tmp_path, gemma_tiny):
+    spec = ModelCacheSpec.from_model(gemma_tiny)
+    blocks = synthetic(ModelCacheSpec((spec.layers[1],)), BlockPool(ModelCacheSpec((spec.layers[1],)), 4), [])
+    path = tmp_path / "empty.safetensors"
+    info = persistence.save(path, blocks, model_fingerprint="x")
+    assert info.total_tokens == 0 and info.slots == ()
+    loaded = persistence.load(path, BlockPool(blocks.spec, 4))
+    assert loaded.total_tokens == 0 and loaded.unique_blocks() == []
+
+
+# ---------------------------------------------------------------- the format
+
+
+def test_the_file_is_plain_safetensors_with_one_document_in_its_metadata(gemma_file):
+    from safetensors import safe_open
+    from safetensors.numpy import load_file
+
+    path, original, _ = gemma_file
+    tensors = load_file(str(path))
+    with safe_open(str(path), "np") as f:
+        meta = f.metadata()
+    doc = json.loads(meta[DOC_KEY])
+    assert meta[DOC_HASH_KEY] == xxhash.xxh3_128(meta[DOC_KEY].encode()).hexdigest()
+    assert doc["format_version"] == FORMAT_VERSION and doc["hash"] == "xxh3_128"
+    assert doc["model_fingerprint"] == "tiny-gemma" and doc["block_tokens"] == 4
+    assert doc["token_ids"] == list(original.token_ids)
+    assert ModelCacheSpec.from_dict(doc["spec"]) == original.spec
+    assert {"mlx", "mlx_lm"} <= set(doc)
+    assert doc["layers"][0] == {
+        "cache": "RotatingKVCache", "offset": 43, "window": 8, "keep": 0, "ring_idx": 8, "bits": None, "group_size": None,
+    }
+    assert doc["layers"][1]["cache"] == "KVCache" and doc["layers"][1]["ring_idx"] is None
+    # the sliding layers (0, 2) stacked per block: 8 held tokens 35..42 in blocks [35,36) [36,40) [40,43)
+    assert tensors["sliding-w8-k0/0/00000036/keys"].shape == (2, 1, 1, 4, 32)
+    assert sorted(doc["tensors"]) == sorted(tensors)
+    for name, digest in doc["tensors"].items():
+        assert xxhash.xxh3_128(tensors[name].tobytes()).hexdigest() == digest
+    assert set(mx.load(str(path))) == set(tensors)
+
+
+def test_header_reads_without_the_data(gemma_file):
+    path, original, _ = gemma_file
+    info = persistence.read_header(path)
+    assert info.token_ids == original.token_ids and info.spec == original.spec
+    assert info.nbytes == os.path.getsize(path) and info.agent_id is None
+
+
+# ---------------------------------------------------------------- damage
+
+
+def _rewrite(path, table=None, doc=None, fix_hash=True):
+    """Edit a file's header (and its document) in place, keeping the data."""
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header, data = json.loads(raw[8 : 8 + n]), raw[8 + n :]
+    if doc is not None:
+        d = json.loads(header["__metadata__"][DOC_KEY])
+        doc(d)
+        text = json.dumps(d, sort_keys=True, separators=(",", ":"))
+        header["__metadata__"][DOC_KEY] = text
+        if fix_hash:
+            header["__metadata__"][DOC_HASH_KEY] = xxhash.xxh3_128(text.encode()).hexdigest()
+    if table is not None:
+        table(header)
+    blob = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(blob)) + blob + data)
+
+
+def _flip(path, offset_from_end=None, offset=None):
+    raw = bytearray(path.read_bytes())
+    i = offset if offset is not None else len(raw) - offset_from_end
+    raw[i] ^= 0x10
+    path.write_bytes(bytes(raw))
+
+
+def _first_tensor(h):
+    return next(k for k in h if k != "__metadata__")
+
+
+def _set(h, field, value):
+    h[_first_tensor(h)][field] = value
+
+
+DAMAGE = {
+    "empty file": (lambda p: p.write_bytes(b""), "no header length"),
+    "truncated data": (lambda p: p.write_bytes(p.read_bytes()[:-1]), "truncated or extended"),
+    "truncated header": (lambda p: p.write_bytes(p.read_bytes()[:100]), "does not fit"),
+    "extended": (lambda p: p.write_bytes(p.read_bytes() + b"\0"), "truncated or extended"),
+    "bit flip in the last tensor": (lambda p: _flip(p, offset_from_end=3), "checksum mismatch"),
+    "bit flip in the document": (lambda p: _flip(p, offset=60), "document checksum mismatch|not JSON"),
+    "edited token id": (lambda p: _rewrite(p, doc=lambda d: d["token_ids"].__setitem__(0, 7), fix_hash=False), "document checksum"),
+    "missing tensor": (lambda p: _rewrite(p, table=lambda h: h.pop(_first_tensor(h))), "is missing"),
+    "wrong shape": (lambda p: _rewrite(p, table=lambda h: _set(h, "shape", [1, 1, 1, 1, 1])), "layout needs"),
+    "wrong dtype": (lambda p: _rewrite(p, table=lambda h: _set(h, "dtype", "F16")), "layout needs"),
+    "unknown format version": (lambda p: _rewrite(p, doc=lambda d: d.update(format_version=2)), "unknown format version 2"),
+    "not a cache file": (lambda p: mx.save_safetensors(str(p), {"x": mx.zeros(3)}), "not a semantic-kv cache file"),
+    "malformed document": (lambda p: _rewrite(p, doc=lambda d: d.pop("spec")), "malformed document"),
+    "edited layer meta": (lambda p: _rewrite(p, doc=lambda d: d["layers"][0].update(ring_idx=3)), "per-layer cache meta"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DAMAGE))
+def test_each_kind_of_damage_raises_cache_corrupt_error_naming_file_and_reason(gemma_file, case):
+    path, _, eng = gemma_file
+    damage, reason = DAMAGE[case]
+    damage(path)
+    fresh = BlockPool(eng.spec, 64, block_tokens=4)
+    with pytest.raises(CacheCorruptError, match=reason) as err:
+        persistence.load(path, fresh)
+    assert err.value.path == str(path) and str(path) in str(err.value)
+    assert fresh.stats().used == 0
+
+
+def test_a_failed_load_leaves_the_pool_unchanged(gemma_file):
+    path, _, eng = gemma_file
+    _flip(path, offset_from_end=1)  # the last tensor: every other one verifies first
+    pool = BlockPool(eng.spec, 64, block_tokens=4)
+    before = pool.stats()
+    with pytest.raises(CacheCorruptError, match="checksum mismatch"):
+        persistence.load(path, pool)
+    assert pool.stats() == before
+
+
+def test_another_model_or_spec_raises_cache_mismatch_error(gemma_file, llama_tiny):
+    path, _, eng = gemma_file
+    with pytest.raises(CacheMismatchError, match="written for model 'tiny-gemma', not 'other'"):
+        persistence.load(path, BlockPool(eng.spec, 64, block_tokens=4), model_fingerprint="other")
+    llama = ModelCacheSpec.from_model(llama_tiny)
+    with pytest.raises(CacheMismatchError, match="another cache spec"):
+        persistence.load(path, BlockPool(llama, 64, block_tokens=4))
+    narrower = ModelCacheSpec.from_model(tiny_gemma3(window=4))
+    with pytest.raises(CacheMismatchError):
+        persistence.load(path, BlockPool(narrower, 64, block_tokens=4))
+
+
+def test_a_pool_too_small_raises_before_taking_any_block(gemma_file):
+    path, _, eng = gemma_file
+    pool = BlockPool(eng.spec, 5, block_tokens=4)
+    with pytest.raises(PoolExhaustedError, match="need 14 free blocks"):
+        persistence.load(path, pool)
+    assert pool.stats().used == 0
+
+
+# ---------------------------------------------------------------- saving
+
+
+def test_saving_replaces_the_old_file_and_leaves_no_temporary_file(gemma_file, gemma_tiny):
+    path, original, eng = gemma_file
+    longer = generate(eng, "a", list(original.token_ids) + [5, 6], 3).blocks
+    persistence.save(path, longer, model_fingerprint="tiny-gemma")
+    assert os.listdir(path.parent) == [path.name]
+    assert_identical(persistence.load(path, BlockPool(eng.spec, 64, block_tokens=4)), longer)
+
+
+def test_a_save_that_fails_midway_keeps_the_old_file(gemma_file, monkeypatch):
+    path, original, eng = gemma_file
+    before = path.read_bytes()
+    calls = []
+
+    def failing(fd, view):
+        calls.append(view.nbytes)
+        if len(calls) == 3:
+            raise OSError(28, "No space left on device")
+        os.write(fd, view)
+
+    monkeypatch.setattr(persistence, "_write_all", failing)
+    with pytest.raises(OSError, match="No space left"):
+        persistence.save(path, original, model_fingerprint="tiny-gemma")
+    assert path.read_bytes() == before
+    assert os.listdir(path.parent) == [path.name]
+
+
+def test_released_blocks_and_bad_arguments_are_refused(gemma_file, tmp_path):
+    path, original, eng = gemma_file
+    with pytest.raises(InvalidRequestError, match="model_fingerprint"):
+        persistence.save(tmp_path / "x.safetensors", original, model_fingerprint="")
+    original.release()
+    with pytest.raises(CacheMismatchError, match="released"):
+        persistence.save(tmp_path / "x.safetensors", original, model_fingerprint="m")
+    assert not (tmp_path / "x.safetensors").exists()
