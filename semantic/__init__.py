@@ -4,9 +4,11 @@ from semantic.blocks import AgentBlocks, KVBlock
 from semantic.engine import BlockPoolBatchEngine, Completion
 from semantic.errors import (
     AgentBusyError,
+    CacheCorruptError,
     CacheError,
     CacheMismatchError,
     CacheShapeError,
+    InvalidAgentIdError,
     InvalidRequestError,
     PoolExhaustedError,
     UnknownSequenceError,
@@ -14,22 +16,27 @@ from semantic.errors import (
 )
 from semantic.pool import BlockPool, PoolStats
 from semantic.spec import LayerSpec, ModelCacheSpec
+from semantic.store import AgentCacheStore, StoreStats
 
 __all__ = [
     "AgentBlocks",
     "AgentBusyError",
+    "AgentCacheStore",
     "BlockPool",
     "BlockPoolBatchEngine",
     "Completion",
+    "CacheCorruptError",
     "CacheError",
     "CacheMismatchError",
     "CacheShapeError",
+    "InvalidAgentIdError",
     "InvalidRequestError",
     "KVBlock",
     "LayerSpec",
     "ModelCacheSpec",
     "PoolExhaustedError",
     "PoolStats",
+    "StoreStats",
     "UnknownSequenceError",
     "UnsupportedCacheError",
 ]

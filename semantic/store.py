@@ -1,0 +1,464 @@
+"""Agents' caches kept across turns and restarts: a RAM tier over a disk tier.
+
+``save`` writes the agent's cache file (``persistence``, crash-safe) before
+it returns, and keeps the blocks in RAM; ``load`` answers from RAM, else
+from the file, else ``None``. So every saved cache survives a crash, and the
+RAM tier only saves reading::
+
+    save(a) ──► file a (fsynced) ──► RAM: a        (write-through)
+    load(a) ──► RAM hit?  ──► file? ──► None
+    RAM over budget   ──► drop least recently used (its file stays)
+    disk over budget  ──► delete least recently used files (never the one just saved)
+
+Agent ids are mapped to file names, never used as paths: ``<slug>-<sha256
+prefix>.safetensors``, where the slug keeps only ``[a-z0-9_-]`` of the id for
+people reading the directory and the digest keeps distinct ids apart (also
+on case-insensitive file systems). The id itself is stored in the file. Any
+string of 1 to 256 characters without control characters is an id; others
+raise :class:`InvalidAgentIdError`.
+
+On startup the store scans its directory: it deletes temporary files that a
+dead process left, moves files that fail their header check to
+``quarantine/`` (see :attr:`AgentCacheStore.quarantined`), skips files of
+another model or spec, and indexes the rest, least recently used first.
+
+Threads: calls for different agents run concurrently (file reads and writes
+happen outside every shared lock); calls for the same agent are serialized.
+Every use the store makes of ``pool`` holds :attr:`AgentCacheStore.pool_lock`,
+and so do the releases of the AgentBlocks it returns; anything else that
+uses the same pool from another thread must hold it too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import threading
+import time
+import unicodedata
+from collections import Counter, OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+from semantic import persistence
+from semantic.blocks import AgentBlocks, KVBlock
+from semantic.errors import (
+    CacheCorruptError,
+    CacheMismatchError,
+    InvalidAgentIdError,
+    PoolExhaustedError,
+)
+from semantic.pool import BlockPool
+from semantic.spec import ModelCacheSpec
+
+log = logging.getLogger(__name__)
+
+MAX_AGENT_ID = 256
+QUARANTINE_DIR = "quarantine"
+_TMP = re.compile(r"^\..+\.(\d+)\.[0-9a-f]{8}" + re.escape(persistence.TMP_SUFFIX) + "$")
+
+
+def file_name(agent_id: str) -> str:
+    """The file name that holds ``agent_id``'s cache (never a path).
+
+    Raises:
+        InvalidAgentIdError: not a string of 1 to 256 characters, or it
+            contains control characters (NUL included) or lone surrogates.
+    """
+    if not isinstance(agent_id, str) or not 1 <= len(agent_id) <= MAX_AGENT_ID:
+        shown = agent_id if not isinstance(agent_id, str) else f"{len(agent_id)} characters"
+        raise InvalidAgentIdError(f"agent id must be a string of 1 to {MAX_AGENT_ID} characters, got {shown!r}")
+    if any(unicodedata.category(ch) in ("Cc", "Cs") for ch in agent_id):
+        raise InvalidAgentIdError(f"agent id {agent_id!r} contains control characters or lone surrogates")
+    slug = re.sub(r"[^a-z0-9_-]+", "-", agent_id.lower()).strip("-")[:32] or "agent"
+    digest = hashlib.sha256(agent_id.encode()).hexdigest()[:24]
+    return f"{slug}-{digest}{persistence.SUFFIX}"
+
+
+@dataclass(frozen=True, slots=True)
+class StoreStats:
+    """Counters since the store opened, and what each tier holds now.
+
+    ``ram_bytes`` counts each pooled block once, however many agents share
+    it; ``disk_bytes`` is the size of the indexed files.
+    """
+
+    ram_hits: int
+    disk_hits: int
+    misses: int
+    ram_evictions: int
+    disk_evictions: int
+    ram_agents: int
+    disk_agents: int
+    ram_bytes: int
+    disk_bytes: int
+    quarantined: int
+
+    @property
+    def hits(self) -> int:
+        return self.ram_hits + self.disk_hits
+
+
+@dataclass(frozen=True, slots=True)
+class Quarantined:
+    """A cache file moved aside because it failed its checks."""
+
+    path: str       # where it is now
+    original: str   # where it was
+    reason: str
+
+
+@dataclass(slots=True)
+class _OnDisk:
+    path: Path
+    nbytes: int
+
+
+class AgentCacheStore:
+    """Agents' caches in RAM (LRU, ``ram_budget_bytes``) over files in
+    ``cache_dir`` (LRU, ``disk_budget_bytes``), for one model and spec.
+
+    Args:
+        cache_dir: created if missing; holds one file per agent.
+        spec: the cache spec every saved and loaded cache must have.
+        model_fingerprint: written into each file; files of other models
+            are left alone and not indexed.
+        ram_budget_bytes: bytes of pooled blocks the RAM tier may keep
+            referenced (0 disables it). Keep it below the pool's capacity.
+        disk_budget_bytes: bytes of files the disk tier may keep (a soft
+            limit: the file just saved is never deleted to meet it).
+        pool: the block pool loaded caches go into (the engine's pool).
+        durable: fsync each file and the directory on save.
+    """
+
+    def __init__(
+        self,
+        cache_dir: str | os.PathLike,
+        spec: ModelCacheSpec,
+        model_fingerprint: str,
+        ram_budget_bytes: int,
+        disk_budget_bytes: int,
+        *,
+        pool: BlockPool,
+        durable: bool = True,
+    ):
+        if not isinstance(model_fingerprint, str) or not model_fingerprint:
+            raise ValueError(f"model_fingerprint must be a non-empty string, got {model_fingerprint!r}")
+        if ram_budget_bytes < 0 or disk_budget_bytes < 0:
+            raise ValueError(f"budgets must be >= 0, got RAM {ram_budget_bytes} and disk {disk_budget_bytes}")
+        spec.require_same(pool.spec, "the pool")
+        self.dir = Path(cache_dir)
+        self.spec, self.fingerprint, self.pool, self.durable = spec, model_fingerprint, pool, durable
+        self.ram_budget, self.disk_budget = ram_budget_bytes, disk_budget_bytes
+        self.pool_lock = threading.RLock()
+        self._lock = threading.Lock()  # index, RAM tier and counters; never held during file I/O
+        self._agent_locks: dict[str, threading.Lock] = {}
+        self._ram: OrderedDict[str, AgentBlocks] = OrderedDict()
+        self._ram_refs: Counter[int] = Counter()  # id(block) -> RAM agents holding it
+        self._ram_bytes = 0
+        self._disk: OrderedDict[str, _OnDisk] = OrderedDict()
+        self._counts = Counter()
+        self.quarantined: list[Quarantined] = []
+        self.foreign: list[str] = []   # files of another model or spec, left in place
+        self.cleaned: list[str] = []   # leftover temporary files deleted on startup
+        self._scan()
+
+    # ------------------------------------------------------------ public
+
+    def save(self, agent_id: str, blocks: AgentBlocks) -> None:
+        """Write ``agent_id``'s cache to disk, then keep it in RAM.
+
+        The store takes its own reference to the blocks; the caller keeps
+        (and may release) ``blocks``.
+        """
+        name = file_name(agent_id)
+        self.spec.require_same(blocks.spec, "these blocks")
+        if blocks.released:
+            raise CacheMismatchError(f"agent {agent_id!r}: these AgentBlocks were released")
+        with self._agent_lock(agent_id):
+            path = self.dir / name
+            info = persistence.save(
+                path, blocks, model_fingerprint=self.fingerprint, agent_id=agent_id, durable=self.durable
+            )
+            kept = self._retain(blocks)
+            with self._lock:
+                dropped = self._ram_put(agent_id, kept)
+                self._disk[agent_id] = _OnDisk(path, info.nbytes)
+                self._disk.move_to_end(agent_id)
+                dropped += self._ram_trim()
+            self._release_all(dropped)
+        self._disk_trim(keep=agent_id)
+
+    def load(self, agent_id: str) -> AgentBlocks | None:
+        """``agent_id``'s cache (a new reference the caller owns), or None.
+
+        A file that fails verification is quarantined and reported as a miss.
+        """
+        file_name(agent_id)
+        with self._agent_lock(agent_id):
+            with self._lock:
+                kept = self._ram.get(agent_id)
+                entry = self._disk.get(agent_id)
+                if kept is not None:
+                    self._ram.move_to_end(agent_id)
+                    if entry is not None:
+                        self._disk.move_to_end(agent_id)
+                    self._counts["ram_hits"] += 1
+                    # under the lock: another thread's eviction cannot release it first
+                    return self._retain(kept)
+                if entry is None:
+                    self._counts["misses"] += 1
+                    return None
+            blocks = self._load_file(agent_id, entry)
+            if blocks is None:
+                return None
+            out = self._retain(blocks)
+            with self._lock:
+                self._counts["disk_hits"] += 1
+                if agent_id in self._disk:
+                    self._disk.move_to_end(agent_id)
+                dropped = self._ram_put(agent_id, blocks) + self._ram_trim()
+            self._release_all(dropped)
+            try:
+                os.utime(entry.path)  # recency survives a restart
+            except OSError:
+                pass
+            return out
+
+    def delete(self, agent_id: str) -> bool:
+        """Forget ``agent_id`` in both tiers; True if it was stored."""
+        file_name(agent_id)
+        with self._agent_lock(agent_id):
+            with self._lock:
+                entry = self._disk.pop(agent_id, None)
+                dropped = self._ram_pop(agent_id)
+            self._release_all(dropped)
+            if entry is not None:
+                _unlink(entry.path)
+            return entry is not None or bool(dropped)
+
+    def agents(self) -> list[str]:
+        """Ids of the stored agents, sorted."""
+        with self._lock:
+            return sorted(set(self._disk) | set(self._ram))
+
+    def stats(self) -> StoreStats:
+        with self._lock:
+            return StoreStats(
+                ram_hits=self._counts["ram_hits"],
+                disk_hits=self._counts["disk_hits"],
+                misses=self._counts["misses"],
+                ram_evictions=self._counts["ram_evictions"],
+                disk_evictions=self._counts["disk_evictions"],
+                ram_agents=len(self._ram),
+                disk_agents=len(self._disk),
+                ram_bytes=self._ram_bytes,
+                disk_bytes=sum(e.nbytes for e in self._disk.values()),
+                quarantined=len(self.quarantined),
+            )
+
+    def close(self) -> None:
+        """Drop the RAM tier (the files stay)."""
+        with self._lock:
+            dropped = [b for a in list(self._ram) for b in self._ram_pop(a)]
+        self._release_all(dropped)
+
+    def __enter__(self) -> "AgentCacheStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------ RAM tier
+
+    def _retain(self, blocks: AgentBlocks) -> AgentBlocks:
+        """Another reference to the same pooled blocks, released through the lock."""
+        with self.pool_lock:
+            unique = blocks.unique_blocks()
+            if any(self.pool.refcount(b) == 0 for b in unique):
+                raise CacheMismatchError("these blocks are not live in this store's pool")
+            for b in unique:
+                self.pool.acquire(b)
+        groups = {g: list(bl) for g, bl in blocks.groups.items()}
+        return AgentBlocks(blocks.spec, blocks.token_ids, groups, blocks.block_tokens, _release=self._release)
+
+    def _release(self, blocks: list[KVBlock]) -> None:
+        with self.pool_lock:
+            self.pool.release(blocks)
+
+    @staticmethod
+    def _release_all(dropped: list[AgentBlocks]) -> None:
+        for b in dropped:
+            b.release()
+
+    def _ram_put(self, agent_id: str, blocks: AgentBlocks) -> list[AgentBlocks]:
+        dropped = self._ram_pop(agent_id)
+        self._ram[agent_id] = blocks
+        for b in blocks.unique_blocks():
+            if self._ram_refs[id(b)] == 0:
+                self._ram_bytes += b.nbytes
+            self._ram_refs[id(b)] += 1
+        return dropped
+
+    def _ram_pop(self, agent_id: str) -> list[AgentBlocks]:
+        blocks = self._ram.pop(agent_id, None)
+        if blocks is None:
+            return []
+        for b in blocks.unique_blocks():
+            self._ram_refs[id(b)] -= 1
+            if self._ram_refs[id(b)] == 0:
+                del self._ram_refs[id(b)]
+                self._ram_bytes -= b.nbytes
+        return [blocks]
+
+    def _ram_trim(self) -> list[AgentBlocks]:
+        dropped = []
+        while self._ram_bytes > self.ram_budget and self._ram:
+            dropped += self._ram_pop(next(iter(self._ram)))
+            self._counts["ram_evictions"] += 1
+        return dropped
+
+    # ------------------------------------------------------------ disk tier
+
+    def _load_file(self, agent_id: str, entry: _OnDisk) -> AgentBlocks | None:
+        while True:
+            try:
+                return persistence.load(entry.path, self.pool, model_fingerprint=self.fingerprint, lock=self.pool_lock)
+            except PoolExhaustedError:
+                # the RAM tier may be what fills the pool: give back its oldest agent and retry
+                with self._lock:
+                    victim = next((a for a in self._ram if a != agent_id), None)
+                    dropped = self._ram_pop(victim) if victim is not None else []
+                    self._counts["ram_evictions"] += bool(dropped)
+                if not dropped:
+                    raise
+                self._release_all(dropped)
+            except CacheCorruptError as exc:
+                self._forget(agent_id)
+                self._quarantine(entry.path, exc.reason)
+                return None
+            except (CacheMismatchError, FileNotFoundError) as exc:
+                # replaced by another model's file, or removed behind our back
+                log.warning("agent %r: cannot load %s: %s", agent_id, entry.path, exc)
+                self._forget(agent_id)
+                return None
+
+    def _forget(self, agent_id: str) -> None:
+        with self._lock:
+            self._disk.pop(agent_id, None)
+            self._counts["misses"] += 1
+
+    def _disk_trim(self, keep: str) -> None:
+        """Delete least recently used files until the disk tier fits its budget.
+
+        Agents busy in another thread are skipped rather than waited for.
+        """
+        while True:
+            with self._lock:
+                total = sum(e.nbytes for e in self._disk.values())
+                if total <= self.disk_budget:
+                    return
+                candidates = [a for a in self._disk if a != keep]
+            for victim in candidates:
+                lock = self._agent_lock(victim)
+                if lock.acquire(blocking=False):
+                    break
+            else:
+                return  # every other agent is busy: try again on the next save
+            try:
+                with self._lock:
+                    entry = self._disk.pop(victim, None)
+                    dropped = self._ram_pop(victim)
+                    self._counts["disk_evictions"] += entry is not None
+                self._release_all(dropped)
+                if entry is not None:
+                    _unlink(entry.path)
+            finally:
+                lock.release()
+
+    def _quarantine(self, path: Path, reason: str) -> None:
+        qdir = self.dir / QUARANTINE_DIR
+        qdir.mkdir(exist_ok=True)
+        dest = qdir / f"{path.name}.{time.time_ns()}"
+        try:
+            os.replace(path, dest)
+        except FileNotFoundError:
+            return
+        log.warning("quarantined %s -> %s: %s", path, dest, reason)
+        with self._lock:
+            self.quarantined.append(Quarantined(str(dest), str(path), reason))
+
+    def _scan(self) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        found = []
+        for path in sorted(self.dir.iterdir()):
+            if not path.is_file():
+                continue
+            tmp = _TMP.match(path.name)
+            if tmp:
+                if _leftover(path, int(tmp.group(1))):
+                    _unlink(path)
+                    self.cleaned.append(str(path))
+                continue
+            if not path.name.endswith(persistence.SUFFIX):
+                continue
+            try:
+                info = persistence.read_header(path)
+            except CacheCorruptError as exc:
+                self._quarantine(path, exc.reason)
+                continue
+            except OSError as exc:
+                log.warning("skipping unreadable cache file %s: %s", path, exc)
+                continue
+            if info.model_fingerprint != self.fingerprint or info.spec != self.spec:
+                self.foreign.append(str(path))
+                continue
+            try:
+                expected = file_name(info.agent_id)
+            except InvalidAgentIdError:
+                expected = None
+            if expected != path.name:
+                self._quarantine(path, f"file name does not match its agent id {info.agent_id!r}")
+                continue
+            found.append((path.stat().st_mtime_ns, info.agent_id, _OnDisk(path, info.nbytes)))
+        for _, agent_id, entry in sorted(found, key=lambda x: (x[0], x[1])):
+            self._disk[agent_id] = entry
+        self._disk_trim(keep="")
+
+    def _agent_lock(self, agent_id: str) -> threading.Lock:
+        with self._lock:
+            return self._agent_locks.setdefault(agent_id, threading.Lock())
+
+
+
+def _unlink(path: Path) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+_STARTED_NS = time.time_ns()
+
+
+def _leftover(path: Path, pid: int) -> bool:
+    """Whether a temporary file was left by a writer that is gone.
+
+    A file named with our pid is in flight unless it predates this process
+    (a container restart can hand a new process its predecessor's pid).
+    """
+    if pid == os.getpid():
+        return path.stat().st_mtime_ns < _STARTED_NS
+    return not _alive(pid)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

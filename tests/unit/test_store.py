@@ -1,0 +1,316 @@
+"""AgentCacheStore: tiers, budgets, restarts, quarantine, agent ids, threads."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from semantic import (
+    AgentCacheStore,
+    BlockPool,
+    CacheMismatchError,
+    InvalidAgentIdError,
+    ModelCacheSpec,
+)
+from semantic import persistence
+from semantic.store import QUARANTINE_DIR, file_name
+from tests.cache_helpers import LOGPROB_TOL, assert_identical, engine, generate, history, run
+
+FP = "tiny-model"
+
+
+def _store(eng, path, ram=10**9, disk=10**9, **kw):
+    return AgentCacheStore(path, eng.spec, FP, ram, disk, pool=eng.pool, durable=False, **kw)
+
+
+def _files(path):
+    return sorted(p.name for p in path.iterdir() if p.is_file())
+
+
+@pytest.fixture
+def eng(llama_tiny):
+    return engine(llama_tiny, blocks=512)
+
+
+@pytest.fixture
+def caches(eng):
+    """Three agents' caches of different lengths (20, 24, 28 tokens)."""
+    return {a: generate(eng, a, history(n, seed=i), 4).blocks for i, (a, n) in enumerate((("a", 16), ("b", 20), ("c", 24)))}
+
+
+@pytest.mark.parametrize("which,kv_bits", [("gemma", None), ("llama", 8)], ids=["gemma-window-wrapped", "quantized-8bit"])
+def test_a_saved_cache_survives_a_restart_and_continues_like_a_fresh_prefill(
+    llama_tiny, gemma_tiny, tmp_path, which, kv_bits
+):
+    model = gemma_tiny if which == "gemma" else llama_tiny
+    first = engine(model, kv_bits)
+    done = generate(first, "agent-1", history(29), 5)
+    with _store(first, tmp_path) as store:
+        store.save("agent-1", done.blocks)
+
+    after = engine(model, kv_bits)  # a new process: new pool, new store over the same directory
+    store = _store(after, tmp_path)
+    assert store.agents() == ["agent-1"]
+    loaded = store.load("agent-1")
+    assert_identical(loaded, done.blocks)
+    assert (store.stats().disk_hits, store.stats().ram_hits) == (1, 0)
+    cont = after.submit("agent-1", [3, 4], cache=loaded, max_tokens=12)
+    ref = after.submit("ref", list(done.blocks.token_ids) + [3, 4], max_tokens=12)
+    out = run(after)
+    assert out[cont].token_ids == out[ref].token_ids
+    np.testing.assert_allclose(out[cont].logprobs, out[ref].logprobs, atol=LOGPROB_TOL, rtol=0)
+
+
+def test_a_load_after_a_save_is_a_ram_hit_and_returns_an_independent_reference(eng, caches, tmp_path, monkeypatch):
+    store = _store(eng, tmp_path)
+    store.save("a", caches["a"])
+    caches["a"].release()  # the caller's reference; the store keeps its own
+    monkeypatch.setattr(persistence, "load", lambda *a, **k: pytest.fail("a RAM hit must not read the file"))
+    got = store.load("a")
+    assert got is not None and got.total_tokens == 20
+    got.release()
+    again = store.load("a")
+    assert again.total_tokens == 20 and not again.released
+    s = store.stats()
+    assert (s.ram_hits, s.disk_hits, s.misses, s.ram_agents, s.disk_agents) == (2, 0, 0, 1, 1)
+    assert store.load("nobody") is None and store.stats().misses == 1
+
+
+def test_the_ram_tier_evicts_the_least_recently_used_agent_and_keeps_its_file(eng, caches, tmp_path):
+    sizes = {a: b.nbytes for a, b in caches.items()}
+    store = _store(eng, tmp_path, ram=sizes["a"] + sizes["b"] + sizes["c"] - 1)
+    for a in "abc":
+        store.save(a, caches[a])
+    s = store.stats()
+    assert (s.ram_agents, s.ram_evictions, s.disk_agents) == (2, 1, 3)  # "a" left RAM first
+    assert s.ram_bytes == sizes["b"] + sizes["c"]
+    assert store.load("b") is not None and store.stats().ram_hits == 1
+    assert_identical(store.load("a"), caches["a"])  # from its file
+    s = store.stats()
+    assert (s.disk_hits, s.ram_evictions) == (1, 2)  # loading "a" pushed out "c", now the oldest
+
+
+def test_ram_bytes_count_a_block_shared_by_two_agents_once(eng, tmp_path):
+    prefix = history(16)
+    a = generate(eng, "a", prefix + [1], 2).blocks
+    b = generate(eng, "b", prefix + [2], 2).blocks
+    store = _store(eng, tmp_path)
+    store.save("a", a)
+    store.save("b", b)
+    shared = {id(x) for x in a.unique_blocks()} & {id(x) for x in b.unique_blocks()}
+    assert len(shared) == 4  # 16 tokens in blocks of 4
+    assert store.stats().ram_bytes == a.nbytes + b.nbytes - sum(x.nbytes for x in a.unique_blocks() if id(x) in shared)
+
+
+def test_the_disk_tier_deletes_the_least_recently_used_files(eng, caches, tmp_path):
+    sizes = {a: os.path.getsize(persistence.save(tmp_path / "probe", caches[a], model_fingerprint=FP).path) for a in "abc"}
+    os.unlink(tmp_path / "probe")
+    store = _store(eng, tmp_path, ram=0, disk=sizes["a"] + sizes["c"] + sizes["b"] // 2)
+    store.save("a", caches["a"])
+    store.save("b", caches["b"])
+    assert store.load("a") is not None  # now "b" is the least recently used
+    store.save("c", caches["c"])
+    assert store.agents() == ["a", "c"]
+    assert _files(tmp_path) == sorted([file_name("a"), file_name("c")])
+    assert store.stats().disk_evictions == 1
+    assert store.load("b") is None
+
+
+def test_the_file_just_saved_is_kept_even_over_the_disk_budget(eng, caches, tmp_path):
+    store = _store(eng, tmp_path, disk=1)
+    store.save("a", caches["a"])
+    store.save("b", caches["b"])
+    assert store.agents() == ["b"] and _files(tmp_path) == [file_name("b")]
+
+
+def test_a_restart_orders_agents_by_file_age_and_trims_to_the_budget(eng, caches, tmp_path):
+    store = _store(eng, tmp_path)
+    for i, a in enumerate("abc"):
+        store.save(a, caches[a])
+        os.utime(tmp_path / file_name(a), ns=(10**18 + i, 10**18 + i))
+    os.utime(tmp_path / file_name("a"), ns=(2 * 10**18, 2 * 10**18))  # "a" used last
+    budget = sum(os.path.getsize(tmp_path / file_name(a)) for a in "ac")
+    store.close()
+    again = _store(eng, tmp_path, disk=budget)
+    assert again.agents() == ["a", "c"] and again.stats().disk_evictions == 1
+
+
+def test_startup_cleans_leftover_temporary_files_and_keeps_a_live_writers(eng, caches, tmp_path):
+    dead = tmp_path / ".x.safetensors.999999999.0123abcd.tmp"
+    ours_old = tmp_path / f".y.safetensors.{os.getpid()}.0123abcd.tmp"
+    live = tmp_path / f".z.safetensors.{os.getppid()}.0123abcd.tmp"
+    for p in (dead, ours_old, live):
+        p.write_bytes(b"partial")
+    os.utime(ours_old, ns=(1, 1))  # from before this process started
+    store = _store(eng, tmp_path)
+    assert sorted(store.cleaned) == sorted([str(dead), str(ours_old)])
+    assert _files(tmp_path) == [live.name]
+
+
+def test_corrupt_files_are_quarantined_and_reported_not_fatal(eng, caches, tmp_path):
+    store = _store(eng, tmp_path)
+    for a in "abc":
+        store.save(a, caches[a])
+    store.close()
+    (tmp_path / file_name("a")).write_bytes(b"\x10\0\0\0\0\0\0\0{not json at all}")
+    renamed = tmp_path / file_name("b")
+    renamed.rename(tmp_path / file_name("someone-else"))
+    again = _store(eng, tmp_path)
+    assert again.agents() == ["c"]
+    reasons = {os.path.basename(q.original): q.reason for q in again.quarantined}
+    assert "not JSON" in reasons[file_name("a")]
+    assert "does not match its agent id 'b'" in reasons[file_name("someone-else")]
+    assert sorted(p.name.rsplit(".", 1)[0] for p in (tmp_path / QUARANTINE_DIR).iterdir()) == sorted(reasons)
+    assert again.stats().quarantined == 2
+
+
+def test_a_file_damaged_after_startup_is_quarantined_on_load_and_is_a_miss(eng, caches, tmp_path, llama_tiny):
+    _store(eng, tmp_path).save("a", caches["a"])
+    fresh = engine(llama_tiny)  # a pool without a's blocks: a pooled block would be shared, not read
+    store = _store(fresh, tmp_path)
+    path = tmp_path / file_name("a")
+    raw = bytearray(path.read_bytes())
+    raw[-5] ^= 1
+    path.write_bytes(bytes(raw))
+    assert store.load("a") is None
+    assert store.agents() == [] and store.stats().misses == 1
+    assert "checksum mismatch" in store.quarantined[0].reason
+    assert fresh.pool.stats().used == 0
+
+
+def test_files_of_another_model_are_left_alone(eng, caches, tmp_path):
+    persistence.save(tmp_path / file_name("a"), caches["a"], model_fingerprint="other-model", agent_id="a")
+    store = _store(eng, tmp_path)
+    assert store.agents() == [] and store.foreign == [str(tmp_path / file_name("a"))]
+    assert _files(tmp_path) == [file_name("a")]
+
+
+def test_delete_forgets_an_agent_in_both_tiers(eng, caches, tmp_path):
+    store = _store(eng, tmp_path)
+    store.save("a", caches["a"])
+    assert store.delete("a") is True and store.delete("a") is False
+    assert store.agents() == [] and _files(tmp_path) == [] and store.load("a") is None
+    assert store.stats().ram_bytes == 0
+
+
+NASTY_IDS = [
+    "../x", "../../etc/passwd", "/etc/passwd", "/tmp/abs", "a/b", "a\\b", "..", ".", "~", "$HOME", "C:\\x",
+    "con", "NUL", "Agent", "agent", "ünïcödé 🤖", "x" * 256, " spaced ", "-rf", ".hidden", "a.safetensors",
+]
+
+
+def test_agent_ids_map_to_file_names_inside_the_cache_dir(eng, caches, tmp_path):
+    root = tmp_path / "cache"
+    store = _store(eng, root)
+    for a in NASTY_IDS:
+        store.save(a, caches["a"])
+    names = {file_name(a) for a in NASTY_IDS}
+    assert len(names) == len(NASTY_IDS)  # "Agent" and "agent" too: distinct also on case-insensitive disks
+    assert _files(root) == sorted(names)
+    assert [p.name for p in tmp_path.iterdir()] == ["cache"]  # nothing beside or above it
+    assert all("/" not in n and "\\" not in n and not n.startswith(".") for n in names)
+    again = _store(eng, root)
+    assert again.agents() == sorted(NASTY_IDS)
+    assert again.load("../x").token_ids == caches["a"].token_ids
+
+
+@pytest.mark.parametrize("bad", ["", "a\0b", "line\nbreak", "x" * 257, "\ud800", None, 7, b"bytes"])
+def test_unusable_agent_ids_raise_and_write_nothing(eng, caches, tmp_path, bad):
+    store = _store(eng, tmp_path)
+    for call in (lambda: store.save(bad, caches["a"]), lambda: store.load(bad), lambda: store.delete(bad)):
+        with pytest.raises(InvalidAgentIdError):
+            call()
+    assert _files(tmp_path) == []
+
+
+def test_caches_of_another_spec_or_pool_are_refused(eng, caches, tmp_path, gemma_tiny):
+    store = _store(eng, tmp_path)
+    other = generate(engine(gemma_tiny), "g", [1, 2, 3], 1).blocks
+    with pytest.raises(CacheMismatchError, match="another cache spec"):
+        store.save("g", other)
+    foreign_pool = generate(engine(eng.model), "f", [1, 2, 3], 1).blocks
+    with pytest.raises(CacheMismatchError, match="not live in this store's pool"):
+        store.save("f", foreign_pool)
+    with pytest.raises(ValueError, match="budgets"):
+        _store(eng, tmp_path, ram=-1)
+
+
+def test_a_full_pool_makes_room_by_dropping_ram_agents_on_load(llama_tiny, tmp_path):
+    elsewhere = engine(llama_tiny)
+    c = generate(elsewhere, "c", history(26, seed=3), 2).blocks  # 28 tokens: 7 blocks of 4
+    persistence.save(tmp_path / file_name("c"), c, model_fingerprint=FP, agent_id="c")
+    eng = engine(llama_tiny, blocks=16)
+    store = _store(eng, tmp_path)
+    for name, seed in (("a", 1), ("b", 2)):
+        blocks = generate(eng, name, history(26, seed=seed), 2).blocks
+        store.save(name, blocks)
+        blocks.release()
+    assert eng.pool.stats().used == 14  # the RAM tier holds a and b
+    loaded = store.load("c")  # needs 7 blocks, 2 are free: a, the oldest, leaves RAM
+    assert_identical(loaded, c)
+    s = store.stats()
+    assert (s.ram_evictions, s.ram_agents, s.disk_hits) == (1, 2, 1)
+    assert store.agents() == ["a", "b", "c"]
+
+
+def test_threads_on_different_agents_overlap_and_on_the_same_agent_serialize(eng, caches, tmp_path, monkeypatch):
+    store = _store(eng, tmp_path, ram=caches["a"].nbytes * 2)
+    in_flight: dict[str, int] = {}
+    peak = {"same": 0, "all": 0}
+    guard = threading.Lock()
+    real_save = persistence.save
+
+    def slow_save(path, blocks, **kw):
+        agent = kw["agent_id"]
+        with guard:
+            in_flight[agent] = in_flight.get(agent, 0) + 1
+            peak["same"] = max(peak["same"], in_flight[agent])
+            peak["all"] = max(peak["all"], sum(in_flight.values()))
+        time.sleep(0.01)
+        try:
+            return real_save(path, blocks, **kw)
+        finally:
+            with guard:
+                in_flight[agent] -= 1
+
+    monkeypatch.setattr(persistence, "save", slow_save)
+    errors = []
+
+    def worker(agent, seed):
+        rng = np.random.default_rng(seed)
+        try:
+            for _ in range(12):
+                if rng.random() < 0.5:
+                    store.save(agent, caches[agent])
+                else:
+                    got = store.load(agent)
+                    if got is not None:
+                        assert got.token_ids == caches[agent].token_ids
+                        got.release()
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(a, i)) for i, a in enumerate("abcabc")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert peak["same"] == 1 and peak["all"] >= 2
+    for a in "abc":
+        assert store.load(a).token_ids == caches[a].token_ids
+    store.close()
+    for b in caches.values():
+        b.release()
+    assert eng.pool.stats().used == 0  # every reference the store took was given back
+
+
+def test_an_engine_pool_spec_mismatch_is_refused(eng, tmp_path, gemma_tiny):
+    with pytest.raises(CacheMismatchError):
+        AgentCacheStore(tmp_path, ModelCacheSpec.from_model(gemma_tiny), FP, 1, 1, pool=eng.pool)
+    with pytest.raises(ValueError, match="model_fingerprint"):
+        AgentCacheStore(tmp_path, eng.spec, "", 1, 1, pool=eng.pool)
