@@ -338,6 +338,16 @@ def _hasher() -> ThreadPoolExecutor:
         return _executor
 
 
+def _forget_hasher() -> None:
+    # a forked child inherits the executor object but none of its threads
+    global _executor, _executor_lock
+    _executor, _executor_lock = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_hasher)
+
+
 def _bytes(a: mx.array) -> memoryview:
     """The raw bytes of an evaluated, row-contiguous array, without a copy."""
     mv = memoryview(a)
