@@ -75,7 +75,7 @@ def chain_keys(token_ids: Sequence[int], block_tokens: int) -> list[int]:
 def plan(pool: BlockPool, spec: ModelCacheSpec, token_ids: Sequence[int]) -> BlockPlan:
     """Look up every full block of ``token_ids`` in ``pool``; change nothing."""
     bt = pool.block_tokens
-    tokens = tuple(int(t) for t in token_ids)
+    tokens = token_ids if type(token_ids) is tuple else tuple(map(int, token_ids))
     chain = chain_keys(tokens, bt)
     out, need = [], 0
     for group, layers in spec.groups().items():
@@ -106,7 +106,7 @@ def commit(
     :func:`plan` made it. ``release`` (default ``pool.release``) is what the
     returned AgentBlocks calls to give its blocks back.
     """
-    tokens = tuple(int(t) for t in token_ids)
+    tokens = token_ids if type(token_ids) is tuple else tuple(map(int, token_ids))
     pool.require_free(planned.need)
     # all data first, so a failing callback leaves the pool untouched
     fresh = {i: data(p) for i, p in enumerate(planned.blocks) if p.hit is None}

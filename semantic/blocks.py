@@ -75,7 +75,7 @@ class AgentBlocks:
     _finalizer: Any = field(default=None, repr=False)
 
     def __post_init__(self):
-        self.token_ids = tuple(int(t) for t in self.token_ids)
+        self.token_ids = tuple(map(int, self.token_ids))
         if self._release is not None:
             self._finalizer = weakref.finalize(self, self._release, self.unique_blocks())
 

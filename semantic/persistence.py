@@ -9,7 +9,7 @@ same under every mlx-lm version (and is readable by ``safetensors`` or
                   "semantic_kv"          the document (JSON, below)
                   "semantic_kv_xxh3_128" the xxh3-128 of the document
     data        per layer group, per block in token order, per part, one tensor
-                (layers of the group, 1, heads, block tokens, dim)
+                (layers of the group, heads, block tokens, dim)
 
     "global/0/00000256/keys"            layers (1, 3, 5)   tokens 256..511
     "sliding-w512-k0/0/00000512/values" layers (0, 2, 4)   tokens 512..767
@@ -30,10 +30,12 @@ unpickled.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import secrets
 import struct
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
@@ -86,7 +88,7 @@ class TensorSlot:
     side: str             # "keys" or "values"
     part: int | None      # index into (packed, scales, biases) for quantized layers
     dtype: str
-    shape: tuple[int, ...]  # (len(layers), 1, heads, end - start, dim)
+    shape: tuple[int, ...]  # (len(layers), heads, end - start, dim)
 
     @property
     def nbytes(self) -> int:
@@ -96,7 +98,8 @@ class TensorSlot:
         return n
 
     def layer_shape(self) -> tuple[int, ...]:
-        return self.shape[1:]
+        """One layer's array: (1, heads, tokens, dim), a split of the tensor along axis 0."""
+        return (1, *self.shape[1:])
 
 
 def _parts(layer: LayerSpec, n: int) -> list[tuple[str, int | None, str, tuple[int, ...]]]:
@@ -132,7 +135,7 @@ def layout(spec: ModelCacheSpec, total: int, block_tokens: int) -> list[TensorSl
                 for side, part, dtype, shape in _parts(spec.layers[stack[0]], b - a):
                     suffix = side if part is None else f"{side}.{_QPARTS[part]}"
                     name = f"{group}/{s}/{a:08d}/{suffix}"
-                    slots.append(TensorSlot(name, group, stack, a, b, side, part, dtype, (len(stack), *shape)))
+                    slots.append(TensorSlot(name, group, stack, a, b, side, part, dtype, (len(stack), *shape[1:])))
     return slots
 
 
@@ -272,7 +275,7 @@ def _check(path: str, doc: dict, table: dict, st: os.stat_result, data_offset: i
         layers = doc["layers"]
     except (KeyError, TypeError, ValueError, CacheError) as exc:
         raise CacheCorruptError(path, f"malformed document ({type(exc).__name__}: {exc})") from None
-    if not (isinstance(tokens, list) and all(type(t) is int and t >= 0 for t in tokens)):
+    if not (isinstance(tokens, list) and set(map(type, tokens)) <= {int} and min(tokens, default=0) >= 0):
         raise CacheCorruptError(path, "token_ids must be a list of non-negative integers")
     if type(bt) is not int or bt <= 0:
         raise CacheCorruptError(path, f"block_tokens must be a positive integer, got {bt!r}")
@@ -288,18 +291,17 @@ def _check(path: str, doc: dict, table: dict, st: os.stat_result, data_offset: i
         raise CacheCorruptError(path, "the document's checksums do not name the layout's tensors")
     if not all(isinstance(d, str) and len(d) == 32 for d in digests.values()):
         raise CacheCorruptError(path, f"checksums must be 32-digit {HASH} hex strings")
-    offset = 0
+    expected, offset = {}, 0
     for s in slots:
-        got = table.get(s.name)
-        if got is None:
-            raise CacheCorruptError(path, f"tensor {s.name} is missing")
-        want = _entry(s, offset)
-        if _canon(got) != _canon(want):
-            raise CacheCorruptError(path, f"tensor {s.name}: header says {_canon(got)}, the layout needs {_canon(want)}")
+        expected[s.name] = _entry(s, offset)
         offset += s.nbytes
-    extra = sorted(set(table) - set(names))
-    if extra:
-        raise CacheCorruptError(path, f"unexpected tensors {extra[:3]}")
+    if _canon(table) != _canon(expected):  # one comparison; the loop below only names the difference
+        for name, want in expected.items():
+            if name not in table:
+                raise CacheCorruptError(path, f"tensor {name} is missing")
+            if _canon(table[name]) != _canon(want):
+                raise CacheCorruptError(path, f"tensor {name}: header says {_canon(table[name])}, the layout needs {_canon(want)}")
+        raise CacheCorruptError(path, f"unexpected tensors {sorted(set(table) - set(expected))[:3]}")
     if st.st_size != data_offset + offset:
         raise CacheCorruptError(
             path, f"file is {st.st_size} bytes but its header describes {data_offset + offset} (truncated or extended)"
@@ -422,6 +424,58 @@ def _fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _keep_aside(path: str) -> str | None:
+    """Hard-link the file about to be replaced under a temporary name.
+
+    The rename then only drops a link; deleting the old data happens when
+    that name is unlinked, later. A crash in between leaves a temporary
+    file, which the store deletes on startup. None when there is no old
+    file or the file system has no hard links.
+    """
+    aside = temp_name(path)
+    try:
+        os.link(path, aside)
+    except OSError:
+        return None
+    return aside
+
+
+_cleanups: list = []  # futures of old files being deleted after a save
+
+
+def settle() -> None:
+    """Wait until the old files that earlier saves replaced are deleted."""
+    for f in list(_cleanups):
+        f.result()
+
+
+_sync_file_range = None
+
+
+def _start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """Ask Linux to start writing a range to disk now (sync_file_range), so the
+    final fsync waits only for the tail; elsewhere this does nothing."""
+    global _sync_file_range
+    if _sync_file_range is None:
+        _sync_file_range = False
+        if sys.platform.startswith("linux"):
+            try:
+                fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+                fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+                _sync_file_range = fn
+            except (OSError, AttributeError):
+                pass
+    if _sync_file_range:
+        _sync_file_range(fd, offset, nbytes, 2)  # SYNC_FILE_RANGE_WRITE: start, do not wait
+
+
 def temp_name(path: str | os.PathLike) -> str:
     """A fresh temporary name beside ``path``: ``.<name>.<pid>.<random>.tmp``."""
     p = Path(path)
@@ -484,12 +538,15 @@ def save(
     try:
         try:
             _write_all(fd, memoryview(placeholder))
-            pending = []
+            offset, pending = len(placeholder), []
             for s, row in zip(slots, arrays):
                 views = [_bytes(a) for a in row]
                 pending.append(_hasher().submit(_digest, views))
                 for v in views:
                     _write_all(fd, v)
+                if durable:  # the disk writes this tensor while we copy the next
+                    _start_writeback(fd, offset, s.nbytes)
+                offset += s.nbytes
             doc["tensors"] = {s.name: f.result() for s, f in zip(slots, pending)}
             header = _header_bytes(doc, slots)
             assert len(header) == len(placeholder), "checksums are fixed-width: the header cannot change length"
@@ -498,15 +555,18 @@ def save(
                 _fsync_file(fd)
         finally:
             os.close(fd)
+        old = _keep_aside(path)
         os.replace(tmp, path)
     except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
+        _unlink_quietly(tmp)
         raise
     if durable:
         _fsync_dir(os.path.dirname(os.path.abspath(path)))
+    if old is not None:
+        # freeing the old file's blocks (a discard on some disks) is slow: not on the caller's time
+        with _executor_lock:
+            _cleanups[:] = [f for f in _cleanups if not f.done()]
+        _cleanups.append(_hasher().submit(_unlink_quietly, old))
     st = os.stat(path)
     return CacheFileInfo(
         path=path,
@@ -533,8 +593,19 @@ class _Replaced(Exception):
     """The file at the path changed between reading its header and its data."""
 
 
-def _read_tensors(info: CacheFileInfo, slots: list[TensorSlot]) -> dict[str, mx.array]:
-    """The named tensors, evaluated and checked against their checksums."""
+_READ_CHUNKS = 2  # hashing the first half overlaps reading the second where a core is free
+
+
+def _read_tensors(info: CacheFileInfo, slots: list[TensorSlot]) -> dict[str, list[mx.array]]:
+    """Per slot, its layers' arrays (views of one tensor), evaluated and
+    checked against the tensor's checksum.
+
+    ``mx.load`` reads straight into the arrays' memory (in parallel under
+    mlx 0.32), with no Python-side buffer and no copy; each ``mx.eval`` of a
+    chunk reads its tensors and makes the per-layer views, then the hashing
+    threads checksum them (xxhash releases the GIL) while the next chunk is
+    read.
+    """
     if not slots:
         return {}
     try:
@@ -544,30 +615,37 @@ def _read_tensors(info: CacheFileInfo, slots: list[TensorSlot]) -> dict[str, mx.
     st = os.stat(info.path)
     if (st.st_dev, st.st_ino) != info.inode:
         raise _Replaced
-    out = {}
+    tensors, views = {}, {}
     for s in slots:
         t = loaded.get(s.name)
         if t is None or tuple(t.shape) != s.shape or t.dtype != _MX_DTYPES[s.dtype]:
             raise CacheCorruptError(info.path, f"tensor {s.name} does not load as {s.shape} {s.dtype}")
-        out[s.name] = t
+        tensors[s.name] = t
+        views[s.name] = _split(t, s)
+    names = list(tensors)
+    step = max(1, -(-len(names) // _READ_CHUNKS))
+    pending = []
     try:
-        mx.eval(list(out.values()))
+        for i in range(0, len(names), step):
+            part = names[i : i + step]
+            mx.eval([tensors[n] for n in part], [views[n] for n in part])
+            pending += [(n, _hasher().submit(_digest_array, tensors[n])) for n in part]
     except (RuntimeError, ValueError) as exc:  # e.g. the file shrank under us
         raise CacheCorruptError(info.path, f"reading tensors failed: {exc}") from None
-    names = list(out)
-    digests = _hasher().map(lambda n: _digest([_bytes(out[n])]), names)
-    for name, got in zip(names, digests):
+    for name, fut in pending:
+        got = fut.result()
         if got != info.digests[name]:
             raise CacheCorruptError(info.path, f"tensor {name}: checksum mismatch ({HASH} {got} != {info.digests[name]})")
-    return out
+    return views
 
 
-def _unstack(t: mx.array, slot: TensorSlot) -> dict[int, mx.array]:
-    """Per-layer views (no copy) of a stacked block tensor."""
-    if len(slot.layers) == 1:
-        return {slot.layers[0]: t.reshape(slot.layer_shape())}
-    parts = mx.split(t, len(slot.layers), axis=0)
-    return {i: p.reshape(slot.layer_shape()) for i, p in zip(slot.layers, parts)}
+def _digest_array(a: mx.array) -> str:
+    return xxhash.xxh3_128(_bytes(a)).hexdigest()
+
+
+def _split(t: mx.array, slot: TensorSlot) -> list[mx.array]:
+    """Per-layer arrays (1, heads, tokens, dim) of a stacked tensor: views, no copy."""
+    return [t] if len(slot.layers) == 1 else mx.split(t, len(slot.layers), axis=0)
 
 
 class _FileBlocks:
@@ -576,44 +654,52 @@ class _FileBlocks:
     def __init__(self, info: CacheFileInfo):
         self.info = info
         self.by_group: dict[str, list[TensorSlot]] = {}
+        self.by_block: dict[tuple[str, int, int], list[TensorSlot]] = {}
         for s in info.slots:
             self.by_group.setdefault(s.group, []).append(s)
-        self.arrays: dict[str, mx.array] = {}
+            self.by_block.setdefault((s.group, s.start, s.end), []).append(s)
+        self.views: dict[str, list[mx.array]] = {}
 
     def needed(self, planned: Iterable[PlannedBlock]) -> list[TensorSlot]:
         """Slots overlapping blocks that missed the pool and are not read yet."""
         out = {}
         for p in planned:
-            if p.hit is None:
-                for s in self.by_group[p.group]:
-                    if s.start < p.end and p.start < s.end and s.name not in self.arrays:
-                        out[s.name] = s
+            if p.hit is not None:
+                continue
+            same = self.by_block.get((p.group, p.start, p.end))
+            for s in same if same is not None else self.by_group[p.group]:
+                if s.start < p.end and p.start < s.end and s.name not in self.views:
+                    out[s.name] = s
         return list(out.values())
 
     def read(self, slots: list[TensorSlot]) -> None:
-        self.arrays.update(_read_tensors(self.info, slots))
+        self.views.update(_read_tensors(self.info, slots))
 
     def data(self, p: PlannedBlock) -> dict[int, Any]:
-        """K/V per layer of one planned block, lazily: views when it is exactly
-        one file block, else the overlapping pieces sliced, joined and copied."""
-        pieces: dict[tuple[int, str, int | None], list[mx.array]] = {}
-        whole = False
-        for s in self.by_group[p.group]:
-            if not (s.start < p.end and p.start < s.end):
-                continue
-            whole = (s.start, s.end) == (p.start, p.end)
-            for i, a in _unstack(self.arrays[s.name], s).items():
-                if not whole:
-                    a = a[..., max(p.start, s.start) - s.start : min(p.end, s.end) - s.start, :]
-                pieces.setdefault((i, s.side, s.part), []).append(a)
+        """K/V per layer of one planned block, lazily: views of one file block
+        when the block sizes agree, else overlapping pieces joined and copied."""
+        parts: dict[tuple[int, str, int | None], mx.array] = {}
+        same = self.by_block.get((p.group, p.start, p.end))
+        if same is not None:
+            for s in same:
+                for i, a in zip(s.layers, self.views[s.name]):
+                    parts[(i, s.side, s.part)] = a
+        else:
+            pieces: dict[tuple[int, str, int | None], list[mx.array]] = {}
+            for s in self.by_group[p.group]:
+                if s.start < p.end and p.start < s.end:
+                    a, b = max(p.start, s.start) - s.start, min(p.end, s.end) - s.start
+                    for i, x in zip(s.layers, self.views[s.name]):
+                        pieces.setdefault((i, s.side, s.part), []).append(x[..., a:b, :])
+            parts = {k: mx.contiguous(mx.concatenate(v, axis=2)) for k, v in pieces.items()}
+            mx.eval(parts)
         out: dict[int, Any] = {}
         for i in p.layers:
-            sides = []
-            for side in ("keys", "values"):
-                keys = sorted((k for k in pieces if k[:2] == (i, side)), key=lambda k: -1 if k[2] is None else k[2])
-                arrays = [pieces[k][0] if whole else mx.contiguous(mx.concatenate(pieces[k], axis=2)) for k in keys]
-                sides.append(arrays[0] if keys[0][2] is None else tuple(arrays))
-            out[i] = tuple(sides)
+            quantized = self.info.spec.layers[i].kv_bits is not None
+            out[i] = tuple(
+                tuple(parts[(i, side, k)] for k in range(3)) if quantized else parts[(i, side, None)]
+                for side in ("keys", "values")
+            )
         return out
 
 
@@ -669,10 +755,7 @@ def _load_once(path: str, pool: BlockPool, fingerprint: str | None, lock: Abstra
         if late:
             source.read(late)
         release = pool.release if isinstance(lock, nullcontext) else _locked(pool.release, lock)
-        blocks = commit(pool, info.spec, info.token_ids, planned, source.data, release=release)
-    # only views and copies of verified, evaluated tensors: this cannot fail
-    mx.eval([b.layer_data for b in blocks.unique_blocks()])
-    return blocks
+        return commit(pool, info.spec, info.token_ids, planned, source.data, release=release)
 
 
 def _locked(fn, lock: AbstractContextManager):
