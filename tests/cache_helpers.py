@@ -72,3 +72,17 @@ def synthetic(spec: ModelCacheSpec, pool: BlockPool, tokens: list[int], seed: in
             )
         caches.append(c)
     return extract(pool, caches, tokens)
+
+
+def weights_fingerprint(model) -> str:
+    """sha256 of a model's parameters (names and bytes), as a stand-in for
+    the weight-file fingerprint real models have."""
+    import hashlib
+
+    from mlx.utils import tree_flatten
+
+    h = hashlib.sha256()
+    for name, value in sorted(tree_flatten(model.parameters()), key=lambda kv: kv[0]):
+        h.update(name.encode())
+        h.update(np.array(value.view(mx.uint16) if value.dtype == mx.bfloat16 else value).tobytes())
+    return h.hexdigest()

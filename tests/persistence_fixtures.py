@@ -1,0 +1,54 @@
+"""Cache files committed to tests/data/, one set per supported mlx-lm version.
+
+Each is a tiny model's cache after a generation, written by the mlx-lm
+version that runs this module; tests/unit/test_persistence_versions.py
+loads every one under whichever version runs the tests. The tiny models'
+weights are the same under mlx 0.30.3 and 0.32 (same seed, same init); the
+weights' fingerprint is in each file, so a change there fails loudly.
+
+    .venv/bin/python -m tests.persistence_fixtures          # mlx-lm 0.32.x
+    .venv-compat/bin/python -m tests.persistence_fixtures   # mlx-lm 0.30.4
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from semantic import compat, persistence
+from tests.cache_helpers import engine, generate, history, weights_fingerprint
+from tests.tiny_models import tiny_gemma3, tiny_llama
+
+DATA = Path(__file__).parent / "data"
+
+# name: (model builder, kv_bits, history length, generated tokens)
+FIXTURES = {
+    "tiny-gemma3": (tiny_gemma3, None, 37, 6),   # window 8: the ring wrapped
+    "tiny-llama-q8": (tiny_llama, 8, 21, 6),     # QuantizedKVCache, 8 bits
+}
+
+
+def fixture_path(name: str, mlx_lm_version: str = compat.MLX_LM_VERSION) -> Path:
+    return DATA / f"cache-v{persistence.FORMAT_VERSION}-{name}-mlx-lm-{mlx_lm_version}.safetensors"
+
+
+def model_for(name: str):
+    """(model, kv_bits) that a fixture named ``name`` was written with."""
+    build, kv_bits, _, _ = FIXTURES[name]
+    return build(), kv_bits
+
+
+def write() -> list[Path]:
+    paths = []
+    for name, (build, kv_bits, n, gen) in FIXTURES.items():
+        model = build()
+        done = generate(engine(model, kv_bits), name, history(n), gen)
+        path = fixture_path(name)
+        persistence.save(path, done.blocks, model_fingerprint=weights_fingerprint(model), agent_id=name)
+        paths.append(path)
+    persistence.settle()
+    return paths
+
+
+if __name__ == "__main__":
+    for p in write():
+        print(p)

@@ -1,0 +1,41 @@
+"""Cache files written under mlx-lm 0.30.4 and under 0.32.x load under
+whichever version runs, and continue exactly like a fresh prefill.
+
+The files in tests/data/ were written by ``python -m tests.persistence_fixtures``
+under each version (see tests/data/README.md). ``make test`` runs this under
+0.32.x, ``make test-compat`` under 0.30.4: both directions.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from semantic import persistence
+from tests.cache_helpers import LOGPROB_TOL, engine, run, weights_fingerprint
+from tests.persistence_fixtures import DATA, FIXTURES, model_for
+
+FILES = sorted(DATA.glob(f"cache-v{persistence.FORMAT_VERSION}-*.safetensors"))
+STEPS = 16
+
+
+def test_fixtures_cover_both_supported_mlx_lm_versions():
+    written = {(persistence.read_header(p).agent_id, persistence.read_header(p).mlx_lm_version[:4]) for p in FILES}
+    assert written == {(name, v) for name in FIXTURES for v in ("0.30", "0.32")}
+
+
+@pytest.mark.parametrize("path", FILES, ids=[p.stem.split("-", 2)[2] for p in FILES])
+def test_a_file_from_either_version_loads_and_continues_like_a_fresh_prefill(path):
+    info = persistence.read_header(path)
+    model, kv_bits = model_for(info.agent_id)
+    eng = engine(model, kv_bits)
+    loaded = persistence.load(path, eng.pool, model_fingerprint=weights_fingerprint(model))
+    _, _, history_len, generated = FIXTURES[info.agent_id]
+    assert loaded.total_tokens == history_len + generated
+    T = [21, 22, 23]
+    cont = eng.submit("a", T, cache=loaded, max_tokens=STEPS)
+    ref = eng.submit("b", list(loaded.token_ids) + T, max_tokens=STEPS)
+    done = run(eng)
+    assert done[cont].cached_tokens == loaded.total_tokens
+    assert done[cont].token_ids == done[ref].token_ids
+    np.testing.assert_allclose(done[cont].logprobs, done[ref].logprobs, atol=LOGPROB_TOL, rtol=0)
