@@ -100,9 +100,10 @@ def commit(
 ) -> AgentBlocks:
     """Take ``planned`` from ``pool`` as one agent's blocks.
 
-    Raises :class:`PoolExhaustedError` before taking any block when the pool
-    cannot hold the misses, or when ``data(p)``, which gives each missed
-    block's K/V per layer, raises. The plan must be fresh: nothing may have used the pool since
+    ``data(p)`` gives each missed block's K/V per layer; it is called for
+    every miss before anything is taken, so :class:`PoolExhaustedError` (the
+    pool cannot hold the misses) or an error from ``data`` leaves the pool
+    untouched. The plan must be fresh: nothing may have used the pool since
     :func:`plan` made it. ``release`` (default ``pool.release``) is what the
     returned AgentBlocks calls to give its blocks back.
     """

@@ -25,7 +25,15 @@ over the real name and the directory is fsynced: a crash leaves the old file
 or the new one. Loads check the header against the layout the document
 implies, the file size, and every tensor's checksum before any block reaches
 the pool; anything wrong raises :class:`CacheCorruptError`. Nothing is ever
-unpickled.
+unpickled. A load goes through the pool's hash-chained lookup
+(``blockplan``): full blocks the pool already holds are shared and their
+tensors are not even read.
+
+Checksums are xxh3-128 (python-xxhash, which releases the GIL): measured
+here at 8.8 GB/s on a 64 MiB buffer and 26 GB/s on a cache-hot one, against
+1.4 GB/s for sha256 and 0.5 GB/s for blake2b; xxh3-64 runs at the same speed,
+so the wider digest is free. They detect damage, not forgery: anyone who can
+rewrite a file can rewrite its checksums.
 """
 
 from __future__ import annotations

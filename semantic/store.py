@@ -179,10 +179,14 @@ class AgentCacheStore:
             raise CacheMismatchError(f"agent {agent_id!r}: these AgentBlocks were released")
         with self._agent_lock(agent_id):
             path = self.dir / name
-            info = persistence.save(
-                path, blocks, model_fingerprint=self.fingerprint, agent_id=agent_id, durable=self.durable
-            )
-            kept = self._retain(blocks)
+            kept = self._retain(blocks)  # first: it refuses blocks of another pool before any write
+            try:
+                info = persistence.save(
+                    path, blocks, model_fingerprint=self.fingerprint, agent_id=agent_id, durable=self.durable
+                )
+            except BaseException:
+                kept.release()
+                raise
             with self._lock:
                 dropped = self._ram_put(agent_id, kept)
                 self._disk[agent_id] = _OnDisk(path, info.nbytes)
@@ -277,7 +281,7 @@ class AgentCacheStore:
         """Another reference to the same pooled blocks, released through the lock."""
         with self.pool_lock:
             unique = blocks.unique_blocks()
-            if any(self.pool.refcount(b) == 0 for b in unique):
+            if any(b.block_id >= self.pool.total_blocks or self.pool.refcount(b) == 0 for b in unique):
                 raise CacheMismatchError("these blocks are not live in this store's pool")
             for b in unique:
                 self.pool.acquire(b)

@@ -235,6 +235,7 @@ def test_caches_of_another_spec_or_pool_are_refused(eng, caches, tmp_path, gemma
     foreign_pool = generate(engine(eng.model), "f", [1, 2, 3], 1).blocks
     with pytest.raises(CacheMismatchError, match="not live in this store's pool"):
         store.save("f", foreign_pool)
+    assert _files(tmp_path) == [] and store.agents() == []
     with pytest.raises(ValueError, match="budgets"):
         _store(eng, tmp_path, ram=-1)
 
