@@ -11,7 +11,7 @@ COMPAT_PINS := mlx==0.30.3 mlx-lm==0.30.4
 
 PYTEST_ARGS ?=
 
-.PHONY: help venv models test test-compat exp-006 clean
+.PHONY: help venv models test test-compat exp-003 exp-004 exp-005 exp-006 clean
 
 help:
 	@echo "make test         run the test suite (creates .venv, prepares models)"
@@ -42,6 +42,13 @@ $(COMPAT_STAMP): pyproject.toml
 test-compat: $(COMPAT_STAMP) models
 	$(COMPAT_PY) -c "import mlx_lm, importlib.metadata as m; v = m.version('mlx-lm'); assert v == '0.30.4', v; print('mlx-lm', v, 'mlx', m.version('mlx'))"
 	$(COMPAT_PY) -m pytest $(PYTEST_ARGS)
+
+# CPU-sized runs (--quick); drop it, or use --set, for the full configs.
+exp-003: models
+	$(PY) -m harness run experiments/exp_003_cache_injection.toml --quick
+
+exp-004: models
+	$(PY) -m harness run experiments/exp_004_per_sequence_extraction.toml --quick
 
 exp-006: models
 	$(PY) -m harness exp-006-first --blocks 1,2,4,8 --trials 30 --warmup 5

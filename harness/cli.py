@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -43,6 +44,60 @@ def _first_exp006(args) -> int:
     return 0
 
 
+def _run(args) -> int:
+    from harness import config as C
+    from harness import runner
+
+    try:
+        cfg = C.load(args.config, overrides=args.set, quick=args.quick)
+    except C.ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
+    paths = runner.run(cfg, Path(args.out))
+    docs = [json.loads(p.read_text()) for p in paths]
+    return 0 if all(d["verdict"] == "PASS" for d in docs) else 1
+
+
+def _list(args) -> int:
+    from harness import config as C
+    from harness.kinds import KINDS
+
+    for path in sorted(Path(args.dir).glob("*.toml")):
+        try:
+            cfg = C.load(path)
+            print(f"{path}  kind={cfg.kind}  models={','.join(cfg.models)}\n    {cfg.description}")
+        except C.ConfigError as exc:
+            print(f"{path}  INVALID: {exc}")
+    print("kinds: " + ", ".join(sorted(KINDS)))
+    return 0
+
+
+def _compare(args) -> int:
+    from harness import compare
+
+    return compare.main(args.results, factor=args.factor, alpha=args.alpha)
+
+
+def _report(args) -> int:
+    from harness import runner
+
+    paths = []
+    for item in args.results:
+        p = Path(item)
+        paths += sorted(p.rglob("*.json")) if p.is_dir() else [p]
+    if not paths:
+        print("no results found", file=sys.stderr)
+        return 2
+    for p in paths:
+        try:
+            doc = json.loads(p.read_text())
+            print(runner.summary(doc, p))
+        except (OSError, ValueError, KeyError) as exc:
+            print(f"{p}: not a results document ({exc})", file=sys.stderr)
+            return 2
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m harness", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -52,6 +107,28 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("name", nargs="?", help="a registered model name, or 'all' (default)")
     m.add_argument("--force", action="store_true", help="convert again even if prepared")
     m.set_defaults(func=_models)
+
+    r = sub.add_parser("run", help="run an experiment config")
+    r.add_argument("config", help="experiments/<name>.toml")
+    r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config value, dotted (params.history_tokens=64, protocol.trials=3)")
+    r.add_argument("--quick", action="store_true", help="apply the config's [quick] overrides (CPU-sized)")
+    r.add_argument("--out", default="results", help="results root (default: results)")
+    r.set_defaults(func=_run)
+
+    ls = sub.add_parser("list", help="list experiment configs and kinds")
+    ls.add_argument("--dir", default="experiments")
+    ls.set_defaults(func=_list)
+
+    c = sub.add_parser("compare", help="compare result files; exit 1 on a flagged regression")
+    c.add_argument("results", nargs="+", help="results JSON files; the first is the baseline")
+    c.add_argument("--factor", type=float, default=1.10, help="median ratio that counts as a change (default 1.10)")
+    c.add_argument("--alpha", type=float, default=0.01, help="Mann-Whitney U significance level (default 0.01)")
+    c.set_defaults(func=_compare)
+
+    rep = sub.add_parser("report", help="print verdicts and medians of result files or folders")
+    rep.add_argument("results", nargs="+")
+    rep.set_defaults(func=_report)
 
     e = sub.add_parser("exp-006-first", help="first EXP-006 measurement: block concat vs memcpy")
     e.add_argument("--model", default="smollm2-135m")

@@ -24,13 +24,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import harness
 from semantic import BlockPool, BlockPoolBatchEngine, ModelCacheSpec, compat
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 LOGPROB_TOL = 1e-3
 STEPS = 32
-HISTORY = (Path(__file__).parents[1] / "data" / "history.txt").read_text()
+HISTORY = (Path(harness.__file__).parent / "data" / "history.txt").read_text()
 
 
 def _engine(loaded, kv_bits=None, blocks=64):

@@ -1,0 +1,279 @@
+"""Declarative experiment configs: one TOML file per experiment in ``experiments/``.
+
+A config names the trial implementation (``kind``), the models, the kind's
+parameters, the timing protocol, the pass criteria (the seed's, as data) and
+the plots to write::
+
+    name = "exp_003_cache_injection"
+    kind = "cache_injection"
+    description = "EXP-003: ..."
+    models = ["smollm2-135m", "gemma3-270m"]
+
+    [params]                 # checked against the kind's declared parameters
+    history_tokens = 256
+
+    [protocol]
+    warmup = 1
+    trials = 5
+
+    [quick]                  # dotted overrides applied by --quick
+    "params.history_tokens" = 64
+
+    [[criteria]]
+    name = "outputs match"   # evaluated against the results document
+    value = "checks.outputs_match"
+    op = "=="
+    threshold = true
+    source = "EXP-003: with and without the cache, outputs match exactly"
+
+    [outputs]
+    plots = ["cdf", "bars"]
+
+Every unknown key or bad value raises :class:`ConfigError` naming the file,
+the key and what is allowed.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+TOP_KEYS = {"name", "kind", "description", "models", "params", "protocol", "quick", "criteria", "outputs"}
+PROTOCOL_KEYS = {"warmup", "trials"}
+CRITERION_KEYS = {"name", "value", "op", "threshold", "source"}
+OUTPUT_KEYS = {"plots"}
+OPS = {"==", "!=", "<", "<=", ">", ">="}
+
+
+class ConfigError(ValueError):
+    """A config file that cannot be run as written."""
+
+
+@dataclass(slots=True, frozen=True)
+class Param:
+    """A parameter a kind accepts: its type, default and meaning."""
+
+    type: type
+    default: Any
+    help: str
+    choices: tuple | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class Criterion:
+    """A pass criterion: ``value`` is a dotted path into the results document."""
+
+    name: str
+    value: str
+    op: str
+    threshold: Any
+    source: str = ""
+
+    def __post_init__(self):
+        if self.op not in OPS:
+            raise ValueError(f"op must be one of {sorted(OPS)}, got {self.op!r}")
+        if not self.value or not all(self.value.split(".")):
+            raise ValueError(f"value must be a dotted path such as 'metrics.ttft_ms.stats.p50', got {self.value!r}")
+
+
+@dataclass(slots=True, frozen=True)
+class Protocol:
+    """Warm-up runs (discarded) and measured trials per timed operation."""
+
+    warmup: int
+    trials: int
+
+    def __post_init__(self):
+        if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
+            raise ValueError(f"warmup must be an integer >= 0, got {self.warmup!r}")
+        if isinstance(self.trials, bool) or not isinstance(self.trials, int) or self.trials < 1:
+            raise ValueError(f"trials must be an integer >= 1, got {self.trials!r}")
+
+
+@dataclass(slots=True)
+class ExperimentConfig:
+    path: Path
+    name: str
+    kind: str
+    description: str
+    models: list[str]
+    params: dict[str, Any]
+    protocol: Protocol
+    criteria: list[Criterion]
+    plots: list[str]
+    quick: bool = False
+    overrides: list[str] = field(default_factory=list)
+
+    def resolved(self) -> dict:
+        """The config as run (defaults filled in, overrides applied), JSON-ready."""
+        return {
+            "name": self.name,
+            "kind": self.kind,
+            "description": self.description,
+            "models": list(self.models),
+            "params": dict(self.params),
+            "protocol": {"warmup": self.protocol.warmup, "trials": self.protocol.trials},
+            "criteria": [
+                {"name": c.name, "value": c.value, "op": c.op, "threshold": c.threshold, "source": c.source}
+                for c in self.criteria
+            ],
+            "outputs": {"plots": list(self.plots)},
+            "quick": self.quick,
+            "overrides": list(self.overrides),
+        }
+
+    def sha256(self) -> str:
+        return hashlib.sha256(json.dumps(self.resolved(), sort_keys=True).encode()).hexdigest()
+
+
+def _fail(path: Path, key: str, message: str) -> ConfigError:
+    return ConfigError(f"{path}: {key}: {message}")
+
+
+def _parse_value(text: str) -> Any:
+    """A --set value as TOML (numbers, booleans, arrays, quoted strings), else a bare string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def _set_dotted(doc: dict, dotted: str, value: Any, path: Path) -> None:
+    parts = dotted.split(".")
+    node = doc
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise _fail(path, dotted, f"{part!r} is not a table")
+    node[parts[-1]] = value
+
+
+def load(path: str | Path, overrides: list[str] | None = None, quick: bool = False) -> ExperimentConfig:
+    """Read, override and validate an experiment config.
+
+    Args:
+        path: the TOML file.
+        overrides: ``key=value`` strings with dotted keys (``params.trials=3``).
+        quick: apply the file's ``[quick]`` overrides (a CPU-sized run).
+    """
+    from harness.kinds import KINDS  # the registry of trial implementations
+
+    path = Path(path)
+    try:
+        doc = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such config file") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+
+    unknown = set(doc) - TOP_KEYS
+    if unknown:
+        raise _fail(path, sorted(unknown)[0], f"unknown key; allowed: {sorted(TOP_KEYS)}")
+    quick_table = doc.pop("quick", {})
+    if not isinstance(quick_table, dict):
+        raise _fail(path, "quick", "must be a table of dotted overrides")
+    doc = copy.deepcopy(doc)
+    if quick:
+        for key, value in quick_table.items():
+            _set_dotted(doc, key, value, path)
+    for item in overrides or []:
+        key, sep, text = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"{path}: --set {item!r}: expected key=value, e.g. protocol.trials=3")
+        _set_dotted(doc, key.strip(), _parse_value(text.strip()), path)
+    unknown = set(doc) - TOP_KEYS
+    if unknown:
+        raise _fail(path, sorted(unknown)[0], f"unknown key; allowed: {sorted(TOP_KEYS)}")
+
+    for key in ("name", "kind"):
+        if not isinstance(doc.get(key), str) or not doc[key]:
+            raise _fail(path, key, "required, a non-empty string")
+    kind = doc["kind"]
+    if kind not in KINDS:
+        raise _fail(path, "kind", f"unknown kind {kind!r}; allowed: {sorted(KINDS)}")
+    spec = KINDS[kind]
+
+    models = doc.get("models", [])
+    if not isinstance(models, list) or not models or not all(isinstance(m, str) for m in models):
+        raise _fail(path, "models", "required, a non-empty list of model names")
+    if spec.needs_model:
+        from harness.models import REGISTRY
+
+        for m in models:
+            if m not in REGISTRY:
+                raise _fail(path, "models", f"unknown model {m!r}; allowed: {sorted(REGISTRY)}")
+
+    params = doc.get("params", {})
+    if not isinstance(params, dict):
+        raise _fail(path, "params", "must be a table")
+    resolved = {}
+    for key in params:
+        if key not in spec.params:
+            raise _fail(path, f"params.{key}", f"unknown parameter of kind {kind!r}; allowed: {sorted(spec.params)}")
+    for key, p in spec.params.items():
+        value = params.get(key, p.default)
+        if p.type is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        ok = isinstance(value, p.type) and not (p.type is int and isinstance(value, bool))
+        if p.type is list:
+            ok = isinstance(value, list)
+        if not ok:
+            raise _fail(path, f"params.{key}", f"must be {p.type.__name__} ({p.help}), got {value!r}")
+        if p.choices is not None and value not in p.choices:
+            raise _fail(path, f"params.{key}", f"must be one of {list(p.choices)}, got {value!r}")
+        resolved[key] = value
+    try:
+        spec.validate(resolved)
+    except ValueError as exc:
+        raise _fail(path, "params", str(exc)) from None
+
+    proto = doc.get("protocol", {})
+    if not isinstance(proto, dict):
+        raise _fail(path, "protocol", f"a table with keys {sorted(PROTOCOL_KEYS)}")
+    for key in sorted(set(proto) - PROTOCOL_KEYS):
+        raise _fail(path, f"protocol.{key}", f"unknown key; allowed: {sorted(PROTOCOL_KEYS)}")
+    try:
+        protocol = Protocol(proto.get("warmup", 1), proto.get("trials", 5))
+    except ValueError as exc:
+        raise _fail(path, "protocol", str(exc)) from None
+
+    criteria = []
+    for i, raw in enumerate(doc.get("criteria", [])):
+        where = f"criteria[{i}]"
+        if not isinstance(raw, dict):
+            raise _fail(path, where, "must be a table")
+        if set(raw) - CRITERION_KEYS or not {"name", "value", "op", "threshold"} <= set(raw):
+            raise _fail(path, where, f"needs name, value, op, threshold (and optional source); got {sorted(raw)}")
+        try:
+            criteria.append(Criterion(**raw))
+        except (TypeError, ValueError) as exc:
+            raise _fail(path, where, str(exc)) from None
+
+    outputs = doc.get("outputs", {})
+    if not isinstance(outputs, dict):
+        raise _fail(path, "outputs", f"a table with keys {sorted(OUTPUT_KEYS)}")
+    for key in sorted(set(outputs) - OUTPUT_KEYS):
+        raise _fail(path, f"outputs.{key}", f"unknown key; allowed: {sorted(OUTPUT_KEYS)}")
+    plots = outputs.get("plots", [])
+    bad = [p for p in plots if p not in spec.plots]
+    if bad:
+        raise _fail(path, "outputs.plots", f"unknown plot {bad[0]!r}; kind {kind!r} draws {sorted(spec.plots)}")
+
+    return ExperimentConfig(
+        path=path,
+        name=doc["name"],
+        kind=kind,
+        description=str(doc.get("description", "")),
+        models=models,
+        params=resolved,
+        protocol=protocol,
+        criteria=criteria,
+        plots=list(plots),
+        quick=quick,
+        overrides=list(overrides or []),
+    )

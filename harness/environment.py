@@ -1,0 +1,75 @@
+"""What a result was measured on: machine, packages, git state."""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+import mlx.core as mx
+
+PACKAGES = ("mlx", "mlx-metal", "mlx-cpu", "mlx-lm", "numpy", "scipy", "pandas", "safetensors", "semantic-kv")
+
+
+def machine_info() -> dict:
+    info = {
+        "system": platform.system(),
+        "release": platform.release(),
+        "machine": platform.machine(),
+        "processor": platform.processor() or _cpu_name(),
+        "cpu_count": os.cpu_count(),
+        "ram_gb": _ram_gb(),
+        "python": platform.python_version(),
+        "mlx_device": str(mx.default_device()),
+    }
+    device_info = getattr(mx, "device_info", None)  # absent before mlx 0.31
+    if device_info is not None:
+        try:
+            info["mlx_device_info"] = {k: (v if isinstance(v, (int, float, str)) else str(v)) for k, v in device_info().items()}
+        except RuntimeError:
+            pass
+    return info
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def _ram_gb() -> float | None:
+    try:
+        return round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def packages() -> dict[str, str]:
+    out = {}
+    for name in PACKAGES:
+        try:
+            out[name] = md.version(name)
+        except md.PackageNotFoundError:
+            continue
+    return out
+
+
+def git_info(root: Path | None = None) -> dict:
+    root = root or Path(__file__).resolve().parents[1]
+
+    def git(*args: str) -> str | None:
+        try:
+            return subprocess.run(
+                ["git", *args], cwd=root, capture_output=True, text=True, check=True, timeout=10
+            ).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return None
+
+    status = git("status", "--porcelain", "--untracked-files=no")
+    return {"commit": git("rev-parse", "HEAD"), "dirty": bool(status) if status is not None else None}

@@ -1,0 +1,67 @@
+"""Trials shared by the engine experiments: time to first token with and without an injected cache."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from harness.timing import Samples, time_interleaved
+from semantic import AgentBlocks, BlockPool, BlockPoolBatchEngine, ModelCacheSpec
+
+HISTORY = (Path(__file__).parents[1] / "data" / "history.txt").read_text()
+
+
+def make_engine(loaded, blocks: int = 256) -> BlockPoolBatchEngine:
+    spec = ModelCacheSpec.from_model(loaded.model)
+    # No stop tokens: runs are exactly max_tokens long, so they compare step for step.
+    return BlockPoolBatchEngine(loaded.model, loaded.tokenizer, BlockPool(spec, blocks), spec, stop_tokens=[])
+
+
+def history_ids(tokenizer, n: int) -> list[int]:
+    """The first ``n`` tokens of a fixed English text (BOS included where the model has one)."""
+    ids = tokenizer.encode(HISTORY)
+    if n > len(ids):
+        raise ValueError(f"history_tokens={n}, but the built-in history text has only {len(ids)} tokens")
+    return ids[:n]
+
+
+def run_one(engine: BlockPoolBatchEngine, agent: str, prompt, cache: AgentBlocks | None, max_tokens: int):
+    uid = engine.submit(agent, prompt, cache=cache, max_tokens=max_tokens)
+    return {c.uid: c for c in engine.step()}[uid]
+
+
+def match_report(a, b) -> dict:
+    """Do two completions agree: tokens, and the largest logprob difference."""
+    n = min(len(a.logprobs), len(b.logprobs))
+    diff = float(np.max(np.abs(np.array(a.logprobs[:n]) - np.array(b.logprobs[:n])))) if n else 0.0
+    return {"tokens_equal": a.token_ids == b.token_ids, "max_abs_logprob_diff": diff, "steps": len(a.token_ids)}
+
+
+def time_ttft(engine: BlockPoolBatchEngine, cached: tuple, fresh: tuple, protocol, progress) -> dict[str, Samples]:
+    """Time submit + first step (prefill and first token) for a cached and a fresh request, interleaved.
+
+    ``cached`` is (continuation ids, blocks); ``fresh`` is (full ids,). The
+    first step ends by reading the sampled token, so it is materialized. The
+    requests are drained, untimed, before the next call.
+    """
+
+    def drain():
+        for c in engine.step():
+            if c.blocks is not None:
+                c.blocks.release()
+
+    def first_token(agent, prompt, cache):
+        def call():
+            engine.submit(agent, prompt, cache=cache, max_tokens=2)
+            engine.step_once()
+        return call
+
+    out = time_interleaved(
+        {"cached": first_token("ttft-cached", cached[0], cached[1]), "fresh": first_token("ttft-fresh", fresh[0], None)},
+        protocol,
+        setup=drain,
+        progress=progress,
+    )
+    drain()
+    return out

@@ -1,0 +1,82 @@
+"""Headless plots written next to a results document (matplotlib, Agg backend)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import matplotlib
+
+matplotlib.use("Agg")  # no display on CI machines
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+
+def _save(fig, path: Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def scaling_plot(series: Mapping[str, tuple[Sequence[float], Sequence[float], dict | None]], path: Path,
+                 xlabel: str, ylabel: str, title: str, logy: bool = False) -> Path:
+    """Points per named series, each with its fit line (``slope``, ``intercept``, ``r2``) in the legend."""
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label, (x, y, fit) in series.items():
+        pts = ax.scatter(x, y, s=18, label=label if fit is None else None)
+        if fit is not None:
+            xs = np.linspace(min(x), max(x), 50)
+            ax.plot(xs, fit["slope"] * xs + fit["intercept"], color=pts.get_facecolor()[0],
+                    label=f"{label}: {fit['slope']:.3g}·x + {fit['intercept']:.3g}, R²={fit['r2']:.3f}")
+    ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
+    if logy:
+        ax.set_yscale("log")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def cdf_plot(samples_by_label: Mapping[str, Sequence[float]], path: Path, xlabel: str, title: str) -> Path:
+    """Empirical CDFs, one step line per label."""
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for label, samples in samples_by_label.items():
+        x = np.sort(np.asarray(samples, dtype=float))
+        ax.step(x, np.arange(1, x.size + 1) / x.size, where="post", label=f"{label} (n={x.size})")
+    ax.set(xlabel=xlabel, ylabel="fraction of trials", title=title, ylim=(0, 1.02))
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def bars_plot(values_by_label: Mapping[str, float], path: Path, ylabel: str, title: str,
+              errors: Mapping[str, tuple[float, float]] | None = None) -> Path:
+    """Bars (e.g. before/after medians); ``errors`` gives (low, high) per label, e.g. a median CI."""
+    labels = list(values_by_label)
+    values = [values_by_label[k] for k in labels]
+    fig, ax = plt.subplots(figsize=(max(4, 1.4 * len(labels)), 4))
+    yerr = None
+    if errors:
+        yerr = np.array([[values_by_label[k] - errors[k][0], errors[k][1] - values_by_label[k]] for k in labels]).T
+    ax.bar(labels, values, yerr=yerr, capsize=4, color=plt.cm.tab10.colors[: len(labels)])
+    for i, v in enumerate(values):
+        ax.annotate(f"{v:.3g}", (i, v), ha="center", va="bottom", fontsize=8)
+    ax.set(ylabel=ylabel, title=title)
+    ax.grid(axis="y", alpha=0.3)
+    return _save(fig, path)
+
+
+def bandwidth_plot(nbytes: Sequence[float], gbps_by_label: Mapping[str, Sequence[float]], path: Path, title: str) -> Path:
+    """Throughput (GB/s) against cache size, one line per method; memcpy is the floor's line."""
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    order = np.argsort(nbytes)
+    x = np.asarray(nbytes, dtype=float)[order] / 1e6
+    for label, gbps in gbps_by_label.items():
+        ax.plot(x, np.asarray(gbps, dtype=float)[order], marker="o", ms=3,
+                ls="--" if "memcpy" in label else "-", label=label)
+    ax.set(xlabel="cache bytes (MB)", ylabel="GB/s (bytes moved / time)", title=title, xscale="log")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, path)

@@ -1,0 +1,65 @@
+"""compare flags a metric only for a large AND significant change, and refuses to compare different benchmarks."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from harness import compare
+from harness.stats import summarize
+
+
+def _doc(samples, bid="aaaa", direction="lower", metric="t_ms", run="20261122T000000Z-m"):
+    return {
+        "experiment": "e", "benchmark_id": bid, "run_id": run, "packages": {"mlx": "x", "mlx-lm": "y"},
+        "metrics": {metric: {"unit": "ms", "direction": direction, "samples": list(map(float, samples)),
+                             "stats": summarize(samples)}},
+    }
+
+
+def _normal(seed, n=50, scale=1.0):
+    return np.random.default_rng(seed).normal(10.0 * scale, 0.5, n)
+
+
+def test_a_known_thirty_percent_slowdown_is_flagged_and_exits_nonzero(tmp_path):
+    base, slow = _doc(_normal(0)), _doc(_normal(1, scale=1.3))
+    c = compare.compare([base, slow])
+    row = c.table.iloc[0]
+    assert row["flag"] == "regression" and row["ratio"] > 1.25 and row["p_value"] < 1e-6
+    paths = []
+    for name, d in (("a.json", base), ("b.json", slow)):
+        (tmp_path / name).write_text(json.dumps(d))
+        paths.append(str(tmp_path / name))
+    assert compare.main(paths) == 1
+    assert compare.main(paths[::-1]) == 0  # the other way round it is an improvement
+
+
+def test_two_draws_of_the_same_distribution_print_as_approximately_equal(tmp_path, capsys):
+    c = compare.compare([_doc(_normal(2)), _doc(_normal(3))])
+    assert c.table.iloc[0]["flag"] == "~" and c.table.iloc[0]["shown"].startswith("~")
+    assert "no regression flagged" in compare.format_table(c)
+
+
+def test_a_large_shift_on_three_samples_is_not_significant():
+    c = compare.compare([_doc([10, 10.1, 9.9]), _doc([13, 13.1, 12.9])])
+    assert c.table.iloc[0]["ratio"] > 1.25 and c.table.iloc[0]["flag"] == "~"
+
+
+def test_higher_is_better_metrics_regress_when_they_drop():
+    c = compare.compare([_doc(_normal(4), direction="higher"), _doc(_normal(5, scale=0.7), direction="higher")])
+    assert c.table.iloc[0]["flag"] == "regression"
+
+
+def test_different_benchmark_ids_are_not_comparable_and_missing_metrics_are_listed():
+    c = compare.compare([_doc(_normal(6)), _doc(_normal(7, scale=2), bid="bbbb")])
+    assert c.table.empty and "NOT COMPARABLE" in c.not_comparable[0]
+    c = compare.compare([_doc(_normal(6)), _doc(_normal(7), metric="other_ms")])
+    assert len(c.missing) == 2 and c.table.empty
+
+
+def test_an_unreadable_file_is_an_error_naming_it(tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{")
+    assert compare.main([str(bad), str(bad)]) == 2
+    assert "bad.json" in capsys.readouterr().err

@@ -1,0 +1,95 @@
+"""Experiment configs: validation names the file, the key and what is allowed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from harness import config as C
+
+ROOT = Path(__file__).parents[2]
+GOOD = """
+name = "t"
+kind = "cache_injection"
+models = ["smollm2-135m"]
+[params]
+history_tokens = 32
+[protocol]
+warmup = 0
+trials = 3
+[quick]
+"params.history_tokens" = 8
+"protocol.trials" = 2
+[[criteria]]
+name = "match"
+value = "checks.outputs_match"
+op = "=="
+threshold = true
+[outputs]
+plots = ["cdf"]
+"""
+
+
+def _write(tmp_path, text, name="x.toml"):
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+def test_every_committed_experiment_config_is_valid():
+    paths = sorted((ROOT / "experiments").glob("*.toml"))
+    assert len(paths) >= 2
+    for path in paths:
+        cfg = C.load(path)
+        assert cfg.name == path.stem
+        C.load(path, quick=True)
+
+
+def test_defaults_are_filled_in_and_quick_and_set_override_in_order(tmp_path):
+    path = _write(tmp_path, GOOD)
+    cfg = C.load(path)
+    assert cfg.params["history_tokens"] == 32 and cfg.params["max_tokens"] == 10  # default
+    assert (cfg.protocol.warmup, cfg.protocol.trials) == (0, 3)
+    quick = C.load(path, quick=True, overrides=["protocol.trials=4", 'params.followup=" And"'])
+    assert quick.params["history_tokens"] == 8 and quick.protocol.trials == 4
+    assert quick.params["followup"] == " And"
+    assert quick.sha256() != cfg.sha256()
+    assert C.load(path).sha256() == cfg.sha256()
+
+
+@pytest.mark.parametrize(
+    "edit,key,allowed",
+    [
+        (lambda t: 'colour = "red"\n' + t, "colour", "allowed"),
+        (lambda t: t + 'colour = "red"\n', "outputs.colour", "allowed"),
+        (lambda t: t.replace("trials = 3", "trials = 3\nrounds = 2"), "protocol.rounds", "allowed"),
+        (lambda t: t.replace("history_tokens = 32", "history_tokenz = 32"), "params.history_tokenz", "history_tokens"),
+        (lambda t: t.replace("history_tokens = 32", 'history_tokens = "many"'), "params.history_tokens", "must be int"),
+        (lambda t: t.replace("history_tokens = 32", "history_tokens = -1"), "params", "history_tokens >= 0"),
+        (lambda t: t.replace('kind = "cache_injection"', 'kind = "nope"'), "kind", "allowed"),
+        (lambda t: t.replace('["smollm2-135m"]', '["gpt-9"]'), "models", "allowed"),
+        (lambda t: t.replace("trials = 3", "trials = 0"), "protocol", "trials must be"),
+        (lambda t: t.replace('op = "=="', 'op = "~"'), "criteria[0]", "op must be"),
+        (lambda t: t.replace('plots = ["cdf"]', 'plots = ["pie"]'), "outputs.plots", "draws"),
+    ],
+)
+def test_a_bad_config_names_the_file_the_key_and_what_is_allowed(tmp_path, edit, key, allowed):
+    path = _write(tmp_path, edit(GOOD))
+    with pytest.raises(C.ConfigError) as err:
+        C.load(path)
+    message = str(err.value)
+    assert str(path) in message and key in message and allowed in message
+
+
+def test_set_needs_key_equals_value_and_toml_errors_name_the_file(tmp_path):
+    path = _write(tmp_path, GOOD)
+    with pytest.raises(C.ConfigError, match="expected key=value"):
+        C.load(path, overrides=["protocol.trials"])
+    with pytest.raises(C.ConfigError, match="unknown key"):
+        C.load(path, overrides=["bogus=1"])
+    broken = _write(tmp_path, "name = ", "broken.toml")
+    with pytest.raises(C.ConfigError, match="broken.toml: not valid TOML"):
+        C.load(broken)
+    with pytest.raises(C.ConfigError, match="no such config file"):
+        C.load(tmp_path / "missing.toml")
