@@ -30,6 +30,24 @@ def _nbytes(x) -> int:
 
 
 @dataclass(slots=True, eq=False)
+class Segment:
+    """One contiguous copy of a run of blocks of a layer group, made by one extraction.
+
+    The blocks of the run hold views into it, so reconstruction can hand a
+    layer its whole run as one slice instead of concatenating::
+
+        segment (layer i keys)   [ t0 ................................ t1 )
+        blocks                   [ blk 3: view ][ blk 8: view ][ blk 4 )
+        reconstruct (one run)    segment[..., t0:t1, :]   no copy
+
+    A segment lives while any of its views does.
+    """
+
+    layer_data: dict[int, LayerKV]
+    n_tokens: int
+
+
+@dataclass(slots=True, eq=False)
 class KVBlock:
     """Tokens ``[start, start + n_tokens)`` of one layer group.
 
@@ -45,6 +63,8 @@ class KVBlock:
     token_ids: tuple[int, ...]
     layer_data: dict[int, LayerKV]
     token_hash: int | None = None
+    # (segment, index of this block's first held token in it), when its data are views into one
+    segment: tuple[Segment, int] | None = None
 
     def __post_init__(self):
         assert self.n_tokens > 0 and self.start >= 0, (self.start, self.n_tokens)

@@ -25,7 +25,7 @@ from typing import Sequence
 import mlx.core as mx
 
 from semantic import compat
-from semantic.blocks import AgentBlocks, KVBlock
+from semantic.blocks import AgentBlocks, KVBlock, Segment
 from semantic.errors import CacheMismatchError, CacheShapeError
 from semantic.pool import BlockPool, chain_hash
 from semantic.spec import GLOBAL, LayerSpec, ModelCacheSpec
@@ -113,6 +113,20 @@ def _read(spec: ModelCacheSpec, caches: Sequence, total: int) -> list[compat.Lay
     return states
 
 
+def _miss_runs(plan: list) -> list[list[int]]:
+    """Indices of missed plan entries, in runs of consecutive blocks of one group."""
+    runs: list[list[int]] = []
+    for idx, (group, _, a, _, _, _, hit) in enumerate(plan):
+        if hit is not None:
+            continue
+        prev = plan[runs[-1][-1]] if runs else None
+        if prev is not None and prev[0] == group and runs[-1][-1] == idx - 1:
+            runs[-1].append(idx)
+        else:
+            runs.append([idx])
+    return runs
+
+
 def extract(pool: BlockPool, caches: Sequence, token_ids: Sequence[int]) -> AgentBlocks:
     """Store live caches covering ``token_ids`` as pooled blocks.
 
@@ -143,20 +157,51 @@ def extract(pool: BlockPool, caches: Sequence, token_ids: Sequence[int]) -> Agen
     looked_up = [hit for *_, key, hit in plan if key is not None]
     pool.record_lookups(hits=sum(h is not None for h in looked_up), misses=sum(h is None for h in looked_up))
 
-    groups: dict[str, list[KVBlock]] = {g: [] for g in spec.groups()}
+    # Each run of consecutive missed blocks is copied once per layer into a
+    # segment; its blocks hold views, which reconstruction hands over whole.
+    views: dict[int, tuple[dict, tuple[Segment, int]]] = {}
     fresh = []
-    for group, layers, a, b, shift, key, hit in plan:
+    for run in _miss_runs(plan):
+        first, last = plan[run[0]], plan[run[-1]]
+        lo, hi = first[2] - first[4], last[3] - last[4]  # held-buffer indices
+        seg = Segment({}, hi - lo)
+        for i in first[1]:
+            st = states[i]
+            seg.layer_data[i] = (_slice(st.keys, lo, hi, True), _slice(st.values, lo, hi, True))
+            fresh.append(seg.layer_data[i])
+        for idx in run:
+            _, _, a, b, shift, _, _ = plan[idx]
+            s0 = a - shift - lo
+            data = {i: (_slice(k, s0, s0 + b - a, False), _slice(v, s0, s0 + b - a, False))
+                    for i, (k, v) in seg.layer_data.items()}
+            views[idx] = (data, (seg, s0))
+    mx.eval(fresh, [d for d, _ in views.values()])  # slices evaluate to views: no copy
+
+    groups: dict[str, list[KVBlock]] = {g: [] for g in spec.groups()}
+    for idx, (group, layers, a, b, shift, key, hit) in enumerate(plan):
         if hit is not None:
             groups[group].append(pool.acquire(hit))
             continue
-        data = {}
-        for i in layers:
-            st = states[i]
-            data[i] = (_slice(st.keys, a - shift, b - shift, True), _slice(st.values, a - shift, b - shift, True))
-            fresh.append(data[i])
-        groups[group].append(pool.allocate(group, a, tokens[a:b], data, key))
-    mx.eval(fresh)
+        data, where = views[idx]
+        block = pool.allocate(group, a, tokens[a:b], data, key)
+        block.segment = where
+        groups[group].append(block)
     return AgentBlocks(spec, tokens, groups, bt, _release=pool.release)
+
+
+def _one_segment(pieces: list, layer: int):
+    """(keys, values) as one slice of a segment when the pieces are consecutive views of it, else None."""
+    first = pieces[0][0].segment
+    if first is None:
+        return None
+    seg, pos = first[0], first[1] + pieces[0][1]
+    start = pos
+    for blk, s, e in pieces:
+        if blk.segment is None or blk.segment[0] is not seg or blk.segment[1] + s != pos:
+            return None
+        pos += e - s
+    k, v = seg.layer_data[layer]
+    return _slice(k, start, pos, False), _slice(v, start, pos, False)
 
 
 def reconstruct(blocks: AgentBlocks, materialize: bool = True) -> list:
@@ -171,7 +216,7 @@ def reconstruct(blocks: AgentBlocks, materialize: bool = True) -> list:
     caches = []
     for i, layer in enumerate(spec.layers):
         ranges = held_ranges(layer, total)
-        keys, values = [], []
+        keys, values, pieces = [], [], []
         for a, b in ranges:
             for blk in blocks.blocks_for_layer(i):
                 s, e = max(a, blk.start), min(b, blk.end)
@@ -182,6 +227,7 @@ def reconstruct(blocks: AgentBlocks, materialize: bool = True) -> list:
                     _check(i, layer, v, blk.n_tokens, "values")
                     keys.append(_slice(k, s - blk.start, e - blk.start, False))
                     values.append(_slice(v, s - blk.start, e - blk.start, False))
+                    pieces.append((blk, s - blk.start, e - blk.start))
         held = sum(b - a for a, b in ranges)
         got = sum((k[0] if isinstance(k, tuple) else k).shape[2] for k in keys)
         if got != held:
@@ -189,7 +235,8 @@ def reconstruct(blocks: AgentBlocks, materialize: bool = True) -> list:
         if not held:
             caches.append(layer.make_cache())
             continue
-        k, v = _cat(keys), _cat(values)
+        run = _one_segment(pieces, i)
+        k, v = run if run is not None else (_cat(keys), _cat(values))
         if layer.kind == GLOBAL:
             kind = compat.QUANTIZED if layer.kv_bits else compat.KV
             state = compat.LayerState(kind, k, v, total, group_size=layer.kv_group_size, bits=layer.kv_bits)

@@ -42,6 +42,13 @@ def _write_forever(path: str, versions) -> None:
 
 def main(path: str) -> None:
     versions = caches(BlockPool(SPEC, 64, block_tokens=256))
+    # MLX cannot compute in a forked child (its worker threads do not survive
+    # fork), and saving a block that is a strided view into its segment needs
+    # a copy: make every block's bytes ready here, before forking.
+    for v in versions:
+        for b in v.unique_blocks():
+            b.layer_data = {i: (mx.contiguous(k), mx.contiguous(vv)) for i, (k, vv) in b.layer_data.items()}
+            b.segment = None
     mx.eval([b.layer_data for v in versions for b in v.unique_blocks()])
     print("ready", flush=True)
     for line in sys.stdin:
