@@ -11,7 +11,7 @@ COMPAT_PINS := mlx==0.30.3 mlx-lm==0.30.4
 
 PYTEST_ARGS ?=
 
-.PHONY: help venv models test test-compat exp-003 exp-004 exp-005 exp-006 clean
+.PHONY: help venv models test test-compat exp-003 exp-004 exp-005 exp-006 exp-006-full bench clean
 
 help:
 	@echo "make test         run the test suite (creates .venv, prepares models)"
@@ -51,7 +51,14 @@ exp-004: models
 	$(PY) -m harness run experiments/exp_004_per_sequence_extraction.toml --quick
 
 exp-006: models
-	$(PY) -m harness exp-006-first --blocks 1,2,4,8 --trials 30 --warmup 5
+	$(PY) -m harness run experiments/exp_006_reconstruction.toml --quick
+
+exp-006-full: models
+	$(PY) -m harness run experiments/exp_006_reconstruction.toml
+
+# pytest-benchmark suite (skipped by `make test`); CI on macOS adds --benchmark-json.
+bench: models
+	$(PY) -m pytest tests/benchmarks --benchmark-only $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) $(COMPAT_VENV) .pytest_cache

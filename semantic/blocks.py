@@ -63,8 +63,9 @@ class KVBlock:
     token_ids: tuple[int, ...]
     layer_data: dict[int, LayerKV]
     token_hash: int | None = None
-    # (segment, index of this block's first held token in it), when its data are views into one
-    segment: tuple[Segment, int] | None = None
+    # (segment, index of this block's first held token in it, the views it was given),
+    # when its data are views into one; replaced layer_data no longer counts as a view
+    segment: tuple[Segment, int, dict] | None = None
 
     def __post_init__(self):
         assert self.n_tokens > 0 and self.start >= 0, (self.start, self.n_tokens)

@@ -159,7 +159,7 @@ def extract(pool: BlockPool, caches: Sequence, token_ids: Sequence[int]) -> Agen
 
     # Each run of consecutive missed blocks is copied once per layer into a
     # segment; its blocks hold views, which reconstruction hands over whole.
-    views: dict[int, tuple[dict, tuple[Segment, int]]] = {}
+    views: dict[int, tuple[dict, tuple[Segment, int, dict]]] = {}
     fresh = []
     for run in _miss_runs(plan):
         first, last = plan[run[0]], plan[run[-1]]
@@ -174,7 +174,7 @@ def extract(pool: BlockPool, caches: Sequence, token_ids: Sequence[int]) -> Agen
             s0 = a - shift - lo
             data = {i: (_slice(k, s0, s0 + b - a, False), _slice(v, s0, s0 + b - a, False))
                     for i, (k, v) in seg.layer_data.items()}
-            views[idx] = (data, (seg, s0))
+            views[idx] = (data, (seg, s0, dict(data)))
     mx.eval(fresh, [d for d, _ in views.values()])  # slices evaluate to views: no copy
 
     groups: dict[str, list[KVBlock]] = {g: [] for g in spec.groups()}
@@ -197,7 +197,9 @@ def _one_segment(pieces: list, layer: int):
     seg, pos = first[0], first[1] + pieces[0][1]
     start = pos
     for blk, s, e in pieces:
-        if blk.segment is None or blk.segment[0] is not seg or blk.segment[1] + s != pos:
+        where = blk.segment
+        # the block's data must still be the views made with the segment
+        if where is None or where[0] is not seg or where[1] + s != pos or blk.layer_data.get(layer) is not where[2].get(layer):
             return None
         pos += e - s
     k, v = seg.layer_data[layer]
@@ -216,27 +218,34 @@ def reconstruct(blocks: AgentBlocks, materialize: bool = True) -> list:
     caches = []
     for i, layer in enumerate(spec.layers):
         ranges = held_ranges(layer, total)
-        keys, values, pieces = [], [], []
+        pieces = []  # (block, first, end) in the block's own token indices
         for a, b in ranges:
             for blk in blocks.blocks_for_layer(i):
                 s, e = max(a, blk.start), min(b, blk.end)
                 if s < e:
-                    k, v = blk.layer_data[i]
-                    # per piece: concatenate would silently promote a wrong dtype
-                    _check(i, layer, k, blk.n_tokens, "keys")
-                    _check(i, layer, v, blk.n_tokens, "values")
-                    keys.append(_slice(k, s - blk.start, e - blk.start, False))
-                    values.append(_slice(v, s - blk.start, e - blk.start, False))
                     pieces.append((blk, s - blk.start, e - blk.start))
         held = sum(b - a for a, b in ranges)
-        got = sum((k[0] if isinstance(k, tuple) else k).shape[2] for k in keys)
+        got = sum(e - s for _, s, e in pieces)
         if got != held:
             raise CacheMismatchError(f"layer {i}: blocks hold {got} of the {held} tokens it needs")
         if not held:
             caches.append(layer.make_cache())
             continue
         run = _one_segment(pieces, i)
-        k, v = run if run is not None else (_cat(keys), _cat(values))
+        if run is not None:
+            k, v = run
+            _check(i, layer, k, held, "keys")
+            _check(i, layer, v, held, "values")
+        else:
+            keys, values = [], []
+            for blk, s, e in pieces:
+                bk, bv = blk.layer_data[i]
+                # per piece: concatenate would silently promote a wrong dtype
+                _check(i, layer, bk, blk.n_tokens, "keys")
+                _check(i, layer, bv, blk.n_tokens, "values")
+                keys.append(_slice(bk, s, e, False))
+                values.append(_slice(bv, s, e, False))
+            k, v = _cat(keys), _cat(values)
         if layer.kind == GLOBAL:
             kind = compat.QUANTIZED if layer.kv_bits else compat.KV
             state = compat.LayerState(kind, k, v, total, group_size=layer.kv_group_size, bits=layer.kv_bits)

@@ -175,3 +175,41 @@ def test_an_empty_history_reconstructs_to_empty_caches(gemma_tiny):
     blocks = extract(BlockPool(spec, 4, block_tokens=4), spec.make_cache(), [])
     assert blocks.total_tokens == 0 and blocks.unique_blocks() == []
     assert all(c.empty() for c in reconstruct(blocks))
+
+
+def _shares(a, b) -> bool:
+    return np.shares_memory(np.asarray(a), np.asarray(b))
+
+
+def test_blocks_from_one_extraction_reconstruct_as_views_of_one_segment(llama_tiny):
+    spec = ModelCacheSpec.from_model(llama_tiny)
+    pool = BlockPool(spec, 16, block_tokens=4)
+    live = spec.make_cache()
+    ids = list(range(1, 11))
+    _run(llama_tiny, live, ids)
+    blocks = extract(pool, live, ids)
+    segs = {id(b.segment[0]) for b in blocks.groups["global"]}
+    assert len(segs) == 1  # 3 blocks (4 + 4 + 2 tokens), one copy per layer
+    seg = blocks.groups["global"][0].segment[0]
+    rebuilt = reconstruct(blocks)
+    for i, c in enumerate(rebuilt):
+        assert _shares(c.keys, seg.layer_data[i][0]) and _shares(c.values, seg.layer_data[i][1])
+        assert mx.array_equal(c.keys, compat.read_layer(live[i]).keys).item()
+
+
+def test_blocks_from_several_extractions_are_concatenated_into_equal_caches(llama_tiny):
+    spec = ModelCacheSpec.from_model(llama_tiny)
+    pool = BlockPool(spec, 16, block_tokens=4)
+    live = spec.make_cache()
+    ids = list(range(1, 11))
+    _run(llama_tiny, live, ids[:8])
+    first = extract(pool, live, ids[:8])
+    _run(llama_tiny, live, ids[8:])
+    second = extract(pool, live, ids)  # blocks 0-1 hit `first`, block 2 is a new segment
+    assert [b.block_id for b in second.groups["global"][:2]] == [b.block_id for b in first.groups["global"]]
+    rebuilt = reconstruct(second)
+    seg = second.groups["global"][2].segment[0]
+    for i, c in enumerate(rebuilt):
+        assert not _shares(c.keys, seg.layer_data[i][0])
+        assert mx.array_equal(c.keys, compat.read_layer(live[i]).keys).item()
+        assert mx.array_equal(c.values, compat.read_layer(live[i]).values).item()

@@ -1,0 +1,309 @@
+"""EXP-006: reconstruction and extraction cost against the physical floor.
+
+Every cell (geometry x blocks x layers) builds synthetic caches in the real
+cache geometry, extracts them into a pool, and then times, interleaved per
+trial:
+
+- ``memcpy_np``: numpy ``copyto`` of the cache's bytes into a preallocated
+  buffer, the floor; ``memcpy_mx``: an MLX copy of the same bytes into a new
+  array (allocation included, as every MLX op has it);
+- ``concat``: the seeds' method, ``mx.concatenate`` of the per-block arrays
+  of every layer, then ``mx.eval``;
+- ``reconstruct``: our ``reconstruct`` materialized (lazy time beside it),
+  on blocks stored by one extraction (one segment per layer);
+- ``reconstruct_fragmented``: ours on blocks that came from one extraction
+  per block (a conversation growing by 256 tokens a turn), where each layer
+  needs one concatenation;
+- ``reconstruct_first_use`` / ``concat_first_use``: each followed by the
+  first cache update mlx-lm makes (one new token into every layer), which is
+  where a handed-over buffer gets copied: the honest end-to-end figure;
+- ``extract``: live caches into pooled blocks (the copy out of the model's
+  buffers).
+
+Sliding layers hold at most their window, so "bytes" is what the cache
+really holds. Gemma 3 12B comes from its config with synthetic bf16 tensors;
+``gemma3-12b-full`` is the seeds' "all 48 layers global" variant.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from harness import plots
+from harness.config import Param
+from harness.kinds import Kind, register
+from harness.stats import linear_fit
+from harness.timing import Samples, time_interleaved
+from semantic import BlockPool, ModelCacheSpec, compat, convert
+from semantic.spec import GLOBAL, LayerSpec
+
+BLOCK = 256
+GEMMA3_12B = {
+    "model_type": "gemma3", "num_hidden_layers": 48, "num_attention_heads": 16, "num_key_value_heads": 8,
+    "head_dim": 256, "hidden_size": 3840, "sliding_window": 1024, "sliding_window_pattern": 6, "torch_dtype": "bfloat16",
+}
+GEOMETRIES = ("smollm2-135m", "gemma3-270m", "gemma3-12b", "gemma3-12b-full")
+# The seed's "Expected Results" table: (blocks, layers, expected p95 ms).
+SEED_TABLE = [(1, 12, 0.1), (4, 24, 0.5), (8, 30, 1.0), (16, 30, 2.0), (32, 48, 5.0)]
+
+
+def geometry(name: str) -> ModelCacheSpec:
+    """The cache spec of a geometry: a real model's (as the engine stores it here) or Gemma 3 12B's config."""
+    if name == "gemma3-12b":
+        return ModelCacheSpec.from_config(GEMMA3_12B)
+    if name == "gemma3-12b-full":
+        full = ModelCacheSpec.from_config(GEMMA3_12B)
+        return ModelCacheSpec(tuple(dataclasses.replace(l, kind=GLOBAL, window=None) for l in full.layers))
+    from harness import models
+
+    return ModelCacheSpec.from_model(models.load(name).model)
+
+
+def first_layers(spec: ModelCacheSpec, n: int) -> ModelCacheSpec:
+    return ModelCacheSpec(spec.layers[:n])
+
+
+def live_caches(spec: ModelCacheSpec, tokens: int, seed: int = 0) -> list:
+    """mlx-lm caches holding ``tokens`` tokens of random K/V (sliding layers: the last window)."""
+    key = mx.random.key(seed)
+    out = []
+    for i, layer in enumerate(spec.layers):
+        held = tokens if layer.kind == GLOBAL else min(tokens, layer.window)
+        k1, k2 = mx.random.split(mx.random.fold_in(key, i) if hasattr(mx.random, "fold_in") else mx.random.key(seed * 1000 + i))
+        shape = (1, layer.n_kv_heads, held, layer.head_dim)
+        k = mx.random.normal(shape, key=k1).astype(layer.mx_dtype)
+        v = mx.random.normal(shape, key=k2).astype(layer.mx_dtype)
+        if layer.kind == GLOBAL:
+            st = compat.LayerState(compat.KV, k, v, tokens)
+        else:
+            st = compat.LayerState(compat.ROTATING, k, v, tokens, layer.keep, layer.window, idx=held)
+        out.append(compat.build_layer(st))
+        mx.eval(k, v)
+    return out
+
+
+def _fragmented(pool: BlockPool, caches: list, ids: list[int]):
+    """Blocks as a conversation growing one block per turn leaves them: one extraction per block."""
+    blocks = None
+    total = len(ids)
+    for end in list(range(BLOCK, total, BLOCK)) + [total]:
+        # a prefix of the live caches: trim a copy of each layer's state to `end` tokens
+        part = []
+        for c, layer in zip(caches, pool.spec.layers):
+            st = compat.temporal_rotating(compat.read_layer(c)) if layer.kind != GLOBAL else compat.read_layer(c)
+            lo = max(0, end - (layer.window or end)) if layer.kind != GLOBAL else 0
+            # temporal buffer covers [total - held, total); keep the positions [lo, end) it has
+            first = total - st.keys.shape[2]
+            a, b = max(lo, first) - first, end - first
+            if b <= 0:
+                part.append(layer.make_cache())
+                continue
+            k, v = st.keys[..., a:b, :], st.values[..., a:b, :]
+            kind = compat.KV if layer.kind == GLOBAL else compat.ROTATING
+            held = b - a
+            part.append(compat.build_layer(compat.LayerState(kind, k, v, end, layer.keep, layer.window, idx=held)))
+        new = convert.extract(pool, part, ids[:end])
+        if blocks is not None:
+            blocks.release()
+        blocks = new
+    return blocks
+
+
+def _arrays(caches: list) -> list:
+    return [a for c in caches if not c.empty() for a in (c.keys, c.values)]
+
+
+def _first_use(caches: list, spec: ModelCacheSpec) -> list:
+    """The update mlx-lm makes when the next token arrives, in every layer."""
+    out = []
+    for c, layer in zip(caches, spec.layers):
+        shape = (1, layer.n_kv_heads, 1, layer.head_dim)
+        k = mx.zeros(shape, dtype=layer.mx_dtype)
+        out += list(c.update_and_fetch(k, k))
+    return out
+
+
+def measure_cell(spec: ModelCacheSpec, n_blocks: int, protocol, fragmented: bool, progress) -> dict:
+    tokens = n_blocks * BLOCK
+    ids = [int(t) for t in np.random.default_rng(n_blocks).integers(1, 30000, tokens)]
+    caches = live_caches(spec, tokens)
+    pool = BlockPool(spec, total_blocks=len(spec.groups()) * (n_blocks + 1) * 4, block_tokens=BLOCK)
+    blocks = convert.extract(pool, caches, ids)
+    nbytes = blocks.nbytes
+    per_layer_blocks = [[(blk.layer_data[i]) for blk in blocks.blocks_for_layer(i)] for i in range(spec.n_layers)]
+    # other token ids, so the fragmented copy shares nothing with `blocks`
+    frag = _fragmented(pool, caches, [t + (1 << 20) for t in ids]) if fragmented else None
+
+    src = np.ones(nbytes, dtype=np.uint8)
+    dst = np.empty_like(src)
+    mx_src = mx.ones((nbytes // 2,), dtype=mx.uint16)
+    mx.eval(mx_src)
+    held = []
+
+    def concat():
+        return [mx.concatenate([kv[j] for kv in layer], axis=2) for layer in per_layer_blocks for j in (0, 1)]
+
+    def concat_first_use():
+        out = concat()
+        mx.eval(out)
+        cs = []
+        for i, layer in enumerate(spec.layers):
+            k, v = out[2 * i], out[2 * i + 1]
+            kind = compat.KV if layer.kind == GLOBAL else compat.ROTATING
+            cs.append(compat.build_layer(compat.LayerState(kind, k, v, tokens, layer.keep, layer.window, idx=k.shape[2])))
+        return _first_use(cs, spec)
+
+    turn = iter(range(1, 1 << 30))
+
+    def extract():
+        # new token ids every call: every block misses the pool, so every byte is copied
+        k = next(turn)
+        held.append(convert.extract(pool, caches, [t + k for t in ids]))
+
+    def release():
+        while held:
+            held.pop().release()
+
+    fns = {
+        "memcpy_np": lambda: np.copyto(dst, src),
+        "memcpy_mx": lambda: mx.array(mx_src),  # a plain MLX copy into a new array
+        "concat": concat,
+        "reconstruct": lambda: _arrays(convert.reconstruct(blocks, materialize=False)),
+        "reconstruct_first_use": lambda: _first_use(convert.reconstruct(blocks), spec),
+        "concat_first_use": concat_first_use,
+        "extract": extract,
+    }
+    if frag is not None:
+        fns["reconstruct_fragmented"] = lambda: _arrays(convert.reconstruct(frag, materialize=False))
+    samples = time_interleaved(fns, protocol, setup=release, progress=progress)
+    release()
+    blocks.release()
+    if frag is not None:
+        frag.release()
+    del caches, per_layer_blocks, src, dst, mx_src
+    gc.collect()
+    return {"tokens": tokens, "bytes": int(nbytes), "samples": samples}
+
+
+def run(ctx) -> None:
+    p, res = ctx.params, ctx.results
+    cells = []
+    specs = {g: geometry(g) for g in p["geometries"]}
+    todo = [(g, b, n) for g in p["geometries"] for n in p["layers"] for b in p["blocks"] if n <= specs[g].n_layers]
+    ctx.progress.total = len(todo) * ctx.config.protocol.trials
+    for g, b, n in todo:
+        spec = first_layers(specs[g], n)
+        cell = measure_cell(spec, b, ctx.config.protocol, p["fragmented"] and b > 1, ctx.progress.update)
+        name = f"{g}/b{b}/l{n}"
+        stats = {}
+        for method, s in cell["samples"].items():
+            m = res.timing(f"{name}/{method}_ms", s, lazy_gap=method in ("reconstruct", "concat", "reconstruct_fragmented"))
+            stats[method] = m["stats"]
+        for method in cell["samples"]:
+            if method != "memcpy_np":
+                res.compare(f"{name}/{method}_vs_memcpy", f"{name}/{method}_ms", f"{name}/memcpy_np_ms")
+        cells.append({"geometry": g, "blocks": b, "layers": n, "tokens": cell["tokens"], "bytes": cell["bytes"],
+                      **{f"{m}_p50_ms": st["median"] for m, st in stats.items()},
+                      **{f"{m}_p95_ms": st["p95"] for m, st in stats.items()}})
+    res.output("cells", cells)
+    _summaries(ctx, cells)
+
+
+def _summaries(ctx, cells: list[dict]) -> None:
+    res = ctx.results
+    by = {(c["geometry"], c["blocks"], c["layers"]): c for c in cells}
+    # the seed's table: for each row, the first configured geometry with that many layers
+    table = []
+    for b, n, expected in SEED_TABLE:
+        cell = next((by[(g, b, n)] for g in ctx.params["geometries"] if (g, b, n) in by), None)
+        if cell is None:
+            continue
+        table.append({
+            "blocks": b, "layers": n, "geometry": cell["geometry"], "total_ops": b * n, "expected_p95_ms": expected,
+            "concat_p95_ms": cell["concat_p95_ms"], "reconstruct_p95_ms": cell["reconstruct_p95_ms"],
+            "memcpy_p95_ms": cell["memcpy_np_p95_ms"], "cache_mb": cell["bytes"] / 1e6,
+            "verdict_seed_method": "PASS" if cell["concat_p95_ms"] < expected else "FAIL",
+            "verdict_ours": "PASS" if cell["reconstruct_p95_ms"] < expected else "FAIL",
+        })
+    res.output("seed_table", table)
+    for row in table:
+        res.check(f"seed_b{row['blocks']}_l{row['layers']}_reconstruct_p95_ms", row["reconstruct_p95_ms"])
+        res.check(f"seed_b{row['blocks']}_l{row['layers']}_concat_p95_ms", row["concat_p95_ms"])
+
+    # target cells of the issue: ratios to memcpy, from this run
+    targets = {}
+    for key, (g, b, n) in {"smollm2_2k": ("smollm2-135m", 8, 30), "gemma3_12b_8k": ("gemma3-12b", 32, 48)}.items():
+        if (g, b, n) in by:
+            c = by[(g, b, n)]
+            targets[key] = {m: c[f"{m}_p50_ms"] / c["memcpy_np_p50_ms"] for m in
+                            ("reconstruct", "reconstruct_first_use", "concat", "concat_first_use", "extract", "memcpy_mx")
+                            if f"{m}_p50_ms" in c}
+            if "reconstruct_fragmented_p50_ms" in c:
+                targets[key]["reconstruct_fragmented"] = c["reconstruct_fragmented_p50_ms"] / c["memcpy_np_p50_ms"]
+    res.output("target_ratios_to_memcpy", targets)
+    for key, ratios in targets.items():
+        for m, r in ratios.items():
+            res.check(f"{key}_{m}_over_memcpy", r)
+
+    # 32 blocks against 1 block, same geometry and layers: does reconstruction stay flat?
+    flat = {}
+    for (g, b, n), c in by.items():
+        one = by.get((g, 1, n))
+        if b == max(bb for (gg, bb, nn) in by if gg == g and nn == n) and one is not None and b > 1:
+            flat[f"{g}/l{n}/b{b}_over_b1"] = c["reconstruct_p50_ms"] / one["reconstruct_p50_ms"]
+    res.output("reconstruct_many_over_one_block", flat)
+    if flat:
+        res.check("reconstruct_many_over_one_block_max", max(flat.values()))
+
+    # scaling: p50 against blocks x layers, per method, with the fit
+    x = [c["blocks"] * c["layers"] for c in cells]
+    fits = {}
+    series = {}
+    for m in ("concat", "reconstruct", "reconstruct_fragmented", "memcpy_np", "extract"):
+        pts = [(c["blocks"] * c["layers"], c[f"{m}_p50_ms"]) for c in cells if f"{m}_p50_ms" in c]
+        if len({px for px, _ in pts}) >= 2:
+            fits[m] = linear_fit([px for px, _ in pts], [py for _, py in pts])
+            series[m] = ([px for px, _ in pts], [py for _, py in pts], fits[m])
+    res.output("linear_fits_p50_vs_blocks_x_layers", fits)
+    if "concat" in fits:
+        res.check("concat_linear_r2", fits["concat"]["r2"])
+    if "scaling" in ctx.config.plots and series:
+        ctx.plots.append(plots.scaling_plot(series, ctx.plot_path("scaling"), "blocks x layers",
+                                            "p50 latency (ms)", "EXP-006: latency against blocks x layers", logy=False))
+    if "bandwidth" in ctx.config.plots and cells:
+        gbps = {m: [c["bytes"] / (c[f"{m}_p50_ms"] / 1e3) / 1e9 for c in cells]
+                for m in ("memcpy_np", "memcpy_mx", "concat", "reconstruct_first_use", "extract")}
+        ctx.plots.append(plots.bandwidth_plot([c["bytes"] for c in cells], gbps, ctx.plot_path("bandwidth"),
+                                              "EXP-006: bytes moved per second"))
+
+
+def _validate(p: dict) -> None:
+    bad = [g for g in p["geometries"] if g not in GEOMETRIES]
+    if bad or not p["geometries"]:
+        raise ValueError(f"geometries must be among {list(GEOMETRIES)}, got {p['geometries']}")
+    if not p["blocks"] or not all(isinstance(b, int) and b > 0 for b in p["blocks"]):
+        raise ValueError("blocks must be positive integers")
+    if not p["layers"] or not all(isinstance(n, int) and n > 0 for n in p["layers"]):
+        raise ValueError("layers must be positive integers")
+
+
+KIND = register(Kind(
+    name="reconstruction",
+    run=run,
+    params={
+        "geometries": Param(list, ["smollm2-135m", "gemma3-12b"], f"cache geometries, among {list(GEOMETRIES)}"),
+        "blocks": Param(list, [1, 2, 4, 8, 16, 32], "blocks of 256 tokens"),
+        "layers": Param(list, [12, 24, 30, 48], "first N layers of the geometry (cells with N > its layers are skipped)"),
+        "fragmented": Param(bool, True, "also time blocks stored by one extraction per block"),
+    },
+    plots=frozenset({"scaling", "bandwidth"}),
+    needs_model=False,
+    validate=_validate,
+    trial_code=(measure_cell, live_caches, _fragmented, _first_use, convert.reconstruct, convert.extract),
+))
