@@ -17,7 +17,7 @@ between the two (``persistence.load`` reads only the blocks that missed).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from semantic.blocks import AgentBlocks, KVBlock, LayerKV
 from semantic.convert import held_ranges
@@ -72,11 +72,17 @@ def chain_keys(token_ids: Sequence[int], block_tokens: int) -> list[int]:
     return chain
 
 
-def plan(pool: BlockPool, spec: ModelCacheSpec, token_ids: Sequence[int]) -> BlockPlan:
-    """Look up every full block of ``token_ids`` in ``pool``; change nothing."""
+def plan(
+    pool: BlockPool, spec: ModelCacheSpec, token_ids: Sequence[int], chain: Sequence[int] | None = None
+) -> BlockPlan:
+    """Look up every full block of ``token_ids`` in ``pool``; change nothing.
+
+    ``chain`` is ``chain_keys(token_ids, pool.block_tokens)``, when the
+    caller plans the same tokens more than once.
+    """
     bt = pool.block_tokens
     tokens = token_ids if type(token_ids) is tuple else tuple(map(int, token_ids))
-    chain = chain_keys(tokens, bt)
+    chain = chain_keys(tokens, bt) if chain is None else chain
     out, need = [], 0
     for group, layers in spec.groups().items():
         for a, b, shift in block_spans(spec.layers[layers[0]], len(tokens), bt):
@@ -95,15 +101,16 @@ def commit(
     spec: ModelCacheSpec,
     token_ids: Sequence[int],
     planned: BlockPlan,
-    data: Callable[[PlannedBlock], dict[int, LayerKV]],
+    data: Callable[[PlannedBlock], tuple[dict[int, LayerKV], Any]],
     release: Callable[[list[KVBlock]], None] | None = None,
 ) -> AgentBlocks:
     """Take ``planned`` from ``pool`` as one agent's blocks.
 
-    ``data(p)`` gives each missed block's K/V per layer; it is called for
-    every miss before anything is taken, so :class:`PoolExhaustedError` (the
-    pool cannot hold the misses) or an error from ``data`` leaves the pool
-    untouched. The plan must be fresh: nothing may have used the pool since
+    ``data(p)`` gives each missed block's K/V per layer and, when those are
+    views into a segment, the block's ``segment`` (see ``blocks.KVBlock``),
+    else None. It is called for every miss before anything is taken, so
+    :class:`PoolExhaustedError` (the pool cannot hold the misses) or an error
+    from ``data`` leaves the pool untouched. The plan must be fresh: nothing may have used the pool since
     :func:`plan` made it. ``release`` (default ``pool.release``) is what the
     returned AgentBlocks calls to give its blocks back.
     """
@@ -118,5 +125,9 @@ def commit(
         if p.hit is not None:
             groups[p.group].append(pool.acquire(p.hit))
         else:
-            groups[p.group].append(pool.allocate(p.group, p.start, tokens[p.start : p.end], fresh[i], p.key))
+            layer_data, segment = fresh[i]
+            block = pool.allocate(p.group, p.start, tokens[p.start : p.end], layer_data, p.key)
+            if segment is not None:
+                block.segment = segment
+            groups[p.group].append(block)
     return AgentBlocks(spec, tokens, groups, pool.block_tokens, _release=release or pool.release)

@@ -8,17 +8,24 @@ same under every mlx-lm version (and is readable by ``safetensors`` or
     N bytes     JSON: the tensor table, and __metadata__ with
                   "semantic_kv"          the document (JSON, below)
                   "semantic_kv_xxh3_128" the xxh3-128 of the document
-    data        per layer group, per block in token order, per part, one tensor
-                (layers of the group, heads, block tokens, dim)
+    data        per layer, per part: one tensor holding every token the layer
+                holds, in temporal order (1, heads, tokens, dim)
 
-    "global/0/00000256/keys"            layers (1, 3, 5)   tokens 256..511
-    "sliding-w512-k0/0/00000512/values" layers (0, 2, 4)   tokens 512..767
+    "layer.1.keys"     a global layer: tokens 0..T
+    "layer.0.values"   a sliding layer of window 512: tokens T-512..T (unrolled)
+    "layer.3.keys.scales"   quantized layers: .packed, .scales, .biases
 
-The document holds the format version, model fingerprint, cache spec, block
-size, the exact token ids, each layer's cache type and meta, an xxh3-128
-per tensor, and the mlx / mlx-lm versions that wrote it. A sliding layer's
-blocks hold its window in temporal order (see ``convert``), so a wrapped ring
-buffer is stored unrolled and the ring index is simply the held count.
+The document holds the format version, model fingerprint, cache spec, the
+exact token ids, each layer's cache type and meta, an xxh3-128 per tensor,
+and the mlx / mlx-lm versions that wrote it. A sliding layer's window is
+stored in temporal order (see ``convert``), so a wrapped ring buffer is
+stored unrolled and the ring index is simply the held count. Block
+boundaries are not in the file: a file loads into a pool of any block size,
+and each group's tensors become one segment (``blocks.Segment``) that the
+loaded blocks are views of, so reconstruction hands it over without a copy.
+One tensor per layer, like mlx-lm's own files, keeps allocations the size
+mlx-lm's loads make (stacking layers measured slower: big buffers are
+fresh memory, page-faulted on every load).
 
 Writes go to a temporary file in the same directory, are fsynced, renamed
 over the real name and the directory is fsynced: a crash leaves the old file
@@ -52,11 +59,12 @@ from pathlib import Path
 from typing import Any, Iterable
 
 import mlx.core as mx
+import numpy as np
 import xxhash
 
 from semantic import compat
-from semantic.blockplan import PlannedBlock, block_spans, commit, plan
-from semantic.blocks import AgentBlocks, KVBlock
+from semantic.blockplan import BlockPlan, PlannedBlock, block_spans, chain_keys, commit, plan
+from semantic.blocks import AgentBlocks, KVBlock, LayerKV, Segment
 from semantic.convert import held_ranges
 from semantic.errors import (
     CacheCorruptError,
@@ -86,17 +94,15 @@ _QPARTS = ("packed", "scales", "biases")
 
 @dataclass(frozen=True, slots=True)
 class TensorSlot:
-    """One tensor of a file: one part of one block for a stack of layers."""
+    """One tensor of a file: one part of one layer's held tokens."""
 
     name: str
     group: str
-    layers: tuple[int, ...]
-    start: int
-    end: int
+    layer: int
     side: str             # "keys" or "values"
     part: int | None      # index into (packed, scales, biases) for quantized layers
     dtype: str
-    shape: tuple[int, ...]  # (len(layers), heads, end - start, dim)
+    shape: tuple[int, ...]  # (1, heads, held tokens, dim)
 
     @property
     def nbytes(self) -> int:
@@ -104,10 +110,6 @@ class TensorSlot:
         for d in self.shape:
             n *= d
         return n
-
-    def layer_shape(self) -> tuple[int, ...]:
-        """One layer's array: (1, heads, tokens, dim), a split of the tensor along axis 0."""
-        return (1, *self.shape[1:])
 
 
 def _parts(layer: LayerSpec, n: int) -> list[tuple[str, int | None, str, tuple[int, ...]]]:
@@ -124,26 +126,20 @@ def _parts(layer: LayerSpec, n: int) -> list[tuple[str, int | None, str, tuple[i
     return out
 
 
-def _stacks(spec: ModelCacheSpec, layers: tuple[int, ...]) -> list[tuple[int, ...]]:
-    """Layers of one group that share a shape, so their blocks stack in one tensor."""
-    out: dict[tuple, list[int]] = {}
-    for i in layers:
-        l = spec.layers[i]
-        out.setdefault((l.n_kv_heads, l.head_dim, l.v_head_dim, l.dtype), []).append(i)
-    return [tuple(v) for v in out.values()]
+def held_tokens(layer: LayerSpec, total: int) -> int:
+    return sum(b - a for a, b in held_ranges(layer, total))
 
 
-def layout(spec: ModelCacheSpec, total: int, block_tokens: int) -> list[TensorSlot]:
-    """Every tensor a file of ``total`` tokens holds, in file order."""
+def layout(spec: ModelCacheSpec, total: int) -> list[TensorSlot]:
+    """Every tensor a file of ``total`` tokens holds, in file order (none when empty)."""
     slots = []
-    for group, layers in spec.groups().items():
-        stacks = _stacks(spec, layers)
-        for a, b, _ in block_spans(spec.layers[layers[0]], total, block_tokens):
-            for s, stack in enumerate(stacks):
-                for side, part, dtype, shape in _parts(spec.layers[stack[0]], b - a):
-                    suffix = side if part is None else f"{side}.{_QPARTS[part]}"
-                    name = f"{group}/{s}/{a:08d}/{suffix}"
-                    slots.append(TensorSlot(name, group, stack, a, b, side, part, dtype, (len(stack), *shape[1:])))
+    for i, layer in enumerate(spec.layers):
+        held = held_tokens(layer, total)
+        if not held:
+            continue
+        for side, part, dtype, shape in _parts(layer, held):
+            suffix = side if part is None else f"{side}.{_QPARTS[part]}"
+            slots.append(TensorSlot(f"layer.{i}.{suffix}", layer.group, i, side, part, dtype, shape))
     return slots
 
 
@@ -151,7 +147,7 @@ def _layer_meta(spec: ModelCacheSpec, total: int) -> list[dict]:
     """Per-layer cache type and meta, as mlx-lm would rebuild the cache."""
     out = []
     for l in spec.layers:
-        held = sum(b - a for a, b in held_ranges(l, total))
+        held = held_tokens(l, total)
         out.append(
             {
                 "cache": l.cache_kind,
@@ -181,7 +177,6 @@ class CacheFileInfo:
     agent_id: str | None
     spec: ModelCacheSpec
     token_ids: tuple[int, ...]
-    block_tokens: int
     mlx_version: str
     mlx_lm_version: str
     nbytes: int                      # file size in bytes
@@ -276,7 +271,6 @@ def _check(path: str, doc: dict, table: dict, st: os.stat_result, data_offset: i
     try:
         spec = ModelCacheSpec.from_dict(doc["spec"])
         tokens = doc["token_ids"]
-        bt = doc["block_tokens"]
         fingerprint, agent_id = doc["model_fingerprint"], doc["agent_id"]
         digests = doc["tensors"]
         versions = (doc["mlx"], doc["mlx_lm"])
@@ -285,15 +279,13 @@ def _check(path: str, doc: dict, table: dict, st: os.stat_result, data_offset: i
         raise CacheCorruptError(path, f"malformed document ({type(exc).__name__}: {exc})") from None
     if not (isinstance(tokens, list) and set(map(type, tokens)) <= {int} and min(tokens, default=0) >= 0):
         raise CacheCorruptError(path, "token_ids must be a list of non-negative integers")
-    if type(bt) is not int or bt <= 0:
-        raise CacheCorruptError(path, f"block_tokens must be a positive integer, got {bt!r}")
     if not isinstance(fingerprint, str) or not (agent_id is None or isinstance(agent_id, str)):
         raise CacheCorruptError(path, "model_fingerprint and agent_id must be strings")
     if not all(isinstance(v, str) for v in versions):
         raise CacheCorruptError(path, "mlx and mlx_lm versions must be strings")
     if _canon(layers) != _canon(_layer_meta(spec, len(tokens))):
         raise CacheCorruptError(path, "per-layer cache meta does not match the spec and token count")
-    slots = layout(spec, len(tokens), bt)
+    slots = layout(spec, len(tokens))
     names = [s.name for s in slots]
     if not isinstance(digests, dict) or sorted(digests) != sorted(names):
         raise CacheCorruptError(path, "the document's checksums do not name the layout's tensors")
@@ -321,7 +313,6 @@ def _check(path: str, doc: dict, table: dict, st: os.stat_result, data_offset: i
         agent_id=agent_id,
         spec=spec,
         token_ids=tuple(tokens),
-        block_tokens=bt,
         mlx_version=versions[0],
         mlx_lm_version=versions[1],
         nbytes=st.st_size,
@@ -339,12 +330,13 @@ _executor_lock = threading.Lock()
 
 
 def _hasher() -> ThreadPoolExecutor:
-    """Two hashing threads: xxhash releases the GIL on buffers over 64 KiB, so
-    hashing overlaps writing (save) and runs on both cores (load)."""
+    """Hashing threads, up to four: xxhash releases the GIL on buffers over
+    64 KiB, so hashing overlaps writing (save) and spreads over the cores (load)."""
     global _executor
     with _executor_lock:
         if _executor is None:
-            _executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="semantic-kv-hash")
+            workers = max(2, min(4, os.cpu_count() or 2))
+            _executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="semantic-kv-hash")
         return _executor
 
 
@@ -376,36 +368,121 @@ def _digest(views: Iterable[memoryview]) -> str:
 
 
 def _sources(blocks: AgentBlocks, slots: list[TensorSlot]) -> list[list[mx.array]]:
-    """Per slot, the arrays of its layers, checked against the slot's shape."""
-    by_start = {(g, b.start): b for g, bl in blocks.groups.items() for b in bl}
-    wanted = {(s.group, s.start, s.end) for s in slots}
-    have = {(g, b.start, b.end) for g, bl in blocks.groups.items() for b in bl}
-    if wanted != have:
-        diff = sorted(wanted ^ have)[:3]
-        raise CacheShapeError(f"blocks do not cover the layout of {blocks.total_tokens} tokens: {diff}")
+    """Per slot, the arrays that hold its layer's tokens in order (bfloat16
+    reinterpreted as uint16, for numpy).
+
+    Blocks that are consecutive views of one segment (``blocks.Segment``)
+    become one slice of it, so a fresh extraction is one array per layer.
+    """
+    spec, total, bt = blocks.spec, blocks.total_tokens, blocks.block_tokens
+    for group, layers in spec.groups().items():
+        want = [(a, b) for a, b, _ in block_spans(spec.layers[layers[0]], total, bt)]
+        have = [(blk.start, blk.end) for blk in blocks.groups.get(group, [])]
+        if have != want:
+            raise CacheShapeError(f"group {group}: blocks hold {have[:4]}..., the layout of {total} tokens needs {want[:4]}...")
     out = []
     for s in slots:
-        block = by_start[(s.group, s.start)]
-        arrays = []
-        for i in s.layers:
-            kv = block.layer_data[i][0 if s.side == "keys" else 1]
-            a = kv if s.part is None else kv[s.part]
-            if tuple(a.shape) != s.layer_shape() or a.dtype != _MX_DTYPES[s.dtype]:
-                raise CacheShapeError(
-                    f"layer {i} {s.side} [{s.start}, {s.end}): {tuple(a.shape)} {a.dtype}, "
-                    f"the spec needs {s.layer_shape()} {s.dtype}"
-                )
-            arrays.append(a)
-        out.append(arrays)
+        group = blocks.groups[s.group]
+        for blk in group:
+            _check_block(blk, s)
+        out.append([a.view(mx.uint16) if a.dtype == mx.bfloat16 else a for a in _runs(group, s)])
+    mx.eval(out)  # slices and reinterpretations: views, no copies
     return out
 
 
-def _contiguous(arrays: list[list[mx.array]]) -> list[list[mx.array]]:
-    flat = [a for row in arrays for a in row]
-    mx.eval(flat)
-    fixed = [[a if memoryview(a).c_contiguous else mx.contiguous(a) for a in row] for row in arrays]
-    mx.eval([a for row in fixed for a in row])
-    return fixed
+def _check_block(blk: KVBlock, s: TensorSlot) -> None:
+    i = s.layer
+    a = _part(blk.layer_data[i], s)
+    shape = (1, s.shape[1], blk.n_tokens, s.shape[3])
+    if tuple(a.shape) != shape or a.dtype != _MX_DTYPES[s.dtype]:
+        raise CacheShapeError(
+            f"layer {i} {s.side} [{blk.start}, {blk.end}): {tuple(a.shape)} {a.dtype}, the spec needs {shape} {s.dtype}"
+        )
+
+
+def _part(kv, s: TensorSlot):
+    x = kv[0 if s.side == "keys" else 1]
+    return x if s.part is None else x[s.part]
+
+
+def _runs(group: list[KVBlock], s: TensorSlot) -> list[mx.array]:
+    """The slot layer's arrays over the group's blocks, merging consecutive views of one segment."""
+    i, out, run = s.layer, [], None  # run: [segment, first held index, end held index]
+
+    def flush():
+        if run is not None:
+            out.append(_part(run[0].layer_data[i], s)[..., run[1] : run[2], :])
+
+    for blk in group:
+        where = getattr(blk, "segment", None)
+        # the block's data must still be the views it was given into the segment
+        ok = where is not None and where[2].get(i) is blk.layer_data.get(i)
+        if ok and run is not None and run[0] is where[0] and run[2] == where[1]:
+            run[2] += blk.n_tokens
+            continue
+        flush()
+        if ok:
+            run = [where[0], where[1], where[1] + blk.n_tokens]
+        else:
+            run = None
+            out.append(_part(blk.layer_data[i], s))
+    flush()
+    return out
+
+
+def _chunks(arrays: list[mx.array]) -> list[memoryview]:
+    """The bytes of one (1, heads, tokens, dim) tensor in file order: one
+    contiguous piece per head and array. Arrays may be strided views (slices
+    of a segment), but each head's tokens are contiguous: no copy."""
+    out = []
+    nps = [np.asarray(memoryview(a)) for a in arrays]
+    for h in range(nps[0].shape[1]):
+        for x in nps:
+            piece = x[0, h]
+            if not piece.flags.c_contiguous:  # not a view we know: copy this piece
+                piece = np.ascontiguousarray(piece)
+            out.append(memoryview(piece).cast("B"))
+    return out
+
+
+class _Writer:
+    """Writes pieces in order with writev, and (when durable) asks the kernel
+    to start writing every few megabytes to disk, so that the final fsync
+    waits only for the tail instead of the whole file."""
+
+    WRITEBACK_BYTES = 8 << 20
+
+    def __init__(self, fd: int, offset: int, durable: bool):
+        self.fd, self.offset, self.durable = fd, offset, durable
+        self.flushed = offset
+
+    def write(self, views: list[memoryview]) -> None:
+        batch, size = [], 0
+        for v in views:
+            batch.append(v)
+            size += v.nbytes
+            if len(batch) == _IOV_MAX or size >= self.WRITEBACK_BYTES:
+                self._writev(batch, size)
+                batch, size = [], 0
+        if batch:
+            self._writev(batch, size)
+
+    def _writev(self, batch: list[memoryview], size: int) -> None:
+        n = os.writev(self.fd, batch)
+        if n < size:  # rare: a short write; finish it piece by piece
+            for v in batch:
+                if n >= v.nbytes:
+                    n -= v.nbytes
+                    continue
+                _write_all(self.fd, v[n:])
+                n = 0
+        self.offset += size
+        if self.durable and self.offset - self.flushed >= self.WRITEBACK_BYTES:
+            _start_writeback(self.fd, self.flushed, self.offset - self.flushed)
+            self.flushed = self.offset
+
+
+_IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX")) if hasattr(os, "sysconf") else 1024
 
 
 def _write_all(fd: int, view: memoryview) -> None:
@@ -524,15 +601,14 @@ def save(
     if agent_id is not None and not isinstance(agent_id, str):
         raise InvalidRequestError(f"agent_id must be a string or None, got {agent_id!r}")
     path = os.fspath(path)
-    spec, total, bt = blocks.spec, blocks.total_tokens, blocks.block_tokens
-    slots = layout(spec, total, bt)
-    arrays = _contiguous(_sources(blocks, slots))
+    spec, total = blocks.spec, blocks.total_tokens
+    slots = layout(spec, total)
+    chunks = [_chunks(arrays) for arrays in _sources(blocks, slots)]
     doc = {
         "format_version": FORMAT_VERSION,
         "model_fingerprint": model_fingerprint,
         "agent_id": agent_id,
         "spec": spec.to_dict(),
-        "block_tokens": bt,
         "token_ids": list(blocks.token_ids),
         "layers": _layer_meta(spec, total),
         "hash": HASH,
@@ -546,15 +622,10 @@ def save(
     try:
         try:
             _write_all(fd, memoryview(placeholder))
-            offset, pending = len(placeholder), []
-            for s, row in zip(slots, arrays):
-                views = [_bytes(a) for a in row]
-                pending.append(_hasher().submit(_digest, views))
-                for v in views:
-                    _write_all(fd, v)
-                if durable:  # the disk writes this tensor while we copy the next
-                    _start_writeback(fd, offset, s.nbytes)
-                offset += s.nbytes
+            writer, pending = _Writer(fd, len(placeholder), durable), []
+            for views in chunks:
+                pending.append(_hasher().submit(_digest, views))  # checksummed while written
+                writer.write(views)
             doc["tensors"] = {s.name: f.result() for s, f in zip(slots, pending)}
             header = _header_bytes(doc, slots)
             assert len(header) == len(placeholder), "checksums are fixed-width: the header cannot change length"
@@ -583,7 +654,6 @@ def save(
         agent_id=agent_id,
         spec=spec,
         token_ids=blocks.token_ids,
-        block_tokens=bt,
         mlx_version=compat.MLX_VERSION,
         mlx_lm_version=compat.MLX_LM_VERSION,
         nbytes=st.st_size,
@@ -604,9 +674,8 @@ class _Replaced(Exception):
 _READ_CHUNKS = 2  # hashing the first half overlaps reading the second where a core is free
 
 
-def _read_tensors(info: CacheFileInfo, slots: list[TensorSlot]) -> dict[str, list[mx.array]]:
-    """Per slot, its layers' arrays (views of one tensor), evaluated and
-    checked against the tensor's checksum.
+def _read_tensors(info: CacheFileInfo, slots: list[TensorSlot]) -> dict[str, mx.array]:
+    """The slots' tensors, evaluated and checked against their checksums.
 
     ``mx.load`` reads straight into the arrays' memory (in parallel under
     mlx 0.32), with no Python-side buffer and no copy; each ``mx.eval`` of a
@@ -623,92 +692,112 @@ def _read_tensors(info: CacheFileInfo, slots: list[TensorSlot]) -> dict[str, lis
     st = os.stat(info.path)
     if (st.st_dev, st.st_ino) != info.inode:
         raise _Replaced
-    tensors, views = {}, {}
+    tensors = {}
     for s in slots:
         t = loaded.get(s.name)
         if t is None or tuple(t.shape) != s.shape or t.dtype != _MX_DTYPES[s.dtype]:
             raise CacheCorruptError(info.path, f"tensor {s.name} does not load as {s.shape} {s.dtype}")
         tensors[s.name] = t
-        views[s.name] = _split(t, s)
     names = list(tensors)
     step = max(1, -(-len(names) // _READ_CHUNKS))
+    workers = _hasher()._max_workers
     pending = []
     try:
         for i in range(0, len(names), step):
             part = names[i : i + step]
-            mx.eval([tensors[n] for n in part], [views[n] for n in part])
-            pending += [(n, _hasher().submit(_digest_array, tensors[n])) for n in part]
+            mx.eval([tensors[n] for n in part])
+            for w in range(workers):  # one task per thread, not per tensor
+                mine = part[w::workers]
+                if mine:
+                    pending.append((mine, _hasher().submit(_digest_arrays, [tensors[n] for n in mine])))
     except (RuntimeError, ValueError) as exc:  # e.g. the file shrank under us
         raise CacheCorruptError(info.path, f"reading tensors failed: {exc}") from None
-    for name, fut in pending:
-        got = fut.result()
+    for name, got in ((n, d) for mine, fut in pending for n, d in zip(mine, fut.result())):
         if got != info.digests[name]:
             raise CacheCorruptError(info.path, f"tensor {name}: checksum mismatch ({HASH} {got} != {info.digests[name]})")
-    return views
+    return tensors
 
 
-def _digest_array(a: mx.array) -> str:
-    return xxhash.xxh3_128(_bytes(a)).hexdigest()
-
-
-def _split(t: mx.array, slot: TensorSlot) -> list[mx.array]:
-    """Per-layer arrays (1, heads, tokens, dim) of a stacked tensor: views, no copy."""
-    return [t] if len(slot.layers) == 1 else mx.split(t, len(slot.layers), axis=0)
+def _digest_arrays(arrays: list[mx.array]) -> list[str]:
+    return [xxhash.xxh3_128(_bytes(a)).hexdigest() for a in arrays]
 
 
 class _FileBlocks:
-    """The file's tensors, served as the pool's blocks (any block size)."""
+    """A file's tensors, served as the pool's blocks of any size.
+
+    Each group's per-layer arrays form one segment, and a missed block is a
+    view of it. When some of a group's blocks hit the pool instead, each run
+    of missed blocks is copied into a segment of its own, so the shared
+    tokens' bytes are not kept alive twice.
+    """
 
     def __init__(self, info: CacheFileInfo):
         self.info = info
         self.by_group: dict[str, list[TensorSlot]] = {}
-        self.by_block: dict[tuple[str, int, int], list[TensorSlot]] = {}
         for s in info.slots:
             self.by_group.setdefault(s.group, []).append(s)
-            self.by_block.setdefault((s.group, s.start, s.end), []).append(s)
-        self.views: dict[str, list[mx.array]] = {}
+        self.arrays: dict[str, mx.array] = {}
 
     def needed(self, planned: Iterable[PlannedBlock]) -> list[TensorSlot]:
-        """Slots overlapping blocks that missed the pool and are not read yet."""
-        out = {}
-        for p in planned:
-            if p.hit is not None:
-                continue
-            same = self.by_block.get((p.group, p.start, p.end))
-            for s in same if same is not None else self.by_group[p.group]:
-                if s.start < p.end and p.start < s.end and s.name not in self.views:
-                    out[s.name] = s
-        return list(out.values())
+        """Unread tensors of every group with a block that missed the pool."""
+        groups = {p.group for p in planned if p.hit is None}
+        return [s for g in groups for s in self.by_group.get(g, []) if s.name not in self.arrays]
 
     def read(self, slots: list[TensorSlot]) -> None:
-        self.views.update(_read_tensors(self.info, slots))
+        self.arrays.update(_read_tensors(self.info, slots))
 
-    def data(self, p: PlannedBlock) -> dict[int, Any]:
-        """K/V per layer of one planned block, lazily: views of one file block
-        when the block sizes agree, else overlapping pieces joined and copied."""
-        parts: dict[tuple[int, str, int | None], mx.array] = {}
-        same = self.by_block.get((p.group, p.start, p.end))
-        if same is not None:
-            for s in same:
-                for i, a in zip(s.layers, self.views[s.name]):
-                    parts[(i, s.side, s.part)] = a
-        else:
-            pieces: dict[tuple[int, str, int | None], list[mx.array]] = {}
-            for s in self.by_group[p.group]:
-                if s.start < p.end and p.start < s.end:
-                    a, b = max(p.start, s.start) - s.start, min(p.end, s.end) - s.start
-                    for i, x in zip(s.layers, self.views[s.name]):
-                        pieces.setdefault((i, s.side, s.part), []).append(x[..., a:b, :])
-            parts = {k: mx.contiguous(mx.concatenate(v, axis=2)) for k, v in pieces.items()}
-            mx.eval(parts)
-        out: dict[int, Any] = {}
-        for i in p.layers:
-            quantized = self.info.spec.layers[i].kv_bits is not None
-            out[i] = tuple(
-                tuple(parts[(i, side, k)] for k in range(3)) if quantized else parts[(i, side, None)]
-                for side in ("keys", "values")
-            )
+    def layer(self, group: str, i: int) -> LayerKV:
+        """Layer ``i``'s (keys, values) over every token its group holds."""
+        parts = {(s.side, s.part): self.arrays[s.name] for s in self.by_group[group] if s.layer == i}
+        if (("keys", None)) in parts:
+            return parts[("keys", None)], parts[("values", None)]
+        return tuple(tuple(parts[(side, k)] for k in range(3)) for side in ("keys", "values"))
+
+    def block_data(self, planned: BlockPlan) -> dict[int, tuple[dict[int, LayerKV], tuple]]:
+        """For each missed planned block (by index): its layer views and its segment."""
+        out = {}
+        entries = list(enumerate(planned.blocks))
+        for group, layers in self.info.spec.groups().items():
+            mine = [(idx, p) for idx, p in entries if p.group == group]
+            runs: list[list[tuple[int, PlannedBlock]]] = []
+            for idx, p in mine:
+                if p.hit is not None:
+                    continue
+                if runs and runs[-1][-1][0] == idx - 1:
+                    runs[-1].append((idx, p))
+                else:
+                    runs.append([(idx, p)])
+            whole = len(runs) == 1 and len(runs[0]) == len(mine)
+            for run in runs:
+                lo = run[0][1].start - run[0][1].shift
+                hi = run[-1][1].end - run[-1][1].shift
+                seg = Segment({}, hi - lo)
+                for i in layers:
+                    kv = self.layer(group, i)
+                    # all of the group: the file's arrays are the segment (no copy)
+                    seg.layer_data[i] = kv if whole else _map(kv, lambda x: mx.contiguous(x[..., lo:hi, :]))
+                starts = [p.start - p.shift - lo for _, p in run]
+                per_block = [{} for _ in run]
+                for i, kv in seg.layer_data.items():
+                    # one split per array gives every block's view at once
+                    for j, piece in enumerate(_split_kv(kv, starts[1:])):
+                        per_block[j][i] = piece
+                for (idx, _), s0, data in zip(run, starts, per_block):
+                    out[idx] = (data, (seg, s0, dict(data)))
+        mx.eval([d for d, _ in out.values()])  # views (and, after a partial hit, copies)
         return out
+
+
+def _map(kv: LayerKV, fn) -> LayerKV:
+    return tuple(tuple(fn(x) for x in side) if isinstance(side, tuple) else fn(side) for side in kv)
+
+
+def _split_kv(kv: LayerKV, cuts: list[int]) -> list[LayerKV]:
+    """``kv`` cut along the token axis at ``cuts``: one (keys, values) per piece."""
+    if not cuts:
+        return [kv]
+    split = _map(kv, lambda x: mx.split(x, cuts, axis=2))
+    return [_map(split, lambda pieces: pieces[j]) for j in range(len(cuts) + 1)]
 
 
 def load(
@@ -754,16 +843,19 @@ def _load_once(path: str, pool: BlockPool, fingerprint: str | None, lock: Abstra
             f"cache file {path} was written for model {info.model_fingerprint!r}, not {fingerprint!r}"
         )
     source = _FileBlocks(info)
+    chain = chain_keys(info.token_ids, pool.block_tokens)
     with lock:
-        planned = plan(pool, info.spec, info.token_ids)
+        planned = plan(pool, info.spec, info.token_ids, chain)
     source.read(source.needed(planned.blocks))  # the slow part, outside the lock
     with lock:
-        planned = plan(pool, info.spec, info.token_ids)
+        planned = plan(pool, info.spec, info.token_ids, chain)
         late = source.needed(planned.blocks)  # hits that were recycled meanwhile
         if late:
             source.read(late)
+        data = source.block_data(planned)
+        by_block = {id(p): data[idx] for idx, p in enumerate(planned.blocks) if idx in data}
         release = pool.release if isinstance(lock, nullcontext) else _locked(pool.release, lock)
-        return commit(pool, info.spec, info.token_ids, planned, source.data, release=release)
+        return commit(pool, info.spec, info.token_ids, planned, lambda p: by_block[id(p)], release=release)
 
 
 def _locked(fn, lock: AbstractContextManager):

@@ -21,7 +21,7 @@ from semantic import (
     ModelCacheSpec,
     PoolExhaustedError,
 )
-from semantic import persistence
+from semantic import convert, persistence
 from semantic.persistence import DOC_HASH_KEY, DOC_KEY, FORMAT_VERSION
 from tests.cache_helpers import (
     LOGPROB_TOL,
@@ -89,6 +89,35 @@ def test_loading_into_a_pool_that_holds_the_prefix_shares_its_full_blocks(gemma_
     assert (after.hits - before.hits, after.used - before.used) == (11, 3)  # 3 partial blocks are private
 
 
+def _address(a) -> int:
+    return np.asarray(memoryview(a)).__array_interface__["data"][0]
+
+
+def test_a_file_loads_as_one_segment_per_group_that_reconstruction_hands_over_without_a_copy(gemma_file):
+    path, original, eng = gemma_file
+    loaded = persistence.load(path, BlockPool(eng.spec, 64, block_tokens=4))
+    for group, blocks in loaded.groups.items():
+        segments = {id(b.segment[0]) for b in blocks}
+        assert len(segments) == 1, group
+        assert [b.segment[1] for b in blocks] == list(np.cumsum([0] + [b.n_tokens for b in blocks[:-1]]))
+    caches = convert.reconstruct(loaded)
+    for i, c in enumerate(caches):
+        seg = loaded.blocks_for_layer(i)[0].segment[0]
+        assert _address(c.keys) == _address(seg.layer_data[i][0])  # the segment itself, not a copy
+
+
+def test_after_a_partial_hit_each_run_of_missed_blocks_gets_a_compact_segment(gemma_file):
+    path, original, eng = gemma_file
+    pool = eng.pool  # it holds the original's blocks: the full ones hit
+    loaded = persistence.load(path, pool)
+    missed = [b for b in loaded.unique_blocks() if not any(b is o for o in original.unique_blocks())]
+    assert [(b.group, b.start, b.n_tokens) for b in missed] == [
+        ("sliding-w8-k0", 35, 1), ("sliding-w8-k0", 40, 3), ("global", 40, 3),
+    ]
+    assert [b.segment[0].n_tokens for b in missed] == [1, 3, 3]  # copies of just these tokens
+    assert_identical(loaded, original)
+
+
 def test_a_file_loads_into_a_pool_of_another_block_size(gemma_file, gemma_tiny):
     path, original, _ = gemma_file
     for bt in (3, 16):
@@ -131,7 +160,7 @@ def test_the_file_is_plain_safetensors_with_one_document_in_its_metadata(gemma_f
     doc = json.loads(meta[DOC_KEY])
     assert meta[DOC_HASH_KEY] == xxhash.xxh3_128(meta[DOC_KEY].encode()).hexdigest()
     assert doc["format_version"] == FORMAT_VERSION and doc["hash"] == "xxh3_128"
-    assert doc["model_fingerprint"] == "tiny-gemma" and doc["block_tokens"] == 4
+    assert doc["model_fingerprint"] == "tiny-gemma"
     assert doc["token_ids"] == list(original.token_ids)
     assert ModelCacheSpec.from_dict(doc["spec"]) == original.spec
     assert {"mlx", "mlx_lm"} <= set(doc)
@@ -139,8 +168,10 @@ def test_the_file_is_plain_safetensors_with_one_document_in_its_metadata(gemma_f
         "cache": "RotatingKVCache", "offset": 43, "window": 8, "keep": 0, "ring_idx": 8, "bits": None, "group_size": None,
     }
     assert doc["layers"][1]["cache"] == "KVCache" and doc["layers"][1]["ring_idx"] is None
-    # the sliding layers (0, 2) stacked per block: 8 held tokens 35..42 in blocks [35,36) [36,40) [40,43)
-    assert tensors["sliding-w8-k0/0/00000036/keys"].shape == (2, 1, 4, 32)  # (layers, heads, tokens, dim)
+    # one tensor per layer and part: (1, heads, held tokens, dim); a window holds tokens 35..42
+    assert {n: t.shape for n, t in tensors.items()} == {
+        f"layer.{i}.{side}": (1, 1, 8 if i % 2 == 0 else 43, 32) for i in range(4) for side in ("keys", "values")
+    }
     assert sorted(doc["tensors"]) == sorted(tensors)
     for name, digest in doc["tensors"].items():
         assert xxhash.xxh3_128(tensors[name].tobytes()).hexdigest() == digest
@@ -266,14 +297,15 @@ def test_a_save_that_fails_midway_keeps_the_old_file(gemma_file, monkeypatch):
     path, original, eng = gemma_file
     before = path.read_bytes()
     calls = []
+    write = persistence._Writer.write
 
-    def failing(fd, view):
-        calls.append(view.nbytes)
-        if len(calls) == 3:
+    def failing(self, views):  # the second tensor finds the disk full
+        calls.append(len(views))
+        if len(calls) == 2:
             raise OSError(28, "No space left on device")
-        os.write(fd, view)
+        write(self, views)
 
-    monkeypatch.setattr(persistence, "_write_all", failing)
+    monkeypatch.setattr(persistence._Writer, "write", failing)
     with pytest.raises(OSError, match="No space left"):
         persistence.save(path, original, model_fingerprint="tiny-gemma")
     assert path.read_bytes() == before
