@@ -126,7 +126,8 @@ def _parts(layer: LayerSpec, n: int) -> list[tuple[str, int | None, str, tuple[i
     return out
 
 
-def held_tokens(layer: LayerSpec, total: int) -> int:
+def _held(layer: LayerSpec, total: int) -> int:
+    """How many tokens a layer holds after ``total``."""
     return sum(b - a for a, b in held_ranges(layer, total))
 
 
@@ -134,7 +135,7 @@ def layout(spec: ModelCacheSpec, total: int) -> list[TensorSlot]:
     """Every tensor a file of ``total`` tokens holds, in file order (none when empty)."""
     slots = []
     for i, layer in enumerate(spec.layers):
-        held = held_tokens(layer, total)
+        held = _held(layer, total)
         if not held:
             continue
         for side, part, dtype, shape in _parts(layer, held):
@@ -147,7 +148,7 @@ def _layer_meta(spec: ModelCacheSpec, total: int) -> list[dict]:
     """Per-layer cache type and meta, as mlx-lm would rebuild the cache."""
     out = []
     for l in spec.layers:
-        held = held_tokens(l, total)
+        held = _held(l, total)
         out.append(
             {
                 "cache": l.cache_kind,
@@ -741,7 +742,7 @@ class _FileBlocks:
     def needed(self, planned: Iterable[PlannedBlock]) -> list[TensorSlot]:
         """Unread tensors of every group with a block that missed the pool."""
         groups = {p.group for p in planned if p.hit is None}
-        return [s for g in groups for s in self.by_group.get(g, []) if s.name not in self.arrays]
+        return [s for g, slots in self.by_group.items() if g in groups for s in slots if s.name not in self.arrays]
 
     def read(self, slots: list[TensorSlot]) -> None:
         self.arrays.update(_read_tensors(self.info, slots))
@@ -749,7 +750,7 @@ class _FileBlocks:
     def layer(self, group: str, i: int) -> LayerKV:
         """Layer ``i``'s (keys, values) over every token its group holds."""
         parts = {(s.side, s.part): self.arrays[s.name] for s in self.by_group[group] if s.layer == i}
-        if (("keys", None)) in parts:
+        if ("keys", None) in parts:
             return parts[("keys", None)], parts[("values", None)]
         return tuple(tuple(parts[(side, k)] for k in range(3)) for side in ("keys", "values"))
 
