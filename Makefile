@@ -11,7 +11,7 @@ COMPAT_PINS := mlx==0.30.3 mlx-lm==0.30.4
 
 PYTEST_ARGS ?=
 
-.PHONY: help venv models test test-compat exp-003 exp-004 exp-005 exp-006 exp-006-full bench clean
+.PHONY: help venv models test test-compat exp-003 exp-004 exp-005 exp-006 exp-006-full bench compare-versions clean
 
 help:
 	@echo "make test         run the test suite (creates .venv, prepares models)"
@@ -55,6 +55,13 @@ exp-006: models
 
 exp-006-full: models
 	$(PY) -m harness run experiments/exp_006_reconstruction.toml
+
+# The same quick measurement under mlx-lm 0.30.4 and the latest, interleaved
+# (B C B C), pooled per side and compared; writes results/compare_versions/.
+CV_CONFIG := experiments/exp_006_reconstruction.toml
+CV_SET := --set 'params.geometries=["gemma3-12b"]' --set 'params.blocks=[1,8,32]' --set 'params.layers=[48]' --set params.fragmented=false --set protocol.warmup=2 --set protocol.trials=10
+compare-versions: $(COMPAT_STAMP) $(STAMP)
+	$(PY) -m harness.versions $(CV_CONFIG) --baseline $(COMPAT_PY) --candidate $(PY) $(CV_SET) --rounds 2
 
 # pytest-benchmark suite (skipped by `make test`); CI on macOS adds --benchmark-json.
 bench: models

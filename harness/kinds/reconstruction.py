@@ -5,8 +5,9 @@ cache geometry, extracts them into a pool, and then times, interleaved per
 trial:
 
 - ``memcpy_np``: numpy ``copyto`` of the cache's bytes into a preallocated
-  buffer, the floor; ``memcpy_mx``: an MLX copy of the same bytes into a new
-  array (allocation included, as every MLX op has it);
+  buffer, the floor (also the control: no mlx version can move it);
+  ``memcpy_mx``: an MLX copy of the same bytes into a new array
+  (allocation included, as every MLX op has it);
 - ``concat``: the seeds' method, ``mx.concatenate`` of the per-block arrays
   of every layer, then ``mx.eval``;
 - ``reconstruct``: our ``reconstruct`` materialized (lazy time beside it),
@@ -172,7 +173,8 @@ def measure_cell(spec: ModelCacheSpec, n_blocks: int, protocol, fragmented: bool
 
     fns = {
         "memcpy_np": lambda: np.copyto(dst, src),
-        "memcpy_mx": lambda: mx.array(mx_src),  # a plain MLX copy into a new array
+        # a plain MLX copy into a new array (mx.array(x) copies in 0.32 but not in 0.30)
+        "memcpy_mx": lambda: mx.concatenate([mx_src[: mx_src.size // 2], mx_src[mx_src.size // 2 :]]),
         "concat": concat,
         "reconstruct": lambda: _arrays(convert.reconstruct(blocks, materialize=False)),
         "reconstruct_first_use": lambda: _first_use(convert.reconstruct(blocks), spec),
