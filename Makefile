@@ -50,6 +50,9 @@ exp-003: models
 exp-004: models
 	$(PY) -m harness run experiments/exp_004_per_sequence_extraction.toml --quick
 
+exp-005: models
+	$(PY) -m harness run experiments/exp_005_persistence_roundtrip.toml --quick
+
 exp-006: models
 	$(PY) -m harness run experiments/exp_006_reconstruction.toml --quick
 

@@ -97,17 +97,12 @@ def _fragmented(pool: BlockPool, caches: list, ids: list[int]):
         # a prefix of the live caches: trim a copy of each layer's state to `end` tokens
         part = []
         for c, layer in zip(caches, pool.spec.layers):
-            st = compat.temporal_rotating(compat.read_layer(c)) if layer.kind != GLOBAL else compat.read_layer(c)
-            lo = max(0, end - (layer.window or end)) if layer.kind != GLOBAL else 0
-            # temporal buffer covers [total - held, total); keep the positions [lo, end) it has
-            first = total - st.keys.shape[2]
-            a, b = max(lo, first) - first, end - first
-            if b <= 0:
-                part.append(layer.make_cache())
-                continue
-            k, v = st.keys[..., a:b, :], st.values[..., a:b, :]
+            st = compat.read_layer(c) if layer.kind == GLOBAL else compat.temporal_rotating(compat.read_layer(c))
+            # synthetic data: a sliding layer's earlier window is stood in for by
+            # the first positions it holds now; only token ids decide sharing
+            held = end if layer.kind == GLOBAL else min(end, layer.window)
+            k, v = st.keys[..., :held, :], st.values[..., :held, :]
             kind = compat.KV if layer.kind == GLOBAL else compat.ROTATING
-            held = b - a
             part.append(compat.build_layer(compat.LayerState(kind, k, v, end, layer.keep, layer.window, idx=held)))
         new = convert.extract(pool, part, ids[:end])
         if blocks is not None:

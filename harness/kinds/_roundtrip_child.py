@@ -1,0 +1,33 @@
+"""The fresh process of EXP-005: load a cache file, continue beside a fresh prefill.
+
+``python -m harness.kinds._roundtrip_child MODEL FILE T STEPS`` prints one
+JSON line with both sequences' tokens and logprobs and the load time.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+from harness import models
+from semantic import BlockPool, BlockPoolBatchEngine, ModelCacheSpec, persistence
+
+
+def main(model: str, path: str, T: list[int], steps: int) -> dict:
+    loaded = models.load(model)
+    spec = ModelCacheSpec.from_model(loaded.model)
+    engine = BlockPoolBatchEngine(loaded.model, loaded.tokenizer, BlockPool(spec, 64), spec, stop_tokens=[])
+    t0 = time.perf_counter()
+    cache = persistence.load(path, engine.pool, model_fingerprint=loaded.fingerprint)
+    load_ms = (time.perf_counter() - t0) * 1e3
+    cached_uid = engine.submit("agent", T, cache=cache, max_tokens=steps)
+    fresh_uid = engine.submit("fresh", list(cache.token_ids) + T, max_tokens=steps)
+    done = {c.uid: c for c in engine.step()}
+    side = lambda c: {"tokens": c.token_ids, "logprobs": c.logprobs, "prompt_tokens": c.prompt_tokens}  # noqa: E731
+    return {"load_ms": load_ms, "cached": side(done[cached_uid]), "fresh": side(done[fresh_uid])}
+
+
+if __name__ == "__main__":
+    model, path, t, steps = sys.argv[1:]
+    print(json.dumps(main(model, path, [int(x) for x in t.split(",")], int(steps))))

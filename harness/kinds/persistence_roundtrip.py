@@ -1,0 +1,99 @@
+"""EXP-005: a cache saved in one process continues exactly in another; and what saving and loading cost.
+
+Round trip (the seed's ``test_cache_roundtrip_e2e``): generate with the
+engine, save the cache with ``persistence.save``, load it in a fresh Python
+process, continue, and compare with a fresh prefill of the same tokens run
+beside it in that process.
+
+Speed (``harness.persistence_bench``): on the same synthetic caches in one
+run, interleaved, our durable save and verified load against mlx-lm's
+``save_prompt_cache`` / ``load_prompt_cache`` and a raw ``readinto`` floor.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from harness import persistence_bench as PB
+from harness import plots
+from harness.config import Param
+from harness.kinds import Kind, register
+from harness.kinds._engine_trials import history_ids, make_engine, run_one
+from semantic import persistence
+
+
+def run(ctx) -> None:
+    p, tok, res = ctx.params, ctx.loaded.tokenizer, ctx.results
+    engine = make_engine(ctx.loaded)
+    first = run_one(engine, "agent", history_ids(tok, p["history_tokens"]), None, p["max_tokens"])
+    T = tok.encode(p["continuation"], add_special_tokens=False)
+    with tempfile.TemporaryDirectory(prefix="exp005-") as tmp:
+        path = Path(tmp) / "agent.safetensors"
+        persistence.save(path, first.blocks, model_fingerprint=ctx.loaded.fingerprint)
+        proc = subprocess.run(
+            [sys.executable, "-m", "harness.kinds._roundtrip_child", ctx.model_name, str(path),
+             ",".join(map(str, T)), str(p["continue_tokens"])],
+            capture_output=True, text=True, check=True,
+        )
+        out = json.loads(proc.stdout.strip().splitlines()[-1])
+        res.output("file_bytes", path.stat().st_size)
+    cached, fresh = out["cached"], out["fresh"]
+    diff = float(np.max(np.abs(np.array(cached["logprobs"]) - np.array(fresh["logprobs"]))))
+    res.output("roundtrip", {"history_tokens": first.blocks.total_tokens, "load_ms_in_fresh_process": out["load_ms"],
+                             "cached_tokens": cached["tokens"], "fresh_tokens": fresh["tokens"],
+                             "prefilled_with_cache": cached["prompt_tokens"], "text": tok.decode(cached["tokens"])})
+    res.check("roundtrip_tokens_match", cached["tokens"] == fresh["tokens"])
+    res.check("roundtrip_max_abs_logprob_diff", diff)
+
+    geos = p["speed_geometries"]
+    ctx.progress.total = len(geos)
+    summaries = []
+    with tempfile.TemporaryDirectory(prefix="exp005-speed-") as tmp:
+        for name in geos:
+            config, tokens, trials = PB.GEOMETRIES[name]
+            geo = PB.measure(name, config, tokens, ctx.config.protocol.trials or trials,
+                             ctx.config.protocol.warmup, Path(tmp))
+            for op, xs in geo.samples_ms.items():
+                res.metric(f"{name}/{op}_ms", xs, "ms", description=f"{op}, file {geo.file_mb:.1f} MB")
+            for cmp_name, (a, b) in PB.COMPARISONS.items():
+                c = res.compare(f"{name}/{cmp_name}", f"{name}/{a}_ms", f"{name}/{b}_ms")
+                res.check(f"{name}/{cmp_name}".replace("/", "_").replace("@", "_"), c["ratio_p50"])
+            summaries.append(geo.summary())
+            ctx.progress.update(1)
+    res.output("speed", [{k: v for k, v in s.items() if k != "samples_ms"} for s in summaries])
+    if "bars" in ctx.config.plots and summaries:
+        s = summaries[-1]
+        ctx.plots.append(plots.bars_plot(
+            {op: s["p50_ms"][op] for op in ("floor", "load", "mlxlm_load", "save", "mlxlm_save", "mlxlm_save_fsync")},
+            ctx.plot_path("speed"), "p50 ms", f"EXP-005 {s['name']}: {s['file_mb']:.0f} MB file"))
+
+
+def _validate(p: dict) -> None:
+    bad = [g for g in p["speed_geometries"] if g not in PB.GEOMETRIES]
+    if bad:
+        raise ValueError(f"speed_geometries must be among {sorted(PB.GEOMETRIES)}, got {bad}")
+    if p["history_tokens"] <= 0 or p["max_tokens"] <= 0 or p["continue_tokens"] <= 0:
+        raise ValueError("history_tokens, max_tokens and continue_tokens must be positive")
+
+
+KIND = register(Kind(
+    name="persistence_roundtrip",
+    run=run,
+    params={
+        "history_tokens": Param(int, 96, "tokens of built-in history text generated from"),
+        "max_tokens": Param(int, 4, "tokens generated before saving"),
+        "continuation": Param(str, " The museum", "text continued in the fresh process"),
+        "continue_tokens": Param(int, 16, "tokens generated after loading, compared with a fresh prefill"),
+        "speed_geometries": Param(list, ["smollm2-135m@2k", "smollm2-135m@8k", "gemma3-12b@8k"],
+                                  f"synthetic caches timed, among {sorted(PB.GEOMETRIES)}"),
+    },
+    plots=frozenset({"bars"}),
+    validate=_validate,
+    trial_code=(PB.measure, PB.synthetic_blocks, persistence.save, persistence.load),
+))
