@@ -189,21 +189,34 @@ def extract(pool: BlockPool, caches: Sequence, token_ids: Sequence[int]) -> Agen
     return AgentBlocks(spec, tokens, groups, bt, _release=pool.release)
 
 
-def _one_segment(pieces: list, layer: int):
-    """(keys, values) as one slice of a segment when the pieces are consecutive views of it, else None."""
-    first = pieces[0][0].segment
-    if first is None:
+def _segment_run(pieces: list):
+    """(segment, first, end) when the pieces are one consecutive run of a segment, else None."""
+    if not pieces or pieces[0][0].segment is None:
         return None
-    seg, pos = first[0], first[1] + pieces[0][1]
+    seg, pos = pieces[0][0].segment[0], pieces[0][0].segment[1] + pieces[0][1]
     start = pos
     for blk, s, e in pieces:
         where = blk.segment
-        # the block's data must still be the views made with the segment
-        if where is None or where[0] is not seg or where[1] + s != pos or blk.layer_data.get(layer) is not where[2].get(layer):
+        if where is None or where[0] is not seg or where[1] + s != pos:
             return None
         pos += e - s
+    return seg, start, pos
+
+
+def _one_segment(pieces: list, layer: int, run):
+    """This layer's (keys, values) as one slice of the run's segment, or None.
+
+    Each block's data must still be the views it was given with the segment
+    (a replaced ``layer_data`` entry no longer counts as one).
+    """
+    if run is None:
+        return None
+    seg, start, end = run
+    for blk, _, _ in pieces:
+        if blk.layer_data.get(layer) is not blk.segment[2].get(layer):
+            return None
     k, v = seg.layer_data[layer]
-    return _slice(k, start, pos, False), _slice(v, start, pos, False)
+    return _slice(k, start, end, False), _slice(v, start, end, False)
 
 
 def reconstruct(blocks: AgentBlocks, materialize: bool = True) -> list:
@@ -216,22 +229,26 @@ def reconstruct(blocks: AgentBlocks, materialize: bool = True) -> list:
         raise CacheMismatchError("these AgentBlocks were released; their blocks may be reused")
     spec, total = blocks.spec, blocks.total_tokens
     caches = []
+    by_group: dict[str, tuple] = {}  # every layer of a group has the same blocks and ranges
     for i, layer in enumerate(spec.layers):
-        ranges = held_ranges(layer, total)
-        pieces = []  # (block, first, end) in the block's own token indices
-        for a, b in ranges:
-            for blk in blocks.blocks_for_layer(i):
-                s, e = max(a, blk.start), min(b, blk.end)
-                if s < e:
-                    pieces.append((blk, s - blk.start, e - blk.start))
-        held = sum(b - a for a, b in ranges)
-        got = sum(e - s for _, s, e in pieces)
+        if layer.group not in by_group:
+            ranges = held_ranges(layer, total)
+            pieces = []  # (block, first, end) in the block's own token indices
+            for a, b in ranges:
+                for blk in blocks.blocks_for_layer(i):
+                    s, e = max(a, blk.start), min(b, blk.end)
+                    if s < e:
+                        pieces.append((blk, s - blk.start, e - blk.start))
+            held = sum(b - a for a, b in ranges)
+            got = sum(e - s for _, s, e in pieces)
+            by_group[layer.group] = (pieces, held, got, _segment_run(pieces))
+        pieces, held, got, seg_run = by_group[layer.group]
         if got != held:
             raise CacheMismatchError(f"layer {i}: blocks hold {got} of the {held} tokens it needs")
         if not held:
             caches.append(layer.make_cache())
             continue
-        run = _one_segment(pieces, i)
+        run = _one_segment(pieces, i, seg_run)
         if run is not None:
             k, v = run
             _check(i, layer, k, held, "keys")
