@@ -117,7 +117,7 @@ class BlockPool:
         old = self._blocks[bid]
         if old is not None and old.token_hash is not None and self._by_hash.get(old.token_hash) == bid:
             del self._by_hash[old.token_hash]
-        block = KVBlock(bid, group, start, len(token_ids), tuple(int(t) for t in token_ids), layer_data, key)
+        block = KVBlock(bid, group, start, len(token_ids), tuple(map(int, token_ids)), layer_data, key)
         self._blocks[bid] = block
         self._refs[bid] = 1
         if key is not None:
