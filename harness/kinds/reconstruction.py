@@ -210,6 +210,10 @@ def run(ctx) -> None:
                       **{f"{m}_p95_ms": st["p95"] for m, st in stats.items()}})
     res.output("cells", cells)
     _summaries(ctx, cells)
+    if p["padded_tokens"]:
+        _padded_comparison(ctx, first_layers(specs[p["geometries"][0]], specs[p["geometries"][0]].n_layers), p["padded_tokens"])
+    if p["model"]:
+        _with_model(ctx)
 
 
 def _summaries(ctx, cells: list[dict]) -> None:
@@ -298,9 +302,94 @@ KIND = register(Kind(
         "blocks": Param(list, [1, 2, 4, 8, 16, 32], "blocks of 256 tokens"),
         "layers": Param(list, [12, 24, 30, 48], "first N layers of the geometry (cells with N > its layers are skipped)"),
         "fragmented": Param(bool, True, "also time blocks stored by one extraction per block"),
+        "padded_tokens": Param(int, 612, "the seed's blocks-vs-padded comparison at this length (0: skip)"),
+        "model": Param(str, "smollm2-135m", "real model for the round trip and reuse-vs-direct ('' to skip)"),
+        "model_trials": Param(int, 10, "trials for the real-model measurements (each takes seconds on a CPU)"),
+        "round_trip_blocks": Param(list, [1, 8], "cache sizes (blocks) for Benchmark 3, the round trip"),
+        "reuse_prompt_lengths": Param(list, [16, 64, 256, 1024], "prompt lengths for cache reuse vs direct generation"),
     },
     plots=frozenset({"scaling", "bandwidth"}),
     needs_model=False,
     validate=_validate,
     trial_code=(measure_cell, live_caches, _fragmented, _first_use, convert.reconstruct, convert.extract),
 ))
+
+
+# ---------------------------------------------------------------- with the real model
+
+
+def _padded_comparison(ctx, spec: ModelCacheSpec, tokens: int) -> None:
+    """The seed's "vs padded": 612 tokens as 3 blocks (256+256+100) against one buffer padded to 768."""
+    res = ctx.results
+    padded_len = -(-tokens // BLOCK) * BLOCK
+    caches = live_caches(spec, tokens, seed=7)
+    pool = BlockPool(spec, total_blocks=len(spec.groups()) * 8, block_tokens=BLOCK)
+    blocks = convert.extract(pool, caches, range(tokens))
+    padded = []
+    for c, layer in zip(caches, spec.layers):
+        st = compat.read_layer(c)
+        pad = [(0, 0)] * 2 + [(0, padded_len - st.keys.shape[2]), (0, 0)]
+        padded.append((mx.pad(st.keys, pad), mx.pad(st.values, pad)))
+    mx.eval(padded)
+    per_block = [[blk.layer_data[i] for blk in blocks.blocks_for_layer(i)] for i in range(spec.n_layers)]
+    fns = {
+        "blocks_reconstruct": lambda: _arrays(convert.reconstruct(blocks, materialize=False)),
+        "blocks_concat": lambda: [mx.concatenate([kv[j] for kv in layer], axis=2) for layer in per_block for j in (0, 1)],
+        "padded_slice_copy": lambda: [mx.contiguous(x[..., :tokens, :]) for kv in padded for x in kv],
+    }
+    samples = time_interleaved(fns, ctx.config.protocol)
+    for name, s in samples.items():
+        res.timing(f"padded_{tokens}/{name}_ms", s, lazy_gap=False)
+    res.compare(f"padded_{tokens}/blocks_vs_padded", f"padded_{tokens}/blocks_reconstruct_ms", f"padded_{tokens}/padded_slice_copy_ms")
+    res.compare(f"padded_{tokens}/concat_vs_padded", f"padded_{tokens}/blocks_concat_ms", f"padded_{tokens}/padded_slice_copy_ms")
+    blocks.release()
+
+
+def _with_model(ctx) -> None:
+    """Benchmark 3 (round trip) and the seed's "vs direct generation", with real SmolLM2.
+
+    The KV data are synthetic (only timing is measured here; exactness is the
+    engine tests' job), the model and engine are real.
+    """
+    from harness import models
+    from harness.kinds._engine_trials import time_ttft
+    from semantic import BlockPoolBatchEngine
+
+    p, res = ctx.params, ctx.results
+    loaded = models.load(p["model"])
+    spec = ModelCacheSpec.from_model(loaded.model)
+    engine = BlockPoolBatchEngine(loaded.model, loaded.tokenizer, BlockPool(spec, 256), spec, stop_tokens=[])
+    proto = dataclasses.replace(ctx.config.protocol, trials=min(ctx.config.protocol.trials, p["model_trials"]),
+                                warmup=min(ctx.config.protocol.warmup, 1))
+    follow = loaded.tokenizer.encode(" Continue.", add_special_tokens=False)
+
+    def blocks_of(tokens: int, salt: int):
+        ids = [int(t) for t in np.random.default_rng(tokens + salt).integers(100, 20000, tokens)]
+        return convert.extract(engine.pool, live_caches(spec, tokens, seed=salt), ids)
+
+    # Benchmark 3: reconstruct + prefill the follow-up + 10 tokens + extract at finish
+    for n in p["round_trip_blocks"]:
+        blocks = blocks_of(n * BLOCK, 1)
+
+        def round_trip():
+            engine.submit("rt", follow, cache=blocks, max_tokens=10)
+            for c in engine.step():
+                c.blocks.release()
+
+        s = time_interleaved({"round_trip": round_trip}, proto)["round_trip"]
+        res.timing(f"round_trip/b{n}_ms", s, "reconstruct, prefill the follow-up, generate 10 tokens, extract", lazy_gap=False)
+        blocks.release()
+
+    # reuse vs direct: time to first token with the cache of L tokens vs a fresh prefill of them
+    rows = []
+    for L in p["reuse_prompt_lengths"]:
+        blocks = blocks_of(L, 2)
+        s = time_ttft(engine, (follow, blocks), (list(blocks.token_ids) + follow,), proto, None)
+        a = res.timing(f"reuse/L{L}/cached_ttft_ms", s["cached"], lazy_gap=False)
+        b = res.timing(f"reuse/L{L}/direct_ttft_ms", s["fresh"], lazy_gap=False)
+        rows.append({"prompt_tokens": L, "cached_p50_ms": a["stats"]["median"], "direct_p50_ms": b["stats"]["median"],
+                     "cache_wins": a["stats"]["median"] < b["stats"]["median"]})
+        blocks.release()
+    res.output("reuse_vs_direct", rows)
+    wins = [r["prompt_tokens"] for r in rows if r["cache_wins"]]
+    res.check("reuse_wins_from_prompt_tokens", min(wins) if wins else None)

@@ -84,3 +84,50 @@ def test_reconstruct_2k_tokens_smollm2_geometry_against_memcpy(benchmark):
     )
     # Exactness, not speed: the rebuilt caches hold every token.
     assert compat.read_layer(convert.reconstruct(blocks)[0]).offset == TOKENS
+
+
+@pytest.mark.benchmark(group="extract")
+def test_extract_2k_tokens_smollm2_geometry(benchmark):
+    """Live caches into pooled blocks; new token ids every round, so every block misses the pool.
+
+    These live buffers hold exactly the cached tokens (as a finished
+    sequence's do), so each becomes a segment without a copy; a buffer with
+    spare capacity or a batch row is copied once.
+    """
+    spec = ModelCacheSpec.from_config(SMOLLM2_135M)
+    pool = BlockPool(spec, total_blocks=3 * (TOKENS // 256 + 1))
+    caches = spec.make_cache()
+    for c, layer in zip(caches, spec.layers):
+        shape = (1, layer.n_kv_heads, TOKENS, layer.head_dim)
+        c.update_and_fetch(mx.random.normal(shape).astype(layer.mx_dtype), mx.random.normal(shape).astype(layer.mx_dtype))
+    held, rounds = [], iter(range(1, 1 << 30))
+
+    def setup():
+        while held:
+            held.pop().release()
+
+    def extract():
+        k = next(rounds)
+        held.append(convert.extract(pool, caches, [t + k for t in range(TOKENS)]))
+
+    benchmark.pedantic(extract, setup=setup, rounds=TRIALS, iterations=1, warmup_rounds=2)
+    setup()
+
+
+@pytest.mark.benchmark(group="round-trip")
+def test_round_trip_one_block_real_smollm2(benchmark, smollm2):
+    """Benchmark 3: reconstruct a 256-token cache, prefill a follow-up, generate 10 tokens, extract."""
+    from semantic import BlockPoolBatchEngine
+
+    spec = ModelCacheSpec.from_model(smollm2.model)
+    engine = BlockPoolBatchEngine(smollm2.model, smollm2.tokenizer, BlockPool(spec, 16), spec, stop_tokens=[])
+    uid = engine.submit("a", list(range(1000, 1256)), max_tokens=1)
+    blocks = {c.uid: c for c in engine.step()}[uid].blocks
+    follow = smollm2.tokenizer.encode(" Continue.", add_special_tokens=False)
+
+    def round_trip():
+        engine.submit("a", follow, cache=blocks, max_tokens=10)
+        for c in engine.step():
+            c.blocks.release()
+
+    benchmark.pedantic(round_trip, rounds=3, iterations=1, warmup_rounds=1)
