@@ -62,7 +62,7 @@ exp-006-full: models
 # The same quick measurement under mlx-lm 0.30.4 and the latest, interleaved
 # (B C B C), pooled per side and compared; writes results/compare_versions/.
 CV_CONFIG := experiments/exp_006_reconstruction.toml
-CV_SET := --set 'params.geometries=["gemma3-12b"]' --set 'params.blocks=[1,8,32]' --set 'params.layers=[48]' --set params.fragmented=false --set protocol.warmup=2 --set protocol.trials=10
+CV_SET := --set 'params.geometries=["gemma3-12b"]' --set 'params.blocks=[1,8,32]' --set 'params.layers=[48]' --set params.fragmented=false --set params.padded_tokens=0 --set 'params.model=""' --set protocol.warmup=2 --set protocol.trials=10
 compare-versions: $(COMPAT_STAMP) $(STAMP)
 	$(PY) -m harness.versions $(CV_CONFIG) --baseline $(COMPAT_PY) --candidate $(PY) $(CV_SET) --rounds 2
 

@@ -77,6 +77,7 @@ def compare(docs: list[dict], factor: float = 1.10, alpha: float = 0.01, names: 
                 "before_p50": float(np.median(before["samples"])), "after_p50": float(np.median(after["samples"])),
                 "ratio": ratio, "p_value": p, "n_before": len(before["samples"]), "n_after": len(after["samples"]),
                 "flag": f, "shown": f"{f} {ratio:.2f}x" if f != SAME else f"~{ratio:.2f}",
+                "control": bool(before.get("control")),
             })
     return Comparison(_label(base, names[0]), pd.DataFrame(rows), nc, missing)
 
@@ -87,6 +88,11 @@ def format_table(c: Comparison) -> str:
         t = c.table[["after", "metric", "unit", "before_p50", "after_p50", "ratio", "p_value", "shown"]]
         lines.append(t.to_string(index=False, float_format=lambda v: f"{v:.4g}"))
     lines += c.not_comparable + c.missing
+    if not c.table.empty:
+        moved = c.table[c.table["control"] & (c.table["flag"] != SAME)]
+        for _, r in moved.iterrows():
+            lines.append(f"WARNING: control metric {r['metric']} moved ({r['shown']}) in {r['after']}: "
+                         "the machine changed between runs; flags beside it reflect the machine, not the code")
     n = len(c.regressions)
     lines.append(f"{n} regression(s) flagged" if n else "no regression flagged")
     return "\n".join(lines)

@@ -63,3 +63,10 @@ def test_an_unreadable_file_is_an_error_naming_it(tmp_path, capsys):
     bad.write_text("{")
     assert compare.main([str(bad), str(bad)]) == 2
     assert "bad.json" in capsys.readouterr().err
+
+
+def test_a_moved_control_metric_is_called_out_as_machine_drift():
+    base, after = _doc(_normal(8)), _doc(_normal(9, scale=1.3))
+    base["metrics"]["t_ms"]["control"] = True
+    text = compare.format_table(compare.compare([base, after]))
+    assert "WARNING: control metric t_ms moved" in text
