@@ -20,9 +20,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from semantic.blocks import AgentBlocks, KVBlock, LayerKV
-from semantic.convert import held_ranges
 from semantic.pool import BlockPool, chain_hash
-from semantic.spec import LayerSpec, ModelCacheSpec
+from semantic.spec import GLOBAL, LayerSpec, ModelCacheSpec
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +48,14 @@ class BlockPlan:
 
     blocks: tuple[PlannedBlock, ...]
     need: int
+
+
+def held_ranges(layer: LayerSpec, total: int) -> list[tuple[int, int]]:
+    """Token positions a layer's cache holds after ``total`` tokens."""
+    if layer.kind == GLOBAL or total <= layer.window:
+        return [(0, total)] if total else []
+    keep = [(0, layer.keep)] if layer.keep else []
+    return keep + [(total - (layer.window - layer.keep), total)]
 
 
 def block_spans(layer: LayerSpec, total: int, block_tokens: int) -> list[tuple[int, int, int]]:

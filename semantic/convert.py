@@ -1,9 +1,11 @@
 """Exact conversion between live mlx-lm caches and pooled blocks.
 
-Extraction cuts each layer group's K/V at block boundaries. Full blocks are
-looked up by their chained key first: a hit takes a reference instead of a
-copy, so history an agent already stored, or a prefix another agent stored,
-is never copied twice. Everything else is copied once into new blocks.
+Extraction cuts each layer group's K/V at block boundaries (``blockplan``,
+shared with cache-file loading). Full blocks are looked up by their chained
+key first: a hit takes a reference instead of a copy, so history an agent
+already stored, or a prefix another agent stored, is never copied twice.
+Each run of missed blocks is copied once per layer into a ``Segment`` that
+its blocks view.
 
 Sliding layers are read through ``compat.temporal_rotating``: the ring is
 unrolled, so a window of ``W`` tokens with ``keep`` pinned holds positions::
@@ -14,8 +16,8 @@ and only those positions are stored. Reconstruction asks the blocks for the
 same positions and builds a ``RotatingKVCache`` in that temporal order with
 its write index at the end, which mlx-lm continues exactly like the ring.
 
-Reconstruction copies each layer once (one concatenate of its pieces) and
-not at all when a layer's tokens sit in a single block.
+Reconstruction hands a layer over without a copy when its pieces are one
+consecutive run of one segment, and otherwise concatenates them (one copy).
 """
 
 from __future__ import annotations
@@ -24,33 +26,12 @@ from typing import Sequence
 
 import mlx.core as mx
 
-from semantic import compat
-from semantic.blocks import AgentBlocks, KVBlock, Segment
+from semantic import blockplan, compat
+from semantic.blocks import AgentBlocks, Segment
 from semantic.errors import CacheMismatchError, CacheShapeError
-from semantic.pool import BlockPool, chain_hash
+from semantic.blockplan import PlannedBlock, held_ranges
+from semantic.pool import BlockPool
 from semantic.spec import GLOBAL, LayerSpec, ModelCacheSpec
-
-
-def held_ranges(layer: LayerSpec, total: int) -> list[tuple[int, int]]:
-    """Token positions a layer's cache holds after ``total`` tokens."""
-    if layer.kind == GLOBAL or total <= layer.window:
-        return [(0, total)] if total else []
-    keep = [(0, layer.keep)] if layer.keep else []
-    return keep + [(total - (layer.window - layer.keep), total)]
-
-
-def _split(ranges: list[tuple[int, int]], bt: int) -> list[tuple[int, int, int]]:
-    """Cut ranges at block boundaries: (start, end, shift), where position p of
-    a piece sits at index p - shift of the layer's unrolled buffer."""
-    out, buffered = [], 0
-    for a, b in ranges:
-        shift = a - buffered
-        buffered += b - a
-        while a < b:
-            e = min(b, (a // bt + 1) * bt)
-            out.append((a, e, shift))
-            a = e
-    return out
 
 
 def _slice(x, a: int, b: int, copy: bool):
@@ -113,14 +94,13 @@ def _read(spec: ModelCacheSpec, caches: Sequence, total: int) -> list[compat.Lay
     return states
 
 
-def _miss_runs(plan: list) -> list[list[int]]:
-    """Indices of missed plan entries, in runs of consecutive blocks of one group."""
+def _miss_runs(planned: tuple[PlannedBlock, ...]) -> list[list[int]]:
+    """Indices of missed blocks, in runs of consecutive blocks of one group."""
     runs: list[list[int]] = []
-    for idx, (group, _, a, _, _, _, hit) in enumerate(plan):
-        if hit is not None:
+    for idx, p in enumerate(planned):
+        if p.hit is not None:
             continue
-        prev = plan[runs[-1][-1]] if runs else None
-        if prev is not None and prev[0] == group and runs[-1][-1] == idx - 1:
+        if runs and runs[-1][-1] == idx - 1 and planned[idx - 1].group == p.group:
             runs[-1].append(idx)
         else:
             runs.append([idx])
@@ -131,62 +111,35 @@ def extract(pool: BlockPool, caches: Sequence, token_ids: Sequence[int]) -> Agen
     """Store live caches covering ``token_ids`` as pooled blocks.
 
     All-or-nothing: when the pool cannot hold the new blocks it raises
-    :class:`PoolExhaustedError` before taking any block.
+    :class:`PoolExhaustedError` before taking any block or copying anything.
     """
-    spec, bt = pool.spec, pool.block_tokens
-    tokens = tuple(int(t) for t in token_ids)
-    total = len(tokens)
-    states = _read(spec, caches, total)
-
-    chain: list[int] = []
-    for b in range(total // bt):
-        chain.append(chain_hash(chain[-1] if chain else None, tokens[b * bt : (b + 1) * bt]))
-
-    # Plan first, so a full pool fails before anything changes.
-    plan = []  # (group, layers, start, end, key, hit)
-    need = 0
-    for group, layers in spec.groups().items():
-        for a, b, shift in _split(held_ranges(spec.layers[layers[0]], total), bt):
-            key = hit = None
-            if b - a == bt:
-                key = chain_hash(chain[a // bt], (), group)
-                hit = pool.lookup(key, tokens[a:b], count=False)
-            need += hit is None or pool.is_free(hit)
-            plan.append((group, layers, a, b, shift, key, hit))
-    pool.require_free(need)
-    looked_up = [hit for *_, key, hit in plan if key is not None]
-    pool.record_lookups(hits=sum(h is not None for h in looked_up), misses=sum(h is None for h in looked_up))
+    spec = pool.spec
+    tokens = tuple(map(int, token_ids))
+    states = _read(spec, caches, len(tokens))
+    planned = blockplan.plan(pool, spec, tokens)
+    pool.require_free(planned.need)
 
     # Each run of consecutive missed blocks is copied once per layer into a
     # segment; its blocks hold views, which reconstruction hands over whole.
     views: dict[int, tuple[dict, tuple[Segment, int, dict]]] = {}
     fresh = []
-    for run in _miss_runs(plan):
-        first, last = plan[run[0]], plan[run[-1]]
-        lo, hi = first[2] - first[4], last[3] - last[4]  # held-buffer indices
+    for run in _miss_runs(planned.blocks):
+        first, last = planned.blocks[run[0]], planned.blocks[run[-1]]
+        lo, hi = first.start - first.shift, last.end - last.shift  # held-buffer indices
         seg = Segment({}, hi - lo)
-        for i in first[1]:
+        for i in first.layers:
             st = states[i]
             seg.layer_data[i] = (_slice(st.keys, lo, hi, True), _slice(st.values, lo, hi, True))
             fresh.append(seg.layer_data[i])
         for idx in run:
-            _, _, a, b, shift, _, _ = plan[idx]
-            s0 = a - shift - lo
-            data = {i: (_slice(k, s0, s0 + b - a, False), _slice(v, s0, s0 + b - a, False))
+            p = planned.blocks[idx]
+            s0 = p.start - p.shift - lo
+            data = {i: (_slice(k, s0, s0 + p.end - p.start, False), _slice(v, s0, s0 + p.end - p.start, False))
                     for i, (k, v) in seg.layer_data.items()}
             views[idx] = (data, (seg, s0, dict(data)))
     mx.eval(fresh, [d for d, _ in views.values()])  # slices evaluate to views: no copy
-
-    groups: dict[str, list[KVBlock]] = {g: [] for g in spec.groups()}
-    for idx, (group, layers, a, b, shift, key, hit) in enumerate(plan):
-        if hit is not None:
-            groups[group].append(pool.acquire(hit))
-            continue
-        data, where = views[idx]
-        block = pool.allocate(group, a, tokens[a:b], data, key)
-        block.segment = where
-        groups[group].append(block)
-    return AgentBlocks(spec, tokens, groups, bt, _release=pool.release)
+    index = {id(p): i for i, p in enumerate(planned.blocks)}
+    return blockplan.commit(pool, spec, tokens, planned, lambda p: views[index[id(p)]])
 
 
 def _segment_run(pieces: list):

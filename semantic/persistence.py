@@ -65,7 +65,7 @@ import xxhash
 from semantic import compat
 from semantic.blockplan import BlockPlan, PlannedBlock, block_spans, chain_keys, commit, plan
 from semantic.blocks import AgentBlocks, KVBlock, LayerKV, Segment
-from semantic.convert import held_ranges
+from semantic.blockplan import held_ranges
 from semantic.errors import (
     CacheCorruptError,
     CacheError,
