@@ -63,9 +63,8 @@ import numpy as np
 import xxhash
 
 from semantic import compat
-from semantic.blockplan import BlockPlan, PlannedBlock, block_spans, chain_keys, commit, plan
+from semantic.blockplan import BlockPlan, PlannedBlock, block_spans, chain_keys, commit, held_ranges, plan
 from semantic.blocks import AgentBlocks, KVBlock, LayerKV, Segment
-from semantic.blockplan import held_ranges
 from semantic.errors import (
     CacheCorruptError,
     CacheError,

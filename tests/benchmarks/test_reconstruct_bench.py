@@ -15,16 +15,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from harness.persistence_bench import SMOLLM2_135M
 from semantic import BlockPool, ModelCacheSpec, compat, convert
 
-SMOLLM2_135M = {
-    "model_type": "llama",
-    "num_hidden_layers": 30,
-    "hidden_size": 576,
-    "num_attention_heads": 9,
-    "num_key_value_heads": 3,
-    "torch_dtype": "bfloat16",
-}
 TOKENS = 2048
 TRIALS = 30
 
