@@ -274,6 +274,13 @@ def _summaries(ctx, cells: list[dict]) -> None:
             fits[m] = linear_fit([px for px, _ in pts], [py for _, py in pts])
             series[m] = ([px for px, _ in pts], [py for _, py in pts], fits[m])
     res.output("linear_fits_p50_vs_blocks_x_layers", fits)
+    # the seeds' model counts operations; the data volume is what a copy pays for
+    by_bytes = {}
+    for m in ("concat", "reconstruct", "memcpy_np", "extract"):
+        pts = [(c["bytes"], c[f"{m}_p50_ms"]) for c in cells]
+        if len({b for b, _ in pts}) >= 2:
+            by_bytes[m] = linear_fit([b for b, _ in pts], [t for _, t in pts])
+    res.output("linear_fits_p50_vs_bytes", by_bytes)
     if "concat" in fits:
         res.check("concat_linear_r2", fits["concat"]["r2"])
     if "scaling" in ctx.config.plots and series:
