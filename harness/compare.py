@@ -6,20 +6,28 @@ a two-sided Mann-Whitney U test rejects equal distributions at ``alpha``.
 Anything else prints as ``~ratio``. Two results with different benchmark
 identities measured different things and are reported "not comparable".
 The first document is the baseline; every later one is compared with it.
+
+The result is one tidy pandas DataFrame (a row per later document and
+metric), so a table per metric is ``c.table.groupby("metric")``.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 import pandas as pd
 from scipy import stats as sps
 
 REGRESSION, IMPROVEMENT, SAME = "regression", "improvement", "~"
+# Fixed so that a comparison with no comparable metric is still a table with these columns.
+COLUMNS = ["after", "metric", "unit", "direction", "before_p50", "after_p50", "ratio", "p_value",
+           "n_before", "n_after", "flag", "shown", "control"]
 
 
 def _label(doc: dict, path: str | None = None) -> str:
@@ -27,9 +35,27 @@ def _label(doc: dict, path: str | None = None) -> str:
     return f"{doc.get('run_id', path)} (mlx {pk.get('mlx', '?')}, mlx-lm {pk.get('mlx-lm', '?')})"
 
 
-def flag(before, after, direction: str, factor: float = 1.10, alpha: float = 0.01) -> tuple[str, float, float | None]:
-    """(flag, ratio of medians after/before, Mann-Whitney p) for two sample sets."""
-    ratio = float(np.median(after) / np.median(before))
+def _ratio(before: float, after: float) -> float:
+    # A zero baseline (e.g. no bytes copied) has no finite ratio: equal is 1, anything else inf.
+    if before == 0:
+        return 1.0 if after == 0 else float("inf")
+    return after / before
+
+
+def flag(before: Sequence[float], after: Sequence[float], direction: str, factor: float = 1.10,
+         alpha: float = 0.01) -> tuple[str, float, float | None]:
+    """Flag one metric's change between two sample sets.
+
+    Args:
+        before, after: the raw samples of the baseline and of the later run.
+        direction: "lower" or "higher", which way is better.
+        factor: how far the ratio of medians must move to be flagged.
+        alpha: the Mann-Whitney U (two-sided) significance level.
+
+    Returns:
+        (flag, ratio of medians after/before, p-value or None with a single sample).
+    """
+    ratio = _ratio(float(np.median(before)), float(np.median(after)))
     p = float(sps.mannwhitneyu(before, after, alternative="two-sided").pvalue) if min(len(before), len(after)) > 1 else None
     worse = ratio > factor if direction == "lower" else ratio < 1 / factor
     better = ratio < 1 / factor if direction == "lower" else ratio > factor
@@ -52,10 +78,21 @@ class Comparison:
 
     @property
     def regressions(self) -> pd.DataFrame:
+        """The rows flagged "regression"."""
         return self.table[self.table["flag"] == REGRESSION]
 
 
 def compare(docs: list[dict], factor: float = 1.10, alpha: float = 0.01, names: list[str] | None = None) -> Comparison:
+    """Compare every later results document with the first.
+
+    Args:
+        docs: results documents (loaded JSON); the first is the baseline.
+        factor, alpha: see ``flag``.
+        names: labels for the documents (their paths) where a run_id is missing.
+
+    Returns:
+        A Comparison whose table has the ``COLUMNS``, a row per later document and shared metric.
+    """
     if len(docs) < 2:
         raise ValueError("compare needs at least two results documents")
     names = names or [None] * len(docs)
@@ -71,6 +108,10 @@ def compare(docs: list[dict], factor: float = 1.10, alpha: float = 0.01, names: 
         missing += [f"{label}: {m} not in the baseline" for m in am if m not in bm]
         for metric in (m for m in bm if m in am):
             before, after = bm[metric], am[metric]
+            if (before["unit"], before["direction"]) != (after["unit"], after["direction"]):
+                nc.append(f"{label}: {metric} is {after['unit']}, {after['direction']} is better, but "
+                          f"{before['unit']}, {before['direction']} in the baseline: NOT COMPARABLE")
+                continue
             f, ratio, p = flag(before["samples"], after["samples"], before["direction"], factor, alpha)
             rows.append({
                 "after": label, "metric": metric, "unit": before["unit"], "direction": before["direction"],
@@ -79,10 +120,13 @@ def compare(docs: list[dict], factor: float = 1.10, alpha: float = 0.01, names: 
                 "flag": f, "shown": f"{f} {ratio:.2f}x" if f != SAME else f"~{ratio:.2f}",
                 "control": bool(before.get("control")),
             })
-    return Comparison(_label(base, names[0]), pd.DataFrame(rows), nc, missing)
+    return Comparison(_label(base, names[0]), pd.DataFrame(rows, columns=COLUMNS), nc, missing)
 
 
 def format_table(c: Comparison) -> str:
+    """The comparison as text: the table (pandas ``to_string``; tabulate, which
+    ``to_markdown`` needs, is not a dependency), then not-comparable pairs,
+    missing metrics, control-metric warnings and the regression count."""
     lines = [f"baseline: {c.baseline}"]
     if not c.table.empty:
         t = c.table[["after", "metric", "unit", "before_p50", "after_p50", "ratio", "p_value", "shown"]]
@@ -94,18 +138,38 @@ def format_table(c: Comparison) -> str:
             lines.append(f"WARNING: control metric {r['metric']} moved ({r['shown']}) in {r['after']}: "
                          "the machine changed between runs; flags beside it reflect the machine, not the code")
     n = len(c.regressions)
-    lines.append(f"{n} regression(s) flagged" if n else "no regression flagged")
+    if c.table.empty:
+        lines.append("no metric was compared")
+    else:
+        lines.append(f"{n} regression(s) flagged" if n else "no regression flagged")
     return "\n".join(lines)
 
 
 def load(path: str | Path) -> dict:
+    """Read one results document, checking the fields compare uses.
+
+    Raises:
+        ValueError: naming the file (and metric) when it is unreadable or a field is missing or wrong.
+    """
     try:
         doc = json.loads(Path(path).read_text())
     except (OSError, ValueError) as exc:
         raise ValueError(f"{path}: cannot read a results document: {exc}") from None
+    if not isinstance(doc, dict):
+        raise ValueError(f"{path}: not a results document (a JSON {type(doc).__name__}, not an object)")
     for key in ("benchmark_id", "experiment", "metrics"):
         if key not in doc:
             raise ValueError(f"{path}: not a results document (no {key!r})")
+    for name, m in doc["metrics"].items():
+        # Checked here so that a hand-edited or truncated file fails with its name, not a KeyError.
+        if not isinstance(m, dict) or "unit" not in m:
+            raise ValueError(f"{path}: metric {name!r} has no unit")
+        if m.get("direction") not in ("lower", "higher"):
+            raise ValueError(f"{path}: metric {name!r} direction is {m.get('direction')!r}, not 'lower' or 'higher'")
+        samples = m.get("samples")
+        if (not isinstance(samples, list) or not samples
+                or not all(isinstance(v, (int, float)) and math.isfinite(v) for v in samples)):
+            raise ValueError(f"{path}: metric {name!r} needs a non-empty list of finite numeric samples")
     return doc
 
 

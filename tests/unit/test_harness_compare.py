@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 
 from harness import compare
 from harness.stats import summarize
@@ -51,11 +52,39 @@ def test_higher_is_better_metrics_regress_when_they_drop():
     assert c.table.iloc[0]["flag"] == "regression"
 
 
-def test_different_benchmark_ids_are_not_comparable_and_missing_metrics_are_listed():
-    c = compare.compare([_doc(_normal(6)), _doc(_normal(7, scale=2), bid="bbbb")])
+def test_a_known_thirty_percent_speedup_is_an_improvement_in_either_direction():
+    c = compare.compare([_doc(_normal(0)), _doc(_normal(1, scale=0.7))])
+    assert c.table.iloc[0]["flag"] == "improvement" and c.table.iloc[0]["shown"] == "improvement 0.70x"
+    c = compare.compare([_doc(_normal(0), direction="higher"), _doc(_normal(1, scale=1.3), direction="higher")])
+    assert c.table.iloc[0]["flag"] == "improvement" and len(c.regressions) == 0
+
+
+def test_different_benchmark_ids_are_not_comparable_and_missing_metrics_are_listed(tmp_path, capsys):
+    a, b = _doc(_normal(6)), _doc(_normal(7, scale=2), bid="bbbb")
+    c = compare.compare([a, b])
     assert c.table.empty and "NOT COMPARABLE" in c.not_comparable[0]
+    assert "no metric was compared" in compare.format_table(c)  # not "no regression", nor a crash
+    (tmp_path / "a.json").write_text(json.dumps(a))
+    (tmp_path / "b.json").write_text(json.dumps(b))
+    assert compare.main([str(tmp_path / "a.json"), str(tmp_path / "b.json")]) == 0
+    assert "NOT COMPARABLE" in capsys.readouterr().out
     c = compare.compare([_doc(_normal(6)), _doc(_normal(7), metric="other_ms")])
-    assert len(c.missing) == 2 and c.table.empty
+    assert c.missing == ["20261122T000000Z-m (mlx x, mlx-lm y): t_ms only in the baseline",
+                         "20261122T000000Z-m (mlx x, mlx-lm y): other_ms not in the baseline"]
+    assert c.table.empty and list(c.table.columns) == compare.COLUMNS
+
+
+def test_a_metric_whose_unit_changed_is_not_compared():
+    after = _doc(_normal(7, scale=2))
+    after["metrics"]["t_ms"]["unit"] = "s"
+    c = compare.compare([_doc(_normal(6)), after])
+    assert c.table.empty and "t_ms is s" in c.not_comparable[0]
+
+
+def test_a_zero_baseline_gives_an_infinite_ratio_not_a_warning():
+    c = compare.compare([_doc([0.0] * 20), _doc([1.0] * 20)])
+    assert c.table.iloc[0]["ratio"] == float("inf") and c.table.iloc[0]["flag"] == "regression"
+    assert compare.compare([_doc([0.0] * 5), _doc([0.0] * 5)]).table.iloc[0]["shown"] == "~1.00"
 
 
 def test_an_unreadable_file_is_an_error_naming_it(tmp_path, capsys):
@@ -63,6 +92,22 @@ def test_an_unreadable_file_is_an_error_naming_it(tmp_path, capsys):
     bad.write_text("{")
     assert compare.main([str(bad), str(bad)]) == 2
     assert "bad.json" in capsys.readouterr().err
+    assert compare.main([str(tmp_path / "absent.json"), str(bad)]) == 2
+    assert "absent.json" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda d: d.pop("benchmark_id"), "no 'benchmark_id'"),
+    (lambda d: d["metrics"]["t_ms"].update(direction="up"), "'t_ms' direction is 'up'"),
+    (lambda d: d["metrics"]["t_ms"].update(samples=[]), "'t_ms' needs a non-empty list"),
+    (lambda d: d["metrics"]["t_ms"].pop("unit"), "'t_ms' has no unit"),
+])
+def test_a_document_missing_what_compare_needs_is_named_with_its_file(tmp_path, edit, message):
+    doc = _doc(_normal(0))
+    edit(doc)
+    (tmp_path / "x.json").write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match="x.json: .*" + message):
+        compare.load(tmp_path / "x.json")
 
 
 def test_a_moved_control_metric_is_called_out_as_machine_drift():
