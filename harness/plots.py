@@ -1,4 +1,8 @@
-"""Headless plots written next to a results document (matplotlib, Agg backend)."""
+"""Headless plots written next to a results document (matplotlib, Agg backend).
+
+Every function writes one PNG (creating its folder), closes its figure so that
+long sweeps do not pile figures up, and returns the path.
+"""
 
 from __future__ import annotations
 
@@ -23,7 +27,18 @@ def _save(fig, path: Path) -> Path:
 
 def scaling_plot(series: Mapping[str, tuple[Sequence[float], Sequence[float], dict | None]], path: Path,
                  xlabel: str, ylabel: str, title: str, logy: bool = False) -> Path:
-    """Points per named series, each with its fit line (``slope``, ``intercept``, ``r2``) in the legend."""
+    """Points per named series (e.g. reconstruct, concat, memcpy), each with its own fit line.
+
+    Args:
+        series: label -> (x, y, fit); fit is a ``stats.linear_fit`` dict, shown as
+            its line with slope, intercept and R² in the legend, or None for points only.
+        path: the PNG to write.
+        xlabel, ylabel, title: axis labels and title.
+        logy: a log y axis, for series that differ by orders of magnitude.
+
+    Returns:
+        ``path``.
+    """
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for label, (x, y, fit) in series.items():
         pts = ax.scatter(x, y, s=18, label=label if fit is None else None)
@@ -40,7 +55,16 @@ def scaling_plot(series: Mapping[str, tuple[Sequence[float], Sequence[float], di
 
 
 def cdf_plot(samples_by_label: Mapping[str, Sequence[float]], path: Path, xlabel: str, title: str) -> Path:
-    """Empirical CDFs, one step line per label."""
+    """Empirical CDFs, one step line per label, so tails (p95, p99) are visible.
+
+    Args:
+        samples_by_label: label -> raw samples.
+        path: the PNG to write.
+        xlabel, title: x axis label (the metric and unit) and title.
+
+    Returns:
+        ``path``.
+    """
     fig, ax = plt.subplots(figsize=(6, 4))
     for label, samples in samples_by_label.items():
         x = np.sort(np.asarray(samples, dtype=float))
@@ -53,7 +77,17 @@ def cdf_plot(samples_by_label: Mapping[str, Sequence[float]], path: Path, xlabel
 
 def bars_plot(values_by_label: Mapping[str, float], path: Path, ylabel: str, title: str,
               errors: Mapping[str, tuple[float, float]] | None = None) -> Path:
-    """Bars (e.g. before/after medians); ``errors`` gives (low, high) per label, e.g. a median CI."""
+    """Bars, e.g. before/after medians, each annotated with its value.
+
+    Args:
+        values_by_label: label -> bar height.
+        path: the PNG to write.
+        ylabel, title: y axis label and title.
+        errors: label -> absolute (low, high), e.g. the median's 99% CI; drawn as error bars.
+
+    Returns:
+        ``path``.
+    """
     labels = list(values_by_label)
     values = [values_by_label[k] for k in labels]
     fig, ax = plt.subplots(figsize=(max(4, 1.4 * len(labels)), 4))
@@ -69,7 +103,18 @@ def bars_plot(values_by_label: Mapping[str, float], path: Path, ylabel: str, tit
 
 
 def bandwidth_plot(nbytes: Sequence[float], gbps_by_label: Mapping[str, Sequence[float]], path: Path, title: str) -> Path:
-    """Throughput (GB/s) against cache size, one line per method; memcpy is the floor's line."""
+    """Throughput (GB/s) against cache size, one line per method.
+
+    Args:
+        nbytes: cache size of each point, in bytes (any order; sorted here).
+        gbps_by_label: label -> GB/s per point; a label containing "memcpy" is
+            drawn dashed, as the copy floor the others are read against.
+        path: the PNG to write.
+        title: the title.
+
+    Returns:
+        ``path``.
+    """
     fig, ax = plt.subplots(figsize=(7, 4.5))
     order = np.argsort(nbytes)
     x = np.asarray(nbytes, dtype=float)[order] / 1e6

@@ -1,6 +1,8 @@
-"""Each plot writes a PNG."""
+"""Each plot writes a PNG and closes its figure."""
 
 from __future__ import annotations
+
+import matplotlib.pyplot as plt
 
 from harness import plots
 from harness.stats import linear_fit
@@ -8,15 +10,19 @@ from harness.stats import linear_fit
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
-def test_every_plot_kind_writes_a_png(tmp_path):
+def test_every_plot_kind_writes_a_png_and_leaves_no_figure_open(tmp_path):
     x, y = [1, 2, 4, 8], [1.1, 2.0, 4.2, 7.9]
     paths = [
-        plots.scaling_plot({"ours": (x, y, linear_fit(x, y)), "memcpy": (x, [0.5, 1, 2, 4], None)},
+        plots.scaling_plot({"ours": (x, y, linear_fit(x, y)), "concat": (x, [2, 4, 8, 16], linear_fit(x, [2, 4, 8, 16])),
+                            "memcpy": (x, [0.5, 1, 2, 4], None)},
                            tmp_path / "s.png", "blocks x layers", "ms", "scaling"),
+        plots.scaling_plot({"ours": (x, y, None)}, tmp_path / "log" / "s.png", "blocks", "ms", "log", logy=True),
         plots.cdf_plot({"a": [1, 2, 3], "b": [2, 3, 4]}, tmp_path / "c.png", "ms", "cdf"),
         plots.bars_plot({"before": 2.0, "after": 1.0}, tmp_path / "b.png", "ms", "bars",
                         errors={"before": (1.8, 2.2), "after": (0.9, 1.1)}),
-        plots.bandwidth_plot([1e6, 4e6, 16e6], {"memcpy": [5, 6, 6], "ours": [2, 3, 3]}, tmp_path / "w.png", "bw"),
+        plots.bars_plot({"only": 3.0}, tmp_path / "b1.png", "ms", "one bar"),
+        plots.bandwidth_plot([16e6, 1e6, 4e6], {"memcpy": [6, 5, 6], "ours": [3, 2, 3]}, tmp_path / "w.png", "bw"),
     ]
     for p in paths:
         assert p.read_bytes()[:8] == PNG and p.stat().st_size > 1000
+    assert plt.get_fignums() == []
