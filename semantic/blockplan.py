@@ -138,3 +138,23 @@ def commit(
                 block.segment = segment
             groups[p.group].append(block)
     return AgentBlocks(spec, tokens, groups, pool.block_tokens, _release=release or pool.release)
+
+
+def longest_cached_prefix(pool: BlockPool, spec: ModelCacheSpec, token_ids: Sequence[int]) -> tuple[int, BlockPlan | None]:
+    """The longest whole-block prefix of ``token_ids`` whose cache the pool holds entirely.
+
+    Returns ``(T, plan)``: ``T`` is a multiple of the block size, shorter than
+    ``token_ids`` (at least one token is left to prefill), and every block
+    every layer needs for ``T`` tokens is a pooled hit. For sliding layers
+    that means the blocks of the window ending at ``T``, so a prefix whose
+    window was never stored is refused rather than approximated. ``(0,
+    None)`` when nothing qualifies; nothing is taken from the pool.
+    """
+    bt = pool.block_tokens
+    tokens = token_ids if type(token_ids) is tuple else tuple(map(int, token_ids))
+    chain = chain_keys(tokens, bt)
+    for k in range((len(tokens) - 1) // bt, 0, -1):
+        planned = plan(pool, spec, tokens[: k * bt], chain[:k])
+        if all(p.hit is not None for p in planned.blocks):
+            return k * bt, planned
+    return 0, None

@@ -142,6 +142,24 @@ def extract(pool: BlockPool, caches: Sequence, token_ids: Sequence[int]) -> Agen
     return blockplan.commit(pool, spec, tokens, planned, lambda p: views[index[id(p)]])
 
 
+def prefix_cache(pool: BlockPool, token_ids: Sequence[int]) -> AgentBlocks | None:
+    """AgentBlocks for the longest whole-block prefix of ``token_ids`` already pooled, or None.
+
+    The blocks may come from any agent (a shared system prompt, an earlier
+    turn); every hit was confirmed by its token ids. The caller owns the
+    returned references.
+    """
+    tokens = tuple(map(int, token_ids))
+    T, planned = blockplan.longest_cached_prefix(pool, pool.spec, tokens)
+    if not T:
+        return None
+    return blockplan.commit(pool, pool.spec, tokens[:T], planned, _no_miss)
+
+
+def _no_miss(p) -> None:
+    raise AssertionError(f"a planned prefix block missed: {p}")
+
+
 def _segment_run(pieces: list):
     """(segment, first, end) when the pieces are one consecutive run of a segment, else None."""
     if not pieces or pieces[0][0].segment is None:

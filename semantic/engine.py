@@ -121,13 +121,24 @@ class BlockPoolBatchEngine:
         except (TypeError, ValueError):
             raise InvalidRequestError("prompt must be text or a sequence of token ids") from None
 
-    def submit(self, agent_id: str, prompt, cache: AgentBlocks | None = None, max_tokens: int = 32) -> int:
+    def submit(
+        self,
+        agent_id: str,
+        prompt,
+        cache: AgentBlocks | None = None,
+        max_tokens: int = 32,
+        *,
+        reuse_prefix: bool = False,
+    ) -> int:
         """Queue a request and return its uid.
 
         ``prompt`` is text or token ids. With ``cache``, it is either the
         continuation after ``cache.token_ids`` or the whole sequence starting
-        with them; only the tokens after the cache are prefilled. Nothing
-        changes in the engine when this raises.
+        with them; only the tokens after the cache are prefilled. Without
+        ``cache`` and with ``reuse_prefix``, the longest whole-block prefix
+        of the prompt already in the pool (any agent's: a shared system
+        prompt, an earlier turn) is injected instead. Nothing changes in the
+        engine when this raises.
         """
         if not isinstance(agent_id, str) or not agent_id:
             raise InvalidRequestError(f"agent_id must be a non-empty string, got {agent_id!r}")
@@ -151,6 +162,14 @@ class BlockPoolBatchEngine:
         if bad:
             raise InvalidRequestError(f"token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
         caches = self.reconstruct_cache(cache) if cache is not None else None
+        if cache is None and reuse_prefix:
+            prefix = convert.prefix_cache(self.pool, ids)
+            if prefix is not None:
+                # the rebuilt caches hold the arrays; the pool references can go at once
+                caches = self.reconstruct_cache(prefix)
+                cached = list(prefix.token_ids)
+                new = ids[len(cached):]
+                prefix.release()
 
         seq = _Seq(next(self._uids), agent_id, ids, len(cached), max_tokens)
         if self.spec.quantized:

@@ -199,3 +199,35 @@ def test_an_engine_refuses_a_spec_that_is_not_its_models(llama_tiny, gemma_tiny)
     other = ModelCacheSpec.from_model(tiny_gemma3(window=4))
     with pytest.raises(CacheMismatchError):
         BlockPoolBatchEngine(gemma_tiny, byte_tokenizer(), BlockPool(other, 4), spec)
+
+
+@pytest.mark.parametrize(
+    "which,shared_len,max_tokens,expect_cached",
+    [
+        ("llama", 13, 3, 12),  # 3 whole blocks of the 13 shared tokens
+        ("gemma", 5, 1, 4),    # 6 tokens <= window 8: every layer still holds block 0
+        ("gemma", 13, 3, 0),   # window moved past [4, 12): refused, not approximated
+    ],
+)
+def test_a_prompt_reuses_the_longest_pooled_prefix_of_any_agent_and_matches_a_fresh_prefill(
+    llama_tiny, gemma_tiny, which, shared_len, max_tokens, expect_cached
+):
+    model = llama_tiny if which == "llama" else gemma_tiny
+    engine = _engine(model)  # block_tokens = 4
+    shared = [int(t) for t in np.random.default_rng(5).integers(1, 250, shared_len)]
+    uid = engine.submit("a", shared, max_tokens=max_tokens)
+    first = _run(engine)[uid]  # agent a's blocks stay pooled (and hittable even once released)
+    prompt = shared + [20, 21, 22, 23, 24]
+    b = engine.submit("b", prompt, max_tokens=STEPS, reuse_prefix=True)
+    ref = engine.submit("ref", prompt, max_tokens=STEPS)
+    done = _run(engine)
+    assert (done[b].cached_tokens, done[b].prompt_tokens) == (expect_cached, len(prompt) - expect_cached)
+    assert done[ref].cached_tokens == 0
+    _assert_same(done[b], done[ref])
+    assert first.blocks.total_tokens == shared_len + max_tokens
+
+
+def test_no_pooled_prefix_means_a_full_prefill(llama_tiny):
+    engine = _engine(llama_tiny)
+    b = engine.submit("b", list(range(30, 47)), max_tokens=2, reuse_prefix=True)
+    assert _run(engine)[b].cached_tokens == 0
