@@ -11,10 +11,13 @@ from semantic.errors import (
     InvalidAgentIdError,
     InvalidRequestError,
     PoolExhaustedError,
+    QueueFullError,
+    SchedulerClosedError,
     UnknownSequenceError,
     UnsupportedCacheError,
 )
 from semantic.pool import BlockPool, PoolStats
+from semantic.scheduler import ConcurrentScheduler, SchedulerStats, TurnResult, render_chat
 from semantic.spec import LayerSpec, ModelCacheSpec
 from semantic.store import AgentCacheStore, StoreStats
 
@@ -29,6 +32,7 @@ __all__ = [
     "CacheError",
     "CacheMismatchError",
     "CacheShapeError",
+    "ConcurrentScheduler",
     "InvalidAgentIdError",
     "InvalidRequestError",
     "KVBlock",
@@ -36,7 +40,12 @@ __all__ = [
     "ModelCacheSpec",
     "PoolExhaustedError",
     "PoolStats",
+    "QueueFullError",
+    "SchedulerClosedError",
+    "SchedulerStats",
     "StoreStats",
+    "TurnResult",
     "UnknownSequenceError",
     "UnsupportedCacheError",
+    "render_chat",
 ]

@@ -107,11 +107,13 @@ def _miss_runs(planned: tuple[PlannedBlock, ...]) -> list[list[int]]:
     return runs
 
 
-def extract(pool: BlockPool, caches: Sequence, token_ids: Sequence[int]) -> AgentBlocks:
+def extract(pool: BlockPool, caches: Sequence, token_ids: Sequence[int], release=None) -> AgentBlocks:
     """Store live caches covering ``token_ids`` as pooled blocks.
 
     All-or-nothing: when the pool cannot hold the new blocks it raises
     :class:`PoolExhaustedError` before taking any block or copying anything.
+    ``release`` is what the returned AgentBlocks calls to give its blocks
+    back (default ``pool.release``; a locked one when threads share the pool).
     """
     spec = pool.spec
     tokens = tuple(map(int, token_ids))
@@ -139,21 +141,22 @@ def extract(pool: BlockPool, caches: Sequence, token_ids: Sequence[int]) -> Agen
             views[idx] = (data, (seg, s0, dict(data)))
     mx.eval(fresh, [d for d, _ in views.values()])  # slices evaluate to views: no copy
     index = {id(p): i for i, p in enumerate(planned.blocks)}
-    return blockplan.commit(pool, spec, tokens, planned, lambda p: views[index[id(p)]])
+    return blockplan.commit(pool, spec, tokens, planned, lambda p: views[index[id(p)]], release)
 
 
-def prefix_cache(pool: BlockPool, token_ids: Sequence[int]) -> AgentBlocks | None:
+def prefix_cache(pool: BlockPool, token_ids: Sequence[int], release=None, longer_than: int = 0) -> AgentBlocks | None:
     """AgentBlocks for the longest whole-block prefix of ``token_ids`` already pooled, or None.
 
     The blocks may come from any agent (a shared system prompt, an earlier
-    turn); every hit was confirmed by its token ids. The caller owns the
-    returned references.
+    turn); every hit was confirmed by its token ids. None too when the
+    prefix is not longer than ``longer_than`` tokens (nothing is taken then).
+    The caller owns the returned references.
     """
     tokens = tuple(map(int, token_ids))
     T, planned = blockplan.longest_cached_prefix(pool, pool.spec, tokens)
-    if not T:
+    if T <= longer_than:
         return None
-    return blockplan.commit(pool, pool.spec, tokens[:T], planned, _no_miss)
+    return blockplan.commit(pool, pool.spec, tokens[:T], planned, _no_miss, release)
 
 
 def _no_miss(p) -> None:
@@ -190,28 +193,57 @@ def _one_segment(pieces: list, layer: int, run):
     return _slice(k, start, end, False), _slice(v, start, end, False)
 
 
-def reconstruct(blocks: AgentBlocks, materialize: bool = True) -> list:
+def _pieces(blocks: AgentBlocks, layer: int, total: int) -> tuple[list, int, int]:
+    """The (block, first, end) pieces holding what ``layer`` needs after ``total`` tokens,
+    how many tokens it needs, and how many of them the blocks hold."""
+    ranges = held_ranges(blocks.spec.layers[layer], total)
+    pieces = []  # (block, first, end) in the block's own token indices
+    for a, b in ranges:
+        for blk in blocks.blocks_for_layer(layer):
+            s, e = max(a, blk.start), min(b, blk.end)
+            if s < e:
+                pieces.append((blk, s - blk.start, e - blk.start))
+    return pieces, sum(b - a for a, b in ranges), sum(e - s for _, s, e in pieces)
+
+
+def covers(blocks: AgentBlocks, upto: int) -> bool:
+    """Whether ``blocks`` hold every position each layer needs after its first ``upto`` tokens.
+
+    Always true for global layers (they hold every token). A sliding layer
+    whose window has moved past ``upto`` no longer holds what the shorter
+    history needs, so a cut there is refused, never approximated::
+
+        held after T = 900 (window 512):           [388 ............ 900)
+        needed for upto = 600:              [88 ......... 600)      not covered
+        needed for upto = 900:                     [388 ............ 900)  covered
+    """
+    if blocks.released or not 0 <= upto <= blocks.total_tokens:
+        return False
+    for layers in blocks.spec.groups().values():
+        _, held, got = _pieces(blocks, layers[0], upto)
+        if got != held:
+            return False
+    return True
+
+
+def reconstruct(blocks: AgentBlocks, materialize: bool = True, upto: int | None = None) -> list:
     """Real mlx-lm cache objects, one per layer, for the tokens of ``blocks``.
 
-    With ``materialize`` the arrays are evaluated before returning, so the
-    cost lands here and not in the first model call.
+    With ``upto``, the caches cover only the first ``upto`` tokens (a
+    conversation edited after that point); see :func:`covers` for when the
+    blocks still hold that. With ``materialize`` the arrays are evaluated
+    before returning, so the cost lands here and not in the first model call.
     """
     if blocks.released:
         raise CacheMismatchError("these AgentBlocks were released; their blocks may be reused")
-    spec, total = blocks.spec, blocks.total_tokens
+    spec, total = blocks.spec, blocks.total_tokens if upto is None else upto
+    if not 0 <= total <= blocks.total_tokens:
+        raise CacheMismatchError(f"upto={upto} is outside the {blocks.total_tokens} cached tokens")
     caches = []
     by_group: dict[str, tuple] = {}  # every layer of a group has the same blocks and ranges
     for i, layer in enumerate(spec.layers):
         if layer.group not in by_group:
-            ranges = held_ranges(layer, total)
-            pieces = []  # (block, first, end) in the block's own token indices
-            for a, b in ranges:
-                for blk in blocks.blocks_for_layer(i):
-                    s, e = max(a, blk.start), min(b, blk.end)
-                    if s < e:
-                        pieces.append((blk, s - blk.start, e - blk.start))
-            held = sum(b - a for a, b in ranges)
-            got = sum(e - s for _, s, e in pieces)
+            pieces, held, got = _pieces(blocks, i, total)
             by_group[layer.group] = (pieces, held, got, _segment_run(pieces))
         pieces, held, got, seg_run = by_group[layer.group]
         if got != held:

@@ -11,13 +11,21 @@ Two lanes drive the sequences, one step at a time:
   quantized sequence costs its own forward pass per step.
 
 A request given a cache prefills only the tokens the cache does not cover.
-Each agent has at most one request in flight; a second ``submit`` raises
-:class:`AgentBusyError` (queueing belongs to the scheduler above).
+:meth:`BlockPoolBatchEngine.submit_history` takes an agent's whole history
+and starts from the longest prefix its previous cache or the pool covers
+(``reuse``). Each agent has at most one request in flight; a second submit
+raises :class:`AgentBusyError` (queueing belongs to ``scheduler``).
+
+Threads: the engine itself is driven by one thread. Its pool may be shared
+(with an ``AgentCacheStore``); every pool use here, and every release of the
+AgentBlocks it returns, holds ``lock``.
 """
 
 from __future__ import annotations
 
 import itertools
+import threading
+import time
 import weakref
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
@@ -25,7 +33,7 @@ from typing import Iterator, Sequence
 import mlx.core as mx
 from mlx_lm.generate import generate_step
 
-from semantic import compat, convert
+from semantic import compat, convert, reuse
 from semantic.blocks import AgentBlocks
 from semantic.errors import (
     AgentBusyError,
@@ -52,6 +60,21 @@ class Completion:
     prompt_tokens: int         # tokens prefilled for this request
     cached_tokens: int         # tokens the injected cache already covered
     cache_error: str | None = None
+    reuse: str = reuse.NONE    # where the cached tokens came from (see ``reuse``)
+    submitted_at: float = 0.0  # time.perf_counter() at submit
+    first_token_at: float = 0.0  # ... when the first generated token was read (materialized)
+    finished_at: float = 0.0   # ... when the sequence finished, its cache extracted
+
+    @property
+    def ttft_s(self) -> float:
+        """Seconds from submit to the first generated token."""
+        return self.first_token_at - self.submitted_at
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Generated tokens after the first, per second of decoding (0 for one token)."""
+        dt = self.finished_at - self.first_token_at
+        return (len(self.token_ids) - 1) / dt if len(self.token_ids) > 1 and dt > 0 else 0.0
 
 
 @dataclass(slots=True)
@@ -66,6 +89,9 @@ class _Seq:
     gen_uid: int | None = None           # batch lane
     solo: Iterator | None = None         # solo lane
     solo_cache: list | None = None
+    reuse: str = reuse.NONE
+    submitted_at: float = 0.0
+    first_token_at: float = 0.0
 
 
 def _greedy(logprobs: mx.array) -> mx.array:
@@ -85,6 +111,7 @@ class BlockPoolBatchEngine:
         max_batch: int = 8,
         prefill_step_size: int = 512,
         stop_tokens: Sequence[int] | None = None,
+        lock=None,
     ):
         spec.require_same(pool.spec, "the pool")
         quant = next((l for l in spec.layers if l.kv_bits), None)
@@ -93,6 +120,7 @@ class BlockPoolBatchEngine:
         )
         spec.require_same(probe, "the spec")
         self.model, self.tokenizer, self.pool, self.spec = model, tokenizer, pool, spec
+        self.lock = lock if lock is not None else threading.RLock()
         self.vocab_size = _vocab_size(model)
         self.stop_tokens = frozenset(int(t) for t in (tokenizer.eos_token_ids if stop_tokens is None else stop_tokens))
         self.prefill_step_size = prefill_step_size
@@ -121,6 +149,21 @@ class BlockPoolBatchEngine:
         except (TypeError, ValueError):
             raise InvalidRequestError("prompt must be text or a sequence of token ids") from None
 
+    def _check_request(self, agent_id: str, max_tokens: int) -> None:
+        if not isinstance(agent_id, str) or not agent_id:
+            raise InvalidRequestError(f"agent_id must be a non-empty string, got {agent_id!r}")
+        if agent_id in self._busy:
+            raise AgentBusyError(f"agent {agent_id!r} already has request {self._busy[agent_id]} in flight")
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens <= 0:
+            raise InvalidRequestError(f"max_tokens must be a positive integer, got {max_tokens!r}")
+
+    def _check_ids(self, new: list[int]) -> None:
+        if not new:
+            raise InvalidRequestError("empty prompt: nothing to prefill after the cache")
+        bad = [t for t in new if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
+
     def submit(
         self,
         agent_id: str,
@@ -140,14 +183,8 @@ class BlockPoolBatchEngine:
         prompt, an earlier turn) is injected instead. Nothing changes in the
         engine when this raises.
         """
-        if not isinstance(agent_id, str) or not agent_id:
-            raise InvalidRequestError(f"agent_id must be a non-empty string, got {agent_id!r}")
-        if agent_id in self._busy:
-            raise AgentBusyError(f"agent {agent_id!r} already has request {self._busy[agent_id]} in flight")
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens <= 0:
-            raise InvalidRequestError(f"max_tokens must be a positive integer, got {max_tokens!r}")
+        self._check_request(agent_id, max_tokens)
         ids = self._prompt_ids(prompt, continuing=cache is not None)
-        cached: list[int] = []
         if cache is not None:
             if not isinstance(cache, AgentBlocks):
                 raise InvalidRequestError(f"cache must be AgentBlocks, got {type(cache).__name__}")
@@ -155,23 +192,53 @@ class BlockPoolBatchEngine:
             cached = list(cache.token_ids)
             if not (len(ids) > len(cached) and ids[: len(cached)] == cached):
                 ids = cached + ids
-        new = ids[len(cached):]
-        if not new:
-            raise InvalidRequestError("empty prompt: nothing to prefill after the cache")
-        bad = [t for t in new if not 0 <= t < self.vocab_size]
-        if bad:
-            raise InvalidRequestError(f"token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
-        caches = self.reconstruct_cache(cache) if cache is not None else None
-        if cache is None and reuse_prefix:
-            prefix = convert.prefix_cache(self.pool, ids)
-            if prefix is not None:
-                # the rebuilt caches hold the arrays; the pool references can go at once
-                caches = self.reconstruct_cache(prefix)
-                cached = list(prefix.token_ids)
-                new = ids[len(cached):]
-                prefix.release()
+            self._check_ids(ids[len(cached):])
+            return self._enqueue(agent_id, ids, reuse.Reuse(reuse.OWN, len(cached), cache) if cached else None, max_tokens)
+        self._check_ids(ids)
+        return self._enqueue(agent_id, ids, None, max_tokens, plan_reuse=reuse_prefix)
 
-        seq = _Seq(next(self._uids), agent_id, ids, len(cached), max_tokens)
+    def submit_history(
+        self, agent_id: str, token_ids: Sequence[int], own: AgentBlocks | None = None, max_tokens: int = 32
+    ) -> int:
+        """Queue the agent's whole history ``token_ids`` and return the uid.
+
+        The request starts from the longest prefix that ``own`` (the agent's
+        previous cache, which may have diverged: an edited conversation) or
+        the pool covers, as :func:`reuse.plan` decides; the rest is
+        prefilled. ``own`` is only read; the caller keeps its reference.
+        Nothing changes in the engine when this raises.
+        """
+        self._check_request(agent_id, max_tokens)
+        if isinstance(token_ids, str):
+            raise InvalidRequestError("submit_history takes token ids; render text or messages first")
+        ids = self._prompt_ids(token_ids, continuing=False)
+        self._check_ids(ids)
+        if own is not None:
+            if not isinstance(own, AgentBlocks):
+                raise InvalidRequestError(f"own must be AgentBlocks, got {type(own).__name__}")
+            self.spec.require_same(own.spec, "this cache")
+        return self._enqueue(agent_id, ids, None, max_tokens, plan_reuse=True, own=own)
+
+    def _enqueue(
+        self, agent_id: str, ids: list[int], start: reuse.Reuse | None, max_tokens: int,
+        *, plan_reuse: bool = False, own: AgentBlocks | None = None,
+    ) -> int:
+        submitted = time.perf_counter()
+        if plan_reuse:
+            with self.lock:
+                start = reuse.plan(self.pool, ids, own, self._release)
+        caches = None
+        if start is not None and start.cached:
+            try:
+                caches = self.reconstruct_cache(start.blocks, upto=start.cached)
+            finally:
+                if start.owned:
+                    # the rebuilt caches hold the arrays; the pool references can go at once
+                    start.blocks.release()
+        cached = start.cached if start is not None else 0
+        new = ids[cached:]
+        seq = _Seq(next(self._uids), agent_id, ids, cached, max_tokens,
+                   reuse=start.source if start is not None else reuse.NONE, submitted_at=submitted)
         if self.spec.quantized:
             seq.solo_cache = caches if caches is not None else self.spec.make_cache()
             seq.solo = generate_step(
@@ -189,6 +256,10 @@ class BlockPoolBatchEngine:
         self._busy[agent_id] = seq.uid
         return seq.uid
 
+    def _release(self, blocks) -> None:
+        with self.lock:
+            self.pool.release(blocks)
+
     # ------------------------------------------------------------ driving
 
     @property
@@ -205,8 +276,11 @@ class BlockPoolBatchEngine:
         prefills newly submitted ones); return those that finished."""
         finished: list[tuple[_Seq, str, list]] = []
         if self._by_gen_uid:
-            for r in compat.next_responses(self._gen):
+            responses = compat.next_responses(self._gen)
+            now = time.perf_counter()  # the tokens were read: materialized
+            for r in responses:
                 seq = self._seqs[self._by_gen_uid[r.uid]]
+                seq.first_token_at = seq.first_token_at or now
                 seq.generated.append(r.token)
                 seq.logprobs.append(r.logprobs[r.token].item())
                 if r.finish_reason is not None:
@@ -214,6 +288,7 @@ class BlockPoolBatchEngine:
         for seq in [s for s in self._seqs.values() if s.solo is not None]:
             token, logprobs = next(seq.solo)
             seq.generated.append(int(token))
+            seq.first_token_at = seq.first_token_at or time.perf_counter()
             seq.logprobs.append(logprobs[token].item())
             reason = "stop" if token in self.stop_tokens else "length" if len(seq.generated) >= seq.max_tokens else None
             if reason:
@@ -230,7 +305,8 @@ class BlockPoolBatchEngine:
         assert compat.finished_cache_tokens(len(seq.tokens), len(seq.generated)) == len(tokens)
         blocks, error = None, None
         try:
-            blocks = convert.extract(self.pool, caches, tokens)
+            with self.lock:
+                blocks = convert.extract(self.pool, caches, tokens, self._release)
             self._finished[seq.uid] = blocks
         except CacheError as exc:
             error = f"{type(exc).__name__}: {exc}"
@@ -245,14 +321,18 @@ class BlockPoolBatchEngine:
             prompt_tokens=len(seq.tokens) - seq.cached,
             cached_tokens=seq.cached,
             cache_error=error,
+            reuse=seq.reuse,
+            submitted_at=seq.submitted_at,
+            first_token_at=seq.first_token_at,
+            finished_at=time.perf_counter(),
         )
 
     # ------------------------------------------------------------ caches
 
-    def reconstruct_cache(self, blocks: AgentBlocks, materialize: bool = True) -> list:
-        """Real mlx-lm cache objects, one per layer, for ``blocks``."""
+    def reconstruct_cache(self, blocks: AgentBlocks, materialize: bool = True, upto: int | None = None) -> list:
+        """Real mlx-lm cache objects, one per layer, for ``blocks`` (its first ``upto`` tokens)."""
         self.spec.require_same(blocks.spec, "these blocks")
-        return convert.reconstruct(blocks, materialize=materialize)
+        return convert.reconstruct(blocks, materialize=materialize, upto=upto)
 
     def extract_cache(self, uid: int) -> AgentBlocks:
         """The cache of a sequence as AgentBlocks.
@@ -268,7 +348,8 @@ class BlockPoolBatchEngine:
             return blocks
         caches = seq.solo_cache if seq.solo is not None else compat.extract_in_flight(self._gen, seq.gen_uid)
         held = compat.read_layer(caches[0]).offset
-        return convert.extract(self.pool, caches, (seq.tokens + seq.generated)[:held])
+        with self.lock:
+            return convert.extract(self.pool, caches, (seq.tokens + seq.generated)[:held], self._release)
 
 
 def _vocab_size(model) -> int:

@@ -53,3 +53,11 @@ class CacheCorruptError(CacheError):
 
 class InvalidAgentIdError(CacheError, ValueError):
     """An agent id the cache store cannot accept (not a usable string)."""
+
+
+class QueueFullError(CacheError):
+    """The scheduler's queue is at its bound; retry later or wait with a timeout."""
+
+
+class SchedulerClosedError(CacheError):
+    """The scheduler was closed; it takes no more requests."""

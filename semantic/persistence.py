@@ -567,6 +567,29 @@ def temp_name(path: str | os.PathLike) -> str:
     return str(p.with_name(f".{p.name}.{os.getpid()}.{secrets.token_hex(4)}{TMP_SUFFIX}"))
 
 
+@dataclass(frozen=True, slots=True)
+class PreparedSave:
+    """A cache's tensors as file-ordered byte views: all the MLX work of a save.
+
+    The views keep their arrays alive; writing them needs no MLX call, so
+    another thread can do it while MLX keeps computing.
+    """
+
+    spec: ModelCacheSpec
+    token_ids: tuple[int, ...]
+    slots: list[TensorSlot]
+    chunks: list[list[memoryview]]
+
+
+def prepare(blocks: AgentBlocks) -> PreparedSave:
+    """The byte views :func:`save` writes for ``blocks`` (no copy of segment views)."""
+    if blocks.released:
+        raise CacheMismatchError("these AgentBlocks were released; their blocks may be reused")
+    slots = layout(blocks.spec, blocks.total_tokens)
+    chunks = [_chunks(arrays) for arrays in _sources(blocks, slots)]
+    return PreparedSave(blocks.spec, blocks.token_ids, slots, chunks)
+
+
 def save(
     path: str | os.PathLike,
     blocks: AgentBlocks,
@@ -574,6 +597,7 @@ def save(
     model_fingerprint: str,
     agent_id: str | None = None,
     durable: bool = True,
+    prepared: PreparedSave | None = None,
 ) -> CacheFileInfo:
     """Write ``blocks`` to ``path`` atomically.
 
@@ -590,6 +614,8 @@ def save(
         agent_id: recorded in the document (the store lists agents by it).
         durable: fsync file and directory. Without it a process crash is
             still safe, but a power loss may lose the newest file.
+        prepared: ``prepare(blocks)``, made earlier on the thread that runs
+            MLX, so this call does no MLX work (a write-behind thread).
 
     Returns:
         The written file's :class:`CacheFileInfo`.
@@ -601,9 +627,11 @@ def save(
     if agent_id is not None and not isinstance(agent_id, str):
         raise InvalidRequestError(f"agent_id must be a string or None, got {agent_id!r}")
     path = os.fspath(path)
-    spec, total = blocks.spec, blocks.total_tokens
-    slots = layout(spec, total)
-    chunks = [_chunks(arrays) for arrays in _sources(blocks, slots)]
+    if prepared is None:
+        prepared = prepare(blocks)
+    elif prepared.token_ids != blocks.token_ids or prepared.spec != blocks.spec:
+        raise InvalidRequestError("prepared bytes belong to another cache than these blocks")
+    spec, total, slots, chunks = blocks.spec, blocks.total_tokens, prepared.slots, prepared.chunks
     doc = {
         "format_version": FORMAT_VERSION,
         "model_fingerprint": model_fingerprint,

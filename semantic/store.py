@@ -167,11 +167,12 @@ class AgentCacheStore:
 
     # ------------------------------------------------------------ public
 
-    def save(self, agent_id: str, blocks: AgentBlocks) -> None:
+    def save(self, agent_id: str, blocks: AgentBlocks, prepared: persistence.PreparedSave | None = None) -> None:
         """Write ``agent_id``'s cache to disk, then keep it in RAM.
 
         The store takes its own reference to the blocks; the caller keeps
-        (and may release) ``blocks``.
+        (and may release) ``blocks``. ``prepared`` (``persistence.prepare``)
+        lets a write-behind thread save without any MLX work of its own.
         """
         name = file_name(agent_id)
         self.spec.require_same(blocks.spec, "these blocks")
@@ -182,7 +183,8 @@ class AgentCacheStore:
             kept = self._retain(blocks)  # first: it refuses blocks of another pool before any write
             try:
                 info = persistence.save(
-                    path, blocks, model_fingerprint=self.fingerprint, agent_id=agent_id, durable=self.durable
+                    path, blocks, model_fingerprint=self.fingerprint, agent_id=agent_id, durable=self.durable,
+                    prepared=prepared,
                 )
             except BaseException:
                 kept.release()
@@ -242,6 +244,15 @@ class AgentCacheStore:
             if entry is not None:
                 _unlink(entry.path)
             return entry is not None or bool(dropped)
+
+    def evict(self, agent_id: str) -> bool:
+        """Drop ``agent_id`` from the RAM tier only (its file stays); True if it was there."""
+        file_name(agent_id)
+        with self._lock:
+            dropped = self._ram_pop(agent_id)
+            self._counts["ram_evictions"] += bool(dropped)
+        self._release_all(dropped)
+        return bool(dropped)
 
     def agents(self) -> list[str]:
         """Ids of the stored agents, sorted."""

@@ -231,3 +231,79 @@ def test_no_pooled_prefix_means_a_full_prefill(llama_tiny):
     engine = _engine(llama_tiny)
     b = engine.submit("b", list(range(30, 47)), max_tokens=2, reuse_prefix=True)
     assert _run(engine)[b].cached_tokens == 0
+
+
+def _history(seed: int, n: int) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed).integers(1, 250, n)]
+
+
+def _edit(cached: list[int], at: int | None) -> list[int]:
+    """``cached`` changed at position ``at`` (cut there, one different token), then a new turn."""
+    if at is None:
+        return cached + [30, 31, 32, 33, 34]
+    return cached[:at] + [(cached[at] + 1) % 250 or 1, 30, 31, 32, 33, 34]
+
+
+@pytest.mark.parametrize(
+    "which,first_len,edit_at,expect_source,expect_cached",
+    [
+        ("llama", 21, 9, "own-cut", 9),    # global layers: cut exactly at the first difference
+        ("llama", 21, None, "own", 27),    # nothing edited: the whole previous cache (21 + 6 generated)
+        ("gemma", 1, 5, "own-cut", 5),     # 7 tokens, window 8 never moved: the cut is exact
+        ("gemma", 21, 9, "none", 0),       # window moved past the cut and no older window pooled: refused
+    ],
+)
+def test_an_edited_history_reuses_only_what_precedes_the_edit_and_matches_a_fresh_prefill(
+    llama_tiny, gemma_tiny, which, first_len, edit_at, expect_source, expect_cached
+):
+    model = llama_tiny if which == "llama" else gemma_tiny
+    engine = _engine(model)  # block_tokens = 4, window 8 for gemma
+    uid = engine.submit_history("a", _history(first_len, first_len), max_tokens=6)
+    own = _run(engine)[uid].blocks
+    edited = _edit(list(own.token_ids), edit_at)
+    b = engine.submit_history("a", edited, own=own, max_tokens=STEPS)
+    ref = engine.submit("ref", edited, max_tokens=STEPS)
+    done = _run(engine)
+    got = done[b]
+    assert (got.reuse, got.cached_tokens) == (expect_source, expect_cached)
+    assert got.prompt_tokens == len(edited) - expect_cached
+    _assert_same(got, done[ref])
+    # the new cache is the edited history plus its reply: nothing of the old tail survives
+    assert list(got.blocks.token_ids) == edited + got.token_ids
+
+
+def test_a_sliding_edit_falls_back_to_the_older_window_blocks_an_earlier_turn_pooled(gemma_tiny):
+    engine = _engine(gemma_tiny)
+    uid = engine.submit_history("a", _history(2, 2), max_tokens=6)
+    turn1 = _run(engine)[uid].blocks            # 8 tokens: the window ending at 8 is pooled
+    uid = engine.submit_history("a", list(turn1.token_ids) + _history(9, 13), own=turn1, max_tokens=6)
+    turn2 = _run(engine)[uid].blocks            # 27 tokens: the window moved to [19, 27)
+    del turn1                                   # released; its blocks stay cached in the pool
+    edited = _edit(list(turn2.token_ids), 10)
+    b = engine.submit_history("a", edited, own=turn2, max_tokens=STEPS)
+    ref = engine.submit("ref", edited, max_tokens=STEPS)
+    done = _run(engine)
+    assert (done[b].reuse, done[b].cached_tokens) == ("pool", 8)
+    _assert_same(done[b], done[ref])
+
+
+def test_the_own_cache_of_a_sliding_layer_is_refused_once_its_window_has_moved_past_the_cut(gemma_tiny):
+    engine = _engine(gemma_tiny)
+    uid = engine.submit_history("a", _history(3, 21), max_tokens=6)
+    own = _run(engine)[uid].blocks  # 27 tokens; window 8 holds [19, 27)
+    from semantic import convert
+
+    assert convert.covers(own, 27) and not convert.covers(own, 20)
+    with pytest.raises(CacheMismatchError):
+        convert.reconstruct(own, upto=20)
+
+
+def test_submit_history_validates_before_touching_state(llama_tiny):
+    engine = _engine(llama_tiny)
+    with pytest.raises(InvalidRequestError):
+        engine.submit_history("a", [], max_tokens=2)
+    with pytest.raises(InvalidRequestError):
+        engine.submit_history("a", "text is not token ids", max_tokens=2)
+    with pytest.raises(InvalidRequestError):
+        engine.submit_history("a", [1, 2, 999], max_tokens=2)
+    assert engine.in_flight == 0 and engine.pool.stats().used == 0

@@ -1,0 +1,479 @@
+"""Many agents' turns through one engine: queues, continuous batching, write-behind saves.
+
+Callers on any thread (or asyncio task) submit an agent's whole history (token
+ids, text, or chat messages rendered with the tokenizer's template). One
+worker thread owns the engine and does every MLX call; a saver thread writes
+finished caches through the ``AgentCacheStore`` behind it::
+
+    submit(a, …) ─► queue[a] ─┐                 ┌─► future(a) resolved as its sequence finishes
+    submit(b, …) ─► queue[b] ─┼─► worker: admit ─► engine.step_once() ─► finished
+    submit(a, …) ─► (waits: one turn in flight per agent, in order)
+                                      │ own cache: resident ─► store (RAM ─► disk)
+                                      └─► saver: store.save(agent, blocks)   (write-behind)
+
+Each turn starts from the longest prefix the agent's previous cache or the
+pool covers (``reuse``): an unchanged history prefills only its new tokens,
+an edited one is cut at the first difference, and a new agent shares any
+whole blocks another agent already holds (a common system prompt).
+
+Backpressure is bounded everywhere. At most ``max_queued`` requests wait;
+``submit`` then raises :class:`QueueFullError`, or waits up to ``timeout``.
+A request is admitted only when the pool can hold its cache (reserving
+blocks for its generated tokens too); otherwise it waits for sequences in
+flight to finish, then resident caches that are already on disk are dropped,
+and a request that still cannot fit fails with :class:`PoolExhaustedError`.
+Pending saves are bounded by the agents that have one (a newer save of an
+agent replaces its older pending one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import Counter, OrderedDict, deque
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Sequence
+
+from semantic import blockplan, persistence
+from semantic.blocks import AgentBlocks
+from semantic.engine import BlockPoolBatchEngine, Completion
+from semantic.errors import (
+    CacheError,
+    InvalidRequestError,
+    PoolExhaustedError,
+    QueueFullError,
+    SchedulerClosedError,
+)
+from semantic.store import AgentCacheStore, file_name
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class TurnResult:
+    """One finished turn. Times are seconds; ``ttft_s`` counts from ``submit``
+    (queueing included) to the first generated token, read after evaluation."""
+
+    agent_id: str
+    text: str
+    token_ids: tuple[int, ...]     # generated, the stop token included
+    finish_reason: str
+    logprobs: tuple[float, ...]
+    history_tokens: int            # tokens of the history this turn was given
+    prompt_tokens: int             # of those, prefilled now
+    cached_tokens: int             # of those, taken from a cache
+    reuse: str                     # where the cached tokens came from (``reuse`` sources)
+    queued_s: float
+    ttft_s: float
+    latency_s: float
+    decode_tokens_per_s: float
+    cache_saved: bool              # whether the new cache was kept (False: cache_error says why)
+    cache_error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerStats:
+    """Counters since the scheduler started, and its state now."""
+
+    submitted: int
+    completed: int
+    failed: int
+    rejected: int        # submits refused by a full queue
+    queued: int
+    in_flight: int
+    prompt_tokens: int   # prefilled over all completed turns
+    cached_tokens: int   # taken from caches over all completed turns
+    saves: int
+    save_errors: int
+    pending_saves: int
+    resident_agents: int
+
+    @property
+    def token_hit_rate(self) -> float:
+        """Share of history tokens served from a cache instead of prefilled."""
+        total = self.prompt_tokens + self.cached_tokens
+        return self.cached_tokens / total if total else 0.0
+
+
+@dataclass(slots=True, eq=False)
+class _Request:
+    agent_id: str
+    ids: list[int]
+    max_tokens: int
+    future: Future
+    submitted_at: float
+    admitted_at: float = 0.0
+    reserved: int = 0
+
+
+def render_chat(tokenizer, messages: Sequence[dict]) -> list[int]:
+    """Token ids of ``messages`` through the tokenizer's chat template, ready for the reply.
+
+    Raises:
+        InvalidRequestError: not a non-empty list of ``{"role", "content"}``
+            string dicts, or the tokenizer has no chat template.
+    """
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise InvalidRequestError("messages must be a non-empty list of {'role': ..., 'content': ...}")
+    for m in messages:
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            raise InvalidRequestError(f"each message needs string 'role' and 'content', got {m!r}"[:200])
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise InvalidRequestError("this tokenizer has no chat template: submit token ids or text")
+    ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+    return [int(t) for t in ids]
+
+
+class ConcurrentScheduler:
+    """Runs agents' turns in one continuous batch, keeping and saving their caches.
+
+    Args:
+        model, tokenizer: loaded with ``mlx_lm.load``.
+        store: where caches live between turns and across restarts; its
+            pool is the engine's pool.
+        max_batch: sequences in flight at once.
+        max_queued: requests that may wait (all agents together).
+        write_behind: save each finished cache on the saver thread (True),
+            or not at all (False: RAM only, for measurements).
+        stop_tokens: as ``BlockPoolBatchEngine`` (default: the tokenizer's EOS).
+    """
+
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        store: AgentCacheStore,
+        *,
+        max_batch: int = 8,
+        max_queued: int = 256,
+        prefill_step_size: int = 512,
+        write_behind: bool = True,
+        stop_tokens: Sequence[int] | None = None,
+    ):
+        if max_batch <= 0 or max_queued <= 0:
+            raise ValueError(f"max_batch and max_queued must be positive, got {max_batch}, {max_queued}")
+        self.store, self.tokenizer = store, tokenizer
+        self.engine = BlockPoolBatchEngine(
+            model, tokenizer, store.pool, store.spec, max_batch=max_batch,
+            prefill_step_size=prefill_step_size, stop_tokens=stop_tokens, lock=store.pool_lock,
+        )
+        self.max_batch, self.max_queued, self.write_behind = max_batch, max_queued, write_behind
+        self._cv = threading.Condition()
+        self._queues: dict[str, deque[_Request]] = {}
+        self._ready: deque[str] = deque()          # agents with a queued turn and none in flight
+        self._queued = 0
+        self._in_flight: dict[int, _Request] = {}  # engine uid -> request
+        self._busy: set[str] = set()
+        # every agent's newest cache the worker holds; dropped (LRU) under pool pressure
+        self._resident: OrderedDict[str, AgentBlocks] = OrderedDict()
+        self._pending: OrderedDict[str, tuple[AgentBlocks, persistence.PreparedSave]] = OrderedDict()
+        self._saving: str | None = None
+        self._counts: Counter[str] = Counter()
+        self._closing = False
+        self._worker = threading.Thread(target=self._work, name="semantic-scheduler", daemon=True)
+        self._saver = threading.Thread(target=self._save_loop, name="semantic-saver", daemon=True)
+        self._worker.start()
+        self._saver.start()
+
+    # ------------------------------------------------------------ public
+
+    def submit(self, agent_id: str, prompt, max_tokens: int = 64, *, timeout: float | None = 0.0) -> Future:
+        """Queue one turn of ``agent_id``; the future gives its :class:`TurnResult`.
+
+        ``prompt`` is the agent's whole history: chat messages (rendered with
+        the chat template), text (tokenized with special tokens), or token
+        ids. ``timeout`` is how long to wait for queue space: 0 raises
+        :class:`QueueFullError` at once, None waits as long as it takes.
+        Invalid requests raise here and queue nothing.
+        """
+        file_name(agent_id)  # the same ids the store accepts
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens <= 0:
+            raise InvalidRequestError(f"max_tokens must be a positive integer, got {max_tokens!r}")
+        ids = self._render(prompt)
+        if not ids:
+            raise InvalidRequestError("empty prompt")
+        req = _Request(agent_id, ids, max_tokens, Future(), time.perf_counter())
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cv:
+            while self._queued >= self.max_queued and not self._closing:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    self._counts["rejected"] += 1
+                    raise QueueFullError(
+                        f"{self._queued} requests are queued (max_queued={self.max_queued}); retry later or pass a timeout"
+                    )
+                self._cv.wait(left)
+            if self._closing:
+                raise SchedulerClosedError("the scheduler is closed")
+            self._queues.setdefault(agent_id, deque()).append(req)
+            self._queued += 1
+            self._counts["submitted"] += 1
+            if agent_id not in self._busy and agent_id not in self._ready:
+                self._ready.append(agent_id)
+            self._cv.notify_all()
+        return req.future
+
+    async def submit_async(self, agent_id: str, prompt, max_tokens: int = 64, *, timeout: float | None = 0.0) -> TurnResult:
+        """:meth:`submit` for asyncio: awaits the turn's result (queue waits run off the loop)."""
+        if timeout == 0.0:
+            future = self.submit(agent_id, prompt, max_tokens, timeout=0.0)
+        else:
+            future = await asyncio.to_thread(self.submit, agent_id, prompt, max_tokens, timeout=timeout)
+        return await asyncio.wrap_future(future)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued turn has finished and every pending save is written."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cv:
+            while self._queued or self._in_flight or self._pending or self._saving:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cv.wait(left)
+        return True
+
+    def close(self, timeout: float | None = None) -> None:
+        """Finish what was submitted, write pending saves, stop both threads."""
+        self.flush(timeout)
+        with self._cv:
+            self._closing = True
+            self._cv.notify_all()
+        self._worker.join(timeout)
+        self._saver.join(timeout)
+        with self._cv:
+            resident, self._resident = self._resident, OrderedDict()
+        resident.clear()  # releases outside _cv
+
+    def __enter__(self) -> "ConcurrentScheduler":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def stats(self) -> SchedulerStats:
+        with self._cv:
+            c = self._counts
+            return SchedulerStats(
+                submitted=c["submitted"], completed=c["completed"], failed=c["failed"], rejected=c["rejected"],
+                queued=self._queued, in_flight=len(self._in_flight),
+                prompt_tokens=c["prompt_tokens"], cached_tokens=c["cached_tokens"],
+                saves=c["saves"], save_errors=c["save_errors"], pending_saves=len(self._pending),
+                resident_agents=len(self._resident),
+            )
+
+    def resident_cache(self, agent_id: str) -> AgentBlocks | None:
+        """The newest cache the scheduler holds for ``agent_id`` (read only; do not release)."""
+        with self._cv:
+            return self._resident.get(agent_id)
+
+    # ------------------------------------------------------------ worker
+
+    def _render(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return list(self.tokenizer.encode(prompt))
+        if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict):
+            return render_chat(self.tokenizer, prompt)
+        try:
+            return [int(t) for t in prompt]
+        except (TypeError, ValueError):
+            raise InvalidRequestError("prompt must be messages, text or token ids") from None
+
+    def _work(self) -> None:
+        while True:
+            with self._cv:
+                while not self._closing and not self._ready and not self._in_flight:
+                    self._cv.wait()
+                if self._closing and not self._in_flight and not self._queued:
+                    return
+                candidates = list(self._ready) if len(self._in_flight) < self.max_batch else []
+            for agent_id in candidates:
+                if len(self._in_flight) >= self.max_batch:
+                    break
+                self._admit(agent_id)
+            if not self._in_flight:
+                with self._cv:  # everything waiting needs room that only a finish can free
+                    if self._ready and not self._in_flight:
+                        self._cv.wait(0.05)
+                continue
+            try:
+                finished = self.engine.step_once()
+            except Exception as exc:  # the batch is lost; fail its requests, keep serving
+                log.exception("engine step failed")
+                self._fail_in_flight(exc)
+                continue
+            for completion in finished:
+                self._finish(completion)
+
+    def _admit(self, agent_id: str) -> None:
+        with self._cv:
+            queue = self._queues.get(agent_id)
+            if agent_id in self._busy or not queue:
+                if agent_id in self._ready:
+                    self._ready.remove(agent_id)
+                return
+            req = queue[0]
+        try:
+            own = self._own_cache(agent_id)
+            need = self._blocks_needed(req)
+            if not self._make_room(need, keep=agent_id):
+                return  # stays queued until a finish frees blocks
+            req.admitted_at = time.perf_counter()
+            uid = self.engine.submit_history(agent_id, req.ids, own, req.max_tokens)
+        except Exception as exc:
+            with self._cv:
+                self._dequeue(agent_id)
+                self._counts["failed"] += 1
+            req.future.set_exception(exc)
+            return
+        req.reserved = need
+        with self._cv:
+            self._dequeue(agent_id)
+            self._busy.add(agent_id)
+            self._in_flight[uid] = req
+
+    def _dequeue(self, agent_id: str) -> None:
+        """Take the agent's first queued request off (the caller holds ``_cv``)."""
+        queue = self._queues[agent_id]
+        queue.popleft()
+        self._queued -= 1
+        if not queue:
+            del self._queues[agent_id]
+        if agent_id in self._ready:
+            self._ready.remove(agent_id)
+        self._cv.notify_all()
+
+    def _own_cache(self, agent_id: str) -> AgentBlocks | None:
+        with self._cv:
+            own = self._resident.get(agent_id)
+            if own is not None:
+                self._resident.move_to_end(agent_id)
+                return own
+            pending = self._pending.get(agent_id)
+            if pending is not None:
+                return pending[0]
+        own = self.store.load(agent_id)  # RAM tier, else the file (a restart), else None
+        if own is not None:
+            with self._cv:
+                self._resident[agent_id] = own
+        return own
+
+    def _blocks_needed(self, req: _Request) -> int:
+        """Free blocks this turn's cache will take at most: the prompt's misses plus its generated tokens."""
+        pool, spec = self.store.pool, self.store.spec
+        with self.store.pool_lock:
+            prompt_need = blockplan.plan(pool, spec, req.ids).need
+        per_group = -(-req.max_tokens // pool.block_tokens) + 1
+        return prompt_need + per_group * len(spec.groups())
+
+    def _make_room(self, need: int, keep: str) -> bool:
+        """Whether ``need`` blocks are free beyond what in-flight turns reserved,
+        dropping resident caches that are safely on disk when that helps."""
+        pool = self.store.pool
+        if need > pool.total_blocks:
+            raise PoolExhaustedError(
+                f"this turn needs up to {need} blocks but the pool has {pool.total_blocks}: raise total_blocks"
+            )
+        while True:
+            with self._cv:
+                reserved = sum(r.reserved for r in self._in_flight.values())
+            if pool.free_count - reserved >= need:
+                return True
+            if self._in_flight:
+                return False  # wait for a finish
+            if not self._evict_one(keep):
+                raise PoolExhaustedError(
+                    f"this turn needs {need} free blocks; {pool.free_count} are free and every cached agent is busy"
+                    " or not yet saved: raise total_blocks or lower max_batch"
+                )
+
+    def _evict_one(self, keep: str) -> bool:
+        with self._cv:
+            victim = next((a for a in self._resident if a not in self._busy and a not in self._pending
+                           and a != self._saving and a != keep), None)
+            if victim is None:
+                return False
+            dropped = self._resident.pop(victim)
+        del dropped  # released here, outside _cv (lock order: _cv is never held while releasing)
+        self.store.evict(victim)  # its file stays: the next turn reloads it
+        self._counts["evictions"] += 1
+        return True
+
+    def _finish(self, c: Completion) -> None:
+        req = self._in_flight.pop(c.uid)
+        prepared = None
+        if c.blocks is not None and self.write_behind:
+            try:
+                prepared = persistence.prepare(c.blocks)  # MLX work stays on this thread
+            except CacheError as exc:
+                log.warning("agent %r: cannot prepare its save: %s", c.agent_id, exc)
+        result = TurnResult(
+            agent_id=c.agent_id, text=c.text, token_ids=tuple(c.token_ids), finish_reason=c.finish_reason,
+            logprobs=tuple(c.logprobs), history_tokens=len(req.ids), prompt_tokens=c.prompt_tokens,
+            cached_tokens=c.cached_tokens, reuse=c.reuse, queued_s=req.admitted_at - req.submitted_at,
+            ttft_s=c.first_token_at - req.submitted_at, latency_s=c.finished_at - req.submitted_at,
+            decode_tokens_per_s=c.decode_tokens_per_s, cache_saved=c.blocks is not None, cache_error=c.cache_error,
+        )
+        replaced = None
+        with self._cv:
+            self._busy.discard(c.agent_id)
+            if c.blocks is not None:
+                # the replaced cache is released when nothing else holds it (its finalizer), outside _cv
+                replaced = self._resident.pop(c.agent_id, None)
+                self._resident[c.agent_id] = c.blocks
+                self._resident.move_to_end(c.agent_id)
+                if prepared is not None:
+                    replaced = (replaced, self._pending.pop(c.agent_id, None))
+                    self._pending[c.agent_id] = (c.blocks, prepared)
+                    self._pending.move_to_end(c.agent_id)
+            self._counts["completed"] += 1
+            self._counts["prompt_tokens"] += c.prompt_tokens
+            self._counts["cached_tokens"] += c.cached_tokens
+            if self._queues.get(c.agent_id) and c.agent_id not in self._ready:
+                self._ready.append(c.agent_id)
+            self._cv.notify_all()
+        del replaced
+        req.future.set_result(result)
+
+    def _fail_in_flight(self, exc: BaseException) -> None:
+        with self._cv:
+            failed = list(self._in_flight.values())
+            self._in_flight.clear()
+            for req in failed:
+                self._busy.discard(req.agent_id)
+                if self._queues.get(req.agent_id) and req.agent_id not in self._ready:
+                    self._ready.append(req.agent_id)
+            self._counts["failed"] += len(failed)
+            self._cv.notify_all()
+        engine = self.engine
+        self.engine = BlockPoolBatchEngine(
+            engine.model, engine.tokenizer, engine.pool, engine.spec, max_batch=self.max_batch,
+            prefill_step_size=engine.prefill_step_size, stop_tokens=sorted(engine.stop_tokens), lock=engine.lock,
+        )
+        for req in failed:
+            req.future.set_exception(exc)
+
+    # ------------------------------------------------------------ saver
+
+    def _save_loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._pending and not (self._closing and not self._worker.is_alive()):
+                    self._cv.wait(0.5 if self._closing else None)
+                if not self._pending:
+                    return
+                agent_id, (blocks, prepared) = self._pending.popitem(last=False)
+                self._saving = agent_id
+            try:
+                self.store.save(agent_id, blocks, prepared)
+                key = "saves"
+            except Exception:  # the cache stays resident; the next finish saves again
+                log.exception("agent %r: write-behind save failed", agent_id)
+                key = "save_errors"
+            del blocks, prepared
+            with self._cv:
+                self._counts[key] += 1
+                self._saving = None
+                self._cv.notify_all()
