@@ -354,7 +354,13 @@ class ConcurrentScheduler:
             pending = self._pending.get(agent_id)
             if pending is not None:
                 return pending[0]
-        own = self.store.load(agent_id)  # RAM tier, else the file (a restart), else None
+        while True:
+            try:
+                own = self.store.load(agent_id)  # RAM tier, else the file (a restart), else None
+                break
+            except PoolExhaustedError:
+                if not self._evict_one(keep=agent_id):  # make room for the file's blocks
+                    raise
         if own is not None:
             with self._cv:
                 self._resident[agent_id] = own

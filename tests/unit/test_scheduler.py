@@ -1,0 +1,207 @@
+"""ConcurrentScheduler on tiny random-weight models: ordering, sharing, edits, backpressure, restarts.
+
+Every continuation is compared with a fresh prefill of the same history
+(``reference``), at the tolerance of ``test_engine`` (float32, 1e-4).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from semantic import (
+    AgentCacheStore,
+    BlockPool,
+    BlockPoolBatchEngine,
+    ConcurrentScheduler,
+    InvalidAgentIdError,
+    InvalidRequestError,
+    ModelCacheSpec,
+    PoolExhaustedError,
+    QueueFullError,
+    SchedulerClosedError,
+    render_chat,
+)
+from tests.tiny_models import byte_tokenizer
+
+TOL = 1e-4
+
+
+def _scheduler(model, cache_dir, blocks=256, block_tokens=4, **kw):
+    spec = ModelCacheSpec.from_model(model)
+    store = AgentCacheStore(cache_dir, spec, "tiny", 10**9, 10**9, pool=BlockPool(spec, blocks, block_tokens))
+    return ConcurrentScheduler(model, byte_tokenizer(), store, stop_tokens=[], **kw)
+
+
+def _ids(seed: int, n: int) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed).integers(1, 250, n)]
+
+
+def reference(model, history: list[int], max_tokens: int):
+    """A fresh prefill of ``history`` in an engine of its own."""
+    spec = ModelCacheSpec.from_model(model)
+    engine = BlockPoolBatchEngine(model, byte_tokenizer(), BlockPool(spec, 64, 4), spec, stop_tokens=[])
+    uid = engine.submit("ref", history, max_tokens=max_tokens)
+    return {c.uid: c for c in engine.step()}[uid]
+
+
+def _assert_same(result, ref):
+    assert list(result.token_ids) == ref.token_ids
+    np.testing.assert_allclose(result.logprobs, ref.logprobs, atol=TOL, rtol=0)
+
+
+def test_turns_of_one_agent_run_in_order_one_at_a_time_and_each_reuses_the_last(llama_tiny, cache_dir):
+    with _scheduler(llama_tiny, cache_dir) as sched:
+        h1 = _ids(1, 10)
+        f1 = sched.submit("a", h1, max_tokens=3)
+        r1 = f1.result(30)
+        h2 = h1 + list(r1.token_ids) + _ids(2, 5)
+        h3 = h2 + [0, 0, 0]  # queued behind turn 2: its own cache is turn 2's prompt only after turn 2 ran
+        f2, f3 = sched.submit("a", h2, max_tokens=3), sched.submit("a", h3, max_tokens=3)
+        r2, r3 = f2.result(30), f3.result(30)
+    assert (r1.reuse, r1.cached_tokens) == ("none", 0)
+    assert (r2.reuse, r2.cached_tokens, r2.prompt_tokens) == ("own", 13, 5)
+    # turn 3 saw turn 2's cache (h2 + reply), cut where h3 differs from it
+    assert r3.reuse == "own-cut" and r3.cached_tokens == len(h2)
+    assert r3.latency_s - r3.queued_s >= 0 and r3.queued_s > 0
+    for r, h in ((r1, h1), (r2, h2), (r3, h3)):
+        _assert_same(r, reference(llama_tiny, h, 3))
+
+
+def test_agents_share_a_common_prefix_held_once_in_the_pool(llama_tiny, cache_dir):
+    system = _ids(7, 16)  # four whole blocks
+    with _scheduler(llama_tiny, cache_dir) as sched:
+        first = sched.submit("a", system + [1, 2, 3], max_tokens=2).result(30)
+        later = [sched.submit(f"b{i}", system + _ids(10 + i, 6), max_tokens=2) for i in range(3)]
+        results = [f.result(30) for f in later]
+        sched.flush(30)
+        pool = sched.store.pool
+        shared = [b for b in sched.resident_cache("a").groups["global"][:4]]
+        assert all(pool.refcount(b) >= 4 for b in shared)  # a, b0, b1, b2 (+ the store's RAM tier)
+    assert first.cached_tokens == 0
+    assert [(r.reuse, r.cached_tokens) for r in results] == [("pool", 16)] * 3
+    for i, r in enumerate(results):
+        _assert_same(r, reference(llama_tiny, system + _ids(10 + i, 6), 2))
+
+
+def test_many_agents_submitting_from_threads_all_get_their_own_continuations(gemma_tiny, cache_dir):
+    histories = {f"agent-{i}": _ids(100 + i, 5 + 3 * i) for i in range(6)}
+    results: dict[str, list] = {a: [] for a in histories}
+
+    def converse(agent):
+        h = list(histories[agent])
+        for turn in range(3):
+            r = sched.submit(agent, h, max_tokens=4, timeout=None).result(60)
+            results[agent].append((list(h), r))
+            h = h + list(r.token_ids) + _ids(turn, 3)
+
+    with _scheduler(gemma_tiny, cache_dir, max_batch=4) as sched:
+        threads = [threading.Thread(target=converse, args=(a,)) for a in histories]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        stats = sched.stats()
+    assert stats.completed == 18 and stats.failed == 0
+    for agent, turns in results.items():
+        for h, r in turns:
+            _assert_same(r, reference(gemma_tiny, h, 4))
+        assert all(r.cached_tokens > 0 for _, r in turns[1:])
+
+
+def test_asyncio_callers_await_their_results(llama_tiny, cache_dir):
+    async def main(sched):
+        return await asyncio.gather(*(sched.submit_async(f"x{i}", _ids(i, 9), 3) for i in range(4)))
+
+    with _scheduler(llama_tiny, cache_dir) as sched:
+        results = asyncio.run(main(sched))
+    for i, r in enumerate(results):
+        _assert_same(r, reference(llama_tiny, _ids(i, 9), 3))
+
+
+def test_a_full_queue_rejects_at_once_or_waits_with_a_timeout(llama_tiny, cache_dir):
+    sched = _scheduler(llama_tiny, cache_dir, max_queued=2, max_batch=1)
+    gate = threading.Event()
+    real_step = sched.engine.step_once
+    sched.engine.step_once = lambda: (gate.wait(30), real_step())[1]  # holds the batch so the queue fills
+    futures = [sched.submit("a", _ids(1, 6), max_tokens=2)]
+    time.sleep(0.2)  # admitted: in flight, not queued
+    futures += [sched.submit("a", _ids(2, 6), max_tokens=2), sched.submit("b", _ids(3, 6), max_tokens=2)]
+    with pytest.raises(QueueFullError, match="max_queued=2"):
+        sched.submit("c", _ids(4, 6), max_tokens=2)
+    threading.Timer(0.3, gate.set).start()
+    waited = sched.submit("c", _ids(4, 6), max_tokens=2, timeout=30)  # room opens once the gate lifts
+    assert all(f.result(30).finish_reason == "length" for f in futures + [waited])
+    assert sched.stats().rejected == 1
+    sched.close()
+    with pytest.raises(SchedulerClosedError):
+        sched.submit("a", _ids(1, 6))
+
+
+def test_a_turn_the_pool_can_never_hold_fails_with_a_clear_error_and_others_go_on(llama_tiny, cache_dir):
+    with _scheduler(llama_tiny, cache_dir, blocks=8) as sched:
+        too_big = sched.submit("big", _ids(1, 60), max_tokens=2)
+        fine = sched.submit("small", _ids(2, 6), max_tokens=2)
+        with pytest.raises(PoolExhaustedError, match="raise total_blocks"):
+            too_big.result(30)
+        assert fine.result(30).finish_reason == "length"
+        assert sched.stats().failed == 1
+
+
+def test_a_small_pool_evicts_saved_agents_and_reloads_them_from_disk(llama_tiny, cache_dir):
+    with _scheduler(llama_tiny, cache_dir, blocks=12) as sched:  # 3 agents fill it
+        hist = {a: _ids(i, 14) for i, a in enumerate("abcd")}
+        first = {a: sched.submit(a, h, max_tokens=2).result(30) for a, h in hist.items()}
+        sched.flush(30)
+        nxt = {a: hist[a] + list(first[a].token_ids) + [5, 6] for a in hist}
+        second = {a: sched.submit(a, h, max_tokens=2).result(30) for a, h in nxt.items()}
+        stats = sched.stats()
+    assert stats.failed == 0 and sched.store.stats().disk_hits > 0 and sched.stats().resident_agents < 4
+    for a, r in second.items():
+        assert r.cached_tokens == 16
+        _assert_same(r, reference(llama_tiny, nxt[a], 2))
+
+
+def test_conversations_continue_from_disk_after_a_restart(gemma_tiny, cache_dir):
+    h = _ids(5, 20)
+    with _scheduler(gemma_tiny, cache_dir) as sched:
+        r1 = sched.submit("a", h, max_tokens=4).result(30)
+    assert sched.stats().saves == 1
+    h2 = h + list(r1.token_ids) + [9, 8, 7]
+    with _scheduler(gemma_tiny, cache_dir) as restarted:  # a new pool, store and engine: only the file remains
+        r2 = restarted.submit("a", h2, max_tokens=6).result(30)
+        assert restarted.store.stats().disk_hits == 1
+    assert (r2.reuse, r2.cached_tokens) == ("own", 24)
+    _assert_same(r2, reference(gemma_tiny, h2, 6))
+
+
+def test_bad_requests_raise_at_submit_and_queue_nothing(llama_tiny, cache_dir):
+    with _scheduler(llama_tiny, cache_dir) as sched:
+        for agent, prompt, kw, err in [
+            ("../etc", [1, 2], {}, None),  # an odd id is fine: it never becomes a path
+            ("", [1, 2], {}, InvalidAgentIdError),
+            ("a", [], {}, InvalidRequestError),
+            ("a", [1, 2], {"max_tokens": 0}, InvalidRequestError),
+            ("a", [{"role": "user"}], {}, InvalidRequestError),
+            ("a", object(), {}, InvalidRequestError),
+        ]:
+            if err is None:
+                sched.submit(agent, prompt, **kw).result(30)
+            else:
+                with pytest.raises(err):
+                    sched.submit(agent, prompt, **kw)
+        bad_ids = sched.submit("a", [1, 2, 10_000], max_tokens=2)  # out of the vocabulary: fails in the engine
+        with pytest.raises(InvalidRequestError, match="vocabulary"):
+            bad_ids.result(30)
+        assert sched.stats().submitted == 2
+
+
+def test_render_chat_needs_messages_and_a_template():
+    with pytest.raises(InvalidRequestError, match="chat template"):
+        render_chat(byte_tokenizer(), [{"role": "user", "content": "hi"}])
+    with pytest.raises(InvalidRequestError):
+        render_chat(byte_tokenizer(), [])
