@@ -34,4 +34,10 @@ def register(kind: Kind) -> Kind:
 
 
 # Importing a kind module registers it.
-from harness.kinds import cache_injection, per_sequence_extraction, persistence_roundtrip, reconstruction  # noqa: E402,F401
+from harness.kinds import (  # noqa: E402,F401
+    cache_injection,
+    multiturn,
+    per_sequence_extraction,
+    persistence_roundtrip,
+    reconstruction,
+)
