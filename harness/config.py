@@ -202,11 +202,11 @@ def load(path: str | Path, overrides: list[str] | None = None, quick: bool = Fal
     if not isinstance(models, list) or not models or not all(isinstance(m, str) for m in models):
         raise _fail(path, "models", "required, a non-empty list of model names")
     if spec.needs_model:
-        from harness.models import REGISTRY
+        from harness.models import REGISTRY, SYNTHETIC
 
         for m in models:
-            if m not in REGISTRY:
-                raise _fail(path, "models", f"unknown model {m!r}; allowed: {sorted(REGISTRY)}")
+            if m not in REGISTRY and m not in SYNTHETIC:
+                raise _fail(path, "models", f"unknown model {m!r}; allowed: {sorted(REGISTRY) + sorted(SYNTHETIC)}")
 
     params = doc.get("params", {})
     if not isinstance(params, dict):

@@ -248,9 +248,30 @@ def fingerprint(path: str | Path) -> str:
     return h.hexdigest()
 
 
+# Random-weight models built in-process (``harness.tiny_models``), for runs that
+# measure the engine's bookkeeping rather than a model: fast on any machine.
+SYNTHETIC = {
+    "tiny-llama": ("tiny_llama", {"seed": 0, "layers": 3}),
+    "tiny-gemma3": ("tiny_gemma3", {"seed": 0, "layers": 4, "window": 48}),
+}
+
+
+def _load_synthetic(name: str) -> LoadedModel:
+    from harness import tiny_models
+
+    builder, kw = SYNTHETIC[name]
+    model = getattr(tiny_models, builder)(**kw)
+    ident = json.dumps({"name": name, "builder": builder, **kw}, sort_keys=True)
+    return LoadedModel(name, model, tiny_models.byte_tokenizer(), f"synthetic:{name}",
+                       hashlib.sha256(ident.encode()).hexdigest())
+
+
 def load(name_or_path: str) -> LoadedModel:
-    """Resolve and load a model with the real ``mlx_lm.load``."""
+    """Resolve and load a model with the real ``mlx_lm.load`` (or build a ``SYNTHETIC`` one)."""
     import mlx_lm
+
+    if name_or_path in SYNTHETIC:
+        return _load_synthetic(name_or_path)
 
     where = resolve(name_or_path)
     model, tokenizer = mlx_lm.load(where)

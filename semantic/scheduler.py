@@ -90,6 +90,7 @@ class SchedulerStats:
     save_errors: int
     pending_saves: int
     resident_agents: int
+    evictions: int       # agents dropped from RAM (to make room, or asked to)
 
     @property
     def token_hit_rate(self) -> float:
@@ -261,8 +262,23 @@ class ConcurrentScheduler:
                 queued=self._queued, in_flight=len(self._in_flight),
                 prompt_tokens=c["prompt_tokens"], cached_tokens=c["cached_tokens"],
                 saves=c["saves"], save_errors=c["save_errors"], pending_saves=len(self._pending),
-                resident_agents=len(self._resident),
+                resident_agents=len(self._resident), evictions=c["evictions"],
             )
+
+    def evict(self, agent_id: str) -> bool:
+        """Drop ``agent_id``'s cache from RAM (the scheduler's and the store's); its file stays.
+
+        Its next turn reloads the file. Returns False (and drops nothing)
+        while the agent has a turn queued or in flight or a save pending.
+        """
+        with self._cv:
+            if agent_id in self._busy or agent_id in self._queues or agent_id in self._pending or agent_id == self._saving:
+                return False
+            dropped = self._resident.pop(agent_id, None)
+            self._counts["evictions"] += 1
+        del dropped  # released outside _cv
+        self.store.evict(agent_id)
+        return True
 
     def resident_cache(self, agent_id: str) -> AgentBlocks | None:
         """The newest cache the scheduler holds for ``agent_id`` (read only; do not release)."""
@@ -402,9 +418,9 @@ class ConcurrentScheduler:
             if victim is None:
                 return False
             dropped = self._resident.pop(victim)
+            self._counts["evictions"] += 1
         del dropped  # released here, outside _cv (lock order: _cv is never held while releasing)
         self.store.evict(victim)  # its file stays: the next turn reloads it
-        self._counts["evictions"] += 1
         return True
 
     def _finish(self, c: Completion) -> None:

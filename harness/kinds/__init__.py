@@ -40,4 +40,5 @@ from harness.kinds import (  # noqa: E402,F401
     per_sequence_extraction,
     persistence_roundtrip,
     reconstruction,
+    stress,
 )

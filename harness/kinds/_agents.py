@@ -50,10 +50,11 @@ def question(tokenizer, user: int, turn: int, n_tokens: int) -> dict:
     return {"role": "user", "content": text_of_tokens(tokenizer, n_tokens, 61 * user + 17 * turn, f"Question {turn}:")}
 
 
-def open_scheduler(loaded, cache_dir: Path, blocks: int, max_batch: int = 8, write_behind: bool = True):
+def open_scheduler(loaded, cache_dir: Path, blocks: int, max_batch: int = 8, write_behind: bool = True,
+                   block_tokens: int = 256):
     """A scheduler over a fresh pool and a store in ``cache_dir`` (files there are found: a restart)."""
     spec = ModelCacheSpec.from_model(loaded.model)
-    pool = BlockPool(spec, blocks)
+    pool = BlockPool(spec, blocks, block_tokens)
     store = AgentCacheStore(cache_dir, spec, loaded.fingerprint, ram_budget_bytes=0,
                             disk_budget_bytes=1 << 40, pool=pool)
     # no stop tokens: every turn generates exactly max_tokens, so turns compare step for step

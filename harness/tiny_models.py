@@ -1,0 +1,88 @@
+"""Tiny random-weight models built in-process: unit tests and the stress experiment.
+
+Both use the real mlx-lm model classes, so their caches are the real
+``KVCache`` / ``RotatingKVCache`` objects that ``make_prompt_cache`` returns.
+Seeded, so the same name gives the same weights in every process.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+from mlx_lm.models import gemma3_text, llama
+
+VOCAB = 256
+
+
+def tiny_llama(seed: int = 0, layers: int = 3):
+    """A llama-architecture model: every layer a plain ``KVCache``."""
+    mx.random.seed(seed)
+    args = llama.ModelArgs.from_dict(
+        {
+            "model_type": "llama",
+            "hidden_size": 128,  # head_dim 32: the smallest QuantizedKVCache group
+            "num_hidden_layers": layers,
+            "intermediate_size": 128,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "rms_norm_eps": 1e-5,
+            "vocab_size": VOCAB,
+            "rope_theta": 10000.0,
+            "tie_word_embeddings": True,
+        }
+    )
+    model = llama.Model(args)
+    mx.eval(model.parameters())
+    return model
+
+
+def tiny_gemma3(seed: int = 0, layers: int = 4, window: int = 8):
+    """A gemma3_text model: sliding layers (``RotatingKVCache``, window ``window``)
+    alternating with global ones, so short prompts already wrap the ring buffer."""
+    mx.random.seed(seed)
+    args = gemma3_text.ModelArgs.from_dict(
+        {
+            "model_type": "gemma3_text",
+            "hidden_size": 64,
+            "num_hidden_layers": layers,
+            "intermediate_size": 128,
+            "num_attention_heads": 2,
+            "head_dim": 32,
+            "num_key_value_heads": 1,
+            "rms_norm_eps": 1e-6,
+            "vocab_size": VOCAB,
+            "sliding_window": window,
+            "sliding_window_pattern": 2,
+            "query_pre_attn_scalar": 32,
+        }
+    )
+    model = gemma3_text.Model(args)
+    model.sanitize({})  # no lm_head weight: tie the output to the embedding
+    mx.eval(model.parameters())
+    return model
+
+
+def byte_tokenizer():
+    """A real mlx-lm TokenizerWrapper over a 256-symbol byte-level vocabulary,
+    matching the tiny models' embedding size; byte 255 is the EOS token."""
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    byte_to_char = sorted(alphabet, key=lambda ch: _byte_of(ch))
+    vocab = {ch: i for i, ch in enumerate(byte_to_char)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    eos = byte_to_char[255]
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos)
+    return TokenizerWrapper(hf, eos_token_ids=[255])
+
+
+def _byte_of(ch: str) -> int:
+    """Inverse of GPT-2's bytes_to_unicode for one character."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    if ord(ch) in bs:
+        return ord(ch)
+    extra = [b for b in range(256) if b not in bs]
+    return extra[ord(ch) - 256]

@@ -1,0 +1,41 @@
+"""The reduced EXP-008 stress run, in `make test`: the same kind and criteria as `make exp-008`.
+
+Tiny random-weight models (the engine's bookkeeping is what is stressed):
+150 requests from 16 agents, with edits and evictions made frequent so a
+short run exercises them, every criterion of the config must pass.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from harness import config as C
+from harness import runner
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-gemma3"])
+def test_a_reduced_stress_run_has_no_errors_stale_reuses_or_leaks(model, tmp_path):
+    cfg = C.load(
+        "experiments/exp_008_stress.toml",
+        overrides=[f'models=["{model}"]', "params.requests=150", "params.edit_prob=0.15",
+                   "params.evict_prob=0.15", "params.parity_samples=12"],
+    )
+    (path,) = runner.run(cfg, out_root=tmp_path)
+    doc = json.loads(path.read_text())
+    failed = [c for c in doc["criteria"] if not c["pass"]]
+    assert not failed, (failed, doc["outputs"]["errors"])
+    counts = doc["outputs"]["counts"]
+    assert counts["edits"] > 0 and counts["evictions"] > 0 and counts["parity_checked"] == 12
+    assert any(p["edited"] for p in doc["outputs"]["parity"])
+
+
+def test_the_agent_experiment_configs_load_with_and_without_quick():
+    for name in ("exp_007_multiturn", "exp_008_stress"):
+        for quick in (False, True):
+            cfg = C.load(f"experiments/{name}.toml", quick=quick)
+            assert cfg.criteria and cfg.plots
+    with pytest.raises(C.ConfigError, match="reference_turns"):
+        C.load("experiments/exp_007_multiturn.toml", overrides=["params.reference_turns=[9]"])
