@@ -62,7 +62,7 @@ def _list(args) -> int:
     from harness import config as C
     from harness.kinds import KINDS
 
-    for path in sorted(Path(args.dir).glob("*.toml")):
+    for path in sorted(Path(args.dir or C.PACKAGED).glob("*.toml")):
         try:
             cfg = C.load(path)
             print(f"{path}  kind={cfg.kind}  models={','.join(cfg.models)}\n    {cfg.description}")
@@ -109,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.set_defaults(func=_models)
 
     r = sub.add_parser("run", help="run an experiment config")
-    r.add_argument("config", help="experiments/<name>.toml")
+    r.add_argument("config", help="a config file, or a packaged config's name (python -m harness list)")
     r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value, dotted (params.history_tokens=64, protocol.trials=3)")
     r.add_argument("--quick", action="store_true", help="apply the config's [quick] overrides (CPU-sized)")
@@ -117,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.set_defaults(func=_run)
 
     ls = sub.add_parser("list", help="list experiment configs and kinds")
-    ls.add_argument("--dir", default="experiments")
+    ls.add_argument("--dir", default=None, help="a folder of configs (default: the packaged ones)")
     ls.set_defaults(func=_list)
 
     c = sub.add_parser("compare", help="compare result files; exit 1 on a flagged regression")

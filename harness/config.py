@@ -153,17 +153,29 @@ def _set_dotted(doc: dict, dotted: str, value: Any, path: Path) -> None:
     node[parts[-1]] = value
 
 
+PACKAGED = Path(__file__).parent / "experiments"  # the default configs, installed with the package
+
+
+def find(name_or_path: str | Path) -> Path:
+    """A config file: a path as given, else a packaged config by name (``exp_006_reconstruction``)."""
+    path = Path(name_or_path)
+    if path.is_file():
+        return path
+    packaged = PACKAGED / (path.name if path.suffix == ".toml" else f"{path.name}.toml")
+    return packaged if packaged.is_file() else path
+
+
 def load(path: str | Path, overrides: list[str] | None = None, quick: bool = False) -> ExperimentConfig:
     """Read, override and validate an experiment config.
 
     Args:
-        path: the TOML file.
+        path: the TOML file, or the name of a packaged config (see :func:`find`).
         overrides: ``key=value`` strings with dotted keys (``params.trials=3``).
         quick: apply the file's ``[quick]`` overrides (a CPU-sized run).
     """
     from harness.kinds import KINDS  # the registry of trial implementations
 
-    path = Path(path)
+    path = find(path)
     try:
         doc = tomllib.loads(path.read_text())
     except FileNotFoundError:

@@ -205,3 +205,20 @@ def test_render_chat_needs_messages_and_a_template():
         render_chat(byte_tokenizer(), [{"role": "user", "content": "hi"}])
     with pytest.raises(InvalidRequestError):
         render_chat(byte_tokenizer(), [])
+
+
+def test_a_failing_step_fails_only_the_turns_in_flight_and_the_scheduler_keeps_serving(llama_tiny, cache_dir):
+    with _scheduler(llama_tiny, cache_dir) as sched:
+        broken = sched.engine
+
+        def boom():
+            raise RuntimeError("device lost")
+
+        broken.step_once = boom
+        lost = sched.submit("a", _ids(1, 6), max_tokens=2)
+        with pytest.raises(RuntimeError, match="device lost"):
+            lost.result(30)
+        assert sched.engine is not broken  # a fresh engine over the same pool
+        again = sched.submit("a", _ids(1, 6), max_tokens=2).result(30)
+        assert sched.stats().failed == 1
+    _assert_same(again, reference(llama_tiny, _ids(1, 6), 2))
