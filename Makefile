@@ -10,6 +10,8 @@ COMPAT_STAMP := $(COMPAT_VENV)/.installed
 COMPAT_PINS := mlx==0.30.3 mlx-lm==0.30.4
 
 PYTEST_ARGS ?=
+# extra requirements for .venv, e.g. PINS="mlx==0.30.3 mlx-lm==0.30.4" (the macOS workflow's matrix)
+PINS ?=
 
 .PHONY: help venv models test test-compat exp-003 exp-004 exp-005 exp-006 exp-006-full exp-007 exp-007-full exp-008 exp-008-full bench compare-versions clean
 
@@ -24,7 +26,7 @@ help:
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[dev]' $(PINS)
 	touch $@
 
 venv: $(STAMP)

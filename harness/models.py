@@ -111,7 +111,18 @@ def _is_model_dir(path: Path) -> bool:
     return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
 
 
+def hub_mode() -> bool:
+    """``SEMANTIC_MODEL_SOURCE=hub``: registered models come from their mlx-community hub ids."""
+    return os.environ.get("SEMANTIC_MODEL_SOURCE", "auto") == "hub"
+
+
 def is_prepared(name: str) -> bool:
+    if hub_mode():
+        try:
+            _hub_snapshot(REGISTRY[name].hf_repo)
+            return True
+        except Exception:  # not downloaded yet (or no huggingface_hub)
+            return False
     manifest = prepared_dir(name) / "prepared.json"
     if not manifest.is_file():
         return False
@@ -135,10 +146,10 @@ def resolve(name_or_path: str) -> str:
             return name_or_path  # a hub id given directly
         known = ", ".join(sorted(REGISTRY))
         raise ModelNotFoundError(f"unknown model {name_or_path!r}; known: {known}, or a directory")
+    if hub_mode():
+        return source.hf_repo
     if is_prepared(source.name):
         return str(prepared_dir(source.name))
-    if os.environ.get("SEMANTIC_MODEL_SOURCE", "auto") == "hub":
-        return source.hf_repo
     return str(prepare(source.name))
 
 
@@ -180,6 +191,10 @@ def prepare(name: str, force: bool = False) -> Path:
     source = REGISTRY.get(name)
     if source is None:
         raise ModelNotFoundError(f"unknown model {name!r}; known: {', '.join(sorted(REGISTRY))}")
+    if hub_mode():  # a Mac or CI runner that reaches the hub: download the mlx-community weights
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(source.hf_repo))
     target = prepared_dir(name)
     if is_prepared(name) and not force:
         return target
