@@ -8,12 +8,13 @@ COMPAT_VENV := .venv-compat
 COMPAT_PY := $(COMPAT_VENV)/bin/python
 COMPAT_STAMP := $(COMPAT_VENV)/.installed
 COMPAT_PINS := mlx==0.30.3 mlx-lm==0.30.4
+INSTALL_VENV := .venv-install
 
 PYTEST_ARGS ?=
 # extra requirements for .venv, e.g. PINS="mlx==0.30.3 mlx-lm==0.30.4" (the macOS workflow's matrix)
 PINS ?=
 
-.PHONY: help venv models test test-compat exp-003 exp-004 exp-005 exp-006 exp-006-full exp-007 exp-007-full exp-008 exp-008-full bench compare-versions clean
+.PHONY: help venv models test test-compat exp-003 exp-004 exp-005 exp-006 exp-006-full exp-007 exp-007-full exp-008 exp-008-full bench compare-versions test-install clean
 
 help:
 	@echo "make test         run the test suite (creates .venv, prepares models)"
@@ -46,6 +47,18 @@ $(COMPAT_STAMP): pyproject.toml
 test-compat: $(COMPAT_STAMP) models
 	$(COMPAT_PY) -c "import mlx_lm, importlib.metadata as m; v = m.version('mlx-lm'); assert v == '0.30.4', v; print('mlx-lm', v, 'mlx', m.version('mlx'))"
 	$(COMPAT_PY) -m pytest $(PYTEST_ARGS)
+
+# `pip install .` into a clean venv (no editable checkout), then, from an empty
+# folder, list the packaged configs and run one: the package carries its data.
+test-install:
+	rm -rf $(INSTALL_VENV)
+	$(PYTHON) -m venv $(INSTALL_VENV)
+	$(INSTALL_VENV)/bin/python -m pip install -q --upgrade pip
+	$(INSTALL_VENV)/bin/python -m pip install -q .
+	cd "$$(mktemp -d)" && $(CURDIR)/$(INSTALL_VENV)/bin/python -m harness list && \
+	  $(CURDIR)/$(INSTALL_VENV)/bin/python -m harness run exp_008_stress --quick --out results \
+	    --set 'models=["tiny-llama"]' --set params.requests=80 --set params.evict_prob=0.3 && \
+	  $(CURDIR)/$(INSTALL_VENV)/bin/python -c "import semantic; print('semantic', len(semantic.__all__), 'names')"
 
 # CPU-sized runs (--quick); drop it, or use --set, for the full configs.
 exp-003: models
@@ -89,4 +102,4 @@ bench: models
 	$(PY) -m pytest tests/benchmarks --benchmark-only $(PYTEST_ARGS)
 
 clean:
-	rm -rf $(VENV) $(COMPAT_VENV) .pytest_cache
+	rm -rf $(VENV) $(COMPAT_VENV) $(INSTALL_VENV) .pytest_cache
