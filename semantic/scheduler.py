@@ -436,16 +436,14 @@ class ConcurrentScheduler:
             ttft_s=c.first_token_at - req.submitted_at, latency_s=c.finished_at - req.submitted_at,
             decode_tokens_per_s=c.decode_tokens_per_s, cache_saved=c.blocks is not None, cache_error=c.cache_error,
         )
-        replaced = None
+        replaced = []  # released when nothing else holds them (AgentBlocks' finalizer), after _cv
         with self._cv:
             self._busy.discard(c.agent_id)
             if c.blocks is not None:
-                # the replaced cache is released when nothing else holds it (its finalizer), outside _cv
-                replaced = self._resident.pop(c.agent_id, None)
+                replaced.append(self._resident.pop(c.agent_id, None))
                 self._resident[c.agent_id] = c.blocks
-                self._resident.move_to_end(c.agent_id)
-                if prepared is not None:
-                    replaced = (replaced, self._pending.pop(c.agent_id, None))
+                if prepared is not None:  # a newer save replaces a pending older one
+                    replaced.append(self._pending.pop(c.agent_id, None))
                     self._pending[c.agent_id] = (c.blocks, prepared)
                     self._pending.move_to_end(c.agent_id)
             self._counts["completed"] += 1
