@@ -404,6 +404,10 @@ class ConcurrentScheduler:
             if self._in_flight:
                 return False  # wait for a finish
             if not self._evict_one(keep):
+                with self._cv:
+                    if self._pending or self._saving:  # a cache becomes evictable once it is on disk
+                        self._cv.wait(0.1)
+                        continue
                 raise PoolExhaustedError(
                     f"this turn needs {need} free blocks; {pool.free_count} are free and every cached agent is busy"
                     " or not yet saved: raise total_blocks or lower max_batch"
