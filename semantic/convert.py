@@ -153,6 +153,8 @@ def prefix_cache(pool: BlockPool, token_ids: Sequence[int], release=None, longer
     The caller owns the returned references.
     """
     tokens = tuple(map(int, token_ids))
+    if (len(tokens) - 1) // pool.block_tokens * pool.block_tokens <= longer_than:
+        return None  # no whole-block prefix could be longer: skip the lookups
     T, planned = blockplan.longest_cached_prefix(pool, pool.spec, tokens)
     if T <= longer_than:
         return None

@@ -225,14 +225,12 @@ def _record(ctx, per_turn, concurrent_ttft, decode_tps, stats, mem, restart, ref
                                             f"-{per_turn[-1]['context_tokens']} tokens", logy=True))
     if "memory_per_agent" in ctx.config.plots:
         per = mem["per_agent"]
-        shared_each = (mem["bytes_without_sharing"] - mem["bytes_with_sharing"]) / max(1, len(per))
         ctx.plots.append(plots.bars_plot(
             {"unshared\n(sum / agent)": mem["bytes_without_sharing"] / len(per) / 1e6,
              "shared pool\n(unique / agent)": mem["bytes_with_sharing"] / len(per) / 1e6,
              "ideal\n(/ agent)": mem["bytes_ideal"] / len(per) / 1e6},
             ctx.plot_path("memory-per-agent"), "resident KV per agent (MB)",
-            f"EXP-007 {ctx.model_name}: {len(per)} agents, {mem['shared_prefix_tokens']}-token shared prefix"
-            f" (saves {shared_each / 1e6:.2f} MB/agent)"))
+            f"EXP-007 {ctx.model_name}\n{len(per)} agents share {mem['shared_prefix_tokens']} tokens"))
 
 
 def _validate(p: dict) -> None:
