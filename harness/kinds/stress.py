@@ -67,10 +67,10 @@ def run(ctx) -> None:
         assert not _contains(tuple(system), c) and sum(_contains(c2, c) for c2 in canaries.values()) == 1
     history = {a: None for a in agents}     # None: the agent's next turn is its first
     turns = {a: 0 for a in agents}
-    counts = {k: 0 for k in ("errors", "stale", "leaks", "edits", "evictions", "evict_refused",
-                             "parity_checked", "parity_failed", "cached_tokens", "history_tokens")}
+    counts = {k: 0 for k in ("errors", "stale", "leaks", "edits", "evictions", "evict_refused", "parity_checked",
+                             "parity_edited", "parity_failed", "cached_tokens", "history_tokens")}
     error_messages, latencies, ttfts, parity = [], [], [], []
-    parity_every = max(1, p["requests"] // max(1, p["parity_samples"]))
+    parity_every = max(1, p["requests"] // max(1, p["parity_samples"] - p["parity_samples"] // 2))
     fresh = fresh_engine(loaded, p["pool_blocks"])
     max_diff = 0.0
     ctx.progress.total = p["requests"]
@@ -132,9 +132,14 @@ def run(ctx) -> None:
                     b.token_ids != full[b.start:b.end] for b in cache.unique_blocks())
                 counts["stale"] += stale
                 counts["leaks"] += any(_contains(cache.token_ids, c) for o, c in canaries.items() if o != a)
-                # evenly spread over turns that reused a cache, and every edited turn (up to the budget)
-                if r.cached_tokens and (edited or index >= next_parity) and counts["parity_checked"] < p["parity_samples"]:
-                    next_parity = index + parity_every
+                # half the budget on edited turns (where staleness would show), half spread over the run
+                edit_slot = edited and counts["parity_edited"] < p["parity_samples"] // 2
+                even_slot = index >= next_parity and counts["parity_checked"] - counts["parity_edited"] < (
+                    p["parity_samples"] - p["parity_samples"] // 2)
+                if r.cached_tokens and (edit_slot or even_slot):
+                    if even_slot and not edit_slot:
+                        next_parity = index + parity_every
+                    counts["parity_edited"] += edit_slot
                     ok, diff = _parity(fresh, h, r, p["tolerance"])
                     counts["parity_checked"] += 1
                     counts["parity_failed"] += not ok
