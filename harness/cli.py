@@ -23,7 +23,7 @@ def _models(args) -> int:
 
     if args.action == "list":
         for name, src in sorted(models.REGISTRY.items()):
-            state = models.prepared_dir(name) if models.is_prepared(name) else "not prepared"
+            state = models.resolve(name) if models.is_prepared(name) else "not prepared"
             print(f"{name:16} hub={src.hf_repo:40} {state}")
         return 0
     names = sorted(models.REGISTRY) if args.name in (None, "all") else [args.name]

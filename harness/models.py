@@ -117,12 +117,20 @@ def hub_mode() -> bool:
 
 
 def is_prepared(name: str) -> bool:
+    """Whether ``name`` loads without a download: converted here, or (hub mode) in the hub cache."""
+    if gguf_prepared(name):
+        return True
     if hub_mode():
         try:
             _hub_snapshot(REGISTRY[name].hf_repo)
             return True
         except Exception:  # not downloaded yet (or no huggingface_hub)
             return False
+    return False
+
+
+def gguf_prepared(name: str) -> bool:
+    """Whether our GGUF conversion of ``name`` is in the cache dir (it wins over the hub)."""
     manifest = prepared_dir(name) / "prepared.json"
     if not manifest.is_file():
         return False
@@ -146,10 +154,10 @@ def resolve(name_or_path: str) -> str:
             return name_or_path  # a hub id given directly
         known = ", ".join(sorted(REGISTRY))
         raise ModelNotFoundError(f"unknown model {name_or_path!r}; known: {known}, or a directory")
+    if gguf_prepared(source.name):
+        return str(prepared_dir(source.name))
     if hub_mode():
         return source.hf_repo
-    if is_prepared(source.name):
-        return str(prepared_dir(source.name))
     return str(prepare(source.name))
 
 
@@ -191,12 +199,12 @@ def prepare(name: str, force: bool = False) -> Path:
     source = REGISTRY.get(name)
     if source is None:
         raise ModelNotFoundError(f"unknown model {name!r}; known: {', '.join(sorted(REGISTRY))}")
-    if hub_mode():  # a Mac or CI runner that reaches the hub: download the mlx-community weights
+    if hub_mode() and not gguf_prepared(name):  # a Mac or CI runner that reaches the hub: the mlx-community weights
         from huggingface_hub import snapshot_download
 
         return Path(snapshot_download(source.hf_repo))
     target = prepared_dir(name)
-    if is_prepared(name) and not force:
+    if gguf_prepared(name) and not force:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{name}-") as tmp:

@@ -23,7 +23,10 @@ from semantic import compat
 pytestmark = [
     pytest.mark.integration,
     # these pin our GGUF conversion; hub weights are mlx-community's own quantization
-    pytest.mark.skipif(models.hub_mode(), reason="SEMANTIC_MODEL_SOURCE=hub: not the GGUF conversion"),
+    pytest.mark.skipif(
+        models.hub_mode() and not all(map(models.gguf_prepared, models.REGISTRY)),
+        reason="SEMANTIC_MODEL_SOURCE=hub: mlx-community weights, not the GGUF conversion",
+    ),
 ]
 
 PROMPT = "The capital of France is"
