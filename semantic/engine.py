@@ -37,12 +37,13 @@ from semantic import compat, convert, reuse
 from semantic.blocks import AgentBlocks
 from semantic.errors import (
     AgentBusyError,
+    PoolExhaustedError,
     CacheError,
     InvalidRequestError,
     UnknownSequenceError,
 )
 from semantic.pool import BlockPool
-from semantic.spec import ModelCacheSpec
+from semantic.spec import GLOBAL, ModelCacheSpec
 
 
 @dataclass(slots=True)
@@ -121,6 +122,8 @@ class BlockPoolBatchEngine:
         spec.require_same(probe, "the spec")
         self.model, self.tokenizer, self.pool, self.spec = model, tokenizer, pool, spec
         self.lock = lock if lock is not None else threading.RLock()
+        # sliding layers lose the window of a prefix once prefill moves past it: see _checkpoint
+        self._sliding = not spec.quantized and any(l.kind != GLOBAL for l in spec.layers)
         self.vocab_size = _vocab_size(model)
         self.stop_tokens = frozenset(int(t) for t in (tokenizer.eos_token_ids if stop_tokens is None else stop_tokens))
         self.prefill_step_size = prefill_step_size
@@ -227,6 +230,10 @@ class BlockPoolBatchEngine:
         if plan_reuse:
             with self.lock:
                 start = reuse.plan(self.pool, ids, own, self._release)
+        cached = start.cached if start is not None else 0   # what caches covered: the accounting
+        source = start.source if start is not None else reuse.NONE
+        if plan_reuse and self._sliding and source in (reuse.NONE, reuse.POOL):
+            start = self._checkpoint(ids, start)
         caches = None
         if start is not None and start.cached:
             try:
@@ -235,10 +242,8 @@ class BlockPoolBatchEngine:
                 if start.owned:
                     # the rebuilt caches hold the arrays; the pool references can go at once
                     start.blocks.release()
-        cached = start.cached if start is not None else 0
-        new = ids[cached:]
-        seq = _Seq(next(self._uids), agent_id, ids, cached, max_tokens,
-                   reuse=start.source if start is not None else reuse.NONE, submitted_at=submitted)
+        new = ids[start.cached if start is not None else 0:]
+        seq = _Seq(next(self._uids), agent_id, ids, cached, max_tokens, reuse=source, submitted_at=submitted)
         if self.spec.quantized:
             seq.solo_cache = caches if caches is not None else self.spec.make_cache()
             seq.solo = generate_step(
@@ -255,6 +260,44 @@ class BlockPoolBatchEngine:
         self._seqs[seq.uid] = seq
         self._busy[agent_id] = seq.uid
         return seq.uid
+
+    def _checkpoint(self, ids: list[int], start: reuse.Reuse | None) -> reuse.Reuse | None:
+        """Prefill ``ids`` up to its last whole block, storing the cache at every block boundary.
+
+        A sliding layer keeps only its window, so a finished cache no longer
+        holds the window that ended at an earlier boundary, and no other
+        agent could start from that prefix (a shared system prompt). Cutting
+        the prefill at each boundary and extracting there pools those
+        windows; the prefill costs the same, plus one copy of each new
+        block::
+
+            prefill    [0 ...... 256)[256 ..... 512)[512 ..... 768)[768 .. 900)
+            extract         ^ at 256        ^ at 512        ^ at 768     (the rest: the batch)
+            sliding          [0, 256)       [0, 512)        [256, 768)   window 512, pooled
+
+        Returns what to inject: the blocks at the last boundary (owned), or
+        ``start`` unchanged when no boundary lies ahead or the pool is full.
+        """
+        bt = self.pool.block_tokens
+        last = (len(ids) - 1) // bt * bt
+        pos = start.cached if start is not None else 0
+        if last - pos < bt:
+            return start
+        caches = self.reconstruct_cache(start.blocks, upto=pos) if pos else self.spec.make_cache()
+        done = start
+        for b in range(pos // bt * bt + bt, last + 1, bt):
+            # only the caches are evaluated: MLX never computes the chunk's logits
+            self.model(mx.array([ids[pos:b]]), cache=caches)
+            mx.eval([(c.keys, c.values) for c in caches])
+            try:
+                with self.lock:
+                    blocks = convert.extract(self.pool, caches, ids[:b], self._release)
+            except PoolExhaustedError:
+                break  # keep what was pooled; the batch prefills the rest
+            if done is not None and done.owned:
+                done.blocks.release()
+            done, pos = reuse.Reuse(reuse.POOL, b, blocks, owned=True), b
+        return done
 
     def _release(self, blocks) -> None:
         with self.lock:

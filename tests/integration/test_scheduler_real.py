@@ -63,3 +63,15 @@ def test_chat_turns_share_prefixes_survive_edits_and_match_fresh_prefills(smollm
     _assert_same(b1, _fresh(smollm2, b))
     _assert_same(a2, _fresh(smollm2, a2_msgs))
     _assert_same(a3, _fresh(smollm2, edited))
+
+
+def test_gemma_agents_share_a_system_prompt_longer_than_the_sliding_window(gemma3, tmp_path):
+    tok = gemma3.tokenizer
+    system = system_prompt(tok, 560)  # past the 512-token window: its end is only pooled by checkpoints
+    ask = lambda i: {"role": "user", "content": text_of_tokens(tok, 12, 40 * i, f"Question {i}:")}  # noqa: E731
+    with open_scheduler(gemma3, tmp_path, 64) as sched:
+        a1 = sched.submit("a", [system, ask(1)], STEPS).result()
+        b1 = sched.submit("b", [system, ask(2)], STEPS).result()
+    assert (a1.reuse, a1.cached_tokens) == ("none", 0)
+    assert (b1.reuse, b1.cached_tokens) == ("pool", 512)
+    _assert_same(b1, _fresh(gemma3, [system, ask(2)]))

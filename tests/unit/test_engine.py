@@ -250,7 +250,8 @@ def _edit(cached: list[int], at: int | None) -> list[int]:
         ("llama", 21, 9, "own-cut", 9),    # global layers: cut exactly at the first difference
         ("llama", 21, None, "own", 27),    # nothing edited: the whole previous cache (21 + 6 generated)
         ("gemma", 1, 5, "own-cut", 5),     # 7 tokens, window 8 never moved: the cut is exact
-        ("gemma", 21, 9, "none", 0),       # window moved past the cut and no older window pooled: refused
+        ("gemma", 21, 9, "pool", 8),       # window moved past the cut: the window ending at 8, pooled at turn 1
+        ("gemma", 21, 3, "none", 0),       # ... and no whole block precedes a cut at 3: a full prefill
     ],
 )
 def test_an_edited_history_reuses_only_what_precedes_the_edit_and_matches_a_fresh_prefill(
@@ -307,3 +308,19 @@ def test_submit_history_validates_before_touching_state(llama_tiny):
     with pytest.raises(InvalidRequestError):
         engine.submit_history("a", [1, 2, 999], max_tokens=2)
     assert engine.in_flight == 0 and engine.pool.stats().used == 0
+
+
+def test_a_sliding_window_prefix_is_pooled_at_every_block_boundary_so_other_agents_share_it(gemma_tiny):
+    engine = _engine(gemma_tiny)  # window 8, block_tokens 4
+    system = _history(11, 13)
+    a = engine.submit_history("a", system + _history(12, 17), max_tokens=STEPS)
+    ref_a = engine.submit("ref-a", system + _history(12, 17), max_tokens=STEPS)
+    done = _run(engine)
+    _assert_same(done[a], done[ref_a])  # a's prefill, cut at each boundary, changes nothing
+    assert (done[a].reuse, done[a].cached_tokens, done[a].prompt_tokens) == ("none", 0, 30)
+    b = engine.submit_history("b", system + [40, 41, 42], max_tokens=STEPS)
+    ref_b = engine.submit("ref-b", system + [40, 41, 42], max_tokens=STEPS)
+    done = _run(engine)
+    # the window ending at 12 was pooled while a prefilled past it
+    assert (done[b].reuse, done[b].cached_tokens) == ("pool", 12)
+    _assert_same(done[b], done[ref_b])
