@@ -157,11 +157,12 @@ class ConcurrentScheduler:
         if max_batch <= 0 or max_queued <= 0:
             raise ValueError(f"max_batch and max_queued must be positive, got {max_batch}, {max_queued}")
         self.store, self.tokenizer = store, tokenizer
-        self.engine = BlockPoolBatchEngine(
+        self.max_batch, self.max_queued, self.write_behind = max_batch, max_queued, write_behind
+        self._make_engine = lambda: BlockPoolBatchEngine(
             model, tokenizer, store.pool, store.spec, max_batch=max_batch,
             prefill_step_size=prefill_step_size, stop_tokens=stop_tokens, lock=store.pool_lock,
         )
-        self.max_batch, self.max_queued, self.write_behind = max_batch, max_queued, write_behind
+        self.engine = self._make_engine()
         self._cv = threading.Condition()
         self._queues: dict[str, deque[_Request]] = {}
         self._ready: deque[str] = deque()          # agents with a queued turn and none in flight
@@ -469,11 +470,7 @@ class ConcurrentScheduler:
                     self._ready.append(req.agent_id)
             self._counts["failed"] += len(failed)
             self._cv.notify_all()
-        engine = self.engine
-        self.engine = BlockPoolBatchEngine(
-            engine.model, engine.tokenizer, engine.pool, engine.spec, max_batch=self.max_batch,
-            prefill_step_size=engine.prefill_step_size, stop_tokens=sorted(engine.stop_tokens), lock=engine.lock,
-        )
+        self.engine = self._make_engine()  # over the same pool: stored caches stay valid
         for req in failed:
             req.future.set_exception(exc)
 

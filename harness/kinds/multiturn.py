@@ -23,6 +23,7 @@ cache directory and continues every conversation, timed against re-prefill.
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -132,8 +133,7 @@ def run(ctx) -> None:
         ctx.progress.update(1)
     finally:
         sched.close()
-        for f in cache_dir.glob("*"):
-            f.unlink() if f.is_file() else None
+        shutil.rmtree(cache_dir, ignore_errors=True)
 
     _record(ctx, per_turn, concurrent_ttft, decode_tps, stats, mem, restart, ref_turns)
 

@@ -23,6 +23,7 @@ engine of its own: the same greedy tokens and logprobs within ``tolerance``.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -152,9 +153,7 @@ def run(ctx) -> None:
         stats, store_stats = sched.stats(), sched.store.stats()
     finally:
         sched.close()
-        for f in cache_dir.rglob("*"):
-            if f.is_file():
-                f.unlink()
+        shutil.rmtree(cache_dir, ignore_errors=True)
 
     res.output("counts", counts)
     res.output("errors", error_messages[:50])
