@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
+import harness  # noqa: F401  first: points MLX at an optimized BLAS before mlx.core loads (semantic.blas)
 import pytest
 
 from tests.tiny_models import tiny_gemma3, tiny_llama
 
-REAL_MODEL_FIXTURES = {"smollm2", "gemma3"}
+REAL_MODEL_FIXTURES = {"smollm2", "gemma3", "real_variant"}
+
+
+def pytest_report_header(config):
+    """Say which BLAS and device MLX runs on, so a slow run explains itself."""
+    from harness import environment
+
+    info = environment.machine_info()
+    return (f"mlx: {info['mlx_device']} (probe: {info['device_probe']['reason']}), "
+            f"BLAS {info['blas']['blas']} ({info['blas']['status']}), "
+            f"f32 matmul {info['matmul_gflops_f32']} GFLOP/s")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -57,21 +68,36 @@ def gemma_tiny():
     return tiny_gemma3()
 
 
-def _real(name: str):
+def _real(name: str, variant: str | None = None):
     from harness import models
 
-    if not models.is_prepared(name):
-        pytest.fail(f"{name} is not prepared: run `make models` (or python -m harness models prepare {name})")
-    return models.load(name)
+    variant = models.default_variant(variant)
+    if not models.variant_prepared(name, variant):
+        pytest.fail(f"{name} ({variant}) is not prepared: run `make models` "
+                    f"(or python -m harness models prepare {name} --variant {variant})")
+    return models.load(name, variant)
 
 
 @pytest.fixture(scope="session")
 def smollm2():
-    """Real SmolLM2-135M-Instruct (Q4_1 GGUF converted to MLX)."""
+    """Real SmolLM2-135M-Instruct (Q4_1 GGUF converted to MLX), in this device's variant (f32 on a CPU)."""
     return _real("smollm2-135m")
 
 
 @pytest.fixture(scope="session")
 def gemma3():
-    """Real Gemma 3 270M (Q4_K_M GGUF converted to MLX)."""
+    """Real Gemma 3 270M (Q4_K_M GGUF converted to MLX), in this device's variant (f32 on a CPU)."""
     return _real("gemma3-270m")
+
+
+@pytest.fixture(scope="session")
+def real_variant():
+    """``real_variant(name, variant)``: a real model in a given compute variant, loaded once per session."""
+    loaded = {}
+
+    def get(name: str, variant: str):
+        if (name, variant) not in loaded:
+            loaded[name, variant] = _real(name, variant)
+        return loaded[name, variant]
+
+    return get

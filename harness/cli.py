@@ -27,13 +27,16 @@ def _models(args) -> int:
             print(f"{name:16} hub={src.hf_repo:40} {state}")
         return 0
     names = sorted(models.REGISTRY) if args.name in (None, "all") else [args.name]
+    # The exact conversion always, and the variant this device computes with (f32 on a CPU).
+    variants = list(dict.fromkeys(["quantized", models.default_variant(args.variant)]))
     for name in names:
-        if args.action == "prepare":
-            was = models.is_prepared(name) and not args.force
-            path = models.prepare(name, force=args.force)
-            print(f"{name}: {'already prepared' if was else 'prepared'} at {path}")
-        else:  # path
-            print(models.resolve(name))
+        for variant in variants:
+            if args.action == "prepare":
+                was = models.variant_prepared(name, variant) and not args.force
+                path = models.prepare(name, force=args.force, variant=variant)
+                print(f"{name} ({variant}): {'already prepared' if was else 'prepared'} at {path}")
+            else:  # path
+                print(models.resolve(name, variant))
     return 0
 
 
@@ -106,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("action", choices=["list", "prepare", "path"])
     m.add_argument("name", nargs="?", help="a registered model name, or 'all' (default)")
     m.add_argument("--force", action="store_true", help="convert again even if prepared")
+    m.add_argument("--variant", default=None, choices=["auto", "quantized", "f32"],
+                   help="compute variant prepared beside the exact conversion (default: this device's, "
+                        "$SEMANTIC_MODEL_VARIANT or f32 on a CPU)")
     m.set_defaults(func=_models)
 
     r = sub.add_parser("run", help="run an experiment config")

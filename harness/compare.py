@@ -75,6 +75,7 @@ class Comparison:
     table: pd.DataFrame
     not_comparable: list[str] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)
+    machines: list[str] = field(default_factory=list)  # how a later run's machine differs from the baseline's
 
     @property
     def regressions(self) -> pd.DataFrame:
@@ -97,8 +98,11 @@ def compare(docs: list[dict], factor: float = 1.10, alpha: float = 0.01, names: 
         raise ValueError("compare needs at least two results documents")
     names = names or [None] * len(docs)
     base, rows, nc, missing = docs[0], [], [], []
+    machines = []
     for doc, name in zip(docs[1:], names[1:]):
         label = _label(doc, name)
+        machines += [f"{label}: {d}" for d in machine_differences(base.get("machine_info", {}),
+                                                                  doc.get("machine_info", {}))]
         if doc["benchmark_id"] != base["benchmark_id"] or doc["experiment"] != base["experiment"]:
             nc.append(f"{label}: benchmark id {doc['benchmark_id']} != baseline {base['benchmark_id']} "
                       "(config, model or trial code differ): NOT COMPARABLE")
@@ -120,7 +124,26 @@ def compare(docs: list[dict], factor: float = 1.10, alpha: float = 0.01, names: 
                 "flag": f, "shown": f"{f} {ratio:.2f}x" if f != SAME else f"~{ratio:.2f}",
                 "control": bool(before.get("control")),
             })
-    return Comparison(_label(base, names[0]), pd.DataFrame(rows, columns=COLUMNS), nc, missing)
+    return Comparison(_label(base, names[0]), pd.DataFrame(rows, columns=COLUMNS), nc, missing, machines)
+
+
+# What makes two machines compute at different speeds: device, BLAS, core count, CPU.
+MACHINE_KEYS = ("mlx_device", "processor", "cpu_count", "system")
+
+
+def machine_differences(before: dict, after: dict) -> list[str]:
+    """Lines naming what differs between two runs' machine info (empty when nothing that matters does).
+
+    The matmul rate is a measurement: it counts as a difference only past a factor of 2.
+    """
+    out = [f"{k} {before.get(k)!r} -> {after.get(k)!r}" for k in MACHINE_KEYS if before.get(k) != after.get(k)]
+    b_blas, a_blas = (before.get("blas") or {}).get("blas"), (after.get("blas") or {}).get("blas")
+    if b_blas != a_blas:
+        out.append(f"BLAS {b_blas or 'unrecorded'} -> {a_blas or 'unrecorded'}")
+    g0, g1 = before.get("matmul_gflops_f32"), after.get("matmul_gflops_f32")
+    if g0 and g1 and max(g0, g1) / min(g0, g1) > 2:
+        out.append(f"f32 matmul {g0} -> {g1} GFLOP/s")
+    return out
 
 
 def format_table(c: Comparison) -> str:
@@ -131,6 +154,7 @@ def format_table(c: Comparison) -> str:
     if not c.table.empty:
         t = c.table[["after", "metric", "unit", "before_p50", "after_p50", "ratio", "p_value", "shown"]]
         lines.append(t.to_string(index=False, float_format=lambda v: f"{v:.4g}"))
+    lines += [f"MACHINE: {m} (timings compare machines as well as code)" for m in c.machines]
     lines += c.not_comparable + c.missing
     if not c.table.empty:
         moved = c.table[c.table["control"] & (c.table["flag"] != SAME)]

@@ -43,7 +43,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-TOP_KEYS = {"name", "kind", "description", "models", "params", "protocol", "quick", "criteria", "outputs"}
+TOP_KEYS = {"name", "kind", "description", "models", "model_variant", "params", "protocol", "quick", "criteria",
+            "outputs"}
+VARIANT_CHOICES = ("auto", "quantized", "f32")
 PROTOCOL_KEYS = {"warmup", "trials"}
 CRITERION_KEYS = {"name", "value", "op", "threshold", "source"}
 OUTPUT_KEYS = {"plots"}
@@ -108,6 +110,7 @@ class ExperimentConfig:
     plots: list[str]
     quick: bool = False
     overrides: list[str] = field(default_factory=list)
+    model_variant: str = "auto"   # compute variant of registered models; auto: by device (harness.models)
 
     def resolved(self) -> dict:
         """The config as run (defaults filled in, overrides applied), JSON-ready."""
@@ -116,6 +119,7 @@ class ExperimentConfig:
             "kind": self.kind,
             "description": self.description,
             "models": list(self.models),
+            "model_variant": self.model_variant,
             "params": dict(self.params),
             "protocol": {"warmup": self.protocol.warmup, "trials": self.protocol.trials},
             "criteria": [
@@ -220,6 +224,10 @@ def load(path: str | Path, overrides: list[str] | None = None, quick: bool = Fal
             if m not in REGISTRY and m not in SYNTHETIC:
                 raise _fail(path, "models", f"unknown model {m!r}; allowed: {sorted(REGISTRY) + sorted(SYNTHETIC)}")
 
+    variant = doc.get("model_variant", "auto")
+    if variant not in VARIANT_CHOICES:
+        raise _fail(path, "model_variant", f"must be one of {list(VARIANT_CHOICES)}, got {variant!r}")
+
     params = doc.get("params", {})
     if not isinstance(params, dict):
         raise _fail(path, "params", "must be a table")
@@ -288,4 +296,5 @@ def load(path: str | Path, overrides: list[str] | None = None, quick: bool = Fal
         plots=list(plots),
         quick=quick,
         overrides=list(overrides or []),
+        model_variant=variant,
     )

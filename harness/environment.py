@@ -6,9 +6,12 @@ import importlib.metadata as md
 import os
 import platform
 import subprocess
+import time
 from pathlib import Path
 
 import mlx.core as mx
+
+from semantic import blas, device
 
 PACKAGES = ("mlx", "mlx-metal", "mlx-cpu", "mlx-lm", "numpy", "scipy", "pandas", "safetensors", "semantic-kv")
 
@@ -23,6 +26,9 @@ def machine_info() -> dict:
         "ram_gb": _ram_gb(),
         "python": platform.python_version(),
         "mlx_device": str(mx.default_device()),
+        "device_probe": device.describe(),
+        "blas": blas.describe(),
+        "matmul_gflops_f32": matmul_gflops(),
     }
     device_info = getattr(mx, "device_info", None)  # absent before mlx 0.31
     if device_info is not None:
@@ -31,6 +37,28 @@ def machine_info() -> dict:
         except RuntimeError:
             pass
     return info
+
+
+_gflops: float | None = None
+
+
+def matmul_gflops(n: int = 512, reps: int = 5) -> float:
+    """GFLOP/s of an ``n``x``n`` float32 ``mx.matmul`` on the default device (best of ``reps``).
+
+    A slow run explains itself with it: about 4 on the bundled reference BLAS
+    of the Linux wheel, 100+ with OpenBLAS on two cores. Measured once per process.
+    """
+    global _gflops
+    if _gflops is None:
+        a, b = mx.random.normal((n, n)), mx.random.normal((n, n))
+        mx.eval(a, b, a @ b)
+        best = float("inf")
+        for _ in range(reps):
+            t = time.perf_counter()
+            mx.eval(a @ b)
+            best = min(best, time.perf_counter() - t)
+        _gflops = round(2 * n**3 / best / 1e9, 1)
+    return _gflops
 
 
 def _cpu_name() -> str:

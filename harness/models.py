@@ -13,6 +13,17 @@ into something ``mlx_lm.load`` accepts:
 Prepared directories live in ``$SEMANTIC_MODELS_DIR`` (default
 ``~/.cache/semantic-kv/models``), are written to a temporary folder and
 renamed into place, and are reused on every later call.
+
+Each registered model comes in two compute variants (:data:`VARIANTS`):
+
+- ``quantized``: the exact conversion (MLX 4/5/8-bit affine layers);
+- ``f32``: the same weights dequantized once at prepare time, exactly
+  ``q * scale + bias`` in float32, tied embeddings kept tied.
+
+MLX's CPU quantized matmul runs at about 3 GFLOP/s whatever the BLAS, while a
+float32 matmul on OpenBLAS runs at 100+ (``semantic.blas``): so CPU runs use
+``f32`` and Metal runs ``quantized`` (:func:`default_variant`), unless
+``SEMANTIC_MODEL_VARIANT`` or a config's ``model_variant`` says otherwise.
 """
 
 from __future__ import annotations
@@ -32,6 +43,9 @@ from pathlib import Path
 from typing import Any
 
 CONVERTER_VERSION = 1  # bump when conversion output changes, to re-prepare
+DEQUANTIZER_VERSION = 1  # bump when the f32 variant's output changes
+VARIANTS = ("quantized", "f32")
+VARIANT_ENV = "SEMANTIC_MODEL_VARIANT"
 
 
 class ModelNotFoundError(LookupError):
@@ -96,6 +110,7 @@ class LoadedModel:
     tokenizer: Any
     path: str            # local directory or hub id that was loaded
     fingerprint: str     # sha256 over the weight files, see :func:`fingerprint`
+    variant: str = "quantized"  # one of VARIANTS, or "synthetic" / "as-given"
 
 
 def cache_root() -> Path:
@@ -103,8 +118,25 @@ def cache_root() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "semantic-kv"
 
 
-def prepared_dir(name: str) -> Path:
-    return cache_root() / "models" / name
+def prepared_dir(name: str, variant: str = "quantized") -> Path:
+    return cache_root() / "models" / (name if variant == "quantized" else f"{name}-{variant}")
+
+
+def default_variant(choice: str | None = None) -> str:
+    """The compute variant to use: ``choice`` or ``$SEMANTIC_MODEL_VARIANT`` unless ``auto``,
+    else ``f32`` when MLX computes on the CPU and ``quantized`` on a GPU.
+
+    Raises:
+        ValueError: an unknown variant name.
+    """
+    value = choice or os.environ.get(VARIANT_ENV) or "auto"
+    if value == "auto":
+        import mlx.core as mx
+
+        return "f32" if mx.default_device() == mx.cpu else "quantized"
+    if value not in VARIANTS:
+        raise ValueError(f"model variant {value!r}: expected auto or one of {', '.join(VARIANTS)}")
+    return value
 
 
 def _is_model_dir(path: Path) -> bool:
@@ -131,18 +163,34 @@ def is_prepared(name: str) -> bool:
 
 def gguf_prepared(name: str) -> bool:
     """Whether our GGUF conversion of ``name`` is in the cache dir (it wins over the hub)."""
-    manifest = prepared_dir(name) / "prepared.json"
-    if not manifest.is_file():
-        return False
+    info = _manifest(prepared_dir(name))
+    return info is not None and info.get("converter_version") == CONVERTER_VERSION
+
+
+def variant_prepared(name: str, variant: str) -> bool:
+    """Whether ``name``'s ``variant`` is ready to load without converting anything."""
+    if variant == "quantized":
+        return is_prepared(name)
+    info = _manifest(prepared_dir(name, variant))
+    return info is not None and info.get("dequantizer_version") == DEQUANTIZER_VERSION
+
+
+def _manifest(path: Path) -> dict | None:
     try:
-        info = json.loads(manifest.read_text())
-    except ValueError:
-        return False
-    return info.get("converter_version") == CONVERTER_VERSION and _is_model_dir(manifest.parent)
+        info = json.loads((path / "prepared.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return info if isinstance(info, dict) and _is_model_dir(path) else None
 
 
-def resolve(name_or_path: str) -> str:
-    """Return a local directory or hub id for ``mlx_lm.load`` (see module doc)."""
+def resolve(name_or_path: str, variant: str | None = "quantized") -> str:
+    """Return a local directory or hub id for ``mlx_lm.load`` (see module doc).
+
+    Args:
+        name_or_path: a registered name, a model directory, or a hub id.
+        variant: for a registered name, ``quantized``, ``f32``, or ``None``
+            for :func:`default_variant`; a directory or hub id is used as given.
+    """
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         if not _is_model_dir(path):
@@ -154,6 +202,9 @@ def resolve(name_or_path: str) -> str:
             return name_or_path  # a hub id given directly
         known = ", ".join(sorted(REGISTRY))
         raise ModelNotFoundError(f"unknown model {name_or_path!r}; known: {known}, or a directory")
+    variant = default_variant(variant)
+    if variant != "quantized":
+        return str(prepare(source.name, variant=variant))
     if gguf_prepared(source.name):
         return str(prepared_dir(source.name))
     if hub_mode():
@@ -192,13 +243,15 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def prepare(name: str, force: bool = False) -> Path:
-    """Build the MLX directory for a registered model; a no-op when already done."""
+def prepare(name: str, force: bool = False, variant: str = "quantized") -> Path:
+    """Build the MLX directory for a registered model's ``variant``; a no-op when already done."""
     from harness.gguf_convert import convert  # heavy imports only when converting
 
     source = REGISTRY.get(name)
     if source is None:
         raise ModelNotFoundError(f"unknown model {name!r}; known: {', '.join(sorted(REGISTRY))}")
+    if variant != "quantized":
+        return _prepare_variant(name, variant, force)
     if hub_mode() and not gguf_prepared(name):  # a Mac or CI runner that reaches the hub: the mlx-community weights
         from huggingface_hub import snapshot_download
 
@@ -234,6 +287,38 @@ def prepare(name: str, force: bool = False) -> Path:
             "quantized_bits": sorted(set(report.quantized.values())),
             "n_quantized": len(report.quantized),
             "n_dense": len(report.dense),
+        }
+        (out_dir / "prepared.json").write_text(json.dumps(manifest, indent=2) + "\n")
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(out_dir, target)
+    return target
+
+
+def _prepare_variant(name: str, variant: str, force: bool) -> Path:
+    """The ``f32`` variant: the quantized directory (GGUF conversion or hub snapshot) dequantized."""
+    from harness.dequantize import dequantize_dir
+
+    if variant not in VARIANTS:
+        raise ValueError(f"model variant {variant!r}: expected one of {', '.join(VARIANTS)}")
+    target = prepared_dir(name, variant)
+    if variant_prepared(name, variant) and not force:
+        return target
+    source_dir = Path(resolve(name, "quantized"))
+    if not source_dir.is_dir():
+        source_dir = _hub_snapshot(str(source_dir), weights_only=False)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{name}-{variant}-") as tmp:
+        out_dir = Path(tmp) / "model"
+        report = dequantize_dir(source_dir, out_dir)
+        manifest = {
+            "name": name,
+            "variant": variant,
+            "dequantizer_version": DEQUANTIZER_VERSION,
+            "source": str(source_dir),
+            "source_fingerprint": fingerprint(source_dir),
+            "dequantized": report.dequantized,
+            "cast_to_f32": report.cast,
         }
         (out_dir / "prepared.json").write_text(json.dumps(manifest, indent=2) + "\n")
         if target.exists():
@@ -286,17 +371,24 @@ def _load_synthetic(name: str) -> LoadedModel:
     model = getattr(tiny_models, builder)(**kw)
     ident = json.dumps({"name": name, "builder": builder, **kw}, sort_keys=True)
     return LoadedModel(name, model, tiny_models.byte_tokenizer(), f"synthetic:{name}",
-                       hashlib.sha256(ident.encode()).hexdigest())
+                       hashlib.sha256(ident.encode()).hexdigest(), variant="synthetic")
 
 
-def load(name_or_path: str) -> LoadedModel:
-    """Resolve and load a model with the real ``mlx_lm.load`` (or build a ``SYNTHETIC`` one)."""
+def load(name_or_path: str, variant: str | None = None) -> LoadedModel:
+    """Resolve and load a model with the real ``mlx_lm.load`` (or build a ``SYNTHETIC`` one).
+
+    Args:
+        name_or_path: a registered or synthetic name, a model directory, or a hub id.
+        variant: for a registered name, ``quantized`` or ``f32``; ``None`` picks
+            :func:`default_variant` (``$SEMANTIC_MODEL_VARIANT``, else by device).
+    """
     import mlx_lm
 
     if name_or_path in SYNTHETIC:
         return _load_synthetic(name_or_path)
 
-    where = resolve(name_or_path)
+    chosen = default_variant(variant) if name_or_path in REGISTRY else "as-given"
+    where = resolve(name_or_path, chosen if name_or_path in REGISTRY else "quantized")
     model, tokenizer = mlx_lm.load(where)
     local = Path(where) if Path(where).is_dir() else _hub_snapshot(where)
     return LoadedModel(
@@ -305,10 +397,12 @@ def load(name_or_path: str) -> LoadedModel:
         tokenizer=tokenizer,
         path=where,
         fingerprint=fingerprint(local),
+        variant=chosen,
     )
 
 
-def _hub_snapshot(repo: str) -> Path:
+def _hub_snapshot(repo: str, weights_only: bool = True) -> Path:
     from huggingface_hub import snapshot_download
 
-    return Path(snapshot_download(repo, allow_patterns=["*.safetensors"], local_files_only=True))
+    patterns = ["*.safetensors"] if weights_only else None
+    return Path(snapshot_download(repo, allow_patterns=patterns, local_files_only=True))

@@ -46,10 +46,13 @@ def validate(doc: dict) -> None:
     jsonschema.validate(doc, schema())
 
 
-def benchmark_id(config: ExperimentConfig, model: str, trial_code: list[Any]) -> str:
-    """What is measured, not how often: kind, params, model, and the source of the trial code."""
+def benchmark_id(config: ExperimentConfig, model: str, trial_code: list[Any], variant: str | None = None) -> str:
+    """What is measured, not how often: kind, params, model (and its compute variant), and the trial code."""
     h = hashlib.sha256()
-    h.update(json.dumps({"kind": config.kind, "params": config.params, "model": model}, sort_keys=True).encode())
+    what = {"kind": config.kind, "params": config.params, "model": model}
+    if variant not in ("quantized", "synthetic", None):  # ids of earlier runs (exact conversion) stay as they were
+        what["variant"] = variant
+    h.update(json.dumps(what, sort_keys=True).encode())
     for obj in trial_code:
         h.update(inspect.getsource(obj).encode())
     return h.hexdigest()[:16]
@@ -79,7 +82,7 @@ class Results:
             "created_at": self.started.isoformat(),
             "config": config.resolved(),
             "config_sha256": config.sha256(),
-            "benchmark_id": benchmark_id(config, model, trial_code),
+            "benchmark_id": benchmark_id(config, model, trial_code, (model_info or {}).get("variant")),
             "machine_info": environment.machine_info(),
             "packages": environment.packages(),
             "git": environment.git_info(),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,21 +41,40 @@ def run(config: ExperimentConfig, out_root: Path = Path("results")) -> list[Path
 
     kind = KINDS[config.kind]
     out_dir = out_root / config.name
-    written = []
-    for name in config.models:
-        loaded = models.load(name) if kind.needs_model else None
-        info = {"path": str(loaded.path), "fingerprint": loaded.fingerprint} if loaded else None
-        results = R.Results(config, name, info, [kind.run, *kind.trial_code])
-        with tqdm(desc=f"{config.name} [{name}]", unit="step", leave=False) as bar:
-            ctx = Context(config, name, loaded, results, out_dir, bar)
-            out_dir.mkdir(parents=True, exist_ok=True)
-            kind.run(ctx)
-        results.doc["plots"] = [p.name for p in ctx.plots]
-        results.evaluate()
-        path = results.write(out_dir)
-        written.append(path)
-        print(summary(results.doc, path))
-    return written
+    variant = models.default_variant(config.model_variant)
+    with _env(models.VARIANT_ENV, variant):  # children a kind starts load the same variant
+        return [_run_model(config, kind, name, variant, out_dir) for name in config.models]
+
+
+@contextlib.contextmanager
+def _env(key: str, value: str):
+    old = os.environ.get(key)
+    os.environ[key] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = old
+
+
+def _run_model(config: ExperimentConfig, kind, name: str, variant: str, out_dir: Path) -> Path:
+    from harness import models
+
+    loaded = models.load(name, variant) if kind.needs_model else None
+    info = ({"path": str(loaded.path), "fingerprint": loaded.fingerprint, "variant": loaded.variant}
+            if loaded else None)
+    results = R.Results(config, name, info, [kind.run, *kind.trial_code])
+    with tqdm(desc=f"{config.name} [{name}]", unit="step", leave=False) as bar:
+        ctx = Context(config, name, loaded, results, out_dir, bar)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        kind.run(ctx)
+    results.doc["plots"] = [p.name for p in ctx.plots]
+    results.evaluate()
+    path = results.write(out_dir)
+    print(summary(results.doc, path))
+    return path
 
 
 def summary(doc: dict, path: Path | None = None) -> str:

@@ -1,51 +1,57 @@
-"""Persistent block-pool KV-cache engine for mlx-lm agents."""
+"""Persistent block-pool KV-cache engine for mlx-lm agents.
 
-from semantic.blocks import AgentBlocks, KVBlock
-from semantic.engine import BlockPoolBatchEngine, Completion
-from semantic.errors import (
-    AgentBusyError,
-    CacheCorruptError,
-    CacheError,
-    CacheMismatchError,
-    CacheShapeError,
-    InvalidAgentIdError,
-    InvalidRequestError,
-    PoolExhaustedError,
-    QueueFullError,
-    SchedulerClosedError,
-    UnknownSequenceError,
-    UnsupportedCacheError,
-)
-from semantic.pool import BlockPool, PoolStats
-from semantic.scheduler import ConcurrentScheduler, SchedulerStats, TurnResult, render_chat
-from semantic.spec import LayerSpec, ModelCacheSpec
-from semantic.store import AgentCacheStore, StoreStats
+The public names load lazily (PEP 562), so ``import semantic.blas`` and
+``semantic.blas.enable()`` can run before anything imports MLX: the BLAS that
+MLX calls is fixed when ``mlx.core`` is first imported (see ``semantic.blas``).
+``SEMANTIC_BLAS=auto`` in the environment opts in without a call.
+"""
 
-__all__ = [
-    "AgentBlocks",
-    "AgentBusyError",
-    "AgentCacheStore",
-    "BlockPool",
-    "BlockPoolBatchEngine",
-    "Completion",
-    "CacheCorruptError",
-    "CacheError",
-    "CacheMismatchError",
-    "CacheShapeError",
-    "ConcurrentScheduler",
-    "InvalidAgentIdError",
-    "InvalidRequestError",
-    "KVBlock",
-    "LayerSpec",
-    "ModelCacheSpec",
-    "PoolExhaustedError",
-    "PoolStats",
-    "QueueFullError",
-    "SchedulerClosedError",
-    "SchedulerStats",
-    "StoreStats",
-    "TurnResult",
-    "UnknownSequenceError",
-    "UnsupportedCacheError",
-    "render_chat",
-]
+from __future__ import annotations
+
+import importlib
+
+from semantic import blas as _blas
+
+_blas.enable_from_env()
+
+_EXPORTS = {
+    "semantic.blocks": ("AgentBlocks", "KVBlock"),
+    "semantic.engine": ("BlockPoolBatchEngine", "Completion"),
+    "semantic.errors": (
+        "AgentBusyError",
+        "CacheCorruptError",
+        "CacheError",
+        "CacheMismatchError",
+        "CacheShapeError",
+        "InvalidAgentIdError",
+        "InvalidRequestError",
+        "PoolExhaustedError",
+        "QueueFullError",
+        "SchedulerClosedError",
+        "UnknownSequenceError",
+        "UnsupportedCacheError",
+    ),
+    "semantic.pool": ("BlockPool", "PoolStats"),
+    "semantic.scheduler": ("ConcurrentScheduler", "SchedulerStats", "TurnResult", "render_chat"),
+    "semantic.spec": ("LayerSpec", "ModelCacheSpec"),
+    "semantic.store": ("AgentCacheStore", "StoreStats"),
+}
+_WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str):
+    module = _WHERE.get(name)
+    if module is None:
+        try:  # a submodule: semantic.compat, semantic.persistence, ...
+            return importlib.import_module(f"semantic.{name}")
+        except ModuleNotFoundError:
+            raise AttributeError(f"module 'semantic' has no attribute {name!r}") from None
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

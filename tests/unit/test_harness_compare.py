@@ -115,3 +115,17 @@ def test_a_moved_control_metric_is_called_out_as_machine_drift():
     base["metrics"]["t_ms"]["control"] = True
     text = compare.format_table(compare.compare([base, after]))
     assert "WARNING: control metric t_ms moved" in text
+
+
+def test_runs_on_machines_with_different_blas_or_devices_are_told_apart():
+    fast = {"mlx_device": "Device(cpu, 0)", "cpu_count": 2, "system": "Linux", "processor": "AMD EPYC",
+            "blas": {"blas": "openblas"}, "matmul_gflops_f32": 120.0}
+    slow = dict(fast, blas={"blas": "bundled-reference"}, matmul_gflops_f32=3.9)
+    base, other = _doc(_normal(2)), _doc(_normal(3))
+    base["machine_info"], other["machine_info"] = slow, fast
+    c = compare.compare([base, other])
+    assert any("BLAS bundled-reference -> openblas" in m for m in c.machines)
+    assert any("f32 matmul 3.9 -> 120.0 GFLOP/s" in m for m in c.machines)
+    assert "MACHINE:" in compare.format_table(c)
+    other["machine_info"] = dict(slow, matmul_gflops_f32=4.5)  # measurement noise is not a different machine
+    assert compare.compare([base, other]).machines == []
