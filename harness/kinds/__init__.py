@@ -41,4 +41,5 @@ from harness.kinds import (  # noqa: E402,F401
     persistence_roundtrip,
     reconstruction,
     stress,
+    throughput,
 )
