@@ -98,7 +98,7 @@ exp-007-full: models
 	$(PY) -m harness run experiments/exp_007_multiturn.toml
 
 # 1000-request stress run; the quick run uses the tiny random-weight models only.
-exp-008: venv
+exp-008: models
 	$(PY) -m harness run experiments/exp_008_stress.toml --quick
 
 exp-008-full: models
