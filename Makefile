@@ -62,13 +62,16 @@ test-compat: system-blas $(COMPAT_STAMP) models
 	$(COMPAT_PY) -c "import mlx_lm, importlib.metadata as m; v = m.version('mlx-lm'); assert v == '0.30.4', v; print('mlx-lm', v, 'mlx', m.version('mlx'))"
 	$(COMPAT_PY) -m pytest $(PYTEST_ARGS)
 
-# `pip install .` into a clean venv (no editable checkout), then, from an empty
-# folder, list the packaged configs and run one: the package carries its data.
+# `pip install .` into a clean venv (no editable checkout): the engine alone runs
+# agent turns without the harness's packages; then `.[harness]`, from an empty
+# folder, lists the packaged configs and runs one: the package carries its data.
 test-install:
 	rm -rf $(INSTALL_VENV)
 	$(PYTHON) -m venv $(INSTALL_VENV)
 	$(INSTALL_VENV)/bin/python -m pip install -q --upgrade pip
 	$(INSTALL_VENV)/bin/python -m pip install -q .
+	cd "$$(mktemp -d)" && $(CURDIR)/$(INSTALL_VENV)/bin/python $(CURDIR)/tests/engine_only_smoke.py
+	$(INSTALL_VENV)/bin/python -m pip install -q '.[harness]'
 	cd "$$(mktemp -d)" && $(CURDIR)/$(INSTALL_VENV)/bin/python -m harness list && \
 	  $(CURDIR)/$(INSTALL_VENV)/bin/python -m harness run exp_008_stress --quick --out results \
 	    --set 'models=["tiny-llama"]' --set params.requests=80 --set params.evict_prob=0.3 && \
