@@ -16,8 +16,13 @@ Checked on every turn:
 - leaks: another agent's canary inside the agent's cache, in RAM or in its file;
 - hit rate: history tokens served from caches, after each agent's first turn.
 
-A sample of ``parity_samples`` turns is re-run as a fresh prefill in an
-engine of its own: the same greedy tokens and logprobs within ``tolerance``.
+A sample of ``parity_samples`` turns that reused a cache is re-run as a
+fresh prefill in an engine of its own: the same greedy tokens and logprobs
+within ``tolerance``. The sample is chosen after the run, from submission
+indices alone (half on edited turns, the rest spread over the run): the order
+in which turns finish depends on thread timing and on how mlx-lm batches
+(0.30.4 admits new prompts only once the whole batch has finished), so a
+sample chosen as turns finish could come up short.
 """
 
 from __future__ import annotations
@@ -71,8 +76,7 @@ def run(ctx) -> None:
     counts = {k: 0 for k in ("errors", "stale", "leaks", "edits", "evictions", "evict_refused", "parity_checked",
                              "parity_edited", "parity_failed", "cached_tokens", "history_tokens")}
     error_messages, latencies, ttfts, parity = [], [], [], []
-    parity_every = max(1, p["requests"] // max(1, p["parity_samples"] - p["parity_samples"] // 2))
-    fresh = fresh_engine(loaded, p["pool_blocks"])
+    eligible = []  # (submission index, agent, history, result, edited): every turn a parity check may pick
     max_diff = 0.0
     ctx.progress.total = p["requests"]
     cache_dir = Path(tempfile.mkdtemp(prefix="exp008-"))
@@ -81,7 +85,7 @@ def run(ctx) -> None:
     t_start = time.perf_counter()
     try:
         outstanding: dict[cf.Future, tuple[str, list[int], int, bool]] = {}
-        submitted = done = next_parity = 0
+        submitted = done = 0
         while done < p["requests"]:
             idle = [a for a in agents if a not in {v[0] for v in outstanding.values()}]
             while len(outstanding) < p["concurrency"] and submitted < p["requests"] and idle:
@@ -133,20 +137,9 @@ def run(ctx) -> None:
                     b.token_ids != full[b.start:b.end] for b in cache.unique_blocks())
                 counts["stale"] += stale
                 counts["leaks"] += any(_contains(cache.token_ids, c) for o, c in canaries.items() if o != a)
-                # half the budget on edited turns (where staleness would show), half spread over the run
-                edit_slot = edited and counts["parity_edited"] < p["parity_samples"] // 2
-                even_slot = index >= next_parity and counts["parity_checked"] - counts["parity_edited"] < (
-                    p["parity_samples"] - p["parity_samples"] // 2)
-                if r.cached_tokens and (edit_slot or even_slot):
-                    if even_slot and not edit_slot:
-                        next_parity = index + parity_every
-                    counts["parity_edited"] += edit_slot
-                    ok, diff = _parity(fresh, h, r, p["tolerance"])
-                    counts["parity_checked"] += 1
-                    counts["parity_failed"] += not ok
-                    max_diff = max(max_diff, diff)
-                    parity.append({"agent": a, "edited": edited, "history_tokens": len(h), "cached_tokens": r.cached_tokens,
-                                   "reuse": r.reuse, "match": ok, "max_abs_logprob_diff": diff})
+                if r.cached_tokens:  # a turn that reused nothing was a fresh prefill already
+                    # int32: every eligible history is kept until the run ends (1000 turns of up to max_context)
+                    eligible.append((index, a, np.asarray(h, np.int32), r, edited))
         wall_s = time.perf_counter() - t_start
         sched.flush()
         counts["leaks"] += _file_leaks(cache_dir, canaries)
@@ -154,6 +147,17 @@ def run(ctx) -> None:
     finally:
         sched.close()
         shutil.rmtree(cache_dir, ignore_errors=True)
+
+    # after the run, on this thread alone: the checks neither slow the run nor depend on its timing
+    fresh = fresh_engine(loaded, p["pool_blocks"])
+    for index, a, h, r, edited in _choose_parity(eligible, p["parity_samples"]):
+        ok, diff = _parity(fresh, h.tolist(), r, p["tolerance"])
+        counts["parity_checked"] += 1
+        counts["parity_edited"] += edited
+        counts["parity_failed"] += not ok
+        max_diff = max(max_diff, diff)
+        parity.append({"agent": a, "edited": edited, "history_tokens": len(h), "cached_tokens": r.cached_tokens,
+                       "reuse": r.reuse, "match": ok, "max_abs_logprob_diff": diff})
 
     res.output("counts", counts)
     res.output("errors", error_messages[:50])
@@ -175,6 +179,25 @@ def run(ctx) -> None:
         ctx.plots.append(plots.cdf_plot({"latency": latencies, "time to first token": ttfts},
                                         ctx.plot_path("latency-cdf"), "ms (queueing included)",
                                         f"EXP-008 {ctx.model_name}: {done} requests, {len(agents)} agents"))
+
+
+def _choose_parity(eligible: list[tuple], n: int) -> list[tuple]:
+    """``n`` of the eligible turns (fewer only if fewer are eligible), by submission index alone.
+
+    Half on edited turns (where a stale reuse would show), spread over them;
+    the rest spread evenly over the run among the turns not yet chosen, so a
+    short group is topped up from the other. Positions ``(k + 1/2) * len / m``
+    are distinct whenever ``len >= m``: the count never depends on the schedule.
+    """
+    def spread(turns, m):
+        m = min(m, len(turns))
+        return [turns[int((k + 0.5) * len(turns) / m)] for k in range(m)]
+
+    turns = sorted(eligible, key=lambda t: t[0])
+    chosen = spread([t for t in turns if t[4]], n // 2)
+    picked = {t[0] for t in chosen}
+    chosen += spread([t for t in turns if t[0] not in picked], n - len(chosen))
+    return sorted(chosen, key=lambda t: t[0])
 
 
 def _parity(engine, h: list[int], r, tol: float) -> tuple[bool, float]:
@@ -234,5 +257,5 @@ KIND = register(Kind(
     plots=frozenset({"latency_cdf"}),
     needs_model=True,
     validate=_validate,
-    trial_code=(_parity, _file_leaks, _contains),
+    trial_code=(_choose_parity, _parity, _file_leaks, _contains),
 ))

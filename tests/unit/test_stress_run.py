@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from harness import config as C
 from harness import runner
+from harness.kinds.stress import _choose_parity
 
 
 @pytest.mark.slow
@@ -30,6 +32,21 @@ def test_a_reduced_stress_run_has_no_errors_stale_reuses_or_leaks(model, tmp_pat
     counts = doc["outputs"]["counts"]
     assert counts["edits"] > 0 and counts["evictions"] > 0 and counts["parity_checked"] == 12
     assert any(p["edited"] for p in doc["outputs"]["parity"])
+
+
+def test_the_parity_sample_is_full_for_any_schedule():
+    """Chosen from submission indices after the run: whichever turns were eligible, in any
+    finishing order, ``n`` are checked, half on edited turns, topped up when a group is short."""
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        requests, n = int(rng.integers(1, 200)), int(rng.integers(0, 25))
+        turns = [(i, "a", None, None, bool(rng.random() < rng.random())) for i in range(requests)
+                 if rng.random() < 0.9]  # some turns reused nothing, or failed
+        order = list(rng.permutation(len(turns)))  # the order they finished in
+        chosen = _choose_parity([turns[i] for i in order], n)
+        assert chosen == _choose_parity(turns, n)  # the finishing order does not matter
+        assert len(chosen) == min(n, len(turns)) and len({t[0] for t in chosen}) == len(chosen)
+        assert sum(t[4] for t in chosen) >= min(n // 2, sum(t[4] for t in turns))
 
 
 def test_the_agent_experiment_configs_load_with_and_without_quick():
