@@ -31,6 +31,7 @@ import concurrent.futures as cf
 import shutil
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -60,125 +61,169 @@ def _draw(rng, lo_hi) -> int:
     return int(rng.integers(lo_hi[0], lo_hi[1] + 1))
 
 
+@dataclass(slots=True)
+class _Workload:
+    """The drawn workload and what the run observed, turn by turn."""
+
+    p: dict
+    rng: np.random.Generator
+    vocab: int
+    system: list[int]
+    canaries: dict[str, tuple[int, ...]]
+    history: dict[str, list[int] | None]   # None: the agent's next turn is its first
+    turns: dict[str, int]
+    counts: dict[str, int] = field(default_factory=lambda: {k: 0 for k in COUNTS})
+    errors: list[str] = field(default_factory=list)
+    latencies: list[float] = field(default_factory=list)
+    ttfts: list[float] = field(default_factory=list)
+    eligible: list[tuple] = field(default_factory=list)  # (index, agent, history, result, edited): parity candidates
+
+    @classmethod
+    def draw(cls, p: dict, vocab: int) -> "_Workload":
+        rng = np.random.default_rng(p["seed"])
+        agents = [f"agent-{i:02d}" for i in range(p["agents"])]
+        w = cls(p, rng, vocab, [], {a: _canary(i, vocab) for i, a in enumerate(agents)},
+                {a: None for a in agents}, {a: 0 for a in agents})
+        w.system = w.ids(p["system_tokens"])
+        for c in w.canaries.values():
+            assert not _contains(tuple(w.system), c) and sum(_contains(c2, c) for c2 in w.canaries.values()) == 1
+        return w
+
+    def ids(self, n: int) -> list[int]:
+        # token ids, not text: every id is drawn from the vocabulary, so lengths are exact
+        return [int(t) for t in self.rng.integers(3, self.vocab - 1, n)]
+
+    def next_turn(self, a: str, sched) -> tuple[list[int], int, bool]:
+        """The agent's next history (maybe edited, trimmed, after an eviction), its reply length, edited."""
+        p, h, edited = self.p, self.history[a], False
+        if h is None:
+            h = self.system + list(self.canaries[a])
+        elif self.rng.random() < p["edit_prob"] and len(h) > len(self.system) + CANARY_LEN + 2:
+            cut = int(self.rng.integers(len(self.system) + CANARY_LEN, len(h)))
+            h = h[:cut] + [(h[cut] + 1) % (self.vocab - 4) + 3]  # an earlier message changed; the rest removed
+            self.counts["edits"] += 1
+            edited = True
+        if len(h) > p["max_context"]:  # the client drops the oldest exchange, as chat apps do
+            keep = len(self.system) + CANARY_LEN
+            h = h[:keep] + h[keep + (len(h) - p["max_context"]) + p["max_context"] // 4:]
+        if self.turns[a] and self.rng.random() < p["evict_prob"]:
+            ok = sched.evict(a)  # refused while its newest cache is not yet on disk
+            self.counts["evictions" if ok else "evict_refused"] += 1
+        h = h + self.ids(_draw(self.rng, p["question_tokens"]))
+        return h, _draw(self.rng, p["answer_tokens"]), edited
+
+    def finished(self, a: str, h: list[int], index: int, edited: bool, fut: cf.Future, sched) -> None:
+        """Check one finished turn: error, stale reuse, leaked canary; keep it as a parity candidate."""
+        try:
+            r = fut.result()
+        except Exception as exc:  # counted, reported, and the run goes on
+            self.counts["errors"] += 1
+            self.errors.append(f"{a} turn {self.turns[a]}: {type(exc).__name__}: {exc}"[:300])
+            return
+        full = tuple(h) + r.token_ids
+        if self.turns[a]:
+            self.counts["cached_tokens"] += r.cached_tokens
+            self.counts["history_tokens"] += r.history_tokens
+        self.turns[a] += 1
+        self.history[a] = list(full)
+        self.latencies.append(r.latency_s * 1e3)
+        self.ttfts.append(r.ttft_s * 1e3)
+        cache = sched.resident_cache(a)
+        if not r.cache_saved or cache is None:
+            self.counts["errors"] += 1
+            self.errors.append(f"{a}: cache not kept: {r.cache_error}")
+            return
+        stale = cache.token_ids != full or any(b.token_ids != full[b.start:b.end] for b in cache.unique_blocks())
+        self.counts["stale"] += stale
+        self.counts["leaks"] += any(_contains(cache.token_ids, c) for o, c in self.canaries.items() if o != a)
+        if r.cached_tokens:  # a turn that reused nothing was a fresh prefill already
+            # int32: every eligible history is kept until the run ends (1000 turns of up to max_context)
+            self.eligible.append((index, a, np.asarray(h, np.int32), r, edited))
+
+
+COUNTS = ("errors", "stale", "leaks", "edits", "evictions", "evict_refused", "parity_checked",
+          "parity_edited", "parity_failed", "cached_tokens", "history_tokens")
+
+
+def _drive(w: _Workload, sched, progress) -> int:
+    """Submit turns in random agent order, up to ``concurrency`` in flight, until all are answered."""
+    p, agents = w.p, list(w.history)
+    outstanding: dict[cf.Future, tuple[str, list[int], int, bool]] = {}
+    submitted = done = 0
+    while done < p["requests"]:
+        idle = [a for a in agents if a not in {v[0] for v in outstanding.values()}]
+        while len(outstanding) < p["concurrency"] and submitted < p["requests"] and idle:
+            a = idle.pop(int(w.rng.integers(len(idle))))
+            h, max_tokens, edited = w.next_turn(a, sched)
+            outstanding[sched.submit(a, h, max_tokens, timeout=None)] = (a, h, submitted, edited)
+            submitted += 1
+        finished, _ = cf.wait(list(outstanding), return_when=cf.FIRST_COMPLETED)
+        for fut in finished:
+            a, h, index, edited = outstanding.pop(fut)
+            done += 1
+            progress.update(1)
+            w.finished(a, h, index, edited, fut, sched)
+    return done
+
+
 def run(ctx) -> None:
-    p, loaded, res = ctx.params, ctx.loaded, ctx.results
-    rng = np.random.default_rng(p["seed"])
-    vocab = min(loaded.tokenizer.vocab_size, 30_000)
-    # token ids, not text: every id is drawn from the vocabulary, so lengths are exact
-    draw_ids = lambda n: [int(t) for t in rng.integers(3, vocab - 1, n)]  # noqa: E731
-    system = draw_ids(p["system_tokens"])
-    agents = [f"agent-{i:02d}" for i in range(p["agents"])]
-    canaries = {a: _canary(i, vocab) for i, a in enumerate(agents)}
-    for a, c in canaries.items():
-        assert not _contains(tuple(system), c) and sum(_contains(c2, c) for c2 in canaries.values()) == 1
-    history = {a: None for a in agents}     # None: the agent's next turn is its first
-    turns = {a: 0 for a in agents}
-    counts = {k: 0 for k in ("errors", "stale", "leaks", "edits", "evictions", "evict_refused", "parity_checked",
-                             "parity_edited", "parity_failed", "cached_tokens", "history_tokens")}
-    error_messages, latencies, ttfts, parity = [], [], [], []
-    eligible = []  # (submission index, agent, history, result, edited): every turn a parity check may pick
-    max_diff = 0.0
+    p, loaded = ctx.params, ctx.loaded
+    w = _Workload.draw(p, min(loaded.tokenizer.vocab_size, 30_000))
     ctx.progress.total = p["requests"]
     cache_dir = Path(tempfile.mkdtemp(prefix="exp008-"))
     sched = open_scheduler(loaded, cache_dir, p["pool_blocks"], max_batch=p["concurrency"],
                            block_tokens=p["block_tokens"])
     t_start = time.perf_counter()
     try:
-        outstanding: dict[cf.Future, tuple[str, list[int], int, bool]] = {}
-        submitted = done = 0
-        while done < p["requests"]:
-            idle = [a for a in agents if a not in {v[0] for v in outstanding.values()}]
-            while len(outstanding) < p["concurrency"] and submitted < p["requests"] and idle:
-                a = idle.pop(int(rng.integers(len(idle))))
-                h, edited = history[a], False
-                if h is None:
-                    h = system + list(canaries[a])
-                elif rng.random() < p["edit_prob"] and len(h) > len(system) + CANARY_LEN + 2:
-                    cut = int(rng.integers(len(system) + CANARY_LEN, len(h)))
-                    h = h[:cut] + [(h[cut] + 1) % (vocab - 4) + 3]  # an earlier message changed; the rest removed
-                    counts["edits"] += 1
-                    edited = True
-                if len(h) > p["max_context"]:  # the client drops the oldest exchange, as chat apps do
-                    keep = len(system) + CANARY_LEN
-                    h = h[:keep] + h[keep + (len(h) - p["max_context"]) + p["max_context"] // 4:]
-                if turns[a] and rng.random() < p["evict_prob"]:
-                    ok = sched.evict(a)  # refused while its newest cache is not yet on disk
-                    counts["evictions" if ok else "evict_refused"] += 1
-                h = h + draw_ids(_draw(rng, p["question_tokens"]))
-                max_tokens = _draw(rng, p["answer_tokens"])
-                fut = sched.submit(a, h, max_tokens, timeout=None)
-                outstanding[fut] = (a, h, submitted, edited)
-                submitted += 1
-            finished, _ = cf.wait(list(outstanding), return_when=cf.FIRST_COMPLETED)
-            for fut in finished:
-                a, h, index, edited = outstanding.pop(fut)
-                done += 1
-                ctx.progress.update(1)
-                try:
-                    r = fut.result()
-                except Exception as exc:  # counted, reported, and the run goes on
-                    counts["errors"] += 1
-                    error_messages.append(f"{a} turn {turns[a]}: {type(exc).__name__}: {exc}"[:300])
-                    continue
-                full = tuple(h) + r.token_ids
-                if turns[a]:
-                    counts["cached_tokens"] += r.cached_tokens
-                    counts["history_tokens"] += r.history_tokens
-                turns[a] += 1
-                history[a] = list(full)
-                latencies.append(r.latency_s * 1e3)
-                ttfts.append(r.ttft_s * 1e3)
-                cache = sched.resident_cache(a)
-                if not r.cache_saved or cache is None:
-                    counts["errors"] += 1
-                    error_messages.append(f"{a}: cache not kept: {r.cache_error}")
-                    continue
-                stale = cache.token_ids != full or any(
-                    b.token_ids != full[b.start:b.end] for b in cache.unique_blocks())
-                counts["stale"] += stale
-                counts["leaks"] += any(_contains(cache.token_ids, c) for o, c in canaries.items() if o != a)
-                if r.cached_tokens:  # a turn that reused nothing was a fresh prefill already
-                    # int32: every eligible history is kept until the run ends (1000 turns of up to max_context)
-                    eligible.append((index, a, np.asarray(h, np.int32), r, edited))
+        done = _drive(w, sched, ctx.progress)
         wall_s = time.perf_counter() - t_start
         sched.flush()
-        counts["leaks"] += _file_leaks(cache_dir, canaries)
+        w.counts["leaks"] += _file_leaks(cache_dir, w.canaries)
         stats, store_stats = sched.stats(), sched.store.stats()
     finally:
         sched.close()
         shutil.rmtree(cache_dir, ignore_errors=True)
-
     # after the run, on this thread alone: the checks neither slow the run nor depend on its timing
-    fresh = fresh_engine(loaded, p["pool_blocks"])
-    for index, a, h, r, edited in _choose_parity(eligible, p["parity_samples"]):
-        ok, diff = _parity(fresh, h.tolist(), r, p["tolerance"])
-        counts["parity_checked"] += 1
-        counts["parity_edited"] += edited
-        counts["parity_failed"] += not ok
+    parity, max_diff = _parity_checks(loaded, w)
+    _record(ctx, w, parity, max_diff, done, wall_s, stats, store_stats)
+
+
+def _parity_checks(loaded, w: _Workload) -> tuple[list[dict], float]:
+    fresh = fresh_engine(loaded, w.p["pool_blocks"])
+    parity, max_diff = [], 0.0
+    for index, a, h, r, edited in _choose_parity(w.eligible, w.p["parity_samples"]):
+        ok, diff = _parity(fresh, h.tolist(), r, w.p["tolerance"])
+        w.counts["parity_checked"] += 1
+        w.counts["parity_edited"] += edited
+        w.counts["parity_failed"] += not ok
         max_diff = max(max_diff, diff)
         parity.append({"agent": a, "edited": edited, "history_tokens": len(h), "cached_tokens": r.cached_tokens,
                        "reuse": r.reuse, "match": ok, "max_abs_logprob_diff": diff})
+    return parity, max_diff
 
+
+def _record(ctx, w: _Workload, parity, max_diff, done, wall_s, stats, store_stats) -> None:
+    res, counts = ctx.results, w.counts
     res.output("counts", counts)
-    res.output("errors", error_messages[:50])
+    res.output("errors", w.errors[:50])
     res.output("parity", parity)
     res.output("scheduler", {f: getattr(stats, f) for f in stats.__slots__})
     res.output("store", {f: getattr(store_stats, f) for f in store_stats.__slots__})
-    res.metric("latency_ms", latencies, "ms", description="submit to finished, per request (queueing included)")
-    res.metric("ttft_ms", ttfts, "ms", description="submit to first token, per request (queueing included)")
+    res.metric("latency_ms", w.latencies, "ms", description="submit to finished, per request (queueing included)")
+    res.metric("ttft_ms", w.ttfts, "ms", description="submit to first token, per request (queueing included)")
     hit = counts["cached_tokens"] / counts["history_tokens"] if counts["history_tokens"] else 0.0
     for key in ("errors", "stale", "leaks", "edits", "evictions", "parity_checked", "parity_failed"):
         res.check(key, counts[key])
     res.check("requests", done)
-    res.check("all_requests_answered", done == p["requests"] and counts["errors"] == 0)
+    res.check("all_requests_answered", done == w.p["requests"] and counts["errors"] == 0)
     res.check("token_hit_rate", hit)
     res.check("disk_reloads", store_stats.disk_hits)
     res.check("max_abs_logprob_diff", max_diff)
     res.check("requests_per_s", done / wall_s)
     if "latency_cdf" in ctx.config.plots:
-        ctx.plots.append(plots.cdf_plot({"latency": latencies, "time to first token": ttfts},
+        ctx.plots.append(plots.cdf_plot({"latency": w.latencies, "time to first token": w.ttfts},
                                         ctx.plot_path("latency-cdf"), "ms (queueing included)",
-                                        f"EXP-008 {ctx.model_name}: {done} requests, {len(agents)} agents"))
+                                        f"EXP-008 {ctx.model_name}: {done} requests, {len(w.history)} agents"))
 
 
 def _choose_parity(eligible: list[tuple], n: int) -> list[tuple]:
@@ -257,5 +302,5 @@ KIND = register(Kind(
     plots=frozenset({"latency_cdf"}),
     needs_model=True,
     validate=_validate,
-    trial_code=(_choose_parity, _parity, _file_leaks, _contains),
+    trial_code=(_Workload, _drive, _choose_parity, _parity, _file_leaks, _contains),
 ))
