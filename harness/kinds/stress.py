@@ -41,7 +41,6 @@ from harness.config import Param
 from harness.kinds import Kind, register
 from harness.kinds._agents import fresh_engine, open_scheduler
 from semantic import persistence, store as store_mod
-from semantic.reuse import common_prefix
 
 CANARY_LEN = 4
 
