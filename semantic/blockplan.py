@@ -11,7 +11,7 @@ a file) share their common prefix::
 :func:`plan` looks every full block up without taking anything;
 :func:`commit` checks the pool can hold the misses, then acquires the hits
 and allocates the misses with data from a callback. A caller may read data
-between the two (``persistence.load`` reads only the blocks that missed).
+between the two (``cachefile.load`` reads only the blocks that missed).
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Sequence
 
-from semantic import blockplan, persistence
+from semantic import blockplan, cachefile
 from semantic.blocks import AgentBlocks
 from semantic.engine import BlockPoolBatchEngine, Completion
 from semantic.errors import (
@@ -171,7 +171,7 @@ class ConcurrentScheduler:
         self._busy: set[str] = set()
         # every agent's newest cache the worker holds; dropped (LRU) under pool pressure
         self._resident: OrderedDict[str, AgentBlocks] = OrderedDict()
-        self._pending: OrderedDict[str, tuple[AgentBlocks, persistence.PreparedSave]] = OrderedDict()
+        self._pending: OrderedDict[str, tuple[AgentBlocks, cachefile.PreparedSave]] = OrderedDict()
         self._saving: str | None = None
         self._counts: Counter[str] = Counter()
         self._closing = False
@@ -431,7 +431,7 @@ class ConcurrentScheduler:
         prepared = None
         if c.blocks is not None and self.write_behind:
             try:
-                prepared = persistence.prepare(c.blocks)  # MLX work stays on this thread
+                prepared = cachefile.prepare(c.blocks)  # MLX work stays on this thread
             except CacheError as exc:
                 log.warning("agent %r: cannot prepare its save: %s", c.agent_id, exc)
         result = TurnResult(

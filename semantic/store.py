@@ -1,6 +1,6 @@
 """Agents' caches kept across turns and restarts: a RAM tier over a disk tier.
 
-``save`` writes the agent's cache file (``persistence``, crash-safe) before
+``save`` writes the agent's cache file (``cachefile``, crash-safe) before
 it returns, and keeps the blocks in RAM; ``load`` answers from RAM, else
 from the file, else ``None``. So every saved cache survives a crash, and the
 RAM tier only saves reading::
@@ -36,13 +36,13 @@ import logging
 import os
 import re
 import threading
-import time
 import unicodedata
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
-from semantic import persistence
+from semantic import cachefile
+from semantic.cachefile import atomic
 from semantic.blocks import AgentBlocks, KVBlock
 from semantic.errors import (
     CacheCorruptError,
@@ -57,7 +57,6 @@ log = logging.getLogger(__name__)
 
 MAX_AGENT_ID = 256
 QUARANTINE_DIR = "quarantine"
-_TMP = re.compile(r"^\..+\.(\d+)\.[0-9a-f]{8}" + re.escape(persistence.TMP_SUFFIX) + "$")
 
 
 def file_name(agent_id: str) -> str:
@@ -74,7 +73,7 @@ def file_name(agent_id: str) -> str:
         raise InvalidAgentIdError(f"agent id {agent_id!r} contains control characters or lone surrogates")
     slug = re.sub(r"[^a-z0-9_-]+", "-", agent_id.lower()).strip("-")[:32] or "agent"
     digest = hashlib.sha256(agent_id.encode()).hexdigest()[:24]
-    return f"{slug}-{digest}{persistence.SUFFIX}"
+    return f"{slug}-{digest}{cachefile.SUFFIX}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,11 +166,11 @@ class AgentCacheStore:
 
     # ------------------------------------------------------------ public
 
-    def save(self, agent_id: str, blocks: AgentBlocks, prepared: persistence.PreparedSave | None = None) -> None:
+    def save(self, agent_id: str, blocks: AgentBlocks, prepared: cachefile.PreparedSave | None = None) -> None:
         """Write ``agent_id``'s cache to disk, then keep it in RAM.
 
         The store takes its own reference to the blocks; the caller keeps
-        (and may release) ``blocks``. ``prepared`` (``persistence.prepare``)
+        (and may release) ``blocks``. ``prepared`` (``cachefile.prepare``)
         lets a write-behind thread save without any MLX work of its own.
         """
         name = file_name(agent_id)
@@ -182,7 +181,7 @@ class AgentCacheStore:
             path = self.dir / name
             kept = self._retain(blocks)  # first: it refuses blocks of another pool before any write
             try:
-                info = persistence.save(
+                info = cachefile.save(
                     path, blocks, model_fingerprint=self.fingerprint, agent_id=agent_id, durable=self.durable,
                     prepared=prepared,
                 )
@@ -242,7 +241,7 @@ class AgentCacheStore:
                 dropped = self._ram_pop(agent_id)
             self._release_all(dropped)
             if entry is not None:
-                _unlink(entry.path)
+                atomic.unlink_quietly(entry.path)
             return entry is not None or bool(dropped)
 
     def evict(self, agent_id: str) -> bool:
@@ -340,7 +339,7 @@ class AgentCacheStore:
     def _load_file(self, agent_id: str, entry: _OnDisk) -> AgentBlocks | None:
         while True:
             try:
-                return persistence.load(entry.path, self.pool, model_fingerprint=self.fingerprint, lock=self.pool_lock)
+                return cachefile.load(entry.path, self.pool, model_fingerprint=self.fingerprint, lock=self.pool_lock)
             except PoolExhaustedError:
                 # the RAM tier may be what fills the pool: give back its oldest agent and retry
                 with self._lock:
@@ -389,17 +388,13 @@ class AgentCacheStore:
                     self._counts["disk_evictions"] += entry is not None
                 self._release_all(dropped)
                 if entry is not None:
-                    _unlink(entry.path)
+                    atomic.unlink_quietly(entry.path)
             finally:
                 lock.release()
 
     def _quarantine(self, path: Path, reason: str) -> None:
-        qdir = self.dir / QUARANTINE_DIR
-        qdir.mkdir(exist_ok=True)
-        dest = qdir / f"{path.name}.{time.time_ns()}"
-        try:
-            os.replace(path, dest)
-        except FileNotFoundError:
+        dest = atomic.quarantine(path, self.dir / QUARANTINE_DIR)
+        if dest is None:
             return
         log.warning("quarantined %s -> %s: %s", path, dest, reason)
         with self._lock:
@@ -407,20 +402,13 @@ class AgentCacheStore:
 
     def _scan(self) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
+        self.cleaned.extend(atomic.remove_abandoned(self.dir))  # dead writers' temporary files
         found = []
         for path in sorted(self.dir.iterdir()):
-            if not path.is_file():
-                continue
-            tmp = _TMP.match(path.name)
-            if tmp:
-                if _leftover(path, int(tmp.group(1))):
-                    _unlink(path)
-                    self.cleaned.append(str(path))
-                continue
-            if not path.name.endswith(persistence.SUFFIX):
+            if not path.is_file() or not path.name.endswith(cachefile.SUFFIX):
                 continue
             try:
-                info = persistence.read_header(path)
+                info = cachefile.read_header(path)
             except CacheCorruptError as exc:
                 self._quarantine(path, exc.reason)
                 continue
@@ -446,34 +434,3 @@ class AgentCacheStore:
         with self._lock:
             return self._agent_locks.setdefault(agent_id, threading.Lock())
 
-
-
-def _unlink(path: Path) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-
-
-_STARTED_NS = time.time_ns()
-
-
-def _leftover(path: Path, pid: int) -> bool:
-    """Whether a temporary file was left by a writer that is gone.
-
-    A file named with our pid is in flight unless it predates this process
-    (a container restart can hand a new process its predecessor's pid).
-    """
-    if pid == os.getpid():
-        return path.stat().st_mtime_ns < _STARTED_NS
-    return not _alive(pid)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
