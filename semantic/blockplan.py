@@ -21,7 +21,7 @@ from typing import Any, Callable, Sequence
 
 from semantic.blocks import AgentBlocks, KVBlock, LayerKV
 from semantic.pool import BlockPool, chain_hash
-from semantic.spec import GLOBAL, LayerSpec, ModelCacheSpec
+from semantic.spec import LayerSpec, ModelCacheSpec
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,18 +50,10 @@ class BlockPlan:
     need: int
 
 
-def held_ranges(layer: LayerSpec, total: int) -> list[tuple[int, int]]:
-    """Token positions a layer's cache holds after ``total`` tokens."""
-    if layer.kind == GLOBAL or total <= layer.window:
-        return [(0, total)] if total else []
-    keep = [(0, layer.keep)] if layer.keep else []
-    return keep + [(total - (layer.window - layer.keep), total)]
-
-
 def block_spans(layer: LayerSpec, total: int, block_tokens: int) -> list[tuple[int, int, int]]:
     """Held positions of a layer cut at block boundaries: ``(start, end, shift)``."""
     out, buffered = [], 0
-    for a, b in held_ranges(layer, total):
+    for a, b in layer.held_ranges(total):
         shift = a - buffered
         buffered += b - a
         while a < b:

@@ -12,9 +12,10 @@ unrolled, so a window of ``W`` tokens with ``keep`` pinned holds positions::
 
     [0, keep)  +  [T - (W - keep), T)          (all of [0, T) while T <= W)
 
-and only those positions are stored. Reconstruction asks the blocks for the
-same positions and builds a ``RotatingKVCache`` in that temporal order with
-its write index at the end, which mlx-lm continues exactly like the ring.
+and only those positions are stored (``LayerSpec.held_ranges``). Reconstruction
+asks the blocks for the same positions and builds a ``RotatingKVCache`` in
+that temporal order with its write index at the end, which mlx-lm continues
+exactly like the ring.
 
 Reconstruction hands a layer over without a copy when its pieces are one
 consecutive run of one segment, and otherwise concatenates them (one copy).
@@ -29,9 +30,9 @@ import mlx.core as mx
 from semantic import blockplan, compat
 from semantic.blocks import AgentBlocks, Segment
 from semantic.errors import CacheMismatchError, CacheShapeError
-from semantic.blockplan import PlannedBlock, held_ranges
+from semantic.blockplan import PlannedBlock
 from semantic.pool import BlockPool
-from semantic.spec import GLOBAL, LayerSpec, ModelCacheSpec
+from semantic.spec import LayerSpec, ModelCacheSpec
 
 
 def _slice(x, a: int, b: int, copy: bool):
@@ -87,7 +88,7 @@ def _read(spec: ModelCacheSpec, caches: Sequence, total: int) -> list[compat.Lay
         if st.offset != total:
             raise CacheMismatchError(f"layer {i} holds {st.offset} tokens but {total} token ids were given")
         if total:
-            n = sum(b - a for a, b in held_ranges(layer, total))
+            n = layer.tokens_held(total)
             _check(i, layer, st.keys, n, "keys")
             _check(i, layer, st.values, n, "values")
         states.append(st)
@@ -198,7 +199,7 @@ def _one_segment(pieces: list, layer: int, run):
 def _pieces(blocks: AgentBlocks, layer: int, total: int) -> tuple[list, int, int]:
     """The (block, first, end) pieces holding what ``layer`` needs after ``total`` tokens,
     how many tokens it needs, and how many of them the blocks hold."""
-    ranges = held_ranges(blocks.spec.layers[layer], total)
+    ranges = blocks.spec.layers[layer].held_ranges(total)
     pieces = []  # (block, first, end) in the block's own token indices
     for a, b in ranges:
         for blk in blocks.blocks_for_layer(layer):
@@ -268,12 +269,7 @@ def reconstruct(blocks: AgentBlocks, materialize: bool = True, upto: int | None 
                 keys.append(_slice(bk, s, e, False))
                 values.append(_slice(bv, s, e, False))
             k, v = _cat(keys), _cat(values)
-        if layer.kind == GLOBAL:
-            kind = compat.QUANTIZED if layer.kv_bits else compat.KV
-            state = compat.LayerState(kind, k, v, total, group_size=layer.kv_group_size, bits=layer.kv_bits)
-        else:
-            state = compat.LayerState(compat.ROTATING, k, v, total, layer.keep, layer.window, idx=held)
-        caches.append(compat.build_layer(state))
+        caches.append(compat.build_layer(layer.cache_state(k, v, total, held)))
     if materialize:
         mx.eval([(c.keys, c.values) for c in caches if not c.empty()])
     return caches

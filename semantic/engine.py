@@ -43,7 +43,7 @@ from semantic.errors import (
     UnknownSequenceError,
 )
 from semantic.pool import BlockPool
-from semantic.spec import GLOBAL, ModelCacheSpec
+from semantic.spec import ModelCacheSpec
 
 
 @dataclass(slots=True)
@@ -123,7 +123,7 @@ class BlockPoolBatchEngine:
         self.model, self.tokenizer, self.pool, self.spec = model, tokenizer, pool, spec
         self.lock = lock if lock is not None else threading.RLock()
         # sliding layers lose the window of a prefix once prefill moves past it: see _checkpoint
-        self._sliding = not spec.quantized and any(l.kind != GLOBAL for l in spec.layers)
+        self._sliding = not spec.quantized and any(l.windowed for l in spec.layers)
         self.vocab_size = _vocab_size(model)
         self.stop_tokens = frozenset(int(t) for t in (tokenizer.eos_token_ids if stop_tokens is None else stop_tokens))
         self.prefill_step_size = prefill_step_size

@@ -45,8 +45,7 @@ import xxhash
 
 from semantic import compat
 from semantic.errors import CacheCorruptError, CacheError
-from semantic.blockplan import held_ranges
-from semantic.spec import SLIDING, LayerSpec, ModelCacheSpec
+from semantic.spec import LayerSpec, ModelCacheSpec
 
 FORMAT_VERSION = 1
 DOC_KEY = "semantic_kv"
@@ -97,16 +96,11 @@ def _parts(layer: LayerSpec, n: int) -> list[tuple[str, int | None, str, tuple[i
     return out
 
 
-def _held(layer: LayerSpec, total: int) -> int:
-    """How many tokens a layer holds after ``total``."""
-    return sum(b - a for a, b in held_ranges(layer, total))
-
-
 def layout(spec: ModelCacheSpec, total: int) -> list[TensorSlot]:
     """Every tensor a file of ``total`` tokens holds, in file order (none when empty)."""
     slots = []
     for i, layer in enumerate(spec.layers):
-        held = _held(layer, total)
+        held = layer.tokens_held(total)
         if not held:
             continue
         for side, part, dtype, shape in _parts(layer, held):
@@ -119,7 +113,7 @@ def _layer_meta(spec: ModelCacheSpec, total: int) -> list[dict]:
     """Per-layer cache type and meta, as mlx-lm would rebuild the cache."""
     out = []
     for l in spec.layers:
-        held = _held(l, total)
+        held = l.tokens_held(total)
         out.append(
             {
                 "cache": l.cache_kind,
@@ -127,7 +121,7 @@ def _layer_meta(spec: ModelCacheSpec, total: int) -> list[dict]:
                 "window": l.window,
                 "keep": l.keep,
                 # rebuilt rotating caches are unrolled: the write index is the held count
-                "ring_idx": held if l.kind == SLIDING else None,
+                "ring_idx": l.ring_index(held),
                 "bits": l.kv_bits,
                 "group_size": l.kv_group_size,
             }

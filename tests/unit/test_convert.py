@@ -17,7 +17,8 @@ from semantic import (
     UnsupportedCacheError,
 )
 from semantic import compat
-from semantic.convert import extract, held_ranges, reconstruct
+from semantic.convert import extract, reconstruct
+from semantic.spec import held_ranges
 from tests.tiny_models import tiny_gemma3
 
 
