@@ -17,9 +17,9 @@ between the two (``cachefile.load`` reads only the blocks that missed).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
-from semantic.blocks import AgentBlocks, KVBlock, LayerKV
+from semantic.blocks import AgentBlocks, KVBlock, LayerKV, SegmentView
 from semantic.pool import BlockPool, chain_hash
 from semantic.spec import LayerSpec, ModelCacheSpec
 
@@ -95,19 +95,32 @@ def plan(
     return BlockPlan(tuple(out), need)
 
 
+def miss_runs(planned: Sequence[PlannedBlock]) -> list[list[int]]:
+    """Indices of the missed blocks, in runs of consecutive blocks of one group
+    (each run becomes one segment)."""
+    runs: list[list[int]] = []
+    for idx, p in enumerate(planned):
+        if p.hit is not None:
+            continue
+        if runs and runs[-1][-1] == idx - 1 and planned[idx - 1].group == p.group:
+            runs[-1].append(idx)
+        else:
+            runs.append([idx])
+    return runs
+
+
 def commit(
     pool: BlockPool,
     spec: ModelCacheSpec,
     token_ids: Sequence[int],
     planned: BlockPlan,
-    data: Callable[[PlannedBlock], tuple[dict[int, LayerKV], Any]],
+    data: Callable[[PlannedBlock], tuple[dict[int, LayerKV], SegmentView | None]],
     release: Callable[[list[KVBlock]], None] | None = None,
 ) -> AgentBlocks:
     """Take ``planned`` from ``pool`` as one agent's blocks.
 
     ``data(p)`` gives each missed block's K/V per layer and, when those are
-    views into a segment, the block's ``segment`` (see ``blocks.KVBlock``),
-    else None. It is called for every miss before anything is taken, so
+    views into a segment, the block's :class:`blocks.SegmentView`, else None. It is called for every miss before anything is taken, so
     :class:`PoolExhaustedError` (the pool cannot hold the misses) or an error
     from ``data`` leaves the pool untouched. The plan must be fresh: nothing may have used the pool since
     :func:`plan` made it. ``release`` (default ``pool.release``) is what the
@@ -124,10 +137,9 @@ def commit(
         if p.hit is not None:
             groups[p.group].append(pool.acquire(p.hit))
         else:
-            layer_data, segment = fresh[i]
+            layer_data, view = fresh[i]
             block = pool.allocate(p.group, p.start, tokens[p.start : p.end], layer_data, p.key)
-            if segment is not None:
-                block.segment = segment
+            block.segment_view = view
             groups[p.group].append(block)
     return AgentBlocks(spec, tokens, groups, pool.block_tokens, _release=release or pool.release)
 

@@ -28,7 +28,7 @@ from typing import Sequence
 import mlx.core as mx
 
 from semantic import blockplan, compat
-from semantic.blocks import AgentBlocks, Segment
+from semantic.blocks import AgentBlocks, Segment, SegmentView, segment_runs
 from semantic.errors import CacheMismatchError, CacheShapeError
 from semantic.blockplan import PlannedBlock
 from semantic.pool import BlockPool
@@ -95,19 +95,6 @@ def _read(spec: ModelCacheSpec, caches: Sequence, total: int) -> list[compat.Lay
     return states
 
 
-def _miss_runs(planned: tuple[PlannedBlock, ...]) -> list[list[int]]:
-    """Indices of missed blocks, in runs of consecutive blocks of one group."""
-    runs: list[list[int]] = []
-    for idx, p in enumerate(planned):
-        if p.hit is not None:
-            continue
-        if runs and runs[-1][-1] == idx - 1 and planned[idx - 1].group == p.group:
-            runs[-1].append(idx)
-        else:
-            runs.append([idx])
-    return runs
-
-
 def extract(pool: BlockPool, caches: Sequence, token_ids: Sequence[int], release=None) -> AgentBlocks:
     """Store live caches covering ``token_ids`` as pooled blocks.
 
@@ -124,9 +111,9 @@ def extract(pool: BlockPool, caches: Sequence, token_ids: Sequence[int], release
 
     # Each run of consecutive missed blocks is copied once per layer into a
     # segment; its blocks hold views, which reconstruction hands over whole.
-    views: dict[int, tuple[dict, tuple[Segment, int, dict]]] = {}
+    views: dict[int, tuple[dict, SegmentView]] = {}
     fresh = []
-    for run in _miss_runs(planned.blocks):
+    for run in blockplan.miss_runs(planned.blocks):
         first, last = planned.blocks[run[0]], planned.blocks[run[-1]]
         lo, hi = first.start - first.shift, last.end - last.shift  # held-buffer indices
         seg = Segment({}, hi - lo)
@@ -139,7 +126,7 @@ def extract(pool: BlockPool, caches: Sequence, token_ids: Sequence[int], release
             s0 = p.start - p.shift - lo
             data = {i: (_slice(k, s0, s0 + p.end - p.start, False), _slice(v, s0, s0 + p.end - p.start, False))
                     for i, (k, v) in seg.layer_data.items()}
-            views[idx] = (data, (seg, s0, dict(data)))
+            views[idx] = (data, SegmentView(seg, s0, dict(data)))
     mx.eval(fresh, [d for d, _ in views.values()])  # slices evaluate to views: no copy
     index = {id(p): i for i, p in enumerate(planned.blocks)}
     return blockplan.commit(pool, spec, tokens, planned, lambda p: views[index[id(p)]], release)
@@ -166,34 +153,15 @@ def _no_miss(p) -> None:
     raise AssertionError(f"a planned prefix block missed: {p}")
 
 
-def _segment_run(pieces: list):
-    """(segment, first, end) when the pieces are one consecutive run of a segment, else None."""
-    if not pieces or pieces[0][0].segment is None:
+def _one_segment(pieces: list, layer: int):
+    """This layer's (keys, values) as one slice of one segment, when its pieces
+    are one consecutive run of views into it (``blocks.segment_runs``), else None."""
+    runs = segment_runs(pieces, layer)
+    if len(runs) != 1 or not isinstance(runs[0].source, Segment):
         return None
-    seg, pos = pieces[0][0].segment[0], pieces[0][0].segment[1] + pieces[0][1]
-    start = pos
-    for blk, s, e in pieces:
-        where = blk.segment
-        if where is None or where[0] is not seg or where[1] + s != pos:
-            return None
-        pos += e - s
-    return seg, start, pos
-
-
-def _one_segment(pieces: list, layer: int, run):
-    """This layer's (keys, values) as one slice of the run's segment, or None.
-
-    Each block's data must still be the views it was given with the segment
-    (a replaced ``layer_data`` entry no longer counts as one).
-    """
-    if run is None:
-        return None
-    seg, start, end = run
-    for blk, _, _ in pieces:
-        if blk.layer_data.get(layer) is not blk.segment[2].get(layer):
-            return None
-    k, v = seg.layer_data[layer]
-    return _slice(k, start, end, False), _slice(v, start, end, False)
+    (run,) = runs
+    k, v = run.source.layer_data[layer]
+    return _slice(k, run.start, run.stop, False), _slice(v, run.start, run.stop, False)
 
 
 def _pieces(blocks: AgentBlocks, layer: int, total: int) -> tuple[list, int, int]:
@@ -246,15 +214,14 @@ def reconstruct(blocks: AgentBlocks, materialize: bool = True, upto: int | None 
     by_group: dict[str, tuple] = {}  # every layer of a group has the same blocks and ranges
     for i, layer in enumerate(spec.layers):
         if layer.group not in by_group:
-            pieces, held, got = _pieces(blocks, i, total)
-            by_group[layer.group] = (pieces, held, got, _segment_run(pieces))
-        pieces, held, got, seg_run = by_group[layer.group]
+            by_group[layer.group] = _pieces(blocks, i, total)
+        pieces, held, got = by_group[layer.group]
         if got != held:
             raise CacheMismatchError(f"layer {i}: blocks hold {got} of the {held} tokens it needs")
         if not held:
             caches.append(layer.make_cache())
             continue
-        run = _one_segment(pieces, i, seg_run)
+        run = _one_segment(pieces, i)
         if run is not None:
             k, v = run
             _check(i, layer, k, held, "keys")

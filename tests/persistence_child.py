@@ -48,7 +48,7 @@ def main(path: str) -> None:
     for v in versions:
         for b in v.unique_blocks():
             b.layer_data = {i: (mx.contiguous(k), mx.contiguous(vv)) for i, (k, vv) in b.layer_data.items()}
-            b.segment = None
+            b.segment_view = None
     mx.eval([b.layer_data for v in versions for b in v.unique_blocks()])
     print("ready", flush=True)
     for line in sys.stdin:

@@ -13,14 +13,15 @@ hands it over without a copy.
 from __future__ import annotations
 
 import os
+from collections import Counter
 from contextlib import AbstractContextManager, nullcontext
 from typing import Iterable
 
 import mlx.core as mx
 import xxhash
 
-from semantic.blockplan import BlockPlan, PlannedBlock, chain_keys, commit, plan
-from semantic.blocks import AgentBlocks, KVBlock, LayerKV, Segment
+from semantic.blockplan import BlockPlan, PlannedBlock, chain_keys, commit, miss_runs, plan
+from semantic.blocks import AgentBlocks, KVBlock, LayerKV, Segment, SegmentView
 from semantic.cachefile.atomic import hasher
 from semantic.cachefile.fileformat import HASH, MX_DTYPES, CacheFileInfo, TensorSlot, read_header
 from semantic.errors import CacheCorruptError, CacheMismatchError
@@ -120,37 +121,27 @@ class _FileBlocks:
             return parts[("keys", None)], parts[("values", None)]
         return tuple(tuple(parts[(side, k)] for k in range(3)) for side in ("keys", "values"))
 
-    def block_data(self, planned: BlockPlan) -> dict[int, tuple[dict[int, LayerKV], tuple]]:
-        """For each missed planned block (by index): its layer views and its segment."""
+    def block_data(self, planned: BlockPlan) -> dict[int, tuple[dict[int, LayerKV], SegmentView]]:
+        """For each missed planned block (by index): its layer views and where they sit in their segment."""
         out = {}
-        entries = list(enumerate(planned.blocks))
-        for group, layers in self.info.spec.groups().items():
-            mine = [(idx, p) for idx, p in entries if p.group == group]
-            runs: list[list[tuple[int, PlannedBlock]]] = []
-            for idx, p in mine:
-                if p.hit is not None:
-                    continue
-                if runs and runs[-1][-1][0] == idx - 1:
-                    runs[-1].append((idx, p))
-                else:
-                    runs.append([(idx, p)])
-            whole = len(runs) == 1 and len(runs[0]) == len(mine)
-            for run in runs:
-                lo = run[0][1].start - run[0][1].shift
-                hi = run[-1][1].end - run[-1][1].shift
-                seg = Segment({}, hi - lo)
-                for i in layers:
-                    kv = self.layer(group, i)
-                    # all of the group: the file's arrays are the segment (no copy)
-                    seg.layer_data[i] = kv if whole else _map(kv, lambda x: mx.contiguous(x[..., lo:hi, :]))
-                starts = [p.start - p.shift - lo for _, p in run]
-                per_block = [{} for _ in run]
-                for i, kv in seg.layer_data.items():
-                    # one split per array gives every block's view at once
-                    for j, piece in enumerate(_split_kv(kv, starts[1:])):
-                        per_block[j][i] = piece
-                for (idx, _), s0, data in zip(run, starts, per_block):
-                    out[idx] = (data, (seg, s0, dict(data)))
+        per_group = Counter(p.group for p in planned.blocks)
+        for run in miss_runs(planned.blocks):
+            first, last = planned.blocks[run[0]], planned.blocks[run[-1]]
+            lo, hi = first.start - first.shift, last.end - last.shift
+            whole = len(run) == per_group[first.group]
+            seg = Segment({}, hi - lo)
+            for i in first.layers:
+                kv = self.layer(first.group, i)
+                # all of the group: the file's arrays are the segment (no copy)
+                seg.layer_data[i] = kv if whole else _map(kv, lambda x: mx.contiguous(x[..., lo:hi, :]))
+            starts = [planned.blocks[idx].start - planned.blocks[idx].shift - lo for idx in run]
+            per_block = [{} for _ in run]
+            for i, kv in seg.layer_data.items():
+                # one split per array gives every block's view at once
+                for j, piece in enumerate(_split_kv(kv, starts[1:])):
+                    per_block[j][i] = piece
+            for idx, s0, data in zip(run, starts, per_block):
+                out[idx] = (data, SegmentView(seg, s0, dict(data)))
         mx.eval([d for d, _ in out.values()])  # views (and, after a partial hit, copies)
         return out
 

@@ -14,7 +14,7 @@ import mlx.core as mx
 import numpy as np
 
 from semantic.blockplan import block_spans
-from semantic.blocks import AgentBlocks, KVBlock
+from semantic.blocks import AgentBlocks, KVBlock, segment_runs
 from semantic.cachefile import atomic
 from semantic.cachefile.fileformat import (
     MX_DTYPES,
@@ -69,26 +69,10 @@ def _part(kv, s: TensorSlot):
 
 def _runs(group: list[KVBlock], s: TensorSlot) -> list[mx.array]:
     """The slot layer's arrays over the group's blocks, merging consecutive views of one segment."""
-    i, out, run = s.layer, [], None  # run: [segment, first held index, end held index]
-
-    def flush():
-        if run is not None:
-            out.append(_part(run[0].layer_data[i], s)[..., run[1] : run[2], :])
-
-    for blk in group:
-        where = getattr(blk, "segment", None)
-        # the block's data must still be the views it was given into the segment
-        ok = where is not None and where[2].get(i) is blk.layer_data.get(i)
-        if ok and run is not None and run[0] is where[0] and run[2] == where[1]:
-            run[2] += blk.n_tokens
-            continue
-        flush()
-        if ok:
-            run = [where[0], where[1], where[1] + blk.n_tokens]
-        else:
-            run = None
-            out.append(_part(blk.layer_data[i], s))
-    flush()
+    out = []
+    for run in segment_runs([(blk, 0, blk.n_tokens) for blk in group], s.layer):
+        x = _part(run.source.layer_data[s.layer], s)
+        out.append(x if isinstance(run.source, KVBlock) else x[..., run.start : run.stop, :])
     return out
 
 

@@ -98,12 +98,12 @@ def test_a_file_loads_as_one_segment_per_group_that_reconstruction_hands_over_wi
     path, original, eng = gemma_file
     loaded = cachefile.load(path, BlockPool(eng.spec, 64, block_tokens=4))
     for group, blocks in loaded.groups.items():
-        segments = {id(b.segment[0]) for b in blocks}
+        segments = {id(b.segment_view.segment) for b in blocks}
         assert len(segments) == 1, group
-        assert [b.segment[1] for b in blocks] == list(np.cumsum([0] + [b.n_tokens for b in blocks[:-1]]))
+        assert [b.segment_view.start for b in blocks] == list(np.cumsum([0] + [b.n_tokens for b in blocks[:-1]]))
     caches = convert.reconstruct(loaded)
     for i, c in enumerate(caches):
-        seg = loaded.blocks_for_layer(i)[0].segment[0]
+        seg = loaded.blocks_for_layer(i)[0].segment_view.segment
         assert _address(c.keys) == _address(seg.layer_data[i][0])  # the segment itself, not a copy
 
 
@@ -115,7 +115,7 @@ def test_after_a_partial_hit_each_run_of_missed_blocks_gets_a_compact_segment(ge
     assert [(b.group, b.start, b.n_tokens) for b in missed] == [
         ("sliding-w8-k0", 35, 1), ("sliding-w8-k0", 40, 3), ("global", 40, 3),
     ]
-    assert [b.segment[0].n_tokens for b in missed] == [1, 3, 3]  # copies of just these tokens
+    assert [b.segment_view.segment.n_tokens for b in missed] == [1, 3, 3]  # copies of just these tokens
     assert_identical(loaded, original)
 
 
