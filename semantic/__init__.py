@@ -32,7 +32,8 @@ _EXPORTS = {
         "UnsupportedCacheError",
     ),
     "semantic.pool": ("BlockPool", "PoolStats"),
-    "semantic.scheduler": ("ConcurrentScheduler", "SchedulerStats", "TurnResult", "render_chat"),
+    "semantic.requests": ("render_chat", "validate_agent_id"),
+    "semantic.scheduler": ("ConcurrentScheduler", "SchedulerStats", "TurnResult"),
     "semantic.spec": ("LayerSpec", "ModelCacheSpec"),
     "semantic.store": ("AgentCacheStore", "StoreStats"),
 }

@@ -43,6 +43,7 @@ from semantic.errors import (
     UnknownSequenceError,
 )
 from semantic.pool import BlockPool
+from semantic.requests import check_max_tokens, prompt_ids
 from semantic.spec import ModelCacheSpec
 
 
@@ -143,22 +144,12 @@ class BlockPoolBatchEngine:
 
     # ------------------------------------------------------------ requests
 
-    def _prompt_ids(self, prompt, continuing: bool) -> list[int]:
-        if isinstance(prompt, str):
-            # a continuation must not get a second BOS in the middle of the history
-            return list(self.tokenizer.encode(prompt, add_special_tokens=not continuing))
-        try:
-            return [int(t) for t in prompt]
-        except (TypeError, ValueError):
-            raise InvalidRequestError("prompt must be text or a sequence of token ids") from None
-
     def _check_request(self, agent_id: str, max_tokens: int) -> None:
         if not isinstance(agent_id, str) or not agent_id:
             raise InvalidRequestError(f"agent_id must be a non-empty string, got {agent_id!r}")
         if agent_id in self._busy:
             raise AgentBusyError(f"agent {agent_id!r} already has request {self._busy[agent_id]} in flight")
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens <= 0:
-            raise InvalidRequestError(f"max_tokens must be a positive integer, got {max_tokens!r}")
+        check_max_tokens(max_tokens)
 
     def _check_ids(self, new: list[int]) -> None:
         if not new:
@@ -187,7 +178,7 @@ class BlockPoolBatchEngine:
         engine when this raises.
         """
         self._check_request(agent_id, max_tokens)
-        ids = self._prompt_ids(prompt, continuing=cache is not None)
+        ids = prompt_ids(self.tokenizer, prompt, continuing=cache is not None)
         if cache is not None:
             if not isinstance(cache, AgentBlocks):
                 raise InvalidRequestError(f"cache must be AgentBlocks, got {type(cache).__name__}")
@@ -214,7 +205,7 @@ class BlockPoolBatchEngine:
         self._check_request(agent_id, max_tokens)
         if isinstance(token_ids, str):
             raise InvalidRequestError("submit_history takes token ids; render text or messages first")
-        ids = self._prompt_ids(token_ids, continuing=False)
+        ids = prompt_ids(self.tokenizer, token_ids)
         self._check_ids(ids)
         if own is not None:
             if not isinstance(own, AgentBlocks):

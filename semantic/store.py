@@ -36,12 +36,11 @@ import logging
 import os
 import re
 import threading
-import unicodedata
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
-from semantic import cachefile
+from semantic import blockplan, cachefile
 from semantic.cachefile import atomic
 from semantic.blocks import AgentBlocks, KVBlock
 from semantic.errors import (
@@ -51,11 +50,11 @@ from semantic.errors import (
     PoolExhaustedError,
 )
 from semantic.pool import BlockPool
+from semantic.requests import validate_agent_id
 from semantic.spec import ModelCacheSpec
 
 log = logging.getLogger(__name__)
 
-MAX_AGENT_ID = 256
 QUARANTINE_DIR = "quarantine"
 
 
@@ -63,14 +62,9 @@ def file_name(agent_id: str) -> str:
     """The file name that holds ``agent_id``'s cache (never a path).
 
     Raises:
-        InvalidAgentIdError: not a string of 1 to 256 characters, or it
-            contains control characters (NUL included) or lone surrogates.
+        InvalidAgentIdError: see :func:`requests.validate_agent_id`.
     """
-    if not isinstance(agent_id, str) or not 1 <= len(agent_id) <= MAX_AGENT_ID:
-        shown = agent_id if not isinstance(agent_id, str) else f"{len(agent_id)} characters"
-        raise InvalidAgentIdError(f"agent id must be a string of 1 to {MAX_AGENT_ID} characters, got {shown!r}")
-    if any(unicodedata.category(ch) in ("Cc", "Cs") for ch in agent_id):
-        raise InvalidAgentIdError(f"agent id {agent_id!r} contains control characters or lone surrogates")
+    validate_agent_id(agent_id)
     slug = re.sub(r"[^a-z0-9_-]+", "-", agent_id.lower()).strip("-")[:32] or "agent"
     digest = hashlib.sha256(agent_id.encode()).hexdigest()[:24]
     return f"{slug}-{digest}{cachefile.SUFFIX}"
@@ -201,7 +195,7 @@ class AgentCacheStore:
 
         A file that fails verification is quarantined and reported as a miss.
         """
-        file_name(agent_id)
+        validate_agent_id(agent_id)
         with self._agent_lock(agent_id):
             with self._lock:
                 kept = self._ram.get(agent_id)
@@ -234,7 +228,7 @@ class AgentCacheStore:
 
     def delete(self, agent_id: str) -> bool:
         """Forget ``agent_id`` in both tiers; True if it was stored."""
-        file_name(agent_id)
+        validate_agent_id(agent_id)
         with self._agent_lock(agent_id):
             with self._lock:
                 entry = self._disk.pop(agent_id, None)
@@ -246,7 +240,7 @@ class AgentCacheStore:
 
     def evict(self, agent_id: str) -> bool:
         """Drop ``agent_id`` from the RAM tier only (its file stays); True if it was there."""
-        file_name(agent_id)
+        validate_agent_id(agent_id)
         with self._lock:
             dropped = self._ram_pop(agent_id)
             self._counts["ram_evictions"] += bool(dropped)
@@ -272,6 +266,26 @@ class AgentCacheStore:
                 disk_bytes=sum(e.nbytes for e in self._disk.values()),
                 quarantined=len(self.quarantined),
             )
+
+    # ------------------------------------------------------------ the pool, for admission
+
+    @property
+    def block_tokens(self) -> int:
+        return self.pool.block_tokens
+
+    @property
+    def total_blocks(self) -> int:
+        return self.pool.total_blocks
+
+    def free_blocks(self) -> int:
+        """Blocks the pool can hand out now."""
+        with self.pool_lock:
+            return self.pool.free_count
+
+    def blocks_to_take(self, token_ids) -> int:
+        """Free blocks a cache of ``token_ids`` would take now (its blocks already pooled are shared)."""
+        with self.pool_lock:
+            return blockplan.plan(self.pool, self.spec, token_ids).need
 
     def close(self) -> None:
         """Drop the RAM tier (the files stay)."""
