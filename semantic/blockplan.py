@@ -8,7 +8,7 @@ a file) share their common prefix::
     chain      c0            c1              (partial: no key)
     key        hash(c0, group) per group, so one chain serves every group
 
-:func:`plan` looks every full block up without taking anything;
+:func:`plan_blocks` looks every full block up without taking anything;
 :func:`commit` checks the pool can hold the misses, then acquires the hits
 and allocates the misses with data from a callback. A caller may read data
 between the two (``cachefile.load`` reads only the blocks that missed).
@@ -71,7 +71,7 @@ def chain_keys(token_ids: Sequence[int], block_tokens: int) -> list[int]:
     return chain
 
 
-def plan(
+def plan_blocks(
     pool: BlockPool, spec: ModelCacheSpec, token_ids: Sequence[int], chain: Sequence[int] | None = None
 ) -> BlockPlan:
     """Look up every full block of ``token_ids`` in ``pool``; change nothing.
@@ -123,7 +123,7 @@ def commit(
     views into a segment, the block's :class:`blocks.SegmentView`, else None. It is called for every miss before anything is taken, so
     :class:`PoolExhaustedError` (the pool cannot hold the misses) or an error
     from ``data`` leaves the pool untouched. The plan must be fresh: nothing may have used the pool since
-    :func:`plan` made it. ``release`` (default ``pool.release``) is what the
+    :func:`plan_blocks` made it. ``release`` (default ``pool.release``) is what the
     returned AgentBlocks calls to give its blocks back.
     """
     tokens = token_ids if type(token_ids) is tuple else tuple(map(int, token_ids))
@@ -158,7 +158,7 @@ def longest_cached_prefix(pool: BlockPool, spec: ModelCacheSpec, token_ids: Sequ
     tokens = token_ids if type(token_ids) is tuple else tuple(map(int, token_ids))
     chain = chain_keys(tokens, bt)
     for k in range((len(tokens) - 1) // bt, 0, -1):
-        planned = plan(pool, spec, tokens[: k * bt], chain[:k])
+        planned = plan_blocks(pool, spec, tokens[: k * bt], chain[:k])
         if all(p.hit is not None for p in planned.blocks):
             return k * bt, planned
     return 0, None

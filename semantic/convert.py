@@ -52,7 +52,7 @@ def _cat(parts: list):
     return mx.concatenate(parts, axis=2)
 
 
-def _check(i: int, layer: LayerSpec, x, n: int, what: str) -> None:
+def _check_shape(i: int, layer: LayerSpec, x, n: int, what: str) -> None:
     """Shape and dtype of K or V holding ``n`` tokens against the spec."""
     dim = layer.head_dim if what == "keys" else layer.v_head_dim
     if layer.kv_bits:
@@ -89,8 +89,8 @@ def _read(spec: ModelCacheSpec, caches: Sequence, total: int) -> list[compat.Lay
             raise CacheMismatchError(f"layer {i} holds {st.offset} tokens but {total} token ids were given")
         if total:
             n = layer.tokens_held(total)
-            _check(i, layer, st.keys, n, "keys")
-            _check(i, layer, st.values, n, "values")
+            _check_shape(i, layer, st.keys, n, "keys")
+            _check_shape(i, layer, st.values, n, "values")
         states.append(st)
     return states
 
@@ -106,7 +106,7 @@ def extract(pool: BlockPool, caches: Sequence, token_ids: Sequence[int], release
     spec = pool.spec
     tokens = tuple(map(int, token_ids))
     states = _read(spec, caches, len(tokens))
-    planned = blockplan.plan(pool, spec, tokens)
+    planned = blockplan.plan_blocks(pool, spec, tokens)
     pool.require_free(planned.need)
 
     # Each run of consecutive missed blocks is copied once per layer into a
@@ -224,15 +224,15 @@ def reconstruct(blocks: AgentBlocks, materialize: bool = True, upto: int | None 
         run = _one_segment(pieces, i)
         if run is not None:
             k, v = run
-            _check(i, layer, k, held, "keys")
-            _check(i, layer, v, held, "values")
+            _check_shape(i, layer, k, held, "keys")
+            _check_shape(i, layer, v, held, "values")
         else:
             keys, values = [], []
             for blk, s, e in pieces:
                 bk, bv = blk.layer_data[i]
                 # per piece: concatenate would silently promote a wrong dtype
-                _check(i, layer, bk, blk.n_tokens, "keys")
-                _check(i, layer, bv, blk.n_tokens, "values")
+                _check_shape(i, layer, bk, blk.n_tokens, "keys")
+                _check_shape(i, layer, bv, blk.n_tokens, "values")
                 keys.append(_slice(bk, s, e, False))
                 values.append(_slice(bv, s, e, False))
             k, v = _cat(keys), _cat(values)

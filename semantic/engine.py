@@ -198,7 +198,7 @@ class BlockPoolBatchEngine:
 
         The request starts from the longest prefix that ``own`` (the agent's
         previous cache, which may have diverged: an edited conversation) or
-        the pool covers, as :func:`reuse.plan` decides; the rest is
+        the pool covers, as :func:`reuse.choose_start` decides; the rest is
         prefilled. ``own`` is only read; the caller keeps its reference.
         Nothing changes in the engine when this raises.
         """
@@ -220,7 +220,7 @@ class BlockPoolBatchEngine:
         submitted = time.perf_counter()
         if plan_reuse:
             with self.lock:
-                start = reuse.plan(self.pool, ids, own, self._release)
+                start = reuse.choose_start(self.pool, ids, own, self._release)
         cached = start.cached if start is not None else 0   # what caches covered: the accounting
         source = start.source if start is not None else reuse.NONE
         if plan_reuse and self._sliding and source in (reuse.NONE, reuse.POOL):

@@ -285,7 +285,7 @@ class AgentCacheStore:
     def blocks_to_take(self, token_ids) -> int:
         """Free blocks a cache of ``token_ids`` would take now (its blocks already pooled are shared)."""
         with self.pool_lock:
-            return blockplan.plan(self.pool, self.spec, token_ids).need
+            return blockplan.plan_blocks(self.pool, self.spec, token_ids).need
 
     def close(self) -> None:
         """Drop the RAM tier (the files stay)."""

@@ -20,7 +20,7 @@ from typing import Iterable
 import mlx.core as mx
 import xxhash
 
-from semantic.blockplan import BlockPlan, PlannedBlock, chain_keys, commit, miss_runs, plan
+from semantic.blockplan import BlockPlan, PlannedBlock, chain_keys, commit, miss_runs, plan_blocks
 from semantic.blocks import AgentBlocks, KVBlock, LayerKV, Segment, SegmentView
 from semantic.cachefile.atomic import hasher
 from semantic.cachefile.fileformat import HASH, MX_DTYPES, CacheFileInfo, TensorSlot, read_header
@@ -203,10 +203,10 @@ def _load_once(path: str, pool: BlockPool, fingerprint: str | None, lock: Abstra
     source = _FileBlocks(info)
     chain = chain_keys(info.token_ids, pool.block_tokens)
     with lock:
-        planned = plan(pool, info.spec, info.token_ids, chain)
+        planned = plan_blocks(pool, info.spec, info.token_ids, chain)
     source.read(source.needed(planned.blocks))  # the slow part, outside the lock
     with lock:
-        planned = plan(pool, info.spec, info.token_ids, chain)
+        planned = plan_blocks(pool, info.spec, info.token_ids, chain)
         late = source.needed(planned.blocks)  # hits that were recycled meanwhile
         if late:
             source.read(late)
