@@ -42,7 +42,7 @@ import xxhash
 from mlx_lm.models import cache as C
 from scipy.stats import mannwhitneyu
 
-from semantic import BlockPool, ModelCacheSpec, compat, convert, persistence
+from semantic import BlockPool, ModelCacheSpec, cachefile, compat, convert
 from semantic.spec import GLOBAL
 
 SMOLLM2_135M = {
@@ -150,7 +150,7 @@ def measure(name: str, config: dict, tokens: int, trials: int, warmup: int, work
     pool, blocks = synthetic_blocks(spec, tokens)
     live = convert.reconstruct(blocks)
     ours, theirs = str(workdir / f"{name}.safetensors"), str(workdir / f"{name}-mlxlm.safetensors")
-    persistence.save(ours, blocks, model_fingerprint=f"synthetic-{name}")
+    cachefile.save(ours, blocks, model_fingerprint=f"synthetic-{name}")
     C.save_prompt_cache(theirs, live)
     floor_buf = np.empty(os.path.getsize(ours), dtype=np.uint8)
     held: list = []  # what a load produced, dropped before the next call (untimed)
@@ -160,7 +160,7 @@ def measure(name: str, config: dict, tokens: int, trials: int, warmup: int, work
             f.readinto(memoryview(floor_buf))
 
     def load():
-        held.append(persistence.load(ours, BlockPool(spec, pool.total_blocks)))
+        held.append(cachefile.load(ours, BlockPool(spec, pool.total_blocks)))
 
     def mlxlm_load():
         caches = C.load_prompt_cache(theirs)
@@ -175,16 +175,16 @@ def measure(name: str, config: dict, tokens: int, trials: int, warmup: int, work
         "floor": floor,
         "load": load,
         "mlxlm_load": mlxlm_load,
-        "save": lambda: persistence.save(ours, blocks, model_fingerprint=f"synthetic-{name}"),
+        "save": lambda: cachefile.save(ours, blocks, model_fingerprint=f"synthetic-{name}"),
         "mlxlm_save": lambda: C.save_prompt_cache(theirs, live),
-        "save_nosync": lambda: persistence.save(ours, blocks, model_fingerprint=f"synthetic-{name}", durable=False),
+        "save_nosync": lambda: cachefile.save(ours, blocks, model_fingerprint=f"synthetic-{name}", durable=False),
         "mlxlm_save_fsync": mlxlm_save_fsync,
     }
     geo = Geometry(name, tokens, os.path.getsize(ours) / 1e6, os.path.getsize(theirs) / 1e6, {op: [] for op in ops})
     for trial in range(warmup + trials):
         for op, fn in ops.items():
             held.clear()
-            persistence.settle()  # the previous save's old file is gone before the clock starts
+            cachefile.settle()  # the previous save's old file is gone before the clock starts
             t0 = time.perf_counter_ns()
             fn()
             ms = (time.perf_counter_ns() - t0) / 1e6
@@ -235,7 +235,7 @@ def run(names: list[str], warmup: int, trials: int | None, out_dir: Path) -> Pat
             s = geo.summary()
             geometries.append(s)
             print(f"{name:18} {s['file_mb']:7.1f} MB  " + "  ".join(f"{k} {v:.2f}" for k, v in s["ratios_p50"].items()))
-        persistence.settle()
+        cachefile.settle()
     doc = {
         "experiment": "exp_005_persistence_speed",
         "created": datetime.now(timezone.utc).isoformat(),

@@ -32,7 +32,8 @@ _EXPORTS = {
         "UnsupportedCacheError",
     ),
     "semantic.pool": ("BlockPool", "PoolStats"),
-    "semantic.scheduler": ("ConcurrentScheduler", "SchedulerStats", "TurnResult", "render_chat"),
+    "semantic.requests": ("render_chat", "validate_agent_id"),
+    "semantic.scheduler": ("ConcurrentScheduler", "SchedulerStats", "TurnResult"),
     "semantic.spec": ("LayerSpec", "ModelCacheSpec"),
     "semantic.store": ("AgentCacheStore", "StoreStats"),
 }
@@ -44,7 +45,7 @@ __all__ = sorted(_WHERE)
 def __getattr__(name: str):
     module = _WHERE.get(name)
     if module is None:
-        try:  # a submodule: semantic.compat, semantic.persistence, ...
+        try:  # a submodule: semantic.compat, semantic.cachefile, ...
             return importlib.import_module(f"semantic.{name}")
         except ModuleNotFoundError:
             raise AttributeError(f"module 'semantic' has no attribute {name!r}") from None

@@ -8,20 +8,20 @@ a file) share their common prefix::
     chain      c0            c1              (partial: no key)
     key        hash(c0, group) per group, so one chain serves every group
 
-:func:`plan` looks every full block up without taking anything;
+:func:`plan_blocks` looks every full block up without taking anything;
 :func:`commit` checks the pool can hold the misses, then acquires the hits
 and allocates the misses with data from a callback. A caller may read data
-between the two (``persistence.load`` reads only the blocks that missed).
+between the two (``cachefile.load`` reads only the blocks that missed).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
-from semantic.blocks import AgentBlocks, KVBlock, LayerKV
+from semantic.blocks import AgentBlocks, KVBlock, LayerKV, SegmentView
 from semantic.pool import BlockPool, chain_hash
-from semantic.spec import GLOBAL, LayerSpec, ModelCacheSpec
+from semantic.spec import LayerSpec, ModelCacheSpec
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,18 +50,10 @@ class BlockPlan:
     need: int
 
 
-def held_ranges(layer: LayerSpec, total: int) -> list[tuple[int, int]]:
-    """Token positions a layer's cache holds after ``total`` tokens."""
-    if layer.kind == GLOBAL or total <= layer.window:
-        return [(0, total)] if total else []
-    keep = [(0, layer.keep)] if layer.keep else []
-    return keep + [(total - (layer.window - layer.keep), total)]
-
-
 def block_spans(layer: LayerSpec, total: int, block_tokens: int) -> list[tuple[int, int, int]]:
     """Held positions of a layer cut at block boundaries: ``(start, end, shift)``."""
     out, buffered = [], 0
-    for a, b in held_ranges(layer, total):
+    for a, b in layer.held_ranges(total):
         shift = a - buffered
         buffered += b - a
         while a < b:
@@ -79,7 +71,7 @@ def chain_keys(token_ids: Sequence[int], block_tokens: int) -> list[int]:
     return chain
 
 
-def plan(
+def plan_blocks(
     pool: BlockPool, spec: ModelCacheSpec, token_ids: Sequence[int], chain: Sequence[int] | None = None
 ) -> BlockPlan:
     """Look up every full block of ``token_ids`` in ``pool``; change nothing.
@@ -103,22 +95,35 @@ def plan(
     return BlockPlan(tuple(out), need)
 
 
+def miss_runs(planned: Sequence[PlannedBlock]) -> list[list[int]]:
+    """Indices of the missed blocks, in runs of consecutive blocks of one group
+    (each run becomes one segment)."""
+    runs: list[list[int]] = []
+    for idx, p in enumerate(planned):
+        if p.hit is not None:
+            continue
+        if runs and runs[-1][-1] == idx - 1 and planned[idx - 1].group == p.group:
+            runs[-1].append(idx)
+        else:
+            runs.append([idx])
+    return runs
+
+
 def commit(
     pool: BlockPool,
     spec: ModelCacheSpec,
     token_ids: Sequence[int],
     planned: BlockPlan,
-    data: Callable[[PlannedBlock], tuple[dict[int, LayerKV], Any]],
+    data: Callable[[PlannedBlock], tuple[dict[int, LayerKV], SegmentView | None]],
     release: Callable[[list[KVBlock]], None] | None = None,
 ) -> AgentBlocks:
     """Take ``planned`` from ``pool`` as one agent's blocks.
 
     ``data(p)`` gives each missed block's K/V per layer and, when those are
-    views into a segment, the block's ``segment`` (see ``blocks.KVBlock``),
-    else None. It is called for every miss before anything is taken, so
+    views into a segment, the block's :class:`blocks.SegmentView`, else None. It is called for every miss before anything is taken, so
     :class:`PoolExhaustedError` (the pool cannot hold the misses) or an error
     from ``data`` leaves the pool untouched. The plan must be fresh: nothing may have used the pool since
-    :func:`plan` made it. ``release`` (default ``pool.release``) is what the
+    :func:`plan_blocks` made it. ``release`` (default ``pool.release``) is what the
     returned AgentBlocks calls to give its blocks back.
     """
     tokens = token_ids if type(token_ids) is tuple else tuple(map(int, token_ids))
@@ -132,10 +137,9 @@ def commit(
         if p.hit is not None:
             groups[p.group].append(pool.acquire(p.hit))
         else:
-            layer_data, segment = fresh[i]
+            layer_data, view = fresh[i]
             block = pool.allocate(p.group, p.start, tokens[p.start : p.end], layer_data, p.key)
-            if segment is not None:
-                block.segment = segment
+            block.segment_view = view
             groups[p.group].append(block)
     return AgentBlocks(spec, tokens, groups, pool.block_tokens, _release=release or pool.release)
 
@@ -154,7 +158,7 @@ def longest_cached_prefix(pool: BlockPool, spec: ModelCacheSpec, token_ids: Sequ
     tokens = token_ids if type(token_ids) is tuple else tuple(map(int, token_ids))
     chain = chain_keys(tokens, bt)
     for k in range((len(tokens) - 1) // bt, 0, -1):
-        planned = plan(pool, spec, tokens[: k * bt], chain[:k])
+        planned = plan_blocks(pool, spec, tokens[: k * bt], chain[:k])
         if all(p.hit is not None for p in planned.blocks):
             return k * bt, planned
     return 0, None

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from semantic.spec import ModelCacheSpec
 
@@ -47,6 +47,24 @@ class Segment:
     n_tokens: int
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class SegmentView:
+    """Where a block's data sit in a segment: its first held token is ``segment``'s
+    index ``start``, and ``views`` are the per-layer views it was given. A block
+    whose ``layer_data`` entry was replaced since no longer counts as a view."""
+
+    segment: Segment
+    start: int
+    views: dict[int, LayerKV]
+
+    def __post_init__(self):
+        assert 0 <= self.start < self.segment.n_tokens, (self.start, self.segment.n_tokens)
+
+    def holds(self, block: "KVBlock", layer: int) -> bool:
+        """Whether ``block``'s data for ``layer`` are still the view it was given."""
+        return self.views.get(layer) is block.layer_data.get(layer)
+
+
 @dataclass(slots=True, eq=False)
 class KVBlock:
     """Tokens ``[start, start + n_tokens)`` of one layer group.
@@ -63,9 +81,7 @@ class KVBlock:
     token_ids: tuple[int, ...]
     layer_data: dict[int, LayerKV]
     token_hash: int | None = None
-    # (segment, index of this block's first held token in it, the views it was given),
-    # when its data are views into one; replaced layer_data no longer counts as a view
-    segment: tuple[Segment, int, dict] | None = None
+    segment_view: SegmentView | None = None  # when its data are views into a segment
 
     def __post_init__(self):
         assert self.n_tokens > 0 and self.start >= 0, (self.start, self.n_tokens)
@@ -126,3 +142,37 @@ class AgentBlocks:
         """Return this cache's blocks to the pool; later calls do nothing."""
         if self._finalizer is not None:
             self._finalizer()
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    """Tokens ``[start, stop)`` of ``source``'s layer data: a segment, or a block
+    whose data are not a view of one."""
+
+    source: Segment | KVBlock
+    start: int
+    stop: int
+
+    def __post_init__(self):
+        assert 0 <= self.start < self.stop, (self.start, self.stop)
+
+
+def segment_runs(pieces: Sequence[tuple[KVBlock, int, int]], layer: int) -> list[Run]:
+    """``layer``'s pieces ``(block, first, end)`` (block-local token indices), in order,
+    with consecutive views of one segment merged into one run of it.
+
+    A fresh extraction or a loaded file is then one run per layer, which
+    reconstruction and saving hand on as one slice instead of many pieces.
+    """
+    out: list[Run] = []
+    for blk, s, e in pieces:
+        where = blk.segment_view
+        if where is None or not where.holds(blk, layer):
+            out.append(Run(blk, s, e))
+            continue
+        a = where.start + s
+        if out and out[-1].source is where.segment and out[-1].stop == a:
+            out[-1] = Run(where.segment, out[-1].start, a + e - s)
+        else:
+            out.append(Run(where.segment, a, a + e - s))
+    return out

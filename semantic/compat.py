@@ -1,6 +1,6 @@
 """The one place that knows how mlx-lm versions differ.
 
-Supported: mlx-lm 0.30.4 (the seeds' version) and 0.32.x. Differences are
+Supported: mlx-lm 0.30.4 (the oldest this project pins) and 0.32.x. Differences are
 detected by feature, not by version string:
 
     |                          | 0.30.4                       | 0.32.x                         |
@@ -278,10 +278,6 @@ def extract_in_flight(gen: BatchGenerator, uid: int) -> list | None:
         if entry[0] == uid:
             return list(entry[3])
     return None
-
-
-def remove(gen: BatchGenerator, uids: Sequence[int]) -> None:
-    gen.remove(list(uids))
 
 
 def finished_cache_tokens(prompt_len: int, generated: int) -> int:

@@ -12,9 +12,10 @@ unrolled, so a window of ``W`` tokens with ``keep`` pinned holds positions::
 
     [0, keep)  +  [T - (W - keep), T)          (all of [0, T) while T <= W)
 
-and only those positions are stored. Reconstruction asks the blocks for the
-same positions and builds a ``RotatingKVCache`` in that temporal order with
-its write index at the end, which mlx-lm continues exactly like the ring.
+and only those positions are stored (``LayerSpec.held_ranges``). Reconstruction
+asks the blocks for the same positions and builds a ``RotatingKVCache`` in
+that temporal order with its write index at the end, which mlx-lm continues
+exactly like the ring.
 
 Reconstruction hands a layer over without a copy when its pieces are one
 consecutive run of one segment, and otherwise concatenates them (one copy).
@@ -27,11 +28,11 @@ from typing import Sequence
 import mlx.core as mx
 
 from semantic import blockplan, compat
-from semantic.blocks import AgentBlocks, Segment
+from semantic.blocks import AgentBlocks, Segment, SegmentView, segment_runs
 from semantic.errors import CacheMismatchError, CacheShapeError
-from semantic.blockplan import PlannedBlock, held_ranges
+from semantic.blockplan import PlannedBlock
 from semantic.pool import BlockPool
-from semantic.spec import GLOBAL, LayerSpec, ModelCacheSpec
+from semantic.spec import LayerSpec, ModelCacheSpec
 
 
 def _slice(x, a: int, b: int, copy: bool):
@@ -51,7 +52,7 @@ def _cat(parts: list):
     return mx.concatenate(parts, axis=2)
 
 
-def _check(i: int, layer: LayerSpec, x, n: int, what: str) -> None:
+def _check_shape(i: int, layer: LayerSpec, x, n: int, what: str) -> None:
     """Shape and dtype of K or V holding ``n`` tokens against the spec."""
     dim = layer.head_dim if what == "keys" else layer.v_head_dim
     if layer.kv_bits:
@@ -87,24 +88,11 @@ def _read(spec: ModelCacheSpec, caches: Sequence, total: int) -> list[compat.Lay
         if st.offset != total:
             raise CacheMismatchError(f"layer {i} holds {st.offset} tokens but {total} token ids were given")
         if total:
-            n = sum(b - a for a, b in held_ranges(layer, total))
-            _check(i, layer, st.keys, n, "keys")
-            _check(i, layer, st.values, n, "values")
+            n = layer.tokens_held(total)
+            _check_shape(i, layer, st.keys, n, "keys")
+            _check_shape(i, layer, st.values, n, "values")
         states.append(st)
     return states
-
-
-def _miss_runs(planned: tuple[PlannedBlock, ...]) -> list[list[int]]:
-    """Indices of missed blocks, in runs of consecutive blocks of one group."""
-    runs: list[list[int]] = []
-    for idx, p in enumerate(planned):
-        if p.hit is not None:
-            continue
-        if runs and runs[-1][-1] == idx - 1 and planned[idx - 1].group == p.group:
-            runs[-1].append(idx)
-        else:
-            runs.append([idx])
-    return runs
 
 
 def extract(pool: BlockPool, caches: Sequence, token_ids: Sequence[int], release=None) -> AgentBlocks:
@@ -118,14 +106,14 @@ def extract(pool: BlockPool, caches: Sequence, token_ids: Sequence[int], release
     spec = pool.spec
     tokens = tuple(map(int, token_ids))
     states = _read(spec, caches, len(tokens))
-    planned = blockplan.plan(pool, spec, tokens)
+    planned = blockplan.plan_blocks(pool, spec, tokens)
     pool.require_free(planned.need)
 
     # Each run of consecutive missed blocks is copied once per layer into a
     # segment; its blocks hold views, which reconstruction hands over whole.
-    views: dict[int, tuple[dict, tuple[Segment, int, dict]]] = {}
+    views: dict[int, tuple[dict, SegmentView]] = {}
     fresh = []
-    for run in _miss_runs(planned.blocks):
+    for run in blockplan.miss_runs(planned.blocks):
         first, last = planned.blocks[run[0]], planned.blocks[run[-1]]
         lo, hi = first.start - first.shift, last.end - last.shift  # held-buffer indices
         seg = Segment({}, hi - lo)
@@ -138,7 +126,7 @@ def extract(pool: BlockPool, caches: Sequence, token_ids: Sequence[int], release
             s0 = p.start - p.shift - lo
             data = {i: (_slice(k, s0, s0 + p.end - p.start, False), _slice(v, s0, s0 + p.end - p.start, False))
                     for i, (k, v) in seg.layer_data.items()}
-            views[idx] = (data, (seg, s0, dict(data)))
+            views[idx] = (data, SegmentView(seg, s0, dict(data)))
     mx.eval(fresh, [d for d, _ in views.values()])  # slices evaluate to views: no copy
     index = {id(p): i for i, p in enumerate(planned.blocks)}
     return blockplan.commit(pool, spec, tokens, planned, lambda p: views[index[id(p)]], release)
@@ -165,40 +153,21 @@ def _no_miss(p) -> None:
     raise AssertionError(f"a planned prefix block missed: {p}")
 
 
-def _segment_run(pieces: list):
-    """(segment, first, end) when the pieces are one consecutive run of a segment, else None."""
-    if not pieces or pieces[0][0].segment is None:
+def _one_segment(pieces: list, layer: int):
+    """This layer's (keys, values) as one slice of one segment, when its pieces
+    are one consecutive run of views into it (``blocks.segment_runs``), else None."""
+    runs = segment_runs(pieces, layer)
+    if len(runs) != 1 or not isinstance(runs[0].source, Segment):
         return None
-    seg, pos = pieces[0][0].segment[0], pieces[0][0].segment[1] + pieces[0][1]
-    start = pos
-    for blk, s, e in pieces:
-        where = blk.segment
-        if where is None or where[0] is not seg or where[1] + s != pos:
-            return None
-        pos += e - s
-    return seg, start, pos
-
-
-def _one_segment(pieces: list, layer: int, run):
-    """This layer's (keys, values) as one slice of the run's segment, or None.
-
-    Each block's data must still be the views it was given with the segment
-    (a replaced ``layer_data`` entry no longer counts as one).
-    """
-    if run is None:
-        return None
-    seg, start, end = run
-    for blk, _, _ in pieces:
-        if blk.layer_data.get(layer) is not blk.segment[2].get(layer):
-            return None
-    k, v = seg.layer_data[layer]
-    return _slice(k, start, end, False), _slice(v, start, end, False)
+    (run,) = runs
+    k, v = run.source.layer_data[layer]
+    return _slice(k, run.start, run.stop, False), _slice(v, run.start, run.stop, False)
 
 
 def _pieces(blocks: AgentBlocks, layer: int, total: int) -> tuple[list, int, int]:
     """The (block, first, end) pieces holding what ``layer`` needs after ``total`` tokens,
     how many tokens it needs, and how many of them the blocks hold."""
-    ranges = held_ranges(blocks.spec.layers[layer], total)
+    ranges = blocks.spec.layers[layer].held_ranges(total)
     pieces = []  # (block, first, end) in the block's own token indices
     for a, b in ranges:
         for blk in blocks.blocks_for_layer(layer):
@@ -245,35 +214,29 @@ def reconstruct(blocks: AgentBlocks, materialize: bool = True, upto: int | None 
     by_group: dict[str, tuple] = {}  # every layer of a group has the same blocks and ranges
     for i, layer in enumerate(spec.layers):
         if layer.group not in by_group:
-            pieces, held, got = _pieces(blocks, i, total)
-            by_group[layer.group] = (pieces, held, got, _segment_run(pieces))
-        pieces, held, got, seg_run = by_group[layer.group]
+            by_group[layer.group] = _pieces(blocks, i, total)
+        pieces, held, got = by_group[layer.group]
         if got != held:
             raise CacheMismatchError(f"layer {i}: blocks hold {got} of the {held} tokens it needs")
         if not held:
             caches.append(layer.make_cache())
             continue
-        run = _one_segment(pieces, i, seg_run)
+        run = _one_segment(pieces, i)
         if run is not None:
             k, v = run
-            _check(i, layer, k, held, "keys")
-            _check(i, layer, v, held, "values")
+            _check_shape(i, layer, k, held, "keys")
+            _check_shape(i, layer, v, held, "values")
         else:
             keys, values = [], []
             for blk, s, e in pieces:
                 bk, bv = blk.layer_data[i]
                 # per piece: concatenate would silently promote a wrong dtype
-                _check(i, layer, bk, blk.n_tokens, "keys")
-                _check(i, layer, bv, blk.n_tokens, "values")
+                _check_shape(i, layer, bk, blk.n_tokens, "keys")
+                _check_shape(i, layer, bv, blk.n_tokens, "values")
                 keys.append(_slice(bk, s, e, False))
                 values.append(_slice(bv, s, e, False))
             k, v = _cat(keys), _cat(values)
-        if layer.kind == GLOBAL:
-            kind = compat.QUANTIZED if layer.kv_bits else compat.KV
-            state = compat.LayerState(kind, k, v, total, group_size=layer.kv_group_size, bits=layer.kv_bits)
-        else:
-            state = compat.LayerState(compat.ROTATING, k, v, total, layer.keep, layer.window, idx=held)
-        caches.append(compat.build_layer(state))
+        caches.append(compat.build_layer(layer.cache_state(k, v, total, held)))
     if materialize:
         mx.eval([(c.keys, c.values) for c in caches if not c.empty()])
     return caches

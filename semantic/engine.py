@@ -43,7 +43,8 @@ from semantic.errors import (
     UnknownSequenceError,
 )
 from semantic.pool import BlockPool
-from semantic.spec import GLOBAL, ModelCacheSpec
+from semantic.requests import check_max_tokens, prompt_ids
+from semantic.spec import ModelCacheSpec
 
 
 @dataclass(slots=True)
@@ -123,7 +124,7 @@ class BlockPoolBatchEngine:
         self.model, self.tokenizer, self.pool, self.spec = model, tokenizer, pool, spec
         self.lock = lock if lock is not None else threading.RLock()
         # sliding layers lose the window of a prefix once prefill moves past it: see _checkpoint
-        self._sliding = not spec.quantized and any(l.kind != GLOBAL for l in spec.layers)
+        self._sliding = not spec.quantized and any(l.windowed for l in spec.layers)
         self.vocab_size = _vocab_size(model)
         self.stop_tokens = frozenset(int(t) for t in (tokenizer.eos_token_ids if stop_tokens is None else stop_tokens))
         self.prefill_step_size = prefill_step_size
@@ -143,22 +144,12 @@ class BlockPoolBatchEngine:
 
     # ------------------------------------------------------------ requests
 
-    def _prompt_ids(self, prompt, continuing: bool) -> list[int]:
-        if isinstance(prompt, str):
-            # a continuation must not get a second BOS in the middle of the history
-            return list(self.tokenizer.encode(prompt, add_special_tokens=not continuing))
-        try:
-            return [int(t) for t in prompt]
-        except (TypeError, ValueError):
-            raise InvalidRequestError("prompt must be text or a sequence of token ids") from None
-
     def _check_request(self, agent_id: str, max_tokens: int) -> None:
         if not isinstance(agent_id, str) or not agent_id:
             raise InvalidRequestError(f"agent_id must be a non-empty string, got {agent_id!r}")
         if agent_id in self._busy:
             raise AgentBusyError(f"agent {agent_id!r} already has request {self._busy[agent_id]} in flight")
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens <= 0:
-            raise InvalidRequestError(f"max_tokens must be a positive integer, got {max_tokens!r}")
+        check_max_tokens(max_tokens)
 
     def _check_ids(self, new: list[int]) -> None:
         if not new:
@@ -187,7 +178,7 @@ class BlockPoolBatchEngine:
         engine when this raises.
         """
         self._check_request(agent_id, max_tokens)
-        ids = self._prompt_ids(prompt, continuing=cache is not None)
+        ids = prompt_ids(self.tokenizer, prompt, continuing=cache is not None)
         if cache is not None:
             if not isinstance(cache, AgentBlocks):
                 raise InvalidRequestError(f"cache must be AgentBlocks, got {type(cache).__name__}")
@@ -207,14 +198,14 @@ class BlockPoolBatchEngine:
 
         The request starts from the longest prefix that ``own`` (the agent's
         previous cache, which may have diverged: an edited conversation) or
-        the pool covers, as :func:`reuse.plan` decides; the rest is
+        the pool covers, as :func:`reuse.choose_start` decides; the rest is
         prefilled. ``own`` is only read; the caller keeps its reference.
         Nothing changes in the engine when this raises.
         """
         self._check_request(agent_id, max_tokens)
         if isinstance(token_ids, str):
             raise InvalidRequestError("submit_history takes token ids; render text or messages first")
-        ids = self._prompt_ids(token_ids, continuing=False)
+        ids = prompt_ids(self.tokenizer, token_ids)
         self._check_ids(ids)
         if own is not None:
             if not isinstance(own, AgentBlocks):
@@ -229,7 +220,7 @@ class BlockPoolBatchEngine:
         submitted = time.perf_counter()
         if plan_reuse:
             with self.lock:
-                start = reuse.plan(self.pool, ids, own, self._release)
+                start = reuse.choose_start(self.pool, ids, own, self._release)
         cached = start.cached if start is not None else 0   # what caches covered: the accounting
         source = start.source if start is not None else reuse.NONE
         if plan_reuse and self._sliding and source in (reuse.NONE, reuse.POOL):

@@ -49,7 +49,6 @@ class Reuse:
     cached: int
     blocks: AgentBlocks | None = None
     owned: bool = False
-    diverged_at: int | None = None  # first differing position when the own cache was cut
 
     def __post_init__(self):
         assert self.source in (OWN, OWN_CUT, POOL, NONE), self.source
@@ -65,7 +64,7 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-def plan(pool: BlockPool, token_ids: Sequence[int], own: AgentBlocks | None, release=None) -> Reuse:
+def choose_start(pool: BlockPool, token_ids: Sequence[int], own: AgentBlocks | None, release=None) -> Reuse:
     """The longest reusable prefix of ``token_ids`` (see the module doc).
 
     Takes pool references only for a ``POOL`` result (``owned``); nothing
@@ -73,18 +72,15 @@ def plan(pool: BlockPool, token_ids: Sequence[int], own: AgentBlocks | None, rel
     """
     ids = tuple(map(int, token_ids))
     limit = len(ids) - 1  # the last token must be prefilled to produce logits
-    own_len, diverged = 0, None
+    own_len = 0
     if own is not None and not own.released and limit > 0:
-        d = common_prefix(own.token_ids, ids)
-        if d < own.total_tokens:
-            diverged = d
-        own_len = min(d, limit)
+        own_len = min(common_prefix(own.token_ids, ids), limit)
         if own_len and not convert.covers(own, own_len):
             own_len = 0
     shared = convert.prefix_cache(pool, ids, release, longer_than=own_len)
     if shared is not None:
-        return Reuse(POOL, shared.total_tokens, shared, owned=True, diverged_at=diverged)
+        return Reuse(POOL, shared.total_tokens, shared, owned=True)
     if own_len:
         source = OWN if own_len == own.total_tokens else OWN_CUT
-        return Reuse(source, own_len, own, diverged_at=diverged)
-    return Reuse(NONE, 0, diverged_at=diverged)
+        return Reuse(source, own_len, own)
+    return Reuse(NONE, 0)

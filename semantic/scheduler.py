@@ -32,22 +32,19 @@ import asyncio
 import logging
 import threading
 import time
-from collections import Counter, OrderedDict, deque
+from collections import Counter, deque
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Sequence
 
-from semantic import blockplan, persistence
+from semantic import cachefile
+from semantic.admission import Residency
 from semantic.blocks import AgentBlocks
 from semantic.engine import BlockPoolBatchEngine, Completion
-from semantic.errors import (
-    CacheError,
-    InvalidRequestError,
-    PoolExhaustedError,
-    QueueFullError,
-    SchedulerClosedError,
-)
-from semantic.store import AgentCacheStore, file_name
+from semantic.errors import CacheError, InvalidRequestError, QueueFullError, SchedulerClosedError
+from semantic.requests import check_max_tokens, prompt_ids, validate_agent_id
+from semantic.store import AgentCacheStore
+from semantic.writebehind import WriteBehind
 
 log = logging.getLogger(__name__)
 
@@ -110,24 +107,6 @@ class _Request:
     reserved: int = 0
 
 
-def render_chat(tokenizer, messages: Sequence[dict]) -> list[int]:
-    """Token ids of ``messages`` through the tokenizer's chat template, ready for the reply.
-
-    Raises:
-        InvalidRequestError: not a non-empty list of ``{"role", "content"}``
-            string dicts, or the tokenizer has no chat template.
-    """
-    if not isinstance(messages, (list, tuple)) or not messages:
-        raise InvalidRequestError("messages must be a non-empty list of {'role': ..., 'content': ...}")
-    for m in messages:
-        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
-            raise InvalidRequestError(f"each message needs string 'role' and 'content', got {m!r}"[:200])
-    if getattr(tokenizer, "chat_template", None) is None:
-        raise InvalidRequestError("this tokenizer has no chat template: submit token ids or text")
-    ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
-    return [int(t) for t in ids]
-
-
 class ConcurrentScheduler:
     """Runs agents' turns in one continuous batch, keeping and saving their caches.
 
@@ -169,14 +148,14 @@ class ConcurrentScheduler:
         self._queued = 0
         self._in_flight: dict[int, _Request] = {}  # engine uid -> request
         self._busy: set[str] = set()
-        # every agent's newest cache the worker holds; dropped (LRU) under pool pressure
-        self._resident: OrderedDict[str, AgentBlocks] = OrderedDict()
-        self._pending: OrderedDict[str, tuple[AgentBlocks, persistence.PreparedSave]] = OrderedDict()
-        self._saving: str | None = None
         self._counts: Counter[str] = Counter()
         self._closing = False
         self._worker = threading.Thread(target=self._work, name="semantic-scheduler", daemon=True)
-        self._saver = threading.Thread(target=self._save_loop, name="semantic-saver", daemon=True)
+        self._saver = WriteBehind(store, self._cv, lambda: self._closing, self._worker)
+        # every agent's newest cache the worker holds; dropped (LRU) under pool pressure
+        self._resident = Residency(
+            store, self._cv, pinned=self._pinned, pending=self._saver.pending, saving=lambda: self._saver.busy
+        )
         self._worker.start()
         self._saver.start()
 
@@ -191,10 +170,9 @@ class ConcurrentScheduler:
         :class:`QueueFullError` at once, None waits as long as it takes.
         Invalid requests raise here and queue nothing.
         """
-        file_name(agent_id)  # the same ids the store accepts
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens <= 0:
-            raise InvalidRequestError(f"max_tokens must be a positive integer, got {max_tokens!r}")
-        ids = self._render(prompt)
+        validate_agent_id(agent_id)  # the same ids the store accepts
+        check_max_tokens(max_tokens)
+        ids = prompt_ids(self.tokenizer, prompt, messages=True)
         if not ids:
             raise InvalidRequestError("empty prompt")
         req = _Request(agent_id, ids, max_tokens, Future(), time.perf_counter())
@@ -230,7 +208,7 @@ class ConcurrentScheduler:
         """Wait until every queued turn has finished and every pending save is written."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cv:
-            while self._queued or self._in_flight or self._pending or self._saving:
+            while self._queued or self._in_flight or self._saver.busy:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return False
@@ -245,9 +223,7 @@ class ConcurrentScheduler:
             self._cv.notify_all()
         self._worker.join(timeout)
         self._saver.join(timeout)
-        with self._cv:
-            resident, self._resident = self._resident, OrderedDict()
-        resident.clear()  # releases outside _cv
+        self._resident.clear()
 
     def __enter__(self) -> "ConcurrentScheduler":
         return self
@@ -262,8 +238,8 @@ class ConcurrentScheduler:
                 submitted=c["submitted"], completed=c["completed"], failed=c["failed"], rejected=c["rejected"],
                 queued=self._queued, in_flight=len(self._in_flight),
                 prompt_tokens=c["prompt_tokens"], cached_tokens=c["cached_tokens"],
-                saves=c["saves"], save_errors=c["save_errors"], pending_saves=len(self._pending),
-                resident_agents=len(self._resident), evictions=c["evictions"],
+                saves=self._saver.saves, save_errors=self._saver.errors, pending_saves=len(self._saver),
+                resident_agents=len(self._resident), evictions=self._resident.evictions,
             )
 
     def evict(self, agent_id: str) -> bool:
@@ -273,12 +249,9 @@ class ConcurrentScheduler:
         while the agent has a turn queued or in flight or a save pending.
         """
         with self._cv:
-            if agent_id in self._busy or agent_id in self._queues or agent_id in self._pending or agent_id == self._saving:
+            if self._pinned(agent_id) or agent_id in self._queues:
                 return False
-            dropped = self._resident.pop(agent_id, None)
-            self._counts["evictions"] += 1
-        del dropped  # released outside _cv
-        self.store.evict(agent_id)
+        self._resident.drop(agent_id)
         return True
 
     def resident_cache(self, agent_id: str) -> AgentBlocks | None:
@@ -288,15 +261,9 @@ class ConcurrentScheduler:
 
     # ------------------------------------------------------------ worker
 
-    def _render(self, prompt) -> list[int]:
-        if isinstance(prompt, str):
-            return list(self.tokenizer.encode(prompt))
-        if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict):
-            return render_chat(self.tokenizer, prompt)
-        try:
-            return [int(t) for t in prompt]
-        except (TypeError, ValueError):
-            raise InvalidRequestError("prompt must be messages, text or token ids") from None
+    def _pinned(self, agent_id: str) -> bool:
+        """Whether the agent's cache must stay resident: a turn in flight or a save pending (under ``_cv``)."""
+        return agent_id in self._busy or self._saver.holds(agent_id)
 
     def _work(self) -> None:
         while True:
@@ -331,9 +298,9 @@ class ConcurrentScheduler:
                 return
             req = queue[0]
         try:
-            own = self._own_cache(agent_id)
-            need = self._blocks_needed(req)
-            if not self._make_room(need, keep=agent_id):
+            own = self._resident.own_cache(agent_id)
+            need = self._resident.blocks_needed(req.ids, req.max_tokens)
+            if not self._resident.make_room(need, agent_id, self._reservations):
                 return  # stays queued until a finish frees blocks
             req.admitted_at = time.perf_counter()
             uid = self.engine.submit_history(agent_id, req.ids, own, req.max_tokens)
@@ -360,78 +327,16 @@ class ConcurrentScheduler:
             self._ready.remove(agent_id)
         self._cv.notify_all()
 
-    def _own_cache(self, agent_id: str) -> AgentBlocks | None:
-        with self._cv:
-            own = self._resident.get(agent_id)
-            if own is not None:
-                self._resident.move_to_end(agent_id)
-                return own
-            pending = self._pending.get(agent_id)
-            if pending is not None:
-                return pending[0]
-        while True:
-            try:
-                own = self.store.load(agent_id)  # RAM tier, else the file (a restart), else None
-                break
-            except PoolExhaustedError:
-                if not self._evict_one(keep=agent_id):  # make room for the file's blocks
-                    raise
-        if own is not None:
-            with self._cv:
-                self._resident[agent_id] = own
-        return own
-
-    def _blocks_needed(self, req: _Request) -> int:
-        """Free blocks this turn's cache will take at most: the prompt's misses plus its generated tokens."""
-        pool, spec = self.store.pool, self.store.spec
-        with self.store.pool_lock:
-            prompt_need = blockplan.plan(pool, spec, req.ids).need
-        per_group = -(-req.max_tokens // pool.block_tokens) + 1
-        return prompt_need + per_group * len(spec.groups())
-
-    def _make_room(self, need: int, keep: str) -> bool:
-        """Whether ``need`` blocks are free beyond what in-flight turns reserved,
-        dropping resident caches that are safely on disk when that helps."""
-        pool = self.store.pool
-        if need > pool.total_blocks:
-            raise PoolExhaustedError(
-                f"this turn needs up to {need} blocks but the pool has {pool.total_blocks}: raise total_blocks"
-            )
-        while True:
-            with self._cv:
-                reserved = sum(r.reserved for r in self._in_flight.values())
-            if pool.free_count - reserved >= need:
-                return True
-            if self._in_flight:
-                return False  # wait for a finish
-            if not self._evict_one(keep):
-                with self._cv:
-                    if self._pending or self._saving:  # a cache becomes evictable once it is on disk
-                        self._cv.wait(0.1)
-                        continue
-                raise PoolExhaustedError(
-                    f"this turn needs {need} free blocks; {pool.free_count} are free and every cached agent is busy"
-                    " or not yet saved: raise total_blocks or lower max_batch"
-                )
-
-    def _evict_one(self, keep: str) -> bool:
-        with self._cv:
-            victim = next((a for a in self._resident if a not in self._busy and a not in self._pending
-                           and a != self._saving and a != keep), None)
-            if victim is None:
-                return False
-            dropped = self._resident.pop(victim)
-            self._counts["evictions"] += 1
-        del dropped  # released here, outside _cv (lock order: _cv is never held while releasing)
-        self.store.evict(victim)  # its file stays: the next turn reloads it
-        return True
+    def _reservations(self) -> list[int]:
+        """Blocks reserved by each turn in flight (the caller holds ``_cv``)."""
+        return [r.reserved for r in self._in_flight.values()]
 
     def _finish(self, c: Completion) -> None:
         req = self._in_flight.pop(c.uid)
         prepared = None
         if c.blocks is not None and self.write_behind:
             try:
-                prepared = persistence.prepare(c.blocks)  # MLX work stays on this thread
+                prepared = cachefile.prepare(c.blocks)  # MLX work stays on this thread
             except CacheError as exc:
                 log.warning("agent %r: cannot prepare its save: %s", c.agent_id, exc)
         result = TurnResult(
@@ -445,12 +350,9 @@ class ConcurrentScheduler:
         with self._cv:
             self._busy.discard(c.agent_id)
             if c.blocks is not None:
-                replaced.append(self._resident.pop(c.agent_id, None))
-                self._resident[c.agent_id] = c.blocks
+                replaced.append(self._resident.put(c.agent_id, c.blocks))
                 if prepared is not None:  # a newer save replaces a pending older one
-                    replaced.append(self._pending.pop(c.agent_id, None))
-                    self._pending[c.agent_id] = (c.blocks, prepared)
-                    self._pending.move_to_end(c.agent_id)
+                    replaced.append(self._saver.put(c.agent_id, c.blocks, prepared))
             self._counts["completed"] += 1
             self._counts["prompt_tokens"] += c.prompt_tokens
             self._counts["cached_tokens"] += c.cached_tokens
@@ -473,26 +375,3 @@ class ConcurrentScheduler:
         self.engine = self._make_engine()  # over the same pool: stored caches stay valid
         for req in failed:
             req.future.set_exception(exc)
-
-    # ------------------------------------------------------------ saver
-
-    def _save_loop(self) -> None:
-        while True:
-            with self._cv:
-                while not self._pending and not (self._closing and not self._worker.is_alive()):
-                    self._cv.wait(0.5 if self._closing else None)
-                if not self._pending:
-                    return
-                agent_id, (blocks, prepared) = self._pending.popitem(last=False)
-                self._saving = agent_id
-            try:
-                self.store.save(agent_id, blocks, prepared)
-                key = "saves"
-            except Exception:  # the cache stays resident; the next finish saves again
-                log.exception("agent %r: write-behind save failed", agent_id)
-                key = "save_errors"
-            del blocks, prepared
-            with self._cv:
-                self._counts[key] += 1
-                self._saving = None
-                self._cv.notify_all()

@@ -1,4 +1,14 @@
-"""What a model's KV cache looks like, layer by layer, with or without its weights."""
+"""What a model's KV cache looks like, layer by layer, with or without its weights.
+
+:class:`LayerSpec` is the one home of what a layer kind means: which mlx-lm
+cache class holds it, which token positions it holds after ``T`` tokens,
+and how a rebuilt cache of it is described to ``compat``. A new cache type
+is added here (and in ``compat``, which builds it)::
+
+    kind      cache class                         holds after T tokens
+    global    KVCache (QuantizedKVCache: kv_bits)  [0, T)
+    sliding   RotatingKVCache(window, keep)        [0, keep) + [T - (window - keep), T), all while T <= window
+"""
 
 from __future__ import annotations
 
@@ -63,6 +73,37 @@ class LayerSpec:
         if self.kind == SLIDING:
             return compat.ROTATING
         return compat.QUANTIZED if self.kv_bits else compat.KV
+
+    @property
+    def windowed(self) -> bool:
+        """Whether the cache forgets old tokens (a sliding window)."""
+        return self.kind == SLIDING
+
+    def held_ranges(self, total: int) -> list[tuple[int, int]]:
+        """Token positions this layer's cache holds after ``total`` tokens."""
+        if self.kind == GLOBAL or total <= self.window:
+            return [(0, total)] if total else []
+        keep = [(0, self.keep)] if self.keep else []
+        return keep + [(total - (self.window - self.keep), total)]
+
+    def tokens_held(self, total: int) -> int:
+        """How many tokens this layer's cache holds after ``total`` tokens."""
+        return sum(b - a for a, b in self.held_ranges(total))
+
+    def ring_index(self, held: int) -> int | None:
+        """The write index of a rebuilt rotating cache holding ``held`` tokens (None for others).
+
+        Rebuilt rings are unrolled into temporal order, so the next write goes after the newest token.
+        """
+        return held if self.kind == SLIDING else None
+
+    def cache_state(self, keys, values, total: int, held: int) -> compat.LayerState:
+        """What ``compat.build_layer`` needs to rebuild this layer's cache after ``total``
+        tokens from its ``held`` tokens (``keys``/``values`` in temporal order)."""
+        if self.kind == SLIDING:
+            return compat.LayerState(compat.ROTATING, keys, values, total, self.keep, self.window, idx=held)
+        kind = compat.QUANTIZED if self.kv_bits else compat.KV
+        return compat.LayerState(kind, keys, values, total, group_size=self.kv_group_size, bits=self.kv_bits)
 
     @property
     def group(self) -> str:
@@ -216,6 +257,10 @@ class ModelCacheSpec:
             for k in kinds
         )
         return cls(layers)
+
+
+# the same as LayerSpec.held_ranges, for callers that pass the layer as data
+held_ranges = LayerSpec.held_ranges
 
 
 def _dtype_name(dt) -> str:

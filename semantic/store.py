@@ -1,6 +1,6 @@
 """Agents' caches kept across turns and restarts: a RAM tier over a disk tier.
 
-``save`` writes the agent's cache file (``persistence``, crash-safe) before
+``save`` writes the agent's cache file (``cachefile``, crash-safe) before
 it returns, and keeps the blocks in RAM; ``load`` answers from RAM, else
 from the file, else ``None``. So every saved cache survives a crash, and the
 RAM tier only saves reading::
@@ -36,13 +36,12 @@ import logging
 import os
 import re
 import threading
-import time
-import unicodedata
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
-from semantic import persistence
+from semantic import blockplan, cachefile
+from semantic.cachefile import atomic
 from semantic.blocks import AgentBlocks, KVBlock
 from semantic.errors import (
     CacheCorruptError,
@@ -51,30 +50,24 @@ from semantic.errors import (
     PoolExhaustedError,
 )
 from semantic.pool import BlockPool
+from semantic.requests import validate_agent_id
 from semantic.spec import ModelCacheSpec
 
 log = logging.getLogger(__name__)
 
-MAX_AGENT_ID = 256
 QUARANTINE_DIR = "quarantine"
-_TMP = re.compile(r"^\..+\.(\d+)\.[0-9a-f]{8}" + re.escape(persistence.TMP_SUFFIX) + "$")
 
 
 def file_name(agent_id: str) -> str:
     """The file name that holds ``agent_id``'s cache (never a path).
 
     Raises:
-        InvalidAgentIdError: not a string of 1 to 256 characters, or it
-            contains control characters (NUL included) or lone surrogates.
+        InvalidAgentIdError: see :func:`requests.validate_agent_id`.
     """
-    if not isinstance(agent_id, str) or not 1 <= len(agent_id) <= MAX_AGENT_ID:
-        shown = agent_id if not isinstance(agent_id, str) else f"{len(agent_id)} characters"
-        raise InvalidAgentIdError(f"agent id must be a string of 1 to {MAX_AGENT_ID} characters, got {shown!r}")
-    if any(unicodedata.category(ch) in ("Cc", "Cs") for ch in agent_id):
-        raise InvalidAgentIdError(f"agent id {agent_id!r} contains control characters or lone surrogates")
+    validate_agent_id(agent_id)
     slug = re.sub(r"[^a-z0-9_-]+", "-", agent_id.lower()).strip("-")[:32] or "agent"
     digest = hashlib.sha256(agent_id.encode()).hexdigest()[:24]
-    return f"{slug}-{digest}{persistence.SUFFIX}"
+    return f"{slug}-{digest}{cachefile.SUFFIX}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,11 +160,11 @@ class AgentCacheStore:
 
     # ------------------------------------------------------------ public
 
-    def save(self, agent_id: str, blocks: AgentBlocks, prepared: persistence.PreparedSave | None = None) -> None:
+    def save(self, agent_id: str, blocks: AgentBlocks, prepared: cachefile.PreparedSave | None = None) -> None:
         """Write ``agent_id``'s cache to disk, then keep it in RAM.
 
         The store takes its own reference to the blocks; the caller keeps
-        (and may release) ``blocks``. ``prepared`` (``persistence.prepare``)
+        (and may release) ``blocks``. ``prepared`` (``cachefile.prepare``)
         lets a write-behind thread save without any MLX work of its own.
         """
         name = file_name(agent_id)
@@ -182,7 +175,7 @@ class AgentCacheStore:
             path = self.dir / name
             kept = self._retain(blocks)  # first: it refuses blocks of another pool before any write
             try:
-                info = persistence.save(
+                info = cachefile.save(
                     path, blocks, model_fingerprint=self.fingerprint, agent_id=agent_id, durable=self.durable,
                     prepared=prepared,
                 )
@@ -202,7 +195,7 @@ class AgentCacheStore:
 
         A file that fails verification is quarantined and reported as a miss.
         """
-        file_name(agent_id)
+        validate_agent_id(agent_id)
         with self._agent_lock(agent_id):
             with self._lock:
                 kept = self._ram.get(agent_id)
@@ -235,19 +228,19 @@ class AgentCacheStore:
 
     def delete(self, agent_id: str) -> bool:
         """Forget ``agent_id`` in both tiers; True if it was stored."""
-        file_name(agent_id)
+        validate_agent_id(agent_id)
         with self._agent_lock(agent_id):
             with self._lock:
                 entry = self._disk.pop(agent_id, None)
                 dropped = self._ram_pop(agent_id)
             self._release_all(dropped)
             if entry is not None:
-                _unlink(entry.path)
+                atomic.unlink_quietly(entry.path)
             return entry is not None or bool(dropped)
 
     def evict(self, agent_id: str) -> bool:
         """Drop ``agent_id`` from the RAM tier only (its file stays); True if it was there."""
-        file_name(agent_id)
+        validate_agent_id(agent_id)
         with self._lock:
             dropped = self._ram_pop(agent_id)
             self._counts["ram_evictions"] += bool(dropped)
@@ -273,6 +266,26 @@ class AgentCacheStore:
                 disk_bytes=sum(e.nbytes for e in self._disk.values()),
                 quarantined=len(self.quarantined),
             )
+
+    # ------------------------------------------------------------ the pool, for admission
+
+    @property
+    def block_tokens(self) -> int:
+        return self.pool.block_tokens
+
+    @property
+    def total_blocks(self) -> int:
+        return self.pool.total_blocks
+
+    def free_blocks(self) -> int:
+        """Blocks the pool can hand out now."""
+        with self.pool_lock:
+            return self.pool.free_count
+
+    def blocks_to_take(self, token_ids) -> int:
+        """Free blocks a cache of ``token_ids`` would take now (its blocks already pooled are shared)."""
+        with self.pool_lock:
+            return blockplan.plan_blocks(self.pool, self.spec, token_ids).need
 
     def close(self) -> None:
         """Drop the RAM tier (the files stay)."""
@@ -340,7 +353,7 @@ class AgentCacheStore:
     def _load_file(self, agent_id: str, entry: _OnDisk) -> AgentBlocks | None:
         while True:
             try:
-                return persistence.load(entry.path, self.pool, model_fingerprint=self.fingerprint, lock=self.pool_lock)
+                return cachefile.load(entry.path, self.pool, model_fingerprint=self.fingerprint, lock=self.pool_lock)
             except PoolExhaustedError:
                 # the RAM tier may be what fills the pool: give back its oldest agent and retry
                 with self._lock:
@@ -389,17 +402,13 @@ class AgentCacheStore:
                     self._counts["disk_evictions"] += entry is not None
                 self._release_all(dropped)
                 if entry is not None:
-                    _unlink(entry.path)
+                    atomic.unlink_quietly(entry.path)
             finally:
                 lock.release()
 
     def _quarantine(self, path: Path, reason: str) -> None:
-        qdir = self.dir / QUARANTINE_DIR
-        qdir.mkdir(exist_ok=True)
-        dest = qdir / f"{path.name}.{time.time_ns()}"
-        try:
-            os.replace(path, dest)
-        except FileNotFoundError:
+        dest = atomic.quarantine(path, self.dir / QUARANTINE_DIR)
+        if dest is None:
             return
         log.warning("quarantined %s -> %s: %s", path, dest, reason)
         with self._lock:
@@ -407,20 +416,13 @@ class AgentCacheStore:
 
     def _scan(self) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
+        self.cleaned.extend(atomic.remove_abandoned(self.dir))  # dead writers' temporary files
         found = []
         for path in sorted(self.dir.iterdir()):
-            if not path.is_file():
-                continue
-            tmp = _TMP.match(path.name)
-            if tmp:
-                if _leftover(path, int(tmp.group(1))):
-                    _unlink(path)
-                    self.cleaned.append(str(path))
-                continue
-            if not path.name.endswith(persistence.SUFFIX):
+            if not path.is_file() or not path.name.endswith(cachefile.SUFFIX):
                 continue
             try:
-                info = persistence.read_header(path)
+                info = cachefile.read_header(path)
             except CacheCorruptError as exc:
                 self._quarantine(path, exc.reason)
                 continue
@@ -446,34 +448,3 @@ class AgentCacheStore:
         with self._lock:
             return self._agent_locks.setdefault(agent_id, threading.Lock())
 
-
-
-def _unlink(path: Path) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-
-
-_STARTED_NS = time.time_ns()
-
-
-def _leftover(path: Path, pid: int) -> bool:
-    """Whether a temporary file was left by a writer that is gone.
-
-    A file named with our pid is in flight unless it predates this process
-    (a container restart can hand a new process its predecessor's pid).
-    """
-    if pid == os.getpid():
-        return path.stat().st_mtime_ns < _STARTED_NS
-    return not _alive(pid)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -17,7 +17,7 @@ import time
 
 import mlx.core as mx
 
-from semantic import BlockPool, LayerSpec, ModelCacheSpec, persistence
+from semantic import BlockPool, LayerSpec, ModelCacheSpec, cachefile
 from tests.cache_helpers import synthetic
 
 SPEC = ModelCacheSpec((LayerSpec("global", 4, 64, 64, "float32"),) * 8)  # 16 KiB per token
@@ -35,7 +35,7 @@ def _write_forever(path: str, versions) -> None:
     try:
         while True:
             for blocks in versions:
-                persistence.save(path, blocks, model_fingerprint=FINGERPRINT)
+                cachefile.save(path, blocks, model_fingerprint=FINGERPRINT)
     finally:
         os._exit(1)
 
@@ -48,7 +48,7 @@ def main(path: str) -> None:
     for v in versions:
         for b in v.unique_blocks():
             b.layer_data = {i: (mx.contiguous(k), mx.contiguous(vv)) for i, (k, vv) in b.layer_data.items()}
-            b.segment = None
+            b.segment_view = None
     mx.eval([b.layer_data for v in versions for b in v.unique_blocks()])
     print("ready", flush=True)
     for line in sys.stdin:

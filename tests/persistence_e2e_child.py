@@ -15,7 +15,7 @@ import sys
 import time
 
 from harness import models
-from semantic import BlockPool, BlockPoolBatchEngine, ModelCacheSpec, persistence
+from semantic import BlockPool, BlockPoolBatchEngine, ModelCacheSpec, cachefile, compat
 from tests.cache_helpers import arrays
 
 
@@ -32,7 +32,7 @@ def main(model: str, path: str, T: list[int], steps: int) -> dict:
     spec = ModelCacheSpec.from_model(loaded.model)
     engine = BlockPoolBatchEngine(loaded.model, loaded.tokenizer, BlockPool(spec, 64), spec, stop_tokens=[])
     t0 = time.perf_counter()
-    cache = persistence.load(path, engine.pool, model_fingerprint=loaded.fingerprint)
+    cache = cachefile.load(path, engine.pool, model_fingerprint=loaded.fingerprint)
     load_ms = (time.perf_counter() - t0) * 1e3
     cached_uid = engine.submit("agent", T, cache=cache, max_tokens=steps)
     fresh_uid = engine.submit("fresh", list(cache.token_ids) + T, max_tokens=steps)
@@ -43,7 +43,7 @@ def main(model: str, path: str, T: list[int], steps: int) -> dict:
     return {
         "digest": digest(cache),
         "load_ms": load_ms,
-        "mlx_lm": persistence.compat.MLX_LM_VERSION,
+        "mlx_lm": compat.MLX_LM_VERSION,
         "cached": side(done[cached_uid]),
         "fresh": side(done[fresh_uid]),
     }

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from semantic import compat, persistence
+from semantic import cachefile, compat
 from tests.cache_helpers import engine, generate, history, weights_fingerprint
 from tests.tiny_models import tiny_gemma3, tiny_llama
 
@@ -28,7 +28,7 @@ FIXTURES = {
 
 
 def fixture_path(name: str, mlx_lm_version: str = compat.MLX_LM_VERSION) -> Path:
-    return DATA / f"cache-v{persistence.FORMAT_VERSION}-{name}-mlx-lm-{mlx_lm_version}.safetensors"
+    return DATA / f"cache-v{cachefile.FORMAT_VERSION}-{name}-mlx-lm-{mlx_lm_version}.safetensors"
 
 
 def model_for(name: str):
@@ -43,9 +43,9 @@ def write() -> list[Path]:
         model = build()
         done = generate(engine(model, kv_bits), name, history(n), gen)
         path = fixture_path(name)
-        persistence.save(path, done.blocks, model_fingerprint=weights_fingerprint(model), agent_id=name)
+        cachefile.save(path, done.blocks, model_fingerprint=weights_fingerprint(model), agent_id=name)
         paths.append(path)
-    persistence.settle()
+    cachefile.settle()
     return paths
 
 

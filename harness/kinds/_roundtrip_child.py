@@ -11,7 +11,7 @@ import sys
 import time
 
 from harness import models
-from semantic import BlockPool, BlockPoolBatchEngine, ModelCacheSpec, persistence
+from semantic import BlockPool, BlockPoolBatchEngine, ModelCacheSpec, cachefile
 
 
 def main(model: str, path: str, T: list[int], steps: int) -> dict:
@@ -19,7 +19,7 @@ def main(model: str, path: str, T: list[int], steps: int) -> dict:
     spec = ModelCacheSpec.from_model(loaded.model)
     engine = BlockPoolBatchEngine(loaded.model, loaded.tokenizer, BlockPool(spec, 64), spec, stop_tokens=[])
     t0 = time.perf_counter()
-    cache = persistence.load(path, engine.pool, model_fingerprint=loaded.fingerprint)
+    cache = cachefile.load(path, engine.pool, model_fingerprint=loaded.fingerprint)
     load_ms = (time.perf_counter() - t0) * 1e3
     cached_uid = engine.submit("agent", T, cache=cache, max_tokens=steps)
     fresh_uid = engine.submit("fresh", list(cache.token_ids) + T, max_tokens=steps)

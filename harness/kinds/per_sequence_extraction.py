@@ -20,7 +20,7 @@ from harness.config import Param
 from harness.kinds import Kind, register
 from harness.kinds._engine_trials import make_engine, match_report, run_one, time_ttft
 from harness.timing import time_once
-from semantic import compat, persistence
+from semantic import cachefile, compat
 
 
 def _same_caches(a: list, b: list) -> bool:
@@ -69,10 +69,10 @@ def run(ctx) -> None:
             box = {}
 
             def save():
-                persistence.save(path, c.blocks, model_fingerprint=ctx.loaded.fingerprint)
+                cachefile.save(path, c.blocks, model_fingerprint=ctx.loaded.fingerprint)
 
             def load():  # into the second engine's empty pool: every tensor is read and verified
-                box["blocks"] = persistence.load(path, reloaded_engine.pool, model_fingerprint=ctx.loaded.fingerprint)
+                box["blocks"] = cachefile.load(path, reloaded_engine.pool, model_fingerprint=ctx.loaded.fingerprint)
 
             save_ms.append(time_once(save)[0])
             load_ms.append(time_once(load)[0])

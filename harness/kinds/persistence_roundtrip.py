@@ -25,7 +25,7 @@ from harness import plots
 from harness.config import Param
 from harness.kinds import Kind, register
 from harness.kinds._engine_trials import history_ids, make_engine, run_one
-from semantic import persistence
+from semantic import cachefile
 
 
 def run(ctx) -> None:
@@ -35,7 +35,7 @@ def run(ctx) -> None:
     T = tok.encode(p["continuation"], add_special_tokens=False)
     with tempfile.TemporaryDirectory(prefix="exp005-") as tmp:
         path = Path(tmp) / "agent.safetensors"
-        persistence.save(path, first.blocks, model_fingerprint=ctx.loaded.fingerprint)
+        cachefile.save(path, first.blocks, model_fingerprint=ctx.loaded.fingerprint)
         proc = subprocess.run(
             [sys.executable, "-m", "harness.kinds._roundtrip_child", ctx.model_name, str(path),
              ",".join(map(str, T)), str(p["continue_tokens"])],
@@ -95,5 +95,5 @@ KIND = register(Kind(
     },
     plots=frozenset({"bars"}),
     validate=_validate,
-    trial_code=(PB.measure, PB.synthetic_blocks, persistence.save, persistence.load),
+    trial_code=(PB.measure, PB.synthetic_blocks, cachefile.save, cachefile.load),
 ))

@@ -75,16 +75,12 @@ def live_caches(spec: ModelCacheSpec, tokens: int, seed: int = 0) -> list:
     key = mx.random.key(seed)
     out = []
     for i, layer in enumerate(spec.layers):
-        held = tokens if layer.kind == GLOBAL else min(tokens, layer.window)
+        held = layer.tokens_held(tokens)
         k1, k2 = mx.random.split(mx.random.fold_in(key, i) if hasattr(mx.random, "fold_in") else mx.random.key(seed * 1000 + i))
         shape = (1, layer.n_kv_heads, held, layer.head_dim)
         k = mx.random.normal(shape, key=k1).astype(layer.mx_dtype)
         v = mx.random.normal(shape, key=k2).astype(layer.mx_dtype)
-        if layer.kind == GLOBAL:
-            st = compat.LayerState(compat.KV, k, v, tokens)
-        else:
-            st = compat.LayerState(compat.ROTATING, k, v, tokens, layer.keep, layer.window, idx=held)
-        out.append(compat.build_layer(st))
+        out.append(compat.build_layer(layer.cache_state(k, v, tokens, held)))
         mx.eval(k, v)
     return out
 

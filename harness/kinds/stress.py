@@ -40,7 +40,7 @@ from harness import plots
 from harness.config import Param
 from harness.kinds import Kind, register
 from harness.kinds._agents import fresh_engine, open_scheduler
-from semantic import persistence, store as store_mod
+from semantic import cachefile, store as store_mod
 
 CANARY_LEN = 4
 
@@ -258,8 +258,8 @@ def _parity(engine, h: list[int], r, tol: float) -> tuple[bool, float]:
 def _file_leaks(cache_dir: Path, canaries: dict) -> int:
     """Cache files whose token ids hold another agent's canary (or that name the wrong agent)."""
     leaks = 0
-    for path in cache_dir.glob(f"*{persistence.SUFFIX}"):
-        info = persistence.read_header(path)
+    for path in cache_dir.glob(f"*{cachefile.SUFFIX}"):
+        info = cachefile.read_header(path)
         own = info.agent_id
         leaks += path.name != store_mod.file_name(own)
         leaks += any(_contains(tuple(info.token_ids), c) for a, c in canaries.items() if a != own)

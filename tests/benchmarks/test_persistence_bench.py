@@ -20,7 +20,7 @@ import pytest
 from mlx_lm.models import cache as C
 
 from harness.persistence_bench import SMOLLM2_135M, synthetic_blocks
-from semantic import BlockPool, ModelCacheSpec, convert, persistence
+from semantic import BlockPool, ModelCacheSpec, cachefile, convert
 
 TOKENS = 2048
 ROUNDS = 30
@@ -33,7 +33,7 @@ def files(tmp_path_factory):
     live = convert.reconstruct(blocks)
     d = tmp_path_factory.mktemp("exp005")
     ours, theirs = str(d / "ours.safetensors"), str(d / "mlxlm.safetensors")
-    persistence.save(ours, blocks, model_fingerprint="bench")
+    cachefile.save(ours, blocks, model_fingerprint="bench")
     C.save_prompt_cache(theirs, live)
     return spec, pool, blocks, live, ours, theirs
 
@@ -70,7 +70,7 @@ def test_verified_load_against_mlx_lm_load_and_the_readinto_floor(benchmark, fil
 
     def load():
         t = time.perf_counter()
-        held.append(persistence.load(ours, BlockPool(spec, pool.total_blocks)))
+        held.append(cachefile.load(ours, BlockPool(spec, pool.total_blocks)))
         times["load"].append((time.perf_counter() - t) * 1e3)
 
     for _ in range(3):  # warm-up: allocator and page cache on every side
@@ -97,12 +97,12 @@ def test_durable_save_against_mlx_lm_save(benchmark, files):
     times = {"mlxlm_save": [], "save": []}
 
     def setup():
-        persistence.settle()
+        cachefile.settle()
         times["mlxlm_save"].append(_ms(lambda: C.save_prompt_cache(theirs, live)))
 
     def save():
         t = time.perf_counter()
-        persistence.save(ours, blocks, model_fingerprint="bench")
+        cachefile.save(ours, blocks, model_fingerprint="bench")
         times["save"].append((time.perf_counter() - t) * 1e3)
 
     for _ in range(3):
@@ -117,4 +117,4 @@ def test_durable_save_against_mlx_lm_save(benchmark, files):
         save_p95_ms=float(np.percentile(times["save"], 95)),
         save_over_mlxlm_p50=p["save"] / p["mlxlm_save"],
     )
-    persistence.settle()
+    cachefile.settle()

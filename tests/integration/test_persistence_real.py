@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 
 import harness
-from semantic import BlockPool, BlockPoolBatchEngine, ModelCacheSpec, persistence
+from semantic import BlockPool, BlockPoolBatchEngine, ModelCacheSpec, cachefile
 from tests.persistence_e2e_child import digest
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -57,7 +57,7 @@ def test_a_cache_saved_here_and_loaded_in_a_fresh_process_continues_like_a_fresh
         window = spec.layers[0].window
         assert first.blocks.total_tokens > window == 512
     path = tmp_path / "agent.safetensors"
-    persistence.save(path, first.blocks, model_fingerprint=loaded.fingerprint, agent_id="agent")
+    cachefile.save(path, first.blocks, model_fingerprint=loaded.fingerprint, agent_id="agent")
 
     T = loaded.tokenizer.encode(" And then", add_special_tokens=False)
     child = subprocess.run(

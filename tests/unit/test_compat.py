@@ -161,7 +161,7 @@ def test_in_flight_cache_covers_every_reported_token(llama_tiny):
         cache = compat.extract_in_flight(gen, uid)
         assert cache[0].offset == compat.finished_cache_tokens(len(prompt), reported)
     assert compat.extract_in_flight(gen, uid + 1000) is None
-    compat.remove(gen, [uid])
+    gen.remove([uid])
     assert compat.extract_in_flight(gen, uid) is None
 
 

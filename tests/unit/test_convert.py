@@ -17,7 +17,8 @@ from semantic import (
     UnsupportedCacheError,
 )
 from semantic import compat
-from semantic.convert import extract, held_ranges, reconstruct
+from semantic.convert import extract, reconstruct
+from semantic.spec import held_ranges
 from tests.tiny_models import tiny_gemma3
 
 
@@ -188,9 +189,9 @@ def test_blocks_from_one_extraction_reconstruct_as_views_of_one_segment(llama_ti
     ids = list(range(1, 11))
     _run(llama_tiny, live, ids)
     blocks = extract(pool, live, ids)
-    segs = {id(b.segment[0]) for b in blocks.groups["global"]}
+    segs = {id(b.segment_view.segment) for b in blocks.groups["global"]}
     assert len(segs) == 1  # 3 blocks (4 + 4 + 2 tokens), one copy per layer
-    seg = blocks.groups["global"][0].segment[0]
+    seg = blocks.groups["global"][0].segment_view.segment
     rebuilt = reconstruct(blocks)
     for i, c in enumerate(rebuilt):
         assert _shares(c.keys, seg.layer_data[i][0]) and _shares(c.values, seg.layer_data[i][1])
@@ -208,7 +209,7 @@ def test_blocks_from_several_extractions_are_concatenated_into_equal_caches(llam
     second = extract(pool, live, ids)  # blocks 0-1 hit `first`, block 2 is a new segment
     assert [b.block_id for b in second.groups["global"][:2]] == [b.block_id for b in first.groups["global"]]
     rebuilt = reconstruct(second)
-    seg = second.groups["global"][2].segment[0]
+    seg = second.groups["global"][2].segment_view.segment
     for i, c in enumerate(rebuilt):
         assert not _shares(c.keys, seg.layer_data[i][0])
         assert mx.array_equal(c.keys, compat.read_layer(live[i]).keys).item()

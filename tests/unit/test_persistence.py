@@ -21,8 +21,9 @@ from semantic import (
     ModelCacheSpec,
     PoolExhaustedError,
 )
-from semantic import convert, persistence
-from semantic.persistence import DOC_HASH_KEY, DOC_KEY, FORMAT_VERSION
+from semantic import cachefile, convert
+from semantic.cachefile import atomic
+from semantic.cachefile import DOC_HASH_KEY, DOC_KEY, FORMAT_VERSION
 from tests.cache_helpers import (
     LOGPROB_TOL,
     assert_identical,
@@ -43,7 +44,7 @@ def gemma_file(gemma_tiny, tmp_path):
     eng = engine(gemma_tiny)
     done = generate(eng, "a", history(37), 6)
     path = tmp_path / "a.safetensors"
-    persistence.save(path, done.blocks, model_fingerprint="tiny-gemma")
+    cachefile.save(path, done.blocks, model_fingerprint="tiny-gemma")
     return path, done.blocks, eng
 
 
@@ -61,10 +62,10 @@ def test_a_loaded_cache_is_bit_identical_and_continues_like_a_fresh_prefill(
     model = llama_tiny if which == "llama" else gemma_tiny
     first = generate(engine(model, kv_bits), "a", history(n), 6)
     path = tmp_path / "a.safetensors"
-    persistence.save(path, first.blocks, model_fingerprint="tiny")
+    cachefile.save(path, first.blocks, model_fingerprint="tiny")
 
     eng = engine(model, kv_bits)  # a fresh pool, as after a restart
-    loaded = persistence.load(path, eng.pool, model_fingerprint="tiny")
+    loaded = cachefile.load(path, eng.pool, model_fingerprint="tiny")
     assert_identical(loaded, first.blocks)
     T = [11, 12, 13]
     cont = eng.submit("a", T, cache=loaded, max_tokens=STEPS)
@@ -79,7 +80,7 @@ def test_loading_into_a_pool_that_holds_the_prefix_shares_its_full_blocks(gemma_
     path, original, eng = gemma_file
     pool = eng.pool
     before = pool.stats()
-    loaded = persistence.load(path, pool)
+    loaded = cachefile.load(path, pool)
     assert_identical(loaded, original)
     # 43 tokens in blocks of 4: 10 full global blocks, and the window's one full sliding block
     shared = [b for b in loaded.unique_blocks() if any(b is o for o in original.unique_blocks())]
@@ -95,26 +96,26 @@ def _address(a) -> int:
 
 def test_a_file_loads_as_one_segment_per_group_that_reconstruction_hands_over_without_a_copy(gemma_file):
     path, original, eng = gemma_file
-    loaded = persistence.load(path, BlockPool(eng.spec, 64, block_tokens=4))
+    loaded = cachefile.load(path, BlockPool(eng.spec, 64, block_tokens=4))
     for group, blocks in loaded.groups.items():
-        segments = {id(b.segment[0]) for b in blocks}
+        segments = {id(b.segment_view.segment) for b in blocks}
         assert len(segments) == 1, group
-        assert [b.segment[1] for b in blocks] == list(np.cumsum([0] + [b.n_tokens for b in blocks[:-1]]))
+        assert [b.segment_view.start for b in blocks] == list(np.cumsum([0] + [b.n_tokens for b in blocks[:-1]]))
     caches = convert.reconstruct(loaded)
     for i, c in enumerate(caches):
-        seg = loaded.blocks_for_layer(i)[0].segment[0]
+        seg = loaded.blocks_for_layer(i)[0].segment_view.segment
         assert _address(c.keys) == _address(seg.layer_data[i][0])  # the segment itself, not a copy
 
 
 def test_after_a_partial_hit_each_run_of_missed_blocks_gets_a_compact_segment(gemma_file):
     path, original, eng = gemma_file
     pool = eng.pool  # it holds the original's blocks: the full ones hit
-    loaded = persistence.load(path, pool)
+    loaded = cachefile.load(path, pool)
     missed = [b for b in loaded.unique_blocks() if not any(b is o for o in original.unique_blocks())]
     assert [(b.group, b.start, b.n_tokens) for b in missed] == [
         ("sliding-w8-k0", 35, 1), ("sliding-w8-k0", 40, 3), ("global", 40, 3),
     ]
-    assert [b.segment[0].n_tokens for b in missed] == [1, 3, 3]  # copies of just these tokens
+    assert [b.segment_view.segment.n_tokens for b in missed] == [1, 3, 3]  # copies of just these tokens
     assert_identical(loaded, original)
 
 
@@ -122,7 +123,7 @@ def test_a_file_loads_into_a_pool_of_another_block_size(gemma_file, gemma_tiny):
     path, original, _ = gemma_file
     for bt in (3, 16):
         pool = BlockPool(original.spec, 64, block_tokens=bt)
-        loaded = persistence.load(path, pool)
+        loaded = cachefile.load(path, pool)
         assert loaded.block_tokens == bt
         assert_identical(loaded, original)
 
@@ -132,17 +133,17 @@ def test_bfloat16_and_float16_caches_round_trip(tmp_path):
         spec = ModelCacheSpec((LayerSpec("global", 2, 32, 16, dtype),) * 3)
         blocks = synthetic(spec, BlockPool(spec, 16, block_tokens=8), history(21), seed=3)
         path = tmp_path / f"{dtype}.safetensors"
-        persistence.save(path, blocks, model_fingerprint="synthetic")
-        assert_identical(persistence.load(path, BlockPool(spec, 16, block_tokens=8)), blocks)
+        cachefile.save(path, blocks, model_fingerprint="synthetic")
+        assert_identical(cachefile.load(path, BlockPool(spec, 16, block_tokens=8)), blocks)
 
 
 def test_an_empty_history_round_trips(tmp_path, gemma_tiny):
     spec = ModelCacheSpec.from_model(gemma_tiny)
     blocks = synthetic(ModelCacheSpec((spec.layers[1],)), BlockPool(ModelCacheSpec((spec.layers[1],)), 4), [])
     path = tmp_path / "empty.safetensors"
-    info = persistence.save(path, blocks, model_fingerprint="x")
+    info = cachefile.save(path, blocks, model_fingerprint="x")
     assert info.total_tokens == 0 and info.slots == ()
-    loaded = persistence.load(path, BlockPool(blocks.spec, 4))
+    loaded = cachefile.load(path, BlockPool(blocks.spec, 4))
     assert loaded.total_tokens == 0 and loaded.unique_blocks() == []
 
 
@@ -180,7 +181,7 @@ def test_the_file_is_plain_safetensors_with_one_document_in_its_metadata(gemma_f
 
 def test_header_reads_without_the_data(gemma_file):
     path, original, _ = gemma_file
-    info = persistence.read_header(path)
+    info = cachefile.read_header(path)
     assert info.token_ids == original.token_ids and info.spec == original.spec
     assert info.nbytes == os.path.getsize(path) and info.agent_id is None
 
@@ -246,7 +247,7 @@ def test_each_kind_of_damage_raises_cache_corrupt_error_naming_file_and_reason(g
     damage(path)
     fresh = BlockPool(eng.spec, 64, block_tokens=4)
     with pytest.raises(CacheCorruptError, match=reason) as err:
-        persistence.load(path, fresh)
+        cachefile.load(path, fresh)
     assert err.value.path == str(path) and str(path) in str(err.value)
     assert fresh.stats().used == 0
 
@@ -257,27 +258,27 @@ def test_a_failed_load_leaves_the_pool_unchanged(gemma_file):
     pool = BlockPool(eng.spec, 64, block_tokens=4)
     before = pool.stats()
     with pytest.raises(CacheCorruptError, match="checksum mismatch"):
-        persistence.load(path, pool)
+        cachefile.load(path, pool)
     assert pool.stats() == before
 
 
 def test_another_model_or_spec_raises_cache_mismatch_error(gemma_file, llama_tiny):
     path, _, eng = gemma_file
     with pytest.raises(CacheMismatchError, match="written for model 'tiny-gemma', not 'other'"):
-        persistence.load(path, BlockPool(eng.spec, 64, block_tokens=4), model_fingerprint="other")
+        cachefile.load(path, BlockPool(eng.spec, 64, block_tokens=4), model_fingerprint="other")
     llama = ModelCacheSpec.from_model(llama_tiny)
     with pytest.raises(CacheMismatchError, match="another cache spec"):
-        persistence.load(path, BlockPool(llama, 64, block_tokens=4))
+        cachefile.load(path, BlockPool(llama, 64, block_tokens=4))
     narrower = ModelCacheSpec.from_model(tiny_gemma3(window=4))
     with pytest.raises(CacheMismatchError):
-        persistence.load(path, BlockPool(narrower, 64, block_tokens=4))
+        cachefile.load(path, BlockPool(narrower, 64, block_tokens=4))
 
 
 def test_a_pool_too_small_raises_before_taking_any_block(gemma_file):
     path, _, eng = gemma_file
     pool = BlockPool(eng.spec, 5, block_tokens=4)
     with pytest.raises(PoolExhaustedError, match="need 14 free blocks"):
-        persistence.load(path, pool)
+        cachefile.load(path, pool)
     assert pool.stats().used == 0
 
 
@@ -287,17 +288,17 @@ def test_a_pool_too_small_raises_before_taking_any_block(gemma_file):
 def test_saving_replaces_the_old_file_and_leaves_no_temporary_file(gemma_file, gemma_tiny):
     path, original, eng = gemma_file
     longer = generate(eng, "a", list(original.token_ids) + [5, 6], 3).blocks
-    persistence.save(path, longer, model_fingerprint="tiny-gemma")
-    persistence.settle()  # the replaced file is deleted in the background
+    cachefile.save(path, longer, model_fingerprint="tiny-gemma")
+    cachefile.settle()  # the replaced file is deleted in the background
     assert os.listdir(path.parent) == [path.name]
-    assert_identical(persistence.load(path, BlockPool(eng.spec, 64, block_tokens=4)), longer)
+    assert_identical(cachefile.load(path, BlockPool(eng.spec, 64, block_tokens=4)), longer)
 
 
 def test_a_save_that_fails_midway_keeps_the_old_file(gemma_file, monkeypatch):
     path, original, eng = gemma_file
     before = path.read_bytes()
     calls = []
-    write = persistence._Writer.write
+    write = atomic._Writer.write
 
     def failing(self, views):  # the second tensor finds the disk full
         calls.append(len(views))
@@ -305,9 +306,9 @@ def test_a_save_that_fails_midway_keeps_the_old_file(gemma_file, monkeypatch):
             raise OSError(28, "No space left on device")
         write(self, views)
 
-    monkeypatch.setattr(persistence._Writer, "write", failing)
+    monkeypatch.setattr(atomic._Writer, "write", failing)
     with pytest.raises(OSError, match="No space left"):
-        persistence.save(path, original, model_fingerprint="tiny-gemma")
+        cachefile.save(path, original, model_fingerprint="tiny-gemma")
     assert path.read_bytes() == before
     assert os.listdir(path.parent) == [path.name]
 
@@ -315,8 +316,8 @@ def test_a_save_that_fails_midway_keeps_the_old_file(gemma_file, monkeypatch):
 def test_released_blocks_and_bad_arguments_are_refused(gemma_file, tmp_path):
     path, original, eng = gemma_file
     with pytest.raises(InvalidRequestError, match="model_fingerprint"):
-        persistence.save(tmp_path / "x.safetensors", original, model_fingerprint="")
+        cachefile.save(tmp_path / "x.safetensors", original, model_fingerprint="")
     original.release()
     with pytest.raises(CacheMismatchError, match="released"):
-        persistence.save(tmp_path / "x.safetensors", original, model_fingerprint="m")
+        cachefile.save(tmp_path / "x.safetensors", original, model_fingerprint="m")
     assert not (tmp_path / "x.safetensors").exists()

@@ -9,7 +9,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from semantic import BlockPool, persistence
+from semantic import BlockPool, cachefile
 from tests.cache_helpers import assert_identical
 from tests.persistence_child import SPEC, caches
 
@@ -42,7 +42,7 @@ def test_a_writer_killed_at_any_moment_leaves_no_file_the_old_file_or_the_new_on
                 assert not (seen["old"] or seen["new"]), "a complete file disappeared"
                 seen["absent"] += 1
                 continue
-            loaded = persistence.load(path, BlockPool(SPEC, 64, block_tokens=256))
+            loaded = cachefile.load(path, BlockPool(SPEC, 64, block_tokens=256))
             version = next(v for v in versions if v.token_ids == loaded.token_ids)
             assert_identical(loaded, version)
             # the writer alternates the two, so each is in turn the old file and the new one

@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 import xxhash
 
-from semantic import BlockPool, CacheError, persistence
-from semantic.persistence import DOC_HASH_KEY, DOC_KEY
+from semantic import BlockPool, CacheError, cachefile
+from semantic.cachefile import DOC_HASH_KEY, DOC_KEY
 from tests.cache_helpers import assert_identical, engine, generate, history
 
 CASES = 4000  # per base file; a few seconds each
@@ -71,7 +71,7 @@ def test_every_mutated_file_loads_bit_identically_or_raises_a_cache_error(
     eng = engine(model, kv_bits)
     original = generate(eng, "a", history(n), 6).blocks
     path = tmp_path / "a.safetensors"
-    persistence.save(path, original, model_fingerprint="fuzz")
+    cachefile.save(path, original, model_fingerprint="fuzz")
     raw = path.read_bytes()
     rng = np.random.default_rng(20260122 + n)
     outcomes = {"loaded": 0, "refused": 0}
@@ -80,7 +80,7 @@ def test_every_mutated_file_loads_bit_identically_or_raises_a_cache_error(
         path.write_bytes(mutated)
         pool = BlockPool(eng.spec, 64, block_tokens=4)
         try:
-            loaded = persistence.load(path, pool, model_fingerprint="fuzz")
+            loaded = cachefile.load(path, pool, model_fingerprint="fuzz")
         except CacheError:
             outcomes["refused"] += 1
             assert pool.stats().used == 0, f"case {case}: a refused load took blocks"
@@ -124,7 +124,7 @@ def test_headers_edited_behind_a_valid_checksum_load_identically_or_raise_a_cach
     eng = engine(gemma_tiny)
     original = generate(eng, "a", history(21), 4).blocks
     path = tmp_path / "a.safetensors"
-    persistence.save(path, original, model_fingerprint="fuzz")
+    cachefile.save(path, original, model_fingerprint="fuzz")
     raw = path.read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
     header, data = json.loads(raw[8 : 8 + n]), raw[8 + n :]
@@ -141,7 +141,7 @@ def test_headers_edited_behind_a_valid_checksum_load_identically_or_raise_a_cach
         blob = json.dumps(h).encode()
         path.write_bytes(struct.pack("<Q", len(blob)) + blob + data)
         try:
-            loaded = persistence.load(path, BlockPool(eng.spec, 64, block_tokens=4), model_fingerprint="fuzz")
+            loaded = cachefile.load(path, BlockPool(eng.spec, 64, block_tokens=4), model_fingerprint="fuzz")
         except CacheError:
             refused += 1
             continue

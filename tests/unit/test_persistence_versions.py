@@ -11,25 +11,25 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from semantic import persistence
+from semantic import cachefile
 from tests.cache_helpers import LOGPROB_TOL, engine, run, weights_fingerprint
 from tests.persistence_fixtures import DATA, FIXTURES, model_for
 
-FILES = sorted(DATA.glob(f"cache-v{persistence.FORMAT_VERSION}-*.safetensors"))
+FILES = sorted(DATA.glob(f"cache-v{cachefile.FORMAT_VERSION}-*.safetensors"))
 STEPS = 16
 
 
 def test_fixtures_cover_both_supported_mlx_lm_versions():
-    written = {(persistence.read_header(p).agent_id, persistence.read_header(p).mlx_lm_version[:4]) for p in FILES}
+    written = {(cachefile.read_header(p).agent_id, cachefile.read_header(p).mlx_lm_version[:4]) for p in FILES}
     assert written == {(name, v) for name in FIXTURES for v in ("0.30", "0.32")}
 
 
 @pytest.mark.parametrize("path", FILES, ids=[p.stem.split("-", 2)[2] for p in FILES])
 def test_a_file_from_either_version_loads_and_continues_like_a_fresh_prefill(path):
-    info = persistence.read_header(path)
+    info = cachefile.read_header(path)
     model, kv_bits = model_for(info.agent_id)
     eng = engine(model, kv_bits)
-    loaded = persistence.load(path, eng.pool, model_fingerprint=weights_fingerprint(model))
+    loaded = cachefile.load(path, eng.pool, model_fingerprint=weights_fingerprint(model))
     _, _, history_len, generated = FIXTURES[info.agent_id]
     assert loaded.total_tokens == history_len + generated
     T = [21, 22, 23]

@@ -16,7 +16,7 @@ from semantic import (
     InvalidAgentIdError,
     ModelCacheSpec,
 )
-from semantic import persistence
+from semantic import cachefile
 from semantic.store import QUARANTINE_DIR, file_name
 from tests.cache_helpers import LOGPROB_TOL, assert_identical, engine, generate, history, run
 
@@ -69,7 +69,7 @@ def test_a_load_after_a_save_is_a_ram_hit_and_returns_an_independent_reference(e
     store = _store(eng, tmp_path)
     store.save("a", caches["a"])
     caches["a"].release()  # the caller's reference; the store keeps its own
-    monkeypatch.setattr(persistence, "load", lambda *a, **k: pytest.fail("a RAM hit must not read the file"))
+    monkeypatch.setattr(cachefile, "load", lambda *a, **k: pytest.fail("a RAM hit must not read the file"))
     got = store.load("a")
     assert got is not None and got.total_tokens == 20
     got.release()
@@ -107,7 +107,7 @@ def test_ram_bytes_count_a_block_shared_by_two_agents_once(eng, tmp_path):
 
 
 def test_the_disk_tier_deletes_the_least_recently_used_files(eng, caches, tmp_path):
-    sizes = {a: os.path.getsize(persistence.save(tmp_path / "probe", caches[a], model_fingerprint=FP).path) for a in "abc"}
+    sizes = {a: os.path.getsize(cachefile.save(tmp_path / "probe", caches[a], model_fingerprint=FP).path) for a in "abc"}
     os.unlink(tmp_path / "probe")
     store = _store(eng, tmp_path, ram=0, disk=sizes["a"] + sizes["c"] + sizes["b"] // 2)
     store.save("a", caches["a"])
@@ -183,7 +183,7 @@ def test_a_file_damaged_after_startup_is_quarantined_on_load_and_is_a_miss(eng, 
 
 
 def test_files_of_another_model_are_left_alone(eng, caches, tmp_path):
-    persistence.save(tmp_path / file_name("a"), caches["a"], model_fingerprint="other-model", agent_id="a")
+    cachefile.save(tmp_path / file_name("a"), caches["a"], model_fingerprint="other-model", agent_id="a")
     store = _store(eng, tmp_path)
     assert store.agents() == [] and store.foreign == [str(tmp_path / file_name("a"))]
     assert _files(tmp_path) == [file_name("a")]
@@ -243,7 +243,7 @@ def test_caches_of_another_spec_or_pool_are_refused(eng, caches, tmp_path, gemma
 def test_a_full_pool_makes_room_by_dropping_ram_agents_on_load(llama_tiny, tmp_path):
     elsewhere = engine(llama_tiny)
     c = generate(elsewhere, "c", history(26, seed=3), 2).blocks  # 28 tokens: 7 blocks of 4
-    persistence.save(tmp_path / file_name("c"), c, model_fingerprint=FP, agent_id="c")
+    cachefile.save(tmp_path / file_name("c"), c, model_fingerprint=FP, agent_id="c")
     eng = engine(llama_tiny, blocks=16)
     store = _store(eng, tmp_path)
     for name, seed in (("a", 1), ("b", 2)):
@@ -263,7 +263,7 @@ def test_threads_on_different_agents_overlap_and_on_the_same_agent_serialize(eng
     in_flight: dict[str, int] = {}
     peak = {"same": 0, "all": 0}
     guard = threading.Lock()
-    real_save = persistence.save
+    real_save = cachefile.save
 
     def slow_save(path, blocks, **kw):
         agent = kw["agent_id"]
@@ -278,7 +278,7 @@ def test_threads_on_different_agents_overlap_and_on_the_same_agent_serialize(eng
             with guard:
                 in_flight[agent] -= 1
 
-    monkeypatch.setattr(persistence, "save", slow_save)
+    monkeypatch.setattr(cachefile, "save", slow_save)
     errors = []
 
     def worker(agent, seed):

@@ -1,0 +1,224 @@
+"""Loading a cache file into a block pool (see ``fileformat`` for the layout).
+
+A load checks the header against the layout the document implies and the
+file size, and every tensor it reads against its checksum, before any block
+reaches the pool; anything wrong raises :class:`CacheCorruptError`. Nothing
+is ever unpickled. It goes through the pool's hash-chained lookup
+(``blockplan``): full blocks the pool already holds are shared and their
+tensors are not even read. Each group's tensors become one segment
+(``blocks.Segment``) that the loaded blocks are views of, so reconstruction
+hands it over without a copy.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from contextlib import AbstractContextManager, nullcontext
+from typing import Iterable
+
+import mlx.core as mx
+import xxhash
+
+from semantic.blockplan import BlockPlan, PlannedBlock, chain_keys, commit, miss_runs, plan_blocks
+from semantic.blocks import AgentBlocks, KVBlock, LayerKV, Segment, SegmentView
+from semantic.cachefile.atomic import hasher
+from semantic.cachefile.fileformat import HASH, MX_DTYPES, CacheFileInfo, TensorSlot, read_header
+from semantic.errors import CacheCorruptError, CacheMismatchError
+from semantic.pool import BlockPool
+
+
+class _Replaced(Exception):
+    """The file at the path changed between reading its header and its data."""
+
+
+_READ_CHUNKS = 2  # hashing the first half overlaps reading the second where a core is free
+
+
+def _read_tensors(info: CacheFileInfo, slots: list[TensorSlot]) -> dict[str, mx.array]:
+    """The slots' tensors, evaluated and checked against their checksums.
+
+    ``mx.load`` reads straight into the arrays' memory (in parallel under
+    mlx 0.32), with no Python-side buffer and no copy; each ``mx.eval`` of a
+    chunk reads its tensors and makes the per-layer views, then the hashing
+    threads checksum them (xxhash releases the GIL) while the next chunk is
+    read.
+    """
+    if not slots:
+        return {}
+    try:
+        loaded = mx.load(info.path)
+    except (RuntimeError, ValueError, OSError) as exc:
+        raise CacheCorruptError(info.path, f"mx.load failed: {exc}") from None
+    st = os.stat(info.path)
+    if (st.st_dev, st.st_ino) != info.inode:
+        raise _Replaced
+    tensors = {}
+    for s in slots:
+        t = loaded.get(s.name)
+        if t is None or tuple(t.shape) != s.shape or t.dtype != MX_DTYPES[s.dtype]:
+            raise CacheCorruptError(info.path, f"tensor {s.name} does not load as {s.shape} {s.dtype}")
+        tensors[s.name] = t
+    names = list(tensors)
+    step = max(1, -(-len(names) // _READ_CHUNKS))
+    workers = hasher()._max_workers
+    pending = []
+    try:
+        for i in range(0, len(names), step):
+            part = names[i : i + step]
+            mx.eval([tensors[n] for n in part])
+            for w in range(workers):  # one task per thread, not per tensor
+                mine = part[w::workers]
+                if mine:
+                    pending.append((mine, hasher().submit(_digest_arrays, [tensors[n] for n in mine])))
+    except (RuntimeError, ValueError) as exc:  # e.g. the file shrank under us
+        raise CacheCorruptError(info.path, f"reading tensors failed: {exc}") from None
+    for name, got in ((n, d) for mine, fut in pending for n, d in zip(mine, fut.result())):
+        if got != info.digests[name]:
+            raise CacheCorruptError(info.path, f"tensor {name}: checksum mismatch ({HASH} {got} != {info.digests[name]})")
+    return tensors
+
+
+def _digest_arrays(arrays: list[mx.array]) -> list[str]:
+    return [xxhash.xxh3_128(_bytes(a)).hexdigest() for a in arrays]
+
+
+def _bytes(a: mx.array) -> memoryview:
+    """The raw bytes of an evaluated, row-contiguous array, without a copy."""
+    mv = memoryview(a)
+    assert mv.c_contiguous, "only row-contiguous arrays have one byte view"
+    return mv.cast("B") if mv.ndim != 1 or mv.format != "B" else mv
+
+
+class _FileBlocks:
+    """A file's tensors, served as the pool's blocks of any size.
+
+    Each group's per-layer arrays form one segment, and a missed block is a
+    view of it. When some of a group's blocks hit the pool instead, each run
+    of missed blocks is copied into a segment of its own, so the shared
+    tokens' bytes are not kept alive twice.
+    """
+
+    def __init__(self, info: CacheFileInfo):
+        self.info = info
+        self.by_group: dict[str, list[TensorSlot]] = {}
+        for s in info.slots:
+            self.by_group.setdefault(s.group, []).append(s)
+        self.arrays: dict[str, mx.array] = {}
+
+    def needed(self, planned: Iterable[PlannedBlock]) -> list[TensorSlot]:
+        """Unread tensors of every group with a block that missed the pool."""
+        groups = {p.group for p in planned if p.hit is None}
+        return [s for g, slots in self.by_group.items() if g in groups for s in slots if s.name not in self.arrays]
+
+    def read(self, slots: list[TensorSlot]) -> None:
+        self.arrays.update(_read_tensors(self.info, slots))
+
+    def layer(self, group: str, i: int) -> LayerKV:
+        """Layer ``i``'s (keys, values) over every token its group holds."""
+        parts = {(s.side, s.part): self.arrays[s.name] for s in self.by_group[group] if s.layer == i}
+        if ("keys", None) in parts:
+            return parts[("keys", None)], parts[("values", None)]
+        return tuple(tuple(parts[(side, k)] for k in range(3)) for side in ("keys", "values"))
+
+    def block_data(self, planned: BlockPlan) -> dict[int, tuple[dict[int, LayerKV], SegmentView]]:
+        """For each missed planned block (by index): its layer views and where they sit in their segment."""
+        out = {}
+        per_group = Counter(p.group for p in planned.blocks)
+        for run in miss_runs(planned.blocks):
+            first, last = planned.blocks[run[0]], planned.blocks[run[-1]]
+            lo, hi = first.start - first.shift, last.end - last.shift
+            whole = len(run) == per_group[first.group]
+            seg = Segment({}, hi - lo)
+            for i in first.layers:
+                kv = self.layer(first.group, i)
+                # all of the group: the file's arrays are the segment (no copy)
+                seg.layer_data[i] = kv if whole else _map(kv, lambda x: mx.contiguous(x[..., lo:hi, :]))
+            starts = [planned.blocks[idx].start - planned.blocks[idx].shift - lo for idx in run]
+            per_block = [{} for _ in run]
+            for i, kv in seg.layer_data.items():
+                # one split per array gives every block's view at once
+                for j, piece in enumerate(_split_kv(kv, starts[1:])):
+                    per_block[j][i] = piece
+            for idx, s0, data in zip(run, starts, per_block):
+                out[idx] = (data, SegmentView(seg, s0, dict(data)))
+        mx.eval([d for d, _ in out.values()])  # views (and, after a partial hit, copies)
+        return out
+
+
+def _map(kv: LayerKV, fn) -> LayerKV:
+    return tuple(tuple(fn(x) for x in side) if isinstance(side, tuple) else fn(side) for side in kv)
+
+
+def _split_kv(kv: LayerKV, cuts: list[int]) -> list[LayerKV]:
+    """``kv`` cut along the token axis at ``cuts``: one (keys, values) per piece."""
+    if not cuts:
+        return [kv]
+    split = _map(kv, lambda x: mx.split(x, cuts, axis=2))
+    return [_map(split, lambda pieces: pieces[j]) for j in range(len(cuts) + 1)]
+
+
+def load(
+    path: str | os.PathLike,
+    pool: BlockPool,
+    *,
+    model_fingerprint: str | None = None,
+    lock: AbstractContextManager | None = None,
+) -> AgentBlocks:
+    """Load a cache file into ``pool`` as one agent's blocks.
+
+    Full blocks already in the pool (the same tokens under the same chained
+    key) are shared, not read: only the tensors of blocks that miss are read
+    and checksummed. The pool is changed only once every read tensor has
+    been verified, and not at all when this raises.
+
+    Args:
+        path: a file written by ``save``.
+        pool: the pool to load into; its spec must be the file's.
+        model_fingerprint: when given, the file must have been written for it.
+        lock: held around every use of ``pool`` (not around file reads),
+            for callers that share the pool between threads.
+
+    Raises:
+        CacheCorruptError: the file is damaged in any way.
+        CacheMismatchError: the file belongs to another model or cache spec.
+        PoolExhaustedError: the pool cannot hold the blocks that missed.
+        FileNotFoundError: there is no file at ``path``.
+    """
+    for _ in range(3):
+        try:
+            return _load_once(os.fspath(path), pool, model_fingerprint, lock or nullcontext())
+        except _Replaced:
+            continue  # a writer renamed a new file over it meanwhile: read the new one
+    raise CacheCorruptError(path, "the file kept being replaced while it was loading")
+
+
+def _load_once(path: str, pool: BlockPool, fingerprint: str | None, lock: AbstractContextManager) -> AgentBlocks:
+    info = read_header(path)
+    pool.spec.require_same(info.spec, f"cache file {path}")
+    if fingerprint is not None and info.model_fingerprint != fingerprint:
+        raise CacheMismatchError(
+            f"cache file {path} was written for model {info.model_fingerprint!r}, not {fingerprint!r}"
+        )
+    source = _FileBlocks(info)
+    chain = chain_keys(info.token_ids, pool.block_tokens)
+    with lock:
+        planned = plan_blocks(pool, info.spec, info.token_ids, chain)
+    source.read(source.needed(planned.blocks))  # the slow part, outside the lock
+    with lock:
+        planned = plan_blocks(pool, info.spec, info.token_ids, chain)
+        late = source.needed(planned.blocks)  # hits that were recycled meanwhile
+        if late:
+            source.read(late)
+        data = source.block_data(planned)
+        by_block = {id(p): data[idx] for idx, p in enumerate(planned.blocks) if idx in data}
+        release = pool.release if isinstance(lock, nullcontext) else _locked(pool.release, lock)
+        return commit(pool, info.spec, info.token_ids, planned, lambda p: by_block[id(p)], release=release)
+
+
+def _locked(fn, lock: AbstractContextManager):
+    def call(blocks: list[KVBlock]) -> None:
+        with lock:
+            fn(blocks)
+
+    return call

@@ -1,0 +1,166 @@
+"""Saving one agent's blocks as a cache file (see ``fileformat`` for the layout).
+
+The MLX work (gathering each tensor's arrays as byte views) is :func:`prepare`,
+so a write-behind thread can call :func:`save` with it and do no MLX work of
+its own; the write itself is ``atomic.write``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from semantic.blockplan import block_spans
+from semantic.blocks import AgentBlocks, KVBlock, segment_runs
+from semantic.cachefile import atomic
+from semantic.cachefile.fileformat import (
+    MX_DTYPES,
+    CacheFileInfo,
+    TensorSlot,
+    document,
+    file_info,
+    header_bytes,
+    layout,
+)
+from semantic.errors import CacheMismatchError, CacheShapeError, InvalidRequestError
+from semantic.spec import ModelCacheSpec
+
+
+def _sources(blocks: AgentBlocks, slots: list[TensorSlot]) -> list[list[mx.array]]:
+    """Per slot, the arrays that hold its layer's tokens in order (bfloat16
+    reinterpreted as uint16, for numpy).
+
+    Blocks that are consecutive views of one segment (``blocks.Segment``)
+    become one slice of it, so a fresh extraction is one array per layer.
+    """
+    spec, total, bt = blocks.spec, blocks.total_tokens, blocks.block_tokens
+    for group, layers in spec.groups().items():
+        want = [(a, b) for a, b, _ in block_spans(spec.layers[layers[0]], total, bt)]
+        have = [(blk.start, blk.end) for blk in blocks.groups.get(group, [])]
+        if have != want:
+            raise CacheShapeError(f"group {group}: blocks hold {have[:4]}..., the layout of {total} tokens needs {want[:4]}...")
+    out = []
+    for s in slots:
+        group = blocks.groups[s.group]
+        for blk in group:
+            _check_block(blk, s)
+        out.append([a.view(mx.uint16) if a.dtype == mx.bfloat16 else a for a in _runs(group, s)])
+    mx.eval(out)  # slices and reinterpretations: views, no copies
+    return out
+
+
+def _check_block(blk: KVBlock, s: TensorSlot) -> None:
+    i = s.layer
+    a = _part(blk.layer_data[i], s)
+    shape = (1, s.shape[1], blk.n_tokens, s.shape[3])
+    if tuple(a.shape) != shape or a.dtype != MX_DTYPES[s.dtype]:
+        raise CacheShapeError(
+            f"layer {i} {s.side} [{blk.start}, {blk.end}): {tuple(a.shape)} {a.dtype}, the spec needs {shape} {s.dtype}"
+        )
+
+
+def _part(kv, s: TensorSlot):
+    x = kv[0 if s.side == "keys" else 1]
+    return x if s.part is None else x[s.part]
+
+
+def _runs(group: list[KVBlock], s: TensorSlot) -> list[mx.array]:
+    """The slot layer's arrays over the group's blocks, merging consecutive views of one segment."""
+    out = []
+    for run in segment_runs([(blk, 0, blk.n_tokens) for blk in group], s.layer):
+        x = _part(run.source.layer_data[s.layer], s)
+        out.append(x if isinstance(run.source, KVBlock) else x[..., run.start : run.stop, :])
+    return out
+
+
+def _chunks(arrays: list[mx.array]) -> list[memoryview]:
+    """The bytes of one (1, heads, tokens, dim) tensor in file order: one
+    contiguous piece per head and array. Arrays may be strided views (slices
+    of a segment), but each head's tokens are contiguous: no copy."""
+    out = []
+    nps = [np.asarray(memoryview(a)) for a in arrays]
+    for h in range(nps[0].shape[1]):
+        for x in nps:
+            piece = x[0, h]
+            if not piece.flags.c_contiguous:  # not a view we know: copy this piece
+                piece = np.ascontiguousarray(piece)
+            out.append(memoryview(piece).cast("B"))
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedSave:
+    """A cache's tensors as file-ordered byte views: all the MLX work of a save.
+
+    The views keep their arrays alive; writing them needs no MLX call, so
+    another thread can do it while MLX keeps computing.
+    """
+
+    spec: ModelCacheSpec
+    token_ids: tuple[int, ...]
+    slots: list[TensorSlot]
+    chunks: list[list[memoryview]]
+
+
+def prepare(blocks: AgentBlocks) -> PreparedSave:
+    """The byte views :func:`save` writes for ``blocks`` (no copy of segment views)."""
+    if blocks.released:
+        raise CacheMismatchError("these AgentBlocks were released; their blocks may be reused")
+    slots = layout(blocks.spec, blocks.total_tokens)
+    chunks = [_chunks(arrays) for arrays in _sources(blocks, slots)]
+    return PreparedSave(blocks.spec, blocks.token_ids, slots, chunks)
+
+
+def save(
+    path: str | os.PathLike,
+    blocks: AgentBlocks,
+    *,
+    model_fingerprint: str,
+    agent_id: str | None = None,
+    durable: bool = True,
+    prepared: PreparedSave | None = None,
+) -> CacheFileInfo:
+    """Write ``blocks`` to ``path`` atomically.
+
+    The data goes to a temporary file in the same directory while a second
+    thread checksums it; the header (with the checksums) is written last,
+    then the file is fsynced, renamed over ``path``, and the directory is
+    fsynced. A crash at any point leaves ``path`` absent, old, or new.
+
+    Args:
+        path: the file to write; its directory must exist.
+        blocks: one agent's cache; it is only read.
+        model_fingerprint: identifies the model weights; ``load`` refuses
+            the file for any other fingerprint.
+        agent_id: recorded in the document (the store lists agents by it).
+        durable: fsync file and directory. Without it a process crash is
+            still safe, but a power loss may lose the newest file.
+        prepared: ``prepare(blocks)``, made earlier on the thread that runs
+            MLX, so this call does no MLX work (a write-behind thread).
+
+    Returns:
+        The written file's :class:`CacheFileInfo`.
+    """
+    if blocks.released:
+        raise CacheMismatchError("these AgentBlocks were released; their blocks may be reused")
+    if not isinstance(model_fingerprint, str) or not model_fingerprint:
+        raise InvalidRequestError(f"model_fingerprint must be a non-empty string, got {model_fingerprint!r}")
+    if agent_id is not None and not isinstance(agent_id, str):
+        raise InvalidRequestError(f"agent_id must be a string or None, got {agent_id!r}")
+    path = os.fspath(path)
+    if prepared is None:
+        prepared = prepare(blocks)
+    elif prepared.token_ids != blocks.token_ids or prepared.spec != blocks.spec:
+        raise InvalidRequestError("prepared bytes belong to another cache than these blocks")
+    slots = prepared.slots
+    doc = document(blocks.spec, blocks.token_ids, model_fingerprint, agent_id, {s.name: "0" * 32 for s in slots})
+
+    def header(digests: list[str]) -> bytes:
+        doc["tensors"] = {s.name: d for s, d in zip(slots, digests)}
+        return header_bytes(doc, slots)
+
+    st, data_offset = atomic.write(path, header_bytes(doc, slots), prepared.chunks, header, durable)
+    return file_info(path, doc, blocks.spec, slots, st, data_offset)
