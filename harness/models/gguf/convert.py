@@ -29,7 +29,7 @@ from gguf import GGML_QUANT_SIZES, GGUFReader
 from gguf import GGMLQuantizationType as QT
 from gguf.quants import Q4_K, dequantize
 
-from harness.gguf_tokenizer import write_tokenizer
+from harness.models.gguf.tokenizer import write_tokenizer
 
 GROUP = 32
 
