@@ -76,7 +76,7 @@ def _list(args) -> int:
 
 
 def _compare(args) -> int:
-    from harness import compare
+    from harness.analysis import compare
 
     return compare.main(args.results, factor=args.factor, alpha=args.alpha)
 
