@@ -43,58 +43,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from harness.criteria import Criterion
+from harness.kinds import KINDS
+from harness.timing import Protocol
+
 TOP_KEYS = {"name", "kind", "description", "models", "model_variant", "params", "protocol", "quick", "criteria",
             "outputs"}
 VARIANT_CHOICES = ("auto", "quantized", "f32")
 PROTOCOL_KEYS = {"warmup", "trials"}
 CRITERION_KEYS = {"name", "value", "op", "threshold", "source"}
 OUTPUT_KEYS = {"plots"}
-OPS = {"==", "!=", "<", "<=", ">", ">="}
 
 
 class ConfigError(ValueError):
     """A config file that cannot be run as written."""
-
-
-@dataclass(slots=True, frozen=True)
-class Param:
-    """A parameter a kind accepts: its type, default and meaning."""
-
-    type: type
-    default: Any
-    help: str
-    choices: tuple | None = None
-
-
-@dataclass(slots=True, frozen=True)
-class Criterion:
-    """A pass criterion: ``value`` is a dotted path into the results document."""
-
-    name: str
-    value: str
-    op: str
-    threshold: Any
-    source: str = ""
-
-    def __post_init__(self):
-        if self.op not in OPS:
-            raise ValueError(f"op must be one of {sorted(OPS)}, got {self.op!r}")
-        if not self.value or not all(self.value.split(".")):
-            raise ValueError(f"value must be a dotted path such as 'metrics.ttft_ms.stats.p50', got {self.value!r}")
-
-
-@dataclass(slots=True, frozen=True)
-class Protocol:
-    """Warm-up runs (discarded) and measured trials per timed operation."""
-
-    warmup: int
-    trials: int
-
-    def __post_init__(self):
-        if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
-            raise ValueError(f"warmup must be an integer >= 0, got {self.warmup!r}")
-        if isinstance(self.trials, bool) or not isinstance(self.trials, int) or self.trials < 1:
-            raise ValueError(f"trials must be an integer >= 1, got {self.trials!r}")
 
 
 @dataclass(slots=True)
@@ -177,8 +139,6 @@ def load(path: str | Path, overrides: list[str] | None = None, quick: bool = Fal
         overrides: ``key=value`` strings with dotted keys (``params.trials=3``).
         quick: apply the file's ``[quick]`` overrides (a CPU-sized run).
     """
-    from harness.kinds import KINDS  # the registry of trial implementations
-
     path = find(path)
     try:
         doc = tomllib.loads(path.read_text())

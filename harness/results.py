@@ -15,7 +15,6 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
-import operator
 import os
 import tempfile
 from datetime import datetime, timezone
@@ -26,12 +25,11 @@ from typing import Any
 import numpy as np
 from scipy import stats as sps
 
-from harness import environment, stats, timing
+from harness import criteria, environment, stats, timing
 from harness.config import ExperimentConfig
 
 SCHEMA_VERSION = 1
 SCHEMA_PATH = Path(__file__).parent / "schema" / "results.schema.json"
-_OPS = {"==": operator.eq, "!=": operator.ne, "<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge}
 
 
 @lru_cache(maxsize=1)
@@ -56,16 +54,6 @@ def benchmark_id(config: ExperimentConfig, model: str, trial_code: list[Any], va
     for obj in trial_code:
         h.update(inspect.getsource(obj).encode())
     return h.hexdigest()[:16]
-
-
-def _resolve(doc: dict, dotted: str) -> Any:
-    node: Any = doc
-    for part in dotted.split("."):
-        if isinstance(node, dict) and part in node:
-            node = node[part]
-        else:
-            raise KeyError(dotted)
-    return node
 
 
 class Results:
@@ -136,20 +124,7 @@ class Results:
     # ------------------------------------------------------------ finishing
 
     def evaluate(self) -> list[dict]:
-        verdicts = []
-        for c in self.config.criteria:
-            try:
-                measured = _resolve(self.doc, c.value)
-                ok = bool(_OPS[c.op](measured, c.threshold))
-                note = ""
-            except KeyError:
-                measured, ok, note = None, False, f"{c.value} is not in the results"
-            except TypeError as exc:
-                measured, ok, note = _resolve(self.doc, c.value), False, f"cannot compare: {exc}"
-            verdicts.append(
-                {"name": c.name, "value": c.value, "measured": measured, "op": c.op, "threshold": c.threshold,
-                 "pass": ok, "verdict": "PASS" if ok else "FAIL", "source": c.source, "note": note}
-            )
+        verdicts = [criteria.verdict(c, self.doc) for c in self.config.criteria]
         self.doc["criteria"] = verdicts
         self.doc["verdict"] = "PASS" if all(v["pass"] for v in verdicts) else "FAIL"
         return verdicts

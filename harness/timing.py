@@ -19,7 +19,19 @@ from typing import Any, Callable
 
 import mlx.core as mx
 
-from harness.config import Protocol
+
+@dataclass(slots=True, frozen=True)
+class Protocol:
+    """Warm-up runs (discarded) and measured trials per timed operation."""
+
+    warmup: int
+    trials: int
+
+    def __post_init__(self):
+        if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
+            raise ValueError(f"warmup must be an integer >= 0, got {self.warmup!r}")
+        if isinstance(self.trials, bool) or not isinstance(self.trials, int) or self.trials < 1:
+            raise ValueError(f"trials must be an integer >= 1, got {self.trials!r}")
 
 
 @dataclass(slots=True)

@@ -10,8 +10,7 @@ of each is measured, interleaved, after materialization.
 from __future__ import annotations
 
 from harness import plots
-from harness.config import Param
-from harness.kinds import Kind, register
+from harness.kinds.base import Kind, Param, register
 from harness.kinds._engine_trials import history_ids, make_engine, match_report, run_one, time_ttft
 
 

@@ -32,8 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from harness import plots
-from harness.config import Param
-from harness.kinds import Kind, register
+from harness.kinds.base import Kind, Param, register
 from harness.kinds._agents import (
     fresh_engine,
     fresh_first_token,

@@ -16,8 +16,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from harness import plots
-from harness.config import Param
-from harness.kinds import Kind, register
+from harness.kinds.base import Kind, Param, register
 from harness.kinds._engine_trials import make_engine, match_report, run_one, time_ttft
 from harness.timing import time_once
 from semantic import compat, persistence

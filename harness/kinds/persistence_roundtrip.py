@@ -22,8 +22,7 @@ import numpy as np
 
 from harness import persistence_bench as PB
 from harness import plots
-from harness.config import Param
-from harness.kinds import Kind, register
+from harness.kinds.base import Kind, Param, register
 from harness.kinds._engine_trials import history_ids, make_engine, run_one
 from semantic import persistence
 

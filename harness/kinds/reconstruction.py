@@ -37,8 +37,7 @@ import mlx.core as mx
 import numpy as np
 
 from harness import plots
-from harness.config import Param
-from harness.kinds import Kind, register
+from harness.kinds.base import Kind, Param, register
 from harness.stats import linear_fit
 from harness.timing import Samples, time_interleaved
 from semantic import BlockPool, ModelCacheSpec, compat, convert

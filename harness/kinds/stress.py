@@ -31,8 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from harness import plots
-from harness.config import Param
-from harness.kinds import Kind, register
+from harness.kinds.base import Kind, Param, register
 from harness.kinds._agents import fresh_engine, open_scheduler
 from semantic import persistence, store as store_mod
 from semantic.reuse import common_prefix

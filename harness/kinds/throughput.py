@@ -25,8 +25,8 @@ import tempfile
 import numpy as np
 
 from harness import plots
-from harness.config import Param
-from harness.kinds import Kind, _throughput_child as child, register
+from harness.kinds import _throughput_child as child
+from harness.kinds.base import Kind, Param, register
 
 # side name -> (model variant, SEMANTIC_BLAS value); the first is the baseline
 SIDES = {
