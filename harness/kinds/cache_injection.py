@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from harness import plots
 from harness.kinds.base import Kind, Param, register
-from harness.kinds._engine_trials import history_ids, make_engine, match_report, run_one, time_ttft
+from harness.kinds.common import history_ids, make_engine, match_report, run_one, time_ttft
 
 
 def run(ctx) -> None:

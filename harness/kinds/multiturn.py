@@ -29,20 +29,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-import numpy as np
-
 from harness import plots
 from harness.kinds.base import Kind, Param, register
-from harness.kinds._agents import (
-    fresh_engine,
-    fresh_first_token,
-    open_scheduler,
-    question,
-    system_prompt,
-    text_of_tokens,
-    user_history,
-)
+from harness.kinds.agents import open_scheduler, question, system_prompt, text_of_tokens, user_history
+from harness.kinds.common import fresh_first_token, logprob_diff, make_engine
 from semantic import render_chat
+from semantic.reuse import common_prefix
 
 
 def _pair(order: int, sides: dict):
@@ -77,7 +69,7 @@ def run(ctx) -> None:
     ref_turns = set(p["reference_turns"] or range(1, rounds + 1))
     system = system_prompt(tok, p["system_tokens"])
     convo = {u: [system, *user_history(tok, u, p["history_tokens"])] for u in range(users)}
-    fresh = fresh_engine(loaded, p["pool_blocks"])
+    fresh = make_engine(loaded, p["pool_blocks"])
     fresh_first_token(fresh, tok.encode("warm up the kernels", add_special_tokens=True))
     per_turn, concurrent_ttft, decode_tps = [], [], []
     ctx.progress.total = rounds + 3
@@ -103,7 +95,7 @@ def run(ctx) -> None:
                 full = timed["uncached"]
                 row.update(uncached_ms=full.ttft_s * 1e3, new_only_ms=new_only.ttft_s * 1e3,
                            first_token_match=full.token_ids[0] == cached.token_ids[0],
-                           first_logprob_diff=abs(full.logprobs[0] - cached.logprobs[0]))
+                           first_logprob_diff=logprob_diff(full.logprobs[:1], cached.logprobs[:1]))
                 row["speedup"] = row["uncached_ms"] / row["cached_ms"]
                 row["ideal_speedup"] = row["uncached_ms"] / row["new_only_ms"]
                 row["efficiency"] = row["speedup"] / row["ideal_speedup"]
@@ -138,11 +130,8 @@ def run(ctx) -> None:
 
 
 def _common_len(seqs: list[list[int]]) -> int:
-    n = min(map(len, seqs))
-    for i in range(n):
-        if len({s[i] for s in seqs}) > 1:
-            return i
-    return n
+    """Tokens every sequence starts with."""
+    return min((common_prefix(seqs[0], s) for s in seqs[1:]), default=len(seqs[0]))
 
 
 def _restart(ctx, cache_dir: Path, convo: dict, users: int, turn: int) -> dict:

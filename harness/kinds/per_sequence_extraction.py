@@ -17,7 +17,7 @@ import mlx.core as mx
 
 from harness import plots
 from harness.kinds.base import Kind, Param, register
-from harness.kinds._engine_trials import make_engine, match_report, run_one, time_ttft
+from harness.kinds.common import make_engine, match_report, run_one, time_ttft
 from harness.timing import time_once
 from semantic import compat, persistence
 

@@ -18,12 +18,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-import numpy as np
-
 from harness import persistence_bench as PB
 from harness import plots
 from harness.kinds.base import Kind, Param, register
-from harness.kinds._engine_trials import history_ids, make_engine, run_one
+from harness.kinds.common import history_ids, logprob_diff, make_engine, run_one
 from semantic import persistence
 
 
@@ -43,7 +41,7 @@ def run(ctx) -> None:
         out = json.loads(proc.stdout.strip().splitlines()[-1])
         res.output("file_bytes", path.stat().st_size)
     cached, fresh = out["cached"], out["fresh"]
-    diff = float(np.max(np.abs(np.array(cached["logprobs"]) - np.array(fresh["logprobs"]))))
+    diff = logprob_diff(cached["logprobs"], fresh["logprobs"])
     res.output("roundtrip", {"history_tokens": first.blocks.total_tokens, "load_ms_in_fresh_process": out["load_ms"],
                              "cached_tokens": cached["tokens"], "fresh_tokens": fresh["tokens"],
                              "prefilled_with_cache": cached["prompt_tokens"], "text": tok.decode(cached["tokens"])})

@@ -31,7 +31,6 @@ from __future__ import annotations
 import dataclasses
 import gc
 import time
-from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -39,9 +38,9 @@ import numpy as np
 from harness import plots
 from harness.kinds.base import Kind, Param, register
 from harness.stats import linear_fit
-from harness.timing import Samples, time_interleaved
+from harness.timing import time_interleaved
 from semantic import BlockPool, ModelCacheSpec, compat, convert
-from semantic.spec import GLOBAL, LayerSpec
+from semantic.spec import GLOBAL
 
 BLOCK = 256
 GEMMA3_12B = {
@@ -360,13 +359,12 @@ def _with_model(ctx) -> None:
     engine tests' job), the model and engine are real.
     """
     from harness import models
-    from harness.kinds._engine_trials import time_ttft
-    from semantic import BlockPoolBatchEngine
+    from harness.kinds.common import make_engine, time_ttft
 
     p, res = ctx.params, ctx.results
     loaded = models.load(p["model"])
     spec = ModelCacheSpec.from_model(loaded.model)
-    engine = BlockPoolBatchEngine(loaded.model, loaded.tokenizer, BlockPool(spec, 256), spec, stop_tokens=[])
+    engine = make_engine(loaded, 256)
     proto = dataclasses.replace(ctx.config.protocol, trials=min(ctx.config.protocol.trials, p["model_trials"]),
                                 warmup=min(ctx.config.protocol.warmup, 1))
     follow = loaded.tokenizer.encode(" Continue.", add_special_tokens=False)

@@ -32,7 +32,8 @@ import numpy as np
 
 from harness import plots
 from harness.kinds.base import Kind, Param, register
-from harness.kinds._agents import fresh_engine, open_scheduler
+from harness.kinds.agents import open_scheduler
+from harness.kinds.common import make_engine as fresh_engine
 from semantic import persistence, store as store_mod
 from semantic.reuse import common_prefix
 
