@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from scipy import stats as sps
 
 from harness import criteria, environment, stats, timing
 from harness.config import ExperimentConfig
@@ -110,7 +109,7 @@ class Results:
     def compare(self, name: str, a: str, b: str) -> dict:
         """Paired comparison of two metrics of this run: ratio of medians a/b and a Mann-Whitney U p-value."""
         xa, xb = self.doc["metrics"][a]["samples"], self.doc["metrics"][b]["samples"]
-        p = float(sps.mannwhitneyu(xa, xb, alternative="two-sided").pvalue) if min(len(xa), len(xb)) > 1 else None
+        p = stats.mannwhitney_p(xa, xb)
         entry = {
             "a": a,
             "b": b,
