@@ -5,7 +5,7 @@ engine, save the cache with ``persistence.save``, load it in a fresh Python
 process, continue, and compare with a fresh prefill of the same tokens run
 beside it in that process.
 
-Speed (``harness.persistence_bench``): on the same synthetic caches in one
+Speed (``harness.kinds.persistence_speed``): on the same synthetic caches in one
 run, interleaved, our durable save and verified load against mlx-lm's
 ``save_prompt_cache`` / ``load_prompt_cache`` and a raw ``readinto`` floor.
 """
@@ -18,8 +18,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from harness import persistence_bench as PB
 from harness import plots
+from harness.kinds import persistence_speed as speed
 from harness.kinds.base import Kind, Param, register
 from harness.kinds.common import history_ids, logprob_diff, make_engine, run_one
 from semantic import persistence
@@ -53,17 +53,15 @@ def run(ctx) -> None:
     summaries = []
     with tempfile.TemporaryDirectory(prefix="exp005-speed-") as tmp:
         for name in geos:
-            config, tokens, trials = PB.GEOMETRIES[name]
-            geo = PB.measure(name, config, tokens, ctx.config.protocol.trials or trials,
-                             ctx.config.protocol.warmup, Path(tmp))
-            for op, xs in geo.samples_ms.items():
-                res.metric(f"{name}/{op}_ms", xs, "ms", description=f"{op}, file {geo.file_mb:.1f} MB")
-            for cmp_name, (a, b) in PB.COMPARISONS.items():
+            geo = speed.measure(name, ctx.config.protocol, Path(tmp))
+            for op, s in geo.samples.items():
+                res.metric(f"{name}/{op}_ms", s.ms, "ms", description=f"{op}, file {geo.file_mb:.1f} MB")
+            for cmp_name, (a, b) in speed.COMPARISONS.items():
                 c = res.compare(f"{name}/{cmp_name}", f"{name}/{a}_ms", f"{name}/{b}_ms")
                 res.check(f"{name}/{cmp_name}".replace("/", "_").replace("@", "_"), c["ratio_p50"])
             summaries.append(geo.summary())
             ctx.progress.update(1)
-    res.output("speed", [{k: v for k, v in s.items() if k != "samples_ms"} for s in summaries])
+    res.output("speed", summaries)
     if "bars" in ctx.config.plots and summaries:
         s = summaries[-1]
         ctx.plots.append(plots.bars_plot(
@@ -72,9 +70,9 @@ def run(ctx) -> None:
 
 
 def _validate(p: dict) -> None:
-    bad = [g for g in p["speed_geometries"] if g not in PB.GEOMETRIES]
+    bad = [g for g in p["speed_geometries"] if g not in speed.GEOMETRIES]
     if bad:
-        raise ValueError(f"speed_geometries must be among {sorted(PB.GEOMETRIES)}, got {bad}")
+        raise ValueError(f"speed_geometries must be among {sorted(speed.GEOMETRIES)}, got {bad}")
     if p["history_tokens"] <= 0 or p["max_tokens"] <= 0 or p["continue_tokens"] <= 0:
         raise ValueError("history_tokens, max_tokens and continue_tokens must be positive")
 
@@ -88,9 +86,9 @@ KIND = register(Kind(
         "continuation": Param(str, " The museum", "text continued in the fresh process"),
         "continue_tokens": Param(int, 16, "tokens generated after loading, compared with a fresh prefill"),
         "speed_geometries": Param(list, ["smollm2-135m@2k", "smollm2-135m@8k", "gemma3-12b@8k"],
-                                  f"synthetic caches timed, among {sorted(PB.GEOMETRIES)}"),
+                                  f"synthetic caches timed, among {sorted(speed.GEOMETRIES)}"),
     },
     plots=frozenset({"bars"}),
     validate=_validate,
-    trial_code=(PB.measure, PB.synthetic_blocks, persistence.save, persistence.load),
+    trial_code=(speed.measure, speed.synthetic_blocks, persistence.save, persistence.load),
 ))

@@ -37,16 +37,13 @@ import numpy as np
 
 from harness import plots
 from harness.kinds.base import Kind, Param, register
+from harness.kinds.synthetic import GEMMA3_12B, live_caches
 from harness.stats import linear_fit
 from harness.timing import time_interleaved
 from semantic import BlockPool, ModelCacheSpec, compat, convert
 from semantic.spec import GLOBAL
 
 BLOCK = 256
-GEMMA3_12B = {
-    "model_type": "gemma3", "num_hidden_layers": 48, "num_attention_heads": 16, "num_key_value_heads": 8,
-    "head_dim": 256, "hidden_size": 3840, "sliding_window": 1024, "sliding_window_pattern": 6, "torch_dtype": "bfloat16",
-}
 GEOMETRIES = ("smollm2-135m", "gemma3-270m", "gemma3-12b", "gemma3-12b-full")
 # The seed's "Expected Results" table: (blocks, layers, expected p95 ms).
 SEED_TABLE = [(1, 12, 0.1), (4, 24, 0.5), (8, 30, 1.0), (16, 30, 2.0), (32, 48, 5.0)]
@@ -66,25 +63,6 @@ def geometry(name: str) -> ModelCacheSpec:
 
 def first_layers(spec: ModelCacheSpec, n: int) -> ModelCacheSpec:
     return ModelCacheSpec(spec.layers[:n])
-
-
-def live_caches(spec: ModelCacheSpec, tokens: int, seed: int = 0) -> list:
-    """mlx-lm caches holding ``tokens`` tokens of random K/V (sliding layers: the last window)."""
-    key = mx.random.key(seed)
-    out = []
-    for i, layer in enumerate(spec.layers):
-        held = tokens if layer.kind == GLOBAL else min(tokens, layer.window)
-        k1, k2 = mx.random.split(mx.random.fold_in(key, i) if hasattr(mx.random, "fold_in") else mx.random.key(seed * 1000 + i))
-        shape = (1, layer.n_kv_heads, held, layer.head_dim)
-        k = mx.random.normal(shape, key=k1).astype(layer.mx_dtype)
-        v = mx.random.normal(shape, key=k2).astype(layer.mx_dtype)
-        if layer.kind == GLOBAL:
-            st = compat.LayerState(compat.KV, k, v, tokens)
-        else:
-            st = compat.LayerState(compat.ROTATING, k, v, tokens, layer.keep, layer.window, idx=held)
-        out.append(compat.build_layer(st))
-        mx.eval(k, v)
-    return out
 
 
 def _fragmented(pool: BlockPool, caches: list, ids: list[int]):

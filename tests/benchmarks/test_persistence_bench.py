@@ -5,8 +5,8 @@ tokens (synthetic tensors in the real geometry, bf16, 47 MB) is written both
 ways; pytest-benchmark times our side while the other sides run in the
 untimed setup before each round, so they interleave (theirs, ours, theirs,
 ...). Ratios of p50s go into ``extra_info``. The full sweep (8K tokens, the
-Gemma 3 12B geometry, JSON under results/exp_005/) is ``python -m
-harness.persistence_bench``.
+Gemma 3 12B geometry, recorded in a results document) is EXP-005's speed
+part: ``python -m harness run exp_005_persistence_roundtrip``.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from mlx_lm.models import cache as C
 
-from harness.persistence_bench import SMOLLM2_135M, synthetic_blocks
+from harness.kinds.synthetic import SMOLLM2_135M, synthetic_blocks
 from semantic import BlockPool, ModelCacheSpec, convert, persistence
 
 TOKENS = 2048
