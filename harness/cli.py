@@ -8,16 +8,6 @@ import sys
 from pathlib import Path
 
 
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) <= 0:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
-
-
 def _models(args) -> int:
     from harness import models
 
@@ -37,13 +27,6 @@ def _models(args) -> int:
                 print(f"{name} ({variant}): {'already prepared' if was else 'prepared'} at {path}")
             else:  # path
                 print(models.resolve(name, variant))
-    return 0
-
-
-def _first_exp006(args) -> int:
-    from harness.first_reconstruction import run
-
-    run(args.model, args.blocks, args.trials, args.warmup, Path(args.out))
     return 0
 
 
@@ -136,13 +119,6 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("results", nargs="+")
     rep.set_defaults(func=_report)
 
-    e = sub.add_parser("exp-006-first", help="first EXP-006 measurement: block concat vs memcpy")
-    e.add_argument("--model", default="smollm2-135m")
-    e.add_argument("--blocks", type=_int_list, default=[1, 2, 4, 8])
-    e.add_argument("--trials", type=int, default=30)
-    e.add_argument("--warmup", type=int, default=5)
-    e.add_argument("--out", default="results/exp_006")
-    e.set_defaults(func=_first_exp006)
     return p
 
 
