@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+from harness.criteria import must_haves_pass
+
 
 def _models(args) -> int:
     from harness import models
@@ -39,9 +41,15 @@ def _run(args) -> int:
     except C.ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
-    paths = runner.run(cfg, Path(args.out))
-    docs = [json.loads(p.read_text()) for p in paths]
-    return 0 if all(d["verdict"] == "PASS" for d in docs) else 1
+    paths = runner.run(cfg, Path(args.out), verbose=args.verbose)
+    return exit_code([json.loads(p.read_text()) for p in paths], strict=args.strict)
+
+
+def exit_code(docs: list[dict], strict: bool = False) -> int:
+    """0 when every must-have passed (``strict``: every criterion), else 1."""
+    if strict:
+        return 0 if all(d["verdict"] == "PASS" for d in docs) else 1
+    return 0 if all(must_haves_pass(d["criteria"]) for d in docs) else 1
 
 
 def _list(args) -> int:
@@ -65,7 +73,7 @@ def _compare(args) -> int:
 
 
 def _report(args) -> int:
-    from harness import runner
+    from harness import console
 
     paths = []
     for item in args.results:
@@ -77,7 +85,7 @@ def _report(args) -> int:
     for p in paths:
         try:
             doc = json.loads(p.read_text())
-            print(runner.summary(doc, p))
+            print(console.summary(doc, p, verbose=True))
         except (OSError, ValueError, KeyError) as exc:
             print(f"{p}: not a results document ({exc})", file=sys.stderr)
             return 2
@@ -103,6 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override a config value, dotted (params.history_tokens=64, protocol.trials=3)")
     r.add_argument("--quick", action="store_true", help="apply the config's [quick] overrides (CPU-sized)")
     r.add_argument("--out", default="results", help="results root (default: results)")
+    r.add_argument("--strict", action="store_true",
+                   help="exit 1 when any criterion fails, not only a must-have (P0): for CI")
+    r.add_argument("-v", "--verbose", action="store_true", help="also print every metric's p50 and p95")
     r.set_defaults(func=_run)
 
     ls = sub.add_parser("list", help="list experiment configs and kinds")

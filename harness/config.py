@@ -25,6 +25,7 @@ the plots to write::
     op = "=="
     threshold = true
     source = "EXP-003: with and without the cache, outputs match exactly"
+    level = "P0"             # P0 must-have (the default), P1 should-have, P2 nice-to-have, stretch
 
     [outputs]
     plots = ["cdf", "bars"]
@@ -51,7 +52,7 @@ TOP_KEYS = {"name", "kind", "description", "models", "model_variant", "params", 
             "outputs"}
 VARIANT_CHOICES = ("auto", "quantized", "f32")
 PROTOCOL_KEYS = {"warmup", "trials"}
-CRITERION_KEYS = {"name", "value", "op", "threshold", "source"}
+CRITERION_KEYS = {"name", "value", "op", "threshold", "source", "level"}
 OUTPUT_KEYS = {"plots"}
 
 
@@ -85,7 +86,7 @@ class ExperimentConfig:
             "params": dict(self.params),
             "protocol": {"warmup": self.protocol.warmup, "trials": self.protocol.trials},
             "criteria": [
-                {"name": c.name, "value": c.value, "op": c.op, "threshold": c.threshold, "source": c.source}
+                {"name": c.name, "value": c.value, "op": c.op, "threshold": c.threshold, "source": c.source, "level": c.level}
                 for c in self.criteria
             ],
             "outputs": {"plots": list(self.plots)},
@@ -228,7 +229,7 @@ def load(path: str | Path, overrides: list[str] | None = None, quick: bool = Fal
         if not isinstance(raw, dict):
             raise _fail(path, where, "must be a table")
         if set(raw) - CRITERION_KEYS or not {"name", "value", "op", "threshold"} <= set(raw):
-            raise _fail(path, where, f"needs name, value, op, threshold (and optional source); got {sorted(raw)}")
+            raise _fail(path, where, f"needs name, value, op, threshold (and optional source, level); got {sorted(raw)}")
         try:
             criteria.append(Criterion(**raw))
         except (TypeError, ValueError) as exc:

@@ -1,4 +1,9 @@
-"""Pass criteria: a measured value of the results document against a threshold."""
+"""Pass criteria: a measured value of the results document against a threshold, at a level.
+
+Levels follow the design doc: ``P0`` must-have, ``P1`` should-have, ``P2``
+nice-to-have, and ``stretch``. A run fails (non-zero exit) only on a failed
+must-have, unless ``--strict`` asks for every verdict.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,8 @@ import operator
 from dataclasses import dataclass
 from typing import Any
 
+LEVELS = ("P0", "P1", "P2", "stretch")
+MUST = "P0"
 OPS = {"==": operator.eq, "!=": operator.ne, "<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge}
 
 
@@ -18,10 +25,13 @@ class Criterion:
     op: str
     threshold: Any
     source: str = ""
+    level: str = MUST
 
     def __post_init__(self):
         if self.op not in OPS:
             raise ValueError(f"op must be one of {sorted(OPS)}, got {self.op!r}")
+        if self.level not in LEVELS:
+            raise ValueError(f"level must be one of {list(LEVELS)}, got {self.level!r}")
         if not self.value or not all(self.value.split(".")):
             raise ValueError(f"value must be a dotted path such as 'metrics.ttft_ms.stats.p50', got {self.value!r}")
 
@@ -48,4 +58,9 @@ def verdict(c: Criterion, doc: dict) -> dict:
     except TypeError as exc:
         measured, ok, note = resolve(doc, c.value), False, f"cannot compare: {exc}"
     return {"name": c.name, "value": c.value, "measured": measured, "op": c.op, "threshold": c.threshold,
-            "pass": ok, "verdict": "PASS" if ok else "FAIL", "source": c.source, "note": note}
+            "pass": ok, "verdict": "PASS" if ok else "FAIL", "level": c.level, "source": c.source, "note": note}
+
+
+def must_haves_pass(verdicts: list[dict]) -> bool:
+    """Every must-have (P0) verdict passed; entries without a level (older documents) count as must-haves."""
+    return all(v["pass"] for v in verdicts if v.get("level", MUST) == MUST)

@@ -7,7 +7,9 @@ code, as asv does: changed measurements never compare as a speed change),
 the machine, package versions, git state, the model and its fingerprint, the
 timing protocol, each metric's unit, direction, raw samples and statistics,
 named checks (exact-output comparisons and the like), paired comparisons,
-and each criterion's verdict with the measured value beside the threshold.
+and each criterion's verdict and level with the measured value beside the
+threshold; ``verdict`` is PASS when every criterion passed, ``must_haves_pass``
+when every P0 one did.
 """
 
 from __future__ import annotations
@@ -81,6 +83,7 @@ class Results:
             "outputs": {},
             "criteria": [],
             "verdict": None,
+            "must_haves_pass": None,
             "plots": [],
         }
 
@@ -126,6 +129,7 @@ class Results:
         verdicts = [criteria.verdict(c, self.doc) for c in self.config.criteria]
         self.doc["criteria"] = verdicts
         self.doc["verdict"] = "PASS" if all(v["pass"] for v in verdicts) else "FAIL"
+        self.doc["must_haves_pass"] = criteria.must_haves_pass(verdicts)
         return verdicts
 
     def write(self, out_dir: Path) -> Path:

@@ -25,6 +25,7 @@ class Kind:
     needs_model: bool = True
     validate: Callable[[dict], None] = field(default=lambda params: None)
     trial_code: tuple = ()   # objects whose source identifies what is measured
+    headline: Callable[[dict], list[str]] | None = None  # the kind's own table for the console, from the results
 
 
 KINDS: dict[str, Kind] = {}

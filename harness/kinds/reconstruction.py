@@ -269,6 +269,19 @@ def _summaries(ctx, cells: list[dict]) -> None:
                                               "EXP-006: bytes moved per second"))
 
 
+def seed_table(doc: dict) -> list[str]:
+    """The seed's "Expected Results" table, filled in with this run's p95s: ours and the seed's concatenate."""
+    rows = doc["outputs"].get("seed_table", [])
+    if not rows:
+        return []
+    lines = [f"  {'Blocks':>6} {'Layers':>6} {'Total Ops':>9} {'Expected p95':>12}   {'Actual p95: ours':>21}   {'seed concat':>16}"]
+    for r in rows:
+        lines.append(f"  {r['blocks']:>6} {r['layers']:>6} {r['total_ops']:>9} {r['expected_p95_ms']:>9.1f} ms"
+                     f"   {r['reconstruct_p95_ms']:>11.3f} ms {r['verdict_ours']:>4}"
+                     f"   {r['concat_p95_ms']:>8.3f} ms {r['verdict_seed_method']:>4}")
+    return lines
+
+
 def _validate(p: dict) -> None:
     bad = [g for g in p["geometries"] if g not in GEOMETRIES]
     if bad or not p["geometries"]:
@@ -297,6 +310,7 @@ KIND = register(Kind(
     needs_model=False,
     validate=_validate,
     trial_code=(measure_cell, live_caches, _fragmented, _first_use, convert.reconstruct, convert.extract),
+    headline=seed_table,
 ))
 
 
