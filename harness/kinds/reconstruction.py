@@ -195,8 +195,16 @@ def run(ctx) -> None:
 
 
 def _summaries(ctx, cells: list[dict]) -> None:
-    res = ctx.results
+    """The seed's table, the target ratios, flatness in block count, and the scaling fits, with their plots."""
     by = {(c["geometry"], c["blocks"], c["layers"]): c for c in cells}
+    _seed_rows(ctx, by)
+    _target_ratios(ctx.results, by)
+    _many_over_one_block(ctx.results, by)
+    _scaling(ctx, cells)
+
+
+def _seed_rows(ctx, by: dict) -> None:
+    res = ctx.results
     # the seed's table: for each row, the first configured geometry with that many layers
     table = []
     for b, n, expected in SEED_TABLE:
@@ -215,7 +223,9 @@ def _summaries(ctx, cells: list[dict]) -> None:
         res.check(f"seed_b{row['blocks']}_l{row['layers']}_reconstruct_p95_ms", row["reconstruct_p95_ms"])
         res.check(f"seed_b{row['blocks']}_l{row['layers']}_concat_p95_ms", row["concat_p95_ms"])
 
-    # target cells of the issue: ratios to memcpy, from this run
+
+def _target_ratios(res, by: dict) -> None:
+    """The goal cells (SmolLM2 at 2K tokens, Gemma 3 12B at 8K): each method's p50 over memcpy's."""
     targets = {}
     for key, (g, b, n) in {"smollm2_2k": ("smollm2-135m", 8, 30), "gemma3_12b_8k": ("gemma3-12b", 32, 48)}.items():
         if (g, b, n) in by:
@@ -230,6 +240,8 @@ def _summaries(ctx, cells: list[dict]) -> None:
         for m, r in ratios.items():
             res.check(f"{key}_{m}_over_memcpy", r)
 
+
+def _many_over_one_block(res, by: dict) -> None:
     # 32 blocks against 1 block, same geometry and layers: does reconstruction stay flat?
     flat = {}
     for (g, b, n), c in by.items():
@@ -240,8 +252,10 @@ def _summaries(ctx, cells: list[dict]) -> None:
     if flat:
         res.check("reconstruct_many_over_one_block_max", max(flat.values()))
 
+
+def _scaling(ctx, cells: list[dict]) -> None:
+    res = ctx.results
     # scaling: p50 against blocks x layers, per method, with the fit
-    x = [c["blocks"] * c["layers"] for c in cells]
     fits = {}
     series = {}
     for m in ("concat", "reconstruct", "reconstruct_fragmented", "memcpy_np", "extract"):
