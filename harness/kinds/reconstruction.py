@@ -205,7 +205,7 @@ def _summaries(ctx, cells: list[dict]) -> None:
 
 def _seed_rows(ctx, by: dict) -> None:
     res = ctx.results
-    # the seed's table: for each row, the first configured geometry with that many layers
+    # the expected-results table (SEED_TABLE): per row, the first configured geometry with that many layers
     table = []
     for b, n, expected in SEED_TABLE:
         cell = next((by[(g, b, n)] for g in ctx.params["geometries"] if (g, b, n) in by), None)
@@ -264,7 +264,7 @@ def _scaling(ctx, cells: list[dict]) -> None:
             fits[m] = linear_fit([px for px, _ in pts], [py for _, py in pts])
             series[m] = ([px for px, _ in pts], [py for _, py in pts], fits[m])
     res.output("linear_fits_p50_vs_blocks_x_layers", fits)
-    # the seeds' model counts operations; the data volume is what a copy pays for
+    # a cost per operation predicts by blocks x layers; a copy pays for the bytes it moves
     by_bytes = {}
     for m in ("concat", "reconstruct", "memcpy_np", "extract"):
         pts = [(c["bytes"], c[f"{m}_p50_ms"]) for c in cells]
