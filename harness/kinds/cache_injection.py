@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from harness import plots
 from harness.kinds.base import Kind, Param, register
-from harness.kinds.common import history_ids, make_engine, match_report, run_one, time_ttft
+from harness.kinds.common import history_ids, make_engine, match_report, record_ttft, run_one, time_ttft
 
 
 def run(ctx) -> None:
@@ -41,12 +41,9 @@ def run(ctx) -> None:
     res.check("outputs_match", report["tokens_equal"])
     res.check("max_abs_logprob_diff", report["max_abs_logprob_diff"])
 
-    ctx.progress.total = ctx.config.protocol.trials
-    samples = time_ttft(engine, (followup, blocks), (list(blocks.token_ids) + followup,), ctx.config.protocol, ctx.progress.update)
-    res.timing("ttft_injected_ms", samples["cached"], "reconstruct the blocks, prefill the follow-up, sample the first token")
-    res.timing("ttft_fresh_ms", samples["fresh"], "prefill history + turn 1 + follow-up, sample the first token")
-    cmp = res.compare("ttft", "ttft_injected_ms", "ttft_fresh_ms")
-    res.check("speedup_p50", 1.0 / cmp["ratio_p50"])
+    samples = record_ttft(ctx, engine, (followup, blocks), (list(blocks.token_ids) + followup,),
+                          "reconstruct the blocks, prefill the follow-up, sample the first token",
+                          "prefill history + turn 1 + follow-up, sample the first token")
 
     if "cdf" in ctx.config.plots:
         ctx.plots.append(plots.cdf_plot(

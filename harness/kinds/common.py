@@ -83,3 +83,17 @@ def time_ttft(engine: BlockPoolBatchEngine, cached: tuple, fresh: tuple, protoco
     )
     drain()
     return out
+
+
+def record_ttft(ctx, engine: BlockPoolBatchEngine, cached: tuple, fresh: tuple, cached_what: str, fresh_what: str):
+    """Time first tokens with :func:`time_ttft` over the config's protocol and record them as
+    ``ttft_injected_ms`` and ``ttft_fresh_ms`` (described by ``cached_what`` and ``fresh_what``), their
+    comparison ``ttft`` and the check ``speedup_p50``. Returns the samples."""
+    res = ctx.results
+    ctx.progress.total = ctx.config.protocol.trials
+    samples = time_ttft(engine, cached, fresh, ctx.config.protocol, ctx.progress.update)
+    res.timing("ttft_injected_ms", samples["cached"], cached_what)
+    res.timing("ttft_fresh_ms", samples["fresh"], fresh_what)
+    cmp = res.compare("ttft", "ttft_injected_ms", "ttft_fresh_ms")
+    res.check("speedup_p50", 1.0 / cmp["ratio_p50"])
+    return samples
