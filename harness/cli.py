@@ -33,12 +33,12 @@ def _models(args) -> int:
 
 
 def _run(args) -> int:
-    from harness import config as C
+    from harness import config
     from harness import runner
 
     try:
-        cfg = C.load(args.config, overrides=args.set, quick=args.quick)
-    except C.ConfigError as exc:
+        cfg = config.load(args.config, overrides=args.set, quick=args.quick)
+    except config.ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
     paths = runner.run(cfg, Path(args.out), verbose=args.verbose)
@@ -53,14 +53,14 @@ def exit_code(docs: list[dict], strict: bool = False) -> int:
 
 
 def _list(args) -> int:
-    from harness import config as C
+    from harness import config
     from harness.kinds import KINDS
 
-    for path in sorted(Path(args.dir or C.PACKAGED).glob("*.toml")):
+    for path in sorted(Path(args.dir or config.PACKAGED).glob("*.toml")):
         try:
-            cfg = C.load(path)
+            cfg = config.load(path)
             print(f"{path}  kind={cfg.kind}  models={','.join(cfg.models)}\n    {cfg.description}")
-        except C.ConfigError as exc:
+        except config.ConfigError as exc:
             print(f"{path}  INVALID: {exc}")
     print("kinds: " + ", ".join(sorted(KINDS)))
     return 0

@@ -11,7 +11,7 @@ from typing import Any
 from tqdm import tqdm
 
 from harness import console
-from harness import results as R
+from harness.results import Results
 from harness.config import ExperimentConfig
 from harness.kinds import KINDS
 
@@ -23,7 +23,7 @@ class Context:
     config: ExperimentConfig
     model_name: str
     loaded: Any                 # harness.models.LoadedModel, or None for synthetic kinds
-    results: R.Results
+    results: Results
     out_dir: Path
     progress: tqdm
     plots: list[Path] = field(default_factory=list)
@@ -66,7 +66,7 @@ def _run_model(config: ExperimentConfig, kind, name: str, variant: str, out_dir:
     loaded = models.load(name, variant) if kind.needs_model else None
     info = ({"path": str(loaded.path), "fingerprint": loaded.fingerprint, "variant": loaded.variant}
             if loaded else None)
-    results = R.Results(config, name, info, [kind.run, *kind.trial_code])
+    results = Results(config, name, info, [kind.run, *kind.trial_code])
     with tqdm(desc=f"{config.name} [{name}]", unit="step", leave=False) as bar:
         ctx = Context(config, name, loaded, results, out_dir, bar)
         out_dir.mkdir(parents=True, exist_ok=True)

@@ -17,7 +17,7 @@ import time
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.models import cache as C
+from mlx_lm.models import cache as mlx_cache
 
 from harness.kinds.synthetic import SMOLLM2_135M, synthetic_blocks
 from semantic import BlockPool, ModelCacheSpec, convert, persistence
@@ -34,7 +34,7 @@ def files(tmp_path_factory):
     d = tmp_path_factory.mktemp("exp005")
     ours, theirs = str(d / "ours.safetensors"), str(d / "mlxlm.safetensors")
     persistence.save(ours, blocks, model_fingerprint="bench")
-    C.save_prompt_cache(theirs, live)
+    mlx_cache.save_prompt_cache(theirs, live)
     return spec, pool, blocks, live, ours, theirs
 
 
@@ -60,7 +60,7 @@ def test_verified_load_against_mlx_lm_load_and_the_readinto_floor(benchmark, fil
             f.readinto(memoryview(buf))
 
     def mlxlm_load():
-        caches = C.load_prompt_cache(theirs)
+        caches = mlx_cache.load_prompt_cache(theirs)
         mx.eval([c.state for c in caches])
 
     def setup():
@@ -98,7 +98,7 @@ def test_durable_save_against_mlx_lm_save(benchmark, files):
 
     def setup():
         persistence.settle()
-        times["mlxlm_save"].append(_ms(lambda: C.save_prompt_cache(theirs, live)))
+        times["mlxlm_save"].append(_ms(lambda: mlx_cache.save_prompt_cache(theirs, live)))
 
     def save():
         t = time.perf_counter()

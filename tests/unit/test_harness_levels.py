@@ -7,7 +7,7 @@ import tomllib
 
 import pytest
 
-from harness import cli, config as C
+from harness import cli, config
 from harness.kinds.base import KINDS, Kind
 
 CHECK_CRITERIA = """
@@ -97,24 +97,24 @@ def test_the_console_shows_verdicts_and_where_the_json_went_and_metrics_only_wit
 
 def test_a_criterion_without_a_level_is_a_must_have(answer_kind, tmp_path):
     plain = CHECK_CRITERIA.format(must=42, stretch=0).replace('level = "P0"\n', "")
-    cfg = C.load(_config(tmp_path, plain))
+    cfg = config.load(_config(tmp_path, plain))
     assert [c.level for c in cfg.criteria] == ["P0", "stretch"]
 
 
 def test_an_unknown_level_is_a_config_error(answer_kind, tmp_path):
     bad = CHECK_CRITERIA.format(must=42, stretch=0).replace('level = "stretch"', 'level = "P9"')
-    with pytest.raises(C.ConfigError, match="criteria\\[1\\].*level must be one of"):
-        C.load(_config(tmp_path, bad))
+    with pytest.raises(config.ConfigError, match="criteria\\[1\\].*level must be one of"):
+        config.load(_config(tmp_path, bad))
 
 
 def test_every_packaged_criterion_states_its_level():
-    for path in sorted(C.PACKAGED.glob("*.toml")):
+    for path in sorted(config.PACKAGED.glob("*.toml")):
         for c in tomllib.loads(path.read_text()).get("criteria", []):
             assert c.get("level") in ("P0", "P1", "P2", "stretch"), (path.name, c["name"])
 
 
 def test_the_exp_006_one_block_comparison_is_a_stretch_goal():
-    cfg = C.load("exp_006_reconstruction")
+    cfg = config.load("exp_006_reconstruction")
     levels = {c.value: c.level for c in cfg.criteria}
     assert levels["checks.reconstruct_many_over_one_block_max"] == "stretch"
     assert levels["checks.seed_b32_l48_reconstruct_p95_ms"] == "P0"
