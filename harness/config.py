@@ -1,7 +1,7 @@
 """Declarative experiment configs: one TOML file per experiment in ``experiments/``.
 
 A config names the trial implementation (``kind``), the models, the kind's
-parameters, the timing protocol, the pass criteria (the seed's, as data) and
+parameters, the timing protocol, the pass criteria (as data, each with its source) and
 the plots to write::
 
     name = "exp_003_cache_injection"

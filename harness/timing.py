@@ -4,8 +4,8 @@ MLX is lazy: a region that returns before ``mx.eval`` has only built a graph.
 Every timed call here returns the arrays it produced; the clock stops after
 ``mx.eval`` of them and ``mx.synchronize()``. The time at which the call
 returned, before evaluation, is kept as the *lazy* time, so a prediction
-made from graph-building times (the seeds' "3 us per concatenate") can be
-shown for what it is. Peak memory is reset before and read after each trial.
+made from graph-building times (microseconds per concatenate, with nothing
+computed yet) can be shown for what it is. Peak memory is reset before and read after each trial.
 
 Several operations timed together are interleaved per trial (A B C, A B C,
 ...), so that drift in the machine's state hits every side alike.

@@ -1,6 +1,6 @@
 """EXP-003: a cache injected into the batch generator continues exactly like a fresh prefill.
 
-Turn 1 prefills a history plus the seed's prompt and generates; its cache is
+Turn 1 prefills a history plus a short prompt and generates; its cache is
 extracted into pooled blocks. Turn 2 sends a follow-up twice: once with the
 blocks injected (only the follow-up is prefilled) and once as a fresh prefill
 of the whole sequence. The outputs must match; the time to the first token
@@ -67,7 +67,7 @@ KIND = register(Kind(
     name="cache_injection",
     run=run,
     params={
-        "prompt": Param(str, "The quick brown fox jumps over the lazy", "the seed's prompt, after the history"),
+        "prompt": Param(str, "The quick brown fox jumps over the lazy", "turn 1's text, after the history"),
         "history_tokens": Param(int, 256, "tokens of built-in history text before the prompt"),
         "max_tokens": Param(int, 10, "tokens generated in turn 1"),
         "followup": Param(str, " Then the fox", "turn 2's new text"),

@@ -1,6 +1,6 @@
 """EXP-004: in one batch, each sequence's cache is extracted the moment it finishes.
 
-Three prompts (the seed's) run in one continuous batch with different token
+Three short prompts run in one continuous batch with different token
 budgets, so they finish at different steps. Each finished cache is recorded
 (layers and their types), saved to its own file, reloaded into a fresh pool
 in a new engine, and continued; each continuation must equal a fresh
@@ -136,7 +136,7 @@ KIND = register(Kind(
     name="per_sequence_extraction",
     run=run,
     params={
-        "prompts": Param(list, ["The capital of France is", "Machine learning is", "Python programming language"], "the seed's three prompts"),
+        "prompts": Param(list, ["The capital of France is", "Machine learning is", "Python programming language"], "one sequence per prompt, all in one batch"),
         "max_tokens": Param(list, [10, 4, 7], "tokens per prompt; distinct, so each finishes at its own step"),
         "continuation": Param(str, " In short,", "text appended to each sequence before continuing"),
         "continue_tokens": Param(int, 8, "tokens generated when continuing, compared with a fresh prefill"),

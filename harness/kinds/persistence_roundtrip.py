@@ -1,6 +1,6 @@
 """EXP-005: a cache saved in one process continues exactly in another; and what saving and loading cost.
 
-Round trip (the seed's ``test_cache_roundtrip_e2e``): generate with the
+Round trip: generate with the
 engine, save the cache with ``persistence.save``, load it in a fresh Python
 process, continue, and compare with a fresh prefill of the same tokens run
 beside it in that process.
