@@ -119,7 +119,7 @@ exp-throughput-full: models
 CV_CONFIG := experiments/exp_006_reconstruction.toml
 CV_SET := --set 'params.geometries=["gemma3-12b"]' --set 'params.blocks=[1,8,32]' --set 'params.layers=[48]' --set params.fragmented=false --set params.padded_tokens=0 --set 'params.model=""' --set protocol.warmup=2 --set protocol.trials=10
 compare-versions: $(COMPAT_STAMP) $(STAMP)
-	$(PY) -m harness.versions $(CV_CONFIG) --baseline $(COMPAT_PY) --candidate $(PY) $(CV_SET) --rounds 2
+	$(PY) -m harness.analysis.versions $(CV_CONFIG) --baseline $(COMPAT_PY) --candidate $(PY) $(CV_SET) --rounds 2
 
 # pytest-benchmark suite (skipped by `make test`); CI on macOS adds --benchmark-json.
 bench: models

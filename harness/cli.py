@@ -7,15 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) <= 0:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
+from harness.criteria import must_haves_pass
 
 
 def _models(args) -> int:
@@ -40,49 +32,48 @@ def _models(args) -> int:
     return 0
 
 
-def _first_exp006(args) -> int:
-    from harness.first_reconstruction import run
-
-    run(args.model, args.blocks, args.trials, args.warmup, Path(args.out))
-    return 0
-
-
 def _run(args) -> int:
-    from harness import config as C
+    from harness import config
     from harness import runner
 
     try:
-        cfg = C.load(args.config, overrides=args.set, quick=args.quick)
-    except C.ConfigError as exc:
+        cfg = config.load(args.config, overrides=args.set, quick=args.quick)
+    except config.ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
-    paths = runner.run(cfg, Path(args.out))
-    docs = [json.loads(p.read_text()) for p in paths]
-    return 0 if all(d["verdict"] == "PASS" for d in docs) else 1
+    paths = runner.run(cfg, Path(args.out), verbose=args.verbose)
+    return exit_code([json.loads(p.read_text()) for p in paths], strict=args.strict)
+
+
+def exit_code(docs: list[dict], strict: bool = False) -> int:
+    """0 when every must-have passed (``strict``: every criterion), else 1."""
+    if strict:
+        return 0 if all(d["verdict"] == "PASS" for d in docs) else 1
+    return 0 if all(must_haves_pass(d["criteria"]) for d in docs) else 1
 
 
 def _list(args) -> int:
-    from harness import config as C
+    from harness import config
     from harness.kinds import KINDS
 
-    for path in sorted(Path(args.dir or C.PACKAGED).glob("*.toml")):
+    for path in sorted(Path(args.dir or config.PACKAGED).glob("*.toml")):
         try:
-            cfg = C.load(path)
+            cfg = config.load(path)
             print(f"{path}  kind={cfg.kind}  models={','.join(cfg.models)}\n    {cfg.description}")
-        except C.ConfigError as exc:
+        except config.ConfigError as exc:
             print(f"{path}  INVALID: {exc}")
     print("kinds: " + ", ".join(sorted(KINDS)))
     return 0
 
 
 def _compare(args) -> int:
-    from harness import compare
+    from harness.analysis import compare
 
     return compare.main(args.results, factor=args.factor, alpha=args.alpha)
 
 
 def _report(args) -> int:
-    from harness import runner
+    from harness import console
 
     paths = []
     for item in args.results:
@@ -94,7 +85,7 @@ def _report(args) -> int:
     for p in paths:
         try:
             doc = json.loads(p.read_text())
-            print(runner.summary(doc, p))
+            print(console.summary(doc, p, verbose=True))
         except (OSError, ValueError, KeyError) as exc:
             print(f"{p}: not a results document ({exc})", file=sys.stderr)
             return 2
@@ -120,6 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override a config value, dotted (params.history_tokens=64, protocol.trials=3)")
     r.add_argument("--quick", action="store_true", help="apply the config's [quick] overrides (CPU-sized)")
     r.add_argument("--out", default="results", help="results root (default: results)")
+    r.add_argument("--strict", action="store_true",
+                   help="exit 1 when any criterion fails, not only a must-have (P0): for CI")
+    r.add_argument("-v", "--verbose", action="store_true", help="also print every metric's p50 and p95")
     r.set_defaults(func=_run)
 
     ls = sub.add_parser("list", help="list experiment configs and kinds")
@@ -136,13 +130,6 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("results", nargs="+")
     rep.set_defaults(func=_report)
 
-    e = sub.add_parser("exp-006-first", help="first EXP-006 measurement: block concat vs memcpy")
-    e.add_argument("--model", default="smollm2-135m")
-    e.add_argument("--blocks", type=_int_list, default=[1, 2, 4, 8])
-    e.add_argument("--trials", type=int, default=30)
-    e.add_argument("--warmup", type=int, default=5)
-    e.add_argument("--out", default="results/exp_006")
-    e.set_defaults(func=_first_exp006)
     return p
 
 

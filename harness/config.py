@@ -1,7 +1,7 @@
 """Declarative experiment configs: one TOML file per experiment in ``experiments/``.
 
 A config names the trial implementation (``kind``), the models, the kind's
-parameters, the timing protocol, the pass criteria (the seed's, as data) and
+parameters, the timing protocol, the pass criteria (as data, each with its source) and
 the plots to write::
 
     name = "exp_003_cache_injection"
@@ -25,6 +25,7 @@ the plots to write::
     op = "=="
     threshold = true
     source = "EXP-003: with and without the cache, outputs match exactly"
+    level = "P0"             # P0 must-have (the default), P1 should-have, P2 nice-to-have, stretch
 
     [outputs]
     plots = ["cdf", "bars"]
@@ -43,58 +44,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from harness.criteria import Criterion
+from harness.kinds import KINDS
+from harness.timing import Protocol
+
 TOP_KEYS = {"name", "kind", "description", "models", "model_variant", "params", "protocol", "quick", "criteria",
             "outputs"}
 VARIANT_CHOICES = ("auto", "quantized", "f32")
 PROTOCOL_KEYS = {"warmup", "trials"}
-CRITERION_KEYS = {"name", "value", "op", "threshold", "source"}
+CRITERION_KEYS = {"name", "value", "op", "threshold", "source", "level"}
 OUTPUT_KEYS = {"plots"}
-OPS = {"==", "!=", "<", "<=", ">", ">="}
 
 
 class ConfigError(ValueError):
     """A config file that cannot be run as written."""
-
-
-@dataclass(slots=True, frozen=True)
-class Param:
-    """A parameter a kind accepts: its type, default and meaning."""
-
-    type: type
-    default: Any
-    help: str
-    choices: tuple | None = None
-
-
-@dataclass(slots=True, frozen=True)
-class Criterion:
-    """A pass criterion: ``value`` is a dotted path into the results document."""
-
-    name: str
-    value: str
-    op: str
-    threshold: Any
-    source: str = ""
-
-    def __post_init__(self):
-        if self.op not in OPS:
-            raise ValueError(f"op must be one of {sorted(OPS)}, got {self.op!r}")
-        if not self.value or not all(self.value.split(".")):
-            raise ValueError(f"value must be a dotted path such as 'metrics.ttft_ms.stats.p50', got {self.value!r}")
-
-
-@dataclass(slots=True, frozen=True)
-class Protocol:
-    """Warm-up runs (discarded) and measured trials per timed operation."""
-
-    warmup: int
-    trials: int
-
-    def __post_init__(self):
-        if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
-            raise ValueError(f"warmup must be an integer >= 0, got {self.warmup!r}")
-        if isinstance(self.trials, bool) or not isinstance(self.trials, int) or self.trials < 1:
-            raise ValueError(f"trials must be an integer >= 1, got {self.trials!r}")
 
 
 @dataclass(slots=True)
@@ -123,7 +86,7 @@ class ExperimentConfig:
             "params": dict(self.params),
             "protocol": {"warmup": self.protocol.warmup, "trials": self.protocol.trials},
             "criteria": [
-                {"name": c.name, "value": c.value, "op": c.op, "threshold": c.threshold, "source": c.source}
+                {"name": c.name, "value": c.value, "op": c.op, "threshold": c.threshold, "source": c.source, "level": c.level}
                 for c in self.criteria
             ],
             "outputs": {"plots": list(self.plots)},
@@ -177,19 +140,49 @@ def load(path: str | Path, overrides: list[str] | None = None, quick: bool = Fal
         overrides: ``key=value`` strings with dotted keys (``params.trials=3``).
         quick: apply the file's ``[quick]`` overrides (a CPU-sized run).
     """
-    from harness.kinds import KINDS  # the registry of trial implementations
-
     path = find(path)
+    doc = _apply_overrides(_read(path), path, overrides or [], quick)
+    kind = _kind(doc, path)
+    spec = KINDS[kind]
+    models = _models(doc, path, spec.needs_model)
+    variant = doc.get("model_variant", "auto")
+    if variant not in VARIANT_CHOICES:
+        raise _fail(path, "model_variant", f"must be one of {list(VARIANT_CHOICES)}, got {variant!r}")
+    return ExperimentConfig(
+        path=path,
+        name=doc["name"],
+        kind=kind,
+        description=str(doc.get("description", "")),
+        models=models,
+        params=_params(doc, path, kind, spec),
+        protocol=_protocol(doc, path),
+        criteria=_criteria(doc, path),
+        plots=_plots(doc, path, kind, spec),
+        quick=quick,
+        overrides=list(overrides or []),
+        model_variant=variant,
+    )
+
+
+def _read(path: Path) -> dict:
     try:
         doc = tomllib.loads(path.read_text())
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such config file") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    _known_top_keys(doc, path)
+    return doc
 
+
+def _known_top_keys(doc: dict, path: Path) -> None:
     unknown = set(doc) - TOP_KEYS
     if unknown:
         raise _fail(path, sorted(unknown)[0], f"unknown key; allowed: {sorted(TOP_KEYS)}")
+
+
+def _apply_overrides(doc: dict, path: Path, overrides: list[str], quick: bool) -> dict:
+    """The document with the ``[quick]`` table (when ``quick``) and then each ``--set`` applied."""
     quick_table = doc.pop("quick", {})
     if not isinstance(quick_table, dict):
         raise _fail(path, "quick", "must be a table of dotted overrides")
@@ -197,83 +190,94 @@ def load(path: str | Path, overrides: list[str] | None = None, quick: bool = Fal
     if quick:
         for key, value in quick_table.items():
             _set_dotted(doc, key, value, path)
-    for item in overrides or []:
+    for item in overrides:
         key, sep, text = item.partition("=")
         if not sep or not key.strip():
             raise ConfigError(f"{path}: --set {item!r}: expected key=value, e.g. protocol.trials=3")
         _set_dotted(doc, key.strip(), _parse_value(text.strip()), path)
-    unknown = set(doc) - TOP_KEYS
-    if unknown:
-        raise _fail(path, sorted(unknown)[0], f"unknown key; allowed: {sorted(TOP_KEYS)}")
+    _known_top_keys(doc, path)
+    return doc
 
+
+def _kind(doc: dict, path: Path) -> str:
     for key in ("name", "kind"):
         if not isinstance(doc.get(key), str) or not doc[key]:
             raise _fail(path, key, "required, a non-empty string")
-    kind = doc["kind"]
-    if kind not in KINDS:
-        raise _fail(path, "kind", f"unknown kind {kind!r}; allowed: {sorted(KINDS)}")
-    spec = KINDS[kind]
+    if doc["kind"] not in KINDS:
+        raise _fail(path, "kind", f"unknown kind {doc['kind']!r}; allowed: {sorted(KINDS)}")
+    return doc["kind"]
 
+
+def _models(doc: dict, path: Path, needs_model: bool) -> list[str]:
     models = doc.get("models", [])
     if not isinstance(models, list) or not models or not all(isinstance(m, str) for m in models):
         raise _fail(path, "models", "required, a non-empty list of model names")
-    if spec.needs_model:
+    if needs_model:
         from harness.models import REGISTRY, SYNTHETIC
 
         for m in models:
             if m not in REGISTRY and m not in SYNTHETIC:
                 raise _fail(path, "models", f"unknown model {m!r}; allowed: {sorted(REGISTRY) + sorted(SYNTHETIC)}")
+    return models
 
-    variant = doc.get("model_variant", "auto")
-    if variant not in VARIANT_CHOICES:
-        raise _fail(path, "model_variant", f"must be one of {list(VARIANT_CHOICES)}, got {variant!r}")
 
+def _params(doc: dict, path: Path, kind: str, spec) -> dict[str, Any]:
+    """The kind's parameters: defaults filled in, each checked against its declaration, then the kind's own check."""
     params = doc.get("params", {})
     if not isinstance(params, dict):
         raise _fail(path, "params", "must be a table")
-    resolved = {}
     for key in params:
         if key not in spec.params:
             raise _fail(path, f"params.{key}", f"unknown parameter of kind {kind!r}; allowed: {sorted(spec.params)}")
-    for key, p in spec.params.items():
-        value = params.get(key, p.default)
-        if p.type is float and isinstance(value, int) and not isinstance(value, bool):
-            value = float(value)
-        ok = isinstance(value, p.type) and not (p.type is int and isinstance(value, bool))
-        if p.type is list:
-            ok = isinstance(value, list)
-        if not ok:
-            raise _fail(path, f"params.{key}", f"must be {p.type.__name__} ({p.help}), got {value!r}")
-        if p.choices is not None and value not in p.choices:
-            raise _fail(path, f"params.{key}", f"must be one of {list(p.choices)}, got {value!r}")
-        resolved[key] = value
+    resolved = {key: _param_value(params.get(key, p.default), p, path, key) for key, p in spec.params.items()}
     try:
         spec.validate(resolved)
     except ValueError as exc:
         raise _fail(path, "params", str(exc)) from None
+    return resolved
 
+
+def _param_value(value: Any, p, path: Path, key: str) -> Any:
+    if p.type is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    ok = isinstance(value, p.type) and not (p.type is int and isinstance(value, bool))
+    if p.type is list:
+        ok = isinstance(value, list)
+    if not ok:
+        raise _fail(path, f"params.{key}", f"must be {p.type.__name__} ({p.help}), got {value!r}")
+    if p.choices is not None and value not in p.choices:
+        raise _fail(path, f"params.{key}", f"must be one of {list(p.choices)}, got {value!r}")
+    return value
+
+
+def _protocol(doc: dict, path: Path) -> Protocol:
     proto = doc.get("protocol", {})
     if not isinstance(proto, dict):
         raise _fail(path, "protocol", f"a table with keys {sorted(PROTOCOL_KEYS)}")
     for key in sorted(set(proto) - PROTOCOL_KEYS):
         raise _fail(path, f"protocol.{key}", f"unknown key; allowed: {sorted(PROTOCOL_KEYS)}")
     try:
-        protocol = Protocol(proto.get("warmup", 1), proto.get("trials", 5))
+        return Protocol(proto.get("warmup", 1), proto.get("trials", 5))
     except ValueError as exc:
         raise _fail(path, "protocol", str(exc)) from None
 
+
+def _criteria(doc: dict, path: Path) -> list[Criterion]:
     criteria = []
     for i, raw in enumerate(doc.get("criteria", [])):
         where = f"criteria[{i}]"
         if not isinstance(raw, dict):
             raise _fail(path, where, "must be a table")
         if set(raw) - CRITERION_KEYS or not {"name", "value", "op", "threshold"} <= set(raw):
-            raise _fail(path, where, f"needs name, value, op, threshold (and optional source); got {sorted(raw)}")
+            raise _fail(path, where, f"needs name, value, op, threshold (and optional source, level); got {sorted(raw)}")
         try:
             criteria.append(Criterion(**raw))
         except (TypeError, ValueError) as exc:
             raise _fail(path, where, str(exc)) from None
+    return criteria
 
+
+def _plots(doc: dict, path: Path, kind: str, spec) -> list[str]:
     outputs = doc.get("outputs", {})
     if not isinstance(outputs, dict):
         raise _fail(path, "outputs", f"a table with keys {sorted(OUTPUT_KEYS)}")
@@ -283,18 +287,4 @@ def load(path: str | Path, overrides: list[str] | None = None, quick: bool = Fal
     bad = [p for p in plots if p not in spec.plots]
     if bad:
         raise _fail(path, "outputs.plots", f"unknown plot {bad[0]!r}; kind {kind!r} draws {sorted(spec.plots)}")
-
-    return ExperimentConfig(
-        path=path,
-        name=doc["name"],
-        kind=kind,
-        description=str(doc.get("description", "")),
-        models=models,
-        params=resolved,
-        protocol=protocol,
-        criteria=criteria,
-        plots=list(plots),
-        quick=quick,
-        overrides=list(overrides or []),
-        model_variant=variant,
-    )
+    return list(plots)

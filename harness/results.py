@@ -7,7 +7,9 @@ code, as asv does: changed measurements never compare as a speed change),
 the machine, package versions, git state, the model and its fingerprint, the
 timing protocol, each metric's unit, direction, raw samples and statistics,
 named checks (exact-output comparisons and the like), paired comparisons,
-and each criterion's verdict with the measured value beside the threshold.
+and each criterion's verdict and level with the measured value beside the
+threshold; ``verdict`` is PASS when every criterion passed, ``must_haves_pass``
+when every P0 one did.
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
-import operator
 import os
 import tempfile
 from datetime import datetime, timezone
@@ -24,14 +25,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from scipy import stats as sps
 
-from harness import environment, stats, timing
+from harness import criteria, environment, stats, timing
 from harness.config import ExperimentConfig
 
 SCHEMA_VERSION = 1
 SCHEMA_PATH = Path(__file__).parent / "schema" / "results.schema.json"
-_OPS = {"==": operator.eq, "!=": operator.ne, "<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge}
 
 
 @lru_cache(maxsize=1)
@@ -56,16 +55,6 @@ def benchmark_id(config: ExperimentConfig, model: str, trial_code: list[Any], va
     for obj in trial_code:
         h.update(inspect.getsource(obj).encode())
     return h.hexdigest()[:16]
-
-
-def _resolve(doc: dict, dotted: str) -> Any:
-    node: Any = doc
-    for part in dotted.split("."):
-        if isinstance(node, dict) and part in node:
-            node = node[part]
-        else:
-            raise KeyError(dotted)
-    return node
 
 
 class Results:
@@ -94,6 +83,7 @@ class Results:
             "outputs": {},
             "criteria": [],
             "verdict": None,
+            "must_haves_pass": None,
             "plots": [],
         }
 
@@ -122,7 +112,7 @@ class Results:
     def compare(self, name: str, a: str, b: str) -> dict:
         """Paired comparison of two metrics of this run: ratio of medians a/b and a Mann-Whitney U p-value."""
         xa, xb = self.doc["metrics"][a]["samples"], self.doc["metrics"][b]["samples"]
-        p = float(sps.mannwhitneyu(xa, xb, alternative="two-sided").pvalue) if min(len(xa), len(xb)) > 1 else None
+        p = stats.mannwhitney_p(xa, xb)
         entry = {
             "a": a,
             "b": b,
@@ -136,22 +126,10 @@ class Results:
     # ------------------------------------------------------------ finishing
 
     def evaluate(self) -> list[dict]:
-        verdicts = []
-        for c in self.config.criteria:
-            try:
-                measured = _resolve(self.doc, c.value)
-                ok = bool(_OPS[c.op](measured, c.threshold))
-                note = ""
-            except KeyError:
-                measured, ok, note = None, False, f"{c.value} is not in the results"
-            except TypeError as exc:
-                measured, ok, note = _resolve(self.doc, c.value), False, f"cannot compare: {exc}"
-            verdicts.append(
-                {"name": c.name, "value": c.value, "measured": measured, "op": c.op, "threshold": c.threshold,
-                 "pass": ok, "verdict": "PASS" if ok else "FAIL", "source": c.source, "note": note}
-            )
+        verdicts = [criteria.verdict(c, self.doc) for c in self.config.criteria]
         self.doc["criteria"] = verdicts
         self.doc["verdict"] = "PASS" if all(v["pass"] for v in verdicts) else "FAIL"
+        self.doc["must_haves_pass"] = criteria.must_haves_pass(verdicts)
         return verdicts
 
     def write(self, out_dir: Path) -> Path:

@@ -10,7 +10,8 @@ from typing import Any
 
 from tqdm import tqdm
 
-from harness import results as R
+from harness import console
+from harness.results import Results
 from harness.config import ExperimentConfig
 from harness.kinds import KINDS
 
@@ -22,7 +23,7 @@ class Context:
     config: ExperimentConfig
     model_name: str
     loaded: Any                 # harness.models.LoadedModel, or None for synthetic kinds
-    results: R.Results
+    results: Results
     out_dir: Path
     progress: tqdm
     plots: list[Path] = field(default_factory=list)
@@ -35,15 +36,15 @@ class Context:
         return self.out_dir / f"{self.results.doc['run_id']}-{name}.png"
 
 
-def run(config: ExperimentConfig, out_root: Path = Path("results")) -> list[Path]:
-    """Run every model of ``config``; return the JSON paths written."""
+def run(config: ExperimentConfig, out_root: Path = Path("results"), verbose: bool = False) -> list[Path]:
+    """Run every model of ``config``; return the JSON paths written. ``verbose`` prints every metric too."""
     from harness import models
 
     kind = KINDS[config.kind]
     out_dir = out_root / config.name
     variant = models.default_variant(config.model_variant)
     with _env(models.VARIANT_ENV, variant):  # children a kind starts load the same variant
-        return [_run_model(config, kind, name, variant, out_dir) for name in config.models]
+        return [_run_model(config, kind, name, variant, out_dir, verbose) for name in config.models]
 
 
 @contextlib.contextmanager
@@ -59,13 +60,13 @@ def _env(key: str, value: str):
             os.environ[key] = old
 
 
-def _run_model(config: ExperimentConfig, kind, name: str, variant: str, out_dir: Path) -> Path:
+def _run_model(config: ExperimentConfig, kind, name: str, variant: str, out_dir: Path, verbose: bool) -> Path:
     from harness import models
 
     loaded = models.load(name, variant) if kind.needs_model else None
     info = ({"path": str(loaded.path), "fingerprint": loaded.fingerprint, "variant": loaded.variant}
             if loaded else None)
-    results = R.Results(config, name, info, [kind.run, *kind.trial_code])
+    results = Results(config, name, info, [kind.run, *kind.trial_code])
     with tqdm(desc=f"{config.name} [{name}]", unit="step", leave=False) as bar:
         ctx = Context(config, name, loaded, results, out_dir, bar)
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -73,19 +74,5 @@ def _run_model(config: ExperimentConfig, kind, name: str, variant: str, out_dir:
     results.doc["plots"] = [p.name for p in ctx.plots]
     results.evaluate()
     path = results.write(out_dir)
-    print(summary(results.doc, path))
+    print(console.summary(results.doc, path, verbose, kind.headline))
     return path
-
-
-def summary(doc: dict, path: Path | None = None) -> str:
-    """A few lines for the terminal: verdicts and the headline medians."""
-    lines = [f"{doc['experiment']} on {doc['model']['name']}: {doc['verdict']}" + (f"  ({path})" if path else "")]
-    for c in doc["criteria"]:
-        measured = c["measured"]
-        if isinstance(measured, float):
-            measured = f"{measured:.4g}"
-        lines.append(f"  [{c['verdict']}] {c['name']}: {measured} {c['op']} {c['threshold']}" + (f"  ({c['note']})" if c.get("note") else ""))
-    for name, m in doc["metrics"].items():
-        s = m["stats"]
-        lines.append(f"  {name}: p50 {s['median']:.4g} {m['unit']}, p95 {s['p95']:.4g} (n={s['n']})")
-    return "\n".join(lines)

@@ -82,6 +82,13 @@ def summarize(samples: Sequence[float]) -> dict[str, float | int]:
     }
 
 
+def mannwhitney_p(a: Sequence[float], b: Sequence[float]) -> float | None:
+    """Two-sided Mann-Whitney U p-value of two sample sets; None when either has a single sample."""
+    if min(len(a), len(b)) < 2:
+        return None
+    return float(sps.mannwhitneyu(a, b, alternative="two-sided").pvalue)
+
+
 def linear_fit(x: Sequence[float], y: Sequence[float]) -> dict[str, float | int]:
     """Least-squares line y = slope * x + intercept (scipy.stats.linregress).
 

@@ -4,8 +4,8 @@ MLX is lazy: a region that returns before ``mx.eval`` has only built a graph.
 Every timed call here returns the arrays it produced; the clock stops after
 ``mx.eval`` of them and ``mx.synchronize()``. The time at which the call
 returned, before evaluation, is kept as the *lazy* time, so a prediction
-made from graph-building times (the seeds' "3 us per concatenate") can be
-shown for what it is. Peak memory is reset before and read after each trial.
+made from graph-building times (microseconds per concatenate, with nothing
+computed yet) can be shown for what it is. Peak memory is reset before and read after each trial.
 
 Several operations timed together are interleaved per trial (A B C, A B C,
 ...), so that drift in the machine's state hits every side alike.
@@ -19,7 +19,19 @@ from typing import Any, Callable
 
 import mlx.core as mx
 
-from harness.config import Protocol
+
+@dataclass(slots=True, frozen=True)
+class Protocol:
+    """Warm-up runs (discarded) and measured trials per timed operation."""
+
+    warmup: int
+    trials: int
+
+    def __post_init__(self):
+        if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
+            raise ValueError(f"warmup must be an integer >= 0, got {self.warmup!r}")
+        if isinstance(self.trials, bool) or not isinstance(self.trials, int) or self.trials < 1:
+            raise ValueError(f"trials must be an integer >= 1, got {self.trials!r}")
 
 
 @dataclass(slots=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models import cache as C
+from mlx_lm.models import cache as mlx_cache
 
 from semantic import BlockPool, BlockPoolBatchEngine, ModelCacheSpec, compat
 from semantic.blocks import AgentBlocks
@@ -64,7 +64,7 @@ def synthetic(spec: ModelCacheSpec, pool: BlockPool, tokens: list[int], seed: in
         assert layer.kind == "global" and not layer.kv_bits, "synthetic caches are plain global layers"
         key, kk, kv = mx.random.split(key, 3)
         shape = (1, layer.n_kv_heads, len(tokens))
-        c = C.KVCache()
+        c = mlx_cache.KVCache()
         if tokens:
             c.update_and_fetch(
                 mx.random.normal((*shape, layer.head_dim), key=kk).astype(layer.mx_dtype),

@@ -13,13 +13,14 @@ import sys
 from pathlib import Path
 
 from harness import models
-from harness.kinds._agents import fresh_engine, fresh_first_token, open_scheduler
+from harness.kinds.agents import open_scheduler
+from harness.kinds.common import fresh_first_token, logprob_diff, make_engine
 from semantic import render_chat
 
 
 def main(spec: dict) -> dict:
     loaded = models.load(spec["model"])
-    fresh = fresh_engine(loaded, spec["pool_blocks"])
+    fresh = make_engine(loaded, spec["pool_blocks"])
     fresh_first_token(fresh, loaded.tokenizer.encode("warm up the kernels"))
     sched = open_scheduler(loaded, Path(spec["cache_dir"]), spec["pool_blocks"], write_behind=False)
     turns, results = {}, {}
@@ -41,7 +42,7 @@ def main(spec: dict) -> dict:
         "reference_cached_ms": turns[ref]["ttft_ms"],
         "reference_uncached_ms": full.ttft_s * 1e3,
         "first_token_match": full.token_ids[0] == results[ref].token_ids[0],
-        "first_logprob_diff": abs(full.logprobs[0] - results[ref].logprobs[0]),
+        "first_logprob_diff": logprob_diff(full.logprobs[:1], results[ref].logprobs[:1]),
     }
 
 

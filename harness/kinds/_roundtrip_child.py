@@ -11,13 +11,13 @@ import sys
 import time
 
 from harness import models
-from semantic import BlockPool, BlockPoolBatchEngine, ModelCacheSpec, cachefile
+from harness.kinds.common import make_engine
+from semantic import cachefile
 
 
 def main(model: str, path: str, T: list[int], steps: int) -> dict:
     loaded = models.load(model)
-    spec = ModelCacheSpec.from_model(loaded.model)
-    engine = BlockPoolBatchEngine(loaded.model, loaded.tokenizer, BlockPool(spec, 64), spec, stop_tokens=[])
+    engine = make_engine(loaded, 64)
     t0 = time.perf_counter()
     cache = cachefile.load(path, engine.pool, model_fingerprint=loaded.fingerprint)
     load_ms = (time.perf_counter() - t0) * 1e3

@@ -1,6 +1,6 @@
 """EXP-003: a cache injected into the batch generator continues exactly like a fresh prefill.
 
-Turn 1 prefills a history plus the seed's prompt and generates; its cache is
+Turn 1 prefills a history plus a short prompt and generates; its cache is
 extracted into pooled blocks. Turn 2 sends a follow-up twice: once with the
 blocks injected (only the follow-up is prefilled) and once as a fresh prefill
 of the whole sequence. The outputs must match; the time to the first token
@@ -10,9 +10,8 @@ of each is measured, interleaved, after materialization.
 from __future__ import annotations
 
 from harness import plots
-from harness.config import Param
-from harness.kinds import Kind, register
-from harness.kinds._engine_trials import history_ids, make_engine, match_report, run_one, time_ttft
+from harness.kinds.base import Kind, Param, register
+from harness.kinds.common import history_ids, make_engine, match_report, record_ttft, run_one, time_ttft
 
 
 def run(ctx) -> None:
@@ -42,12 +41,9 @@ def run(ctx) -> None:
     res.check("outputs_match", report["tokens_equal"])
     res.check("max_abs_logprob_diff", report["max_abs_logprob_diff"])
 
-    ctx.progress.total = ctx.config.protocol.trials
-    samples = time_ttft(engine, (followup, blocks), (list(blocks.token_ids) + followup,), ctx.config.protocol, ctx.progress.update)
-    res.timing("ttft_injected_ms", samples["cached"], "reconstruct the blocks, prefill the follow-up, sample the first token")
-    res.timing("ttft_fresh_ms", samples["fresh"], "prefill history + turn 1 + follow-up, sample the first token")
-    cmp = res.compare("ttft", "ttft_injected_ms", "ttft_fresh_ms")
-    res.check("speedup_p50", 1.0 / cmp["ratio_p50"])
+    samples = record_ttft(ctx, engine, (followup, blocks), (list(blocks.token_ids) + followup,),
+                          "reconstruct the blocks, prefill the follow-up, sample the first token",
+                          "prefill history + turn 1 + follow-up, sample the first token")
 
     if "cdf" in ctx.config.plots:
         ctx.plots.append(plots.cdf_plot(
@@ -71,7 +67,7 @@ KIND = register(Kind(
     name="cache_injection",
     run=run,
     params={
-        "prompt": Param(str, "The quick brown fox jumps over the lazy", "the seed's prompt, after the history"),
+        "prompt": Param(str, "The quick brown fox jumps over the lazy", "turn 1's text, after the history"),
         "history_tokens": Param(int, 256, "tokens of built-in history text before the prompt"),
         "max_tokens": Param(int, 10, "tokens generated in turn 1"),
         "followup": Param(str, " Then the fox", "turn 2's new text"),

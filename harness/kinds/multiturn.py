@@ -29,21 +29,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-import numpy as np
-
 from harness import plots
-from harness.config import Param
-from harness.kinds import Kind, register
-from harness.kinds._agents import (
-    fresh_engine,
-    fresh_first_token,
-    open_scheduler,
-    question,
-    system_prompt,
-    text_of_tokens,
-    user_history,
-)
+from harness.kinds.base import Kind, Param, register
+from harness.kinds.agents import open_scheduler, question, system_prompt, text_of_tokens, user_history
+from harness.kinds.common import fresh_first_token, logprob_diff, make_engine
 from semantic import render_chat
+from semantic.reuse import common_prefix
 
 
 def _pair(order: int, sides: dict):
@@ -72,13 +63,13 @@ def _bytes_report(scheds_blocks: dict, spec, shared_tokens: int) -> dict:
 
 
 def run(ctx) -> None:
-    p, loaded, res = ctx.params, ctx.loaded, ctx.results
+    p, loaded = ctx.params, ctx.loaded
     tok = loaded.tokenizer
     users, rounds = p["users"], p["rounds"]
     ref_turns = set(p["reference_turns"] or range(1, rounds + 1))
     system = system_prompt(tok, p["system_tokens"])
     convo = {u: [system, *user_history(tok, u, p["history_tokens"])] for u in range(users)}
-    fresh = fresh_engine(loaded, p["pool_blocks"])
+    fresh = make_engine(loaded, p["pool_blocks"])
     fresh_first_token(fresh, tok.encode("warm up the kernels", add_special_tokens=True))
     per_turn, concurrent_ttft, decode_tps = [], [], []
     ctx.progress.total = rounds + 3
@@ -86,28 +77,7 @@ def run(ctx) -> None:
     sched = open_scheduler(loaded, cache_dir, p["pool_blocks"], max_batch=max(users, p["sharing_agents"]))
     try:
         for turn in range(1, rounds + 1):
-            for u in range(users):
-                convo[u].append(question(tok, u, turn, p["question_tokens"]))
-            others = {u: sched.submit(f"user-{u}", convo[u], p["answer_tokens"], timeout=None) for u in range(1, users)}
-            got = {u: f.result() for u, f in others.items()}
-            ids0 = render_chat(tok, convo[0])
-            row = {"turn": turn, "context_tokens": len(ids0)}
-            sides = {"cached": lambda: sched.submit("user-0", convo[0], p["answer_tokens"], timeout=None).result()}
-            if turn in ref_turns:
-                sides["uncached"] = lambda: fresh_first_token(fresh, ids0)
-            timed = _pair(turn, sides)
-            got[0] = cached = timed["cached"]
-            row.update(cached_ms=cached.ttft_s * 1e3, new_tokens=cached.prompt_tokens,
-                       cached_tokens=cached.cached_tokens, reuse=cached.reuse)
-            if "uncached" in timed:
-                new_only = fresh_first_token(fresh, ids0[-cached.prompt_tokens:])
-                full = timed["uncached"]
-                row.update(uncached_ms=full.ttft_s * 1e3, new_only_ms=new_only.ttft_s * 1e3,
-                           first_token_match=full.token_ids[0] == cached.token_ids[0],
-                           first_logprob_diff=abs(full.logprobs[0] - cached.logprobs[0]))
-                row["speedup"] = row["uncached_ms"] / row["cached_ms"]
-                row["ideal_speedup"] = row["uncached_ms"] / row["new_only_ms"]
-                row["efficiency"] = row["speedup"] / row["ideal_speedup"]
+            row, got = _round(sched, fresh, tok, convo, turn, p, turn in ref_turns)
             per_turn.append(row)
             for u, r in got.items():
                 if turn > 1 and u:
@@ -116,16 +86,7 @@ def run(ctx) -> None:
                 convo[u].append({"role": "assistant", "content": r.text})
             ctx.progress.update(1)
 
-        # prefix sharing: more agents with the same system prompt, each with a short question of its own
-        share = {f"share-{i}": [system, question(tok, 1000 + i, 1, p["question_tokens"])] for i in range(p["sharing_agents"])}
-        futures = {a: sched.submit(a, m, p["answer_tokens"], timeout=None) for a, m in share.items()}
-        share_results = {a: f.result() for a, f in futures.items()}
-        sched.flush()
-        bt = sched.store.pool.block_tokens
-        shared_tokens = _common_len([render_chat(tok, m) for m in share.values()])
-        mem = _bytes_report({a: sched.resident_cache(a) for a in share}, sched.store.spec, shared_tokens)
-        mem["shared_whole_blocks"] = shared_tokens // bt
-        mem["reuse_of_later_agents"] = sorted({r.reuse for a, r in share_results.items()})
+        mem = _sharing(sched, tok, system, p)
         stats = sched.stats()
         ctx.progress.update(1)
 
@@ -138,12 +99,54 @@ def run(ctx) -> None:
     _record(ctx, per_turn, concurrent_ttft, decode_tps, stats, mem, restart, ref_turns)
 
 
+def _round(sched, fresh, tok, convo: dict, turn: int, p: dict, reference: bool) -> tuple[dict, dict]:
+    """One round: every user asks; users 1.. run together, then user 0 alone through the scheduler
+    and, on a ``reference`` turn, also as a full re-prefill and a prefill of only the new tokens.
+    Returns user 0's row and every user's Completion."""
+    users = len(convo)
+    for u in range(users):
+        convo[u].append(question(tok, u, turn, p["question_tokens"]))
+    others = {u: sched.submit(f"user-{u}", convo[u], p["answer_tokens"], timeout=None) for u in range(1, users)}
+    got = {u: f.result() for u, f in others.items()}
+    ids0 = render_chat(tok, convo[0])
+    row = {"turn": turn, "context_tokens": len(ids0)}
+    sides = {"cached": lambda: sched.submit("user-0", convo[0], p["answer_tokens"], timeout=None).result()}
+    if reference:
+        sides["uncached"] = lambda: fresh_first_token(fresh, ids0)
+    timed = _pair(turn, sides)
+    got[0] = cached = timed["cached"]
+    row.update(cached_ms=cached.ttft_s * 1e3, new_tokens=cached.prompt_tokens,
+               cached_tokens=cached.cached_tokens, reuse=cached.reuse)
+    if "uncached" in timed:
+        new_only = fresh_first_token(fresh, ids0[-cached.prompt_tokens:])
+        full = timed["uncached"]
+        row.update(uncached_ms=full.ttft_s * 1e3, new_only_ms=new_only.ttft_s * 1e3,
+                   first_token_match=full.token_ids[0] == cached.token_ids[0],
+                   first_logprob_diff=logprob_diff(full.logprobs[:1], cached.logprobs[:1]))
+        row["speedup"] = row["uncached_ms"] / row["cached_ms"]
+        row["ideal_speedup"] = row["uncached_ms"] / row["new_only_ms"]
+        row["efficiency"] = row["speedup"] / row["ideal_speedup"]
+    return row, got
+
+
+def _sharing(sched, tok, system: dict, p: dict) -> dict:
+    """Prefix sharing: ``sharing_agents`` more agents with the same system prompt, each with a short
+    question of its own; the resident bytes of their caches."""
+    share = {f"share-{i}": [system, question(tok, 1000 + i, 1, p["question_tokens"])] for i in range(p["sharing_agents"])}
+    futures = {a: sched.submit(a, m, p["answer_tokens"], timeout=None) for a, m in share.items()}
+    share_results = {a: f.result() for a, f in futures.items()}
+    sched.flush()
+    bt = sched.store.pool.block_tokens
+    shared_tokens = _common_len([render_chat(tok, m) for m in share.values()])
+    mem = _bytes_report({a: sched.resident_cache(a) for a in share}, sched.store.spec, shared_tokens)
+    mem["shared_whole_blocks"] = shared_tokens // bt
+    mem["reuse_of_later_agents"] = sorted({r.reuse for a, r in share_results.items()})
+    return mem
+
+
 def _common_len(seqs: list[list[int]]) -> int:
-    n = min(map(len, seqs))
-    for i in range(n):
-        if len({s[i] for s in seqs}) > 1:
-            return i
-    return n
+    """Tokens every sequence starts with."""
+    return min((common_prefix(seqs[0], s) for s in seqs[1:]), default=len(seqs[0]))
 
 
 def _restart(ctx, cache_dir: Path, convo: dict, users: int, turn: int) -> dict:
@@ -261,5 +264,5 @@ KIND = register(Kind(
     },
     plots=frozenset({"ttft_per_turn", "memory_per_agent"}),
     validate=_validate,
-    trial_code=(fresh_first_token, _pair, _bytes_report),
+    trial_code=(fresh_first_token, _pair, _round, _sharing, _bytes_report),
 ))

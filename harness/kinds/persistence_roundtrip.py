@@ -1,11 +1,11 @@
 """EXP-005: a cache saved in one process continues exactly in another; and what saving and loading cost.
 
-Round trip (the seed's ``test_cache_roundtrip_e2e``): generate with the
-engine, save the cache with ``persistence.save``, load it in a fresh Python
+Round trip: generate with the
+engine, save the cache with ``cachefile.save``, load it in a fresh Python
 process, continue, and compare with a fresh prefill of the same tokens run
 beside it in that process.
 
-Speed (``harness.persistence_bench``): on the same synthetic caches in one
+Speed (``harness.kinds.persistence_speed``): on the same synthetic caches in one
 run, interleaved, our durable save and verified load against mlx-lm's
 ``save_prompt_cache`` / ``load_prompt_cache`` and a raw ``readinto`` floor.
 """
@@ -18,13 +18,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-import numpy as np
-
-from harness import persistence_bench as PB
 from harness import plots
-from harness.config import Param
-from harness.kinds import Kind, register
-from harness.kinds._engine_trials import history_ids, make_engine, run_one
+from harness.kinds import persistence_speed as speed
+from harness.kinds.base import Kind, Param, register
+from harness.kinds.common import history_ids, logprob_diff, make_engine, run_one
 from semantic import cachefile
 
 
@@ -44,7 +41,7 @@ def run(ctx) -> None:
         out = json.loads(proc.stdout.strip().splitlines()[-1])
         res.output("file_bytes", path.stat().st_size)
     cached, fresh = out["cached"], out["fresh"]
-    diff = float(np.max(np.abs(np.array(cached["logprobs"]) - np.array(fresh["logprobs"]))))
+    diff = logprob_diff(cached["logprobs"], fresh["logprobs"])
     res.output("roundtrip", {"history_tokens": first.blocks.total_tokens, "load_ms_in_fresh_process": out["load_ms"],
                              "cached_tokens": cached["tokens"], "fresh_tokens": fresh["tokens"],
                              "prefilled_with_cache": cached["prompt_tokens"], "text": tok.decode(cached["tokens"])})
@@ -56,17 +53,15 @@ def run(ctx) -> None:
     summaries = []
     with tempfile.TemporaryDirectory(prefix="exp005-speed-") as tmp:
         for name in geos:
-            config, tokens, trials = PB.GEOMETRIES[name]
-            geo = PB.measure(name, config, tokens, ctx.config.protocol.trials or trials,
-                             ctx.config.protocol.warmup, Path(tmp))
-            for op, xs in geo.samples_ms.items():
-                res.metric(f"{name}/{op}_ms", xs, "ms", description=f"{op}, file {geo.file_mb:.1f} MB")
-            for cmp_name, (a, b) in PB.COMPARISONS.items():
+            geo = speed.measure(name, ctx.config.protocol, Path(tmp))
+            for op, s in geo.samples.items():
+                res.metric(f"{name}/{op}_ms", s.ms, "ms", description=f"{op}, file {geo.file_mb:.1f} MB")
+            for cmp_name, (a, b) in speed.COMPARISONS.items():
                 c = res.compare(f"{name}/{cmp_name}", f"{name}/{a}_ms", f"{name}/{b}_ms")
                 res.check(f"{name}/{cmp_name}".replace("/", "_").replace("@", "_"), c["ratio_p50"])
             summaries.append(geo.summary())
             ctx.progress.update(1)
-    res.output("speed", [{k: v for k, v in s.items() if k != "samples_ms"} for s in summaries])
+    res.output("speed", summaries)
     if "bars" in ctx.config.plots and summaries:
         s = summaries[-1]
         ctx.plots.append(plots.bars_plot(
@@ -75,9 +70,9 @@ def run(ctx) -> None:
 
 
 def _validate(p: dict) -> None:
-    bad = [g for g in p["speed_geometries"] if g not in PB.GEOMETRIES]
+    bad = [g for g in p["speed_geometries"] if g not in speed.GEOMETRIES]
     if bad:
-        raise ValueError(f"speed_geometries must be among {sorted(PB.GEOMETRIES)}, got {bad}")
+        raise ValueError(f"speed_geometries must be among {sorted(speed.GEOMETRIES)}, got {bad}")
     if p["history_tokens"] <= 0 or p["max_tokens"] <= 0 or p["continue_tokens"] <= 0:
         raise ValueError("history_tokens, max_tokens and continue_tokens must be positive")
 
@@ -91,9 +86,9 @@ KIND = register(Kind(
         "continuation": Param(str, " The museum", "text continued in the fresh process"),
         "continue_tokens": Param(int, 16, "tokens generated after loading, compared with a fresh prefill"),
         "speed_geometries": Param(list, ["smollm2-135m@2k", "smollm2-135m@8k", "gemma3-12b@8k"],
-                                  f"synthetic caches timed, among {sorted(PB.GEOMETRIES)}"),
+                                  f"synthetic caches timed, among {sorted(speed.GEOMETRIES)}"),
     },
     plots=frozenset({"bars"}),
     validate=_validate,
-    trial_code=(PB.measure, PB.synthetic_blocks, cachefile.save, cachefile.load),
+    trial_code=(speed.measure, speed.synthetic_blocks, cachefile.save, cachefile.load),
 ))

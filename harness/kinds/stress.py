@@ -37,9 +37,9 @@ from pathlib import Path
 import numpy as np
 
 from harness import plots
-from harness.config import Param
-from harness.kinds import Kind, register
-from harness.kinds._agents import fresh_engine, open_scheduler
+from harness.kinds.base import Kind, Param, register
+from harness.kinds.agents import open_scheduler
+from harness.kinds.common import make_engine as fresh_engine
 from semantic import cachefile, store as store_mod
 
 CANARY_LEN = 4

@@ -1,6 +1,6 @@
 """Throughput on this machine: prefill and decode tokens/s of each (variant, BLAS) side.
 
-The point is issue 13's fast path on a CPU: the exact quantized conversion on
+The point is the fast path on a CPU: the exact quantized conversion on
 the Linux wheel's bundled reference BLAS (what ran before) against the float32
 variant on an optimized BLAS (what CPU runs use now). The BLAS is fixed when a
 process first loads MLX, so each side runs in its own child process
@@ -25,8 +25,8 @@ import tempfile
 import numpy as np
 
 from harness import plots
-from harness.config import Param
-from harness.kinds import Kind, _throughput_child as child, register
+from harness.kinds import _throughput_child as child
+from harness.kinds.base import Kind, Param, register
 
 # side name -> (model variant, SEMANTIC_BLAS value); the first is the baseline
 SIDES = {

@@ -5,8 +5,8 @@ tokens (synthetic tensors in the real geometry, bf16, 47 MB) is written both
 ways; pytest-benchmark times our side while the other sides run in the
 untimed setup before each round, so they interleave (theirs, ours, theirs,
 ...). Ratios of p50s go into ``extra_info``. The full sweep (8K tokens, the
-Gemma 3 12B geometry, JSON under results/exp_005/) is ``python -m
-harness.persistence_bench``.
+Gemma 3 12B geometry, recorded in a results document) is EXP-005's speed
+part: ``python -m harness run exp_005_persistence_roundtrip``.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import time
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.models import cache as C
+from mlx_lm.models import cache as mlx_cache
 
-from harness.persistence_bench import SMOLLM2_135M, synthetic_blocks
+from harness.kinds.synthetic import SMOLLM2_135M, synthetic_blocks
 from semantic import BlockPool, ModelCacheSpec, cachefile, convert
 
 TOKENS = 2048
@@ -34,7 +34,7 @@ def files(tmp_path_factory):
     d = tmp_path_factory.mktemp("exp005")
     ours, theirs = str(d / "ours.safetensors"), str(d / "mlxlm.safetensors")
     cachefile.save(ours, blocks, model_fingerprint="bench")
-    C.save_prompt_cache(theirs, live)
+    mlx_cache.save_prompt_cache(theirs, live)
     return spec, pool, blocks, live, ours, theirs
 
 
@@ -60,7 +60,7 @@ def test_verified_load_against_mlx_lm_load_and_the_readinto_floor(benchmark, fil
             f.readinto(memoryview(buf))
 
     def mlxlm_load():
-        caches = C.load_prompt_cache(theirs)
+        caches = mlx_cache.load_prompt_cache(theirs)
         mx.eval([c.state for c in caches])
 
     def setup():
@@ -98,7 +98,7 @@ def test_durable_save_against_mlx_lm_save(benchmark, files):
 
     def setup():
         cachefile.settle()
-        times["mlxlm_save"].append(_ms(lambda: C.save_prompt_cache(theirs, live)))
+        times["mlxlm_save"].append(_ms(lambda: mlx_cache.save_prompt_cache(theirs, live)))
 
     def save():
         t = time.perf_counter()

@@ -16,7 +16,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
-from mlx_lm.models import cache as C
+from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models.cache import make_prompt_cache
 
 from harness import models
@@ -75,7 +75,7 @@ def test_smollm2_keeps_its_4_and_8_bit_quantization(real_variant):
     assert (layer.mlp.down_proj.bits, layer.mlp.down_proj.group_size) == (4, 32)
     assert model.model.embed_tokens.bits == 8  # Q8_0 token embedding, tied output
     assert model.args.rope_traditional and model.args.tie_word_embeddings
-    assert [type(c) for c in make_prompt_cache(model)] == [C.KVCache] * 30
+    assert [type(c) for c in make_prompt_cache(model)] == [mlx_cache.KVCache] * 30
 
 
 def test_gemma3_layout_matches_llama_cpps_reading(real_variant):
@@ -84,7 +84,7 @@ def test_gemma3_layout_matches_llama_cpps_reading(real_variant):
     assert model.model.embed_tokens.bits == 8
     kinds = [type(c).__name__ for c in make_prompt_cache(model)]
     assert kinds == (["RotatingKVCache"] * 5 + ["KVCache"]) * 3
-    assert {c.max_size for c in make_prompt_cache(model) if isinstance(c, C.RotatingKVCache)} == {512}
+    assert {c.max_size for c in make_prompt_cache(model) if isinstance(c, mlx_cache.RotatingKVCache)} == {512}
     # Gemma norms are stored as (1 + w) in GGUF; mlx-lm adds the 1 itself.
     assert float(model.model.layers[0].pre_feedforward_layernorm.weight.min()) >= -1.0
 

@@ -14,7 +14,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from harness.kinds._agents import fresh_engine, open_scheduler, system_prompt, text_of_tokens
+from harness.kinds.agents import open_scheduler, system_prompt, text_of_tokens
+from harness.kinds.common import make_engine as fresh_engine
 from semantic import render_chat
 from semantic.reuse import common_prefix
 

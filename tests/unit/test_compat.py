@@ -5,7 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.models import cache as C
+from mlx_lm.models import cache as mlx_cache
 
 from semantic import compat
 from tests.tiny_models import tiny_gemma3
@@ -42,8 +42,8 @@ def _assert_same_state(a: compat.LayerState, b: compat.LayerState):
 def _caches(model, kind):
     n = len(model.layers)
     if kind == "quantized":
-        return [C.QuantizedKVCache(group_size=32, bits=8) for _ in range(n)]
-    return model.make_cache() if hasattr(model, "make_cache") else [C.KVCache() for _ in range(n)]
+        return [mlx_cache.QuantizedKVCache(group_size=32, bits=8) for _ in range(n)]
+    return model.make_cache() if hasattr(model, "make_cache") else [mlx_cache.KVCache() for _ in range(n)]
 
 
 @pytest.mark.parametrize(
@@ -90,17 +90,17 @@ def test_wrapped_rotating_state_keeps_ring_metadata(gemma_tiny):
 
 
 def test_empty_cache_reads_and_rebuilds_empty():
-    for fresh in (C.KVCache(), C.RotatingKVCache(max_size=8, keep=2), C.QuantizedKVCache(32, 4)):
+    for fresh in (mlx_cache.KVCache(), mlx_cache.RotatingKVCache(max_size=8, keep=2), mlx_cache.QuantizedKVCache(32, 4)):
         state = compat.read_layer(fresh)
         assert state.keys is None and state.offset == 0
         rebuilt = compat.build_layer(state)
         assert type(rebuilt) is type(fresh) and rebuilt.empty()
-    assert compat.build_layer(compat.read_layer(C.RotatingKVCache(max_size=8, keep=2))).keep == 2
+    assert compat.build_layer(compat.read_layer(mlx_cache.RotatingKVCache(max_size=8, keep=2))).keep == 2
 
 
 def test_unsupported_cache_types_are_refused_with_a_named_error():
     with pytest.raises(compat.UnsupportedCacheError, match="ArraysCache"):
-        compat.read_layer(C.ArraysCache(2))
+        compat.read_layer(mlx_cache.ArraysCache(2))
     with pytest.raises(compat.UnsupportedCacheError):
         compat.LayerState("TupleCache", None, None, 0)
     with pytest.raises(ValueError, match="max_size"):
@@ -131,11 +131,11 @@ def test_finished_cache_holds_prompt_and_every_generated_token(llama_tiny, gemma
         r = finished[uid]
         assert r.finish_reason == "length"
         assert len(r.cache) == len(model.layers)
-        global_layer = next(c for c in r.cache if type(c) is C.KVCache)
+        global_layer = next(c for c in r.cache if type(c) is mlx_cache.KVCache)
         held = compat.finished_cache_tokens(len(prompt), len(tokens[uid]))
         assert global_layer.offset == held
         for c in r.cache:
-            if isinstance(c, C.RotatingKVCache):  # the whole window survives a wrapped ring
+            if isinstance(c, mlx_cache.RotatingKVCache):  # the whole window survives a wrapped ring
                 state = compat.temporal_rotating(compat.read_layer(c))
                 assert state.offset == held and state.keys.shape[2] == min(held, c.max_size)
 
@@ -178,7 +178,7 @@ def test_injected_rebuilt_cache_in_a_batch_matches_a_fresh_prefill(llama_tiny, g
     fresh_uid, other_uid = compat.insert(gen, [history + turn, other], [None, None], [5, 5])
     fresh, _ = _run(gen, [fresh_uid, other_uid])
 
-    cache = model.make_cache() if hasattr(model, "make_cache") else [C.KVCache() for _ in model.layers]
+    cache = model.make_cache() if hasattr(model, "make_cache") else [mlx_cache.KVCache() for _ in model.layers]
     _prefill(model, cache, history)
     rebuilt = [compat.build_layer(_canonical(compat.read_layer(c))) for c in cache]
     gen = compat.make_batch_generator(model, max_tokens=5, stop_tokens=[])
@@ -202,13 +202,13 @@ def test_temporal_rotating_continues_exactly_like_the_ring(prompt_len, decode, k
     model = tiny_gemma3(seed=3)
     caches = model.make_cache()
     for i, c in enumerate(caches):
-        if isinstance(c, C.RotatingKVCache):
-            caches[i] = C.RotatingKVCache(max_size=8, keep=keep)
+        if isinstance(c, mlx_cache.RotatingKVCache):
+            caches[i] = mlx_cache.RotatingKVCache(max_size=8, keep=keep)
     logits = _prefill(model, caches, list(range(50, 50 + prompt_len)))
     _, logits = _greedy(model, caches, logits, decode)
     unrolled = [compat.build_layer(_canonical(compat.read_layer(c))) for c in caches]
     for c in unrolled:
-        if isinstance(c, C.RotatingKVCache):
+        if isinstance(c, mlx_cache.RotatingKVCache):
             assert c.keys.shape[2] <= 8 and c._idx == c.keys.shape[2]
     a, la = _greedy(model, caches, logits, 5)
     b, lb = _greedy(model, unrolled, logits, 5)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.models import cache as C
+from mlx_lm.models import cache as mlx_cache
 
 from semantic import (
     BlockPool,
@@ -142,7 +142,7 @@ def test_caches_that_do_not_fit_the_spec_are_refused(llama_tiny, gemma_tiny):
     with pytest.raises(CacheMismatchError, match="holds 3 tokens but 2"):
         extract(pool, live, [1, 2])
     with pytest.raises(UnsupportedCacheError, match="ArraysCache"):
-        extract(pool, [C.ArraysCache(2)] * 3, [])
+        extract(pool, [mlx_cache.ArraysCache(2)] * 3, [])
 
 
 def test_a_block_with_a_wrong_shape_is_caught_on_reconstruction(llama_tiny):

@@ -9,7 +9,7 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QT
 from gguf.quants import dequantize
 
-from harness.gguf_convert import (
+from harness.models.gguf.convert import (
     GGUFConversionError,
     module_path,
     pack_bits,

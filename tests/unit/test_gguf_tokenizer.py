@@ -5,7 +5,7 @@ from __future__ import annotations
 import gguf
 import pytest
 
-from harness.gguf_tokenizer import CONTROL, NORMAL, USER_DEFINED, build_tokenizer, spm_merges
+from harness.models.gguf.tokenizer import CONTROL, NORMAL, USER_DEFINED, build_tokenizer, spm_merges
 
 BYTE = 6
 

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from harness import compare
+from harness.analysis import compare
 from harness.stats import summarize
 
 

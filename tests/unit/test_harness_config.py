@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import config as C
+from harness import config
 
 ROOT = Path(__file__).parents[2]
 GOOD = """
@@ -41,21 +41,21 @@ def test_every_committed_experiment_config_is_valid():
     paths = sorted((ROOT / "experiments").glob("*.toml"))
     assert len(paths) >= 2
     for path in paths:
-        cfg = C.load(path)
+        cfg = config.load(path)
         assert cfg.name == path.stem
-        C.load(path, quick=True)
+        config.load(path, quick=True)
 
 
 def test_defaults_are_filled_in_and_quick_and_set_override_in_order(tmp_path):
     path = _write(tmp_path, GOOD)
-    cfg = C.load(path)
+    cfg = config.load(path)
     assert cfg.params["history_tokens"] == 32 and cfg.params["max_tokens"] == 10  # default
     assert (cfg.protocol.warmup, cfg.protocol.trials) == (0, 3)
-    quick = C.load(path, quick=True, overrides=["protocol.trials=4", 'params.followup=" And"'])
+    quick = config.load(path, quick=True, overrides=["protocol.trials=4", 'params.followup=" And"'])
     assert quick.params["history_tokens"] == 8 and quick.protocol.trials == 4
     assert quick.params["followup"] == " And"
     assert quick.sha256() != cfg.sha256()
-    assert C.load(path).sha256() == cfg.sha256()
+    assert config.load(path).sha256() == cfg.sha256()
 
 
 @pytest.mark.parametrize(
@@ -76,20 +76,20 @@ def test_defaults_are_filled_in_and_quick_and_set_override_in_order(tmp_path):
 )
 def test_a_bad_config_names_the_file_the_key_and_what_is_allowed(tmp_path, edit, key, allowed):
     path = _write(tmp_path, edit(GOOD))
-    with pytest.raises(C.ConfigError) as err:
-        C.load(path)
+    with pytest.raises(config.ConfigError) as err:
+        config.load(path)
     message = str(err.value)
     assert str(path) in message and key in message and allowed in message
 
 
 def test_set_needs_key_equals_value_and_toml_errors_name_the_file(tmp_path):
     path = _write(tmp_path, GOOD)
-    with pytest.raises(C.ConfigError, match="expected key=value"):
-        C.load(path, overrides=["protocol.trials"])
-    with pytest.raises(C.ConfigError, match="unknown key"):
-        C.load(path, overrides=["bogus=1"])
+    with pytest.raises(config.ConfigError, match="expected key=value"):
+        config.load(path, overrides=["protocol.trials"])
+    with pytest.raises(config.ConfigError, match="unknown key"):
+        config.load(path, overrides=["bogus=1"])
     broken = _write(tmp_path, "name = ", "broken.toml")
-    with pytest.raises(C.ConfigError, match="broken.toml: not valid TOML"):
-        C.load(broken)
-    with pytest.raises(C.ConfigError, match="no such config file"):
-        C.load(tmp_path / "missing.toml")
+    with pytest.raises(config.ConfigError, match="broken.toml: not valid TOML"):
+        config.load(broken)
+    with pytest.raises(config.ConfigError, match="no such config file"):
+        config.load(tmp_path / "missing.toml")

@@ -12,7 +12,7 @@ import json
 import numpy as np
 import pytest
 
-from harness import config as C
+from harness import config
 from harness import runner
 from harness.kinds.stress import _choose_parity
 
@@ -20,7 +20,7 @@ from harness.kinds.stress import _choose_parity
 @pytest.mark.slow
 @pytest.mark.parametrize("model", ["tiny-llama", "tiny-gemma3"])
 def test_a_reduced_stress_run_has_no_errors_stale_reuses_or_leaks(model, tmp_path):
-    cfg = C.load(
+    cfg = config.load(
         "experiments/exp_008_stress.toml",
         overrides=[f'models=["{model}"]', "params.requests=150", "params.edit_prob=0.15",
                    "params.evict_prob=0.15", "params.parity_samples=12"],
@@ -52,7 +52,7 @@ def test_the_parity_sample_is_full_for_any_schedule():
 def test_the_agent_experiment_configs_load_with_and_without_quick():
     for name in ("exp_007_multiturn", "exp_008_stress"):
         for quick in (False, True):
-            cfg = C.load(f"experiments/{name}.toml", quick=quick)
+            cfg = config.load(f"experiments/{name}.toml", quick=quick)
             assert cfg.criteria and cfg.plots
-    with pytest.raises(C.ConfigError, match="reference_turns"):
-        C.load("experiments/exp_007_multiturn.toml", overrides=["params.reference_turns=[9]"])
+    with pytest.raises(config.ConfigError, match="reference_turns"):
+        config.load("experiments/exp_007_multiturn.toml", overrides=["params.reference_turns=[9]"])

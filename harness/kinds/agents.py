@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from harness.kinds._engine_trials import HISTORY
-from semantic import AgentCacheStore, BlockPool, BlockPoolBatchEngine, ConcurrentScheduler, ModelCacheSpec
+from harness.kinds.common import HISTORY
+from semantic import AgentCacheStore, BlockPool, ConcurrentScheduler, ModelCacheSpec
 
 WORDS = HISTORY.split()
 
@@ -60,20 +60,3 @@ def open_scheduler(loaded, cache_dir: Path, blocks: int, max_batch: int = 8, wri
     # no stop tokens: every turn generates exactly max_tokens, so turns compare step for step
     return ConcurrentScheduler(loaded.model, loaded.tokenizer, store, max_batch=max_batch,
                                write_behind=write_behind, stop_tokens=[])
-
-
-def fresh_engine(loaded, blocks: int) -> BlockPoolBatchEngine:
-    """An engine with a pool of its own: its requests reuse nothing (a full re-prefill)."""
-    spec = ModelCacheSpec.from_model(loaded.model)
-    return BlockPoolBatchEngine(loaded.model, loaded.tokenizer, BlockPool(spec, blocks), spec, stop_tokens=[])
-
-
-def fresh_first_token(engine: BlockPoolBatchEngine, ids: list[int]):
-    """Prefill ``ids`` from nothing and sample one token; the Completion (its ``ttft_s`` is
-    submit to the materialized first token). Its blocks are released at once."""
-    uid = engine.submit("fresh", ids, max_tokens=1)
-    done = {c.uid: c for c in engine.step()}[uid]
-    assert done.cached_tokens == 0
-    if done.blocks is not None:
-        done.blocks.release()
-    return done

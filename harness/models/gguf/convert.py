@@ -29,7 +29,7 @@ from gguf import GGML_QUANT_SIZES, GGUFReader
 from gguf import GGMLQuantizationType as QT
 from gguf.quants import Q4_K, dequantize
 
-from harness.gguf_tokenizer import write_tokenizer
+from harness.models.gguf.tokenizer import write_tokenizer
 
 GROUP = 32
 
@@ -136,17 +136,20 @@ def repack_affine(qtype: QT, raw: np.ndarray, shape: tuple[int, int]) -> Convert
 
 
 # GGUF tensor name (after "blk.N.") -> HF / mlx-lm module path
+_PROJECTIONS = {  # attention and MLP projections, named alike in both architectures
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
 _LAYER_NAMES = {
     "llama": {
         "attn_norm": "input_layernorm",
         "ffn_norm": "post_attention_layernorm",
-        "attn_q": "self_attn.q_proj",
-        "attn_k": "self_attn.k_proj",
-        "attn_v": "self_attn.v_proj",
-        "attn_output": "self_attn.o_proj",
-        "ffn_gate": "mlp.gate_proj",
-        "ffn_up": "mlp.up_proj",
-        "ffn_down": "mlp.down_proj",
+        **_PROJECTIONS,
     },
     "gemma3": {
         "attn_norm": "input_layernorm",
@@ -155,13 +158,7 @@ _LAYER_NAMES = {
         "post_ffw_norm": "post_feedforward_layernorm",
         "attn_q_norm": "self_attn.q_norm",
         "attn_k_norm": "self_attn.k_norm",
-        "attn_q": "self_attn.q_proj",
-        "attn_k": "self_attn.k_proj",
-        "attn_v": "self_attn.v_proj",
-        "attn_output": "self_attn.o_proj",
-        "ffn_gate": "mlp.gate_proj",
-        "ffn_up": "mlp.up_proj",
-        "ffn_down": "mlp.down_proj",
+        **_PROJECTIONS,
     },
 }
 _GLOBAL_NAMES = {

@@ -22,7 +22,8 @@ from typing import Sequence
 
 import numpy as np
 import pandas as pd
-from scipy import stats as sps
+
+from harness.stats import mannwhitney_p
 
 REGRESSION, IMPROVEMENT, SAME = "regression", "improvement", "~"
 # Fixed so that a comparison with no comparable metric is still a table with these columns.
@@ -56,7 +57,7 @@ def flag(before: Sequence[float], after: Sequence[float], direction: str, factor
         (flag, ratio of medians after/before, p-value or None with a single sample).
     """
     ratio = _ratio(float(np.median(before)), float(np.median(after)))
-    p = float(sps.mannwhitneyu(before, after, alternative="two-sided").pvalue) if min(len(before), len(after)) > 1 else None
+    p = mannwhitney_p(before, after)
     worse = ratio > factor if direction == "lower" else ratio < 1 / factor
     better = ratio < 1 / factor if direction == "lower" else ratio > factor
     significant = p is not None and p < alpha

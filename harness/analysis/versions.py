@@ -1,6 +1,6 @@
 """Measure one quick experiment under two Python environments, interleaved, and compare.
 
-``python -m harness.versions --baseline .venv-compat/bin/python --candidate
+``python -m harness.analysis.versions --baseline .venv-compat/bin/python --candidate
 .venv/bin/python CONFIG [--set ...] --rounds 2`` runs the config in the
 baseline and candidate environments in turn (B C B C ...), so slow drift of
 the machine hits both; pools each side's samples into one document per
@@ -18,7 +18,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from harness import compare, results, stats
+from harness import results, stats
+from harness.analysis import compare
 
 
 def _run(python: str, config: str, sets: list[str], out: Path) -> dict:
@@ -47,7 +48,7 @@ def pool(docs: list[dict]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m harness.versions", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m harness.analysis.versions", description=__doc__.split("\n\n")[0])
     ap.add_argument("config")
     ap.add_argument("--baseline", required=True, help="python of the baseline environment")
     ap.add_argument("--candidate", required=True, help="python of the candidate environment")

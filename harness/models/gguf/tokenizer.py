@@ -46,53 +46,47 @@ def spm_merges(tokens: list[str], scores: list[float], types: list[int]) -> list
     return [(left, right) for *_, left, right in found]
 
 
-def build_tokenizer(reader: GGUFReader) -> tuple[Tokenizer, dict]:
-    """Return the fast tokenizer and the special-token settings for tokenizer_config."""
-    kind = _field(reader, "tokenizer.ggml.model")
-    tokens = list(_field(reader, "tokenizer.ggml.tokens"))
-    types = list(_field(reader, "tokenizer.ggml.token_type", [NORMAL] * len(tokens)))
-    vocab = {t: i for i, t in enumerate(tokens)}
-
-    if kind == "gpt2":
-        merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges")]
-        tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        if _field(reader, "tokenizer.ggml.pre") == "smollm":
-            tok.pre_tokenizer = pre_tokenizers.Sequence(
-                [pre_tokenizers.Digits(individual_digits=True), byte_level]
-            )
-        else:
-            tok.pre_tokenizer = byte_level
-        tok.decoder = decoders.ByteLevel()
-        tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    elif kind == "llama":
-        scores = list(_field(reader, "tokenizer.ggml.scores"))
-        unk = tokens[int(_field(reader, "tokenizer.ggml.unknown_token_id", 0))]
-        tok = Tokenizer(
-            models.BPE(
-                vocab=vocab,
-                merges=spm_merges(tokens, scores, types),
-                unk_token=unk,
-                fuse_unk=True,
-                byte_fallback=True,
-            )
-        )
-        norm = [normalizers.Replace(" ", "▁")]
-        if _field(reader, "tokenizer.ggml.add_space_prefix", False):
-            norm.insert(0, normalizers.Prepend("▁"))
-        tok.normalizer = normalizers.Sequence(norm)
-        tok.decoder = decoders.Sequence(
-            [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+def _bpe_byte_level(reader: GGUFReader, vocab: dict[str, int]) -> Tokenizer:
+    """A ``gpt2`` vocabulary: byte-level BPE from the stored merges (``smollm`` also splits every digit)."""
+    merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges")]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if _field(reader, "tokenizer.ggml.pre") == "smollm":
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), byte_level]
         )
     else:
-        raise ValueError(f"unsupported GGUF tokenizer model {kind!r}")
+        tok.pre_tokenizer = byte_level
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    return tok
 
-    tok.add_tokens(
-        [AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, types) if ty == USER_DEFINED]
+
+def _bpe_sentencepiece(reader: GGUFReader, vocab: dict[str, int], tokens: list[str], types: list[int]) -> Tokenizer:
+    """A ``llama`` vocabulary: merges from the scores, spaces as ``▁``, unknown bytes as ``<0xNN>``."""
+    scores = list(_field(reader, "tokenizer.ggml.scores"))
+    unk = tokens[int(_field(reader, "tokenizer.ggml.unknown_token_id", 0))]
+    tok = Tokenizer(
+        models.BPE(
+            vocab=vocab,
+            merges=spm_merges(tokens, scores, types),
+            unk_token=unk,
+            fuse_unk=True,
+            byte_fallback=True,
+        )
     )
-    tok.add_special_tokens(
-        [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types) if ty == CONTROL]
+    norm = [normalizers.Replace(" ", "▁")]
+    if _field(reader, "tokenizer.ggml.add_space_prefix", False):
+        norm.insert(0, normalizers.Prepend("▁"))
+    tok.normalizer = normalizers.Sequence(norm)
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
     )
+    return tok
+
+
+def _special_settings(reader: GGUFReader, tok: Tokenizer, tokens: list[str], vocab: dict[str, int]) -> dict:
+    """Prepend BOS where the file asks for it; the special-token settings for tokenizer_config."""
 
     def name(key: str) -> str | None:
         idx = _field(reader, f"tokenizer.ggml.{key}_token_id")
@@ -104,7 +98,7 @@ def build_tokenizer(reader: GGUFReader) -> tuple[Tokenizer, dict]:
         tok.post_processor = processors.TemplateProcessing(
             single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, vocab[bos])]
         )
-    settings = {
+    return {
         "bos_token": bos,
         "eos_token": name("eos"),
         "unk_token": name("unknown"),
@@ -112,7 +106,29 @@ def build_tokenizer(reader: GGUFReader) -> tuple[Tokenizer, dict]:
         "add_bos_token": add_bos,
         "add_eos_token": False,
     }
-    return tok, settings
+
+
+def build_tokenizer(reader: GGUFReader) -> tuple[Tokenizer, dict]:
+    """Return the fast tokenizer and the special-token settings for tokenizer_config."""
+    kind = _field(reader, "tokenizer.ggml.model")
+    tokens = list(_field(reader, "tokenizer.ggml.tokens"))
+    types = list(_field(reader, "tokenizer.ggml.token_type", [NORMAL] * len(tokens)))
+    vocab = {t: i for i, t in enumerate(tokens)}
+
+    if kind == "gpt2":
+        tok = _bpe_byte_level(reader, vocab)
+    elif kind == "llama":
+        tok = _bpe_sentencepiece(reader, vocab, tokens, types)
+    else:
+        raise ValueError(f"unsupported GGUF tokenizer model {kind!r}")
+
+    tok.add_tokens(
+        [AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, types) if ty == USER_DEFINED]
+    )
+    tok.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types) if ty == CONTROL]
+    )
+    return tok, _special_settings(reader, tok, tokens, vocab)
 
 
 def write_tokenizer(reader: GGUFReader, out_dir: Path, chat_template: str | None = None) -> None:

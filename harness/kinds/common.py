@@ -1,4 +1,5 @@
-"""Trials shared by the engine experiments: time to first token with and without an injected cache."""
+"""Helpers the engine kinds share: one engine factory, the built-in history, first-token timing, and
+how two completions' logprobs are compared."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ HISTORY = (Path(__file__).parents[1] / "data" / "history.txt").read_text()
 
 
 def make_engine(loaded, blocks: int = 256) -> BlockPoolBatchEngine:
+    """An engine over a pool of its own (``blocks`` blocks): its requests reuse nothing from any other engine."""
     spec = ModelCacheSpec.from_model(loaded.model)
     # No stop tokens: runs are exactly max_tokens long, so they compare step for step.
     return BlockPoolBatchEngine(loaded.model, loaded.tokenizer, BlockPool(spec, blocks), spec, stop_tokens=[])
@@ -31,11 +33,27 @@ def run_one(engine: BlockPoolBatchEngine, agent: str, prompt, cache: AgentBlocks
     return {c.uid: c for c in engine.step()}[uid]
 
 
+def logprob_diff(a, b) -> float:
+    """The largest absolute difference of two logprob sequences, over the steps both have (0.0 for none)."""
+    n = min(len(a), len(b))
+    return float(np.max(np.abs(np.array(a[:n]) - np.array(b[:n])))) if n else 0.0
+
+
 def match_report(a, b) -> dict:
     """Do two completions agree: tokens, and the largest logprob difference."""
-    n = min(len(a.logprobs), len(b.logprobs))
-    diff = float(np.max(np.abs(np.array(a.logprobs[:n]) - np.array(b.logprobs[:n])))) if n else 0.0
-    return {"tokens_equal": a.token_ids == b.token_ids, "max_abs_logprob_diff": diff, "steps": len(a.token_ids)}
+    return {"tokens_equal": a.token_ids == b.token_ids, "max_abs_logprob_diff": logprob_diff(a.logprobs, b.logprobs),
+            "steps": len(a.token_ids)}
+
+
+def fresh_first_token(engine: BlockPoolBatchEngine, ids: list[int]):
+    """Prefill ``ids`` from nothing and sample one token; the Completion (its ``ttft_s`` is
+    submit to the materialized first token). Its blocks are released at once."""
+    uid = engine.submit("fresh", ids, max_tokens=1)
+    done = {c.uid: c for c in engine.step()}[uid]
+    assert done.cached_tokens == 0
+    if done.blocks is not None:
+        done.blocks.release()
+    return done
 
 
 def time_ttft(engine: BlockPoolBatchEngine, cached: tuple, fresh: tuple, protocol, progress) -> dict[str, Samples]:
@@ -65,3 +83,17 @@ def time_ttft(engine: BlockPoolBatchEngine, cached: tuple, fresh: tuple, protoco
     )
     drain()
     return out
+
+
+def record_ttft(ctx, engine: BlockPoolBatchEngine, cached: tuple, fresh: tuple, cached_what: str, fresh_what: str):
+    """Time first tokens with :func:`time_ttft` over the config's protocol and record them as
+    ``ttft_injected_ms`` and ``ttft_fresh_ms`` (described by ``cached_what`` and ``fresh_what``), their
+    comparison ``ttft`` and the check ``speedup_p50``. Returns the samples."""
+    res = ctx.results
+    ctx.progress.total = ctx.config.protocol.trials
+    samples = time_ttft(engine, cached, fresh, ctx.config.protocol, ctx.progress.update)
+    res.timing("ttft_injected_ms", samples["cached"], cached_what)
+    res.timing("ttft_fresh_ms", samples["fresh"], fresh_what)
+    cmp = res.compare("ttft", "ttft_injected_ms", "ttft_fresh_ms")
+    res.check("speedup_p50", 1.0 / cmp["ratio_p50"])
+    return samples

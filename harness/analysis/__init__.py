@@ -1,0 +1,1 @@
+"""After a run: compare results documents (``compare``) and mlx-lm versions against each other (``versions``)."""

@@ -1,0 +1,37 @@
+"""What a trial kind declares (its parameters, plots and ``run``), and the registry of kinds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+
+@dataclass(slots=True, frozen=True)
+class Param:
+    """A parameter a kind accepts: its type, default and meaning."""
+
+    type: type
+    default: Any
+    help: str
+    choices: tuple | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class Kind:
+    name: str
+    run: Callable[[Any], None]
+    params: dict[str, Param]
+    plots: frozenset[str] = frozenset()
+    needs_model: bool = True
+    validate: Callable[[dict], None] = field(default=lambda params: None)
+    trial_code: tuple = ()   # objects whose source identifies what is measured
+    headline: Callable[[dict], list[str]] | None = None  # the kind's own table for the console, from the results
+
+
+KINDS: dict[str, Kind] = {}
+
+
+def register(kind: Kind) -> Kind:
+    assert kind.name not in KINDS, f"kind {kind.name} registered twice"
+    KINDS[kind.name] = kind
+    return kind

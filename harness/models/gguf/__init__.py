@@ -1,0 +1,1 @@
+"""GGUF files to MLX model directories: weights (``convert``) and tokenizer (``tokenizer``)."""
