@@ -32,6 +32,7 @@ from harness import stats
 from harness.kinds.synthetic import GEMMA3_12B, SMOLLM2_135M, synthetic_blocks
 from harness.timing import Protocol, Samples, time_interleaved
 from semantic import BlockPool, ModelCacheSpec, cachefile, convert
+from semantic.cachefile.atomic import fsync_path
 
 # name: (model config, tokens)
 GEOMETRIES = {
@@ -80,14 +81,6 @@ class Geometry:
         }
 
 
-def _fsync(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def measure(name: str, protocol: Protocol, workdir: Path, progress=None) -> Geometry:
     """Write geometry ``name``'s cache both ways in ``workdir``, then time every operation, interleaved."""
     config, tokens = GEOMETRIES[name]
@@ -115,7 +108,7 @@ def measure(name: str, protocol: Protocol, workdir: Path, progress=None) -> Geom
 
     def mlxlm_save_fsync():
         mlxlm_cache.save_prompt_cache(theirs, live)
-        _fsync(theirs)
+        fsync_path(theirs)
 
     def setup():
         held.clear()

@@ -118,7 +118,7 @@ def write(
         unlink_quietly(tmp)
         raise
     if durable:
-        _fsync_dir(os.path.dirname(os.path.abspath(path)))
+        fsync_path(os.path.dirname(os.path.abspath(path)))
     if old is not None:
         # freeing the old file's blocks (a discard on some disks) is slow: not on the caller's time
         with _executor_lock:
@@ -183,8 +183,9 @@ def _fsync_file(fd: int) -> None:
         os.fsync(fd)
 
 
-def _fsync_dir(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY)
+def fsync_path(path: str) -> None:
+    """fsync a file or directory by name (a directory: so a rename in it is durable)."""
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
