@@ -21,6 +21,9 @@ from semantic import blas  # noqa: E402
 blas.enable()
 import mlx.core as mx  # noqa: E402
 from mlx_lm.models import llama  # noqa: E402
+from mlx_lm.tokenizer_utils import TokenizerWrapper  # noqa: E402
+from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
+from transformers import PreTrainedTokenizerFast  # noqa: E402
 
 from semantic import AgentCacheStore, BlockPool, ConcurrentScheduler, ModelCacheSpec  # noqa: E402
 
@@ -30,13 +33,18 @@ args = llama.ModelArgs(model_type="llama", hidden_size=64, num_hidden_layers=2, 
                        tie_word_embeddings=True)
 model = llama.Model(args)
 mx.eval(model.parameters())
+# a real mlx-lm tokenizer over words "t0".."t299", from packages mlx-lm itself depends on
+words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(300)}, unk_token="t0"))
+words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+tokenizer = TokenizerWrapper(PreTrainedTokenizerFast(tokenizer_object=words, eos_token="t299"), eos_token_ids=[299])
 spec = ModelCacheSpec.from_model(model)
 with tempfile.TemporaryDirectory() as d:
     store = AgentCacheStore(d, spec, "tiny-smoke", ram_budget_bytes=1 << 26, disk_budget_bytes=1 << 30,
                             pool=BlockPool(spec, total_blocks=32, block_tokens=16))
-    with ConcurrentScheduler(model, None, store, max_batch=2, stop_tokens=[]) as sched:
-        first = sched.submit("agent", list(range(10, 60)), 4, timeout=None).result()
-        second = sched.submit("agent", list(range(10, 60)) + list(first.token_ids) + [7, 8, 9], 4,
+    with ConcurrentScheduler(model, tokenizer, store, max_batch=2, stop_tokens=[]) as sched:
+        history = " ".join(f"t{i}" for i in range(10, 60))
+        first = sched.submit("agent", history, 4, timeout=None).result()
+        second = sched.submit("agent", tokenizer.encode(history) + list(first.token_ids) + [7, 8, 9], 4,
                               timeout=None).result()
 assert second.cached_tokens > 0, second
 print(f"engine only: semantic {len(semantic.__all__)} names, 2 turns, {second.cached_tokens} tokens reused, "
