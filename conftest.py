@@ -34,8 +34,10 @@ def pytest_benchmark_update_machine_info(config, machine_info):
     """Record the MLX stack beside pytest-benchmark's own machine info."""
     from harness import environment
 
+    info = environment.machine_info()
     machine_info["mlx_packages"] = environment.packages()
-    machine_info["mlx_device"] = environment.machine_info()["mlx_device"]
+    for key in ("mlx_device", "device_probe", "blas", "matmul_gflops_f32"):  # what the timings ran on
+        machine_info[key] = info[key]
 
 
 def pytest_benchmark_update_json(config, benchmarks, output_json):
