@@ -39,7 +39,7 @@ import numpy as np
 from harness import plots
 from harness.kinds.base import Kind, Param, register
 from harness.kinds.agents import open_scheduler
-from harness.kinds.common import make_engine as fresh_engine
+from harness.kinds.common import logprob_diff, make_engine as fresh_engine
 from semantic import cachefile, store as store_mod
 
 CANARY_LEN = 4
@@ -250,8 +250,7 @@ def _parity(engine, h: list[int], r, tol: float) -> tuple[bool, float]:
     ref = {c.uid: c for c in engine.step()}[uid]
     if ref.blocks is not None:
         ref.blocks.release()
-    n = min(len(ref.logprobs), len(r.logprobs))
-    diff = float(np.max(np.abs(np.array(ref.logprobs[:n]) - np.array(r.logprobs[:n])))) if n else 0.0
+    diff = logprob_diff(ref.logprobs, r.logprobs)
     return list(r.token_ids) == ref.token_ids and diff <= tol, diff
 
 
