@@ -178,7 +178,7 @@ def _mapped_blas_libraries() -> list[str]:
 
 
 def main() -> int:
-    """``python -m semantic.blas``: say which BLAS would be loaded; exit 1 when none is found."""
+    """Say which BLAS would be loaded; exit 1 when none is found (``make venv`` calls it)."""
     c = _choose() if platform.system() == "Linux" else BlasChoice("not-linux")
     if c.status == "loaded":
         print(f"optimized BLAS: {c.path}")
@@ -187,7 +187,3 @@ def main() -> int:
     else:
         print(f"no optimized BLAS: {INSTALL_HINT}")
     return 0 if c.status in ("loaded", "not-linux") else 1
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
