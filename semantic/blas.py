@@ -154,16 +154,16 @@ class _DlInfo(ctypes.Structure):
 def describe() -> dict:
     """Which BLAS MLX's matmul uses in this process, for a results file's machine info.
 
-    Reads the loaded libraries from ``/proc/self/maps`` (on Linux): an
-    OpenBLAS loaded before MLX is the one MLX calls; otherwise the bundled
-    ``libblas`` of ``mlx_cpu.libs`` is.
+    A library :func:`enable` loaded before MLX is the one MLX calls; otherwise
+    the bundled ``libblas`` of ``mlx_cpu.libs`` is. ``mapped`` lists the BLAS
+    libraries ``/proc/self/maps`` shows, so a surprise is visible.
     """
     c = _choice
-    if platform.system() == "Darwin":
-        return {"blas": "accelerate", "status": "not-linux"}
+    if platform.system() != "Linux":
+        return {"blas": "accelerate" if platform.system() == "Darwin" else "platform", "status": "not-linux"}
     loaded = _mapped_blas_libraries()
     if c is not None and c.status == "loaded":
-        name = "mkl" if "mkl" in (c.path or "") else "openblas"
+        name = "openblas" if "openblas" in c.path else Path(c.path).name
         return {"blas": name, "path": c.path, "status": c.status, "mapped": loaded}
     return {"blas": "bundled-reference", "status": c.status if c else "not-enabled", "mapped": loaded}
 
@@ -173,13 +173,13 @@ def _mapped_blas_libraries() -> list[str]:
         text = Path("/proc/self/maps").read_text()
     except OSError:
         return []
-    names = {line.rsplit(" ", 1)[-1] for line in text.splitlines() if "blas" in line.rsplit("/", 1)[-1] or "mkl" in line}
+    names = {line.rsplit(" ", 1)[-1] for line in text.splitlines() if "blas" in line.rsplit("/", 1)[-1]}
     return sorted(n for n in names if n.startswith("/"))
 
 
 def main() -> int:
     """Say which BLAS would be loaded; exit 1 when none is found (``make venv`` calls it)."""
-    c = _choose() if platform.system() == "Linux" else BlasChoice("not-linux")
+    c = _choose()
     if c.status == "loaded":
         print(f"optimized BLAS: {c.path}")
     elif c.status == "not-linux":

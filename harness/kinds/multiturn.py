@@ -22,17 +22,14 @@ cache directory and continues every conversation, timed against re-prefill.
 
 from __future__ import annotations
 
-import json
 import shutil
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 from harness import plots
 from harness.kinds.base import Kind, Param, register
 from harness.kinds.agents import open_scheduler, question, system_prompt, text_of_tokens, user_history
-from harness.kinds.common import fresh_first_token, logprob_diff, make_engine
+from harness.kinds.common import fresh_first_token, logprob_diff, make_engine, run_child
 from semantic import render_chat
 from semantic.reuse import common_prefix
 
@@ -159,14 +156,7 @@ def _restart(ctx, cache_dir: Path, convo: dict, users: int, turn: int) -> dict:
     if p["restart_context_tokens"]:
         spec["conversations"]["long"] = _long_conversation(ctx, cache_dir)
     spec["reference"] = "long" if p["restart_context_tokens"] else "user-0"
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump(spec, f)
-    proc = subprocess.run([sys.executable, "-m", "harness.kinds._multiturn_child", f.name],
-                          capture_output=True, text=True)
-    Path(f.name).unlink()
-    if proc.returncode != 0:
-        raise RuntimeError(f"restart child failed:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_child(["-m", "harness.kinds._multiturn_child"], spec, "restart child")
 
 
 def _long_conversation(ctx, cache_dir: Path) -> list[dict]:

@@ -16,17 +16,14 @@ measured only in the first ``long_trials`` trials: on the slow side a
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
-import tempfile
 
 import numpy as np
 
 from harness import plots
 from harness.kinds import _throughput_child as child
 from harness.kinds.base import Kind, Param, register
+from harness.kinds.common import run_child
 
 # side name -> (model variant, SEMANTIC_BLAS value); the first is the baseline
 SIDES = {
@@ -40,16 +37,7 @@ CHILD = "from harness.kinds._throughput_child import cli; cli()"
 def _run_side(side: str, spec: dict) -> dict:
     variant, blas_env = SIDES[side]
     env = dict(os.environ, SEMANTIC_BLAS=blas_env, SEMANTIC_MODEL_VARIANT=variant)
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump({**spec, "variant": variant}, f)
-    try:
-        proc = subprocess.run([sys.executable, "-c", CHILD, f.name],
-                              capture_output=True, text=True, env=env, timeout=3600)
-    finally:
-        os.unlink(f.name)
-    if proc.returncode != 0:
-        raise RuntimeError(f"throughput child ({side}) failed: {proc.stderr[-2000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_child(["-c", CHILD], {**spec, "variant": variant}, f"throughput child ({side})", env)
 
 
 def run(ctx) -> None:

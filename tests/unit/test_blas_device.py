@@ -96,8 +96,7 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(device, "_probe", None)
     monkeypatch.setattr(mx, "default_device", lambda: mx.gpu)
     monkeypatch.setattr(mx, "set_default_device", chosen.append)
-    yield chosen
-    device._probe = None  # the next caller probes the real (CPU) device again
+    return chosen  # monkeypatch puts the real probe and device functions back afterwards
 
 
 def test_a_gpu_whose_kernels_agree_with_the_cpu_stays_the_default(fake_gpu, monkeypatch):
