@@ -63,25 +63,37 @@ def block_spans(layer: LayerSpec, total: int, block_tokens: int) -> list[tuple[i
     return out
 
 
-def chain_keys(token_ids: Sequence[int], block_tokens: int) -> list[int]:
-    """One chained key per full block of ``token_ids`` (group-independent)."""
+def chain_keys(token_ids: Sequence[int], block_tokens: int, root: int | None = None) -> list[int]:
+    """One chained key per full block of ``token_ids`` (group-independent).
+
+    ``root`` is the parent of the first block: a tenant's salt (see
+    :func:`salt_root`), so the same tokens under two roots never share a key.
+    """
     chain: list[int] = []
     for b in range(len(token_ids) // block_tokens):
-        chain.append(chain_hash(chain[-1] if chain else None, token_ids[b * block_tokens : (b + 1) * block_tokens]))
+        chain.append(chain_hash(chain[-1] if chain else root, token_ids[b * block_tokens : (b + 1) * block_tokens]))
     return chain
 
 
+def salt_root(salt: str | bytes | None) -> int | None:
+    """The chain root for ``salt`` (None: unsalted, the root every caller without a salt shares)."""
+    if salt is None or salt == "" or salt == b"":
+        return None
+    return chain_hash(None, (), "salt:" + (salt.hex() if isinstance(salt, bytes) else salt))
+
+
 def plan_blocks(
-    pool: BlockPool, spec: ModelCacheSpec, token_ids: Sequence[int], chain: Sequence[int] | None = None
+    pool: BlockPool, spec: ModelCacheSpec, token_ids: Sequence[int], chain: Sequence[int] | None = None,
+    root: int | None = None,
 ) -> BlockPlan:
     """Look up every full block of ``token_ids`` in ``pool``; change nothing.
 
-    ``chain`` is ``chain_keys(token_ids, pool.block_tokens)``, when the
+    ``chain`` is ``chain_keys(token_ids, pool.block_tokens, root)``, when the
     caller plans the same tokens more than once.
     """
     bt = pool.block_tokens
     tokens = token_ids if type(token_ids) is tuple else tuple(map(int, token_ids))
-    chain = chain_keys(tokens, bt) if chain is None else chain
+    chain = chain_keys(tokens, bt, root) if chain is None else chain
     out, need = [], 0
     for group, layers in spec.groups().items():
         for a, b, shift in block_spans(spec.layers[layers[0]], len(tokens), bt):
@@ -116,6 +128,7 @@ def commit(
     planned: BlockPlan,
     data: Callable[[PlannedBlock], tuple[dict[int, LayerKV], SegmentView | None]],
     release: Callable[[list[KVBlock]], None] | None = None,
+    root: int | None = None,
 ) -> AgentBlocks:
     """Take ``planned`` from ``pool`` as one agent's blocks.
 
@@ -124,7 +137,8 @@ def commit(
     :class:`PoolExhaustedError` (the pool cannot hold the misses) or an error
     from ``data`` leaves the pool untouched. The plan must be fresh: nothing may have used the pool since
     :func:`plan_blocks` made it. ``release`` (default ``pool.release``) is what the
-    returned AgentBlocks calls to give its blocks back.
+    returned AgentBlocks calls to give its blocks back; ``root`` is the chain root
+    ``planned`` was keyed with.
     """
     tokens = token_ids if type(token_ids) is tuple else tuple(map(int, token_ids))
     pool.require_free(planned.need)
@@ -141,10 +155,12 @@ def commit(
             block = pool.allocate(p.group, p.start, tokens[p.start : p.end], layer_data, p.key)
             block.segment_view = view
             groups[p.group].append(block)
-    return AgentBlocks(spec, tokens, groups, pool.block_tokens, _release=release or pool.release)
+    return AgentBlocks(spec, tokens, groups, pool.block_tokens, _release=release or pool.release, root=root)
 
 
-def longest_cached_prefix(pool: BlockPool, spec: ModelCacheSpec, token_ids: Sequence[int]) -> tuple[int, BlockPlan | None]:
+def longest_cached_prefix(
+    pool: BlockPool, spec: ModelCacheSpec, token_ids: Sequence[int], root: int | None = None
+) -> tuple[int, BlockPlan | None]:
     """The longest whole-block prefix of ``token_ids`` whose cache the pool holds entirely.
 
     Returns ``(T, plan)``: ``T`` is a multiple of the block size, shorter than
@@ -156,7 +172,7 @@ def longest_cached_prefix(pool: BlockPool, spec: ModelCacheSpec, token_ids: Sequ
     """
     bt = pool.block_tokens
     tokens = token_ids if type(token_ids) is tuple else tuple(map(int, token_ids))
-    chain = chain_keys(tokens, bt)
+    chain = chain_keys(tokens, bt, root)
     for k in range((len(tokens) - 1) // bt, 0, -1):
         planned = plan_blocks(pool, spec, tokens[: k * bt], chain[:k])
         if all(p.hit is not None for p in planned.blocks):

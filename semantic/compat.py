@@ -17,12 +17,14 @@ Everything above this module speaks :class:`LayerState` and
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from importlib.metadata import version as _dist_version
 from typing import Any, Iterable, Sequence
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
+from mlx_lm import sample_utils as _sample_utils
 from mlx_lm.models import cache as C
 
 from semantic.errors import UnsupportedCacheError
@@ -240,11 +242,38 @@ def make_batch_generator(
     return BatchGenerator(model, stop_tokens=set(stops), **kw)
 
 
-def insert(gen: BatchGenerator, prompts: Sequence[Sequence[int]], caches: Sequence[list | None], max_tokens: Sequence[int]) -> list[int]:
-    """Queue prompts (token ids) with optional per-prompt caches; returns uids."""
+def insert(
+    gen: BatchGenerator,
+    prompts: Sequence[Sequence[int]],
+    caches: Sequence[list | None],
+    max_tokens: Sequence[int],
+    *,
+    samplers: Sequence | None = None,
+    processors: Sequence[list | None] | None = None,
+    done: Sequence[Sequence[int]] | None = None,
+) -> list[int]:
+    """Queue prompts (token ids) with optional per-prompt caches; returns uids.
+
+    ``samplers`` and ``processors`` are per prompt (None: the generator's
+    greedy / none). ``done`` is what each injected cache already holds: under
+    0.32 it seeds the penalties' token context; 0.30.4 has no such input, so
+    its penalties see only the prompt prefilled now.
+    """
+    kw = {}
+    if samplers is not None and any(s is not None for s in samplers):
+        kw["samplers"] = list(samplers)
+    if processors is not None and any(processors):
+        kw["logits_processors"] = [list(p or ()) for p in processors]
+        if HAS_NEXT_GENERATED and done is not None:
+            kw["all_tokens"] = [list(map(int, d)) for d in done]
     return list(
-        gen.insert([list(map(int, p)) for p in prompts], max_tokens=list(max_tokens), caches=list(caches))
+        gen.insert([list(map(int, p)) for p in prompts], max_tokens=list(max_tokens), caches=list(caches), **kw)
     )
+
+
+def remove(gen: BatchGenerator, uid: int) -> None:
+    """Take a sequence out of the generator wherever it is (queued, prefilling, decoding)."""
+    gen.remove([uid])
 
 
 def next_responses(gen: BatchGenerator) -> list[GenResponse]:
@@ -289,3 +318,42 @@ def finished_cache_tokens(prompt_len: int, generated: int) -> int:
     pins this under each version.
     """
     return prompt_len + generated
+
+
+# ---------------------------------------------------------------- sampling
+
+_LP_PARAMS = inspect.signature(_sample_utils.make_logits_processors).parameters
+# 0.30.4's make_logits_processors has only logit_bias and repetition_penalty.
+HAS_ADDITIVE_PENALTIES = "presence_penalty" in _LP_PARAMS
+
+
+def make_logits_processors(
+    repetition_penalty: float | None = None,
+    presence_penalty: float | None = None,
+    frequency_penalty: float | None = None,
+    context_size: int = 20,
+) -> list:
+    """mlx-lm's penalty processors; under 0.30.4 the additive two are built here
+    as 0.32 builds them (subtract the penalty per occurrence in the context)."""
+    if HAS_ADDITIVE_PENALTIES:
+        return _sample_utils.make_logits_processors(
+            repetition_penalty=repetition_penalty, repetition_context_size=context_size,
+            presence_penalty=presence_penalty, presence_context_size=context_size,
+            frequency_penalty=frequency_penalty, frequency_context_size=context_size,
+        )
+    out = _sample_utils.make_logits_processors(
+        repetition_penalty=repetition_penalty, repetition_context_size=context_size
+    )
+    if presence_penalty:
+        def presence(tokens, logits, p=presence_penalty):
+            if len(tokens) > 0:
+                logits[:, tokens[-context_size:]] -= p
+            return logits
+        out.append(presence)
+    if frequency_penalty:
+        def frequency(tokens, logits, p=frequency_penalty):
+            if len(tokens) > 0:
+                logits = logits.at[:, tokens[-context_size:]].subtract(p)
+            return logits
+        out.append(frequency)
+    return out

@@ -95,18 +95,19 @@ def _read(spec: ModelCacheSpec, caches: Sequence, total: int) -> list[compat.Lay
     return states
 
 
-def extract(pool: BlockPool, caches: Sequence, token_ids: Sequence[int], release=None) -> AgentBlocks:
+def extract(pool: BlockPool, caches: Sequence, token_ids: Sequence[int], release=None, root: int | None = None) -> AgentBlocks:
     """Store live caches covering ``token_ids`` as pooled blocks.
 
     All-or-nothing: when the pool cannot hold the new blocks it raises
     :class:`PoolExhaustedError` before taking any block or copying anything.
     ``release`` is what the returned AgentBlocks calls to give its blocks
     back (default ``pool.release``; a locked one when threads share the pool).
+    ``root`` salts the block keys (``blockplan.chain_keys``).
     """
     spec = pool.spec
     tokens = tuple(map(int, token_ids))
     states = _read(spec, caches, len(tokens))
-    planned = blockplan.plan_blocks(pool, spec, tokens)
+    planned = blockplan.plan_blocks(pool, spec, tokens, root=root)
     pool.require_free(planned.need)
 
     # Each run of consecutive missed blocks is copied once per layer into a
@@ -129,24 +130,26 @@ def extract(pool: BlockPool, caches: Sequence, token_ids: Sequence[int], release
             views[idx] = (data, SegmentView(seg, s0, dict(data)))
     mx.eval(fresh, [d for d, _ in views.values()])  # slices evaluate to views: no copy
     index = {id(p): i for i, p in enumerate(planned.blocks)}
-    return blockplan.commit(pool, spec, tokens, planned, lambda p: views[index[id(p)]], release)
+    return blockplan.commit(pool, spec, tokens, planned, lambda p: views[index[id(p)]], release, root)
 
 
-def prefix_cache(pool: BlockPool, token_ids: Sequence[int], release=None, longer_than: int = 0) -> AgentBlocks | None:
+def prefix_cache(
+    pool: BlockPool, token_ids: Sequence[int], release=None, longer_than: int = 0, root: int | None = None
+) -> AgentBlocks | None:
     """AgentBlocks for the longest whole-block prefix of ``token_ids`` already pooled, or None.
 
-    The blocks may come from any agent (a shared system prompt, an earlier
-    turn); every hit was confirmed by its token ids. None too when the
+    The blocks may come from any agent under the same ``root`` (a shared
+    system prompt, an earlier turn); every hit was confirmed by its token ids. None too when the
     prefix is not longer than ``longer_than`` tokens (nothing is taken then).
     The caller owns the returned references.
     """
     tokens = tuple(map(int, token_ids))
     if (len(tokens) - 1) // pool.block_tokens * pool.block_tokens <= longer_than:
         return None  # no whole-block prefix could be longer: skip the lookups
-    T, planned = blockplan.longest_cached_prefix(pool, pool.spec, tokens)
+    T, planned = blockplan.longest_cached_prefix(pool, pool.spec, tokens, root)
     if T <= longer_than:
         return None
-    return blockplan.commit(pool, pool.spec, tokens[:T], planned, _no_miss, release)
+    return blockplan.commit(pool, pool.spec, tokens[:T], planned, _no_miss, release, root)
 
 
 def _no_miss(p) -> None:

@@ -10,6 +10,12 @@ Two lanes drive the sequences, one step at a time:
   exact (the same quantized attention as a fresh run) but unbatched: each
   quantized sequence costs its own forward pass per step.
 
+Each sequence decodes greedily unless it brings its own sampler and logits
+processors (``sampling``); greedy ones share one argmax. An ``on_token``
+callback sees every token as it is read, and may end its sequence there (a
+stop string); :meth:`BlockPoolBatchEngine.cancel` ends one from outside. A
+sequence ended early keeps the cache of exactly the tokens it computed.
+
 A request given a cache prefills only the tokens the cache does not cover.
 :meth:`BlockPoolBatchEngine.submit_history` takes an agent's whole history
 and starts from the longest prefix its previous cache or the pool covers
@@ -28,7 +34,7 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import mlx.core as mx
 from mlx_lm.generate import generate_step
@@ -44,6 +50,7 @@ from semantic.errors import (
 )
 from semantic.pool import BlockPool
 from semantic.requests import check_max_tokens, prompt_ids
+from semantic.sampling import SamplingParams, processors_for, sampler_for
 from semantic.spec import ModelCacheSpec
 
 
@@ -56,7 +63,7 @@ class Completion:
     agent_id: str
     token_ids: list[int]       # generated tokens, the stop token included
     text: str
-    finish_reason: str         # "stop" or "length"
+    finish_reason: str         # "stop", "length", or "cancelled"
     blocks: AgentBlocks | None
     logprobs: list[float]      # natural-log probability of each generated token
     prompt_tokens: int         # tokens prefilled for this request
@@ -94,6 +101,13 @@ class _Seq:
     reuse: str = reuse.NONE
     submitted_at: float = 0.0
     first_token_at: float = 0.0
+    root: int | None = None              # block-hash salt (a tenant's)
+    on_token: Callable | None = None     # (token, logprob, logprobs row) -> True to end here
+
+
+# on_token(token, logprob, logprobs) -> bool: called on the engine's thread for
+# every generated token; logprobs is the row over the vocabulary (an mx.array)
+OnToken = Callable[[int, float, mx.array], bool]
 
 
 def _greedy(logprobs: mx.array) -> mx.array:
@@ -192,7 +206,15 @@ class BlockPoolBatchEngine:
         return self._enqueue(agent_id, ids, None, max_tokens, plan_reuse=reuse_prefix)
 
     def submit_history(
-        self, agent_id: str, token_ids: Sequence[int], own: AgentBlocks | None = None, max_tokens: int = 32
+        self,
+        agent_id: str,
+        token_ids: Sequence[int],
+        own: AgentBlocks | None = None,
+        max_tokens: int = 32,
+        *,
+        sampling: SamplingParams | None = None,
+        on_token: OnToken | None = None,
+        root: int | None = None,
     ) -> int:
         """Queue the agent's whole history ``token_ids`` and return the uid.
 
@@ -200,6 +222,9 @@ class BlockPoolBatchEngine:
         previous cache, which may have diverged: an edited conversation) or
         the pool covers, as :func:`reuse.choose_start` decides; the rest is
         prefilled. ``own`` is only read; the caller keeps its reference.
+        ``sampling`` (default greedy) is this sequence's own; ``on_token``
+        sees each token (see :data:`OnToken`); ``root`` salts the block keys
+        of everything this request looks up and stores (a tenant's).
         Nothing changes in the engine when this raises.
         """
         self._check_request(agent_id, max_tokens)
@@ -211,20 +236,27 @@ class BlockPoolBatchEngine:
             if not isinstance(own, AgentBlocks):
                 raise InvalidRequestError(f"own must be AgentBlocks, got {type(own).__name__}")
             self.spec.require_same(own.spec, "this cache")
-        return self._enqueue(agent_id, ids, None, max_tokens, plan_reuse=True, own=own)
+        if sampling is not None and not isinstance(sampling, SamplingParams):
+            raise InvalidRequestError(f"sampling must be SamplingParams, got {type(sampling).__name__}")
+        return self._enqueue(
+            agent_id, ids, None, max_tokens, plan_reuse=True, own=own, sampling=sampling, on_token=on_token, root=root
+        )
 
     def _enqueue(
         self, agent_id: str, ids: list[int], start: reuse.Reuse | None, max_tokens: int,
         *, plan_reuse: bool = False, own: AgentBlocks | None = None,
+        sampling: SamplingParams | None = None, on_token: OnToken | None = None, root: int | None = None,
     ) -> int:
         submitted = time.perf_counter()
+        sampler = sampler_for(sampling) if sampling is not None else None
+        processors = processors_for(sampling) if sampling is not None else None
         if plan_reuse:
             with self.lock:
-                start = reuse.choose_start(self.pool, ids, own, self._release)
+                start = reuse.choose_start(self.pool, ids, own, self._release, root)
         cached = start.cached if start is not None else 0   # what caches covered: the accounting
         source = start.source if start is not None else reuse.NONE
         if plan_reuse and self._sliding and source in (reuse.NONE, reuse.POOL):
-            start = self._checkpoint(ids, start)
+            start = self._checkpoint(ids, start, root)
         caches = None
         if start is not None and start.cached:
             try:
@@ -234,25 +266,32 @@ class BlockPoolBatchEngine:
                     # the rebuilt caches hold the arrays; the pool references can go at once
                     start.blocks.release()
         new = ids[start.cached if start is not None else 0:]
-        seq = _Seq(next(self._uids), agent_id, ids, cached, max_tokens, reuse=source, submitted_at=submitted)
+        seq = _Seq(
+            next(self._uids), agent_id, ids, cached, max_tokens, reuse=source, submitted_at=submitted,
+            root=root, on_token=on_token,
+        )
         if self.spec.quantized:
             seq.solo_cache = caches if caches is not None else self.spec.make_cache()
             seq.solo = generate_step(
                 mx.array(new),
                 self.model,
                 max_tokens=max_tokens,
-                sampler=_greedy,
+                sampler=sampler or _greedy,
+                logits_processors=processors,
                 prompt_cache=seq.solo_cache,
                 prefill_step_size=self.prefill_step_size,
             )
         else:
-            (seq.gen_uid,) = compat.insert(self._gen, [new], [caches], [max_tokens])
+            done = ids[: len(ids) - len(new)]  # what the injected cache holds: the penalties' context
+            (seq.gen_uid,) = compat.insert(
+                self._gen, [new], [caches], [max_tokens], samplers=[sampler], processors=[processors], done=[done]
+            )
             self._by_gen_uid[seq.gen_uid] = seq.uid
         self._seqs[seq.uid] = seq
         self._busy[agent_id] = seq.uid
         return seq.uid
 
-    def _checkpoint(self, ids: list[int], start: reuse.Reuse | None) -> reuse.Reuse | None:
+    def _checkpoint(self, ids: list[int], start: reuse.Reuse | None, root: int | None = None) -> reuse.Reuse | None:
         """Prefill ``ids`` up to its last whole block, storing the cache at every block boundary.
 
         A sliding layer keeps only its window, so a finished cache no longer
@@ -282,7 +321,7 @@ class BlockPoolBatchEngine:
             mx.eval([(c.keys, c.values) for c in caches])
             try:
                 with self.lock:
-                    blocks = convert.extract(self.pool, caches, ids[:b], self._release)
+                    blocks = convert.extract(self.pool, caches, ids[:b], self._release, root)
             except PoolExhaustedError:
                 break  # keep what was pooled; the batch prefills the rest
             if done is not None and done.owned:
@@ -309,38 +348,73 @@ class BlockPoolBatchEngine:
         """Advance every in-flight request by one token (the first call also
         prefills newly submitted ones); return those that finished."""
         finished: list[tuple[_Seq, str, list]] = []
+        stopped: list[_Seq] = []  # ended by their on_token callback
         if self._by_gen_uid:
             responses = compat.next_responses(self._gen)
             now = time.perf_counter()  # the tokens were read: materialized
             for r in responses:
                 seq = self._seqs[self._by_gen_uid[r.uid]]
                 seq.first_token_at = seq.first_token_at or now
-                seq.generated.append(r.token)
-                seq.logprobs.append(r.logprobs[r.token].item())
-                if r.finish_reason is not None:
+                if self._record(seq, r.token, r.logprobs) and r.finish_reason is None:
+                    stopped.append(seq)
+                elif r.finish_reason is not None:
                     finished.append((seq, r.finish_reason, r.cache))
         for seq in [s for s in self._seqs.values() if s.solo is not None]:
             token, logprobs = next(seq.solo)
-            seq.generated.append(int(token))
             seq.first_token_at = seq.first_token_at or time.perf_counter()
-            seq.logprobs.append(logprobs[token].item())
-            reason = "stop" if token in self.stop_tokens else "length" if len(seq.generated) >= seq.max_tokens else None
+            stop = self._record(seq, int(token), logprobs)
+            reason = "stop" if token in self.stop_tokens or stop else "length" if len(seq.generated) >= seq.max_tokens else None
             if reason:
                 seq.solo.close()
                 finished.append((seq, reason, seq.solo_cache))
-        return [self._finish(seq, reason, caches) for seq, reason, caches in finished]
+        done = [self._finish(seq, reason, caches) for seq, reason, caches in finished]
+        return done + [self._end_early(seq, "stop") for seq in stopped]
 
-    def _finish(self, seq: _Seq, reason: str, caches: list) -> Completion:
+    def _record(self, seq: _Seq, token: int, logprobs: mx.array) -> bool:
+        """Keep one generated token; True when its callback ends the sequence here."""
+        seq.generated.append(token)
+        logprob = logprobs[token].item()
+        seq.logprobs.append(logprob)
+        return bool(seq.on_token is not None and seq.on_token(token, logprob, logprobs))
+
+    def cancel(self, uid: int) -> Completion | None:
+        """End sequence ``uid`` now (its client went away); None if it is not in flight.
+
+        The Completion's ``finish_reason`` is "cancelled" and its blocks hold
+        the cache of exactly the tokens computed so far, or are None when it
+        had not produced a token yet (a cache mid-prefill is not kept).
+        """
+        seq = self._seqs.get(uid)
+        return None if seq is None else self._end_early(seq, "cancelled")
+
+    def _end_early(self, seq: _Seq, reason: str) -> Completion:
+        """Take a sequence out of its lane before it finished on its own."""
+        caches = None
+        if seq.solo is not None:
+            seq.solo.close()
+            caches = seq.solo_cache if seq.generated else None
+        else:
+            if seq.generated:  # only then is it past prefill: an exact cache of its tokens
+                caches = compat.extract_in_flight(self._gen, seq.gen_uid)
+            compat.remove(self._gen, seq.gen_uid)
+        return self._finish(seq, reason, caches, early=True)
+
+    def _finish(self, seq: _Seq, reason: str, caches: list | None, early: bool = False) -> Completion:
         del self._seqs[seq.uid]
         self._busy.pop(seq.agent_id, None)
         if seq.gen_uid is not None:
             self._by_gen_uid.pop(seq.gen_uid, None)
         tokens = seq.tokens + seq.generated
-        assert compat.finished_cache_tokens(len(seq.tokens), len(seq.generated)) == len(tokens)
+        if early and caches is not None:
+            tokens = tokens[: compat.read_layer(caches[0]).offset]  # what the caches really hold
+        else:
+            assert compat.finished_cache_tokens(len(seq.tokens), len(seq.generated)) == len(tokens)
         blocks, error = None, None
         try:
+            if caches is None:
+                raise CacheError("ended before its first token: no exact cache to keep")
             with self.lock:
-                blocks = convert.extract(self.pool, caches, tokens, self._release)
+                blocks = convert.extract(self.pool, caches, tokens, self._release, seq.root)
             self._finished[seq.uid] = blocks
         except CacheError as exc:
             error = f"{type(exc).__name__}: {exc}"
@@ -383,7 +457,7 @@ class BlockPoolBatchEngine:
         caches = seq.solo_cache if seq.solo is not None else compat.extract_in_flight(self._gen, seq.gen_uid)
         held = compat.read_layer(caches[0]).offset
         with self.lock:
-            return convert.extract(self.pool, caches, (seq.tokens + seq.generated)[:held], self._release)
+            return convert.extract(self.pool, caches, (seq.tokens + seq.generated)[:held], self._release, seq.root)
 
 
 def _vocab_size(model) -> int:

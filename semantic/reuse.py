@@ -64,20 +64,23 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-def choose_start(pool: BlockPool, token_ids: Sequence[int], own: AgentBlocks | None, release=None) -> Reuse:
+def choose_start(
+    pool: BlockPool, token_ids: Sequence[int], own: AgentBlocks | None, release=None, root: int | None = None
+) -> Reuse:
     """The longest reusable prefix of ``token_ids`` (see the module doc).
 
     Takes pool references only for a ``POOL`` result (``owned``); nothing
-    else changes. The caller holds the pool's lock, if threads share it.
+    else changes. Pooled blocks are looked up under ``root`` (a tenant's
+    salt), and an own cache keyed under another root is not used. The caller holds the pool's lock, if threads share it.
     """
     ids = tuple(map(int, token_ids))
     limit = len(ids) - 1  # the last token must be prefilled to produce logits
     own_len = 0
-    if own is not None and not own.released and limit > 0:
+    if own is not None and not own.released and limit > 0 and own.root == root:
         own_len = min(common_prefix(own.token_ids, ids), limit)
         if own_len and not convert.covers(own, own_len):
             own_len = 0
-    shared = convert.prefix_cache(pool, ids, release, longer_than=own_len)
+    shared = convert.prefix_cache(pool, ids, release, longer_than=own_len, root=root)
     if shared is not None:
         return Reuse(POOL, shared.total_tokens, shared, owned=True)
     if own_len:

@@ -24,6 +24,14 @@ flight to finish, then resident caches that are already on disk are dropped,
 and a request that still cannot fit fails with :class:`PoolExhaustedError`.
 Pending saves are bounded by the agents that have one (a newer save of an
 agent replaces its older pending one).
+
+A turn may bring its own sampling settings and an ``on_token`` callback that
+sees each token as it is generated (the server streams from it, and ends a
+turn at a stop string); :meth:`ConcurrentScheduler.cancel` ends a queued or
+running turn (a client that went away). A turn submitted with ``keep=False``
+is anonymous: it starts from pooled prefixes like any other, but its cache
+is neither kept resident nor saved; its blocks stay in the pool's free
+queue, where later requests can still hit them until they are reused.
 """
 
 from __future__ import annotations
@@ -35,7 +43,7 @@ import time
 from collections import Counter, deque
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 from semantic import cachefile
 from semantic.admission import Residency
@@ -43,6 +51,7 @@ from semantic.blocks import AgentBlocks
 from semantic.engine import BlockPoolBatchEngine, Completion
 from semantic.errors import CacheError, InvalidRequestError, QueueFullError, SchedulerClosedError
 from semantic.requests import check_max_tokens, prompt_ids, validate_agent_id
+from semantic.sampling import SamplingParams
 from semantic.store import AgentCacheStore
 from semantic.writebehind import WriteBehind
 
@@ -88,6 +97,7 @@ class SchedulerStats:
     pending_saves: int
     resident_agents: int
     evictions: int       # agents dropped from RAM (to make room, or asked to)
+    cancelled: int = 0   # turns ended by cancel() (queued or running)
 
     @property
     def token_hit_rate(self) -> float:
@@ -105,6 +115,12 @@ class _Request:
     submitted_at: float
     admitted_at: float = 0.0
     reserved: int = 0
+    sampling: SamplingParams | None = None
+    on_token: Callable | None = None
+    root: int | None = None
+    keep: bool = True
+    uid: int | None = None       # the engine's, once admitted
+    cancelled: bool = False
 
 
 class ConcurrentScheduler:
@@ -161,21 +177,40 @@ class ConcurrentScheduler:
 
     # ------------------------------------------------------------ public
 
-    def submit(self, agent_id: str, prompt, max_tokens: int = 64, *, timeout: float | None = 0.0) -> Future:
+    def submit(
+        self,
+        agent_id: str,
+        prompt,
+        max_tokens: int = 64,
+        *,
+        timeout: float | None = 0.0,
+        sampling: SamplingParams | None = None,
+        on_token: Callable[[int, float, object], bool] | None = None,
+        root: int | None = None,
+        keep: bool = True,
+    ) -> Future:
         """Queue one turn of ``agent_id``; the future gives its :class:`TurnResult`.
 
         ``prompt`` is the agent's whole history: chat messages (rendered with
         the chat template), text (tokenized with special tokens), or token
         ids. ``timeout`` is how long to wait for queue space: 0 raises
         :class:`QueueFullError` at once, None waits as long as it takes.
-        Invalid requests raise here and queue nothing.
+        ``sampling``, ``on_token`` and ``root`` go to the engine
+        (``BlockPoolBatchEngine.submit_history``); ``on_token`` runs on the
+        worker thread, so it must be quick. ``keep=False``: an anonymous turn
+        (see the module doc). Invalid requests raise here and queue nothing.
         """
         validate_agent_id(agent_id)  # the same ids the store accepts
         check_max_tokens(max_tokens)
         ids = prompt_ids(self.tokenizer, prompt, messages=True)
         if not ids:
             raise InvalidRequestError("empty prompt")
-        req = _Request(agent_id, ids, max_tokens, Future(), time.perf_counter())
+        if sampling is not None and not isinstance(sampling, SamplingParams):
+            raise InvalidRequestError(f"sampling must be SamplingParams, got {type(sampling).__name__}")
+        req = _Request(
+            agent_id, ids, max_tokens, Future(), time.perf_counter(),
+            sampling=sampling, on_token=on_token, root=root, keep=keep,
+        )
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cv:
             while self._queued >= self.max_queued and not self._closing:
@@ -203,6 +238,48 @@ class ConcurrentScheduler:
         else:
             future = await asyncio.to_thread(self.submit, agent_id, prompt, max_tokens, timeout=timeout)
         return await asyncio.wrap_future(future)
+
+    def cancel(self, future: Future) -> bool:
+        """End the turn ``future`` belongs to, queued or running; False if it already finished.
+
+        A queued turn leaves the queue at once; a running one ends at the
+        worker's next step, keeping the exact cache of what it computed
+        (see ``BlockPoolBatchEngine.cancel``). Either way the future gets a
+        TurnResult whose ``finish_reason`` is "cancelled".
+        """
+        with self._cv:
+            if future.done():
+                return False
+            for agent_id, queue in self._queues.items():
+                for i, req in enumerate(queue):
+                    if req.future is future:
+                        del queue[i]
+                        self._queued -= 1
+                        if not queue:
+                            del self._queues[agent_id]
+                            if agent_id in self._ready:
+                                self._ready.remove(agent_id)
+                        self._counts["cancelled"] += 1
+                        self._cv.notify_all()
+                        break
+                else:
+                    continue
+                break
+            else:
+                for req in self._in_flight.values():
+                    if req.future is future:
+                        req.cancelled = True
+                        self._cv.notify_all()
+                        return True
+                return False
+        now = time.perf_counter()
+        req.future.set_result(TurnResult(
+            agent_id=req.agent_id, text="", token_ids=(), finish_reason="cancelled", logprobs=(),
+            history_tokens=len(req.ids), prompt_tokens=0, cached_tokens=0, reuse="none",
+            queued_s=now - req.submitted_at, ttft_s=0.0, latency_s=now - req.submitted_at,
+            decode_tokens_per_s=0.0, cache_saved=False, cache_error="cancelled while queued",
+        ))
+        return True
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued turn has finished and every pending save is written."""
@@ -240,6 +317,7 @@ class ConcurrentScheduler:
                 prompt_tokens=c["prompt_tokens"], cached_tokens=c["cached_tokens"],
                 saves=self._saver.saves, save_errors=self._saver.errors, pending_saves=len(self._saver),
                 resident_agents=len(self._resident), evictions=self._resident.evictions,
+                cancelled=c["cancelled"],
             )
 
     def evict(self, agent_id: str) -> bool:
@@ -283,6 +361,14 @@ class ConcurrentScheduler:
                         self._cv.wait(0.05)
                 continue
             try:
+                with self._cv:
+                    cancelled = [uid for uid, r in self._in_flight.items() if r.cancelled]
+                for uid in cancelled:
+                    completion = self.engine.cancel(uid)
+                    if completion is not None:
+                        self._finish(completion)
+                if not self._in_flight:
+                    continue
                 for completion in self.engine.step_once():
                     self._finish(completion)
             except Exception as exc:  # the batch is lost; fail its requests, keep serving
@@ -298,19 +384,21 @@ class ConcurrentScheduler:
                 return
             req = queue[0]
         try:
-            own = self._resident.own_cache(agent_id)
-            need = self._resident.blocks_needed(req.ids, req.max_tokens)
+            own = self._resident.own_cache(agent_id) if req.keep else None
+            need = self._resident.blocks_needed(req.ids, req.max_tokens, req.root)
             if not self._resident.make_room(need, agent_id, self._reservations):
                 return  # stays queued until a finish frees blocks
             req.admitted_at = time.perf_counter()
-            uid = self.engine.submit_history(agent_id, req.ids, own, req.max_tokens)
+            uid = self.engine.submit_history(
+                agent_id, req.ids, own, req.max_tokens, sampling=req.sampling, on_token=req.on_token, root=req.root
+            )
         except Exception as exc:
             with self._cv:
                 self._dequeue(agent_id)
                 self._counts["failed"] += 1
             req.future.set_exception(exc)
             return
-        req.reserved = need
+        req.reserved, req.uid = need, uid
         with self._cv:
             self._dequeue(agent_id)
             self._busy.add(agent_id)
@@ -334,7 +422,8 @@ class ConcurrentScheduler:
     def _finish(self, c: Completion) -> None:
         req = self._in_flight.pop(c.uid)
         prepared = None
-        if c.blocks is not None and self.write_behind:
+        keep = req.keep and c.blocks is not None
+        if keep and self.write_behind:
             try:
                 prepared = cachefile.prepare(c.blocks)  # MLX work stays on this thread
             except CacheError as exc:
@@ -343,17 +432,18 @@ class ConcurrentScheduler:
             agent_id=c.agent_id, text=c.text, token_ids=tuple(c.token_ids), finish_reason=c.finish_reason,
             logprobs=tuple(c.logprobs), history_tokens=len(req.ids), prompt_tokens=c.prompt_tokens,
             cached_tokens=c.cached_tokens, reuse=c.reuse, queued_s=req.admitted_at - req.submitted_at,
-            ttft_s=c.first_token_at - req.submitted_at, latency_s=c.finished_at - req.submitted_at,
+            ttft_s=c.first_token_at - req.submitted_at if c.first_token_at else 0.0, latency_s=c.finished_at - req.submitted_at,
             decode_tokens_per_s=c.decode_tokens_per_s, cache_saved=c.blocks is not None, cache_error=c.cache_error,
         )
         replaced = []  # released when nothing else holds them (AgentBlocks' finalizer), after _cv
         with self._cv:
             self._busy.discard(c.agent_id)
-            if c.blocks is not None:
+            if keep:
                 replaced.append(self._resident.put(c.agent_id, c.blocks))
                 if prepared is not None:  # a newer save replaces a pending older one
                     replaced.append(self._saver.put(c.agent_id, c.blocks, prepared))
             self._counts["completed"] += 1
+            self._counts["cancelled"] += c.finish_reason == "cancelled"
             self._counts["prompt_tokens"] += c.prompt_tokens
             self._counts["cached_tokens"] += c.cached_tokens
             if self._queues.get(c.agent_id) and c.agent_id not in self._ready:

@@ -150,6 +150,7 @@ class CacheFileInfo:
     slots: tuple[TensorSlot, ...] = field(repr=False)
     digests: dict[str, str] = field(repr=False)
     inode: tuple[int, int] = field(repr=False)  # (st_dev, st_ino) of the file read
+    hash_root: int | None = None     # the block-hash salt the cache was keyed with (absent: unsalted)
 
     @property
     def total_tokens(self) -> int:
@@ -250,6 +251,9 @@ def _verify_layout(path: str, doc: dict, table: dict, st: os.stat_result, data_o
         raise CacheCorruptError(path, "model_fingerprint and agent_id must be strings")
     if not all(isinstance(v, str) for v in versions):
         raise CacheCorruptError(path, "mlx and mlx_lm versions must be strings")
+    root = doc.get("hash_root")
+    if root is not None and (type(root) is not int or not -(1 << 63) <= root < (1 << 63)):
+        raise CacheCorruptError(path, "hash_root must be a signed 64-bit integer")
     if canon(layers) != canon(_layer_meta(spec, len(tokens))):
         raise CacheCorruptError(path, "per-layer cache meta does not match the spec and token count")
     slots = layout(spec, len(tokens))
@@ -276,9 +280,15 @@ def _verify_layout(path: str, doc: dict, table: dict, st: os.stat_result, data_o
     return file_info(path, doc, spec, slots, st, data_offset)
 
 
-def document(spec: ModelCacheSpec, token_ids, model_fingerprint: str, agent_id: str | None, digests: dict) -> dict:
-    """The document a file of ``token_ids`` holds (``digests``: tensor name -> xxh3-128 hex)."""
-    return {
+def document(
+    spec: ModelCacheSpec, token_ids, model_fingerprint: str, agent_id: str | None, digests: dict,
+    hash_root: int | None = None,
+) -> dict:
+    """The document a file of ``token_ids`` holds (``digests``: tensor name -> xxh3-128 hex).
+
+    ``hash_root`` is written only when set, so unsalted files stay exactly as before.
+    """
+    doc = {
         "format_version": FORMAT_VERSION,
         "model_fingerprint": model_fingerprint,
         "agent_id": agent_id,
@@ -290,6 +300,9 @@ def document(spec: ModelCacheSpec, token_ids, model_fingerprint: str, agent_id: 
         "mlx": compat.MLX_VERSION,
         "mlx_lm": compat.MLX_LM_VERSION,
     }
+    if hash_root is not None:
+        doc["hash_root"] = hash_root
+    return doc
 
 
 def file_info(
@@ -310,4 +323,5 @@ def file_info(
         slots=tuple(slots),
         digests=dict(doc["tensors"]),
         inode=(st.st_dev, st.st_ino),
+        hash_root=doc.get("hash_root"),
     )

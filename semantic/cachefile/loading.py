@@ -201,7 +201,7 @@ def _load_once(path: str, pool: BlockPool, fingerprint: str | None, lock: Abstra
             f"cache file {path} was written for model {info.model_fingerprint!r}, not {fingerprint!r}"
         )
     source = _FileBlocks(info)
-    chain = chain_keys(info.token_ids, pool.block_tokens)
+    chain = chain_keys(info.token_ids, pool.block_tokens, info.hash_root)  # re-keyed under its own salt
     with lock:
         planned = plan_blocks(pool, info.spec, info.token_ids, chain)
     source.read(source.needed(planned.blocks))  # the slow part, outside the lock
@@ -213,7 +213,9 @@ def _load_once(path: str, pool: BlockPool, fingerprint: str | None, lock: Abstra
         data = source.block_data(planned)
         by_block = {id(p): data[idx] for idx, p in enumerate(planned.blocks) if idx in data}
         release = pool.release if isinstance(lock, nullcontext) else _locked(pool.release, lock)
-        return commit(pool, info.spec, info.token_ids, planned, lambda p: by_block[id(p)], release=release)
+        return commit(
+            pool, info.spec, info.token_ids, planned, lambda p: by_block[id(p)], release=release, root=info.hash_root
+        )
 
 
 def _locked(fn, lock: AbstractContextManager):

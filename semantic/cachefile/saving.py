@@ -156,7 +156,9 @@ def save(
     elif prepared.token_ids != blocks.token_ids or prepared.spec != blocks.spec:
         raise InvalidRequestError("prepared bytes belong to another cache than these blocks")
     slots = prepared.slots
-    doc = document(blocks.spec, blocks.token_ids, model_fingerprint, agent_id, {s.name: "0" * 32 for s in slots})
+    doc = document(
+        blocks.spec, blocks.token_ids, model_fingerprint, agent_id, {s.name: "0" * 32 for s in slots}, blocks.root
+    )
 
     def header(digests: list[str]) -> bytes:
         doc["tensors"] = {s.name: d for s, d in zip(slots, digests)}

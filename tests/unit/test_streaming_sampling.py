@@ -1,0 +1,195 @@
+"""Per-token callbacks, early ends (stop, cancel), per-sequence sampling and salted hashes,
+on tiny random-weight models.
+
+An early-ended sequence keeps the cache of exactly the tokens it computed: the
+next turn from it must equal a fresh prefill (``reference``, tolerance 1e-4 as
+in ``test_scheduler``).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from semantic import AgentCacheStore, BlockPool, BlockPoolBatchEngine, ConcurrentScheduler, ModelCacheSpec
+from semantic.blockplan import salt_root
+from semantic.errors import InvalidRequestError
+from semantic.sampling import SamplingParams
+from tests.tiny_models import byte_tokenizer
+from tests.unit.test_scheduler import _assert_same, _ids, reference
+
+
+def _engine(model, kv_bits=None, blocks=256, block_tokens=4):
+    spec = ModelCacheSpec.from_model(model, kv_bits=kv_bits, kv_group_size=32)
+    return BlockPoolBatchEngine(model, byte_tokenizer(), BlockPool(spec, blocks, block_tokens), spec, stop_tokens=[])
+
+
+def _scheduler(model, cache_dir, blocks=256, block_tokens=4, **kw):
+    spec = ModelCacheSpec.from_model(model)
+    store = AgentCacheStore(cache_dir, spec, "tiny", 10**9, 10**9, pool=BlockPool(spec, blocks, block_tokens))
+    return ConcurrentScheduler(model, byte_tokenizer(), store, stop_tokens=[], **kw)
+
+
+@pytest.fixture(params=["llama", "gemma", "llama-q8"])
+def model_and_bits(request, llama_tiny, gemma_tiny):
+    return {"llama": (llama_tiny, None), "gemma": (gemma_tiny, None), "llama-q8": (llama_tiny, 8)}[request.param]
+
+
+def test_on_token_sees_every_token_and_can_end_the_sequence_with_an_exact_cache(model_and_bits):
+    model, bits = model_and_bits
+    engine = _engine(model, bits)
+    history = _ids(3, 23)
+    seen = []
+
+    def on_token(token, logprob, logprobs):
+        seen.append((token, logprob, logprobs.shape[-1]))
+        return len(seen) == 4  # a stop string found in the fourth token
+
+    uid = engine.submit_history("a", history, max_tokens=30, on_token=on_token)
+    other = engine.submit_history("b", _ids(4, 9), max_tokens=12)  # keeps decoding in the same batch
+    done = {c.uid: c for c in engine.step()}
+    c = done[uid]
+    assert c.finish_reason == "stop" and len(c.token_ids) == 4
+    assert [t for t, _, _ in seen] == c.token_ids and [lp for _, lp, _ in seen] == c.logprobs
+    assert seen[0][2] == engine.vocab_size
+    assert c.blocks is not None and c.blocks.token_ids == tuple(history + c.token_ids)
+    assert len(done[other].token_ids) == 12
+    # the kept cache continues exactly like a fresh prefill of the same history
+    nxt = history + c.token_ids + _ids(5, 6)
+    uid2 = engine.submit_history("a", nxt, c.blocks, max_tokens=5)
+    c2 = {x.uid: x for x in engine.step()}[uid2]
+    assert c2.cached_tokens == len(history) + 4
+    ref = reference(model, nxt, 5) if bits is None else None
+    if ref is not None:
+        _assert_same(type("R", (), {"token_ids": c2.token_ids, "logprobs": c2.logprobs}), ref)
+
+
+def test_cancel_ends_a_sequence_in_flight_keeping_what_it_computed(llama_tiny):
+    engine = _engine(llama_tiny)
+    history = _ids(6, 17)
+    uid = engine.submit_history("a", history, max_tokens=40)
+    for _ in range(3):
+        assert engine.step_once() == []
+    c = engine.cancel(uid)
+    assert c.finish_reason == "cancelled" and len(c.token_ids) == 3
+    assert c.blocks.token_ids == tuple(history + c.token_ids)
+    assert engine.in_flight == 0 and engine.cancel(uid) is None
+    nxt = history + c.token_ids + [7, 8, 9]
+    uid2 = engine.submit_history("a", nxt, c.blocks, max_tokens=4)
+    c2 = {x.uid: x for x in engine.step()}[uid2]
+    ref = reference(llama_tiny, nxt, 4)
+    assert c2.token_ids == ref.token_ids
+    np.testing.assert_allclose(c2.logprobs, ref.logprobs, atol=1e-4, rtol=0)
+
+
+def test_cancel_before_the_first_token_keeps_no_cache(llama_tiny):
+    engine = _engine(llama_tiny)
+    uid = engine.submit_history("a", _ids(7, 30), max_tokens=5)
+    c = engine.cancel(uid)
+    assert c.finish_reason == "cancelled" and c.token_ids == [] and c.blocks is None
+    assert "before its first token" in c.cache_error
+    assert engine.pool.stats().used == 0
+
+
+def test_a_seed_reproduces_a_sampled_reply_whatever_shares_the_batch(llama_tiny):
+    hot = SamplingParams(temperature=1.0, top_p=0.95, seed=1234)
+    history = _ids(8, 12)
+
+    def run(neighbours: int, params=hot):
+        engine = _engine(llama_tiny)
+        uid = engine.submit_history("s", history, max_tokens=12, sampling=params)
+        for i in range(neighbours):
+            engine.submit_history(f"n{i}", _ids(20 + i, 5 + i), max_tokens=12, sampling=SamplingParams(temperature=0.7))
+        return {c.uid: c for c in engine.step()}[uid].token_ids
+
+    alone = run(0)
+    assert run(3) == alone
+    greedy = run(0, SamplingParams())
+    assert alone != greedy  # a random model at temperature 1 does not decode its argmax 12 times
+    assert run(0, SamplingParams(temperature=1.0, top_p=0.95, seed=99)) != alone
+
+
+def test_greedy_stays_exact_beside_sampled_and_penalized_sequences(llama_tiny):
+    engine = _engine(llama_tiny)
+    history = _ids(9, 14)
+    g = engine.submit_history("g", history, max_tokens=8)
+    engine.submit_history("s", _ids(10, 9), max_tokens=8, sampling=SamplingParams(temperature=0.9, seed=1))
+    p = engine.submit_history("p", history, max_tokens=8, sampling=SamplingParams(repetition_penalty=1.5, frequency_penalty=1.0))
+    done = {c.uid: c for c in engine.step()}
+    ref = reference(llama_tiny, history, 8)
+    assert done[g].token_ids == ref.token_ids
+    np.testing.assert_allclose(done[g].logprobs, ref.logprobs, atol=1e-4, rtol=0)
+    assert len(done[p].token_ids) == 8
+
+
+def test_sampling_params_refuse_out_of_range_values_by_name():
+    for bad in ({"temperature": -1}, {"top_p": 0}, {"top_k": -2}, {"seed": "x"}, {"top_logprobs": 99},
+                {"presence_penalty": 3.0}, {"temperature": float("nan")}, {"top_k": True}):
+        with pytest.raises(InvalidRequestError, match=next(iter(bad))):
+            SamplingParams(**bad)
+    assert SamplingParams().greedy and not SamplingParams(temperature=0.5).greedy
+    assert not SamplingParams(repetition_penalty=1.2).greedy
+
+
+def test_salted_roots_never_share_blocks_but_the_same_salt_does(llama_tiny, cache_dir):
+    a, b = salt_root("tenant-a"), salt_root("tenant-b")
+    assert a != b and salt_root(None) is None and salt_root("") is None
+    shared = _ids(11, 24)  # six whole blocks of 4
+    with _scheduler(llama_tiny, cache_dir) as sched:
+        first = sched.submit("a1", shared + [5], 3, root=a).result()
+        assert first.cached_tokens == 0
+        same = sched.submit("a2", shared + [6], 3, root=a).result()
+        assert same.cached_tokens == 24 and same.reuse == "pool"
+        other = sched.submit("b1", shared + [7], 3, root=b).result()
+        unsalted = sched.submit("u1", shared + [8], 3).result()
+        assert other.cached_tokens == 0 and unsalted.cached_tokens == 0
+        # an agent's own cache under another root is not used either
+        moved = sched.submit("a1", shared + [5] + list(first.token_ids) + [9], 3, root=b).result()
+        assert moved.cached_tokens == 24  # b1's blocks, under b
+        sched.flush()
+    # after a restart the files come back under their own roots
+    with _scheduler(llama_tiny, cache_dir) as sched:
+        again = sched.submit("a2", shared + [6] + list(same.token_ids) + [1], 3, root=a).result()
+        assert again.reuse == "own" and again.cached_tokens == 25 + len(same.token_ids)
+        # a2's file came back keyed under a: a hit for a, a miss for b
+        assert sched.submit("x", shared + [2], 3, root=a).result().cached_tokens == 24
+        assert sched.submit("y", shared + [2], 3, root=b).result().cached_tokens == 0
+        ref = reference(llama_tiny, shared + [6] + list(same.token_ids) + [1], 3)
+        _assert_same(again, ref)
+
+
+def test_scheduler_streams_cancels_and_keeps_anonymous_turns_out_of_the_store(llama_tiny, cache_dir):
+    with _scheduler(llama_tiny, cache_dir, max_batch=2) as sched:
+        history = _ids(12, 21)
+        tokens, started = [], threading.Event()
+        box = {}
+
+        def on_token(token, logprob, logprobs):
+            tokens.append(token)
+            if len(tokens) == 3:
+                sched.cancel(box["f"])  # from the worker thread itself: takes effect at the next step
+            return False
+
+        box["f"] = sched.submit("c", history, 50, on_token=on_token)
+        r = box["f"].result(timeout=60)
+        assert r.finish_reason == "cancelled" and list(r.token_ids) == tokens[: len(r.token_ids)]
+        assert 3 <= len(r.token_ids) <= 4 and r.cache_saved
+        # a queued turn cancelled before it runs
+        slow = sched.submit("q", history, 30)
+        queued = sched.submit("q", history + [1], 30)
+        assert sched.cancel(queued) and queued.result().finish_reason == "cancelled"
+        slow.result(timeout=60)
+        assert not sched.cancel(slow)
+        # the cancelled turn's cache is the agent's: its next turn reuses all of it
+        nxt = history + list(r.token_ids) + [4, 5]
+        follow = sched.submit("c", nxt, 3).result()
+        assert follow.reuse == "own" and follow.cached_tokens == len(history) + len(r.token_ids)
+        _assert_same(follow, reference(llama_tiny, nxt, 3))
+        # anonymous: pooled prefixes are used, nothing is stored or kept resident
+        anon = sched.submit("anon-1", nxt + [6], 3, keep=False).result()
+        assert anon.cached_tokens >= 24
+        sched.flush()
+        assert "anon-1" not in sched.store.agents() and sched.resident_cache("anon-1") is None
+        assert sched.stats().cancelled == 2
