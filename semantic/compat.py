@@ -320,6 +320,19 @@ def finished_cache_tokens(prompt_len: int, generated: int) -> int:
     return prompt_len + generated
 
 
+# ---------------------------------------------------------------- loading
+
+
+def model_path(path_or_repo: str):
+    """The local directory ``mlx_lm.load`` reads for a path or hub id (both versions name it ``_download``)."""
+    from pathlib import Path
+
+    from mlx_lm import utils
+
+    p = Path(path_or_repo).expanduser()
+    return p if p.is_dir() else Path(utils._download(path_or_repo))
+
+
 # ---------------------------------------------------------------- sampling
 
 _LP_PARAMS = inspect.signature(_sample_utils.make_logits_processors).parameters

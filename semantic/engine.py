@@ -30,6 +30,7 @@ AgentBlocks it returns, holds ``lock``.
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 import weakref
@@ -52,6 +53,8 @@ from semantic.pool import BlockPool
 from semantic.requests import check_max_tokens, prompt_ids
 from semantic.sampling import SamplingParams, processors_for, sampler_for
 from semantic.spec import ModelCacheSpec
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -375,7 +378,13 @@ class BlockPoolBatchEngine:
         seq.generated.append(token)
         logprob = logprobs[token].item()
         seq.logprobs.append(logprob)
-        return bool(seq.on_token is not None and seq.on_token(token, logprob, logprobs))
+        if seq.on_token is None:
+            return False
+        try:
+            return bool(seq.on_token(token, logprob, logprobs))
+        except Exception:  # one caller's bug must not fail the whole batch: end its sequence only
+            log.exception("on_token of agent %r raised; ending its sequence", seq.agent_id)
+            return True
 
     def cancel(self, uid: int) -> Completion | None:
         """End sequence ``uid`` now (its client went away); None if it is not in flight.

@@ -61,3 +61,7 @@ class QueueFullError(CacheError):
 
 class SchedulerClosedError(CacheError):
     """The scheduler was closed; it takes no more requests."""
+
+
+class ContextLengthError(InvalidRequestError):
+    """A prompt plus its token budget exceeds the model's context (or the pool)."""

@@ -252,6 +252,11 @@ class AgentCacheStore:
         with self._lock:
             return sorted(set(self._disk) | set(self._ram))
 
+    def in_ram(self, agent_id: str) -> bool:
+        """Whether the RAM tier holds ``agent_id``'s cache now."""
+        with self._lock:
+            return agent_id in self._ram
+
     def stats(self) -> StoreStats:
         with self._lock:
             return StoreStats(

@@ -13,23 +13,30 @@ from mlx_lm.models import gemma3_text, llama
 VOCAB = 256
 
 
+LLAMA_CONFIG = {
+    "model_type": "llama",
+    "hidden_size": 128,  # head_dim 32: the smallest QuantizedKVCache group
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-5,
+    "vocab_size": VOCAB,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": True,
+    "max_position_embeddings": 4096,
+}
+
+# a ChatML-like template, so chat requests render on the byte tokenizer
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
 def tiny_llama(seed: int = 0, layers: int = 3):
     """A llama-architecture model: every layer a plain ``KVCache``."""
     mx.random.seed(seed)
-    args = llama.ModelArgs.from_dict(
-        {
-            "model_type": "llama",
-            "hidden_size": 128,  # head_dim 32: the smallest QuantizedKVCache group
-            "num_hidden_layers": layers,
-            "intermediate_size": 128,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "rms_norm_eps": 1e-5,
-            "vocab_size": VOCAB,
-            "rope_theta": 10000.0,
-            "tie_word_embeddings": True,
-        }
-    )
+    args = llama.ModelArgs.from_dict({**LLAMA_CONFIG, "num_hidden_layers": layers})
     model = llama.Model(args)
     mx.eval(model.parameters())
     return model
@@ -86,3 +93,22 @@ def _byte_of(ch: str) -> int:
         return ord(ch)
     extra = [b for b in range(256) if b not in bs]
     return extra[ord(ch) - 256]
+
+
+def write_tiny_llama(path, seed: int = 0, layers: int = 3):
+    """A directory ``mlx_lm.load`` reads: the tiny llama's config, weights and
+    byte tokenizer (with :data:`CHAT_TEMPLATE`). Servers under test load it."""
+    import json
+    from pathlib import Path
+
+    from mlx.utils import tree_flatten
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    model = tiny_llama(seed, layers)
+    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (path / "config.json").write_text(json.dumps({**LLAMA_CONFIG, "num_hidden_layers": layers}, indent=1))
+    hf = byte_tokenizer()._tokenizer
+    hf.chat_template = CHAT_TEMPLATE
+    hf.save_pretrained(str(path))
+    return path

@@ -1,0 +1,494 @@
+"""The one object the HTTP layer talks to: requests in, token deltas out.
+
+The routes (``openai_api``, ``anthropic_api``) turn an API's JSON into a
+:class:`GenerateRequest` and a stream of :class:`Delta` / :class:`Final`
+back into that API's JSON; everything model- and cache-related is here::
+
+    route ─► GenerateRequest ─► Backend.prepare ─► Prepared (ids, agent, salt)
+                                      │ raises InvalidRequestError / ContextLengthError (400)
+          ◄── Delta … Final ◄── Backend.stream ◄── ConcurrentScheduler (worker thread)
+                                      │ raises QueueFullError (429), SchedulerClosedError (503)
+
+Which cache a request uses: a named agent (``agent``) keeps its own cache,
+on disk and across restarts, under an id namespaced by its tenant; with no
+name, the request is an anonymous agent whose cache is never saved, and it
+starts from whatever whole-block prefix its tenant's requests left in the
+pool (automatic prefix caching). A tenant's key and ``cache_salt`` salt the
+block hashes, so no tenant can hit another's blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+from semantic.errors import InvalidRequestError
+from semantic.sampling import GREEDY, SamplingParams
+
+MAX_STOP = 16          # stop strings per request (OpenAI allows 4; Anthropic more)
+MAX_STOP_CHARS = 256
+
+
+@dataclass(slots=True)
+class GenerateRequest:
+    """One API request, as the backend needs it.
+
+    Exactly one of ``messages`` (chat: ``{"role", "content"}`` string dicts,
+    rendered with the model's chat template; roles system, user, assistant)
+    and ``prompt`` (completions: text, or token ids) is set.
+    """
+
+    max_tokens: int
+    messages: list[dict] | None = None
+    prompt: str | list[int] | None = None
+    sampling: SamplingParams = GREEDY
+    stop: tuple[str, ...] = ()
+    logprobs: bool = False        # report each generated token's logprob (and sampling.top_logprobs alternatives)
+    tenant: str = ""              # the caller's tenant (from its API key); "" without keys
+    agent: str | None = None      # prompt_cache_key / user / X-Agent-Id / metadata.user_id
+    cache_salt: str | None = None
+
+    def __post_init__(self):
+        if (self.messages is None) == (self.prompt is None):
+            raise InvalidRequestError("give exactly one of messages and prompt")
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
+            raise InvalidRequestError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if isinstance(self.stop, str):
+            self.stop = (self.stop,)
+        self.stop = tuple(self.stop)
+        if len(self.stop) > MAX_STOP or any(not isinstance(s, str) or not s or len(s) > MAX_STOP_CHARS for s in self.stop):
+            raise InvalidRequestError(f"stop takes at most {MAX_STOP} non-empty strings of at most {MAX_STOP_CHARS} characters")
+        if self.agent is not None and (not isinstance(self.agent, str) or not self.agent):
+            raise InvalidRequestError("the agent id (prompt_cache_key, user, X-Agent-Id, metadata.user_id) must be a non-empty string")
+
+
+@dataclass(frozen=True, slots=True)
+class TopLogprob:
+    token: str
+    token_id: int
+    logprob: float
+    bytes: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """One generated token's text piece and logprob, and its top alternatives."""
+
+    token: str
+    token_id: int
+    logprob: float
+    bytes: tuple[int, ...]
+    top: tuple[TopLogprob, ...] = ()
+
+
+@dataclass(slots=True)
+class Delta:
+    """New text since the last delta (stop strings never appear in it), and,
+    when logprobs were asked for, the tokens it came from."""
+
+    text: str
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Final:
+    """The end of a turn: always the last item of a stream."""
+
+    text: str                     # the whole reply, cut before a stop string
+    finish_reason: str            # "stop" (EOS or a stop string), "length", "cancelled"
+    stop_sequence: str | None     # the stop string that ended it, if one did
+    prompt_tokens: int            # the whole prompt (history), cached ones included
+    cached_tokens: int            # of those, served from a cache (OpenAI cached_tokens, Anthropic cache_read_input_tokens)
+    completion_tokens: int        # generated tokens, the one that ended it included
+    ttft_s: float                 # submit (queueing included) to first token, server side
+    latency_s: float
+    agent: str | None             # the agent's name as the client gave it (None: anonymous)
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """A checked request: its token ids and where its cache lives."""
+
+    request: GenerateRequest
+    ids: tuple[int, ...]
+    agent_id: str                 # the scheduler's id (tenant-namespaced, or an anonymous one)
+    keep: bool                    # save the cache (named agents) or not (anonymous)
+    root: int | None              # the tenant's salt for block hashes
+
+
+def stop_cut(text: str, stops: Sequence[str]) -> tuple[int, str | None]:
+    """Where ``text`` must end: the first stop string's start (and which), else len."""
+    best, which = len(text), None
+    for s in stops:
+        i = text.find(s)
+        if i != -1 and i < best:
+            best, which = i, s
+    return best, which
+
+
+def held_back(text: str, stops: Sequence[str]) -> int:
+    """How many trailing characters could still begin a stop string (not streamed yet)."""
+    keep = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), keep, -1):
+            if text.endswith(s[:n]):
+                keep = n
+                break
+    return keep
+
+
+# ---------------------------------------------------------------- the backend
+
+log = logging.getLogger(__name__)
+
+ANON = "~anon/"          # anonymous agents' ids: never saved, never listed
+DEFAULT_CONTEXT = 4096   # when the model's config names no context length
+
+
+def model_fingerprint(path: Path) -> str:
+    """sha256 over the model's config and ``*.safetensors`` files (names and contents).
+
+    Each file's digest is remembered in ``.fingerprint.json`` beside it, keyed
+    by size and mtime (the harness keeps the same memo), so a model is hashed once.
+    """
+    memo_file = path / ".fingerprint.json"
+    try:
+        memo = json.loads(memo_file.read_text())
+    except (OSError, ValueError):
+        memo = {}
+    h, changed = hashlib.sha256(), False
+    for f in sorted(path.glob("*.safetensors")):
+        st = f.stat()
+        key = f"{f.name}:{st.st_size}:{st.st_mtime_ns}"
+        if key not in memo:
+            d = hashlib.sha256()
+            with open(f, "rb") as fh:
+                for chunk in iter(lambda: fh.read(1 << 22), b""):
+                    d.update(chunk)
+            memo[key], changed = d.hexdigest(), True
+        h.update(f.name.encode() + b"\0" + memo[key].encode() + b"\n")
+    if changed:
+        try:
+            memo_file.write_text(json.dumps(memo, indent=1))
+        except OSError:
+            pass  # a read-only model directory: hashed again next time
+    config = path / "config.json"
+    if config.exists():
+        h.update(b"config\0" + config.read_bytes())
+    return h.hexdigest()[:24]
+
+
+class _TextStream:
+    """One turn's text as it is generated: detokenized incrementally (mlx-lm's
+    streaming detokenizer), cut exactly before the first stop string, and
+    held back while its tail could still begin one. Runs on the worker thread."""
+
+    def __init__(self, tokenizer, stops: tuple[str, ...], logprobs: bool, top: int, eos: frozenset[int]):
+        self.tokenizer, self.stops, self.want_logprobs, self.top, self.eos = tokenizer, stops, logprobs, top, eos
+        self.detok = tokenizer.detokenizer
+        self.text = ""
+        self.sent = 0              # characters of text already in deltas
+        self.cut: int | None = None
+        self.stop_sequence: str | None = None
+        self.pending: list[TokenLogprob] = []
+        self.longest = max((len(s) for s in stops), default=0)
+
+    def feed(self, token: int, logprob: float, row) -> Delta | None:
+        if self.want_logprobs:
+            self.pending.append(self._logprob(token, logprob, row))
+        if self.cut is None and token not in self.eos:
+            self.detok.add_token(token)
+            self._grow(self.detok.last_segment)
+        return self._delta()
+
+    def finish(self) -> Delta | None:
+        if self.cut is None:
+            self.detok.finalize()
+            self._grow(self.detok.last_segment)
+            if self.cut is None:
+                self.cut = len(self.text)  # nothing held back any more
+        return self._delta()
+
+    @property
+    def stopped(self) -> bool:
+        return self.stop_sequence is not None
+
+    def _grow(self, segment: str) -> None:
+        if not segment:
+            return
+        start = max(0, len(self.text) - self.longest + 1)
+        self.text += segment
+        if self.stops:
+            at, which = stop_cut(self.text[start:], self.stops)
+            if which is not None:
+                self.cut, self.stop_sequence = start + at, which
+
+    def _delta(self) -> Delta | None:
+        end = self.cut if self.cut is not None else len(self.text) - held_back(self.text, self.stops)
+        text = self.text[self.sent:end] if end > self.sent else ""
+        self.sent = max(self.sent, end)
+        if not text and not self.pending:
+            return None
+        out, self.pending = Delta(text, self.pending), []
+        return out
+
+    def _logprob(self, token: int, logprob: float, row) -> TokenLogprob:
+        import mlx.core as mx
+
+        top = ()
+        if self.top:
+            idx = mx.argpartition(-row, self.top - 1)[: self.top]
+            vals = row[idx]
+            pairs = sorted(zip(idx.tolist(), vals.tolist()), key=lambda p: -p[1])
+            top = tuple(TopLogprob(*self._piece(t)[:2], float(v), self._piece(t)[2]) for t, v in pairs)
+        piece, tid, raw = self._piece(token)
+        return TokenLogprob(piece, tid, float(logprob), raw, top)
+
+    def _piece(self, token: int) -> tuple:
+        text = self.tokenizer.decode([token])
+        return text, int(token), tuple(text.encode("utf-8", "replace"))
+
+
+class Backend:
+    """A model, its cache store and a :class:`ConcurrentScheduler`, for the HTTP routes."""
+
+    def __init__(self, model, tokenizer, store, *, model_id: str, max_batch: int = 8, max_queued: int = 64,
+                 max_context: int | None = None):
+        from semantic.scheduler import ConcurrentScheduler
+
+        self.model_id = model_id
+        self.tokenizer = tokenizer
+        self.store = store
+        self.scheduler = ConcurrentScheduler(model, tokenizer, store, max_batch=max_batch, max_queued=max_queued)
+        self.eos = frozenset(int(t) for t in tokenizer.eos_token_ids)
+        self.vocab_size = self.scheduler.engine.vocab_size
+        args = getattr(model, "args", None)
+        native = getattr(args, "max_position_embeddings", None) or DEFAULT_CONTEXT
+        self.context_length = int(min(max_context or native, native))
+        self.closing = False
+        self.started = time.time()
+        self._recent: deque[dict] = deque(maxlen=64)
+        self._seen: dict[str, tuple[int, float]] = {}   # agent id -> (cached tokens, last used)
+        self._generated = 0
+
+    @classmethod
+    def from_model(cls, model: str, *, model_id: str | None = None, cache_dir: str | None = None,
+                   pool_bytes: int, ram_budget_bytes: int, disk_budget_bytes: int,
+                   max_batch: int = 8, max_queued: int = 64, max_context: int | None = None,
+                   block_tokens: int = 256) -> "Backend":
+        """Load ``model`` (a directory or hub id, whatever ``mlx_lm.load`` takes) and open its cache store.
+
+        Caches live under ``cache_dir``, by default
+        ``~/.cache/semantic-kv/agents/<model fingerprint>``, so another
+        model's files never mix with this one's.
+        """
+        import mlx_lm
+
+        from semantic import compat
+        from semantic.pool import BlockPool
+        from semantic.spec import ModelCacheSpec
+        from semantic.store import AgentCacheStore
+
+        path = compat.model_path(model)
+        fingerprint = model_fingerprint(path)
+        loaded, tokenizer = mlx_lm.load(str(path))
+        spec = ModelCacheSpec.from_model(loaded)
+        block_bytes = spec.token_bytes() * block_tokens
+        total = int(pool_bytes // block_bytes)
+        if total < 4:
+            raise ValueError(f"a pool of {pool_bytes} bytes holds {total} blocks of {block_bytes:.0f} bytes: raise it")
+        root = Path(cache_dir).expanduser() if cache_dir else Path.home() / ".cache" / "semantic-kv" / "agents" / fingerprint
+        store = AgentCacheStore(root, spec, fingerprint, min(ram_budget_bytes, int(total * block_bytes * 0.75)),
+                                disk_budget_bytes, pool=BlockPool(spec, total, block_tokens))
+        if store.quarantined or store.foreign:
+            log.warning("cache dir %s: %d files quarantined, %d of another model left alone",
+                        root, len(store.quarantined), len(store.foreign))
+        name = model_id or (path.name if Path(model).expanduser().is_dir() else model)
+        log.info("serving %s from %s: %d blocks of %d tokens (%.0f MB), caches in %s",
+                 name, path, total, block_tokens, total * block_bytes / 1e6, root)
+        return cls(loaded, tokenizer, store, model_id=name, max_batch=max_batch, max_queued=max_queued,
+                   max_context=max_context)
+
+    # ------------------------------------------------------------ requests
+
+    def prepare(self, req: GenerateRequest) -> Prepared:
+        """Tokenize and check ``req``; nothing is queued. Raises InvalidRequestError (400)."""
+        from semantic.blockplan import salt_root
+        from semantic.errors import ContextLengthError, InvalidAgentIdError
+        from semantic.requests import MAX_AGENT_ID, render_chat, validate_agent_id
+
+        if req.messages is not None:
+            try:
+                ids = render_chat(self.tokenizer, req.messages)
+            except InvalidRequestError:
+                raise
+            except Exception as exc:  # the chat template's own refusal (a jinja error): the messages are at fault
+                raise InvalidRequestError(f"the model's chat template refused these messages: {exc}"[:500]) from None
+        elif isinstance(req.prompt, str):
+            ids = list(self.tokenizer.encode(req.prompt))
+        else:
+            ids = list(req.prompt)
+            bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size]
+            if bad:
+                raise InvalidRequestError(f"prompt token ids must be integers in [0, {self.vocab_size}): {bad[:5]}")
+        if not ids:
+            raise InvalidRequestError("the prompt is empty: send at least one token")
+        total = len(ids) + req.max_tokens
+        if total > self.context_length:
+            raise ContextLengthError(
+                f"This model's maximum context length is {self.context_length} tokens. However, you requested "
+                f"{total} tokens ({len(ids)} in the prompt, {req.max_tokens} for the completion). "
+                f"Please reduce the length of the messages or completion."
+            )
+        bt, groups = self.store.block_tokens, len(self.store.spec.groups())
+        if (-(-total // bt) + 1) * groups > self.store.total_blocks:
+            raise ContextLengthError(
+                f"{total} tokens do not fit this server's block pool ({self.store.total_blocks} blocks of {bt} "
+                f"tokens): shorten the request, or restart the server with a larger --pool-mb"
+            )
+        if req.agent is not None:
+            tenant = req.tenant or "public"
+            agent_id = f"{tenant}/{req.agent}"
+            if len(agent_id) > MAX_AGENT_ID:
+                raise InvalidAgentIdError(f"agent id {req.agent[:40]!r}... is too long (at most {MAX_AGENT_ID - len(tenant) - 1} characters)")
+            validate_agent_id(agent_id)
+            keep = True
+        else:
+            agent_id, keep = ANON + uuid.uuid4().hex, False
+        salt = f"{req.tenant}\0{req.cache_salt}" if req.tenant or req.cache_salt else None
+        return Prepared(req, tuple(ids), agent_id, keep, salt_root(salt))
+
+    async def stream(self, prepared: Prepared):
+        """The turn's deltas, then its :class:`Final`. Closing this generator early cancels the turn."""
+        from semantic.errors import SchedulerClosedError
+
+        if self.closing:
+            raise SchedulerClosedError("the server is shutting down")
+        req = prepared.request
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        text = _TextStream(self.tokenizer, req.stop, req.logprobs, req.sampling.top_logprobs if req.logprobs else 0, self.eos)
+
+        def post(item) -> None:
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+            except RuntimeError:
+                pass  # the event loop is gone (shutdown): nobody is listening
+
+        def on_token(token: int, logprob: float, row) -> bool:
+            delta = text.feed(token, logprob, row)
+            if delta is not None:
+                post(delta)
+            return text.stopped
+
+        done = object()
+        future = self.scheduler.submit(
+            prepared.agent_id, list(prepared.ids), req.max_tokens, timeout=0.0,
+            sampling=req.sampling, on_token=on_token, root=prepared.root, keep=prepared.keep,
+        )
+        future.add_done_callback(lambda _: post(done))
+        try:
+            while (item := await queue.get()) is not done:
+                yield item
+            result = future.result()
+            tail = text.finish()
+            if tail is not None:
+                yield tail
+            yield self._final(prepared, result, text)
+        finally:
+            if not future.done():
+                self.scheduler.cancel(future)
+
+    def _final(self, prepared: Prepared, result, text: _TextStream) -> Final:
+        reason = "stop" if text.stopped else result.finish_reason
+        now = time.time()
+        self._generated += len(result.token_ids)
+        if prepared.keep and result.cache_saved:
+            self._seen[prepared.agent_id] = (len(prepared.ids) + len(result.token_ids), now)
+        self._recent.append({
+            "at": now, "ttft_s": result.ttft_s, "prompt_tokens": len(prepared.ids),
+            "cached_tokens": result.cached_tokens, "completion_tokens": len(result.token_ids),
+            "api": "messages" if prepared.request.messages is not None else "completions",
+        })
+        return Final(
+            text=text.text[: text.cut] if text.cut is not None else text.text,
+            finish_reason=reason, stop_sequence=text.stop_sequence,
+            prompt_tokens=len(prepared.ids), cached_tokens=result.cached_tokens,
+            completion_tokens=len(result.token_ids), ttft_s=result.ttft_s, latency_s=result.latency_s,
+            agent=prepared.request.agent,
+        )
+
+    # ------------------------------------------------------------ state
+
+    def stats(self, tenant: str | None = None) -> dict:
+        """Counters and what the caches hold now (agents of ``tenant`` only, when given)."""
+        s = self.scheduler.stats()
+        store = self.store.stats()
+        with self.store.pool_lock:
+            pool = self.store.pool.stats()
+        block_bytes = self.store.spec.token_bytes() * self.store.block_tokens
+        prefix = f"{tenant or 'public'}/" if tenant is not None else None
+        agents = []
+        now = time.time()
+        for agent_id in self.store.agents():
+            if agent_id.startswith(ANON) or (prefix is not None and not agent_id.startswith(prefix)):
+                continue
+            tokens, used = self._seen.get(agent_id) or self._from_disk(agent_id)
+            agents.append({
+                "agent": agent_id.split("/", 1)[1] if "/" in agent_id else agent_id,
+                "cached_tokens": tokens, "age_s": round(now - used, 1) if used else None,
+                "where": "ram" if self.store.in_ram(agent_id) or self.scheduler.resident_cache(agent_id) is not None else "disk",
+            })
+            if len(agents) >= 200:
+                break
+        agents.sort(key=lambda a: a["age_s"] if a["age_s"] is not None else 1e18)
+        return {
+            "model": self.model_id,
+            "uptime_s": round(now - self.started, 1),
+            "requests": {"submitted": s.submitted, "completed": s.completed, "failed": s.failed, "rejected": s.rejected,
+                         "cancelled": s.cancelled, "queued": s.queued, "in_flight": s.in_flight},
+            "tokens": {"prompt": s.prompt_tokens, "cached": s.cached_tokens, "generated": self._generated,
+                       "hit_rate": round(s.token_hit_rate, 4)},
+            "pool": {"total_blocks": pool.total, "used_blocks": pool.used, "cached_blocks": pool.cached,
+                     "block_tokens": self.store.block_tokens, "used_bytes": pool.used_bytes,
+                     "capacity_bytes": int(pool.total * block_bytes)},
+            "ram": {"agents": store.ram_agents, "bytes": store.ram_bytes, "budget_bytes": self.store.ram_budget},
+            "disk": {"agents": store.disk_agents, "bytes": store.disk_bytes, "budget_bytes": self.store.disk_budget,
+                     "dir": str(self.store.dir)},
+            "saves": {"done": s.saves, "errors": s.save_errors, "pending": s.pending_saves},
+            "evictions": s.evictions + store.ram_evictions + store.disk_evictions,
+            "quarantined": store.quarantined,
+            "agents": agents,
+            "recent": list(self._recent),
+        }
+
+    def _from_disk(self, agent_id: str) -> tuple[int, float | None]:
+        """Cached tokens and mtime of an agent known only from its file (a restart)."""
+        from semantic import cachefile
+        from semantic.store import file_name
+
+        path = self.store.dir / file_name(agent_id)
+        try:
+            info = cachefile.read_header(path)
+            value = (info.total_tokens, path.stat().st_mtime)
+        except Exception:  # a file being replaced or quarantined right now: show it without numbers
+            value = (0, None)
+        self._seen[agent_id] = value
+        return value
+
+    def begin_shutdown(self) -> None:
+        """Stop admitting: new requests get 503 from now on."""
+        self.closing = True
+
+    async def aclose(self, timeout: float = 30.0) -> None:
+        """Finish what is queued and in flight, write pending saves, stop the threads."""
+        self.closing = True
+        await asyncio.to_thread(self.scheduler.close, timeout)
