@@ -315,7 +315,7 @@ class ConcurrentScheduler:
                 submitted=c["submitted"], completed=c["completed"], failed=c["failed"], rejected=c["rejected"],
                 queued=self._queued, in_flight=len(self._in_flight),
                 prompt_tokens=c["prompt_tokens"], cached_tokens=c["cached_tokens"],
-                saves=self._saver.saves, save_errors=self._saver.errors, pending_saves=len(self._saver),
+                saves=self._saver.saves, save_errors=self._saver.errors, pending_saves=self._saver.outstanding(),
                 resident_agents=len(self._resident), evictions=self._resident.evictions,
                 cancelled=c["cancelled"],
             )

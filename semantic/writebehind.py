@@ -53,6 +53,10 @@ class WriteBehind:
     def __len__(self) -> int:
         return len(self._pending)
 
+    def outstanding(self) -> int:
+        """Saves not yet on disk: pending, plus the one being written."""
+        return len(self._pending) + (self._saving is not None)
+
     @property
     def busy(self) -> bool:
         """Whether a save is pending or being written."""
