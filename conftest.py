@@ -7,7 +7,7 @@ import pytest
 
 from tests.tiny_models import tiny_gemma3, tiny_llama
 
-REAL_MODEL_FIXTURES = {"smollm2", "gemma3", "real_variant"}
+REAL_MODEL_FIXTURES = {"smollm2", "smollm2_dir", "gemma3", "real_variant"}
 
 
 def pytest_report_header(config):
@@ -84,6 +84,17 @@ def _real(name: str, variant: str | None = None):
 def smollm2():
     """Real SmolLM2-135M-Instruct (Q4_1 GGUF converted to MLX), in this device's variant (f32 on a CPU)."""
     return _real("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    """The directory of real SmolLM2 in this device's variant, for a server to load."""
+    from harness import models
+
+    variant = models.default_variant(None)
+    if not models.variant_prepared("smollm2-135m", variant):
+        pytest.fail(f"smollm2-135m ({variant}) is not prepared: run `make models`")
+    return models.prepared_dir("smollm2-135m", variant)
 
 
 @pytest.fixture(scope="session")

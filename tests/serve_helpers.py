@@ -33,6 +33,7 @@ class Server:
     model: Path
     cache_dir: Path
     args: list[str] = field(default_factory=list)
+    model_id: str = "tiny"
     port: int = 0
     proc: subprocess.Popen | None = None
     log_path: Path | None = None
@@ -45,7 +46,7 @@ class Server:
         self.port = free_port()
         self.log_path = self.cache_dir.parent / f"server-{self.port}.log"
         cmd = [sys.executable, "-m", "semantic.serve", "--model", str(self.model), "--port", str(self.port),
-               "--cache-dir", str(self.cache_dir), *self.args]
+               "--cache-dir", str(self.cache_dir), "--model-id", self.model_id, *self.args]
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(self.log_path, "wb"), stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
@@ -71,6 +72,12 @@ class Server:
             self.proc.kill()
             self.proc.wait(10)
             raise RuntimeError(f"server ignored {signal.Signals(sig).name} for {timeout} s:\n{self.log()}")
+
+    def stop_cleanly(self) -> bool:
+        """SIGTERM, then whether the server shut down gracefully (uvicorn re-raises
+        the signal after its shutdown completes, so the exit code is 0 or -SIGTERM)."""
+        code = self.stop(signal.SIGTERM)
+        return code in (0, -signal.SIGTERM) and "Application shutdown complete" in self.log()
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-4000:] if self.log_path and self.log_path.exists() else ""

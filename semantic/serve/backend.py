@@ -23,6 +23,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import threading
 import time
 import uuid
 from collections import deque
@@ -55,6 +56,7 @@ class GenerateRequest:
     tenant: str = ""              # the caller's tenant (from its API key); "" without keys
     agent: str | None = None      # prompt_cache_key / user / X-Agent-Id / metadata.user_id
     cache_salt: str | None = None
+    api: str = ""                 # which endpoint asked (shown on the dashboard)
 
     def __post_init__(self):
         if (self.messages is None) == (self.prompt is None):
@@ -275,6 +277,7 @@ class Backend:
         self.context_length = int(min(max_context or native, native))
         self.closing = False
         self.started = time.time()
+        self._lock = threading.Lock()  # _recent and _seen: the event loop writes, stats() reads on a thread
         self._recent: deque[dict] = deque(maxlen=64)
         self._seen: dict[str, tuple[int, float]] = {}   # agent id -> (cached tokens, last used)
         self._generated = 0
@@ -410,14 +413,11 @@ class Backend:
     def _final(self, prepared: Prepared, result, text: _TextStream) -> Final:
         reason = "stop" if text.stopped else result.finish_reason
         now = time.time()
-        self._generated += len(result.token_ids)
-        if prepared.keep and result.cache_saved:
-            self._seen[prepared.agent_id] = (len(prepared.ids) + len(result.token_ids), now)
-        self._recent.append({
-            "at": now, "ttft_s": result.ttft_s, "prompt_tokens": len(prepared.ids),
-            "cached_tokens": result.cached_tokens, "completion_tokens": len(result.token_ids),
-            "api": "messages" if prepared.request.messages is not None else "completions",
-        })
+        with self._lock:
+            self._generated += len(result.token_ids)
+            if prepared.keep and result.cache_saved:
+                self._seen[prepared.agent_id] = (len(prepared.ids) + len(result.token_ids), now)
+            self._recent.append(self._recent_entry(prepared, result, now))
         return Final(
             text=text.text[: text.cut] if text.cut is not None else text.text,
             finish_reason=reason, stop_sequence=text.stop_sequence,
@@ -425,6 +425,14 @@ class Backend:
             completion_tokens=len(result.token_ids), ttft_s=result.ttft_s, latency_s=result.latency_s,
             agent=prepared.request.agent,
         )
+
+    @staticmethod
+    def _recent_entry(prepared: Prepared, result, now: float) -> dict:
+        return {
+            "at": now, "ttft_s": result.ttft_s, "prompt_tokens": len(prepared.ids),
+            "cached_tokens": result.cached_tokens, "completion_tokens": len(result.token_ids),
+            "api": prepared.request.api or ("chat" if prepared.request.messages is not None else "completions"),
+        }
 
     # ------------------------------------------------------------ state
 
@@ -441,7 +449,9 @@ class Backend:
         for agent_id in self.store.agents():
             if agent_id.startswith(ANON) or (prefix is not None and not agent_id.startswith(prefix)):
                 continue
-            tokens, used = self._seen.get(agent_id) or self._from_disk(agent_id)
+            with self._lock:
+                seen = self._seen.get(agent_id)
+            tokens, used = seen or self._from_disk(agent_id)
             agents.append({
                 "agent": agent_id.split("/", 1)[1] if "/" in agent_id else agent_id,
                 "cached_tokens": tokens, "age_s": round(now - used, 1) if used else None,
@@ -450,12 +460,14 @@ class Backend:
             if len(agents) >= 200:
                 break
         agents.sort(key=lambda a: a["age_s"] if a["age_s"] is not None else 1e18)
+        with self._lock:
+            recent, generated = list(self._recent), self._generated
         return {
             "model": self.model_id,
             "uptime_s": round(now - self.started, 1),
             "requests": {"submitted": s.submitted, "completed": s.completed, "failed": s.failed, "rejected": s.rejected,
                          "cancelled": s.cancelled, "queued": s.queued, "in_flight": s.in_flight},
-            "tokens": {"prompt": s.prompt_tokens, "cached": s.cached_tokens, "generated": self._generated,
+            "tokens": {"prompt": s.prompt_tokens, "cached": s.cached_tokens, "generated": generated,
                        "hit_rate": round(s.token_hit_rate, 4)},
             "pool": {"total_blocks": pool.total, "used_blocks": pool.used, "cached_blocks": pool.cached,
                      "block_tokens": self.store.block_tokens, "used_bytes": pool.used_bytes,
@@ -467,7 +479,7 @@ class Backend:
             "evictions": s.evictions + store.ram_evictions + store.disk_evictions,
             "quarantined": store.quarantined,
             "agents": agents,
-            "recent": list(self._recent),
+            "recent": recent,
         }
 
     def _from_disk(self, agent_id: str) -> tuple[int, float | None]:
@@ -481,7 +493,8 @@ class Backend:
             value = (info.total_tokens, path.stat().st_mtime)
         except Exception:  # a file being replaced or quarantined right now: show it without numbers
             value = (0, None)
-        self._seen[agent_id] = value
+        with self._lock:
+            self._seen[agent_id] = value
         return value
 
     def begin_shutdown(self) -> None:

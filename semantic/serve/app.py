@@ -1,0 +1,78 @@
+"""``create_app(backend, config)``: the FastAPI app, its middlewares, routes and lifespan.
+
+Middlewares, outermost first (each refuses before the next runs)::
+
+    MetricsMiddleware  count and time every request, whatever answered it
+    CatchAll           anything that escapes → logged, generic 500 in the API's shape
+    AuthMiddleware     401 without a key (when keys are set); sets the tenant
+    ClosingGate        503 once shutdown began
+    BodyLimit          413 over --max-body-mb
+    (FastAPI)          exception handlers → errors.install
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING
+
+from fastapi import Depends, FastAPI
+from starlette.responses import Response
+
+from semantic.serve import anthropic_api, dashboard, errors, openai_api
+from semantic.serve.auth import AuthMiddleware, Keys
+from semantic.serve.config import ServeConfig
+from semantic.serve.gates import BodyLimit, ClosingGate
+from semantic.serve.metrics import CONTENT_TYPE, MetricsMiddleware, ServeMetrics
+from semantic.serve.state import ServeState, serve_state
+
+if TYPE_CHECKING:
+    from semantic.serve.backend import Backend
+
+CANCEL_WAIT_S = 2.0
+
+
+def create_app(backend: "Backend", config: ServeConfig | None = None) -> FastAPI:
+    """The server's ASGI app over ``backend``.
+
+    Args:
+        backend: the engine side (``semantic.serve.backend.Backend`` or a stand-in with its interface).
+        config: keys, body limit and shutdown bounds; default: no keys, 4 MiB bodies.
+
+    Returns:
+        A FastAPI app whose lifespan shutdown stops admitting (``begin_shutdown``)
+        and then awaits ``backend.aclose``.
+    """
+    config = config or ServeConfig(model=backend.model_id)
+    state = ServeState(backend=backend, config=config, metrics=ServeMetrics(backend))
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        backend.begin_shutdown()
+        # uvicorn cancels the streams still running after its graceful timeout but does not
+        # wait for them: let them close their backend streams before the backend closes
+        deadline = time.monotonic() + CANCEL_WAIT_S
+        while state.turns and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        await backend.aclose(timeout=config.shutdown_s)
+        state.closed = True
+
+    app = FastAPI(title="semantic serve", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.serve = state
+    errors.install(app)
+    for router in (openai_api.router, anthropic_api.router, dashboard.router):
+        app.include_router(router)
+
+    @app.get("/metrics", include_in_schema=False)
+    def metrics(s: ServeState = Depends(serve_state)) -> Response:  # a thread: the scrape calls stats()
+        return Response(s.metrics.render(), media_type=CONTENT_TYPE)
+
+    # add_middleware puts each one outside the ones added before it
+    app.add_middleware(BodyLimit, limit=config.max_body_bytes)
+    app.add_middleware(ClosingGate, closing=lambda: backend.closing)
+    app.add_middleware(AuthMiddleware, keys=Keys(config.api_keys))
+    app.add_middleware(errors.CatchAll)
+    app.add_middleware(MetricsMiddleware, metrics=state.metrics)
+    return app

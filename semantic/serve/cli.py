@@ -1,0 +1,121 @@
+"""``semantic serve --model DIR_OR_HUB_ID ...``: load the model and serve it over HTTP.
+
+Also ``python -m semantic.serve`` with the same flags (the word ``serve``
+may be given or left out). API keys come from ``--api-key`` (repeatable)
+and ``$SEMANTIC_API_KEYS`` (comma-separated). This module imports nothing
+that loads MLX: :func:`main` points MLX at a fast BLAS first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+
+from semantic.serve.config import LOG_LEVELS, ServeConfig
+
+KEYS_ENV = "SEMANTIC_API_KEYS"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="semantic serve", description="OpenAI- and Anthropic-compatible server "
+                                "with a persistent KV cache per agent.")
+    d = ServeConfig(model="-")  # the defaults live in one place
+    p.add_argument("--model", required=True, help="a model directory or Hugging Face hub id")
+    p.add_argument("--model-id", default=None, help="the name clients use (default: the model's)")
+    p.add_argument("--host", default=d.host, help=f"address to bind (default {d.host})")
+    p.add_argument("--port", type=int, default=d.port, help=f"port (default {d.port})")
+    p.add_argument("--cache-dir", default=None, help="where agent caches are saved (default: the backend's)")
+    p.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                   help=f"accept this key (repeatable; also ${KEYS_ENV}, comma-separated); none: no auth")
+    p.add_argument("--pool-mb", type=int, default=d.pool_mb, help=f"KV block pool size (default {d.pool_mb})")
+    p.add_argument("--ram-mb", type=int, default=d.ram_mb, help=f"RAM for idle agents' caches (default {d.ram_mb})")
+    p.add_argument("--disk-mb", type=int, default=d.disk_mb, help=f"disk for saved caches (default {d.disk_mb})")
+    p.add_argument("--max-batch", type=int, default=d.max_batch, help=f"sequences decoded together (default {d.max_batch})")
+    p.add_argument("--max-queued", type=int, default=d.max_queued,
+                   help=f"requests waiting before 429 (default {d.max_queued})")
+    p.add_argument("--max-context", type=int, default=None, help="max prompt + completion tokens (default: the model's)")
+    p.add_argument("--max-body-mb", type=float, default=d.max_body_mb, help=f"request body limit (default {d.max_body_mb})")
+    p.add_argument("--graceful-timeout", type=float, default=d.graceful_s,
+                   help=f"seconds shutdown lets in-flight streams finish before cancelling them (default {d.graceful_s})")
+    p.add_argument("--log-level", default=d.log_level, choices=LOG_LEVELS)
+    return p
+
+
+def parse_config(argv: list[str]) -> ServeConfig:
+    """The command line (and ``$SEMANTIC_API_KEYS``) as a checked :class:`ServeConfig`."""
+    parser = build_parser()
+    a = parser.parse_args(argv)
+    env_keys = [k.strip() for k in os.environ.get(KEYS_ENV, "").split(",") if k.strip()]
+    try:
+        return ServeConfig(
+            model=a.model, model_id=a.model_id, host=a.host, port=a.port, cache_dir=a.cache_dir,
+            api_keys=tuple(dict.fromkeys([*a.api_key, *env_keys])), pool_mb=a.pool_mb, ram_mb=a.ram_mb,
+            disk_mb=a.disk_mb, max_batch=a.max_batch, max_queued=a.max_queued, max_context=a.max_context,
+            max_body_mb=a.max_body_mb, graceful_s=a.graceful_timeout, log_level=a.log_level)
+    except ValueError as exc:
+        parser.error(str(exc))  # exits 2 with the usage line
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["serve"]:
+        argv = argv[1:]
+    config = parse_config(argv)
+
+    import semantic.blas
+
+    semantic.blas.enable()  # before anything below imports mlx: its BLAS is fixed at import
+
+    try:
+        import uvicorn
+
+        from semantic.serve.app import create_app
+    except ImportError as exc:
+        print(f"error: {exc.name} is missing; install the server's extra: pip install 'semantic-kv[serve]'",
+              file=sys.stderr)
+        return 2
+    from semantic.errors import CacheError
+    from semantic.serve.backend import Backend
+
+    logging.basicConfig(level=config.log_level_number, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log = logging.getLogger("semantic.serve")
+    try:
+        backend = Backend.from_model(
+            config.model, model_id=config.model_id, cache_dir=config.cache_dir, pool_bytes=config.pool_bytes,
+            ram_budget_bytes=config.ram_budget_bytes, disk_budget_bytes=config.disk_budget_bytes,
+            max_batch=config.max_batch, max_queued=config.max_queued, max_context=config.max_context)
+    except (OSError, ValueError, LookupError, RuntimeError, CacheError) as exc:
+        print(f"error: cannot load {config.model!r}: {exc}", file=sys.stderr)
+        return 2
+    app = create_app(backend, config)
+    log.info("serving %s on http://%s:%d (%s)", backend.model_id, config.host, config.port,
+             f"{len(config.api_keys)} API key(s)" if config.api_keys else "no API keys: open to anyone who can connect")
+    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
+                                           lifespan="on", timeout_graceful_shutdown=config.graceful_s))
+    _admit_nothing_on_signal(server, backend)
+    try:
+        server.run()
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        if not app.state.serve.closed:  # uvicorn never reached the lifespan's shutdown (e.g. port in use)
+            backend.begin_shutdown()
+            asyncio.run(backend.aclose(timeout=config.shutdown_s))
+    return 0 if server.started else 1
+
+
+def _admit_nothing_on_signal(server, backend) -> None:
+    """On SIGTERM / SIGINT, stop admitting at once: new requests get 503 during the graceful drain."""
+    uvicorn_exit = server.handle_exit
+
+    def handle_exit(sig, frame) -> None:
+        try:  # from the loop, not in the signal handler: begin_shutdown may take a lock this thread holds
+            asyncio.get_running_loop().call_soon_threadsafe(backend.begin_shutdown)
+        except RuntimeError:
+            pass
+        uvicorn_exit(sig, frame)
+
+    server.handle_exit = handle_exit  # capture_signals installs self.handle_exit

@@ -1,0 +1,83 @@
+"""The server's settings, checked once when built (from the command line or a test)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+MB = 1 << 20
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+@dataclass(slots=True)
+class ServeConfig:
+    """Everything ``semantic serve`` was told; sizes in MiB as on the command line.
+
+    ``api_keys`` empty: no authentication (every caller is tenant ``""``).
+    ``graceful_s`` bounds how long shutdown waits for in-flight streams before
+    cancelling them; ``shutdown_s`` bounds the backend's own close (saves).
+    """
+
+    model: str
+    model_id: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    cache_dir: str | None = None
+    api_keys: tuple[str, ...] = field(default=(), repr=False)  # never in logs
+    pool_mb: int = 1024
+    ram_mb: int = 2048
+    disk_mb: int = 8192
+    max_batch: int = 8
+    max_queued: int = 64
+    max_context: int | None = None
+    max_body_mb: float = 4.0
+    log_level: str = "info"
+    graceful_s: float = 10.0
+    shutdown_s: float = 30.0
+
+    def __post_init__(self):
+        if not isinstance(self.model, str) or not self.model.strip():
+            raise ValueError("model must name a model directory or hub id")
+        if not isinstance(self.host, str) or not self.host.strip() or any(c.isspace() for c in self.host):
+            raise ValueError(f"host must be a host name or address, got {self.host!r}")
+        if isinstance(self.port, bool) or not isinstance(self.port, int) or not 1 <= self.port <= 65535:
+            raise ValueError(f"port must be in [1, 65535], got {self.port!r}")
+        self.api_keys = tuple(self.api_keys)
+        if any(not isinstance(k, str) or not k or k != k.strip() for k in self.api_keys):
+            raise ValueError("api keys must be non-empty strings without surrounding spaces")
+        for name in ("pool_mb", "ram_mb", "disk_mb", "max_batch", "max_queued"):
+            _positive_int(name, getattr(self, name))
+        if self.max_context is not None:
+            _positive_int("max_context", self.max_context)
+        for name in ("max_body_mb", "graceful_s", "shutdown_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                raise ValueError(f"{name} must be a positive number, got {v!r}")
+        if self.log_level.lower() not in LOG_LEVELS:
+            raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
+        self.log_level = self.log_level.lower()
+
+    @property
+    def pool_bytes(self) -> int:
+        return self.pool_mb * MB
+
+    @property
+    def ram_budget_bytes(self) -> int:
+        return self.ram_mb * MB
+
+    @property
+    def disk_budget_bytes(self) -> int:
+        return self.disk_mb * MB
+
+    @property
+    def max_body_bytes(self) -> int:
+        return int(self.max_body_mb * MB)
+
+    @property
+    def log_level_number(self) -> int:
+        return logging.getLevelName(self.log_level.upper())
+
+
+def _positive_int(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")

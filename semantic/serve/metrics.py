@@ -1,0 +1,129 @@
+"""Prometheus metrics: what each request cost and what the cache did, plus the backend's state.
+
+Each app has its own :class:`CollectorRegistry` (several apps in one test
+process never collide). Request counters and histograms are updated as
+requests run; the cache, pool and queue gauges are read from
+``backend.stats()`` at scrape time by :class:`BackendCollector`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+log = logging.getLogger("semantic.serve")
+
+CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4  # what generate_latest writes
+API_PATHS = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "completions",
+    "/v1/messages": "messages",
+    "/v1/messages/count_tokens": "count_tokens",
+    "/v1/models": "models",
+}
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+GAP_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
+
+
+def api_label(path: str) -> str:
+    """A bounded label: unknown paths share one, so scanners cannot grow the series."""
+    return API_PATHS.get(path, "other")
+
+
+class ServeMetrics:
+    """The counters and histograms the routes update."""
+
+    def __init__(self, backend):
+        r = self.registry = CollectorRegistry(auto_describe=False)
+        self.requests = Counter("semantic_requests", "HTTP requests by API and status", ["api", "status"], registry=r)
+        self.prompt_tokens = Counter("semantic_prompt_tokens", "Prompt tokens, cached ones included", ["api"], registry=r)
+        self.cached_tokens = Counter("semantic_cached_tokens", "Prompt tokens served from a cache", ["api"], registry=r)
+        self.completion_tokens = Counter("semantic_completion_tokens", "Generated tokens", ["api"], registry=r)
+        self.ttft = Histogram("semantic_ttft_seconds", "Submit to first token, queueing included (server side)",
+                              ["api"], buckets=LATENCY_BUCKETS, registry=r)
+        self.inter_token = Histogram("semantic_inter_token_seconds", "Time between streamed deltas",
+                                     ["api"], buckets=GAP_BUCKETS, registry=r)
+        self.request_seconds = Histogram("semantic_request_seconds", "Whole request, streams to their end",
+                                         ["api"], buckets=LATENCY_BUCKETS, registry=r)
+        r.register(BackendCollector(backend))
+
+    def observe_final(self, api: str, final) -> None:
+        """Count one finished turn (a :class:`~semantic.serve.backend.Final`)."""
+        self.prompt_tokens.labels(api).inc(final.prompt_tokens)
+        self.cached_tokens.labels(api).inc(final.cached_tokens)
+        self.completion_tokens.labels(api).inc(final.completion_tokens)
+        self.ttft.labels(api).observe(final.ttft_s)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class BackendCollector:
+    """Gauges read from ``backend.stats()`` at each scrape."""
+
+    def __init__(self, backend):
+        self.backend = backend
+
+    def describe(self):
+        return []  # no names at registration: collect() would call stats() on a backend still starting
+
+    def collect(self):
+        try:
+            s = self.backend.stats()
+        except Exception:  # a scrape must not fail the whole exposition
+            log.exception("backend.stats() failed during a scrape")
+            return
+        gauges = {
+            "queue_depth": ("Requests waiting to start", s["requests"]["queued"]),
+            "in_flight": ("Requests generating now", s["requests"]["in_flight"]),
+            "pool_used_bytes": ("KV block pool bytes in use", s["pool"]["used_bytes"]),
+            "pool_capacity_bytes": ("KV block pool capacity", s["pool"]["capacity_bytes"]),
+            "pool_used_blocks": ("KV blocks in use", s["pool"]["used_blocks"]),
+            "pool_cached_blocks": ("KV blocks holding reusable prefixes", s["pool"]["cached_blocks"]),
+            "ram_bytes": ("Agent caches resident in RAM", s["ram"]["bytes"]),
+            "ram_budget_bytes": ("RAM budget for agent caches", s["ram"]["budget_bytes"]),
+            "ram_agents": ("Agents resident in RAM", s["ram"]["agents"]),
+            "disk_bytes": ("Agent cache files on disk", s["disk"]["bytes"]),
+            "disk_budget_bytes": ("Disk budget for agent caches", s["disk"]["budget_bytes"]),
+            "disk_agents": ("Agents saved on disk", s["disk"]["agents"]),
+            "quarantined_files": ("Damaged cache files set aside", s["quarantined"]),
+            "cached_token_ratio": ("Prompt tokens served from a cache / all prompt tokens", s["tokens"]["hit_rate"]),
+            "saves_pending": ("Cache saves not yet on disk", s["saves"]["pending"]),
+        }
+        for name, (doc, value) in gauges.items():
+            yield GaugeMetricFamily(f"semantic_{name}", doc, value=float(value))
+        yield CounterMetricFamily("semantic_evictions", "Agent caches evicted from RAM", value=float(s["evictions"]))
+        yield CounterMetricFamily("semantic_save_errors", "Cache saves that failed", value=float(s["saves"]["errors"]))
+
+
+class MetricsMiddleware:
+    """ASGI middleware: counts every request by API and status and times it (streams to their end)."""
+
+    def __init__(self, app: ASGIApp, metrics: ServeMetrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status, t0 = "499", time.perf_counter()  # 499: the client left before any answer
+
+        async def tracking(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = str(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking)
+        except Exception:
+            status = "500" if status == "499" else status
+            raise
+        finally:
+            api = api_label(scope.get("path", ""))
+            self.metrics.requests.labels(api, status).inc()
+            self.metrics.request_seconds.labels(api).observe(time.perf_counter() - t0)

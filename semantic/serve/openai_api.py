@@ -1,0 +1,254 @@
+"""OpenAI-compatible routes: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``, ``/health``.
+
+Each route turns the request into a :class:`GenerateRequest`, runs a
+:class:`~semantic.serve.turns.Turn`, and writes OpenAI's exact shapes back;
+``usage.prompt_tokens_details.cached_tokens`` says what the cache did.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from typing import AsyncGenerator
+
+from fastapi import APIRouter, Depends, Request
+from starlette.responses import JSONResponse, Response
+
+from semantic.sampling import SamplingParams
+from semantic.serve import openai_schemas as oa
+from semantic.serve.backend import Delta, Final, GenerateRequest, TokenLogprob
+from semantic.serve.errors import from_stream, invalid, sse_error
+from semantic.serve.state import ServeState, serve_state, tenant_of
+from semantic.serve.streaming import DONE, EventStream, data
+from semantic.serve.turns import DEFAULT_MAX_TOKENS, Turn, agent_of, check_model, prepare
+
+router = APIRouter()
+
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+def wire_finish(reason: str) -> str:
+    return "stop" if reason == "cancelled" else reason
+
+
+def usage(final: Final) -> oa.Usage:
+    return oa.Usage(prompt_tokens=final.prompt_tokens, completion_tokens=final.completion_tokens,
+                    total_tokens=final.prompt_tokens + final.completion_tokens,
+                    prompt_tokens_details=oa.PromptTokensDetails(cached_tokens=final.cached_tokens))
+
+
+def sampling(body: oa._Sampling, top_logprobs: int = 0) -> SamplingParams:
+    """OpenAI's fields as SamplingParams (unset: the defaults, greedy); bad ranges raise a 400."""
+    given = {name: getattr(body, name) for name in
+             ("temperature", "top_p", "top_k", "min_p", "seed", "frequency_penalty", "presence_penalty",
+              "repetition_penalty")}
+    return SamplingParams(**{k: v for k, v in given.items() if v is not None}, top_logprobs=top_logprobs)
+
+
+def _common_checks(state: ServeState, body: oa._Sampling) -> None:
+    check_model(state, body.model)
+    if body.n != 1:
+        raise invalid("this server generates one choice per request (n must be 1)", "n")
+
+
+def _chat_messages(body: oa.ChatCompletionRequest) -> list[dict]:
+    if not body.messages:
+        raise invalid("messages must hold at least one message", "messages")
+    out = []
+    for i, m in enumerate(body.messages):
+        role = ROLES.get(m.role)
+        if role is None:
+            raise invalid(f"messages[{i}].role {m.role!r} is not supported: use system, developer, user or "
+                          "assistant", f"messages.{i}.role")
+        if isinstance(m.content, list):
+            for j, part in enumerate(m.content):
+                if part.type != "text" or part.text is None:
+                    raise invalid(f"messages[{i}].content[{j}] is a {part.type!r} part; this server reads "
+                                  "text parts only", f"messages.{i}.content.{j}.type")
+            text = "\n".join(part.text for part in m.content)
+        else:
+            text = m.content or ""
+        out.append({"role": role, "content": text})
+    return out
+
+
+def _chat_logprobs(tokens: list[TokenLogprob]) -> oa.ChoiceLogprobs:
+    return oa.ChoiceLogprobs(content=[
+        oa.TokenLogprobOut(token=t.token, logprob=t.logprob, bytes=list(t.bytes),
+                           top_logprobs=[oa.TopLogprobOut(token=a.token, logprob=a.logprob, bytes=list(a.bytes))
+                                         for a in t.top])
+        for t in tokens])
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: oa.ChatCompletionRequest, request: Request,
+                           state: ServeState = Depends(serve_state)) -> Response:
+    _common_checks(state, body)
+    if body.top_logprobs and not body.logprobs:
+        raise invalid("top_logprobs needs logprobs: true", "top_logprobs")
+    want_logprobs = bool(body.logprobs)
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    req = GenerateRequest(
+        max_tokens=max_tokens or DEFAULT_MAX_TOKENS, messages=_chat_messages(body),
+        sampling=sampling(body, (body.top_logprobs or 0) if want_logprobs else 0),
+        stop=_stops(body.stop), logprobs=want_logprobs, tenant=tenant_of(request),
+        agent=agent_of(request, body.prompt_cache_key, body.user), cache_salt=body.cache_salt,
+        api="openai.chat")
+    turn = Turn(state, prepare(state, req, explicit_max=max_tokens is not None), "chat")
+    rid, created, model = f"chatcmpl-{secrets.token_hex(12)}", int(time.time()), state.backend.model_id
+    if not body.stream:
+        final, tokens = await turn.run(request)
+        out = oa.ChatCompletion(
+            id=rid, created=created, model=model, usage=usage(final),
+            choices=[oa.ChatChoice(message=oa.AssistantMessage(content=final.text),
+                                   logprobs=_chat_logprobs(tokens) if want_logprobs else None,
+                                   finish_reason=wire_finish(final.finish_reason))])
+        return _json(out)
+    await turn.open(request)
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    return EventStream(_chat_events(turn, request.url.path, rid, created, model, include_usage, want_logprobs))
+
+
+async def _chat_events(turn: Turn, path: str, rid: str, created: int, model: str, include_usage: bool,
+                       want_logprobs: bool) -> AsyncGenerator[bytes, None]:
+    def chunk(delta: oa.ChunkDelta, finish: str | None = None, logprobs=None) -> bytes:
+        c = oa.ChatCompletionChunk(id=rid, created=created, model=model, choices=[
+            oa.ChunkChoice(delta=delta, logprobs=logprobs, finish_reason=finish)])
+        return _sse(c, include_usage)
+
+    try:
+        yield chunk(oa.ChunkDelta(role="assistant", content=""))
+        while True:
+            item = await turn.next()
+            if isinstance(item, Delta):
+                if item.text or item.logprobs:
+                    yield chunk(oa.ChunkDelta(content=item.text),
+                                logprobs=_chat_logprobs(item.logprobs) if want_logprobs else None)
+                continue
+            yield chunk(oa.ChunkDelta(), finish=wire_finish(item.finish_reason))
+            if include_usage:
+                yield _sse(oa.ChatCompletionChunk(id=rid, created=created, model=model, choices=[],
+                                                  usage=usage(item)), True)
+            break
+        yield DONE
+    except Exception as exc:  # the headers said 200: the error goes into the stream
+        yield sse_error(path, from_stream(exc))
+        yield DONE
+    finally:
+        await turn.close()
+
+
+@router.post("/v1/completions")
+async def completions(body: oa.CompletionRequest, request: Request,
+                      state: ServeState = Depends(serve_state)) -> Response:
+    _common_checks(state, body)
+    if body.echo:
+        raise invalid("echo is not supported", "echo")
+    if body.best_of not in (None, 1):
+        raise invalid("best_of must be 1", "best_of")
+    if body.suffix:
+        raise invalid("suffix is not supported", "suffix")
+    want_logprobs = body.logprobs is not None
+    req = GenerateRequest(
+        max_tokens=body.max_tokens or DEFAULT_MAX_TOKENS, prompt=_one_prompt(body.prompt),
+        sampling=sampling(body, body.logprobs or 0), stop=_stops(body.stop), logprobs=want_logprobs,
+        tenant=tenant_of(request), agent=agent_of(request, body.prompt_cache_key, body.user),
+        cache_salt=body.cache_salt, api="openai.completions")
+    turn = Turn(state, prepare(state, req, explicit_max=body.max_tokens is not None), "completions")
+    rid, created, model = f"cmpl-{secrets.token_hex(12)}", int(time.time()), state.backend.model_id
+    if not body.stream:
+        final, tokens = await turn.run(request)
+        out = oa.Completion(id=rid, created=created, model=model, usage=usage(final), choices=[
+            oa.CompletionChoice(text=final.text, logprobs=_legacy_logprobs(tokens, 0) if want_logprobs else None,
+                                finish_reason=wire_finish(final.finish_reason))])
+        return _json(out)
+    await turn.open(request)
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    return EventStream(_completion_events(turn, request.url.path, rid, created, model, include_usage,
+                                          want_logprobs))
+
+
+async def _completion_events(turn: Turn, path: str, rid: str, created: int, model: str, include_usage: bool,
+                             want_logprobs: bool) -> AsyncGenerator[bytes, None]:
+    offset = 0
+    try:
+        while True:
+            item = await turn.next()
+            if isinstance(item, Delta):
+                if item.text or item.logprobs:
+                    lp = _legacy_logprobs(item.logprobs, offset) if want_logprobs else None
+                    yield _sse(oa.Completion(id=rid, created=created, model=model, choices=[
+                        oa.CompletionChoice(text=item.text, logprobs=lp, finish_reason=None)]), include_usage)
+                    offset += len(item.text)
+                continue
+            yield _sse(oa.Completion(id=rid, created=created, model=model, choices=[
+                oa.CompletionChoice(text="", logprobs=None, finish_reason=wire_finish(item.finish_reason))]),
+                include_usage)
+            if include_usage:
+                yield _sse(oa.Completion(id=rid, created=created, model=model, choices=[], usage=usage(item)), True)
+            break
+        yield DONE
+    except Exception as exc:
+        yield sse_error(path, from_stream(exc))
+        yield DONE
+    finally:
+        await turn.close()
+
+
+def _legacy_logprobs(tokens: list[TokenLogprob], offset: int) -> oa.CompletionLogprobs:
+    offsets = []
+    for t in tokens:
+        offsets.append(offset)
+        offset += len(t.token)
+    return oa.CompletionLogprobs(
+        tokens=[t.token for t in tokens], token_logprobs=[t.logprob for t in tokens],
+        top_logprobs=[{a.token: a.logprob for a in t.top} for t in tokens], text_offset=offsets)
+
+
+def _one_prompt(prompt) -> str | list[int]:
+    """A prompt string or token-id list; a batch of one is unwrapped, larger batches are refused."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise invalid("this server takes one prompt per request", "prompt")
+        prompt = prompt[0]
+    if not prompt:
+        raise invalid("prompt must not be empty", "prompt")
+    return prompt
+
+
+def _stops(stop: str | list[str] | None) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    return (stop,) if isinstance(stop, str) else tuple(stop)
+
+
+def _sse(model, include_usage: bool) -> bytes:
+    # chunks carry "usage": null only when the client asked for usage, as OpenAI's do
+    return data(model.model_dump(exclude={"usage"} if not include_usage else set()))
+
+
+def _json(model) -> Response:
+    return Response(model.model_dump_json(), media_type="application/json")
+
+
+@router.get("/v1/models")
+async def list_models(request: Request, state: ServeState = Depends(serve_state)) -> Response:
+    if "anthropic-version" in request.headers:  # the Anthropic SDK's models.list() asks here too
+        created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(state.started))
+        mid = state.backend.model_id
+        return JSONResponse({"data": [{"type": "model", "id": mid, "display_name": mid, "created_at": created}],
+                             "has_more": False, "first_id": mid, "last_id": mid})
+    return _json(oa.ModelList(data=[oa.Model(id=state.backend.model_id, created=state.started)]))
+
+
+@router.get("/v1/models/{model:path}")
+async def get_model(model: str, state: ServeState = Depends(serve_state)) -> Response:
+    check_model(state, model)
+    return _json(oa.Model(id=model, created=state.started))
+
+
+@router.get("/health")
+async def health(state: ServeState = Depends(serve_state)) -> Response:
+    if state.backend.closing:
+        return JSONResponse({"status": "closing"}, status_code=503)
+    return JSONResponse({"status": "ok"})

@@ -1,0 +1,126 @@
+"""One turn through the backend, the same for every API: prepare, run, relay, count.
+
+The routes build a :class:`GenerateRequest`; :func:`prepare` checks it;
+a :class:`Turn` pulls :class:`Delta` / :class:`Final` items from the
+backend, times the gaps between deltas and counts the final usage, and is
+always closed, so a turn nobody reads any more is cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import replace
+
+from starlette.requests import Request
+
+from semantic.errors import ContextLengthError
+from semantic.serve.backend import Delta, Final, GenerateRequest, Prepared, TokenLogprob
+from semantic.serve.errors import NOT_FOUND, ApiError
+from semantic.serve.state import ServeState
+from semantic.serve.streaming import until_disconnect
+
+DEFAULT_MAX_TOKENS = 256  # when a client names none (OpenAI); capped to the room the context leaves
+
+
+def check_model(state: ServeState, model: str | None) -> None:
+    """404 for a model this server does not serve (no model named: the served one)."""
+    if model is not None and model != state.backend.model_id:
+        raise ApiError(NOT_FOUND, f"the model {model!r} is not served here; this server serves "
+                                  f"{state.backend.model_id!r}", param="model", code="model_not_found")
+
+
+def agent_of(request: Request, *names: str | None) -> str | None:
+    """The first agent id given: the body's fields in order, then the ``X-Agent-Id`` header."""
+    for name in (*names, request.headers.get("x-agent-id")):
+        if name is not None:
+            return name
+    return None
+
+
+def prepare(state: ServeState, req: GenerateRequest, *, explicit_max: bool) -> Prepared:
+    """Check ``req``; without an explicit max_tokens, shrink the default to what the context leaves.
+
+    Raises:
+        InvalidRequestError: from the backend (a 400; ContextLengthError too).
+    """
+    try:
+        return state.backend.prepare(req)
+    except ContextLengthError:
+        if explicit_max:
+            raise
+    probe = state.backend.prepare(replace(req, max_tokens=1))  # raises if not even one token fits
+    room = state.backend.context_length - len(probe.ids)
+    return state.backend.prepare(replace(req, max_tokens=max(1, min(req.max_tokens, room))))
+
+
+class Turn:
+    """The backend's stream for one request, relayed to one client and always closed."""
+
+    def __init__(self, state: ServeState, prepared: Prepared, api: str):
+        self.prepared, self.api, self.metrics = prepared, api, state.metrics
+        self.stream = state.backend.stream(prepared)
+        self._open = state.turns
+        self._open.add(self)
+        self._first: Delta | Final | None = None
+        self._last_delta: float | None = None
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prepared.ids)
+
+    async def open(self, request: Request) -> None:
+        """Wait for the first item, so a refusal (queue full, closing) is still an HTTP status.
+
+        Raises:
+            QueueFullError, SchedulerClosedError: from the backend (429, 503).
+            ClientGone: the client left while the turn waited (the turn is cancelled).
+        """
+        try:
+            self._first = await until_disconnect(request.receive, self._pull())
+        except BaseException:
+            await self.close()
+            raise
+
+    async def next(self) -> Delta | Final:
+        if self._first is not None:
+            item, self._first = self._first, None
+            return item
+        return await self._pull()
+
+    async def collect(self) -> tuple[Final, list[TokenLogprob]]:
+        """Read to the end: the Final and every delta's token logprobs."""
+        logprobs: list[TokenLogprob] = []
+        while True:
+            item = await self.next()
+            if isinstance(item, Final):
+                return item, logprobs
+            logprobs.extend(item.logprobs)
+
+    async def run(self, request: Request) -> tuple[Final, list[TokenLogprob]]:
+        """A whole non-streamed turn; cancelled if the client leaves before it ends."""
+        try:
+            return await until_disconnect(request.receive, self.collect())
+        finally:
+            await self.close()
+
+    async def close(self) -> None:
+        # shielded: the backend must hear the cancel even if this task is being cancelled too
+        try:
+            await asyncio.shield(self.stream.aclose())
+        finally:
+            self._open.discard(self)
+
+    async def _pull(self) -> Delta | Final:
+        try:
+            item = await anext(self.stream)
+        except StopAsyncIteration:
+            raise RuntimeError("the backend's stream ended without a Final") from None
+        if isinstance(item, Delta):
+            now = time.perf_counter()
+            if self._last_delta is not None:
+                self.metrics.inter_token.labels(self.api).observe(now - self._last_delta)
+            self._last_delta = now
+        else:
+            self.metrics.observe_final(self.api, item)
+        return item

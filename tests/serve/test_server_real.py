@@ -1,0 +1,59 @@
+"""``semantic serve`` on the real SmolLM2-135M-Instruct: one test per API, through the official SDKs.
+
+A cached turn must answer exactly as a fresh prefill of the same history:
+the same greedy text from a server that holds the agent's cache and from the
+same server asked with a salt that no cached block carries.
+"""
+
+from __future__ import annotations
+
+import anthropic
+import openai
+import pytest
+
+from tests.serve_helpers import Server
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+SYSTEM = ("You are a coding agent working in a Python repository. You read files, run tests and "
+          "propose small patches. Answer briefly. ") * 6
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_dir, tmp_path_factory):
+    s = Server(smollm2_dir, tmp_path_factory.mktemp("serve-real") / "agents", model_id="smollm2").start(timeout=300)
+    yield s
+    assert s.stop_cleanly(), s.log()
+
+
+def test_openai_agent_turn_two_is_cached_and_equals_a_fresh_prefill(server):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=300)
+    msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What does `git status` show?"}]
+    first = client.chat.completions.create(model="smollm2", messages=msgs, max_tokens=24, temperature=0,
+                                           prompt_cache_key="real-agent")
+    msgs += [{"role": "assistant", "content": first.choices[0].message.content},
+             {"role": "user", "content": "And `git diff`?"}]
+    cached = client.chat.completions.create(model="smollm2", messages=msgs, max_tokens=24, temperature=0,
+                                            prompt_cache_key="real-agent", stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(cached)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    usage = chunks[-1].usage
+    assert usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 8
+    fresh = client.chat.completions.create(model="smollm2", messages=msgs, max_tokens=24, temperature=0,
+                                           extra_body={"cache_salt": "nothing-cached-under-this"})
+    assert fresh.usage.prompt_tokens_details.cached_tokens == 0
+    assert text == fresh.choices[0].message.content
+
+
+def test_anthropic_agent_turn_two_reads_the_cache(server):
+    client = anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0, timeout=300)
+    kw = dict(model="smollm2", max_tokens=24, system=SYSTEM, metadata={"user_id": "claude-code-session"})
+    msgs = [{"role": "user", "content": "Which file holds the tests?"}]
+    first = client.messages.create(messages=msgs, **kw)
+    msgs += [{"role": "assistant", "content": first.content[0].text}, {"role": "user", "content": "Run them."}]
+    with client.messages.stream(messages=msgs, **kw) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert final.usage.cache_read_input_tokens >= first.usage.input_tokens - 8
+    assert text == final.content[0].text and text

@@ -1,0 +1,97 @@
+"""A stand-in for ``semantic.serve.backend.Backend`` in the HTTP-layer tests.
+
+The HTTP layer's job is parsing, routing, error shapes and wire formats,
+so its tests drive it with scripted replies instead of a model: fast and
+exact. The real Backend is tested against real models separately.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from semantic.errors import ContextLengthError
+from semantic.serve.backend import Delta, Final, GenerateRequest, Prepared, TokenLogprob, TopLogprob
+
+
+@dataclass
+class StubBackend:
+    """Replies with ``pieces`` one Delta each, then a Final with the given usage."""
+
+    model_id: str = "stub-model"
+    context_length: int = 64
+    closing: bool = False
+    pieces: tuple[str, ...] = ("Hel", "lo", " world")
+    finish_reason: str = "stop"
+    stop_sequence: str | None = None
+    cached_tokens: int = 3
+    delay_s: float = 0.0              # before each piece: lets a test disconnect mid-stream
+    refuse: Exception | None = None   # raised before the first item (QueueFullError, ...)
+    fail_after: int | None = None     # raise RuntimeError after this many pieces
+    prepared: list[Prepared] = field(default_factory=list)
+    streamed: list[Prepared] = field(default_factory=list)  # what reached stream(), after the route's changes
+    finished: int = 0                 # streams that reached their Final
+    closed_early: int = 0             # streams closed or cancelled before their Final
+    shut: list[str] = field(default_factory=list)
+
+    def prepare(self, req: GenerateRequest) -> Prepared:
+        text = req.prompt if isinstance(req.prompt, str) else " ".join(m["content"] for m in req.messages or [])
+        ids = tuple(req.prompt) if isinstance(req.prompt, list) else tuple(range(len(text.split()) + 2))
+        if len(ids) + req.max_tokens > self.context_length:
+            raise ContextLengthError(f"{len(ids)} prompt tokens + max_tokens {req.max_tokens} > {self.context_length}")
+        p = Prepared(request=req, ids=ids, agent_id=f"{req.tenant}/{req.agent or 'anon'}",
+                     keep=req.agent is not None, root=None)
+        self.prepared.append(p)
+        return p
+
+    async def stream(self, prepared: Prepared):
+        self.streamed.append(prepared)
+        if self.refuse is not None:
+            raise self.refuse
+        t0, done = time.perf_counter(), False
+        try:
+            for i, piece in enumerate(self.pieces):
+                if self.fail_after is not None and i == self.fail_after:
+                    raise RuntimeError("the stub broke (secret detail)")
+                if self.delay_s:
+                    await asyncio.sleep(self.delay_s)
+                lps = [TokenLogprob(piece, i, -0.5, tuple(piece.encode()),
+                                    top=(TopLogprob(piece, i, -0.5, tuple(piece.encode())),))] \
+                    if prepared.request.logprobs else []
+                yield Delta(piece, lps)
+            done = True
+            yield Final(text="".join(self.pieces), finish_reason=self.finish_reason, stop_sequence=self.stop_sequence,
+                        prompt_tokens=len(prepared.ids), cached_tokens=self.cached_tokens,
+                        completion_tokens=len(self.pieces), ttft_s=0.01, latency_s=time.perf_counter() - t0,
+                        agent=prepared.request.agent)
+        finally:
+            if done:
+                self.finished += 1
+            else:
+                self.closed_early += 1
+
+    def stats(self, tenant: str | None = None) -> dict:
+        return {
+            "model": self.model_id, "uptime_s": 1.0,
+            "requests": {"submitted": 1, "completed": 1, "failed": 0, "rejected": 0, "cancelled": 0, "queued": 2,
+                         "in_flight": 1},
+            "tokens": {"prompt": 10, "cached": 4, "generated": 3, "hit_rate": 0.4},
+            "pool": {"total_blocks": 8, "used_blocks": 2, "cached_blocks": 1, "block_tokens": 16, "used_bytes": 2048,
+                     "capacity_bytes": 8192},
+            "ram": {"agents": 1, "bytes": 1024, "budget_bytes": 4096},
+            "disk": {"agents": 1, "bytes": 512, "budget_bytes": 8192, "dir": "/tmp/x"},
+            "saves": {"done": 1, "errors": 0, "pending": 0},
+            "evictions": 5, "quarantined": 0,
+            "agents": [{"agent": "a1", "cached_tokens": 32, "age_s": 1.5, "where": "ram"}],
+            "recent": [{"at": 1.0, "ttft_s": 0.01, "prompt_tokens": 10, "cached_tokens": 4, "completion_tokens": 3,
+                        "api": "chat"}],
+            "tenant": tenant,
+        }
+
+    def begin_shutdown(self) -> None:
+        self.closing = True
+        self.shut.append("begin")
+
+    async def aclose(self, timeout: float = 30.0) -> None:
+        self.shut.append("aclose")
