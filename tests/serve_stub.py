@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 from semantic.errors import ContextLengthError
-from semantic.serve.backend import Delta, Final, GenerateRequest, Prepared, TokenLogprob, TopLogprob
+from semantic.serve.protocol import Delta, Final, GenerateRequest, Prepared, TokenLogprob, TopLogprob
 
 
 @dataclass

@@ -17,7 +17,7 @@ from starlette.responses import Response
 
 from semantic.sampling import SamplingParams
 from semantic.serve import anthropic_schemas as an
-from semantic.serve.backend import Delta, Final, GenerateRequest
+from semantic.serve.protocol import Delta, Final, GenerateRequest
 from semantic.serve.errors import from_stream, invalid, sse_error
 from semantic.serve.state import ServeState, serve_state, tenant_of
 from semantic.serve.streaming import EventStream, event

@@ -27,125 +27,11 @@ import threading
 import time
 import uuid
 from collections import deque
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 from semantic.errors import InvalidRequestError
-from semantic.sampling import GREEDY, SamplingParams
-
-MAX_STOP = 16          # stop strings per request (OpenAI allows 4; Anthropic more)
-MAX_STOP_CHARS = 256
-
-
-@dataclass(slots=True)
-class GenerateRequest:
-    """One API request, as the backend needs it.
-
-    Exactly one of ``messages`` (chat: ``{"role", "content"}`` string dicts,
-    rendered with the model's chat template; roles system, user, assistant)
-    and ``prompt`` (completions: text, or token ids) is set.
-    """
-
-    max_tokens: int
-    messages: list[dict] | None = None
-    prompt: str | list[int] | None = None
-    sampling: SamplingParams = GREEDY
-    stop: tuple[str, ...] = ()
-    logprobs: bool = False        # report each generated token's logprob (and sampling.top_logprobs alternatives)
-    tenant: str = ""              # the caller's tenant (from its API key); "" without keys
-    agent: str | None = None      # prompt_cache_key / user / X-Agent-Id / metadata.user_id
-    cache_salt: str | None = None
-    api: str = ""                 # which endpoint asked (shown on the dashboard)
-
-    def __post_init__(self):
-        if (self.messages is None) == (self.prompt is None):
-            raise InvalidRequestError("give exactly one of messages and prompt")
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
-            raise InvalidRequestError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if isinstance(self.stop, str):
-            self.stop = (self.stop,)
-        self.stop = tuple(self.stop)
-        if len(self.stop) > MAX_STOP or any(not isinstance(s, str) or not s or len(s) > MAX_STOP_CHARS for s in self.stop):
-            raise InvalidRequestError(f"stop takes at most {MAX_STOP} non-empty strings of at most {MAX_STOP_CHARS} characters")
-        if self.agent is not None and (not isinstance(self.agent, str) or not self.agent):
-            raise InvalidRequestError("the agent id (prompt_cache_key, user, X-Agent-Id, metadata.user_id) must be a non-empty string")
-
-
-@dataclass(frozen=True, slots=True)
-class TopLogprob:
-    token: str
-    token_id: int
-    logprob: float
-    bytes: tuple[int, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class TokenLogprob:
-    """One generated token's text piece and logprob, and its top alternatives."""
-
-    token: str
-    token_id: int
-    logprob: float
-    bytes: tuple[int, ...]
-    top: tuple[TopLogprob, ...] = ()
-
-
-@dataclass(slots=True)
-class Delta:
-    """New text since the last delta (stop strings never appear in it), and,
-    when logprobs were asked for, the tokens it came from."""
-
-    text: str
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-
-
-@dataclass(slots=True)
-class Final:
-    """The end of a turn: always the last item of a stream."""
-
-    text: str                     # the whole reply, cut before a stop string
-    finish_reason: str            # "stop" (EOS or a stop string), "length", "cancelled"
-    stop_sequence: str | None     # the stop string that ended it, if one did
-    prompt_tokens: int            # the whole prompt (history), cached ones included
-    cached_tokens: int            # of those, served from a cache (OpenAI cached_tokens, Anthropic cache_read_input_tokens)
-    completion_tokens: int        # generated tokens, the one that ended it included
-    ttft_s: float                 # submit (queueing included) to first token, server side
-    latency_s: float
-    agent: str | None             # the agent's name as the client gave it (None: anonymous)
-
-
-@dataclass(frozen=True, slots=True)
-class Prepared:
-    """A checked request: its token ids and where its cache lives."""
-
-    request: GenerateRequest
-    ids: tuple[int, ...]
-    agent_id: str                 # the scheduler's id (tenant-namespaced, or an anonymous one)
-    keep: bool                    # save the cache (named agents) or not (anonymous)
-    root: int | None              # the tenant's salt for block hashes
-
-
-def stop_cut(text: str, stops: Sequence[str]) -> tuple[int, str | None]:
-    """Where ``text`` must end: the first stop string's start (and which), else len."""
-    best, which = len(text), None
-    for s in stops:
-        i = text.find(s)
-        if i != -1 and i < best:
-            best, which = i, s
-    return best, which
-
-
-def held_back(text: str, stops: Sequence[str]) -> int:
-    """How many trailing characters could still begin a stop string (not streamed yet)."""
-    keep = 0
-    for s in stops:
-        for n in range(min(len(s) - 1, len(text)), keep, -1):
-            if text.endswith(s[:n]):
-                keep = n
-                break
-    return keep
-
+from semantic.serve.protocol import Final, GenerateRequest, Prepared
+from semantic.serve.textstream import TextStream
 
 # ---------------------------------------------------------------- the backend
 
@@ -186,77 +72,6 @@ def model_fingerprint(path: Path) -> str:
     if config.exists():
         h.update(b"config\0" + config.read_bytes())
     return h.hexdigest()[:24]
-
-
-class _TextStream:
-    """One turn's text as it is generated: detokenized incrementally (mlx-lm's
-    streaming detokenizer), cut exactly before the first stop string, and
-    held back while its tail could still begin one. Runs on the worker thread."""
-
-    def __init__(self, tokenizer, stops: tuple[str, ...], logprobs: bool, top: int, eos: frozenset[int]):
-        self.tokenizer, self.stops, self.want_logprobs, self.top, self.eos = tokenizer, stops, logprobs, top, eos
-        self.detok = tokenizer.detokenizer
-        self.text = ""
-        self.sent = 0              # characters of text already in deltas
-        self.cut: int | None = None
-        self.stop_sequence: str | None = None
-        self.pending: list[TokenLogprob] = []
-        self.longest = max((len(s) for s in stops), default=0)
-
-    def feed(self, token: int, logprob: float, row) -> Delta | None:
-        if self.want_logprobs:
-            self.pending.append(self._logprob(token, logprob, row))
-        if self.cut is None and token not in self.eos:
-            self.detok.add_token(token)
-            self._grow(self.detok.last_segment)
-        return self._delta()
-
-    def finish(self) -> Delta | None:
-        if self.cut is None:
-            self.detok.finalize()
-            self._grow(self.detok.last_segment)
-            if self.cut is None:
-                self.cut = len(self.text)  # nothing held back any more
-        return self._delta()
-
-    @property
-    def stopped(self) -> bool:
-        return self.stop_sequence is not None
-
-    def _grow(self, segment: str) -> None:
-        if not segment:
-            return
-        start = max(0, len(self.text) - self.longest + 1)
-        self.text += segment
-        if self.stops:
-            at, which = stop_cut(self.text[start:], self.stops)
-            if which is not None:
-                self.cut, self.stop_sequence = start + at, which
-
-    def _delta(self) -> Delta | None:
-        end = self.cut if self.cut is not None else len(self.text) - held_back(self.text, self.stops)
-        text = self.text[self.sent:end] if end > self.sent else ""
-        self.sent = max(self.sent, end)
-        if not text and not self.pending:
-            return None
-        out, self.pending = Delta(text, self.pending), []
-        return out
-
-    def _logprob(self, token: int, logprob: float, row) -> TokenLogprob:
-        import mlx.core as mx
-
-        top = ()
-        if self.top:
-            idx = mx.argpartition(-row, self.top - 1)[: self.top]
-            vals = row[idx]
-            pairs = sorted(zip(idx.tolist(), vals.tolist()), key=lambda p: -p[1])
-            top = tuple(TopLogprob(*self._piece(t)[:2], float(v), self._piece(t)[2]) for t, v in pairs)
-        piece, tid, raw = self._piece(token)
-        return TokenLogprob(piece, tid, float(logprob), raw, top)
-
-    def _piece(self, token: int) -> tuple:
-        text = self.tokenizer.decode([token])
-        return text, int(token), tuple(text.encode("utf-8", "replace"))
 
 
 class Backend:
@@ -378,7 +193,7 @@ class Backend:
         req = prepared.request
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
-        text = _TextStream(self.tokenizer, req.stop, req.logprobs, req.sampling.top_logprobs if req.logprobs else 0, self.eos)
+        text = TextStream(self.tokenizer, req.stop, req.logprobs, req.sampling.top_logprobs if req.logprobs else 0, self.eos)
 
         def post(item) -> None:
             try:
@@ -410,7 +225,7 @@ class Backend:
             if not future.done():
                 self.scheduler.cancel(future)
 
-    def _final(self, prepared: Prepared, result, text: _TextStream) -> Final:
+    def _final(self, prepared: Prepared, result, text: TextStream) -> Final:
         reason = "stop" if text.stopped else result.finish_reason
         now = time.time()
         with self._lock:

@@ -16,7 +16,7 @@ from starlette.responses import JSONResponse, Response
 
 from semantic.sampling import SamplingParams
 from semantic.serve import openai_schemas as oa
-from semantic.serve.backend import Delta, Final, GenerateRequest, TokenLogprob
+from semantic.serve.protocol import Delta, Final, GenerateRequest, TokenLogprob
 from semantic.serve.errors import from_stream, invalid, sse_error
 from semantic.serve.state import ServeState, serve_state, tenant_of
 from semantic.serve.streaming import DONE, EventStream, data

@@ -15,7 +15,7 @@ from dataclasses import replace
 from starlette.requests import Request
 
 from semantic.errors import ContextLengthError
-from semantic.serve.backend import Delta, Final, GenerateRequest, Prepared, TokenLogprob
+from semantic.serve.protocol import Delta, Final, GenerateRequest, Prepared, TokenLogprob
 from semantic.serve.errors import NOT_FOUND, ApiError
 from semantic.serve.state import ServeState
 from semantic.serve.streaming import until_disconnect

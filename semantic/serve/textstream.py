@@ -1,0 +1,112 @@
+"""One turn's text as tokens arrive: incremental detokenization and exact stop-string cuts.
+
+mlx-lm's streaming detokenizer turns tokens into text; a stop string ends
+the turn and never reaches the client, even when it spans several tokens, so
+the tail that could still begin one is held back until it cannot::
+
+    text so far     "... the answer is 42\n\nUs"      stops: ["\n\nUser:"]
+    streamed        "... the answer is 42"          held back: "\n\nUs"
+    next token "er:" -> stop found at "\n\nUser:": the turn ends, text cut before it
+
+Runs on the scheduler's worker thread (it is the engine's ``on_token``), so
+each call is a little string work and, only when logprobs are asked for, a
+top-k over the token's row.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from semantic.serve.protocol import Delta, TokenLogprob, TopLogprob
+
+
+def stop_cut(text: str, stops: Sequence[str]) -> tuple[int, str | None]:
+    """Where ``text`` must end: the first stop string's start (and which), else len."""
+    best, which = len(text), None
+    for s in stops:
+        i = text.find(s)
+        if i != -1 and i < best:
+            best, which = i, s
+    return best, which
+
+
+def held_back(text: str, stops: Sequence[str]) -> int:
+    """How many trailing characters could still begin a stop string (not streamed yet)."""
+    keep = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), keep, -1):
+            if text.endswith(s[:n]):
+                keep = n
+                break
+    return keep
+
+
+class TextStream:
+    """One turn's text as it is generated: detokenized incrementally (mlx-lm's
+    streaming detokenizer), cut exactly before the first stop string, and
+    held back while its tail could still begin one. Runs on the worker thread."""
+
+    def __init__(self, tokenizer, stops: tuple[str, ...], logprobs: bool, top: int, eos: frozenset[int]):
+        self.tokenizer, self.stops, self.want_logprobs, self.top, self.eos = tokenizer, stops, logprobs, top, eos
+        self.detok = tokenizer.detokenizer
+        self.text = ""
+        self.sent = 0              # characters of text already in deltas
+        self.cut: int | None = None
+        self.stop_sequence: str | None = None
+        self.pending: list[TokenLogprob] = []
+        self.longest = max((len(s) for s in stops), default=0)
+
+    def feed(self, token: int, logprob: float, row) -> Delta | None:
+        if self.want_logprobs:
+            self.pending.append(self._logprob(token, logprob, row))
+        if self.cut is None and token not in self.eos:
+            self.detok.add_token(token)
+            self._grow(self.detok.last_segment)
+        return self._delta()
+
+    def finish(self) -> Delta | None:
+        if self.cut is None:
+            self.detok.finalize()
+            self._grow(self.detok.last_segment)
+            if self.cut is None:
+                self.cut = len(self.text)  # nothing held back any more
+        return self._delta()
+
+    @property
+    def stopped(self) -> bool:
+        return self.stop_sequence is not None
+
+    def _grow(self, segment: str) -> None:
+        if not segment:
+            return
+        start = max(0, len(self.text) - self.longest + 1)
+        self.text += segment
+        if self.stops:
+            at, which = stop_cut(self.text[start:], self.stops)
+            if which is not None:
+                self.cut, self.stop_sequence = start + at, which
+
+    def _delta(self) -> Delta | None:
+        end = self.cut if self.cut is not None else len(self.text) - held_back(self.text, self.stops)
+        text = self.text[self.sent:end] if end > self.sent else ""
+        self.sent = max(self.sent, end)
+        if not text and not self.pending:
+            return None
+        out, self.pending = Delta(text, self.pending), []
+        return out
+
+    def _logprob(self, token: int, logprob: float, row) -> TokenLogprob:
+        import mlx.core as mx
+
+        top = ()
+        if self.top:
+            idx = mx.argpartition(-row, self.top - 1)[: self.top]
+            vals = row[idx]
+            pairs = sorted(zip(idx.tolist(), vals.tolist()), key=lambda p: -p[1])
+            top = tuple(TopLogprob(*self._piece(t)[:2], float(v), self._piece(t)[2]) for t, v in pairs)
+        piece, tid, raw = self._piece(token)
+        return TokenLogprob(piece, tid, float(logprob), raw, top)
+
+    def _piece(self, token: int) -> tuple:
+        text = self.tokenizer.decode([token])
+        return text, int(token), tuple(text.encode("utf-8", "replace"))
