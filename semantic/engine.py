@@ -338,6 +338,13 @@ class BlockPoolBatchEngine:
 
     # ------------------------------------------------------------ driving
 
+    def cached_tokens(self, uid: int) -> int:
+        """How many tokens of in-flight sequence ``uid``'s history came from a cache."""
+        seq = self._seqs.get(uid)
+        if seq is None:
+            raise UnknownSequenceError(f"no sequence {uid} in flight")
+        return seq.cached
+
     @property
     def in_flight(self) -> int:
         return len(self._seqs)

@@ -121,6 +121,7 @@ class _Request:
     keep: bool = True
     uid: int | None = None       # the engine's, once admitted
     cancelled: bool = False
+    on_admit: Callable | None = None
 
 
 class ConcurrentScheduler:
@@ -188,6 +189,7 @@ class ConcurrentScheduler:
         on_token: Callable[[int, float, object], bool] | None = None,
         root: int | None = None,
         keep: bool = True,
+        on_admit: Callable[[int], None] | None = None,
     ) -> Future:
         """Queue one turn of ``agent_id``; the future gives its :class:`TurnResult`.
 
@@ -197,8 +199,9 @@ class ConcurrentScheduler:
         :class:`QueueFullError` at once, None waits as long as it takes.
         ``sampling``, ``on_token`` and ``root`` go to the engine
         (``BlockPoolBatchEngine.submit_history``); ``on_token`` runs on the
-        worker thread, so it must be quick. ``keep=False``: an anonymous turn
-        (see the module doc). Invalid requests raise here and queue nothing.
+        worker thread, so it must be quick, as must ``on_admit(cached_tokens)``,
+        called once when the turn starts with how much of its history a cache
+        covers. ``keep=False``: an anonymous turn (see the module doc). Invalid requests raise here and queue nothing.
         """
         validate_agent_id(agent_id)  # the same ids the store accepts
         check_max_tokens(max_tokens)
@@ -209,7 +212,7 @@ class ConcurrentScheduler:
             raise InvalidRequestError(f"sampling must be SamplingParams, got {type(sampling).__name__}")
         req = _Request(
             agent_id, ids, max_tokens, Future(), time.perf_counter(),
-            sampling=sampling, on_token=on_token, root=root, keep=keep,
+            sampling=sampling, on_token=on_token, root=root, keep=keep, on_admit=on_admit,
         )
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cv:
@@ -403,6 +406,11 @@ class ConcurrentScheduler:
             self._dequeue(agent_id)
             self._busy.add(agent_id)
             self._in_flight[uid] = req
+        if req.on_admit is not None:
+            try:
+                req.on_admit(self.engine.cached_tokens(uid))
+            except Exception:  # a caller's bug: its turn still runs
+                log.exception("on_admit of agent %r raised", agent_id)
 
     def _dequeue(self, agent_id: str) -> None:
         """Take the agent's first queued request off (the caller holds ``_cv``)."""

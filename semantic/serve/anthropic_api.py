@@ -86,9 +86,11 @@ async def messages(body: an.MessagesRequest, request: Request, state: ServeState
 
 
 async def _events(turn: Turn, path: str, mid: str, model: str) -> AsyncGenerator[bytes, None]:
-    # message_start cannot know the cache hit yet: it counts the whole prompt; message_delta corrects it
+    # the turn's first delta says how much a cache covered (turn.open waited for it)
+    cached = turn.cached_tokens or 0
     start = an.MessageOut(id=mid, model=model, content=[], stop_reason=None, stop_sequence=None,
-                          usage=an.Usage(input_tokens=turn.prompt_tokens, output_tokens=0, cache_read_input_tokens=0))
+                          usage=an.Usage(input_tokens=turn.prompt_tokens - cached, output_tokens=0,
+                                         cache_read_input_tokens=cached))
     try:
         yield event("message_start", {"type": "message_start", "message": start.model_dump()})
         yield event("content_block_start", {"type": "content_block_start", "index": 0,

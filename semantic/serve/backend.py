@@ -207,14 +207,18 @@ class Backend:
                 post(delta)
             return text.stopped
 
-        done = object()
+        done, admitted = object(), {}
         future = self.scheduler.submit(
             prepared.agent_id, list(prepared.ids), req.max_tokens, timeout=0.0,
             sampling=req.sampling, on_token=on_token, root=prepared.root, keep=prepared.keep,
+            on_admit=lambda cached: admitted.setdefault("cached", cached),
         )
         future.add_done_callback(lambda _: post(done))
+        first = True
         try:
             while (item := await queue.get()) is not done:
+                if first:  # admission ran on the worker before any token: the cache hit is known
+                    item.cached_tokens, first = admitted.get("cached"), False
                 yield item
             result = future.result()
             tail = text.finish()

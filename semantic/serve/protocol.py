@@ -76,7 +76,7 @@ class Delta:
 
     text: str
     logprobs: list[TokenLogprob] = field(default_factory=list)
-
+    cached_tokens: int | None = None   # on a turn's first delta: prompt tokens a cache covered
 
 @dataclass(slots=True)
 class Final:

@@ -69,6 +69,14 @@ class Turn:
     def prompt_tokens(self) -> int:
         return len(self.prepared.ids)
 
+    @property
+    def cached_tokens(self) -> int | None:
+        """Prompt tokens a cache covered, once :meth:`open` has the first item (None before)."""
+        first = self._first
+        if isinstance(first, Final):
+            return first.cached_tokens
+        return first.cached_tokens if first is not None else None
+
     async def open(self, request: Request) -> None:
         """Wait for the first item, so a refusal (queue full, closing) is still an HTTP status.
 

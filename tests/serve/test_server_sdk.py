@@ -103,11 +103,14 @@ def test_anthropic_messages_stream_the_real_event_sequence_and_report_cache_read
     assert first.type == "message" and first.content[0].type == "text"
     assert first.stop_reason in ("end_turn", "max_tokens") and first.usage.output_tokens == 10
     msgs += [{"role": "assistant", "content": first.content[0].text}, {"role": "user", "content": "More."}]
-    events = []
+    events, started = [], None
     with client.messages.stream(messages=msgs, **kw) as stream:
         for event in stream:
             events.append(event.type)
+            if event.type == "message_start":
+                started = event.message.usage
         final = stream.get_final_message()
+    assert started.cache_read_input_tokens == final.usage.cache_read_input_tokens > 0  # known from the start
     core = [e for e in events if e in ("message_start", "content_block_start", "content_block_delta",
                                        "content_block_stop", "message_delta", "message_stop")]
     assert core[0] == "message_start" and core[1] == "content_block_start"
