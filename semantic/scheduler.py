@@ -295,6 +295,17 @@ class ConcurrentScheduler:
                 self._cv.wait(left)
         return True
 
+    def wait_saved(self, agent_id: str, timeout: float | None = None) -> bool:
+        """Wait until no save of ``agent_id`` is pending or being written (False: timed out)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cv:
+            while self._saver.holds(agent_id):
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cv.wait(left)
+        return True
+
     def close(self, timeout: float | None = None) -> None:
         """Finish what was submitted, write pending saves, stop both threads."""
         self.flush(timeout)

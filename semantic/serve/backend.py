@@ -78,7 +78,7 @@ class Backend:
     """A model, its cache store and a :class:`ConcurrentScheduler`, for the HTTP routes."""
 
     def __init__(self, model, tokenizer, store, *, model_id: str, max_batch: int = 8, max_queued: int = 64,
-                 max_context: int | None = None):
+                 max_context: int | None = None, sync_saves: bool = False):
         from semantic.scheduler import ConcurrentScheduler
 
         self.model_id = model_id
@@ -91,6 +91,7 @@ class Backend:
         native = getattr(args, "max_position_embeddings", None) or DEFAULT_CONTEXT
         self.context_length = int(min(max_context or native, native))
         self.closing = False
+        self.sync_saves = sync_saves  # Final waits until the agent's cache file is written
         self.started = time.time()
         self._lock = threading.Lock()  # _recent and _seen: the event loop writes, stats() reads on a thread
         self._recent: deque[dict] = deque(maxlen=64)
@@ -101,7 +102,7 @@ class Backend:
     def from_model(cls, model: str, *, model_id: str | None = None, cache_dir: str | None = None,
                    pool_bytes: int, ram_budget_bytes: int, disk_budget_bytes: int,
                    max_batch: int = 8, max_queued: int = 64, max_context: int | None = None,
-                   block_tokens: int = 256) -> "Backend":
+                   block_tokens: int = 256, sync_saves: bool = False) -> "Backend":
         """Load ``model`` (a directory or hub id, whatever ``mlx_lm.load`` takes) and open its cache store.
 
         Caches live under ``cache_dir``, by default
@@ -133,7 +134,7 @@ class Backend:
         log.info("serving %s from %s: %d blocks of %d tokens (%.0f MB), caches in %s",
                  name, path, total, block_tokens, total * block_bytes / 1e6, root)
         return cls(loaded, tokenizer, store, model_id=name, max_batch=max_batch, max_queued=max_queued,
-                   max_context=max_context)
+                   max_context=max_context, sync_saves=sync_saves)
 
     # ------------------------------------------------------------ requests
 
@@ -221,6 +222,8 @@ class Backend:
                     item.cached_tokens, first = admitted.get("cached"), False
                 yield item
             result = future.result()
+            if self.sync_saves and prepared.keep and result.cache_saved:
+                await asyncio.to_thread(self.scheduler.wait_saved, prepared.agent_id, 120.0)
             tail = text.finish()
             if tail is not None:
                 yield tail

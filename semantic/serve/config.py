@@ -34,6 +34,7 @@ class ServeConfig:
     log_level: str = "info"
     graceful_s: float = 10.0
     shutdown_s: float = 30.0
+    sync_saves: bool = False   # reply only once the agent's cache is on disk (survives a SIGKILL)
 
     def __post_init__(self):
         if not isinstance(self.model, str) or not self.model.strip():

@@ -246,18 +246,19 @@ def test_tenants_never_hit_each_others_prefixes(tiny_dir, tmp_path):
         assert s.stop_cleanly(), s.log()
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
-def test_a_restarted_server_answers_every_agents_next_turn_from_disk(tiny_dir, tmp_path, sig):
+@pytest.mark.parametrize("sig, sync", [(signal.SIGTERM, False), (signal.SIGKILL, False), (signal.SIGKILL, True)],
+                         ids=["sigterm", "sigkill-after-saves", "sigkill-sync-saves"])
+def test_a_restarted_server_answers_every_agents_next_turn_from_disk(tiny_dir, tmp_path, sig, sync):
     cache = tmp_path / "agents"
-    s = Server(tiny_dir, cache, ["--pool-mb", "64"]).start()
+    s = Server(tiny_dir, cache, ["--pool-mb", "64"] + (["--sync-saves"] if sync else [])).start()
     histories = {}
     for agent in ("r1", "r2", "r3"):
         msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"I am {agent}."}]
         reply = _chat(_oa(s), agent, msgs)
         histories[agent] = (msgs + [{"role": "assistant", "content": reply.choices[0].message.content},
                                     {"role": "user", "content": "continue"}], reply.usage.prompt_tokens)
-    if sig == signal.SIGKILL:
-        s.wait_saved()  # the bound: a turn's cache is on disk once its save is written (see the closing note)
+    if sig == signal.SIGKILL and not sync:
+        s.wait_saved()  # write-behind: a turn's cache is on disk once its save is written, just after the reply
     code = s.stop(sig)
     assert code in ((0, -signal.SIGTERM) if sig == signal.SIGTERM else (-signal.SIGKILL,))
     s2 = Server(tiny_dir, cache, ["--pool-mb", "64"]).start()
