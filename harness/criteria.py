@@ -26,8 +26,10 @@ class Criterion:
     threshold: Any
     source: str = ""
     level: str = MUST
+    models: tuple[str, ...] = ()   # the models it judges (empty: every model of the config)
 
     def __post_init__(self):
+        object.__setattr__(self, "models", tuple(self.models))
         if self.op not in OPS:
             raise ValueError(f"op must be one of {sorted(OPS)}, got {self.op!r}")
         if self.level not in LEVELS:
@@ -59,6 +61,11 @@ def verdict(c: Criterion, doc: dict) -> dict:
         measured, ok, note = resolve(doc, c.value), False, f"cannot compare: {exc}"
     return {"name": c.name, "value": c.value, "measured": measured, "op": c.op, "threshold": c.threshold,
             "pass": ok, "verdict": "PASS" if ok else "FAIL", "level": c.level, "source": c.source, "note": note}
+
+
+def applies(c: Criterion, model: str) -> bool:
+    """Whether ``c`` judges a results document of ``model`` (a phase run on some models only)."""
+    return not c.models or model in c.models
 
 
 def must_haves_pass(verdicts: list[dict]) -> bool:

@@ -126,7 +126,8 @@ class Results:
     # ------------------------------------------------------------ finishing
 
     def evaluate(self) -> list[dict]:
-        verdicts = [criteria.verdict(c, self.doc) for c in self.config.criteria]
+        model = self.doc["model"]["name"]
+        verdicts = [criteria.verdict(c, self.doc) for c in self.config.criteria if criteria.applies(c, model)]
         self.doc["criteria"] = verdicts
         self.doc["verdict"] = "PASS" if all(v["pass"] for v in verdicts) else "FAIL"
         self.doc["must_haves_pass"] = criteria.must_haves_pass(verdicts)

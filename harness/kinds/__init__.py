@@ -17,6 +17,7 @@ from harness.kinds import (  # noqa: E402,F401
     per_sequence_extraction,
     persistence_roundtrip,
     reconstruction,
+    serving,
     stress,
     throughput,
 )
