@@ -156,9 +156,10 @@ def _semantic_command(l: Launch) -> list[str]:
 
 
 def _mlx_lm_command(l: Launch) -> list[str]:
+    # unset flags keep mlx-lm's own defaults (and 0.30.4's server, which has neither flag, starts)
     return [str(l.python), "-m", "mlx_lm.server", "--model", str(l.model_dir), "--host", l.host,
-            "--port", str(l.port), "--prompt-cache-size", str(l.settings["prompt_cache_size"]),
-            *_flags(l.settings, {"prompt_cache_bytes": "--prompt-cache-bytes"})]
+            "--port", str(l.port),
+            *_flags(l.settings, {"prompt_cache_size": "--prompt-cache-size", "prompt_cache_bytes": "--prompt-cache-bytes"})]
 
 
 def _mlx_vlm_command(l: Launch) -> list[str]:
@@ -205,8 +206,8 @@ _SEMANTIC = ServerTarget(
 _MLX_LM = ServerTarget(
     name="mlx_lm.server", venv=None, install=(), command=_mlx_lm_command, env=_no_env,
     health_path="/health", model_name="default_model", cached_from="usage",
-    # mlx-lm's own default is 10 entries; a "matched" run passes the caller's figure.
-    defaults={"prompt_cache_size": 10, "prompt_cache_bytes": None},
+    # None: mlx-lm's own default (10 entries in 0.32); a "matched" run passes the caller's figures.
+    defaults={"prompt_cache_size": None, "prompt_cache_bytes": None},
     packages=("mlx-lm", "mlx", "mlx-cpu", "transformers"),
     notes="in-memory LRU of prompt caches only (no disk); 'default_model' maps to --model",
 )
