@@ -119,7 +119,6 @@ class _Request:
     on_token: Callable | None = None
     root: int | None = None
     keep: bool = True
-    uid: int | None = None       # the engine's, once admitted
     cancelled: bool = False
     on_admit: Callable | None = None
 
@@ -253,28 +252,16 @@ class ConcurrentScheduler:
         with self._cv:
             if future.done():
                 return False
-            for agent_id, queue in self._queues.items():
-                for i, req in enumerate(queue):
-                    if req.future is future:
-                        del queue[i]
-                        self._queued -= 1
-                        if not queue:
-                            del self._queues[agent_id]
-                            if agent_id in self._ready:
-                                self._ready.remove(agent_id)
-                        self._counts["cancelled"] += 1
-                        self._cv.notify_all()
-                        break
-                else:
-                    continue
-                break
-            else:
-                for req in self._in_flight.values():
-                    if req.future is future:
-                        req.cancelled = True
-                        self._cv.notify_all()
-                        return True
+            running = next((r for r in self._in_flight.values() if r.future is future), None)
+            if running is not None:
+                running.cancelled = True  # the worker ends it at its next step
+                self._cv.notify_all()
+                return True
+            req = self._unqueue(future)
+            if req is None:
                 return False
+            self._counts["cancelled"] += 1
+            self._cv.notify_all()
         now = time.perf_counter()
         req.future.set_result(TurnResult(
             agent_id=req.agent_id, text="", token_ids=(), finish_reason="cancelled", logprobs=(),
@@ -286,20 +273,17 @@ class ConcurrentScheduler:
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued turn has finished and every pending save is written."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cv:
-            while self._queued or self._in_flight or self._saver.busy:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return False
-                self._cv.wait(left)
-        return True
+        return self._wait_while(lambda: self._queued or self._in_flight or self._saver.busy, timeout)
 
     def wait_saved(self, agent_id: str, timeout: float | None = None) -> bool:
         """Wait until no save of ``agent_id`` is pending or being written (False: timed out)."""
+        return self._wait_while(lambda: self._saver.holds(agent_id), timeout)
+
+    def _wait_while(self, busy: Callable[[], object], timeout: float | None) -> bool:
+        """Wait on ``_cv`` while ``busy()`` (checked under it); False when ``timeout`` ran out first."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cv:
-            while self._saver.holds(agent_id):
+            while busy():
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return False
@@ -408,13 +392,17 @@ class ConcurrentScheduler:
             )
         except Exception as exc:
             with self._cv:
-                self._dequeue(agent_id)
+                self._dequeue(agent_id, req)
+                if self._queues.get(agent_id):  # its next turn may still run
+                    self._ready.append(agent_id)
                 self._counts["failed"] += 1
-            req.future.set_exception(exc)
+            if not req.future.done():  # not cancelled meanwhile
+                req.future.set_exception(exc)
             return
-        req.reserved, req.uid = need, uid
+        req.reserved = need
         with self._cv:
-            self._dequeue(agent_id)
+            # cancel() may have taken it off the queue while it was being admitted: end it next step
+            req.cancelled = not self._dequeue(agent_id, req)
             self._busy.add(agent_id)
             self._in_flight[uid] = req
         if req.on_admit is not None:
@@ -423,16 +411,36 @@ class ConcurrentScheduler:
             except Exception:  # a caller's bug: its turn still runs
                 log.exception("on_admit of agent %r raised", agent_id)
 
-    def _dequeue(self, agent_id: str) -> None:
-        """Take the agent's first queued request off (the caller holds ``_cv``)."""
-        queue = self._queues[agent_id]
-        queue.popleft()
-        self._queued -= 1
-        if not queue:
-            del self._queues[agent_id]
+    def _unqueue(self, future: Future) -> _Request | None:
+        """Take the queued request of ``future`` off its agent's queue (the caller holds ``_cv``)."""
+        for agent_id, queue in list(self._queues.items()):
+            req = next((r for r in queue if r.future is future), None)
+            if req is not None:
+                self._take(agent_id, req)
+                if agent_id not in self._queues and agent_id in self._ready:
+                    self._ready.remove(agent_id)
+                return req
+        return None
+
+    def _dequeue(self, agent_id: str, req: _Request) -> bool:
+        """Take ``req``, being admitted, off its agent's queue; the agent leaves the ready list
+        (the caller holds ``_cv``). False when cancel() took it off first."""
+        found = self._take(agent_id, req)
         if agent_id in self._ready:
             self._ready.remove(agent_id)
         self._cv.notify_all()
+        return found
+
+    def _take(self, agent_id: str, req: _Request) -> bool:
+        """Remove ``req`` from the agent's queue if it is there (the caller holds ``_cv``)."""
+        queue = self._queues.get(agent_id)
+        if queue is None or req not in queue:  # _Request compares by identity
+            return False
+        queue.remove(req)
+        self._queued -= 1
+        if not queue:
+            del self._queues[agent_id]
+        return True
 
     def _reservations(self) -> list[int]:
         """Blocks reserved by each turn in flight (the caller holds ``_cv``)."""
@@ -440,6 +448,7 @@ class ConcurrentScheduler:
 
     def _finish(self, c: Completion) -> None:
         req = self._in_flight.pop(c.uid)
+        answered = req.future.done()  # cancelled while being admitted: cancel() already answered
         prepared = None
         keep = req.keep and c.blocks is not None
         if keep and self.write_behind:
@@ -462,14 +471,15 @@ class ConcurrentScheduler:
                 if prepared is not None:  # a newer save replaces a pending older one
                     replaced.append(self._saver.put(c.agent_id, c.blocks, prepared))
             self._counts["completed"] += 1
-            self._counts["cancelled"] += c.finish_reason == "cancelled"
+            self._counts["cancelled"] += c.finish_reason == "cancelled" and not answered
             self._counts["prompt_tokens"] += c.prompt_tokens
             self._counts["cached_tokens"] += c.cached_tokens
             if self._queues.get(c.agent_id) and c.agent_id not in self._ready:
                 self._ready.append(c.agent_id)
             self._cv.notify_all()
         del replaced
-        req.future.set_result(result)
+        if not answered:
+            req.future.set_result(result)
 
     def _fail_in_flight(self, exc: BaseException) -> None:
         with self._cv:
@@ -483,4 +493,5 @@ class ConcurrentScheduler:
             self._cv.notify_all()
         self.engine = self._make_engine()  # over the same pool: stored caches stay valid
         for req in failed:
-            req.future.set_exception(exc)
+            if not req.future.done():
+                req.future.set_exception(exc)

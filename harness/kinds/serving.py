@@ -138,11 +138,11 @@ def _record(ctx, bench: P.Bench, out: dict, names: list[str]) -> None:
         return [r.ttft_s for r in recs if r.phase == phase and r.server == server and r.error is None
                 and r.round >= min_round and (kinds is None or r.kind in kinds)]
 
-    def ratio_to_best(phase: str, kinds=None, min_round: int = 1):
+    def ratio(phase: str, against: list[str], kinds=None, min_round: int = 1) -> float | None:
+        """Our median TTFT over the best median of ``against`` (None where either side has none)."""
         ours = _median(ttft(phase, OURS, kinds, min_round))
-        theirs = {n: _median(ttft(phase, n, kinds, min_round)) for n in peers}
-        best = min((v for v in theirs.values() if v is not None), default=None)
-        return (ours / best if ours and best else None), theirs
+        best = min((m for n in against if (m := _median(ttft(phase, n, kinds, min_round))) is not None), default=None)
+        return ours / best if ours and best else None
 
     metric_specs = []
     for server in names:
@@ -166,18 +166,12 @@ def _record(ctx, bench: P.Bench, out: dict, names: list[str]) -> None:
     res.check("our_errors", sum(errors[OURS].values()))
     checks = {}
     for kind in ("append", "regenerate", "edit"):
-        checks[f"warm_{kind}_vs_best"], _ = ratio_to_best("warm", {kind}, 2)
-    checks["agents_vs_mlx_lm_defaults"] = None
-    ours_agents = _median(ttft("agents", OURS, None, 2))
-    mlx_lm_agents = _median(ttft("agents", "mlx_lm.server", None, 2))
-    if ours_agents and mlx_lm_agents:
-        checks["agents_vs_mlx_lm_defaults"] = ours_agents / mlx_lm_agents
-    checks["agents_matched_vs_best"], _ = ratio_to_best("agents-matched", None, 2)
+        checks[f"warm_{kind}_vs_best"] = ratio("warm", peers, {kind}, 2)
+    checks["agents_vs_mlx_lm_defaults"] = ratio("agents", ["mlx_lm.server"], None, 2)
+    checks["agents_matched_vs_best"] = ratio("agents-matched", peers, None, 2)
     for sig in ("sigterm", "sigkill"):
-        ours = _median(ttft(f"restart-{sig}", OURS))
-        mlx_lm = _median(ttft(f"restart-{sig}", "mlx_lm.server"))
-        checks[f"restart_{sig}_vs_mlx_lm"] = ours / mlx_lm if ours and mlx_lm else None
-        checks[f"restart_{sig}_vs_best"], _ = ratio_to_best(f"restart-{sig}")
+        checks[f"restart_{sig}_vs_mlx_lm"] = ratio(f"restart-{sig}", ["mlx_lm.server"])
+        checks[f"restart_{sig}_vs_best"] = ratio(f"restart-{sig}", peers)
     rss = out.get("rss")
     if rss and len(rss) > 2:
         # the slope of RSS over added agents; allocators cache freed memory, so a slope can even be

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
 
 from harness.models.registry import REGISTRY
+from semantic.fingerprint import sha256_file as _sha256  # noqa: F401  (prepare.py checks GGUF digests with it)
+from semantic.fingerprint import weights_fingerprint as fingerprint  # noqa: F401
 
 CONVERTER_VERSION = 1  # bump when conversion output changes, to re-prepare
 DEQUANTIZER_VERSION = 1  # bump when the f32 variant's output changes
@@ -64,43 +65,6 @@ def _manifest(path: Path) -> dict | None:
     except (OSError, ValueError):
         return None
     return info if isinstance(info, dict) and _is_model_dir(path) else None
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def fingerprint(path: str | Path) -> str:
-    """sha256 over the model's ``*.safetensors`` files (names and contents).
-
-    The digest of each file is remembered in ``.fingerprint.json`` beside it,
-    keyed by size and mtime, so a 300 MB model is hashed once.
-    """
-    path = Path(path)
-    memo_file = path / ".fingerprint.json"
-    try:
-        memo = json.loads(memo_file.read_text())
-    except (OSError, ValueError):
-        memo = {}
-    h = hashlib.sha256()
-    changed = False
-    for f in sorted(path.glob("*.safetensors")):
-        st = f.stat()
-        key = f"{f.name}:{st.st_size}:{st.st_mtime_ns}"
-        if key not in memo:
-            memo[key] = _sha256(f)
-            changed = True
-        h.update(f.name.encode() + b"\0" + memo[key].encode() + b"\n")
-    if changed:
-        try:
-            memo_file.write_text(json.dumps(memo))
-        except OSError:
-            pass  # a read-only model directory still gets a fingerprint
-    return h.hexdigest()
 
 
 def _hub_snapshot(repo: str, weights_only: bool = True) -> Path:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import logging
 import threading
 import time
@@ -30,6 +29,7 @@ from collections import deque
 from pathlib import Path
 
 from semantic.errors import InvalidRequestError
+from semantic.fingerprint import weights_fingerprint
 from semantic.serve.protocol import Final, GenerateRequest, Prepared
 from semantic.serve.textstream import TextStream
 
@@ -42,32 +42,8 @@ DEFAULT_CONTEXT = 4096   # when the model's config names no context length
 
 
 def model_fingerprint(path: Path) -> str:
-    """sha256 over the model's config and ``*.safetensors`` files (names and contents).
-
-    Each file's digest is remembered in ``.fingerprint.json`` beside it, keyed
-    by size and mtime (the harness keeps the same memo), so a model is hashed once.
-    """
-    memo_file = path / ".fingerprint.json"
-    try:
-        memo = json.loads(memo_file.read_text())
-    except (OSError, ValueError):
-        memo = {}
-    h, changed = hashlib.sha256(), False
-    for f in sorted(path.glob("*.safetensors")):
-        st = f.stat()
-        key = f"{f.name}:{st.st_size}:{st.st_mtime_ns}"
-        if key not in memo:
-            d = hashlib.sha256()
-            with open(f, "rb") as fh:
-                for chunk in iter(lambda: fh.read(1 << 22), b""):
-                    d.update(chunk)
-            memo[key], changed = d.hexdigest(), True
-        h.update(f.name.encode() + b"\0" + memo[key].encode() + b"\n")
-    if changed:
-        try:
-            memo_file.write_text(json.dumps(memo, indent=1))
-        except OSError:
-            pass  # a read-only model directory: hashed again next time
+    """The weights' fingerprint (the harness's, :mod:`semantic.fingerprint`) plus the model's config."""
+    h = hashlib.sha256(weights_fingerprint(path).encode())
     config = path / "config.json"
     if config.exists():
         h.update(b"config\0" + config.read_bytes())
