@@ -207,6 +207,62 @@ if HAS_META_STATE and hasattr(C, "BatchRotatingKVCache"):
     C.BatchRotatingKVCache.extract = _rotating_extract_clamped
 
 
+# ---------------------------------------------------------------- batching (semantic.steploop)
+
+
+def cache_arrays(cache: Any) -> list:
+    """The arrays a live cache holds (what to ``mx.eval`` after a forward pass)."""
+    out = []
+    for x in (cache.keys, cache.values):
+        if x is not None:
+            out.extend(x if isinstance(x, (tuple, list)) else [x])
+    return out
+
+
+def merge_caches(per_sequence: Sequence[list]) -> list:
+    """Per-layer batch caches from each sequence's single caches (left-padded rows).
+
+    Rotating caches are unrolled into temporal order first: 0.30.4's
+    ``BatchRotatingKVCache.merge`` fails on a ring longer than its window,
+    which a multi-token prefill leaves behind. Quantized layers use our
+    ``BatchQuantizedKVCache`` (mlx-lm has none).
+    """
+    from semantic.batchquant import BatchQuantizedKVCache
+
+    merged = []
+    for layer in zip(*per_sequence):
+        kind = type(layer[0]).__name__
+        if kind == ROTATING:
+            merged.append(C.BatchRotatingKVCache.merge([build_layer(temporal_rotating(read_layer(c))) for c in layer]))
+        elif kind == QUANTIZED:
+            merged.append(BatchQuantizedKVCache.merge(list(layer)))
+        elif kind == KV:
+            merged.append(C.BatchKVCache.merge(list(layer)))
+        else:
+            raise UnsupportedCacheError(f"cannot batch a {kind}")
+    return merged
+
+
+def _quantized_sdpa_batched_mask(queries, q_keys, q_values, scale, mask, group_size=64, bits=8):
+    """0.30.4's quantized attention, with 0.32's fix for a per-row (batched) mask.
+
+    With grouped-query attention the scores gain a repeat axis; 0.30.4 does not
+    give the mask one, so a ``(B, 1, N, S)`` mask of a batch broadcasts
+    against the wrong axes. 0.32 adds it (``expand_dims(mask, -3)``); backported.
+    """
+    n_repeats = queries.shape[1] // q_keys[0].shape[-3]
+    if mask is not None and not isinstance(mask, str) and n_repeats > 1 and mask.ndim > 3:
+        mask = mx.expand_dims(mask, -3)
+    return _QSDPA_0304(queries, q_keys, q_values, scale=scale, mask=mask, group_size=group_size, bits=bits)
+
+
+from mlx_lm.models import base as _base  # noqa: E402
+
+if "expand_dims(mask, -3)" not in inspect.getsource(_base.quantized_scaled_dot_product_attention):
+    _QSDPA_0304 = _base.quantized_scaled_dot_product_attention
+    _base.quantized_scaled_dot_product_attention = _quantized_sdpa_batched_mask
+
+
 # ---------------------------------------------------------------- generation
 
 

@@ -1,14 +1,13 @@
-"""Continuous batching over mlx-lm's BatchGenerator, with pooled caches in and out.
+"""Continuous batching with pooled caches in and out.
 
-Two lanes drive the sequences, one step at a time:
-
-- the batch lane, mlx-lm's ``BatchGenerator`` (through ``compat``), for
-  ``KVCache`` and ``RotatingKVCache`` layers: sequences of any length share
-  each forward pass and finish independently;
-- the solo lane, one ``generate_step`` per sequence, for specs with
-  ``QuantizedKVCache`` layers, which mlx-lm's batch caches cannot merge. It is
-  exact (the same quantized attention as a fresh run) but unbatched: each
-  quantized sequence costs its own forward pass per step.
+Every sequence runs through one :class:`~semantic.steploop.StepLoop`: each
+step decodes one token for every generating sequence in one forward pass
+(``KVCache``, ``RotatingKVCache`` and ``QuantizedKVCache`` layers alike; the
+quantized ones through ``batchquant``), then prefills one chunk of at most
+``prefill_chunk`` prompt tokens. A long prompt therefore delays the others
+by one chunk per step, never by its whole prefill. On sliding-window models
+every prompt's chunks also end at block boundaries, where the cache is
+extracted into the pool (:meth:`BlockPoolBatchEngine._checkpoint`).
 
 Each sequence decodes greedily unless it brings its own sampler and logits
 processors (``sampling``); greedy ones share one argmax. An ``on_token``
@@ -38,8 +37,6 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
 import mlx.core as mx
-from mlx_lm.generate import generate_step
-
 from semantic import compat, convert, reuse
 from semantic.blocks import AgentBlocks
 from semantic.errors import (
@@ -53,6 +50,7 @@ from semantic.pool import BlockPool
 from semantic.requests import check_max_tokens, prompt_ids
 from semantic.sampling import SamplingParams, processors_for, sampler_for
 from semantic.spec import ModelCacheSpec
+from semantic.steploop import StepLoop
 
 log = logging.getLogger(__name__)
 
@@ -98,23 +96,17 @@ class _Seq:
     max_tokens: int
     generated: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    gen_uid: int | None = None           # batch lane
-    solo: Iterator | None = None         # solo lane
-    solo_cache: list | None = None
     reuse: str = reuse.NONE
     submitted_at: float = 0.0
     first_token_at: float = 0.0
     root: int | None = None              # block-hash salt (a tenant's)
+    finish_reason: str | None = None     # set with the last token; the Completion follows when the cache is complete
     on_token: Callable | None = None     # (token, logprob, logprobs row) -> True to end here
 
 
 # on_token(token, logprob, logprobs) -> bool: called on the engine's thread for
 # every generated token; logprobs is the row over the vocabulary (an mx.array)
 OnToken = Callable[[int, float, mx.array], bool]
-
-
-def _greedy(logprobs: mx.array) -> mx.array:
-    return mx.argmax(logprobs, axis=-1)
 
 
 class BlockPoolBatchEngine:
@@ -128,7 +120,7 @@ class BlockPoolBatchEngine:
         spec: ModelCacheSpec,
         *,
         max_batch: int = 8,
-        prefill_step_size: int = 512,
+        prefill_chunk: int | None = None,
         stop_tokens: Sequence[int] | None = None,
         lock=None,
     ):
@@ -141,21 +133,13 @@ class BlockPoolBatchEngine:
         self.model, self.tokenizer, self.pool, self.spec = model, tokenizer, pool, spec
         self.lock = lock if lock is not None else threading.RLock()
         # sliding layers lose the window of a prefix once prefill moves past it: see _checkpoint
-        self._sliding = not spec.quantized and any(l.windowed for l in spec.layers)
+        self._sliding = any(l.windowed for l in spec.layers)
         self.vocab_size = _vocab_size(model)
         self.stop_tokens = frozenset(int(t) for t in (tokenizer.eos_token_ids if stop_tokens is None else stop_tokens))
-        self.prefill_step_size = prefill_step_size
-        self._gen = compat.make_batch_generator(
-            model,
-            max_tokens=1,  # every insert passes its own
-            stop_tokens=self.stop_tokens,
-            completion_batch_size=max_batch,
-            prefill_batch_size=max_batch,
-            prefill_step_size=prefill_step_size,
-        )
+        self.prefill_chunk = prefill_chunk if prefill_chunk is not None else default_prefill_chunk()
+        self._loop = StepLoop(model, stop_tokens=self.stop_tokens, max_batch=max_batch, prefill_chunk=self.prefill_chunk)
         self._uids = itertools.count()
         self._seqs: dict[int, _Seq] = {}
-        self._by_gen_uid: dict[int, int] = {}
         self._busy: dict[str, int] = {}
         self._finished: weakref.WeakValueDictionary[int, AgentBlocks] = weakref.WeakValueDictionary()
 
@@ -258,8 +242,6 @@ class BlockPoolBatchEngine:
                 start = reuse.choose_start(self.pool, ids, own, self._release, root)
         cached = start.cached if start is not None else 0   # what caches covered: the accounting
         source = start.source if start is not None else reuse.NONE
-        if plan_reuse and self._sliding and source in (reuse.NONE, reuse.POOL):
-            start = self._checkpoint(ids, start, root)
         caches = None
         if start is not None and start.cached:
             try:
@@ -268,69 +250,44 @@ class BlockPoolBatchEngine:
                 if start.owned:
                     # the rebuilt caches hold the arrays; the pool references can go at once
                     start.blocks.release()
-        new = ids[start.cached if start is not None else 0:]
+        fed = start.cached if start is not None else 0
+        new = ids[fed:]
         seq = _Seq(
             next(self._uids), agent_id, ids, cached, max_tokens, reuse=source, submitted_at=submitted,
             root=root, on_token=on_token,
         )
-        if self.spec.quantized:
-            seq.solo_cache = caches if caches is not None else self.spec.make_cache()
-            seq.solo = generate_step(
-                mx.array(new),
-                self.model,
-                max_tokens=max_tokens,
-                sampler=sampler or _greedy,
-                logits_processors=processors,
-                prompt_cache=seq.solo_cache,
-                prefill_step_size=self.prefill_step_size,
-            )
-        else:
-            done = ids[: len(ids) - len(new)]  # what the injected cache holds: the penalties' context
-            (seq.gen_uid,) = compat.insert(
-                self._gen, [new], [caches], [max_tokens], samplers=[sampler], processors=[processors], done=[done]
-            )
-            self._by_gen_uid[seq.gen_uid] = seq.uid
+        bt = self.pool.block_tokens
+        stops = [b - fed for b in range(fed // bt * bt + bt, len(ids), bt)] if self._sliding else []
+        self._loop.add(
+            seq.uid, new, caches if caches is not None else self.spec.make_cache(), max_tokens,
+            sampler=sampler, processors=processors, context=ids[:fed], stops=stops,
+            on_stop=lambda uid, live, n, ids=ids, fed=fed, root=root: self._checkpoint(live, ids[: fed + n], root),
+        )
         self._seqs[seq.uid] = seq
         self._busy[agent_id] = seq.uid
         return seq.uid
 
-    def _checkpoint(self, ids: list[int], start: reuse.Reuse | None, root: int | None = None) -> reuse.Reuse | None:
-        """Prefill ``ids`` up to its last whole block, storing the cache at every block boundary.
+    def _checkpoint(self, caches: list, ids: list[int], root: int | None) -> None:
+        """Pool the cache of a prompt cut at a block boundary (``ids`` ends there).
 
         A sliding layer keeps only its window, so a finished cache no longer
         holds the window that ended at an earlier boundary, and no other
-        agent could start from that prefix (a shared system prompt). Cutting
-        the prefill at each boundary and extracting there pools those
-        windows; the prefill costs the same, plus one copy of each new
-        block::
+        agent could start from that prefix (a shared system prompt). The step
+        loop ends a chunk at each boundary and this extracts there; the
+        prefill costs the same, plus one copy of each new block::
 
             prefill    [0 ...... 256)[256 ..... 512)[512 ..... 768)[768 .. 900)
-            extract         ^ at 256        ^ at 512        ^ at 768     (the rest: the batch)
+            extract         ^ at 256        ^ at 512        ^ at 768     (the rest: at the end)
             sliding          [0, 256)       [0, 512)        [256, 768)   window 512, pooled
 
-        Returns what to inject: the blocks at the last boundary (owned), or
-        ``start`` unchanged when no boundary lies ahead or the pool is full.
+        The blocks are released at once: they stay hittable in the pool's
+        free queue until it recycles them. A full pool skips the checkpoint.
         """
-        bt = self.pool.block_tokens
-        last = (len(ids) - 1) // bt * bt
-        pos = start.cached if start is not None else 0
-        if last - pos < bt:
-            return start
-        caches = self.reconstruct_cache(start.blocks, upto=pos) if pos else self.spec.make_cache()
-        done = start
-        for b in range(pos // bt * bt + bt, last + 1, bt):
-            # only the caches are evaluated: MLX never computes the chunk's logits
-            self.model(mx.array([ids[pos:b]]), cache=caches)
-            mx.eval([(c.keys, c.values) for c in caches])
-            try:
-                with self.lock:
-                    blocks = convert.extract(self.pool, caches, ids[:b], self._release, root)
-            except PoolExhaustedError:
-                break  # keep what was pooled; the batch prefills the rest
-            if done is not None and done.owned:
-                done.blocks.release()
-            done, pos = reuse.Reuse(reuse.POOL, b, blocks, owned=True), b
-        return done
+        try:
+            with self.lock:
+                convert.extract(self.pool, caches, ids, self._release, root).release()
+        except PoolExhaustedError:
+            log.debug("pool full: no checkpoint at %d tokens", len(ids))
 
     def _release(self, blocks) -> None:
         with self.lock:
@@ -355,30 +312,19 @@ class BlockPoolBatchEngine:
             yield from self.step_once()
 
     def step_once(self) -> list[Completion]:
-        """Advance every in-flight request by one token (the first call also
-        prefills newly submitted ones); return those that finished."""
-        finished: list[tuple[_Seq, str, list]] = []
-        stopped: list[_Seq] = []  # ended by their on_token callback
-        if self._by_gen_uid:
-            responses = compat.next_responses(self._gen)
-            now = time.perf_counter()  # the tokens were read: materialized
-            for r in responses:
-                seq = self._seqs[self._by_gen_uid[r.uid]]
-                seq.first_token_at = seq.first_token_at or now
-                if self._record(seq, r.token, r.logprobs) and r.finish_reason is None:
-                    stopped.append(seq)
-                elif r.finish_reason is not None:
-                    finished.append((seq, r.finish_reason, r.cache))
-        for seq in [s for s in self._seqs.values() if s.solo is not None]:
-            token, logprobs = next(seq.solo)
-            seq.first_token_at = seq.first_token_at or time.perf_counter()
-            stop = self._record(seq, int(token), logprobs)
-            reason = "stop" if token in self.stop_tokens or stop else "length" if len(seq.generated) >= seq.max_tokens else None
-            if reason:
-                seq.solo.close()
-                finished.append((seq, reason, seq.solo_cache))
-        done = [self._finish(seq, reason, caches) for seq, reason, caches in finished]
-        return done + [self._end_early(seq, "stop") for seq in stopped]
+        """One step of the loop: a token for every generating request, one
+        prefill chunk for the waiting ones; return those that finished."""
+        events, closed = self._loop.step()
+        now = time.perf_counter()  # the tokens were read: materialized
+        for e in events:
+            seq = self._seqs[e.uid]
+            seq.first_token_at = seq.first_token_at or now
+            seq.finish_reason = e.finish_reason
+            if self._record(seq, e.token, e.logprobs) and e.finish_reason is None:
+                seq.finish_reason = "stop"  # a stop string: ends after this token, like a stop token
+                self._loop.close(seq.uid)
+        # a finished sequence's cache is complete one step later, once its last token is fed
+        return [self._finish(self._seqs[c.uid], self._seqs[c.uid].finish_reason, c.caches) for c in closed]
 
     def _record(self, seq: _Seq, token: int, logprobs: mx.array) -> bool:
         """Keep one generated token; True when its callback ends the sequence here."""
@@ -405,26 +351,16 @@ class BlockPoolBatchEngine:
 
     def _end_early(self, seq: _Seq, reason: str) -> Completion:
         """Take a sequence out of its lane before it finished on its own."""
-        caches = None
-        if seq.solo is not None:
-            seq.solo.close()
-            caches = seq.solo_cache if seq.generated else None
-        else:
-            if seq.generated:  # only then is it past prefill: an exact cache of its tokens
-                caches = compat.extract_in_flight(self._gen, seq.gen_uid)
-            compat.remove(self._gen, seq.gen_uid)
-        return self._finish(seq, reason, caches, early=True)
+        # only past prefill is there an exact cache of its tokens (None before)
+        return self._finish(seq, reason, self._loop.remove(seq.uid))
 
-    def _finish(self, seq: _Seq, reason: str, caches: list | None, early: bool = False) -> Completion:
+    def _finish(self, seq: _Seq, reason: str, caches: list | None) -> Completion:
         del self._seqs[seq.uid]
         self._busy.pop(seq.agent_id, None)
-        if seq.gen_uid is not None:
-            self._by_gen_uid.pop(seq.gen_uid, None)
         tokens = seq.tokens + seq.generated
-        if early and caches is not None:
-            tokens = tokens[: compat.read_layer(caches[0]).offset]  # what the caches really hold
-        else:
-            assert compat.finished_cache_tokens(len(seq.tokens), len(seq.generated)) == len(tokens)
+        if caches is not None:
+            # every token but the newest was fed: the caches say exactly how many
+            tokens = tokens[: compat.read_layer(caches[0]).offset]
         blocks, error = None, None
         try:
             if caches is None:
@@ -470,7 +406,7 @@ class BlockPoolBatchEngine:
             if blocks is None or blocks.released:
                 raise UnknownSequenceError(f"no sequence {uid} in flight or finished with live blocks")
             return blocks
-        caches = seq.solo_cache if seq.solo is not None else compat.extract_in_flight(self._gen, seq.gen_uid)
+        caches = self._loop.caches(uid)
         held = compat.read_layer(caches[0]).offset
         with self.lock:
             return convert.extract(self.pool, caches, (seq.tokens + seq.generated)[:held], self._release, seq.root)
@@ -481,3 +417,12 @@ def _vocab_size(model) -> int:
     if args is not None and getattr(args, "vocab_size", None):
         return int(args.vocab_size)
     return int(model.model.embed_tokens.weight.shape[0])
+
+
+def default_prefill_chunk() -> int:
+    """Prompt tokens per step: a chunk costs about one or two decode steps of a small model.
+
+    On a CPU a forward pass over 64 tokens costs about two decode steps of
+    SmolLM2 (EXP-010 measures the trade-off); a GPU runs 512 in about that.
+    """
+    return 512 if mx.default_device() == mx.gpu else 64

@@ -145,7 +145,7 @@ class ConcurrentScheduler:
         *,
         max_batch: int = 8,
         max_queued: int = 256,
-        prefill_step_size: int = 512,
+        prefill_chunk: int | None = None,
         write_behind: bool = True,
         stop_tokens: Sequence[int] | None = None,
     ):
@@ -155,7 +155,7 @@ class ConcurrentScheduler:
         self.max_batch, self.max_queued, self.write_behind = max_batch, max_queued, write_behind
         self._make_engine = lambda: BlockPoolBatchEngine(
             model, tokenizer, store.pool, store.spec, max_batch=max_batch,
-            prefill_step_size=prefill_step_size, stop_tokens=stop_tokens, lock=store.pool_lock,
+            prefill_chunk=prefill_chunk, stop_tokens=stop_tokens, lock=store.pool_lock,
         )
         self.engine = self._make_engine()
         self._cv = threading.Condition()

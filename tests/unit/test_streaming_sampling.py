@@ -74,7 +74,8 @@ def test_cancel_ends_a_sequence_in_flight_keeping_what_it_computed(llama_tiny):
         assert engine.step_once() == []
     c = engine.cancel(uid)
     assert c.finish_reason == "cancelled" and len(c.token_ids) == 3
-    assert c.blocks.token_ids == tuple(history + c.token_ids)
+    # everything the model was fed: the newest token was read and streamed, not fed yet
+    assert c.blocks.token_ids == tuple(history + c.token_ids[:-1])
     assert engine.in_flight == 0 and engine.cancel(uid) is None
     nxt = history + c.token_ids + [7, 8, 9]
     uid2 = engine.submit_history("a", nxt, c.blocks, max_tokens=4)
@@ -182,10 +183,11 @@ def test_scheduler_streams_cancels_and_keeps_anonymous_turns_out_of_the_store(ll
         assert sched.cancel(queued) and queued.result().finish_reason == "cancelled"
         slow.result(timeout=60)
         assert not sched.cancel(slow)
-        # the cancelled turn's cache is the agent's: its next turn reuses all of it
+        # the cancelled turn's cache is the agent's: its next turn reuses all it fed (or the pool's
+        # whole blocks of agent q's identical greedy reply, when they reach further)
         nxt = history + list(r.token_ids) + [4, 5]
         follow = sched.submit("c", nxt, 3).result()
-        assert follow.reuse == "own" and follow.cached_tokens == len(history) + len(r.token_ids)
+        assert follow.reuse in ("own", "pool") and follow.cached_tokens >= len(history) + len(r.token_ids) - 1
         _assert_same(follow, reference(llama_tiny, nxt, 3))
         # anonymous: pooled prefixes are used, nothing is stored or kept resident
         anon = sched.submit("anon-1", nxt + [6], 3, keep=False).result()

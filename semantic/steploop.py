@@ -1,0 +1,287 @@
+"""The step loop: continuous batching where a long prefill never stalls decoding.
+
+mlx-lm's ``BatchGenerator`` prefills a newly inserted prompt before the
+sequences already generating get their next token (0.30.4 whole, 0.32 in
+2048-token steps by default), and it cannot batch quantized caches. This loop
+is ours, built from mlx-lm's model call and cache classes, and behaves the
+same under both mlx-lm versions. One :meth:`StepLoop.step`::
+
+    decode    one forward pass: the last token of every generating sequence
+              (B rows, left-padded batch caches: BatchKVCache,
+              BatchRotatingKVCache, batchquant.BatchQuantizedKVCache)
+    prefill   then at most ``prefill_chunk`` prompt tokens of the waiting
+              sequences, in order, each chunk its own forward pass over that
+              sequence's single caches; a chunk also ends at the sequence's
+              ``stops`` (block boundaries: ``on_stop`` checkpoints the cache)
+    read      the decode step's tokens, and the first token of every prompt
+              whose last chunk ran now (from that chunk's own logits: no
+              extra forward pass for the last prompt token)
+    join      sequences that got their first token join the batch caches, so
+              the next decode step includes them
+
+    time ─►  | decode B | chunk a[0:64) | decode B | chunk a[64:128) | ...
+             a decoder waits one chunk per step, never the whole prefill
+
+A token is reported as soon as it is read. A sequence that has finished
+(a stop token, its length) stays in the batch for one more decode step so
+that its last token is fed too, as mlx-lm's own loop does: its finished
+cache then holds the prompt and every generated token, and comes back as a
+:class:`Closed` from that step. Sequences decode greedily unless they bring
+a sampler; logits processors see the whole token history.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import mlx.core as mx
+
+from semantic import compat
+
+# on_stop(uid, caches, fed): the sequence's live caches after ``fed`` prompt tokens, at one of its stops
+OnStop = Callable[[int, list, int], None]
+
+
+@dataclass(slots=True)
+class Event:
+    """One token read for one sequence; ``finish_reason`` is set on its last one."""
+
+    uid: int
+    token: int
+    logprobs: mx.array          # the row over the vocabulary (natural log)
+    finish_reason: str | None   # "stop" (a stop token), "length", or None
+
+
+@dataclass(slots=True)
+class Closed:
+    """A finished sequence, its last token fed: per-layer caches of its prompt and every generated token."""
+
+    uid: int
+    caches: list
+
+
+@dataclass(slots=True)
+class _Seq:
+    uid: int
+    prompt: list[int]              # tokens still to feed, from ``fed`` on
+    caches: list                   # single caches while prefilling; None once in the batch
+    max_tokens: int
+    sampler: Callable | None
+    processors: list | None
+    history: list[int]             # every token fed or to feed: the processors' context
+    stops: deque = field(default_factory=deque)
+    on_stop: OnStop | None = None
+    fed: int = 0                   # prompt tokens fed so far
+    generated: int = 0
+    next_token: int | None = None  # sampled, reported, not fed yet
+    closing: bool = False          # finished: in the batch only to feed ``next_token``
+
+
+class StepLoop:
+    """Chunked prefill between batched decode steps (see the module docstring)."""
+
+    def __init__(self, model, *, stop_tokens: Sequence[int], max_batch: int = 8, prefill_chunk: int = 256):
+        if max_batch <= 0 or prefill_chunk <= 0:
+            raise ValueError(f"max_batch and prefill_chunk must be positive, got {max_batch}, {prefill_chunk}")
+        self.model = model
+        self.stop_tokens = frozenset(int(t) for t in stop_tokens)
+        self.max_batch = max_batch
+        self.prefill_chunk = prefill_chunk
+        self._waiting: deque[_Seq] = deque()   # prompts, in arrival order
+        self._ready: list[_Seq] = []           # first token read; they join before the next decode
+        self._rows: list[_Seq] = []            # the batch, row order of ``_batch``
+        self._batch: list | None = None        # per-layer batch caches
+        self._seqs: dict[int, _Seq] = {}
+
+    # ------------------------------------------------------------ sequences
+
+    def add(
+        self,
+        uid: int,
+        prompt: Sequence[int],
+        caches: list,
+        max_tokens: int,
+        *,
+        sampler: Callable | None = None,
+        processors: list | None = None,
+        context: Sequence[int] = (),
+        stops: Sequence[int] = (),
+        on_stop: OnStop | None = None,
+    ) -> None:
+        """Queue ``prompt`` (the tokens after what ``caches`` hold) for prefill, then decoding.
+
+        ``context`` is what the caches already hold (the processors' history);
+        ``stops`` are prompt positions (counted in ``prompt``) where a chunk
+        must end so that ``on_stop`` can see the cache there.
+        """
+        assert uid not in self._seqs, uid
+        if not prompt:
+            raise ValueError("a sequence needs at least one prompt token")
+        if max_tokens <= 0:
+            raise ValueError(f"max_tokens must be positive, got {max_tokens}")
+        assert all(0 < s < len(prompt) for s in stops), (stops, len(prompt))
+        seq = _Seq(
+            uid, list(map(int, prompt)), caches, max_tokens, sampler, processors,
+            [*map(int, context), *map(int, prompt)], deque(sorted(set(stops))), on_stop,
+        )
+        self._seqs[uid] = seq
+        self._waiting.append(seq)
+
+    def __len__(self) -> int:
+        return len(self._seqs)
+
+    def __contains__(self, uid: int) -> bool:
+        return uid in self._seqs
+
+    def generated(self, uid: int) -> int:
+        return self._seqs[uid].generated
+
+    def caches(self, uid: int) -> list:
+        """The exact caches of ``uid``'s tokens fed so far (rows of the batch are copied out)."""
+        seq = self._seqs[uid]
+        if seq.caches is not None:
+            return seq.caches
+        row = self._rows.index(seq)
+        return [c.extract(row) for c in self._batch]
+
+    def close(self, uid: int) -> None:
+        """Finish ``uid`` after its newest token (a stop string): that token is fed at the next step,
+        and its caches come back then as a :class:`Closed`."""
+        seq = self._seqs[uid]
+        assert seq.generated, "close() ends a generating sequence; remove() one still prefilling"
+        seq.closing = True
+
+    def remove(self, uid: int) -> list | None:
+        """Take ``uid`` out wherever it is; its :meth:`caches`, or None before its first token."""
+        caches = self.caches(uid) if self._seqs[uid].generated else None
+        seq = self._seqs.pop(uid)
+        if seq in self._rows:
+            self._drop_rows([self._rows.index(seq)])
+        elif seq in self._ready:
+            self._ready.remove(seq)
+        else:
+            self._waiting.remove(seq)
+        return caches
+
+    # ------------------------------------------------------------ one step
+
+    def step(self) -> tuple[list[Event], list[Closed]]:
+        """Decode one token for the batch, prefill one chunk; return the tokens
+        read and the finished sequences whose caches are complete."""
+        self._join()
+        decoded = self._decode() if self._rows else None
+        firsts = self._prefill()
+        events: list[Event] = []
+        closed: list[Closed] = []
+        if decoded is not None:
+            events, closed = self._read_decoded(*decoded)
+        for seq, token, logprobs in firsts:
+            events.append(self._advance(seq, token, logprobs))
+            self._ready.append(seq)
+        return events, closed
+
+    def _decode(self):
+        for s in self._rows:
+            s.history.append(s.next_token)  # fed by this forward pass: the processors' context
+        inputs = mx.array([[s.next_token] for s in self._rows])
+        logits = self.model(inputs, cache=self._batch)[:, -1, :]
+        tokens, logprobs = self._sample(self._rows, logits)
+        mx.async_eval(tokens, logprobs)  # the prefill chunk is queued behind it
+        return tokens, logprobs
+
+    def _prefill(self) -> list[tuple[_Seq, int, mx.array]]:
+        """Feed up to ``prefill_chunk`` prompt tokens; the sequences whose prompt is done, with their first token."""
+        budget, done = self.prefill_chunk, []
+        room = self.max_batch - len(self._rows) - len(self._ready)
+        for seq in list(self._waiting)[: max(room, 0)]:
+            while budget > 0 and seq.fed < len(seq.prompt):
+                end = min(len(seq.prompt), seq.fed + budget)
+                at_stop = bool(seq.stops) and seq.stops[0] <= end
+                if at_stop:
+                    end = seq.stops.popleft()
+                logits = self.model(mx.array([seq.prompt[seq.fed : end]]), cache=seq.caches)
+                budget -= end - seq.fed
+                seq.fed = end
+                if end < len(seq.prompt):
+                    # only the caches are evaluated: MLX never computes this chunk's logits
+                    mx.eval([compat.cache_arrays(c) for c in seq.caches])
+                    mx.clear_cache()
+                    if at_stop and seq.on_stop is not None:
+                        seq.on_stop(seq.uid, seq.caches, end)
+            if seq.fed < len(seq.prompt):
+                break  # the budget is spent
+            token, logprobs = self._sample([seq], logits[:, -1, :])
+            mx.eval(token, logprobs, [compat.cache_arrays(c) for c in seq.caches])
+            self._waiting.remove(seq)
+            done.append((seq, int(token.item()), logprobs[0]))
+        return done
+
+    def _sample(self, seqs: list[_Seq], logits: mx.array):
+        if any(s.processors for s in seqs):
+            rows = []
+            for i, s in enumerate(seqs):
+                row = logits[i : i + 1]
+                if s.processors:
+                    context = mx.array(s.history)
+                    for p in s.processors:
+                        row = p(context, row)
+                rows.append(row)
+            logits = mx.concatenate(rows, axis=0)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        if any(s.sampler is not None and not s.closing for s in seqs):
+            tokens = mx.concatenate(
+                [s.sampler(logprobs[i : i + 1]) if s.sampler is not None and not s.closing
+                 else mx.argmax(logprobs[i : i + 1], axis=-1)
+                 for i, s in enumerate(seqs)]
+            )
+        else:
+            tokens = mx.argmax(logprobs, axis=-1)
+        return tokens, logprobs
+
+    def _read_decoded(self, tokens: mx.array, logprobs: mx.array) -> tuple[list[Event], list[Closed]]:
+        ids = tokens.tolist()
+        events, closed, gone = [], [], []
+        for row, (seq, token) in enumerate(zip(self._rows, ids)):
+            if seq.closing:
+                closed.append(Closed(seq.uid, [c.extract(row) for c in self._batch]))
+                del self._seqs[seq.uid]
+                gone.append(row)
+            else:
+                events.append(self._advance(seq, token, logprobs[row]))
+        if gone:
+            self._drop_rows(gone)
+        return events, closed
+
+    def _advance(self, seq: _Seq, token: int, logprobs: mx.array) -> Event:
+        seq.generated += 1
+        seq.next_token = token
+        reason = "stop" if token in self.stop_tokens else "length" if seq.generated >= seq.max_tokens else None
+        seq.closing = reason is not None
+        return Event(seq.uid, token, logprobs, reason)
+
+    # ------------------------------------------------------------ the batch
+
+    def _join(self) -> None:
+        if not self._ready:
+            return
+        joining, self._ready = self._ready, []
+        merged = compat.merge_caches([s.caches for s in joining])
+        for s in joining:
+            s.caches = None
+        if self._batch is None:
+            self._batch = merged
+        else:
+            for mine, theirs in zip(self._batch, merged):
+                mine.extend(theirs)
+        self._rows += joining
+
+    def _drop_rows(self, rows: list[int]) -> None:
+        keep = [i for i in range(len(self._rows)) if i not in set(rows)]
+        self._rows = [self._rows[i] for i in keep]
+        if not keep:
+            self._batch = None
+            return
+        for c in self._batch:
+            c.filter(keep)
