@@ -84,6 +84,10 @@ class Residency:
                 break
             except PoolExhaustedError:
                 if not self.evict_one(keep=agent_id):  # make room for the file's blocks
+                    with self._cv:
+                        if self._saving():  # a resident cache becomes evictable once it is on disk
+                            self._cv.wait(0.1)
+                            continue
                     raise
         if own is not None:
             with self._cv:
