@@ -1,0 +1,167 @@
+"""The step loop: chunked prefill between batched decode steps, quantized KV batched.
+
+The reference is mlx-lm's own single-sequence ``generate_step`` (one prompt,
+one cache of the same type, greedy), not our loop. Tiny models run in
+float32; batching and chunking change the summation order only, which moves
+a logprob by about 1e-6 (1e-4 leaves room and still catches a wrong token).
+A quantized row in a batch holds the same packed bytes as the solo cache
+(tested below), but quantized_matmul's sums over other shapes (a 1-token
+chunk against mlx-lm's one-shot prefill) move a logprob by up to about 2e-4
+on these models: 1e-3 there, still far below a wrong token's effect.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.generate import generate_step
+
+from semantic import BlockPool, BlockPoolBatchEngine, ModelCacheSpec, compat
+from semantic.batchquant import BatchQuantizedKVCache
+from tests.tiny_models import byte_tokenizer
+
+TOL = 1e-4
+TOL_QUANTIZED = 1e-3
+# prompt lengths around the tiny models' 4-token blocks and gemma's 8-token window
+PROMPTS = {"a": 7, "b": 21, "c": 37}
+
+
+def _ids(seed: int, n: int) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed).integers(1, 250, n)]
+
+
+def _spec(model, bits):
+    return ModelCacheSpec.from_model(model, kv_bits=bits, kv_group_size=32)
+
+
+def _engine(model, bits, chunk, max_batch=8):
+    spec = _spec(model, bits)
+    return BlockPoolBatchEngine(
+        model, byte_tokenizer(), BlockPool(spec, 512, block_tokens=4), spec,
+        stop_tokens=[], prefill_chunk=chunk, max_batch=max_batch,
+    )
+
+
+def generate_step_reference(model, bits, ids: list[int], n: int) -> tuple[list[int], list[float]]:
+    """mlx-lm's own greedy generation of ``n`` tokens after ``ids``, in a fresh cache of the spec's types."""
+    cache = _spec(model, bits).make_cache()
+    tokens, logprobs = [], []
+    for (tok, lp), _ in zip(generate_step(mx.array(ids), model, prompt_cache=cache, sampler=lambda x: mx.argmax(x, -1)), range(n)):
+        tokens.append(int(tok))
+        logprobs.append(lp[int(tok)].item())
+    return tokens, logprobs
+
+
+@pytest.fixture(params=["llama", "llama-q8", "llama-q4", "gemma", "gemma-q8"])
+def model_and_bits(request, llama_tiny, gemma_tiny):
+    name, _, q = request.param.partition("-q")
+    return (llama_tiny if name == "llama" else gemma_tiny), (int(q) if q else None)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 4, 5, 8, 13, 64])
+def test_chunked_prefill_in_a_batch_equals_mlx_lm_for_every_cache_type(model_and_bits, chunk):
+    """Chunks end inside blocks (3, 5, 13), at their edges (4, 8) and past the window (13, 64);
+    every turn equals mlx-lm's own generation, the first and the one continuing from pooled blocks."""
+    model, bits = model_and_bits
+    tol = TOL_QUANTIZED if bits else TOL
+    engine = _engine(model, bits, chunk)
+    hist = {a: _ids(i, n) for i, (a, n) in enumerate(PROMPTS.items())}
+    uids = {a: engine.submit_history(a, h, max_tokens=6) for a, h in hist.items()}
+    first = {c.uid: c for c in engine.step()}
+    nxt = {}
+    for a, h in hist.items():
+        c = first[uids[a]]
+        assert (c.token_ids, pytest.approx(c.logprobs, abs=tol)) == generate_step_reference(model, bits, h, 6)
+        assert c.blocks.token_ids == tuple(h + c.token_ids)  # the last token was fed too
+        nxt[a] = (h + c.token_ids + _ids(9, 5), c.blocks)
+    uids = {a: engine.submit_history(a, h, own, max_tokens=5) for a, (h, own) in nxt.items()}
+    second = {c.uid: c for c in engine.step()}
+    for a, (h, _) in nxt.items():
+        c = second[uids[a]]
+        assert c.cached_tokens >= len(h) - 5
+        assert (c.token_ids, pytest.approx(c.logprobs, abs=tol)) == generate_step_reference(model, bits, h, 5)
+
+
+def test_a_long_prefill_advances_one_chunk_per_step_while_others_decode(llama_tiny):
+    engine = _engine(llama_tiny, None, chunk=4)
+    per_step = {"short": 0}
+
+    def count(token, logprob, row):
+        per_step["short"] += 1
+        return False
+
+    engine.submit_history("short", _ids(1, 6), max_tokens=40, on_token=count)
+    while per_step["short"] == 0:  # 6 prompt tokens: two steps of at most 4
+        engine.step_once()
+    engine.submit_history("long", _ids(2, 41), max_tokens=2)
+    steps_to_first = 0
+    long_first = []
+    engine_first = lambda: engine._seqs[next(u for u, s in engine._seqs.items() if s.agent_id == "long")].generated  # noqa: E731
+    while not engine_first():
+        before = per_step["short"]
+        engine.step_once()
+        steps_to_first += 1
+        long_first.append(per_step["short"] - before)
+    assert steps_to_first == -(-41 // 4)   # 11 chunks of at most 4 tokens, one per step
+    assert long_first == [1] * steps_to_first  # the decoder got its token at every one of those steps
+
+
+def test_quantized_sequences_share_one_forward_pass_per_step(llama_tiny):
+    calls = []
+
+    class Counting:
+        def __init__(self, model):
+            self.model = model
+            self.args, self.layers = model.args, model.layers
+
+        def __call__(self, inputs, cache=None):
+            calls.append(inputs.shape)
+            return self.model(inputs, cache=cache)
+
+    spec = _spec(llama_tiny, 8)
+    engine = BlockPoolBatchEngine(
+        llama_tiny, byte_tokenizer(), BlockPool(spec, 256, block_tokens=4), spec, stop_tokens=[], prefill_chunk=64
+    )
+    engine.model = engine._loop.model = Counting(llama_tiny)
+    for i in range(4):
+        engine.submit_history(f"q{i}", _ids(i, 9 + i), max_tokens=8)
+    done = list(engine.step())
+    assert len(done) == 4
+    decode = [s for s in calls if s[1] == 1]
+    # 4 prompts prefilled in one step (4 forwards of their own), then 7 + 1 closing steps of one forward each
+    assert [s[0] for s in decode] == [4] * 8
+    assert any(isinstance(c, BatchQuantizedKVCache) for c in compat.merge_caches([_spec(llama_tiny, 8).make_cache()]))
+
+
+def _quantized(n: int, seed: int, bits: int = 8) -> object:
+    from mlx_lm.models.cache import QuantizedKVCache
+
+    c = QuantizedKVCache(group_size=32, bits=bits)
+    rng = np.random.default_rng(seed)
+    k = mx.array(rng.standard_normal((1, 2, n, 64)).astype(np.float32))
+    c.update_and_fetch(k, k * 0.5)
+    return c
+
+
+def test_batch_quantized_cache_rows_hold_the_solo_caches_bytes_through_merge_extend_filter():
+    solos = [_quantized(n, i) for i, n in enumerate([5, 12, 3])]
+    batch = BatchQuantizedKVCache.merge(solos[:2])
+    batch.extend(BatchQuantizedKVCache.merge(solos[2:]))
+    assert batch.left_padding.tolist() == [7, 0, 9] and batch.offset.tolist() == [5, 12, 3]
+    for i, solo in enumerate(solos):
+        row = batch.extract(i)
+        assert row.offset == solo.offset
+        for got, want in zip((*row.keys, *row.values), (*solo.keys, *solo.values)):
+            assert mx.array_equal(got, want[..., : solo.offset, :])
+    # one decode step's update lands in every row at its own position
+    step = mx.ones((3, 2, 1, 64))
+    batch.update_and_fetch(step, step)
+    assert batch.offset.tolist() == [6, 13, 4]
+    batch.filter([0, 2])  # row 1 (no padding) leaves: the shared padding shrinks
+    assert batch.left_padding.tolist() == [0, 2] and batch._idx == 6
+    kept = batch.extract(1)
+    assert kept.offset == 4
+    assert mx.array_equal(kept.keys[0][..., :3, :], solos[2].keys[0][..., :3, :])
+    mask = batch.make_mask(1)
+    assert mask.shape[-1] == batch._idx + 1 and not mask[1, 0, 0, 0].item() and mask[0, 0, 0, 0].item()
