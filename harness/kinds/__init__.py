@@ -18,6 +18,7 @@ from harness.kinds import (  # noqa: E402,F401
     persistence_roundtrip,
     reconstruction,
     serving,
+    steploop,
     stress,
     throughput,
 )

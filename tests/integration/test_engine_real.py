@@ -35,11 +35,11 @@ STEPS = 32
 HISTORY = (Path(harness.__file__).parent / "data" / "history.txt").read_text()
 
 
-def _engine(loaded, kv_bits=None, blocks=64):
+def _engine(loaded, kv_bits=None, blocks=64, prefill_chunk=None):
     spec = ModelCacheSpec.from_model(loaded.model, kv_bits=kv_bits, kv_group_size=64)
     pool = BlockPool(spec, blocks)
     # No stop tokens: every sequence runs exactly max_tokens steps.
-    return BlockPoolBatchEngine(loaded.model, loaded.tokenizer, pool, spec, stop_tokens=[])
+    return BlockPoolBatchEngine(loaded.model, loaded.tokenizer, pool, spec, stop_tokens=[], prefill_chunk=prefill_chunk)
 
 
 def _run(engine):
@@ -97,7 +97,7 @@ def test_gemma3_continues_exactly_after_its_sliding_window_wrapped(gemma3):
 def test_smollm2_batch_of_three_finishes_at_different_steps_and_each_continues(smollm2):
     """EXP-004: sequences of different lengths finish independently, each
     cache is extracted as it finishes, and each continues exactly."""
-    engine = _engine(smollm2)
+    engine = _engine(smollm2, prefill_chunk=512)  # every prompt fits the first step's chunk budget
     ids = smollm2.tokenizer.encode(HISTORY)
     prompts = {"short": ids[:20], "medium": ids[100:145], "long": ids[200:280]}
     limits = {"short": 7, "medium": 3, "long": 5}
@@ -107,9 +107,10 @@ def test_smollm2_batch_of_three_finishes_at_different_steps_and_each_continues(s
         step += 1
         for c in engine.step_once():
             finished[c.agent_id] = (step, c)
-    # The first step prefills and samples one token each; each then finishes
-    # on the step its max_tokens is reached, while the others keep going.
-    assert {a: s for a, (s, _) in finished.items()} == limits
+    # The first step prefills and samples one token each; each then reads its
+    # last token on step max_tokens and finishes one step later, once that
+    # token is fed too, while the others keep going.
+    assert {a: s for a, (s, _) in finished.items()} == {a: n + 1 for a, n in limits.items()}
     for agent, (_, c) in finished.items():
         assert c.uid == uids[agent] and c.blocks.total_tokens == len(prompts[agent]) + limits[agent]
 
