@@ -22,6 +22,10 @@ dead process left, moves files that fail their header check to
 ``quarantine/`` (see :attr:`AgentCacheStore.quarantined`), skips files of
 another model or spec, and indexes the rest, least recently used first.
 
+A ``ConcurrentScheduler`` keeps caches resident itself (within its own RAM
+budget) and calls ``save``/``load`` with ``keep_in_ram=False``: this RAM
+tier is for the store used on its own.
+
 Threads: calls for different agents run concurrently (file reads and writes
 happen outside every shared lock); calls for the same agent are serialized.
 Every use the store makes of ``pool`` holds :attr:`AgentCacheStore.pool_lock`,
