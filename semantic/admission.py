@@ -178,7 +178,7 @@ class Residency:
                 own = self.store.load(agent_id, keep_in_ram=False)  # the file (a restart, an eviction), else None
                 break
             except PoolExhaustedError:
-                if not self.evict_one(keep=agent_id):  # make room for the file's blocks
+                if not self.evict_one(keep=agent_id) and not self._wait_for_a_save():  # room for the file's blocks
                     raise
         # a cache read for a turn is that turn's, not resident: the turn's finish puts its successor
         return own
@@ -205,14 +205,20 @@ class Residency:
             if reserved:
                 return False  # wait for a finish
             if not self.evict_one(keep):
-                with self._cv:
-                    if self._saving():  # a cache becomes evictable once it is on disk
-                        self._cv.wait(0.1)
-                        continue
+                if self._wait_for_a_save():
+                    continue
                 raise PoolExhaustedError(
                     f"this turn needs {need} free blocks; {self.store.free_blocks()} are free and every cached agent"
                     " is busy or not yet saved: raise total_blocks or lower max_batch"
                 )
+
+    def _wait_for_a_save(self) -> bool:
+        """Wait a little while a save is under way (a cache becomes evictable once it is on disk); False if none is."""
+        with self._cv:
+            if not self._saving():
+                return False
+            self._cv.wait(0.1)
+            return True
 
     def evict_one(self, keep: str) -> bool:
         """Drop the least recently used unpinned cache but ``keep``'s; False if there is none."""
