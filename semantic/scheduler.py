@@ -109,7 +109,7 @@ class SchedulerStats:
     budget_wait_s: float = 0.0
     over_budget_steps: int = 0       # steps that ended over the budget anyway ...
     over_budget_reason: str | None = None  # ... and why (the last time)
-    steps: int = 0                   # worker steps: each ends with the budget check and a sample
+    steps: int = 0                   # engine steps of the worker: each pass ends with the budget check and a sample
 
     @property
     def token_hit_rate(self) -> float:
@@ -186,7 +186,7 @@ class ConcurrentScheduler:
         self._closing = False
         self._worker = threading.Thread(target=self._work, name="semantic-scheduler", daemon=True)
         self._saver = WriteBehind(store, self._cv, lambda: self._closing, self._worker)
-        # every agent's newest cache the worker holds; dropped (LRU) under pool pressure
+        # every agent's newest cache the worker holds; dropped (LRU) under pool pressure or over the RAM budget
         self._resident = Residency(
             store, self._cv, pinned=self._pinned, pending=self._saver.pending, saving=lambda: self._saver.busy,
             saved=lambda a: not self._saver.unsaved(a), budget=ram_budget_bytes,
@@ -381,17 +381,15 @@ class ConcurrentScheduler:
                 if len(self._in_flight) >= self.max_batch:
                     break
                 self._admit(agent_id)
-            try:
-                if not self._in_flight:
-                    with self._cv:  # everything waiting needs room that only a finish can free
-                        if self._ready and not self._in_flight:
-                            self._cv.wait(0.05)
-                    continue
+            if self._in_flight:
                 self._step()
-            finally:  # every pass, whatever it did (an admission may have loaded a file)
-                self._resident.fit_budget()
                 with self._cv:
                     self._steps += 1
+            else:
+                with self._cv:  # everything waiting needs room that only a finish can free
+                    if self._ready and not self._in_flight:
+                        self._cv.wait(0.05)
+            self._resident.fit_budget()  # after every pass: the turns that finished in it are resident now
 
     def _step(self) -> None:
         """End the cancelled turns, then one engine step; a failed step fails its turns."""

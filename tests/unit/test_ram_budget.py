@@ -125,8 +125,7 @@ def test_the_budget_holds_after_every_step_across_many_turns_of_many_agents(gemm
         samples, real_step = [], sched.engine.step_once
 
         def sampled_step():  # on the worker, before each step: the state the last pass left
-            with sched._cv:
-                samples.append((sched._resident.bytes, sched._resident.recount()))
+            samples.append((sched.resident_bytes(), sched.resident_bytes(recount=True)))
             return real_step()
 
         sched.engine.step_once = sampled_step
