@@ -23,7 +23,10 @@ blocks for its generated tokens too); otherwise it waits for sequences in
 flight to finish, then resident caches that are already on disk are dropped,
 and a request that still cannot fit fails with :class:`PoolExhaustedError`.
 Pending saves are bounded by the agents that have one (a newer save of an
-agent replaces its older pending one).
+agent replaces its older pending one). ``ram_budget_bytes`` bounds the
+resident caches (``admission``: what counts, and how the budget holds after
+every step); the store's own RAM tier is not used, so the budget is the one
+bound on agents' caches kept in RAM.
 
 A turn may bring its own sampling settings and an ``on_token`` callback that
 sees each token as it is generated (the server streams from it, and ends a
@@ -96,8 +99,17 @@ class SchedulerStats:
     save_errors: int
     pending_saves: int
     resident_agents: int
-    evictions: int       # agents dropped from RAM (to make room, or asked to)
+    evictions: int       # agents dropped from RAM (to make room, to hold the budget, or asked to)
     cancelled: int = 0   # turns ended by cancel() (queued or running)
+    resident_bytes: int = 0          # distinct pool blocks of resident caches (admission's module doc)
+    resident_peak_bytes: int = 0     # the most resident bytes after any step
+    ram_budget_bytes: int | None = None
+    budget_evictions: int = 0        # saved caches evicted to hold the budget
+    budget_waits: int = 0            # times the worker waited for a save to hold it
+    budget_wait_s: float = 0.0
+    over_budget_steps: int = 0       # steps that ended over the budget anyway ...
+    over_budget_reason: str | None = None  # ... and why (the last time)
+    steps: int = 0                   # engine steps of the worker: each pass ends with the budget check and a sample
 
     @property
     def token_hit_rate(self) -> float:
@@ -135,6 +147,9 @@ class ConcurrentScheduler:
         write_behind: save each finished cache on the saver thread (True),
             or not at all (False: RAM only, for measurements).
         stop_tokens: as ``BlockPoolBatchEngine`` (default: the tokenizer's EOS).
+        ram_budget_bytes: most bytes resident caches may hold after each
+            step (``admission``); None: bounded by the pool alone. Needs
+            ``write_behind``: only caches on disk are evicted.
     """
 
     def __init__(
@@ -148,9 +163,12 @@ class ConcurrentScheduler:
         prefill_chunk: int | None = None,
         write_behind: bool = True,
         stop_tokens: Sequence[int] | None = None,
+        ram_budget_bytes: int | None = None,
     ):
         if max_batch <= 0 or max_queued <= 0:
             raise ValueError(f"max_batch and max_queued must be positive, got {max_batch}, {max_queued}")
+        if ram_budget_bytes is not None and not write_behind:
+            raise ValueError("a RAM budget evicts only caches saved to disk: it needs write_behind=True")
         self.store, self.tokenizer = store, tokenizer
         self.max_batch, self.max_queued, self.write_behind = max_batch, max_queued, write_behind
         self._make_engine = lambda: BlockPoolBatchEngine(
@@ -168,10 +186,12 @@ class ConcurrentScheduler:
         self._closing = False
         self._worker = threading.Thread(target=self._work, name="semantic-scheduler", daemon=True)
         self._saver = WriteBehind(store, self._cv, lambda: self._closing, self._worker)
-        # every agent's newest cache the worker holds; dropped (LRU) under pool pressure
+        # every agent's newest cache the worker holds; dropped (LRU) under pool pressure or over the RAM budget
         self._resident = Residency(
-            store, self._cv, pinned=self._pinned, pending=self._saver.pending, saving=lambda: self._saver.busy
+            store, self._cv, pinned=self._pinned, pending=self._saver.pending, saving=lambda: self._saver.busy,
+            saved=lambda a: not self._saver.unsaved(a), budget=ram_budget_bytes,
         )
+        self._steps = 0
         self._worker.start()
         self._saver.start()
 
@@ -308,15 +328,22 @@ class ConcurrentScheduler:
 
     def stats(self) -> SchedulerStats:
         with self._cv:
-            c = self._counts
+            c, r = self._counts, self._resident
             return SchedulerStats(
                 submitted=c["submitted"], completed=c["completed"], failed=c["failed"], rejected=c["rejected"],
                 queued=self._queued, in_flight=len(self._in_flight),
                 prompt_tokens=c["prompt_tokens"], cached_tokens=c["cached_tokens"],
                 saves=self._saver.saves, save_errors=self._saver.errors, pending_saves=self._saver.outstanding(),
-                resident_agents=len(self._resident), evictions=self._resident.evictions,
-                cancelled=c["cancelled"],
+                resident_agents=len(r), evictions=r.evictions, cancelled=c["cancelled"],
+                resident_bytes=r.bytes, resident_peak_bytes=r.peak_bytes, ram_budget_bytes=r.budget,
+                budget_evictions=r.budget_evictions, budget_waits=r.budget_waits, budget_wait_s=r.budget_wait_s,
+                over_budget_steps=r.over_budget, over_budget_reason=r.over_budget_reason, steps=self._steps,
             )
+
+    def resident_bytes(self, recount: bool = False) -> int:
+        """Resident bytes now: the running count, or (``recount``) counted afresh from the resident caches."""
+        with self._cv:
+            return self._resident.recount() if recount else self._resident.bytes
 
     def evict(self, agent_id: str) -> bool:
         """Drop ``agent_id``'s cache from RAM (the scheduler's and the store's); its file stays.
@@ -338,8 +365,9 @@ class ConcurrentScheduler:
     # ------------------------------------------------------------ worker
 
     def _pinned(self, agent_id: str) -> bool:
-        """Whether the agent's cache must stay resident: a turn in flight or a save pending (under ``_cv``)."""
-        return agent_id in self._busy or self._saver.holds(agent_id)
+        """Whether the agent's cache must stay resident to make room in the pool: a turn in flight,
+        or its cache not on disk (a save pending, being written, or failed) (under ``_cv``)."""
+        return agent_id in self._busy or self._saver.unsaved(agent_id)
 
     def _work(self) -> None:
         while True:
@@ -353,25 +381,32 @@ class ConcurrentScheduler:
                 if len(self._in_flight) >= self.max_batch:
                     break
                 self._admit(agent_id)
-            if not self._in_flight:
+            if self._in_flight:
+                self._step()
+                with self._cv:
+                    self._steps += 1
+            else:
                 with self._cv:  # everything waiting needs room that only a finish can free
                     if self._ready and not self._in_flight:
                         self._cv.wait(0.05)
-                continue
-            try:
-                with self._cv:
-                    cancelled = [uid for uid, r in self._in_flight.items() if r.cancelled]
-                for uid in cancelled:
-                    completion = self.engine.cancel(uid)
-                    if completion is not None:
-                        self._finish(completion)
-                if not self._in_flight:
-                    continue
-                for completion in self.engine.step_once():
+            self._resident.fit_budget()  # after every pass: the turns that finished in it are resident now
+
+    def _step(self) -> None:
+        """End the cancelled turns, then one engine step; a failed step fails its turns."""
+        try:
+            with self._cv:
+                cancelled = [uid for uid, r in self._in_flight.items() if r.cancelled]
+            for uid in cancelled:
+                completion = self.engine.cancel(uid)
+                if completion is not None:
                     self._finish(completion)
-            except Exception as exc:  # the batch is lost; fail its requests, keep serving
-                log.exception("engine step failed")
-                self._fail_in_flight(exc)
+            if not self._in_flight:
+                return
+            for completion in self.engine.step_once():
+                self._finish(completion)
+        except Exception as exc:  # the batch is lost; fail its requests, keep serving
+            log.exception("engine step failed")
+            self._fail_in_flight(exc)
 
     def _admit(self, agent_id: str) -> None:
         with self._cv:

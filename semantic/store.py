@@ -22,6 +22,10 @@ dead process left, moves files that fail their header check to
 ``quarantine/`` (see :attr:`AgentCacheStore.quarantined`), skips files of
 another model or spec, and indexes the rest, least recently used first.
 
+A ``ConcurrentScheduler`` keeps caches resident itself (within its own RAM
+budget) and calls ``save``/``load`` with ``keep_in_ram=False``: this RAM
+tier is for the store used on its own.
+
 Threads: calls for different agents run concurrently (file reads and writes
 happen outside every shared lock); calls for the same agent are serialized.
 Every use the store makes of ``pool`` holds :attr:`AgentCacheStore.pool_lock`,
@@ -160,12 +164,18 @@ class AgentCacheStore:
 
     # ------------------------------------------------------------ public
 
-    def save(self, agent_id: str, blocks: AgentBlocks, prepared: cachefile.PreparedSave | None = None) -> None:
+    def save(
+        self, agent_id: str, blocks: AgentBlocks, prepared: cachefile.PreparedSave | None = None,
+        *, keep_in_ram: bool = True,
+    ) -> None:
         """Write ``agent_id``'s cache to disk, then keep it in RAM.
 
         The store takes its own reference to the blocks; the caller keeps
         (and may release) ``blocks``. ``prepared`` (``cachefile.prepare``)
         lets a write-behind thread save without any MLX work of its own.
+        ``keep_in_ram=False`` writes the file only and drops the agent's
+        older RAM copy (a caller that keeps caches resident itself, as the
+        scheduler does, so no block is held twice behind its budget's back).
         """
         name = file_name(agent_id)
         self.spec.require_same(blocks.spec, "these blocks")
@@ -183,17 +193,19 @@ class AgentCacheStore:
                 kept.release()
                 raise
             with self._lock:
-                dropped = self._ram_put(agent_id, kept)
+                dropped = self._ram_put(agent_id, kept) if keep_in_ram else self._ram_pop(agent_id) + [kept]
                 self._disk[agent_id] = _OnDisk(path, info.nbytes)
                 self._disk.move_to_end(agent_id)
                 dropped += self._ram_trim()
             self._release_all(dropped)
         self._disk_trim(keep=agent_id)
 
-    def load(self, agent_id: str) -> AgentBlocks | None:
+    def load(self, agent_id: str, *, keep_in_ram: bool = True) -> AgentBlocks | None:
         """``agent_id``'s cache (a new reference the caller owns), or None.
 
         A file that fails verification is quarantined and reported as a miss.
+        ``keep_in_ram=False``: a cache read from the file is the caller's
+        alone (the RAM tier keeps no copy).
         """
         validate_agent_id(agent_id)
         with self._agent_lock(agent_id):
@@ -213,12 +225,12 @@ class AgentCacheStore:
             blocks = self._load_file(agent_id, entry)
             if blocks is None:
                 return None
-            out = self._retain(blocks)
+            out = self._retain(blocks) if keep_in_ram else blocks
             with self._lock:
                 self._counts["disk_hits"] += 1
                 if agent_id in self._disk:
                     self._disk.move_to_end(agent_id)
-                dropped = self._ram_put(agent_id, blocks) + self._ram_trim()
+                dropped = self._ram_put(agent_id, blocks) + self._ram_trim() if keep_in_ram else []
             self._release_all(dropped)
             try:
                 os.utime(entry.path)  # recency survives a restart

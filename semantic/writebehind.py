@@ -4,7 +4,9 @@ The worker prepares each save (``cachefile.prepare``, the MLX part) and
 queues it here; this thread only writes bytes, so MLX keeps computing.
 Pending saves are bounded by the agents that have one: a newer save of an
 agent replaces its older pending one. A failed save is counted and logged;
-the cache stays resident and the agent's next finished turn saves again.
+the cache stays resident (``unsaved`` until a later save of the agent
+succeeds, so neither the pool nor the RAM budget evicts it) and the agent's
+next finished turn saves again.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ class WriteBehind:
         self.store, self._cv, self._closing, self._worker = store, cv, closing, worker
         self._pending: OrderedDict[str, tuple[AgentBlocks, cachefile.PreparedSave]] = OrderedDict()
         self._saving: str | None = None
+        self._failed: set[str] = set()  # agents whose newest save failed
         self.saves = self.errors = 0
         self._thread = threading.Thread(target=self._loop, name="semantic-saver", daemon=True)
 
@@ -66,6 +69,10 @@ class WriteBehind:
         """Whether the agent has a save pending or being written."""
         return agent_id in self._pending or agent_id == self._saving
 
+    def unsaved(self, agent_id: str) -> bool:
+        """Whether the agent's newest cache is not on disk: its save is pending, being written, or failed."""
+        return self.holds(agent_id) or agent_id in self._failed
+
     def pending(self, agent_id: str) -> AgentBlocks | None:
         """The cache the agent's pending save will write, if any."""
         entry = self._pending.get(agent_id)
@@ -89,7 +96,7 @@ class WriteBehind:
                 agent_id, (blocks, prepared) = self._pending.popitem(last=False)
                 self._saving = agent_id
             try:
-                self.store.save(agent_id, blocks, prepared)
+                self.store.save(agent_id, blocks, prepared, keep_in_ram=False)  # the scheduler keeps it resident
                 ok = True
             except Exception:  # the cache stays resident; the next finish saves again
                 log.exception("agent %r: write-behind save failed", agent_id)
@@ -98,5 +105,9 @@ class WriteBehind:
             with self._cv:
                 self.saves += ok
                 self.errors += not ok
+                if ok:
+                    self._failed.discard(agent_id)
+                else:
+                    self._failed.add(agent_id)
                 self._saving = None
                 self._cv.notify_all()

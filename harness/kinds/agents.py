@@ -51,12 +51,13 @@ def question(tokenizer, user: int, turn: int, n_tokens: int) -> dict:
 
 
 def open_scheduler(loaded, cache_dir: Path, blocks: int, max_batch: int = 8, write_behind: bool = True,
-                   block_tokens: int = 256):
-    """A scheduler over a fresh pool and a store in ``cache_dir`` (files there are found: a restart)."""
+                   block_tokens: int = 256, ram_budget_bytes: int | None = None):
+    """A scheduler over a fresh pool and a store in ``cache_dir`` (files there are found: a restart);
+    ``ram_budget_bytes`` bounds its resident caches (None: the pool does)."""
     spec = ModelCacheSpec.from_model(loaded.model)
     pool = BlockPool(spec, blocks, block_tokens)
     store = AgentCacheStore(cache_dir, spec, loaded.fingerprint, ram_budget_bytes=0,
                             disk_budget_bytes=1 << 40, pool=pool)
     # no stop tokens: every turn generates exactly max_tokens, so turns compare step for step
     return ConcurrentScheduler(loaded.model, loaded.tokenizer, store, max_batch=max_batch,
-                               write_behind=write_behind, stop_tokens=[])
+                               write_behind=write_behind, stop_tokens=[], ram_budget_bytes=ram_budget_bytes)

@@ -16,6 +16,13 @@ Checked on every turn:
 - leaks: another agent's canary inside the agent's cache, in RAM or in its file;
 - hit rate: history tokens served from caches, after each agent's first turn.
 
+With ``ram_budget`` > 0 the scheduler holds its resident caches to that
+share of the working set (``working_set_bytes``: every agent's cache at the
+length the workload takes it to), evicting saved caches least recently used
+first; it samples resident bytes after every step of its worker, and the run
+checks the largest sample against the budget. A turn whose cache the budget
+already evicted is checked in its file (token ids and canaries) instead.
+
 A sample of ``parity_samples`` turns that reused a cache is re-run as a
 fresh prefill in an engine of its own: the same greedy tokens and logprobs
 within ``tolerance``. The sample is chosen after the run, from submission
@@ -40,7 +47,7 @@ from harness import plots
 from harness.kinds.base import Kind, Param, register
 from harness.kinds.agents import open_scheduler
 from harness.kinds.common import logprob_diff, make_engine as fresh_engine
-from semantic import cachefile, store as store_mod
+from semantic import ModelCacheSpec, cachefile, store as store_mod
 
 CANARY_LEN = 4
 
@@ -60,6 +67,19 @@ def _draw(rng, lo_hi) -> int:
     return int(rng.integers(lo_hi[0], lo_hi[1] + 1))
 
 
+def cache_bytes(spec: ModelCacheSpec, tokens: int) -> int:
+    """KV bytes of one cache of ``tokens`` tokens (sliding layers hold their window only)."""
+    return int(sum(l.token_bytes() * l.tokens_held(tokens) for l in spec.layers))
+
+
+def working_set_bytes(p: dict, spec: ModelCacheSpec) -> int:
+    """Every agent's cache at the length the workload takes it to: the system prefix and canary,
+    plus its share of the turns at their mean length, at most ``max_context`` (plus one turn)."""
+    per_turn = sum(p["question_tokens"]) / 2 + sum(p["answer_tokens"]) / 2
+    grown = p["system_tokens"] + CANARY_LEN + p["requests"] / p["agents"] * per_turn
+    return p["agents"] * cache_bytes(spec, int(min(grown, p["max_context"] + per_turn)))
+
+
 @dataclass(slots=True)
 class _Workload:
     """The drawn workload and what the run observed, turn by turn."""
@@ -76,6 +96,7 @@ class _Workload:
     latencies: list[float] = field(default_factory=list)
     ttfts: list[float] = field(default_factory=list)
     eligible: list[tuple] = field(default_factory=list)  # (index, agent, history, result, edited): parity candidates
+    cache_dir: Path | None = None
 
     @classmethod
     def draw(cls, p: dict, vocab: int) -> "_Workload":
@@ -128,20 +149,33 @@ class _Workload:
         self.latencies.append(r.latency_s * 1e3)
         self.ttfts.append(r.ttft_s * 1e3)
         cache = sched.resident_cache(a)
-        if not r.cache_saved or cache is None:
+        held = cache.token_ids if cache is not None else self._file_tokens(a)
+        if not r.cache_saved or held is None:
             self.counts["errors"] += 1
             self.errors.append(f"{a}: cache not kept: {r.cache_error}")
             return
-        stale = cache.token_ids != full or any(b.token_ids != full[b.start:b.end] for b in cache.unique_blocks())
+        if cache is None:  # the RAM budget evicted it, which it does only once it is on disk
+            self.counts["checked_in_file"] += 1
+            stale = held != full
+        else:
+            stale = held != full or any(b.token_ids != full[b.start:b.end] for b in cache.unique_blocks())
         self.counts["stale"] += stale
-        self.counts["leaks"] += any(_contains(cache.token_ids, c) for o, c in self.canaries.items() if o != a)
+        self.counts["leaks"] += any(_contains(held, c) for o, c in self.canaries.items() if o != a)
         if r.cached_tokens:  # a turn that reused nothing was a fresh prefill already
             # int32: every eligible history is kept until the run ends (1000 turns of up to max_context)
             self.eligible.append((index, a, np.asarray(h, np.int32), r, edited))
 
 
+    def _file_tokens(self, a: str) -> tuple[int, ...] | None:
+        """The token ids of the agent's cache file, None without one."""
+        try:
+            return tuple(cachefile.read_header(self.cache_dir / store_mod.file_name(a)).token_ids)
+        except FileNotFoundError:
+            return None
+
+
 COUNTS = ("errors", "stale", "leaks", "edits", "evictions", "evict_refused", "parity_checked",
-          "parity_edited", "parity_failed", "cached_tokens", "history_tokens")
+          "parity_edited", "parity_failed", "cached_tokens", "history_tokens", "checked_in_file")
 
 
 def _drive(w: _Workload, sched, progress) -> int:
@@ -169,9 +203,11 @@ def run(ctx) -> None:
     p, loaded = ctx.params, ctx.loaded
     w = _Workload.draw(p, min(loaded.tokenizer.vocab_size, 30_000))
     ctx.progress.total = p["requests"]
-    cache_dir = Path(tempfile.mkdtemp(prefix="exp008-"))
+    cache_dir = w.cache_dir = Path(tempfile.mkdtemp(prefix="exp008-"))
+    working_set = working_set_bytes(p, ModelCacheSpec.from_model(loaded.model))
+    budget = int(p["ram_budget"] * working_set) if p["ram_budget"] else None
     sched = open_scheduler(loaded, cache_dir, p["pool_blocks"], max_batch=p["concurrency"],
-                           block_tokens=p["block_tokens"])
+                           block_tokens=p["block_tokens"], ram_budget_bytes=budget)
     t_start = time.perf_counter()
     try:
         done = _drive(w, sched, ctx.progress)
@@ -185,6 +221,25 @@ def run(ctx) -> None:
     # after the run, on this thread alone: the checks neither slow the run nor depend on its timing
     parity, max_diff = _parity_checks(loaded, w)
     _record(ctx, w, parity, max_diff, done, wall_s, stats, store_stats)
+    _record_budget(ctx, stats, budget, working_set)
+
+
+def _record_budget(ctx, stats, budget: int | None, working_set: int) -> None:
+    """Resident bytes against the RAM budget (the scheduler samples them after every step)."""
+    res = ctx.results
+    within = budget is None or (stats.resident_peak_bytes <= budget and stats.over_budget_steps == 0)
+    res.output("ram", {
+        "budget_bytes": budget, "working_set_bytes": working_set, "budget_share": ctx.params["ram_budget"],
+        "max_resident_bytes": stats.resident_peak_bytes, "steps_sampled": stats.steps,
+        "budget_evictions": stats.budget_evictions, "budget_waits": stats.budget_waits,
+        "budget_wait_s": stats.budget_wait_s, "over_budget_steps": stats.over_budget_steps,
+        "over_budget_reason": stats.over_budget_reason,
+    })
+    res.check("max_resident_bytes", stats.resident_peak_bytes)
+    res.check("ram_budget_bytes", budget if budget is not None else 0)
+    res.check("resident_within_budget", within)
+    res.check("budget_evictions", stats.budget_evictions)
+    res.check("ram_budget_binds", budget is None or stats.budget_evictions > 0)  # true when no budget is set
 
 
 def _parity_checks(loaded, w: _Workload) -> tuple[list[dict], float]:
@@ -274,6 +329,8 @@ def _validate(p: dict) -> None:
         raise ValueError("needs requests >= 1, agents >= 2, concurrency >= 1")
     if not (0 <= p["edit_prob"] <= 1 and 0 <= p["evict_prob"] <= 1):
         raise ValueError("edit_prob and evict_prob are probabilities")
+    if not 0 <= p["ram_budget"] <= 1:
+        raise ValueError("ram_budget is a share of the working set in [0, 1] (0: no budget)")
     if p["max_context"] <= p["system_tokens"] + CANARY_LEN + p["question_tokens"][1] + p["answer_tokens"][1]:
         raise ValueError("max_context must leave room for a turn after the system prefix")
 
@@ -296,9 +353,12 @@ KIND = register(Kind(
         "pool_blocks": Param(int, 1024, "blocks in the pool"),
         "block_tokens": Param(int, 256, "tokens per block (small blocks exercise more sharing and cutting)"),
         "seed": Param(int, 0, "random seed of the workload"),
+        "ram_budget": Param(float, 0.0, "RAM budget for resident caches, as a share of the working set "
+                            "(every agent's cache at the length the workload takes it to); 0: none"),
     },
     plots=frozenset({"latency_cdf"}),
     needs_model=True,
     validate=_validate,
-    trial_code=(_Workload, _drive, _choose_parity, _parity, _file_leaks, _contains),
+    trial_code=(_Workload, _drive, _choose_parity, _parity, _file_leaks, _contains, working_set_bytes,
+                _record_budget),
 ))

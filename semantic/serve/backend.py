@@ -54,13 +54,14 @@ class Backend:
     """A model, its cache store and a :class:`ConcurrentScheduler`, for the HTTP routes."""
 
     def __init__(self, model, tokenizer, store, *, model_id: str, max_batch: int = 8, max_queued: int = 64,
-                 max_context: int | None = None, sync_saves: bool = False):
+                 max_context: int | None = None, sync_saves: bool = False, ram_budget_bytes: int | None = None):
         from semantic.scheduler import ConcurrentScheduler
 
         self.model_id = model_id
         self.tokenizer = tokenizer
         self.store = store
-        self.scheduler = ConcurrentScheduler(model, tokenizer, store, max_batch=max_batch, max_queued=max_queued)
+        self.scheduler = ConcurrentScheduler(model, tokenizer, store, max_batch=max_batch, max_queued=max_queued,
+                                             ram_budget_bytes=ram_budget_bytes)
         self.eos = frozenset(int(t) for t in tokenizer.eos_token_ids)
         self.vocab_size = self.scheduler.engine.vocab_size
         args = getattr(model, "args", None)
@@ -83,7 +84,10 @@ class Backend:
 
         Caches live under ``cache_dir``, by default
         ``~/.cache/semantic-kv/agents/<model fingerprint>``, so another
-        model's files never mix with this one's.
+        model's files never mix with this one's. ``ram_budget_bytes`` is the
+        scheduler's budget for resident caches (``semantic.admission``); the
+        pool (``pool_bytes``) bounds every cache together, so a budget above
+        it never binds.
         """
         import mlx_lm
 
@@ -101,8 +105,8 @@ class Backend:
         if total < 4:
             raise ValueError(f"a pool of {pool_bytes} bytes holds {total} blocks of {block_bytes:.0f} bytes: raise it")
         root = Path(cache_dir).expanduser() if cache_dir else Path.home() / ".cache" / "semantic-kv" / "agents" / fingerprint
-        store = AgentCacheStore(root, spec, fingerprint, min(ram_budget_bytes, int(total * block_bytes * 0.75)),
-                                disk_budget_bytes, pool=BlockPool(spec, total, block_tokens))
+        # the store's own RAM tier stays empty: the scheduler keeps caches resident, within the budget
+        store = AgentCacheStore(root, spec, fingerprint, 0, disk_budget_bytes, pool=BlockPool(spec, total, block_tokens))
         if store.quarantined or store.foreign:
             log.warning("cache dir %s: %d files quarantined, %d of another model left alone",
                         root, len(store.quarantined), len(store.foreign))
@@ -110,7 +114,7 @@ class Backend:
         log.info("serving %s from %s: %d blocks of %d tokens (%.0f MB), caches in %s",
                  name, path, total, block_tokens, total * block_bytes / 1e6, root)
         return cls(loaded, tokenizer, store, model_id=name, max_batch=max_batch, max_queued=max_queued,
-                   max_context=max_context, sync_saves=sync_saves)
+                   max_context=max_context, sync_saves=sync_saves, ram_budget_bytes=ram_budget_bytes)
 
     # ------------------------------------------------------------ requests
 
@@ -270,7 +274,11 @@ class Backend:
             "pool": {"total_blocks": pool.total, "used_blocks": pool.used, "cached_blocks": pool.cached,
                      "block_tokens": self.store.block_tokens, "used_bytes": pool.used_bytes,
                      "capacity_bytes": int(pool.total * block_bytes)},
-            "ram": {"agents": store.ram_agents, "bytes": store.ram_bytes, "budget_bytes": self.store.ram_budget},
+            # resident caches: distinct pool blocks counted once, sampled after every scheduler step for the peak
+            "ram": {"agents": s.resident_agents, "bytes": s.resident_bytes, "budget_bytes": s.ram_budget_bytes,
+                    "peak_bytes": s.resident_peak_bytes, "budget_evictions": s.budget_evictions,
+                    "budget_waits": s.budget_waits, "over_budget_steps": s.over_budget_steps,
+                    "over_budget_reason": s.over_budget_reason},
             "disk": {"agents": store.disk_agents, "bytes": store.disk_bytes, "budget_bytes": self.store.disk_budget,
                      "dir": str(self.store.dir)},
             "saves": {"done": s.saves, "errors": s.save_errors, "pending": s.pending_saves},

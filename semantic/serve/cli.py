@@ -30,8 +30,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-dir", default=None, help="where agent caches are saved (default: the backend's)")
     p.add_argument("--api-key", action="append", default=[], metavar="KEY",
                    help=f"accept this key (repeatable; also ${KEYS_ENV}, comma-separated); none: no auth")
-    p.add_argument("--pool-mb", type=int, default=d.pool_mb, help=f"KV block pool size (default {d.pool_mb})")
-    p.add_argument("--ram-mb", type=int, default=d.ram_mb, help=f"RAM for idle agents' caches (default {d.ram_mb})")
+    p.add_argument("--pool-mb", type=int, default=d.pool_mb,
+                   help=f"KV block pool: the most memory all KV caches take together, resident, in flight and "
+                        f"reusable prefixes (default {d.pool_mb})")
+    p.add_argument("--ram-mb", type=int, default=d.ram_mb,
+                   help=f"the most memory agents' caches stay resident in between their turns, blocks shared by "
+                        f"agents counted once, checked after every step: least recently used caches already on "
+                        f"disk are evicted (their next turn loads the file). Within --pool-mb, so at or above it "
+                        f"only the pool bounds them (default {d.ram_mb})"),
     p.add_argument("--disk-mb", type=int, default=d.disk_mb, help=f"disk for saved caches (default {d.disk_mb})")
     p.add_argument("--max-batch", type=int, default=d.max_batch, help=f"sequences decoded together (default {d.max_batch})")
     p.add_argument("--max-queued", type=int, default=d.max_queued,

@@ -85,8 +85,9 @@ class BackendCollector:
             "pool_capacity_bytes": ("KV block pool capacity", s["pool"]["capacity_bytes"]),
             "pool_used_blocks": ("KV blocks in use", s["pool"]["used_blocks"]),
             "pool_cached_blocks": ("KV blocks holding reusable prefixes", s["pool"]["cached_blocks"]),
-            "ram_bytes": ("Agent caches resident in RAM", s["ram"]["bytes"]),
-            "ram_budget_bytes": ("RAM budget for agent caches", s["ram"]["budget_bytes"]),
+            "ram_bytes": ("Agent caches resident in RAM (distinct pool blocks)", s["ram"]["bytes"]),
+            "ram_budget_bytes": ("RAM budget for resident agent caches (0: none)", s["ram"]["budget_bytes"] or 0),
+            "ram_peak_bytes": ("Most resident bytes after any scheduler step", s["ram"]["peak_bytes"]),
             "ram_agents": ("Agents resident in RAM", s["ram"]["agents"]),
             "disk_bytes": ("Agent cache files on disk", s["disk"]["bytes"]),
             "disk_budget_bytes": ("Disk budget for agent caches", s["disk"]["budget_bytes"]),
@@ -98,6 +99,10 @@ class BackendCollector:
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(f"semantic_{name}", doc, value=float(value))
         yield CounterMetricFamily("semantic_evictions", "Agent caches evicted from RAM", value=float(s["evictions"]))
+        yield CounterMetricFamily("semantic_ram_budget_evictions", "Saved agent caches evicted to hold the RAM budget",
+                                  value=float(s["ram"]["budget_evictions"]))
+        yield CounterMetricFamily("semantic_ram_over_budget_steps", "Scheduler steps that ended over the RAM budget",
+                                  value=float(s["ram"]["over_budget_steps"]))
         yield CounterMetricFamily("semantic_save_errors", "Cache saves that failed", value=float(s["saves"]["errors"]))
 
 

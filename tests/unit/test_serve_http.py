@@ -469,6 +469,8 @@ def test_metrics_count_requests_tokens_and_read_the_backend():
     assert 'semantic_inter_token_seconds_count{api="messages"} 2.0' in text
     assert "semantic_queue_depth 2.0" in text and "semantic_evictions_total 5.0" in text
     assert "semantic_cached_token_ratio 0.4" in text
+    assert "semantic_ram_bytes 1024.0" in text and "semantic_ram_budget_bytes 4096.0" in text
+    assert "semantic_ram_peak_bytes 2048.0" in text and "semantic_ram_budget_evictions_total 3.0" in text
 
 
 def test_the_openai_and_anthropic_sdks_parse_the_replies():

@@ -315,3 +315,15 @@ def test_an_engine_pool_spec_mismatch_is_refused(eng, tmp_path, gemma_tiny):
         AgentCacheStore(tmp_path, ModelCacheSpec.from_model(gemma_tiny), FP, 1, 1, pool=eng.pool)
     with pytest.raises(ValueError, match="model_fingerprint"):
         AgentCacheStore(tmp_path, eng.spec, "", 1, 1, pool=eng.pool)
+
+
+def test_keep_in_ram_false_writes_and_reads_the_file_only(eng, tmp_path, caches):
+    store = _store(eng, tmp_path)
+    store.save("a", caches["a"])  # an older copy in RAM
+    store.save("a", caches["a"], keep_in_ram=False)  # the file only: the older RAM copy goes too
+    refs = [eng.pool.refcount(b) for b in caches["a"].unique_blocks()]
+    assert not store.in_ram("a") and store.stats().ram_bytes == 0
+    assert refs == [1] * len(refs)  # the caller's reference alone
+    loaded = store.load("a", keep_in_ram=False)
+    assert_identical(loaded, caches["a"])
+    assert not store.in_ram("a") and store.stats().disk_hits == 1

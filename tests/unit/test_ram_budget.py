@@ -1,0 +1,155 @@
+"""The scheduler's RAM budget for resident caches (tiny random-weight models).
+
+Resident bytes are the distinct pool blocks of the caches the scheduler keeps
+between turns (``semantic.admission``); the budget holds after every worker
+pass by evicting, least recently used first, caches already saved to disk.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from semantic import AgentCacheStore, BlockPool, ConcurrentScheduler, ModelCacheSpec
+from tests.tiny_models import byte_tokenizer
+from tests.unit.test_scheduler import _assert_same, _ids, reference
+
+BT = 4  # tokens per block
+
+
+def _scheduler(model, cache_dir, budget, blocks=512, **kw):
+    spec = ModelCacheSpec.from_model(model)
+    # the store's own RAM tier is generous on purpose: the scheduler must not fill it behind its budget
+    store = AgentCacheStore(cache_dir, spec, "tiny", 10**9, 10**9, pool=BlockPool(spec, blocks, BT))
+    return ConcurrentScheduler(model, byte_tokenizer(), store, stop_tokens=[], ram_budget_bytes=budget, **kw)
+
+
+def _bytes(model, tokens: int) -> int:
+    """Bytes of a cache of ``tokens`` tokens of a model whose layers are all global."""
+    return int(ModelCacheSpec.from_model(model).token_bytes() * tokens)
+
+
+def _turn(sched, agent, history, max_tokens=2):
+    r = sched.submit(agent, history, max_tokens=max_tokens, timeout=None).result(60)
+    sched.flush(60)  # saved: evictable from now on
+    return r
+
+
+def test_the_budget_evicts_the_least_recently_used_saved_cache(llama_tiny, cache_dir):
+    h = {a: _ids(i, 14) for i, a in enumerate("abc")}  # 14 + 2 generated = 16 tokens each, nothing shared
+    with _scheduler(llama_tiny, cache_dir, budget=_bytes(llama_tiny, 40)) as sched:
+        r_a = _turn(sched, "a", h["a"])
+        _turn(sched, "b", h["b"])
+        a2 = h["a"] + list(r_a.token_ids) + [7, 8]
+        _turn(sched, "a", a2)  # a (20 tokens) is now used more recently than b (16)
+        assert sched.stats().budget_evictions == 0
+        _turn(sched, "c", h["c"])  # 52 tokens > 40: one goes, and it is b, the least recently used
+        resident = {x: sched.resident_cache(x) is not None for x in "abc"}
+        stats = sched.stats()
+        assert sched.store.stats().ram_agents == 0  # the store's RAM tier holds nothing twice
+    assert resident == {"a": True, "b": False, "c": True}
+    assert stats.budget_evictions == 1 and stats.resident_bytes == _bytes(llama_tiny, 36)
+    assert stats.resident_peak_bytes <= stats.ram_budget_bytes == _bytes(llama_tiny, 40)
+
+
+def test_an_evicted_agent_continues_from_its_file_exactly(llama_tiny, cache_dir):
+    with _scheduler(llama_tiny, cache_dir, budget=_bytes(llama_tiny, 20)) as sched:
+        r1 = _turn(sched, "a", _ids(1, 14))
+        _turn(sched, "b", _ids(2, 14))  # a is evicted to make b's room
+        assert sched.resident_cache("a") is None
+        h2 = _ids(1, 14) + list(r1.token_ids) + [3, 4, 5]
+        r2 = _turn(sched, "a", h2, max_tokens=3)
+        assert sched.store.stats().disk_hits == 1
+    assert (r2.reuse, r2.cached_tokens, r2.prompt_tokens) == ("own", 16, 3)
+    _assert_same(r2, reference(llama_tiny, h2, 3))
+
+
+def test_unsaved_caches_are_never_evicted_the_worker_waits_for_the_saver(llama_tiny, cache_dir):
+    sched = _scheduler(llama_tiny, cache_dir, budget=_bytes(llama_tiny, 24))
+    gate, real_save = threading.Event(), sched.store.save
+    sched.store.save = lambda *a, **kw: (gate.wait(60), real_save(*a, **kw))[1]
+    try:
+        first = sched.submit("a", _ids(1, 14), max_tokens=2).result(60)
+        second = sched.submit("b", _ids(2, 14), max_tokens=2).result(60)  # 32 tokens, both unsaved
+        blocked = sched.submit("c", _ids(3, 6), max_tokens=2)  # queued behind the wait
+        for _ in range(100):
+            if sched.stats().budget_waits:
+                break
+            threading.Event().wait(0.02)
+        waiting = sched.stats()
+        assert waiting.budget_waits > 0 and waiting.budget_evictions == 0
+        assert sched.resident_cache("a") is not None and sched.resident_cache("b") is not None
+        assert not blocked.done()  # no step while the budget does not hold
+        gate.set()
+        blocked.result(60)
+        sched.flush(60)
+        stats = sched.stats()
+        resident = {x: sched.resident_cache(x) is not None for x in "abc"}
+    finally:
+        gate.set()
+        sched.close(60)
+    assert first.cache_saved and second.cache_saved
+    assert resident == {"a": False, "b": True, "c": True}  # a went first, once it was on disk
+    assert stats.resident_peak_bytes <= _bytes(llama_tiny, 24) and stats.over_budget_steps == 0
+    assert stats.budget_wait_s > 0
+
+
+def test_a_failed_save_keeps_the_cache_and_the_stats_say_why_the_budget_is_exceeded(llama_tiny, cache_dir):
+    sched = _scheduler(llama_tiny, cache_dir, budget=_bytes(llama_tiny, 8))
+    def broken(*a, **kw):
+        raise OSError("disk full")
+
+    sched.store.save = broken
+    with sched:
+        r = sched.submit("a", _ids(1, 14), max_tokens=2).result(60)
+        sched.flush(60)
+        sched.submit("b", _ids(2, 3), max_tokens=1).result(60)  # another pass after the failed save
+        stats = sched.stats()
+        kept = sched.resident_cache("a")
+        assert not sched.evict("a")  # not on disk: refused
+    assert r.cache_saved and kept is not None and kept.total_tokens == 16
+    assert stats.save_errors >= 1 and stats.over_budget_steps > 0
+    assert "save failed" in stats.over_budget_reason
+
+
+def test_the_budget_holds_after_every_step_across_many_turns_of_many_agents(gemma_tiny, cache_dir):
+    rng = np.random.default_rng(0)
+    system = _ids(99, 8)  # two whole blocks every agent shares
+    agents = [f"agent-{i}" for i in range(8)]
+    spec = ModelCacheSpec.from_model(gemma_tiny)
+    working_set = len(agents) * int(sum(l.token_bytes() * l.tokens_held(60) for l in spec.layers))
+    budget = working_set // 4
+    with _scheduler(gemma_tiny, cache_dir, budget=budget, max_batch=4) as sched:
+        samples, real_step = [], sched.engine.step_once
+
+        def sampled_step():  # on the worker, before each step: the state the last pass left
+            samples.append((sched.resident_bytes(), sched.resident_bytes(recount=True)))
+            return real_step()
+
+        sched.engine.step_once = sampled_step
+        history = {a: system + _ids(200 + i, 4) for i, a in enumerate(agents)}
+        turns = []
+        for round_ in range(6):
+            futures = {a: sched.submit(a, history[a], max_tokens=int(rng.integers(1, 4)), timeout=None) for a in agents}
+            for a, f in futures.items():
+                r = f.result(60)
+                turns.append((list(history[a]), r))
+                history[a] = history[a] + list(r.token_ids) + _ids(round_ * 10 + len(a), int(rng.integers(2, 8)))
+        sched.flush(60)
+        stats = sched.stats()
+    assert stats.failed == 0 and stats.completed == 48
+    assert len(samples) >= 12 and all(count == recount for count, recount in samples)
+    assert max(count for count, _ in samples) <= budget
+    assert stats.resident_peak_bytes <= budget and stats.over_budget_steps == 0
+    assert stats.budget_evictions > 0 and stats.steps >= len(samples)
+    for h, r in turns[-8:]:  # the last round: most of it from evicted agents' files
+        _assert_same(r, reference(gemma_tiny, h, len(r.token_ids)))
+
+
+def test_a_budget_needs_write_behind_and_a_byte_count(llama_tiny, cache_dir):
+    with pytest.raises(ValueError, match="write_behind"):
+        _scheduler(llama_tiny, cache_dir, budget=1 << 20, write_behind=False)
+    with pytest.raises(ValueError, match="bytes"):
+        _scheduler(llama_tiny, cache_dir, budget=-1)
