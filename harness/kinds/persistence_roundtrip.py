@@ -65,7 +65,7 @@ def run(ctx) -> None:
     if "bars" in ctx.config.plots and summaries:
         s = summaries[-1]
         ctx.plots.append(plots.bars_plot(
-            {op: s["p50_ms"][op] for op in ("floor", "load", "mlxlm_load", "save", "mlxlm_save", "mlxlm_save_fsync")},
+            {op: s["p50_ms"][op] for op in ("floor", "floor_aligned", "load", "mlxlm_load", "save", "mlxlm_save", "mlxlm_save_fsync")},
             ctx.plot_path("speed"), "p50 ms", f"EXP-005 {s['name']}: {s['file_mb']:.0f} MB file"))
 
 
