@@ -82,6 +82,7 @@ class KVBlock:
     layer_data: dict[int, LayerKV]
     token_hash: int | None = None
     segment_view: SegmentView | None = None  # when its data are views into a segment
+    parent: int | None = None  # keyed blocks: the key of the prefix before ``start`` (None: unsalted root)
 
     def __post_init__(self):
         assert self.n_tokens > 0 and self.start >= 0, (self.start, self.n_tokens)
