@@ -144,3 +144,13 @@ def test_a_pooled_branch_is_reachable_only_under_its_own_root(gemma_tiny, salt):
     uid = eng.submit_history("b", ids + [1, 2], max_tokens=1, root=salt_root(salt))
     got = run(eng)[uid]
     assert got.cached_tokens == (13 if salt else 0)  # a's 16 tokens start like b's 15 for 13
+
+
+@pytest.mark.parametrize("block_tokens", [3, 4, 16])
+def test_a_file_with_a_shared_edge_loads_into_a_pool_of_any_block_size(gemma_tiny, tmp_path, block_tokens):
+    eng = engine(gemma_tiny)
+    done = _turn(eng, "a", history(18, seed=8) + [1, 2], max_tokens=2)
+    path = tmp_path / "a.safetensors"
+    assert cachefile.save(path, done.blocks, model_fingerprint="tiny-gemma").stored_from == {"sliding-w8-k0": 12}
+    loaded = cachefile.load(path, engine(gemma_tiny, block_tokens=block_tokens).pool)
+    assert_identical(loaded, done.blocks)
