@@ -136,7 +136,8 @@ def plan_blocks(
     """Look up every keyed block of ``token_ids`` in ``pool``; change nothing.
 
     ``chain`` is ``chain_keys(token_ids, pool.block_tokens, root)``, when the
-    caller plans the same tokens more than once. ``stored_from`` says, per
+    caller plans the same tokens more than once (``root`` is still needed: the
+    first block and a short tail are indexed under it). ``stored_from`` says, per
     sliding group, where the data buffer's window starts when it holds more
     than the window (a file that stored a shared edge block): a missed edge
     block is then taken whole from it, else it becomes a private partial.
@@ -144,6 +145,7 @@ def plan_blocks(
     bt = pool.block_tokens
     tokens = token_ids if type(token_ids) is tuple else tuple(map(int, token_ids))
     chain = chain_keys(tokens, bt, root) if chain is None else chain
+    assert not chain or chain[0] == chain_hash(root, tokens[:bt]), "chain keyed under another root"
     total = len(tokens)
     stored_from = stored_from or {}
     out, need = [], 0

@@ -204,10 +204,10 @@ def _load_once(path: str, pool: BlockPool, fingerprint: str | None, lock: Abstra
     source = _FileBlocks(info)
     chain = chain_keys(info.token_ids, pool.block_tokens, info.hash_root)  # re-keyed under its own salt
     with lock:
-        planned = plan_blocks(pool, info.spec, info.token_ids, chain, stored_from=info.stored_from)
+        planned = plan_blocks(pool, info.spec, info.token_ids, chain, info.hash_root, info.stored_from)
     source.read(source.needed(planned.blocks))  # the slow part, outside the lock
     with lock:
-        planned = plan_blocks(pool, info.spec, info.token_ids, chain, stored_from=info.stored_from)
+        planned = plan_blocks(pool, info.spec, info.token_ids, chain, info.hash_root, info.stored_from)
         late = source.needed(planned.blocks)  # hits that were recycled meanwhile
         if late:
             source.read(late)
