@@ -1,14 +1,29 @@
 """Which pooled blocks a history needs, and taking them all or none.
 
-Every way into the pool cuts a history the same way and keys its full blocks
-the same way, so caches that arrive by different roads (a live mlx-lm cache,
+Every way into the pool cuts a history the same way and keys its blocks the
+same way, so caches that arrive by different roads (a live mlx-lm cache,
 a file) share their common prefix::
 
     tokens     0 ...... 255 | 256 ..... 511 | 512 .. 600
-    chain      c0            c1              (partial: no key)
-    key        hash(c0, group) per group, so one chain serves every group
+    chain      c0            c1              p2 = hash(c1, tokens 512..600)
+    key        hash(c0, group), hash(c1, group), hash(p2, group): one chain serves every group
 
-:func:`plan_blocks` looks every full block up without taking anything;
+A full block and a tail (a partial block starting at a boundary) are keyed;
+a block is indexed under its parent (``c1`` for the tail above), so a later
+history can use a prefix of it (``pool.children``).
+
+A sliding group's window edge starts mid-block. Its K/V at position ``i``
+depend only on tokens ``[0, i]``, not on where the window is, so when the
+pool holds the full block that covers the edge, the group references that
+block instead of copying a private partial; reconstruction slices what it
+needs::
+
+    window 512 at T = 900      held [388 .................. 900)
+    blocks            [256 ... 512)[512 .... 768)[768 .. 900)
+                       ^ pooled full block, shared (positions 256..387 unused)
+                      without it: [388 .. 512) private partial
+
+:func:`plan_blocks` looks every block up without taking anything;
 :func:`commit` checks the pool can hold the misses, then acquires the hits
 and allocates the misses with data from a callback. A caller may read data
 between the two (``cachefile.load`` reads only the blocks that missed).
@@ -28,9 +43,10 @@ from semantic.spec import LayerSpec, ModelCacheSpec
 class PlannedBlock:
     """Tokens ``[start, end)`` of one layer group.
 
-    Position ``p`` sits at index ``p - shift`` of a layer's held (unrolled)
-    buffer. ``key`` is set for full blocks; ``hit`` is the pooled block with
-    that key and the same token ids, if any.
+    Position ``p`` sits at index ``p - shift`` of a layer's stored (unrolled)
+    buffer. ``key`` is set for full blocks and tails (``parent``: the key
+    they are indexed under); ``hit`` is the pooled block with that key and
+    the same token ids, if any.
     """
 
     group: str
@@ -40,6 +56,7 @@ class PlannedBlock:
     shift: int
     key: int | None
     hit: KVBlock | None
+    parent: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,17 +67,47 @@ class BlockPlan:
     need: int
 
 
-def block_spans(layer: LayerSpec, total: int, block_tokens: int) -> list[tuple[int, int, int]]:
-    """Held positions of a layer cut at block boundaries: ``(start, end, shift)``."""
+def stored_ranges(layer: LayerSpec, total: int, stored_from: int | None = None) -> list[tuple[int, int]]:
+    """The positions a buffer of ``layer`` holds: its held ranges, the last one
+    starting at ``stored_from`` instead when given (a window edge stored with
+    the rest of the full block that covers it, see ``cachefile``)."""
+    ranges = layer.held_ranges(total)
+    if stored_from is not None and ranges:
+        a, b = ranges[-1]
+        assert stored_from <= a and (len(ranges) == 1 or stored_from >= ranges[0][1]), (stored_from, ranges)
+        ranges[-1] = (stored_from, b)
+    return ranges
+
+
+def block_spans(
+    layer: LayerSpec, total: int, block_tokens: int, stored_from: int | None = None
+) -> list[tuple[int, int, int]]:
+    """Held positions of a layer cut at block boundaries: ``(start, end, shift)``, position
+    ``p`` at index ``p - shift`` of a buffer holding ``stored_ranges(layer, total, stored_from)``."""
     out, buffered = [], 0
-    for a, b in layer.held_ranges(total):
-        shift = a - buffered
-        buffered += b - a
+    held = layer.held_ranges(total)
+    for (a, b), (sa, sb) in zip(held, stored_ranges(layer, total, stored_from)):
+        shift = sa - buffered
+        buffered += sb - sa
         while a < b:
             e = min(b, (a // block_tokens + 1) * block_tokens)
             out.append((a, e, shift))
             a = e
     return out
+
+
+def window_edge(layer: LayerSpec, total: int, block_tokens: int) -> int | None:
+    """Where the full block covering a sliding layer's window edge starts, when the
+    window starts mid-block and that block lies inside the history (else None)."""
+    ranges = layer.held_ranges(total)
+    if not layer.windowed or total <= layer.window:
+        return None
+    a = ranges[-1][0]
+    first = a - a % block_tokens
+    after_keep = ranges[0][1] if len(ranges) > 1 else 0
+    if a % block_tokens == 0 or first < after_keep or first + block_tokens > total:
+        return None
+    return first
 
 
 def chain_keys(token_ids: Sequence[int], block_tokens: int, root: int | None = None) -> list[int]:
@@ -84,27 +131,54 @@ def salt_root(salt: str | bytes | None) -> int | None:
 
 def plan_blocks(
     pool: BlockPool, spec: ModelCacheSpec, token_ids: Sequence[int], chain: Sequence[int] | None = None,
-    root: int | None = None,
+    root: int | None = None, stored_from: dict[str, int] | None = None,
 ) -> BlockPlan:
-    """Look up every full block of ``token_ids`` in ``pool``; change nothing.
+    """Look up every keyed block of ``token_ids`` in ``pool``; change nothing.
 
     ``chain`` is ``chain_keys(token_ids, pool.block_tokens, root)``, when the
-    caller plans the same tokens more than once.
+    caller plans the same tokens more than once (``root`` is still needed: the
+    first block and a short tail are indexed under it). ``stored_from`` says, per
+    sliding group, where the data buffer's window starts when it holds more
+    than the window (a file that stored a shared edge block): a missed edge
+    block is then taken whole from it, else it becomes a private partial.
     """
     bt = pool.block_tokens
     tokens = token_ids if type(token_ids) is tuple else tuple(map(int, token_ids))
     chain = chain_keys(tokens, bt, root) if chain is None else chain
+    assert not chain or chain[0] == chain_hash(root, tokens[:bt]), "chain keyed under another root"
+    total = len(tokens)
+    stored_from = stored_from or {}
     out, need = [], 0
     for group, layers in spec.groups().items():
-        for a, b, shift in block_spans(spec.layers[layers[0]], len(tokens), bt):
-            key = hit = None
-            if b - a == bt:
-                key = chain_hash(chain[a // bt], (), group)
+        layer = spec.layers[layers[0]]
+        spans = block_spans(layer, total, bt, stored_from.get(group))
+        edge = window_edge(layer, total, bt)
+        for a, b, shift in spans:
+            key = hit = parent = None
+            if a % bt == 0 and (b - a == bt or b == total):
+                # a full block, or the tail: keyed, indexed under the prefix before it
+                parent = chain[a // bt - 1] if a else root
+                link = chain[a // bt] if b - a == bt else chain_hash(parent, tokens[a:b])
+                key = chain_hash(link, (), group)
                 hit = pool.lookup(key, tokens[a:b], count=False)
+            elif edge is not None and edge < a < edge + bt:
+                # the window edge: the pooled full block covering it, or that block from the buffer
+                e = edge + bt
+                parent, key = chain[edge // bt - 1] if edge else root, chain_hash(chain[edge // bt], (), group)
+                hit = pool.lookup(key, tokens[edge:e], count=False)
+                if hit is not None or _buffered(layer, total, stored_from.get(group), edge):
+                    a, b = edge, e
+                else:
+                    key = parent = None
             # a cached hit sits in the free queue: acquiring it takes a free slot
             need += hit is None or pool.is_free(hit)
-            out.append(PlannedBlock(group, layers, a, b, shift, key, hit))
+            out.append(PlannedBlock(group, layers, a, b, shift, key, hit, parent))
     return BlockPlan(tuple(out), need)
+
+
+def _buffered(layer: LayerSpec, total: int, stored_from: int | None, position: int) -> bool:
+    """Whether a buffer holding ``stored_ranges(layer, total, stored_from)`` holds ``position``."""
+    return any(a <= position < b for a, b in stored_ranges(layer, total, stored_from))
 
 
 def miss_runs(planned: Sequence[PlannedBlock]) -> list[list[int]]:
@@ -152,29 +226,7 @@ def commit(
             groups[p.group].append(pool.acquire(p.hit))
         else:
             layer_data, view = fresh[i]
-            block = pool.allocate(p.group, p.start, tokens[p.start : p.end], layer_data, p.key)
+            block = pool.allocate(p.group, p.start, tokens[p.start : p.end], layer_data, p.key, parent=p.parent)
             block.segment_view = view
             groups[p.group].append(block)
     return AgentBlocks(spec, tokens, groups, pool.block_tokens, _release=release or pool.release, root=root)
-
-
-def longest_cached_prefix(
-    pool: BlockPool, spec: ModelCacheSpec, token_ids: Sequence[int], root: int | None = None
-) -> tuple[int, BlockPlan | None]:
-    """The longest whole-block prefix of ``token_ids`` whose cache the pool holds entirely.
-
-    Returns ``(T, plan)``: ``T`` is a multiple of the block size, shorter than
-    ``token_ids`` (at least one token is left to prefill), and every block
-    every layer needs for ``T`` tokens is a pooled hit. For sliding layers
-    that means the blocks of the window ending at ``T``, so a prefix whose
-    window was never stored is refused rather than approximated. ``(0,
-    None)`` when nothing qualifies; nothing is taken from the pool.
-    """
-    bt = pool.block_tokens
-    tokens = token_ids if type(token_ids) is tuple else tuple(map(int, token_ids))
-    chain = chain_keys(tokens, bt, root)
-    for k in range((len(tokens) - 1) // bt, 0, -1):
-        planned = plan_blocks(pool, spec, tokens[: k * bt], chain[:k])
-        if all(p.hit is not None for p in planned.blocks):
-            return k * bt, planned
-    return 0, None

@@ -8,8 +8,10 @@ holds one token span for every layer of one group::
     global      [ block 7     ] [ block 2      ] [ block 9 ]   all layers of the group
     sliding     (evicted)       [ block 4 ~~~~ ] [ block 5 ]   window 512: only what is held
 
-Full global/sliding blocks are hash-chained and shareable (see ``pool``);
-partial blocks (the tail, or a window edge) are private to one agent.
+Full blocks and tails are hash-chained and shareable (see ``pool``). A
+sliding group's window edge references the pooled full block that covers
+it, so its first block may start before the window; when that block was
+never pooled whole, the edge is a private partial block.
 """
 
 from __future__ import annotations
@@ -70,8 +72,8 @@ class KVBlock:
     """Tokens ``[start, start + n_tokens)`` of one layer group.
 
     ``layer_data`` maps each layer index of the group to its K/V arrays.
-    ``token_hash`` is set when the block is full and registered for sharing;
-    ``token_ids`` are kept to confirm every hash hit.
+    ``token_hash`` is set when the block is registered for sharing (full, or
+    a tail); ``token_ids`` are kept to confirm every hash hit.
     """
 
     block_id: int
@@ -82,6 +84,7 @@ class KVBlock:
     layer_data: dict[int, LayerKV]
     token_hash: int | None = None
     segment_view: SegmentView | None = None  # when its data are views into a segment
+    parent: int | None = None  # keyed blocks: the key of the prefix before ``start`` (None: unsalted root)
 
     def __post_init__(self):
         assert self.n_tokens > 0 and self.start >= 0, (self.start, self.n_tokens)

@@ -133,29 +133,6 @@ def extract(pool: BlockPool, caches: Sequence, token_ids: Sequence[int], release
     return blockplan.commit(pool, spec, tokens, planned, lambda p: views[index[id(p)]], release, root)
 
 
-def prefix_cache(
-    pool: BlockPool, token_ids: Sequence[int], release=None, longer_than: int = 0, root: int | None = None
-) -> AgentBlocks | None:
-    """AgentBlocks for the longest whole-block prefix of ``token_ids`` already pooled, or None.
-
-    The blocks may come from any agent under the same ``root`` (a shared
-    system prompt, an earlier turn); every hit was confirmed by its token ids. None too when the
-    prefix is not longer than ``longer_than`` tokens (nothing is taken then).
-    The caller owns the returned references.
-    """
-    tokens = tuple(map(int, token_ids))
-    if (len(tokens) - 1) // pool.block_tokens * pool.block_tokens <= longer_than:
-        return None  # no whole-block prefix could be longer: skip the lookups
-    T, planned = blockplan.longest_cached_prefix(pool, pool.spec, tokens, root)
-    if T <= longer_than:
-        return None
-    return blockplan.commit(pool, pool.spec, tokens[:T], planned, _no_miss, release, root)
-
-
-def _no_miss(p) -> None:
-    raise AssertionError(f"a planned prefix block missed: {p}")
-
-
 def _one_segment(pieces: list, layer: int):
     """This layer's (keys, values) as one slice of one segment, when its pieces
     are one consecutive run of views into it (``blocks.segment_runs``), else None."""
@@ -169,7 +146,17 @@ def _one_segment(pieces: list, layer: int):
 
 def _pieces(blocks: AgentBlocks, layer: int, total: int) -> tuple[list, int, int]:
     """The (block, first, end) pieces holding what ``layer`` needs after ``total`` tokens,
-    how many tokens it needs, and how many of them the blocks hold."""
+    how many tokens it needs, and how many of them the blocks hold.
+
+    Blocks are read in list order and each gives only the positions after
+    those already taken, so a block may start before what is needed (a
+    shared window-edge block) or overlap the one before it (a reuse plan
+    that cuts a pooled block short: ``reuse``)::
+
+        needed              [388 ........................ 597)
+        blocks        [256 ...... 512)[512 ......... 606)
+        pieces              [388  512)[512 ...... 597)
+    """
     ranges = blocks.spec.layers[layer].held_ranges(total)
     pieces = []  # (block, first, end) in the block's own token indices
     for a, b in ranges:
@@ -177,6 +164,7 @@ def _pieces(blocks: AgentBlocks, layer: int, total: int) -> tuple[list, int, int
             s, e = max(a, blk.start), min(b, blk.end)
             if s < e:
                 pieces.append((blk, s - blk.start, e - blk.start))
+                a = e
     return pieces, sum(b - a for a, b in ranges), sum(e - s for _, s, e in pieces)
 
 

@@ -7,6 +7,17 @@ reference-counted; a block whose count drops to zero goes to the back of the
 free queue but keeps its data and key until it is handed out again, so a
 released prefix can still be hit. Sequences release their blocks in reverse
 order, so prefix blocks, the most shareable, are reused last.
+
+Partial blocks that start at a block boundary (a history's tail) are keyed
+and kept the same way, and every keyed block is also indexed by its parent
+key, so a later history can use the longest token-id prefix of any child of
+a prefix it shares (:meth:`BlockPool.children`): an agent's earlier branch,
+released when a regenerate or an edit replaced it, stays reachable until
+its blocks are recycled::
+
+    chain      c0 ─► c1 ─┬─► [512 .. 606)   turn 2 as first answered (released, cached)
+                         └─► [512 .. 607)   turn 2 edited (live)
+    history    [ ........ c1 | 512 ...... 606 | 606 .. 618 )   hits 606 tokens
 """
 
 from __future__ import annotations
@@ -61,6 +72,7 @@ class BlockPool:
         self._refs = [0] * total_blocks
         self._free: deque[int] = deque(range(total_blocks))
         self._by_hash: dict[int, int] = {}
+        self._children: dict[tuple[int | None, str], set[int]] = {}  # (parent key, group) -> chained block ids
         self.hits = 0
         self.misses = 0
 
@@ -92,6 +104,11 @@ class BlockPool:
         self.hits += hits
         self.misses += misses
 
+    def children(self, parent: int | None, group: str) -> list[KVBlock]:
+        """The keyed blocks of ``group`` that follow the prefix keyed ``parent`` (None: the
+        unsalted root), live or cached; callers confirm token ids before using one."""
+        return [self._blocks[bid] for bid in self._children.get((parent, group), ())]
+
     def is_free(self, block: KVBlock) -> bool:
         return self._refs[block.block_id] == 0
 
@@ -110,18 +127,28 @@ class BlockPool:
         token_ids: Sequence[int],
         layer_data: dict[int, LayerKV],
         key: int | None = None,
+        *,
+        parent: int | None = None,
     ) -> KVBlock:
-        """A new block with one reference; ``key`` registers it for sharing."""
+        """A new block with one reference; ``key`` registers it for sharing, and
+        indexes it under ``parent`` (the key of the prefix before it, or the root)."""
         self.require_free(1)
         bid = self._free.popleft()
         old = self._blocks[bid]
-        if old is not None and old.token_hash is not None and self._by_hash.get(old.token_hash) == bid:
-            del self._by_hash[old.token_hash]
-        block = KVBlock(bid, group, start, len(token_ids), tuple(map(int, token_ids)), layer_data, key)
+        if old is not None and old.token_hash is not None:
+            if self._by_hash.get(old.token_hash) == bid:
+                del self._by_hash[old.token_hash]
+            siblings = self._children.get((old.parent, old.group))
+            if siblings is not None:
+                siblings.discard(bid)
+                if not siblings:
+                    del self._children[(old.parent, old.group)]
+        block = KVBlock(bid, group, start, len(token_ids), tuple(map(int, token_ids)), layer_data, key, parent=parent)
         self._blocks[bid] = block
         self._refs[bid] = 1
         if key is not None:
             self._by_hash[key] = bid
+            self._children.setdefault((parent, group), set()).add(bid)
         return block
 
     def release(self, blocks: Sequence[KVBlock]) -> None:

@@ -1,27 +1,36 @@
 """Which cached prefix a new prompt can start from.
 
-A turn arrives as the agent's whole token history. Two sources can cover a
-prefix of it:
+A turn arrives as the agent's whole token history. Its K/V at position
+``i`` depend only on tokens ``[0, i]``, so any block whose tokens match the
+history up to some position can serve every position before it, whoever
+stored it and wherever its window was:
 
-- **own**: the agent's cache from its previous turn, cut at the first token
-  where the histories differ (an edited or removed message). Everything at
-  and after that point is dropped; a sliding layer whose window has moved
-  past the cut cannot be cut there (see ``convert.covers``), so that source
-  is refused rather than approximated;
-- **pool**: the longest whole-block prefix whose blocks the pool holds for
-  every layer, whoever stored them: another agent's identical system prompt
-  and tools, or this agent's older blocks still cached in the pool.
+- **own**: the agent's cache from its previous turn, up to the first token
+  where the histories differ (an edited or regenerated message);
+- **pool**: keyed blocks of any agent under the same root: full blocks
+  whose chained key and token ids match, and children of a matching prefix
+  (a tail, or a full block of another branch) that match the history's first
+  ``k`` tokens after it, cut there (``pool.children``). So an agent's earlier
+  branch, released when a regenerate or an edit replaced it, stays
+  reachable until its blocks are recycled.
 
-The longer one wins; at least one token is always left to prefill::
+The start is the longest prefix ``t`` for which every layer group finds
+what it holds after ``t`` tokens: all of ``[0, t)`` for global layers, the
+window ``[t - W, t)`` for sliding ones. At least one token is always left
+to prefill::
 
-    cached history   [ sys+tools | turn 1 | turn 2 ......... ]
-    new history      [ sys+tools | turn 1 | turn 2 (edited) ...... ]
-                                          ^ first difference d
-    own              [0, d)              if every layer still holds it
-    pool             [0, k * 256)        k * 256 <= d, every block a verified hit
+    cached (own)     [ sys | q1 a1 | q2 a2 ........... ]            sliding: holds [T-W, T)
+    new history      [ sys | q1 a1 | q2' (edited) ......... q3 ]
+                                   ^ first difference d
+    global           [0, d)        own blocks, or pooled ones
+    sliding          [d - W, d)    own blocks (a window edge shared from the pool
+                                   reaches back) and pooled full blocks
 
-Nothing after ``d`` is reused by either source: a pooled block's key chains
-every token before it, and every hit is confirmed by its token ids.
+Only the last block of a group may be cut short (a block that matches the
+history only up to ``t``); every other block serves all its positions.
+Nothing at or after the first difference is reused by either source: a
+pooled block's key chains every token before it, and every hit is confirmed
+by its token ids.
 """
 
 from __future__ import annotations
@@ -29,8 +38,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from semantic import convert
-from semantic.blocks import AgentBlocks
+from semantic import blockplan, convert
+from semantic.blocks import AgentBlocks, KVBlock
 from semantic.pool import BlockPool
 
 OWN, OWN_CUT, POOL, NONE = "own", "own-cut", "pool", "none"
@@ -64,6 +73,82 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
+@dataclass(frozen=True, slots=True)
+class _Candidate:
+    """A block whose positions ``[block.start, valid)`` hold this history's K/V."""
+
+    block: KVBlock
+    valid: int
+    own: bool
+
+    @property
+    def complete(self) -> bool:
+        return self.valid == self.block.end
+
+
+def _candidates(pool: BlockPool, ids: tuple[int, ...], own: AgentBlocks | None, same: int,
+                root: int | None) -> dict[str, list[_Candidate]]:
+    """Per group, every block that serves a prefix of ``ids``: ``own``'s up to
+    ``same`` (its common prefix with ``ids``), and the pool's (see the module doc)."""
+    bt = pool.block_tokens
+    out: dict[str, list[_Candidate]] = {g: [] for g in pool.spec.groups()}
+    seen: set[int] = set()
+    if own is not None and same:
+        for g, blocks in own.groups.items():
+            for blk in blocks:
+                if blk.start < same:
+                    out[g].append(_Candidate(blk, min(blk.end, same), True))
+                    seen.add(id(blk))
+    chain = blockplan.chain_keys(ids, bt, root)
+    for g in out:
+        for k in range(len(ids) // bt + 1):
+            if k * bt >= len(ids) - 1:
+                break  # the last token is always prefilled
+            for blk in pool.children(chain[k - 1] if k else root, g):
+                if id(blk) in seen or blk.start != k * bt:
+                    continue
+                m = common_prefix(blk.token_ids, ids[k * bt : k * bt + blk.n_tokens])
+                if m:
+                    out[g].append(_Candidate(blk, k * bt + m, False))
+                    seen.add(id(blk))
+    return out
+
+
+def _cover(cands: list[_Candidate], ranges: list[tuple[int, int]], t: int) -> list[_Candidate] | None:
+    """Blocks that hold ``ranges`` (what a group needs after ``t`` tokens), in the order
+    ``convert.reconstruct`` reads them, or None. Only the last may be cut short."""
+    chosen: list[_Candidate] = []
+    for a, b in ranges:
+        p = a
+        while p < b:
+            last = [c for c in cands if c.block.start <= p < c.valid and c.valid >= b and (c.complete or b == t)]
+            if last:
+                chosen.append(max(last, key=lambda c: (c.own, c.complete)))
+                break
+            step = [c for c in cands if c.complete and c.block.start <= p < c.valid]
+            if not step:
+                return None
+            best = max(step, key=lambda c: (c.valid, c.own))
+            chosen.append(best)
+            p = best.valid
+    unique: list[_Candidate] = []
+    for c in chosen:
+        if all(c.block is not u.block for u in unique):
+            unique.append(c)
+    return unique
+
+
+def _plan(spec, cands: dict[str, list[_Candidate]], t: int) -> dict[str, list[_Candidate]] | None:
+    """Every group's cover for a start at ``t``, or None when some group has none."""
+    out = {}
+    for g, layers in spec.groups().items():
+        cover = _cover(cands[g], spec.layers[layers[0]].held_ranges(t), t)
+        if cover is None:
+            return None
+        out[g] = cover
+    return out
+
+
 def choose_start(
     pool: BlockPool, token_ids: Sequence[int], own: AgentBlocks | None, release=None, root: int | None = None
 ) -> Reuse:
@@ -75,15 +160,26 @@ def choose_start(
     """
     ids = tuple(map(int, token_ids))
     limit = len(ids) - 1  # the last token must be prefilled to produce logits
-    own_len = 0
-    if own is not None and not own.released and limit > 0 and own.root == root:
-        own_len = min(common_prefix(own.token_ids, ids), limit)
-        if own_len and not convert.covers(own, own_len):
-            own_len = 0
-    shared = convert.prefix_cache(pool, ids, release, longer_than=own_len, root=root)
-    if shared is not None:
-        return Reuse(POOL, shared.total_tokens, shared, owned=True)
+    if own is not None and (own.released or own.root != root):
+        own = None
+    same = min(common_prefix(own.token_ids, ids), limit) if own is not None else 0
+    own_len = same if same and convert.covers(own, same) else 0
+    if own_len and own_len == limit:
+        return Reuse(OWN if own_len == own.total_tokens else OWN_CUT, own_len, own)
+    cands = _candidates(pool, ids, own, same, root)
+    ends = {c.valid for cs in cands.values() for c in cs if own_len < c.valid}
+    for t in sorted({min(e, limit) for e in ends}, reverse=True):
+        plan = _plan(pool.spec, cands, t)
+        if plan is None:
+            continue
+        used = [c for cover in plan.values() for c in cover]
+        if all(c.own for c in used) and convert.covers(own, t):
+            return Reuse(OWN if t == own.total_tokens else OWN_CUT, t, own)
+        groups = {g: [pool.acquire(c.block) for c in cover] for g, cover in plan.items()}
+        pool.record_lookups(hits=sum(not c.own for c in used), misses=0)
+        # blocks may reach past t (a pooled block cut short): fit only to rebuild the first t tokens
+        blocks = AgentBlocks(pool.spec, ids[:t], groups, pool.block_tokens, _release=release or pool.release, root=root)
+        return Reuse(POOL, t, blocks, owned=True)
     if own_len:
-        source = OWN if own_len == own.total_tokens else OWN_CUT
-        return Reuse(source, own_len, own)
+        return Reuse(OWN if own_len == own.total_tokens else OWN_CUT, own_len, own)
     return Reuse(NONE, 0)

@@ -15,15 +15,18 @@ from __future__ import annotations
 from pathlib import Path
 
 from semantic import cachefile, compat
-from tests.cache_helpers import engine, generate, history, weights_fingerprint
+from tests.cache_helpers import engine, generate, history, run, weights_fingerprint
 from tests.tiny_models import tiny_gemma3, tiny_llama
 
 DATA = Path(__file__).parent / "data"
 
-# name: (model builder, kv_bits, history length, generated tokens)
+# name: (model builder, kv_bits, history length, generated tokens, first format version)
 FIXTURES = {
-    "tiny-gemma3": (tiny_gemma3, None, 37, 6),   # window 8: the ring wrapped
-    "tiny-llama-q8": (tiny_llama, 8, 21, 6),     # QuantizedKVCache, 8 bits
+    "tiny-gemma3": (tiny_gemma3, None, 37, 6, 1),       # window 8: the ring wrapped
+    "tiny-llama-q8": (tiny_llama, 8, 21, 6, 1),         # QuantizedKVCache, 8 bits
+    # through submit_history, which pools every block boundary of the prefill: the
+    # window edge [35, 36) references the pooled block [32, 36), stored whole (stored_from)
+    "tiny-gemma3-edge": (tiny_gemma3, None, 37, 6, 2),
 }
 
 
@@ -31,17 +34,28 @@ def fixture_path(name: str, mlx_lm_version: str = compat.MLX_LM_VERSION) -> Path
     return DATA / f"cache-v{cachefile.FORMAT_VERSION}-{name}-mlx-lm-{mlx_lm_version}.safetensors"
 
 
+def expected(version: int) -> set[str]:
+    """The fixtures written in format ``version``."""
+    return {name for name, f in FIXTURES.items() if f[4] <= version}
+
+
 def model_for(name: str):
     """(model, kv_bits) that a fixture named ``name`` was written with."""
-    build, kv_bits, _, _ = FIXTURES[name]
+    build, kv_bits = FIXTURES[name][:2]
     return build(), kv_bits
 
 
 def write() -> list[Path]:
     paths = []
-    for name, (build, kv_bits, n, gen) in FIXTURES.items():
+    for name, (build, kv_bits, n, gen, _) in FIXTURES.items():
         model = build()
-        done = generate(engine(model, kv_bits), name, history(n), gen)
+        eng = engine(model, kv_bits)
+        if name.endswith("-edge"):
+            uid = eng.submit_history(name, history(n), max_tokens=gen)
+            done = run(eng)[uid]
+            assert cachefile.prepare(done.blocks).stored_from, "the fixture must reference a pooled edge block"
+        else:
+            done = generate(eng, name, history(n), gen)
         path = fixture_path(name)
         cachefile.save(path, done.blocks, model_fingerprint=weights_fingerprint(model), agent_id=name)
         paths.append(path)

@@ -17,7 +17,16 @@ same under every mlx-lm version (and is readable by ``safetensors`` or
 
 The document holds the format version, model fingerprint, cache spec, the
 exact token ids, each layer's cache type and meta, an xxh3-128 per tensor,
-and the mlx / mlx-lm versions that wrote it. A sliding layer's window is
+and the mlx / mlx-lm versions that wrote it. Version 2 adds ``stored_from``:
+per sliding group whose cache referenced a pooled full block at its window
+edge (``blockplan``), the position its tensors start at, before the
+window, so that agents reloaded from disk share that block again::
+
+    window 512 at T = 900     held  [388 ................ 900)
+    version 1 tensor                [388 ................ 900)
+    version 2, stored_from 256   [256 ................... 900)   loads as the full block [256, 512)
+
+Version 1 files (no ``stored_from``) still load. A sliding layer's window is
 stored in temporal order (see ``convert``), so a wrapped ring buffer is
 stored unrolled and the ring index is simply the held count. Block
 boundaries are not in the file: a file loads into a pool of any block size.
@@ -44,10 +53,12 @@ import mlx.core as mx
 import xxhash
 
 from semantic import compat
+from semantic.blockplan import stored_ranges
 from semantic.errors import CacheCorruptError, CacheError
 from semantic.spec import LayerSpec, ModelCacheSpec
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)  # 1: no stored_from (every tensor starts at the held window)
 DOC_KEY = "semantic_kv"
 DOC_HASH_KEY = "semantic_kv_xxh3_128"
 HASH = "xxh3_128"
@@ -96,11 +107,18 @@ def _parts(layer: LayerSpec, n: int) -> list[tuple[str, int | None, str, tuple[i
     return out
 
 
-def layout(spec: ModelCacheSpec, total: int) -> list[TensorSlot]:
+def stored_tokens(layer: LayerSpec, total: int, stored_from: int | None = None) -> int:
+    """Tokens a file holds for ``layer``: what it holds after ``total``, plus the
+    positions from ``stored_from`` up to its window (see ``stored_from``)."""
+    return sum(b - a for a, b in stored_ranges(layer, total, stored_from))
+
+
+def layout(spec: ModelCacheSpec, total: int, stored_from: dict[str, int] | None = None) -> list[TensorSlot]:
     """Every tensor a file of ``total`` tokens holds, in file order (none when empty)."""
     slots = []
+    stored_from = stored_from or {}
     for i, layer in enumerate(spec.layers):
-        held = layer.tokens_held(total)
+        held = stored_tokens(layer, total, stored_from.get(layer.group))
         if not held:
             continue
         for side, part, dtype, shape in _parts(layer, held):
@@ -151,6 +169,7 @@ class CacheFileInfo:
     digests: dict[str, str] = field(repr=False)
     inode: tuple[int, int] = field(repr=False)  # (st_dev, st_ino) of the file read
     hash_root: int | None = None     # the block-hash salt the cache was keyed with (absent: unsalted)
+    stored_from: dict[str, int] = field(default_factory=dict)  # per sliding group: first stored position (v2)
 
     @property
     def total_tokens(self) -> int:
@@ -227,9 +246,9 @@ def _parse_document(path: str, raw: bytes) -> tuple[dict, dict]:
     if not isinstance(doc, dict):
         raise CacheCorruptError(path, "document is not a JSON object")
     version = doc.get("format_version")
-    if version != FORMAT_VERSION or type(version) is not int:
+    if version not in READABLE_VERSIONS or type(version) is not int:
         raise CacheCorruptError(
-            path, f"unknown format version {version!r}; this build reads version {FORMAT_VERSION}"
+            path, f"unknown format version {version!r}; this build reads versions {list(READABLE_VERSIONS)}"
         )
     return doc, table
 
@@ -256,7 +275,8 @@ def _verify_layout(path: str, doc: dict, table: dict, st: os.stat_result, data_o
         raise CacheCorruptError(path, "hash_root must be a signed 64-bit integer")
     if canon(layers) != canon(_layer_meta(spec, len(tokens))):
         raise CacheCorruptError(path, "per-layer cache meta does not match the spec and token count")
-    slots = layout(spec, len(tokens))
+    stored_from = _check_stored_from(path, doc, spec, len(tokens))
+    slots = layout(spec, len(tokens), stored_from)
     names = [s.name for s in slots]
     if not isinstance(digests, dict) or sorted(digests) != sorted(names):
         raise CacheCorruptError(path, "the document's checksums do not name the layout's tensors")
@@ -280,13 +300,31 @@ def _verify_layout(path: str, doc: dict, table: dict, st: os.stat_result, data_o
     return file_info(path, doc, spec, slots, st, data_offset)
 
 
+def _check_stored_from(path: str, doc: dict, spec: ModelCacheSpec, total: int) -> dict[str, int]:
+    """The document's ``stored_from`` (absent in version 1): sliding groups whose window
+    is stored from an earlier position, each between the end of its kept tokens and its window."""
+    raw = doc.get("stored_from")
+    if raw is None:
+        return {}
+    if doc["format_version"] < 2 or not isinstance(raw, dict):
+        raise CacheCorruptError(path, "stored_from must be an object, and only in format version 2")
+    groups = spec.groups()
+    for group, pos in raw.items():
+        layer = spec.layers[groups[group][0]] if group in groups else None
+        ranges = layer.held_ranges(total) if layer is not None and layer.windowed else []
+        floor = ranges[0][1] if len(ranges) > 1 else 0
+        if not ranges or type(pos) is not int or not floor <= pos < ranges[-1][0]:
+            raise CacheCorruptError(path, f"stored_from {group!r}: {pos!r} is not a position before its window")
+    return dict(raw)
+
+
 def document(
     spec: ModelCacheSpec, token_ids, model_fingerprint: str, agent_id: str | None, digests: dict,
-    hash_root: int | None = None,
+    hash_root: int | None = None, stored_from: dict[str, int] | None = None,
 ) -> dict:
     """The document a file of ``token_ids`` holds (``digests``: tensor name -> xxh3-128 hex).
 
-    ``hash_root`` is written only when set, so unsalted files stay exactly as before.
+    ``hash_root`` and ``stored_from`` are written only when set.
     """
     doc = {
         "format_version": FORMAT_VERSION,
@@ -302,6 +340,8 @@ def document(
     }
     if hash_root is not None:
         doc["hash_root"] = hash_root
+    if stored_from:
+        doc["stored_from"] = dict(stored_from)
     return doc
 
 
@@ -311,7 +351,7 @@ def file_info(
     """The one place a :class:`CacheFileInfo` is made: from a checked (or just written) document."""
     return CacheFileInfo(
         path=path,
-        format_version=FORMAT_VERSION,
+        format_version=doc["format_version"],
         model_fingerprint=doc["model_fingerprint"],
         agent_id=doc["agent_id"],
         spec=spec,
@@ -324,4 +364,5 @@ def file_info(
         digests=dict(doc["tensors"]),
         inode=(st.st_dev, st.st_ino),
         hash_root=doc.get("hash_root"),
+        stored_from=dict(doc.get("stored_from", {})),
     )

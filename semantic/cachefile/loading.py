@@ -128,7 +128,8 @@ class _FileBlocks:
         for run in miss_runs(planned.blocks):
             first, last = planned.blocks[run[0]], planned.blocks[run[-1]]
             lo, hi = first.start - first.shift, last.end - last.shift
-            whole = len(run) == per_group[first.group]
+            n = next(s.shape[2] for s in self.by_group[first.group])
+            whole = len(run) == per_group[first.group] and lo == 0 and hi == n
             seg = Segment({}, hi - lo)
             for i in first.layers:
                 kv = self.layer(first.group, i)
@@ -210,10 +211,10 @@ def _load_once(path: str, pool: BlockPool, fingerprint: str | None, lock: Abstra
     source = _FileBlocks(info)
     chain = chain_keys(info.token_ids, pool.block_tokens, info.hash_root)  # re-keyed under its own salt
     with lock:
-        planned = plan_blocks(pool, info.spec, info.token_ids, chain)
+        planned = plan_blocks(pool, info.spec, info.token_ids, chain, info.hash_root, info.stored_from)
     source.read(source.needed(planned.blocks))  # the slow part, outside the lock
     with lock:
-        planned = plan_blocks(pool, info.spec, info.token_ids, chain)
+        planned = plan_blocks(pool, info.spec, info.token_ids, chain, info.hash_root, info.stored_from)
         late = source.needed(planned.blocks)  # hits that were recycled meanwhile
         if late:
             source.read(late)

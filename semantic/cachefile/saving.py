@@ -29,7 +29,21 @@ from semantic.errors import CacheMismatchError, CacheShapeError, InvalidRequestE
 from semantic.spec import ModelCacheSpec
 
 
-def _sources(blocks: AgentBlocks, slots: list[TensorSlot]) -> list[list[mx.array]]:
+def stored_from(blocks: AgentBlocks) -> dict[str, int]:
+    """Per sliding group whose first window block starts before the window (a shared
+    edge block, see ``blockplan``), where that block starts: the file stores it whole."""
+    out = {}
+    for group, layers in blocks.spec.groups().items():
+        ranges = blocks.spec.layers[layers[0]].held_ranges(blocks.total_tokens)
+        if not blocks.spec.layers[layers[0]].windowed or not ranges:
+            continue
+        first = next((b for b in blocks.groups.get(group, []) if b.end > ranges[-1][0]), None)
+        if first is not None and first.start < ranges[-1][0]:
+            out[group] = first.start
+    return out
+
+
+def _sources(blocks: AgentBlocks, slots: list[TensorSlot], edges: dict[str, int]) -> list[list[mx.array]]:
     """Per slot, the arrays that hold its layer's tokens in order (bfloat16
     reinterpreted as uint16, for numpy).
 
@@ -38,7 +52,11 @@ def _sources(blocks: AgentBlocks, slots: list[TensorSlot]) -> list[list[mx.array
     """
     spec, total, bt = blocks.spec, blocks.total_tokens, blocks.block_tokens
     for group, layers in spec.groups().items():
-        want = [(a, b) for a, b, _ in block_spans(spec.layers[layers[0]], total, bt)]
+        layer = spec.layers[layers[0]]
+        want = [(a, b) for a, b, _ in block_spans(layer, total, bt)]
+        if group in edges:  # the window's first block is the shared block from the edge's block start
+            window = layer.held_ranges(total)[-1][0]
+            want = [(edges[group], b) if a == window else (a, b) for a, b in want]
         have = [(blk.start, blk.end) for blk in blocks.groups.get(group, [])]
         if have != want:
             raise CacheShapeError(f"group {group}: blocks hold {have[:4]}..., the layout of {total} tokens needs {want[:4]}...")
@@ -103,15 +121,17 @@ class PreparedSave:
     token_ids: tuple[int, ...]
     slots: list[TensorSlot]
     chunks: list[list[memoryview]]
+    stored_from: dict[str, int]
 
 
 def prepare(blocks: AgentBlocks) -> PreparedSave:
     """The byte views :func:`save` writes for ``blocks`` (no copy of segment views)."""
     if blocks.released:
         raise CacheMismatchError("these AgentBlocks were released; their blocks may be reused")
-    slots = layout(blocks.spec, blocks.total_tokens)
-    chunks = [_chunks(arrays) for arrays in _sources(blocks, slots)]
-    return PreparedSave(blocks.spec, blocks.token_ids, slots, chunks)
+    edges = stored_from(blocks)
+    slots = layout(blocks.spec, blocks.total_tokens, edges)
+    chunks = [_chunks(arrays) for arrays in _sources(blocks, slots, edges)]
+    return PreparedSave(blocks.spec, blocks.token_ids, slots, chunks, edges)
 
 
 def save(
@@ -157,7 +177,8 @@ def save(
         raise InvalidRequestError("prepared bytes belong to another cache than these blocks")
     slots = prepared.slots
     doc = document(
-        blocks.spec, blocks.token_ids, model_fingerprint, agent_id, {s.name: "0" * 32 for s in slots}, blocks.root
+        blocks.spec, blocks.token_ids, model_fingerprint, agent_id, {s.name: "0" * 32 for s in slots}, blocks.root,
+        prepared.stored_from,
     )
 
     def header(digests: list[str]) -> bytes:

@@ -74,5 +74,45 @@ def test_gemma_agents_share_a_system_prompt_longer_than_the_sliding_window(gemma
         a1 = sched.submit("a", [system, ask(1)], STEPS).result()
         b1 = sched.submit("b", [system, ask(2)], STEPS).result()
     assert (a1.reuse, a1.cached_tokens) == ("none", 0)
-    assert (b1.reuse, b1.cached_tokens) == ("pool", 512)
+    # the window's blocks were pooled at each boundary of a's prefill; a's tail serves up to the question
+    a_ids, b_ids = render_chat(tok, [system, ask(1)]), render_chat(tok, [system, ask(2)])
+    assert (b1.reuse, b1.cached_tokens) == ("pool", common_prefix(a_ids, b_ids)) and b1.cached_tokens > 512
     _assert_same(b1, _fresh(gemma3, [system, ask(2)]))
+
+
+def test_gemma_regenerate_edit_and_return_to_a_branch_reuse_up_to_the_divergence(gemma3, tmp_path):
+    """Issue 18's five turns with a 576-token prompt (window 512): cold, append, regenerate,
+    the last user message edited, and turn 3 of the first branch. mlx_lm.server reuses
+    0 / 584 / 597 / 584 / 606 tokens there; each turn here reuses up to where its history
+    parts from something cached, and every reply equals a fresh prefill's."""
+    tok = gemma3.tokenizer
+    system = system_prompt(tok, 560)
+    ask = lambda i: {"role": "user", "content": text_of_tokens(tok, 10, 40 * i, f"Question {i}:")}  # noqa: E731
+    said = lambda r: {"role": "assistant", "content": r.text}  # noqa: E731
+    t1 = [system, ask(1)]
+    with open_scheduler(gemma3, tmp_path, 64) as sched:
+        r1 = sched.submit("a", t1, STEPS).result()
+        t2 = t1 + [said(r1), ask(2)]
+        r2 = sched.submit("a", t2, STEPS).result()
+        again = sched.submit("a", t2, STEPS).result()
+        edited = t1 + [said(r1), ask(3)]
+        r2e = sched.submit("a", edited, STEPS).result()
+        t3 = t2 + [said(r2), ask(4)]
+        r3 = sched.submit("a", t3, STEPS).result()
+    ids = {k: render_chat(tok, m) for k, m in (("t1", t1), ("t2", t2), ("edited", edited), ("t3", t3))}
+    assert len(ids["t1"]) > 512
+    cached = [r.cached_tokens for r in (r1, r2, again, r2e, r3)]
+    held2 = ids["t2"] + list(r2.token_ids)  # what turn 2's cache held (also the regenerate's: greedy)
+    assert cached == [
+        0,
+        common_prefix(ids["t2"], ids["t1"] + list(r1.token_ids)),
+        len(ids["t2"]) - 1,                            # all but the token that must be prefilled
+        common_prefix(ids["edited"], held2),           # up to the edited message
+        common_prefix(ids["t3"], held2),               # the first branch, released twice over, still pooled
+    ]
+    assert cached[2] > cached[3] > 512 and cached[4] >= len(held2) - 1
+    refs = fresh_engine(gemma3, 64)
+    uids = [refs.submit(f"ref-{i}", ids[k], max_tokens=STEPS) for i, k in enumerate(("t1", "t2", "t2", "edited", "t3"))]
+    done = {c.uid: c for c in refs.step()}
+    for r, uid in zip((r1, r2, again, r2e, r3), uids):
+        _assert_same(r, done[uid])

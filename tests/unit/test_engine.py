@@ -204,9 +204,9 @@ def test_an_engine_refuses_a_spec_that_is_not_its_models(llama_tiny, gemma_tiny)
 @pytest.mark.parametrize(
     "which,shared_len,max_tokens,expect_cached",
     [
-        ("llama", 13, 3, 12),  # 3 whole blocks of the 13 shared tokens
-        ("gemma", 5, 1, 4),    # 6 tokens <= window 8: every layer still holds block 0
-        ("gemma", 13, 3, 12),  # window [4, 12) pooled by the prefill's checkpoint at the block boundary
+        ("llama", 13, 3, 13),  # 3 whole blocks, then a's block [12, 16) cut after its first token
+        ("gemma", 5, 1, 5),    # 6 tokens <= window 8: every layer still holds block 0, cut at 5
+        ("gemma", 13, 3, 13),  # window [5, 13): blocks the prefill's checkpoints pooled, then a's tail cut
     ],
 )
 def test_a_prompt_reuses_the_longest_pooled_prefix_of_any_agent_and_matches_a_fresh_prefill(
@@ -250,8 +250,8 @@ def _edit(cached: list[int], at: int | None) -> list[int]:
         ("llama", 21, 9, "own-cut", 9),    # global layers: cut exactly at the first difference
         ("llama", 21, None, "own", 27),    # nothing edited: the whole previous cache (21 + 6 generated)
         ("gemma", 1, 5, "own-cut", 5),     # 7 tokens, window 8 never moved: the cut is exact
-        ("gemma", 21, 9, "pool", 8),       # window moved past the cut: the window ending at 8, pooled at turn 1
-        ("gemma", 21, 3, "none", 0),       # ... and no whole block precedes a cut at 3: a full prefill
+        ("gemma", 21, 9, "pool", 9),       # window moved past the cut: the window ending at 9, from blocks pooled at turn 1
+        ("gemma", 21, 3, "pool", 3),       # ... pooled block [0, 4) cut after 3 tokens
     ],
 )
 def test_an_edited_history_reuses_only_what_precedes_the_edit_and_matches_a_fresh_prefill(
@@ -321,6 +321,6 @@ def test_a_sliding_window_prefix_is_pooled_at_every_block_boundary_so_other_agen
     b = engine.submit_history("b", system + [40, 41, 42], max_tokens=STEPS)
     ref_b = engine.submit("ref-b", system + [40, 41, 42], max_tokens=STEPS)
     done = _run(engine)
-    # the window ending at 12 was pooled while a prefilled past it
-    assert (done[b].reuse, done[b].cached_tokens) == ("pool", 12)
+    # the window ending at 12 was pooled while a prefilled past it, and a's block [12, 16) starts like b's
+    assert (done[b].reuse, done[b].cached_tokens) == ("pool", 13)
     _assert_same(done[b], done[ref_b])

@@ -82,12 +82,14 @@ def test_loading_into_a_pool_that_holds_the_prefix_shares_its_full_blocks(gemma_
     before = pool.stats()
     loaded = cachefile.load(path, pool)
     assert_identical(loaded, original)
-    # 43 tokens in blocks of 4: 10 full global blocks, and the window's one full sliding block
+    # 43 tokens in blocks of 4: 10 full global blocks and the tail, the window's full block and the tail
     shared = [b for b in loaded.unique_blocks() if any(b is o for o in original.unique_blocks())]
-    assert [(b.group, b.start) for b in shared] == [("sliding-w8-k0", 36)] + [("global", 4 * i) for i in range(10)]
+    assert [(b.group, b.start) for b in shared] == [("sliding-w8-k0", 36), ("sliding-w8-k0", 40)] + [
+        ("global", 4 * i) for i in range(11)
+    ]
     assert all(pool.refcount(b) == 2 for b in shared)
     after = pool.stats()
-    assert (after.hits - before.hits, after.used - before.used) == (11, 3)  # 3 partial blocks are private
+    assert (after.hits - before.hits, after.used - before.used) == (13, 1)  # the window edge [35, 36) is private
 
 
 def _address(a) -> int:
@@ -112,10 +114,8 @@ def test_after_a_partial_hit_each_run_of_missed_blocks_gets_a_compact_segment(ge
     pool = eng.pool  # it holds the original's blocks: the full ones hit
     loaded = cachefile.load(path, pool)
     missed = [b for b in loaded.unique_blocks() if not any(b is o for o in original.unique_blocks())]
-    assert [(b.group, b.start, b.n_tokens) for b in missed] == [
-        ("sliding-w8-k0", 35, 1), ("sliding-w8-k0", 40, 3), ("global", 40, 3),
-    ]
-    assert [b.segment_view.segment.n_tokens for b in missed] == [1, 3, 3]  # copies of just these tokens
+    assert [(b.group, b.start, b.n_tokens) for b in missed] == [("sliding-w8-k0", 35, 1)]  # tails are keyed: hits
+    assert [b.segment_view.segment.n_tokens for b in missed] == [1]  # a copy of just this token
     assert_identical(loaded, original)
 
 
@@ -233,7 +233,7 @@ DAMAGE = {
     "missing tensor": (lambda p: _rewrite(p, table=lambda h: h.pop(_first_tensor(h))), "is missing"),
     "wrong shape": (lambda p: _rewrite(p, table=lambda h: _set(h, "shape", [1, 1, 1, 1, 1])), "layout needs"),
     "wrong dtype": (lambda p: _rewrite(p, table=lambda h: _set(h, "dtype", "F16")), "layout needs"),
-    "unknown format version": (lambda p: _rewrite(p, doc=lambda d: d.update(format_version=2)), "unknown format version 2"),
+    "unknown format version": (lambda p: _rewrite(p, doc=lambda d: d.update(format_version=3)), "unknown format version 3"),
     "not a cache file": (lambda p: mx.save_safetensors(str(p), {"x": mx.zeros(3)}), "not a semantic-kv cache file"),
     "malformed document": (lambda p: _rewrite(p, doc=lambda d: d.pop("spec")), "malformed document"),
     "edited layer meta": (lambda p: _rewrite(p, doc=lambda d: d["layers"][0].update(ring_idx=3)), "per-layer cache meta"),

@@ -13,15 +13,20 @@ import pytest
 
 from semantic import cachefile
 from tests.cache_helpers import LOGPROB_TOL, engine, run, weights_fingerprint
-from tests.persistence_fixtures import DATA, FIXTURES, model_for
+from tests.persistence_fixtures import DATA, FIXTURES, expected, model_for
 
-FILES = sorted(DATA.glob(f"cache-v{cachefile.FORMAT_VERSION}-*.safetensors"))
+FILES = sorted(DATA.glob("cache-v*-*.safetensors"))
 STEPS = 16
 
 
-def test_fixtures_cover_both_supported_mlx_lm_versions():
-    written = {(cachefile.read_header(p).agent_id, cachefile.read_header(p).mlx_lm_version[:4]) for p in FILES}
-    assert written == {(name, v) for name in FIXTURES for v in ("0.30", "0.32")}
+def test_fixtures_cover_every_readable_format_version_and_both_supported_mlx_lm_versions():
+    infos = [cachefile.read_header(p) for p in FILES]
+    written = {(i.format_version, i.agent_id, i.mlx_lm_version[:4]) for i in infos}
+    assert written == {
+        (version, name, v) for version in cachefile.READABLE_VERSIONS for name in expected(version) for v in ("0.30", "0.32")
+    }
+    # version 2's edge fixture stores the window edge's whole block: its sliding tensors start before the window
+    assert all(bool(i.stored_from) == i.agent_id.endswith("-edge") for i in infos)
 
 
 @pytest.mark.parametrize("path", FILES, ids=[p.stem.split("-", 2)[2] for p in FILES])
@@ -30,7 +35,7 @@ def test_a_file_from_either_version_loads_and_continues_like_a_fresh_prefill(pat
     model, kv_bits = model_for(info.agent_id)
     eng = engine(model, kv_bits)
     loaded = cachefile.load(path, eng.pool, model_fingerprint=weights_fingerprint(model))
-    _, _, history_len, generated = FIXTURES[info.agent_id]
+    _, _, history_len, generated, _ = FIXTURES[info.agent_id]
     assert loaded.total_tokens == history_len + generated
     T = [21, 22, 23]
     cont = eng.submit("a", T, cache=loaded, max_tokens=STEPS)

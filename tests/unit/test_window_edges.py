@@ -1,0 +1,156 @@
+"""Sliding windows: window edges shared from the pool, and every turn boundary a restart point.
+
+Tiny Gemma (window 8) in blocks of 4 tokens, so a short history already
+moves the window past a block boundary. Blocks reach the pool because
+``submit_history`` prefills a fresh prompt block by block (``engine._checkpoint``)
+and every finished turn is extracted whole; these tests assume that, and the
+lead's chunked-prefill loop keeps it (it checkpoints every boundary of every
+prefill). References run in an engine with a pool of its own, so they never
+feed the pool under test.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from semantic import cachefile, convert
+from tests.cache_helpers import LOGPROB_TOL, assert_identical, engine, history, run
+
+STEPS = 8
+
+
+def _same(got, ref):
+    assert got.token_ids == ref.token_ids
+    np.testing.assert_allclose(got.logprobs, ref.logprobs, atol=LOGPROB_TOL, rtol=0)
+
+
+def _fresh(model, ids, max_tokens=STEPS):
+    eng = engine(model)
+    uid = eng.submit("ref", ids, max_tokens=max_tokens)
+    return run(eng)[uid]
+
+
+def _turn(eng, agent, ids, own=None, max_tokens=STEPS):
+    uid = eng.submit_history(agent, ids, own=own, max_tokens=max_tokens)
+    return run(eng)[uid]
+
+
+def test_two_agents_sharing_a_prefix_longer_than_the_window_hold_its_edge_block_once(gemma_tiny):
+    eng = engine(gemma_tiny)
+    shared = history(18, seed=1)
+    a = _turn(eng, "a", shared + [7, 8], max_tokens=2)  # 22 tokens: the window holds [14, 22)
+    b = _turn(eng, "b", shared + [9, 10], max_tokens=2)
+    edge_a, edge_b = a.blocks.groups["sliding-w8-k0"][0], b.blocks.groups["sliding-w8-k0"][0]
+    assert edge_a is edge_b and (edge_a.start, edge_a.end) == (12, 16)  # the pooled block covering 14
+    assert eng.pool.refcount(edge_a) == 2
+    assert [(x.start, x.end) for x in a.blocks.groups["sliding-w8-k0"]] == [(12, 16), (16, 20), (20, 22)]
+    for done, ids in ((a, shared + [7, 8]), (b, shared + [9, 10])):
+        _same(done, _fresh(gemma_tiny, ids, 2))
+        nxt = list(done.blocks.token_ids) + [3, 4, 5]
+        _same(_turn(eng, "c", nxt, own=done.blocks), _fresh(gemma_tiny, nxt))
+
+
+def test_regenerate_edit_and_return_to_a_branch_reuse_everything_before_the_divergence(gemma_tiny):
+    """The five turns of issue 18, scaled to a window of 8: each turn reuses up to
+    where it differs from something cached, and continues exactly like a fresh prefill."""
+    eng = engine(gemma_tiny)
+    t1 = history(13, seed=2)
+    first = _turn(eng, "a", t1, max_tokens=3)                       # 16 tokens, the window moved past 8
+    t2 = list(first.blocks.token_ids) + [41, 42, 43, 44]
+    second = _turn(eng, "a", t2, own=first.blocks, max_tokens=3)    # append: the whole own cache
+    first.blocks.release()  # the scheduler keeps only the newest cache of an agent
+    again = _turn(eng, "a", t2, own=second.blocks, max_tokens=3)    # regenerate: all but the last token
+    second_tokens = list(second.blocks.token_ids)
+    second.blocks.release()
+    edited = t2[:16] + [45, 46, 47, 48]
+    edit = _turn(eng, "a", edited, own=again.blocks, max_tokens=3)  # the last message edited
+    again.blocks.release()
+    t3 = second_tokens + [46, 47, 48]
+    back = _turn(eng, "a", t3, own=edit.blocks, max_tokens=3)       # turn 3 of the first branch
+    got = [(c.cached_tokens, len(ids)) for c, ids in ((first, t1), (second, t2), (again, t2), (edit, edited), (back, t3))]
+    assert got == [(0, 13), (16, 20), (19, 20), (16, 20), (23, 26)]
+    # the original turn 2's tail was released, but stayed in the pool, reachable by its tokens
+    assert back.reuse == "pool"
+    for c, ids in ((first, t1), (second, t2), (again, t2), (edit, edited), (back, t3)):
+        _same(c, _fresh(gemma_tiny, ids, 3))
+
+
+def test_an_edit_before_the_window_reaches_back_through_pooled_blocks(gemma_tiny):
+    eng = engine(gemma_tiny)
+    first = _turn(eng, "a", history(21, seed=3), max_tokens=6)     # 27 tokens; window [19, 27)
+    edited = list(first.blocks.token_ids[:10]) + [99, 30, 31]
+    got = _turn(eng, "a", edited, own=first.blocks)
+    assert got.cached_tokens == 10                                  # [2, 10) from blocks pooled at turn 1
+    _same(got, _fresh(gemma_tiny, edited))
+
+
+def test_a_file_with_a_shared_edge_reloads_shared(gemma_tiny, tmp_path):
+    eng = engine(gemma_tiny)
+    shared = history(18, seed=4)
+    done = {a: _turn(eng, a, shared + [i + 1, i + 2], max_tokens=2) for i, a in enumerate("ab")}
+    for a, d in done.items():
+        info = cachefile.save(tmp_path / f"{a}.safetensors", d.blocks, model_fingerprint="tiny-gemma")
+        assert info.format_version == 2 and info.stored_from == {"sliding-w8-k0": 12}
+    fresh = engine(gemma_tiny)  # a restart: a new pool
+    loaded = {a: cachefile.load(tmp_path / f"{a}.safetensors", fresh.pool) for a in done}
+    edges = [loaded[a].groups["sliding-w8-k0"][0] for a in "ab"]
+    assert edges[0] is edges[1] and (edges[0].start, edges[0].end) == (12, 16)
+    assert fresh.pool.refcount(edges[0]) == 2
+    for a in "ab":
+        assert_identical(loaded[a], done[a].blocks)
+        nxt = list(loaded[a].token_ids) + [5, 6]
+        _same(_turn(fresh, a, nxt, own=loaded[a]), _fresh(gemma_tiny, nxt))
+
+
+def test_a_referenced_edge_block_survives_the_pool_recycling_everything_else(gemma_tiny):
+    eng = engine(gemma_tiny, blocks=24)
+    shared = history(18, seed=5)
+    keep = _turn(eng, "a", shared + [1, 2], max_tokens=2)
+    edge = keep.blocks.groups["sliding-w8-k0"][0]
+    before = [np.array(x) for x in convert.reconstruct(keep.blocks)[0].state]
+    for i in range(6):  # other agents cycle every free block through the free queue
+        other = _turn(eng, f"o{i}", history(18, seed=100 + i), max_tokens=2)
+        other.blocks.release()
+    assert eng.pool.refcount(edge) == 1 and eng.pool.stats().cached < 24
+    after = [np.array(x) for x in convert.reconstruct(keep.blocks)[0].state]
+    assert all(np.array_equal(x, y) for x, y in zip(before, after))
+    nxt = list(keep.blocks.token_ids) + [3, 4]
+    _same(_turn(eng, "a", nxt, own=keep.blocks), _fresh(gemma_tiny, nxt))
+
+
+def test_pooled_tails_are_indexed_under_their_parent_until_recycled(gemma_tiny):
+    eng = engine(gemma_tiny, blocks=12)
+    done = _turn(eng, "a", history(6, seed=6), max_tokens=1)  # 7 tokens: [0, 4) and the tail [4, 7)
+    tail = done.blocks.groups["global"][-1]
+    assert (tail.start, tail.n_tokens) == (4, 3) and tail.token_hash is not None
+    parent = done.blocks.groups["global"][0]
+    assert eng.pool.children(tail.parent, "global") == [tail] and tail.parent != parent.parent
+    done.blocks.release()
+    assert eng.pool.children(tail.parent, "global") == [tail]  # released: cached, still reachable
+    for i in range(4):  # recycle every block
+        _turn(eng, f"o{i}", history(10, seed=200 + i), max_tokens=1).blocks.release()
+    assert eng.pool.children(tail.parent, "global") == []
+
+
+@pytest.mark.parametrize("salt", [None, "tenant"])
+def test_a_pooled_branch_is_reachable_only_under_its_own_root(gemma_tiny, salt):
+    from semantic.blockplan import salt_root
+
+    eng = engine(gemma_tiny)
+    ids = history(13, seed=7)
+    uid = eng.submit_history("a", ids, max_tokens=3, root=salt_root("tenant"))
+    run(eng)[uid].blocks.release()
+    uid = eng.submit_history("b", ids + [1, 2], max_tokens=1, root=salt_root(salt))
+    got = run(eng)[uid]
+    assert got.cached_tokens == (13 if salt else 0)  # a's 16 tokens start like b's 15 for 13
+
+
+@pytest.mark.parametrize("block_tokens", [3, 4, 16])
+def test_a_file_with_a_shared_edge_loads_into_a_pool_of_any_block_size(gemma_tiny, tmp_path, block_tokens):
+    eng = engine(gemma_tiny)
+    done = _turn(eng, "a", history(18, seed=8) + [1, 2], max_tokens=2)
+    path = tmp_path / "a.safetensors"
+    assert cachefile.save(path, done.blocks, model_fingerprint="tiny-gemma").stored_from == {"sliding-w8-k0": 12}
+    loaded = cachefile.load(path, engine(gemma_tiny, block_tokens=block_tokens).pool)
+    assert_identical(loaded, done.blocks)
