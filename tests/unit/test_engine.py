@@ -273,7 +273,7 @@ def test_an_edited_history_reuses_only_what_precedes_the_edit_and_matches_a_fres
     assert list(got.blocks.token_ids) == edited + got.token_ids
 
 
-def test_a_sliding_edit_falls_back_to_the_older_window_blocks_an_earlier_turn_pooled(gemma_tiny):
+def test_a_sliding_edit_reuses_up_to_the_edit_from_the_window_blocks_earlier_prefills_pooled(gemma_tiny):
     engine = _engine(gemma_tiny)
     uid = engine.submit_history("a", _history(2, 2), max_tokens=6)
     turn1 = _run(engine)[uid].blocks            # 8 tokens: the window ending at 8 is pooled
@@ -284,7 +284,8 @@ def test_a_sliding_edit_falls_back_to_the_older_window_blocks_an_earlier_turn_po
     b = engine.submit_history("a", edited, own=turn2, max_tokens=STEPS)
     ref = engine.submit("ref", edited, max_tokens=STEPS)
     done = _run(engine)
-    assert (done[b].reuse, done[b].cached_tokens) == ("pool", 8)
+    # turn 2's prefill checkpointed every block boundary: the window [2, 10) is pooled
+    assert (done[b].reuse, done[b].cached_tokens) == ("pool", 10)
     _assert_same(done[b], done[ref])
 
 

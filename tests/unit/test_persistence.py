@@ -82,14 +82,15 @@ def test_loading_into_a_pool_that_holds_the_prefix_shares_its_full_blocks(gemma_
     before = pool.stats()
     loaded = cachefile.load(path, pool)
     assert_identical(loaded, original)
-    # 43 tokens in blocks of 4: 10 full global blocks and the tail, the window's full block and the tail
+    # 43 tokens in blocks of 4: 10 full global blocks and the tail; the window [35, 43) as the
+    # pooled block [32, 36) its edge references (the prefill's checkpoint at 36 pooled it), one full block, the tail
     shared = [b for b in loaded.unique_blocks() if any(b is o for o in original.unique_blocks())]
-    assert [(b.group, b.start) for b in shared] == [("sliding-w8-k0", 36), ("sliding-w8-k0", 40)] + [
+    assert [(b.group, b.start) for b in shared] == [("sliding-w8-k0", s) for s in (32, 36, 40)] + [
         ("global", 4 * i) for i in range(11)
     ]
     assert all(pool.refcount(b) == 2 for b in shared)
     after = pool.stats()
-    assert (after.hits - before.hits, after.used - before.used) == (13, 1)  # the window edge [35, 36) is private
+    assert (after.hits - before.hits, after.used - before.used) == (14, 0)  # nothing private: every block hit
 
 
 def _address(a) -> int:
@@ -106,7 +107,10 @@ def test_a_file_loads_as_one_segment_per_group_that_reconstruction_hands_over_wi
     caches = convert.reconstruct(loaded)
     for i, c in enumerate(caches):
         seg = loaded.blocks_for_layer(i)[0].segment_view.segment
-        assert _address(c.keys) == _address(seg.layer_data[i][0])  # the segment itself, not a copy
+        keys = seg.layer_data[i][0]
+        # the segment itself, not a copy; a window starts 3 tokens into its stored edge block [32, 36)
+        skip = loaded.total_tokens - c.keys.shape[2] - 32 if i % 2 == 0 else 0
+        assert _address(c.keys) == _address(keys) + skip * keys.shape[-1] * keys.itemsize
 
 
 def test_after_a_partial_hit_each_run_of_missed_blocks_gets_a_compact_segment(gemma_file):
@@ -114,9 +118,11 @@ def test_after_a_partial_hit_each_run_of_missed_blocks_gets_a_compact_segment(ge
     pool = eng.pool  # it holds the original's blocks: the full ones hit
     loaded = cachefile.load(path, pool)
     missed = [b for b in loaded.unique_blocks() if not any(b is o for o in original.unique_blocks())]
-    assert [(b.group, b.start, b.n_tokens) for b in missed] == [("sliding-w8-k0", 35, 1)]  # tails are keyed: hits
-    assert [b.segment_view.segment.n_tokens for b in missed] == [1]  # a copy of just this token
+    assert missed == []  # tails are keyed and the window edge is the pooled block [32, 36): all hits
     assert_identical(loaded, original)
+    other = BlockPool(eng.spec, 64, block_tokens=4)
+    for b in cachefile.load(path, other).unique_blocks():  # into an empty pool: one compact segment per group
+        assert b.segment_view.segment.n_tokens == (11 if b.group.startswith("sliding") else 43)
 
 
 def test_a_file_loads_into_a_pool_of_another_block_size(gemma_file, gemma_tiny):
@@ -169,9 +175,11 @@ def test_the_file_is_plain_safetensors_with_one_document_in_its_metadata(gemma_f
         "cache": "RotatingKVCache", "offset": 43, "window": 8, "keep": 0, "ring_idx": 8, "bits": None, "group_size": None,
     }
     assert doc["layers"][1]["cache"] == "KVCache" and doc["layers"][1]["ring_idx"] is None
-    # one tensor per layer and part: (1, heads, held tokens, dim); a window holds tokens 35..42
+    # one tensor per layer and part: (1, heads, stored tokens, dim); a window holds tokens 35..42,
+    # stored from 32: its edge references the pooled block [32, 36), which the file keeps whole
+    assert doc["stored_from"] == {"sliding-w8-k0": 32}
     assert {n: t.shape for n, t in tensors.items()} == {
-        f"layer.{i}.{side}": (1, 1, 8 if i % 2 == 0 else 43, 32) for i in range(4) for side in ("keys", "values")
+        f"layer.{i}.{side}": (1, 1, 11 if i % 2 == 0 else 43, 32) for i in range(4) for side in ("keys", "values")
     }
     assert sorted(doc["tensors"]) == sorted(tensors)
     for name, digest in doc["tensors"].items():
