@@ -130,8 +130,7 @@ class _Writer:
 
     Nothing is flushed before the one fsync at the end: asking Linux to start
     writeback every 8 MiB (sync_file_range) made a durable 870 MB save 2.5x
-    slower here, the writer waiting on the disk queue instead of filling the
-    page cache (EXP-005)."""
+    slower on this machine's disk, and no faster at 190 MB (EXP-005 README)."""
 
     BATCH_BYTES = 8 << 20
 

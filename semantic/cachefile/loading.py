@@ -154,8 +154,8 @@ def _map(kv: LayerKV, fn) -> LayerKV:
 def _split_kv(kv: LayerKV, cuts: list[int]) -> list[LayerKV]:
     """``kv`` cut along the token axis at ``cuts``: one (keys, values) per piece.
 
-    Spelled out per layout (not through ``_map``): this runs once per layer
-    and load, and the generic tree walk was a third of a small file's load."""
+    Spelled out per layout rather than through ``_map``: it runs once per
+    layer and load, and the generic walk cost twice as much (19 us against 8)."""
     if not cuts:
         return [kv]
     keys, values = kv
