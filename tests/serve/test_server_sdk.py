@@ -260,7 +260,9 @@ def test_tenants_never_hit_each_others_prefixes(tiny_dir, tmp_path):
         fresh = [{"role": "system", "content": "Another prompt entirely. " * 30}, {"role": "user", "content": "hi"}]
         _chat(_oa(s, "key-a"), "same-name", fresh)
         other = _chat(_oa(s, "key-b"), "same-name", fresh)
-        assert other.usage.prompt_tokens_details.cached_tokens == 0
+        # not key-a's "same-name" cache (it would cover the whole prompt): at most the chat template's
+        # opening tokens, which key-b's own earlier request pooled (a prefix of any pooled block is reused)
+        assert other.usage.prompt_tokens_details.cached_tokens < 16
         assert [a["agent"] for a in s.stats("key-b")["agents"]] == ["same-name"]
         assert httpx.get(s.url + "/v1/cache/stats").status_code == 401
     finally:
