@@ -239,7 +239,9 @@ def test_tenants_never_hit_each_others_prefixes(tiny_dir, tmp_path):
         fresh = [{"role": "system", "content": "Another prompt entirely. " * 30}, {"role": "user", "content": "hi"}]
         _chat(_oa(s, "key-a"), "same-name", fresh)
         other = _chat(_oa(s, "key-b"), "same-name", fresh)
-        assert other.usage.prompt_tokens_details.cached_tokens == 0
+        # at most the chat template's opening tokens, which b's own first prompt shares (a pooled
+        # block's prefix is reusable); a's same-name agent would have given the whole history
+        assert other.usage.prompt_tokens_details.cached_tokens < 64
         assert [a["agent"] for a in s.stats("key-b")["agents"]] == ["same-name"]
         assert httpx.get(s.url + "/v1/cache/stats").status_code == 401
     finally:
