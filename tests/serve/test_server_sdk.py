@@ -196,6 +196,27 @@ def test_metrics_and_cache_stats_describe_the_traffic(server):
     assert stats["tokens"]["cached"] > 0 and stats["pool"]["used_blocks"] > 0
 
 
+def test_the_ram_budget_holds_and_an_evicted_agent_continues_from_disk(tiny_dir, tmp_path):
+    s = Server(tiny_dir, tmp_path / "agents", ["--pool-mb", "64", "--ram-mb", "1"]).start()
+    try:  # 1536 bytes a token: one agent's 420 tokens fit in 1 MiB, two do not
+        first = {}
+        for agent in ("ram-a", "ram-b"):
+            msgs = [{"role": "user", "content": f"{agent} has a long story to tell. " * 12}]
+            first[agent] = (msgs, _chat(_oa(s), agent, msgs))
+            s.wait_saved()
+        ram = s.stats()["ram"]
+        assert ram["budget_bytes"] == 1 << 20 and ram["budget_evictions"] >= 1
+        assert ram["bytes"] <= ram["budget_bytes"] and ram["peak_bytes"] <= ram["budget_bytes"]
+        msgs, r = first["ram-a"]
+        again = _chat(_oa(s), "ram-a", msgs + [{"role": "assistant", "content": r.choices[0].message.content},
+                                               {"role": "user", "content": "go on"}])
+        assert again.usage.prompt_tokens_details.cached_tokens >= r.usage.prompt_tokens  # from its file
+        text = httpx.get(s.url + "/metrics").text
+        assert "semantic_ram_budget_bytes 1.048576e+06" in text and "semantic_ram_budget_evictions_total" in text
+    finally:
+        assert s.stop_cleanly(), s.log()
+
+
 def test_overload_answers_429_with_retry_after(tiny_dir, tmp_path):
     s = Server(tiny_dir, tmp_path / "agents", ["--pool-mb", "64", "--max-queued", "1", "--max-batch", "1"]).start()
     try:
@@ -239,9 +260,9 @@ def test_tenants_never_hit_each_others_prefixes(tiny_dir, tmp_path):
         fresh = [{"role": "system", "content": "Another prompt entirely. " * 30}, {"role": "user", "content": "hi"}]
         _chat(_oa(s, "key-a"), "same-name", fresh)
         other = _chat(_oa(s, "key-b"), "same-name", fresh)
-        # at most the chat template's opening tokens, which b's own first prompt shares (a pooled
-        # block's prefix is reusable); a's same-name agent would have given the whole history
-        assert other.usage.prompt_tokens_details.cached_tokens < 64
+        # not key-a's "same-name" cache (it would cover the whole prompt): at most the chat template's
+        # opening tokens, which key-b's own earlier request pooled (a prefix of any pooled block is reused)
+        assert other.usage.prompt_tokens_details.cached_tokens < 16
         assert [a["agent"] for a in s.stats("key-b")["agents"]] == ["same-name"]
         assert httpx.get(s.url + "/v1/cache/stats").status_code == 401
     finally:
