@@ -54,7 +54,8 @@ def test_chat_turns_share_prefixes_survive_edits_and_match_fresh_prefills(smollm
         sched.flush()
         assert sched.stats().saves >= 3 and sched.stats().failed == 0
 
-    assert (b1.reuse, b1.cached_tokens) == ("pool", 256)
+    # a's pooled system prompt: its whole block, and the matching prefix of the block after it
+    assert b1.reuse == "pool" and 256 <= b1.cached_tokens < b1.history_tokens
     # the whole first turn at least (the template re-renders the reply; its tokens usually match too)
     assert a2.reuse in ("own", "own-cut") and a2.cached_tokens >= a1.history_tokens
     # cut exactly where the edited message starts to differ from a's cached history
