@@ -278,7 +278,8 @@ class StepLoop:
         self._rows += joining
 
     def _drop_rows(self, rows: list[int]) -> None:
-        keep = [i for i in range(len(self._rows)) if i not in set(rows)]
+        gone = set(rows)
+        keep = [i for i in range(len(self._rows)) if i not in gone]
         self._rows = [self._rows[i] for i in keep]
         if not keep:
             self._batch = None

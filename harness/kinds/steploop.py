@@ -49,6 +49,14 @@ def _itls(stamps: dict, lo: float, hi: float) -> tuple[list[float], list[float]]
     return inside, outside
 
 
+def _window(stamps: dict, t0: float, t1: float, long_tokens: int) -> dict:
+    """One side's figures: the long prompt arrived at t0 and had its first token at t1."""
+    inside, outside = _itls(stamps, t0, t1)
+    decoded = sum(1 for times in stamps.values() for t in times if t0 < t <= t1)
+    return {"prefill_s": t1 - t0, "itl_during": inside, "itl_idle": outside,
+            "total_tps": (long_tokens + decoded) / (t1 - t0)}
+
+
 def _interleave_ours(loaded, p: dict, trial: int) -> dict:
     from semantic import BlockPool, BlockPoolBatchEngine, ModelCacheSpec
 
@@ -75,16 +83,13 @@ def _interleave_ours(loaded, p: dict, trial: int) -> dict:
     while not long_first:
         engine.step_once()
     t1 = long_first[0]
-    decoded = sum(1 for s in stamps.values() for t in s if t0 < t <= t1)
     after = {i: len(s) for i, s in stamps.items()}
     while min(len(s) - after[i] for i, s in stamps.items()) < p["warm"]:
         engine.step_once()
     for u in uids:
         engine.cancel(u)
     list(engine.step())
-    inside, outside = _itls(stamps, t0, t1)
-    return {"prefill_s": t1 - t0, "itl_during": inside, "itl_idle": outside,
-            "total_tps": (p["long_tokens"] + decoded) / (t1 - t0)}
+    return _window(stamps, t0, t1, p["long_tokens"])
 
 
 def _interleave_mlx_lm(loaded, p: dict, trial: int) -> dict:
@@ -112,15 +117,12 @@ def _interleave_mlx_lm(loaded, p: dict, trial: int) -> dict:
     while not long_first:
         step()
     t1 = long_first[0]
-    decoded = sum(1 for s in stamps.values() for t in s if t0 < t <= t1)
     after = {u: len(s) for u, s in stamps.items()}
     while min(len(s) - after[u] for u, s in stamps.items()) < p["warm"]:
         step()
     for u in [*uids, long_uid]:
         compat.remove(gen, u)
-    inside, outside = _itls(stamps, t0, t1)
-    return {"prefill_s": t1 - t0, "itl_during": inside, "itl_idle": outside,
-            "total_tps": (p["long_tokens"] + decoded) / (t1 - t0)}
+    return _window(stamps, t0, t1, p["long_tokens"])
 
 
 def _quantized_batched(loaded, p: dict, trial: int) -> dict:
@@ -221,5 +223,5 @@ KIND = register(Kind(
         "q_tokens": Param(int, 24, "tokens each quantized agent decodes"),
     },
     plots=frozenset({"itl"}),
-    trial_code=(_interleave_ours, _interleave_mlx_lm, _quantized_batched, _quantized_solo, _itls),
+    trial_code=(_interleave_ours, _interleave_mlx_lm, _quantized_batched, _quantized_solo, _itls, _window),
 ))
