@@ -57,14 +57,14 @@ def _window(stamps: dict, t0: float, t1: float, long_tokens: int) -> dict:
             "total_tps": (long_tokens + decoded) / (t1 - t0)}
 
 
-def _interleave_ours(loaded, p: dict, trial: int) -> dict:
+def _interleave_ours(loaded, p: dict, trial: int, chunk: int | None = None) -> dict:
     from semantic import BlockPool, BlockPoolBatchEngine, ModelCacheSpec
 
     spec = ModelCacheSpec.from_model(loaded.model)
     need = (p["long_tokens"] + p["decoders"] * (p["decoder_prompt"] + 4 * p["warm"] + 2048)) // 256 + 16
     engine = BlockPoolBatchEngine(
         loaded.model, loaded.tokenizer, BlockPool(spec, need), spec, stop_tokens=[],
-        prefill_chunk=p["prefill_chunk"] or None, max_batch=p["decoders"] + 1,
+        prefill_chunk=chunk or p["prefill_chunk"] or None, max_batch=p["decoders"] + 1,
     )
     vocab = engine.vocab_size
     stamps = {i: [] for i in range(p["decoders"])}
@@ -146,6 +146,22 @@ def _quantized_batched(loaded, p: dict, trial: int) -> dict:
     return {"decode_tps": tokens / (stamps[-1] - first), "kv_bytes": held, "fp16_bytes": fp16}
 
 
+def _quantized_bytes_16bit(ctx, p: dict) -> dict | None:
+    """The same KV layout under a 16-bit model, as on a Mac: a fresh copy of the weights cast to
+    float16, so the cache's scales and biases are float16 too (under float32 weights they are
+    float32: 8 bytes per 64 values, 0.5625x). None for a model that is not registered."""
+    from harness.models.load import load
+    from harness.models.registry import REGISTRY
+
+    if ctx.model_name not in REGISTRY:
+        return None
+    loaded = load(ctx.model_name, "f32")  # a new model object: the run's own stays float32
+    loaded.model.set_dtype(mx.float16)
+    out = _quantized_batched(loaded, {**p, "q_agents": 2, "q_tokens": 4}, 0)
+    out["dtype"] = "float16"
+    return out
+
+
 def _quantized_solo(loaded, p: dict, trial: int) -> dict:
     """The solo lane as the engine ran it before: one generate_step per sequence, one forward each per step."""
     from mlx_lm.generate import generate_step
@@ -171,19 +187,24 @@ def _quantized_solo(loaded, p: dict, trial: int) -> dict:
 def run(ctx) -> None:
     p, res, loaded = ctx.params, ctx.results, ctx.loaded
     trials = ctx.config.protocol.trials
-    ctx.progress.total = trials * 4
-    inter = {s: [] for s in SIDES}
+    extra = [f"ours_c{c}" for c in p["extra_chunks"]]
+    ctx.progress.total = trials * (4 + len(extra)) + 1
+    inter = {s: [] for s in (*SIDES, *extra)}
     quant = {"solo": [], "batched": []}
     for trial in range(trials):
-        for side in (SIDES if trial % 2 == 0 else SIDES[::-1]):
-            inter[side].append((_interleave_ours if side == "ours" else _interleave_mlx_lm)(loaded, p, trial))
+        order = [*SIDES, *extra]
+        for side in (order if trial % 2 == 0 else order[::-1]):
+            if side == "mlx_lm":
+                inter[side].append(_interleave_mlx_lm(loaded, p, trial))
+            else:
+                inter[side].append(_interleave_ours(loaded, p, trial, int(side[6:]) if side != "ours" else None))
             ctx.progress.update(1)
         for side in (("solo", "batched") if trial % 2 == 0 else ("batched", "solo")):
             quant[side].append((_quantized_batched if side == "batched" else _quantized_solo)(loaded, p, trial))
             ctx.progress.update(1)
 
     med = lambda xs: float(np.median(xs))  # noqa: E731
-    for s in SIDES:
+    for s in inter:
         during = [x * 1000 for r in inter[s] for x in r["itl_during"]]
         idle = [x * 1000 for r in inter[s] for x in r["itl_idle"]]
         res.metric(f"itl_during_ms_{s}", during, "ms", "lower", f"decoders' inter-token latency while the long prompt prefills ({s})")
@@ -191,18 +212,33 @@ def run(ctx) -> None:
         res.metric(f"prefill_s_{s}", [r["prefill_s"] for r in inter[s]], "s", "lower", f"long prompt to its first token ({s})")
         res.metric(f"total_tps_{s}", [r["total_tps"] for r in inter[s]], "tokens/s", "higher", f"prompt + decoded tokens per second ({s})")
         res.check(f"itl_p99_over_idle_median_{s}", float(np.percentile(during, 99)) / med(idle))
-    res.check("prefill_time_ours_over_mlx_lm", med(res.doc["metrics"]["prefill_s_ours"]["samples"]) / med(res.doc["metrics"]["prefill_s_mlx_lm"]["samples"]))
-    res.check("total_tps_ours_over_mlx_lm", med(res.doc["metrics"]["total_tps_ours"]["samples"]) / med(res.doc["metrics"]["total_tps_mlx_lm"]["samples"]))
+    samples = lambda name: res.doc["metrics"][name]["samples"]  # noqa: E731
+    for s in ("ours", *extra):
+        res.check(f"prefill_time_{s}_over_mlx_lm", med(samples(f"prefill_s_{s}")) / med(samples("prefill_s_mlx_lm")))
+        res.check(f"total_tps_{s}_over_mlx_lm", med(samples(f"total_tps_{s}")) / med(samples("total_tps_mlx_lm")))
     for s in ("solo", "batched"):
         res.metric(f"q_decode_tps_{s}", [r["decode_tps"] for r in quant[s]], "tokens/s", "higher",
                    f"{p['q_agents']} agents, {p['q_bits']}-bit KV: decode tokens/s ({s})")
     res.check("q_batched_over_solo", med([r["decode_tps"] for r in quant["batched"]]) / med([r["decode_tps"] for r in quant["solo"]]))
     q = quant["batched"][0]
     res.check("q_kv_bytes_over_fp16", q["kv_bytes"] / q["fp16_bytes"])
+    q16 = _quantized_bytes_16bit(ctx, p)
+    ctx.progress.update(1)
+    if q16 is not None:
+        res.check("q_kv_bytes_over_fp16_16bit_model", q16["kv_bytes"] / q16["fp16_bytes"])
+        res.output("q_16bit_model_dtype", q16["dtype"])
     res.output("prefill_chunk", p["prefill_chunk"] or "engine default")
+    if "tradeoff" in ctx.config.plots:
+        base = med(samples("prefill_s_mlx_lm"))
+        ctx.plots.append(plots.scaling_plot(
+            {s: ([med(samples(f"prefill_s_{s}")) / base], [res.doc["checks"][f"itl_p99_over_idle_median_{s}"]], None)
+             for s in inter},
+            ctx.plot_path("tradeoff"), "the long prompt's time to first token / BatchGenerator's (goal <= 1.2)",
+            "decoders' p99 ITL during it / idle median (goal <= 3)",
+            f"{ctx.model_name}: prefill chunk size trades decoder latency for prefill time", logy=True))
     if "itl" in ctx.config.plots:
         ctx.plots.append(plots.cdf_plot(
-            {f"{s}, {w}": [x * 1000 for r in inter[s] for x in r[f"itl_{w}"]] for s in SIDES for w in ("idle", "during")},
+            {f"{s}, {w}": [x * 1000 for r in inter[s] for x in r[f"itl_{w}"]] for s in inter for w in ("idle", "during")},
             ctx.plot_path("itl-cdf"), "decoder inter-token latency (ms)",
             f"{ctx.model_name}: {p['decoders']} decoders beside a {p['long_tokens']}-token prefill"))
 
@@ -216,12 +252,13 @@ KIND = register(Kind(
         "warm": Param(int, 16, "decoder tokens before the long prompt arrives, and after its first token"),
         "long_tokens": Param(int, 8192, "the long prompt's tokens"),
         "prefill_chunk": Param(int, 0, "our loop's prompt tokens per step (0: the engine's default for the device)"),
+        "extra_chunks": Param(list, [], "more sides: our loop with these prompt tokens per step (the trade-off curve)"),
         "q_agents": Param(int, 8, "agents with quantized KV caches"),
         "q_bits": Param(int, 8, "their KV bits"),
         "q_group": Param(int, 64, "their KV quantization group"),
         "q_prompt": Param(int, 64, "each quantized agent's prompt tokens"),
         "q_tokens": Param(int, 24, "tokens each quantized agent decodes"),
     },
-    plots=frozenset({"itl"}),
-    trial_code=(_interleave_ours, _interleave_mlx_lm, _quantized_batched, _quantized_solo, _itls, _window),
+    plots=frozenset({"itl", "tradeoff"}),
+    trial_code=(_interleave_ours, _interleave_mlx_lm, _quantized_batched, _quantized_bytes_16bit, _quantized_solo, _itls, _window),
 ))
