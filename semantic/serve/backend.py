@@ -54,14 +54,15 @@ class Backend:
     """A model, its cache store and a :class:`ConcurrentScheduler`, for the HTTP routes."""
 
     def __init__(self, model, tokenizer, store, *, model_id: str, max_batch: int = 8, max_queued: int = 64,
-                 max_context: int | None = None, sync_saves: bool = False, ram_budget_bytes: int | None = None):
+                 max_context: int | None = None, sync_saves: bool = False, ram_budget_bytes: int | None = None,
+                 prefill_chunk: int | None = None):
         from semantic.scheduler import ConcurrentScheduler
 
         self.model_id = model_id
         self.tokenizer = tokenizer
         self.store = store
         self.scheduler = ConcurrentScheduler(model, tokenizer, store, max_batch=max_batch, max_queued=max_queued,
-                                             ram_budget_bytes=ram_budget_bytes)
+                                             ram_budget_bytes=ram_budget_bytes, prefill_chunk=prefill_chunk)
         self.eos = frozenset(int(t) for t in tokenizer.eos_token_ids)
         self.vocab_size = self.scheduler.engine.vocab_size
         args = getattr(model, "args", None)
@@ -79,7 +80,8 @@ class Backend:
     def from_model(cls, model: str, *, model_id: str | None = None, cache_dir: str | None = None,
                    pool_bytes: int, ram_budget_bytes: int, disk_budget_bytes: int,
                    max_batch: int = 8, max_queued: int = 64, max_context: int | None = None,
-                   block_tokens: int = 256, sync_saves: bool = False) -> "Backend":
+                   block_tokens: int = 256, sync_saves: bool = False,
+                   prefill_chunk: int | None = None) -> "Backend":
         """Load ``model`` (a directory or hub id, whatever ``mlx_lm.load`` takes) and open its cache store.
 
         Caches live under ``cache_dir``, by default
@@ -114,7 +116,8 @@ class Backend:
         log.info("serving %s from %s: %d blocks of %d tokens (%.0f MB), caches in %s",
                  name, path, total, block_tokens, total * block_bytes / 1e6, root)
         return cls(loaded, tokenizer, store, model_id=name, max_batch=max_batch, max_queued=max_queued,
-                   max_context=max_context, sync_saves=sync_saves, ram_budget_bytes=ram_budget_bytes)
+                   max_context=max_context, sync_saves=sync_saves, ram_budget_bytes=ram_budget_bytes,
+                   prefill_chunk=prefill_chunk)
 
     # ------------------------------------------------------------ requests
 

@@ -30,6 +30,7 @@ class ServeConfig:
     max_batch: int = 8
     max_queued: int = 64
     max_context: int | None = None
+    prefill_chunk: int | None = None  # prompt tokens per step; None: the device's default
     max_body_mb: float = 4.0
     log_level: str = "info"
     graceful_s: float = 10.0
@@ -48,8 +49,9 @@ class ServeConfig:
             raise ValueError("api keys must be non-empty strings without surrounding spaces")
         for name in ("pool_mb", "ram_mb", "disk_mb", "max_batch", "max_queued"):
             _positive_int(name, getattr(self, name))
-        if self.max_context is not None:
-            _positive_int("max_context", self.max_context)
+        for name in ("max_context", "prefill_chunk"):
+            if getattr(self, name) is not None:
+                _positive_int(name, getattr(self, name))
         for name in ("max_body_mb", "graceful_s", "shutdown_s"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:

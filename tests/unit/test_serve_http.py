@@ -503,12 +503,16 @@ def test_cli_reads_keys_from_flags_and_environment(monkeypatch):
     cfg = parse_config(["--model", "m", "--api-key", "f1", "--port", "9000"])
     assert cfg.api_keys == ("f1", "e1", "e2") and cfg.port == 9000 and cfg.host == "127.0.0.1"
     assert "f1" not in repr(cfg)
+    assert cfg.prefill_chunk is None  # the device's default
+    assert parse_config(["--model", "m", "--prefill-chunk", "16"]).prefill_chunk == 16
     with pytest.raises(SystemExit):
         parse_config(["--model", "m", "--port", "70000"])
+    with pytest.raises(SystemExit):
+        parse_config(["--model", "m", "--prefill-chunk", "0"])
 
 
 @pytest.mark.parametrize("bad", [{"port": 0}, {"pool_mb": 0}, {"host": " "}, {"max_body_mb": -1},
-                                 {"api_keys": ("",)}, {"log_level": "loud"}])
+                                 {"api_keys": ("",)}, {"log_level": "loud"}, {"prefill_chunk": 0}])
 def test_serve_config_refuses_bad_values(bad):
     with pytest.raises(ValueError):
         ServeConfig(model="m", **bad)
