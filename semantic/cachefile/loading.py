@@ -38,7 +38,7 @@ def _read_tensors(info: CacheFileInfo, slots: list[TensorSlot]) -> dict[str, mx.
     ``mx.load`` reads straight into the arrays' memory, with no Python-side
     buffer and no copy, in one ``mx.eval``: MLX reads the tensors in parallel
     only when it is given all of them (evaluating them in groups, to hash each
-    while it is still in cache, measured 1.5-2x slower). The calling thread
+    while it is still in cache, measured 1.2-1.9x slower). The calling thread
     then hashes its share beside the hashing threads instead of waiting for
     them (xxhash releases the GIL).
     """
