@@ -117,8 +117,11 @@ def layout(spec: ModelCacheSpec, total: int, stored_from: dict[str, int] | None 
     """Every tensor a file of ``total`` tokens holds, in file order (none when empty)."""
     slots = []
     stored_from = stored_from or {}
+    per_group: dict[str, int] = {}  # every layer of a group holds the same tokens: count them once
     for i, layer in enumerate(spec.layers):
-        held = stored_tokens(layer, total, stored_from.get(layer.group))
+        held = per_group.get(layer.group)
+        if held is None:
+            held = per_group[layer.group] = stored_tokens(layer, total, stored_from.get(layer.group))
         if not held:
             continue
         for side, part, dtype, shape in _parts(layer, held):
@@ -179,6 +182,18 @@ class CacheFileInfo:
 def canon(x: Any) -> str:
     """Canonical JSON, so that 1 != 1.0 != true when comparing header values."""
     return json.dumps(x, sort_keys=True, separators=(",", ":"))
+
+
+def same_json(a: Any, b: Any) -> bool:
+    """Whether two parsed JSON values are equal with 1, 1.0 and true all different
+    (``canon(a) == canon(b)`` without serializing either: a third of the header's cost)."""
+    if type(a) is not type(b):
+        return False
+    if type(a) is dict:
+        return a.keys() == b.keys() and all(same_json(v, b[k]) for k, v in a.items())
+    if type(a) is list:
+        return len(a) == len(b) and all(map(same_json, a, b))
+    return a == b
 
 
 def header_bytes(doc: dict, slots: list[TensorSlot]) -> bytes:
@@ -273,7 +288,7 @@ def _verify_layout(path: str, doc: dict, table: dict, st: os.stat_result, data_o
     root = doc.get("hash_root")
     if root is not None and (type(root) is not int or not -(1 << 63) <= root < (1 << 63)):
         raise CacheCorruptError(path, "hash_root must be a signed 64-bit integer")
-    if canon(layers) != canon(_layer_meta(spec, len(tokens))):
+    if not same_json(layers, _layer_meta(spec, len(tokens))):
         raise CacheCorruptError(path, "per-layer cache meta does not match the spec and token count")
     stored_from = _check_stored_from(path, doc, spec, len(tokens))
     slots = layout(spec, len(tokens), stored_from)
@@ -286,7 +301,7 @@ def _verify_layout(path: str, doc: dict, table: dict, st: os.stat_result, data_o
     for s in slots:
         expected[s.name] = _entry(s, offset)
         offset += s.nbytes
-    if canon(table) != canon(expected):  # one comparison; the loop below only names the difference
+    if not same_json(table, expected):  # one comparison; the loop below only names the difference
         for name, want in expected.items():
             if name not in table:
                 raise CacheCorruptError(path, f"tensor {name} is missing")

@@ -32,17 +32,15 @@ class _Replaced(Exception):
     """The file at the path changed between reading its header and its data."""
 
 
-_READ_CHUNKS = 2  # hashing the first half overlaps reading the second where a core is free
-
-
 def _read_tensors(info: CacheFileInfo, slots: list[TensorSlot]) -> dict[str, mx.array]:
     """The slots' tensors, evaluated and checked against their checksums.
 
-    ``mx.load`` reads straight into the arrays' memory (in parallel under
-    mlx 0.32), with no Python-side buffer and no copy; each ``mx.eval`` of a
-    chunk reads its tensors and makes the per-layer views, then the hashing
-    threads checksum them (xxhash releases the GIL) while the next chunk is
-    read.
+    ``mx.load`` reads straight into the arrays' memory, with no Python-side
+    buffer and no copy, in one ``mx.eval``: MLX reads the tensors in parallel
+    only when it is given all of them (evaluating them in groups, to hash each
+    while it is still in cache, measured 1.2-1.9x slower). The calling thread
+    then hashes its share beside the hashing threads instead of waiting for
+    them (xxhash releases the GIL).
     """
     if not slots:
         return {}
@@ -59,23 +57,19 @@ def _read_tensors(info: CacheFileInfo, slots: list[TensorSlot]) -> dict[str, mx.
         if t is None or tuple(t.shape) != s.shape or t.dtype != MX_DTYPES[s.dtype]:
             raise CacheCorruptError(info.path, f"tensor {s.name} does not load as {s.shape} {s.dtype}")
         tensors[s.name] = t
-    names = list(tensors)
-    step = max(1, -(-len(names) // _READ_CHUNKS))
-    workers = hasher()._max_workers
-    pending = []
+    names, arrays = list(tensors), list(tensors.values())
     try:
-        for i in range(0, len(names), step):
-            part = names[i : i + step]
-            mx.eval([tensors[n] for n in part])
-            for w in range(workers):  # one task per thread, not per tensor
-                mine = part[w::workers]
-                if mine:
-                    pending.append((mine, hasher().submit(_digest_arrays, [tensors[n] for n in mine])))
+        mx.eval(arrays)
     except (RuntimeError, ValueError) as exc:  # e.g. the file shrank under us
         raise CacheCorruptError(info.path, f"reading tensors failed: {exc}") from None
-    for name, got in ((n, d) for mine, fut in pending for n, d in zip(mine, fut.result())):
-        if got != info.digests[name]:
-            raise CacheCorruptError(info.path, f"tensor {name}: checksum mismatch ({HASH} {got} != {info.digests[name]})")
+    # every (workers + 1)-th tensor per thread: keys and values alternate, so the shares weigh alike
+    shares = 1 + min(hasher()._max_workers, max(1, (os.cpu_count() or 2) - 1))
+    pending = [hasher().submit(_digest_arrays, arrays[k::shares]) for k in range(1, shares)]
+    digests = [_digest_arrays(arrays[0::shares])] + [f.result() for f in pending]
+    for k, got in enumerate(digests):
+        for name, d in zip(names[k::shares], got):
+            if d != info.digests[name]:
+                raise CacheCorruptError(info.path, f"tensor {name}: checksum mismatch ({HASH} {d} != {info.digests[name]})")
     return tensors
 
 
@@ -102,8 +96,10 @@ class _FileBlocks:
     def __init__(self, info: CacheFileInfo):
         self.info = info
         self.by_group: dict[str, list[TensorSlot]] = {}
+        self.by_layer: dict[int, dict[tuple[str, int | None], str]] = {}  # layer -> (side, part) -> tensor name
         for s in info.slots:
             self.by_group.setdefault(s.group, []).append(s)
+            self.by_layer.setdefault(s.layer, {})[(s.side, s.part)] = s.name
         self.arrays: dict[str, mx.array] = {}
 
     def needed(self, planned: Iterable[PlannedBlock]) -> list[TensorSlot]:
@@ -116,14 +112,14 @@ class _FileBlocks:
 
     def layer(self, group: str, i: int) -> LayerKV:
         """Layer ``i``'s (keys, values) over every token its group holds."""
-        parts = {(s.side, s.part): self.arrays[s.name] for s in self.by_group[group] if s.layer == i}
-        if ("keys", None) in parts:
-            return parts[("keys", None)], parts[("values", None)]
-        return tuple(tuple(parts[(side, k)] for k in range(3)) for side in ("keys", "values"))
+        names, a = self.by_layer[i], self.arrays
+        if ("keys", None) in names:
+            return a[names[("keys", None)]], a[names[("values", None)]]
+        return tuple(tuple(a[names[(side, k)]] for k in range(3)) for side in ("keys", "values"))
 
     def block_data(self, planned: BlockPlan) -> dict[int, tuple[dict[int, LayerKV], SegmentView]]:
         """For each missed planned block (by index): its layer views and where they sit in their segment."""
-        out = {}
+        out, made = {}, []
         per_group = Counter(p.group for p in planned.blocks)
         for run in miss_runs(planned.blocks):
             first, last = planned.blocks[run[0]], planned.blocks[run[-1]]
@@ -139,16 +135,25 @@ class _FileBlocks:
             per_block = [{} for _ in run]
             for i, kv in seg.layer_data.items():
                 # one split per array gives every block's view at once
-                for j, piece in enumerate(_split_kv(kv, starts[1:])):
+                pieces = _split_kv(kv, starts[1:])
+                for j, piece in enumerate(pieces):
                     per_block[j][i] = piece
+                made.extend(_leaves(pieces))
             for idx, s0, data in zip(run, starts, per_block):
                 out[idx] = (data, SegmentView(seg, s0, dict(data)))
-        mx.eval([d for d, _ in out.values()])  # views (and, after a partial hit, copies)
+        # views (and, after a partial hit, copies), evaluated on the loading thread: mlx 0.32 refuses
+        # to evaluate an array on another thread than the one that made it. One flat list of arrays
+        # evaluates 1.4-1.6x faster than the nested per-block dicts (1920 views: 5.1 ms against 7.2)
+        mx.eval(made)
         return out
 
 
 def _map(kv: LayerKV, fn) -> LayerKV:
     return tuple(tuple(fn(x) for x in side) if isinstance(side, tuple) else fn(side) for side in kv)
+
+
+def _leaves(pieces: list[LayerKV]) -> list[mx.array]:
+    return [x for kv in pieces for side in kv for x in (side if isinstance(side, tuple) else (side,))]
 
 
 def _split_kv(kv: LayerKV, cuts: list[int]) -> list[LayerKV]:
