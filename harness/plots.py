@@ -159,3 +159,46 @@ def throughput_plot(groups: Mapping[str, Mapping[str, float]], path: Path, ylabe
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=8, loc="upper left")
     return _save(fig, path)
+
+
+def turns_plot(turns: Sequence[str], ttft_s: Mapping[str, Sequence[float]], cached: Mapping[str, Sequence[float]],
+               prompt: Sequence[float], path: Path, title: str) -> Path:
+    """Per turn, each side's TTFT (top, log axis) and cached prompt tokens against the prompt (bottom).
+
+    Args:
+        turns: the turn labels, in order.
+        ttft_s: side -> seconds per turn.
+        cached: side -> cached tokens per turn (NaN where a side reports none).
+        prompt: the prompt's tokens per turn, drawn as a line over the cached bars.
+        path: the PNG to write.
+        title: the title.
+
+    Returns:
+        ``path``.
+    """
+    sides = list(ttft_s)
+    width = 0.8 / len(sides)
+    x = np.arange(len(turns))
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(max(6, 1.4 * len(turns)), 7), sharex=True)
+    for i, side in enumerate(sides):
+        xs = x + (i - (len(sides) - 1) / 2) * width
+        for ax, values, fmt in ((top, ttft_s[side], "{:.2f}"), (bottom, cached[side], "{:.0f}")):
+            ax.bar(xs, values, width, label=side, color=plt.cm.tab10.colors[i])
+            for xi, v in zip(xs, values):
+                if np.isfinite(v):  # tall cached bars hold their count inside, below the prompt's line
+                    inside = ax is bottom and v > 0.2 * max(prompt)
+                    ax.annotate(fmt.format(v), (xi, v), ha="center", va="top" if inside else "bottom",
+                                fontsize=7, color="white" if inside else "black")
+    bottom.hlines(prompt, x - 0.45, x + 0.45, colors="k", linestyles="--", label="prompt tokens")
+    for xi, n in zip(x, prompt):
+        bottom.annotate(f"/ {n:.0f}", (xi + 0.45, n), ha="right", va="bottom", fontsize=7)
+    top.set_yscale("log")
+    top.set_ylim(top=np.nanmax([v for vs in ttft_s.values() for v in vs]) * 5)  # room for the legend
+    top.set(ylabel="TTFT (s, client)", title=title)
+    bottom.set_ylim(0, max(prompt) * 1.3)
+    bottom.set(ylabel="cached prompt tokens")
+    bottom.set_xticks(x, turns)
+    for ax in (top, bottom):
+        ax.grid(axis="y", alpha=0.3)
+        ax.legend(fontsize=8, loc="upper left", ncol=3)
+    return _save(fig, path)

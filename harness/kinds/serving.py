@@ -28,7 +28,8 @@ from harness.serving import targets as T
 from harness.serving.loadgen import chat, chat_counter
 
 OURS = "semantic"
-ALL_PHASES = ("warm", "agents", "shared", "restart", "concurrency", "matched")
+ALL_PHASES = ("warm", "five_turns", "agents", "shared", "restart", "concurrency", "matched")
+MLX_LM = "mlx_lm.server"
 
 
 def _matched(pool_mb: int) -> dict[str, dict]:
@@ -44,6 +45,20 @@ def _matched(pool_mb: int) -> dict[str, dict]:
 def _median(xs) -> float | None:
     xs = [x for x in xs if x is not None]
     return float(np.median(xs)) if xs else None
+
+
+def five_turn_prompts(tokenizer, repeat: int, system_tokens: int, question_tokens: int) -> tuple[dict, list[dict]]:
+    """One five-turn conversation's system prompt and 4 user messages (issue 18's shape).
+
+    Each repeat's system prompt differs from its first words on, so its first turn is cold on every
+    server (only the chat template's opening tokens are shared)."""
+    from harness.kinds.agents import text_of_tokens
+
+    head = f"Ship's log {repeat + 1}. You are a careful research agent. Reference material:"
+    system = {"role": "system", "content": text_of_tokens(tokenizer, system_tokens, 500 + 211 * repeat, head)}
+    questions = [{"role": "user", "content": text_of_tokens(tokenizer, question_tokens, 40 * j + 7 * repeat,
+                                                            f"Question {j}:")} for j in range(1, 5)]
+    return system, questions
 
 
 def run(ctx) -> None:
@@ -93,6 +108,15 @@ def run(ctx) -> None:
         bench.start_all(runnable, defaults, "defaults")
         if "warm" in phases:
             bench.warm(p["warm_rounds"])
+            ctx.progress.update(1)
+        if "five_turns" in phases:
+            names = set(p["five_turns_targets"]) & {t.name for t in runnable}
+            out["five_turns"] = []
+            for i in range(p["five_turns_repeats"]):
+                system5, questions = five_turn_prompts(tokenizer, i, p["five_turns_system_tokens"],
+                                                       p["five_turns_question_tokens"])
+                out["five_turns"] += bench.five_turns(2000 + i, system5, questions, p["five_turns_answer_tokens"],
+                                                      names, fresh=OURS)
             ctx.progress.update(1)
         agents = range(p["agents"])
         if "agents" in phases or "restart" in phases:
@@ -190,7 +214,76 @@ def _record(ctx, bench: P.Bench, out: dict, names: list[str]) -> None:
     res.output("concurrency", conc)
     for k, v in checks.items():
         res.check(k, v)
+    if out.get("five_turns"):
+        _five_turns(ctx, out["five_turns"])
     _plots(ctx, recs, names, conc)
+
+
+def _five_turns(ctx, rows: list[dict]) -> None:
+    """Issue 18's goal on the five turns: ours against mlx_lm.server, per turn (medians over repeats)."""
+    from harness.serving.phases import FIVE_TURNS
+
+    res = ctx.results
+    table = five_turns_table(rows)
+    res.output("five_turns", {"rows": rows, "by_turn": table})
+    for kind in FIVE_TURNS:
+        for server in sorted({n for r in rows for n in r["servers"]}):
+            xs = [r["servers"][server]["ttft_s"] for r in rows if r["kind"] == kind and server in r["servers"]]
+            xs = [x for x in xs if x is not None]
+            if xs:
+                res.metric(f"ttft_five_turns_{kind}_{server}", xs, "s", "lower", f"five turns past the window: {kind}")
+    for k, v in five_turns_checks(rows, table).items():
+        res.check(k, v)
+    if "five_turns" in ctx.config.plots and table and all(t.get(OURS) and t.get(MLX_LM) for t in table):
+        nan = float("nan")
+        series = lambda key: {n: [t[n][key] if t[n][key] is not None else nan for t in table]  # noqa: E731
+                              for n in (OURS, MLX_LM)}
+        ctx.plots.append(plots.turns_plot(
+            [f"{t['turn']} {t['kind']}" for t in table], series("ttft_s"), series("cached_tokens"),
+            [t[OURS]["prompt_tokens"] for t in table], ctx.plot_path("five-turns"),
+            f"{ctx.model_name}: issue 18's five turns (median of {len(rows) // len(FIVE_TURNS)})"))
+
+
+def five_turns_table(rows: list[dict]) -> list[dict]:
+    """Per turn and server: median TTFT, cached and prompt tokens over the repeats (None where none)."""
+    out = []
+    for turn in sorted({r["turn"] for r in rows}):
+        these = [r for r in rows if r["turn"] == turn]
+        entry = {"turn": turn, "kind": these[0]["kind"]}
+        for server in sorted({n for r in these for n in r["servers"]}):
+            cells = [r["servers"][server] for r in these if server in r["servers"]]
+            entry[server] = {key: _median(c[key] for c in cells)
+                             for key in ("ttft_s", "cached_tokens", "prompt_tokens")}
+        out.append(entry)
+    return out
+
+
+def five_turns_checks(rows: list[dict], table: list[dict]) -> dict:
+    """The goal's three checks (cached margin, TTFT ratio, replies against fresh prefills) and their parts.
+
+    ``five_turns_cached_ge_mlx_lm``: the smallest (ours - mlx_lm.server's) cached tokens over every
+    turn of every repeat (>= 0 passes; None where mlx_lm.server reports none).
+    ``five_turns_ttft_vs_mlx_lm``: the largest per-turn ratio of median TTFTs over turns 2-5 (the cold
+    turn 1 is reported beside it, as ``five_turns_ttft_vs_mlx_lm_by_turn``).
+    ``five_turns_replies_equal_fresh``: how many of our replies differ from a fresh prefill's (0 passes).
+    """
+    margins = [r["servers"][OURS]["cached_tokens"] - r["servers"][MLX_LM]["cached_tokens"] for r in rows
+               if OURS in r["servers"] and MLX_LM in r["servers"]
+               and None not in (r["servers"][OURS]["cached_tokens"], r["servers"][MLX_LM]["cached_tokens"])]
+    by_turn = {}
+    for t in table:
+        ours, theirs = (t.get(n, {}).get("ttft_s") for n in (OURS, MLX_LM))
+        by_turn[f"{t['turn']}_{t['kind']}"] = ours / theirs if ours and theirs else None
+    later = [v for k, v in by_turn.items() if not k.startswith("1_")]
+    fresh = [r["fresh"] for r in rows if "fresh" in r]
+    return {
+        "five_turns_cached_ge_mlx_lm": min(margins) if margins else None,
+        "five_turns_ttft_vs_mlx_lm": max(later) if later and None not in later else None,
+        "five_turns_ttft_vs_mlx_lm_by_turn": by_turn,
+        "five_turns_replies_equal_fresh": sum(not f["equal"] for f in fresh) if fresh else None,
+        # a fresh reference that found anything cached would not be fresh
+        "five_turns_fresh_cached_max": max((f["cached_tokens"] or 0) for f in fresh) if fresh else None,
+    }
 
 
 def _plots(ctx, recs, names: list[str], conc: dict) -> None:
@@ -205,7 +298,7 @@ def _plots(ctx, recs, names: list[str], conc: dict) -> None:
             ctx.plots.append(plots.scaling_plot(series, ctx.plot_path("ttft-rounds"), "round", "TTFT (s, client)",
                                                 f"{ctx.model_name}: warm multi-turn TTFT per round", logy=True))
     if "ttft_cdf" in ctx.config.plots:
-        for phase in sorted({r.phase for r in recs}):
+        for phase in sorted({r.phase for r in recs if not r.phase.startswith("five_turns")}):  # see _five_turns
             samples = {n: [r.ttft_s for r in recs if r.phase == phase and r.server == n and r.error is None]
                        for n in names}
             samples = {k: v for k, v in samples.items() if v}
@@ -225,6 +318,9 @@ def _validate(p: dict) -> None:
     for ph in [*p["phases"], *(x for v in p["phases_by_model"].values() for x in v)]:
         if ph not in ALL_PHASES:
             raise ValueError(f"unknown phase {ph!r}; phases: {ALL_PHASES}")
+    if OURS not in p["five_turns_targets"] or p["five_turns_repeats"] < 1:
+        raise ValueError(f"five_turns_targets must include {OURS!r} (its replies are checked) "
+                         "and five_turns_repeats >= 1")
     if p["agents"] < 1 or p["agent_rounds"] < 2 or p["warm_rounds"] < 2:
         raise ValueError("agents >= 1, agent_rounds >= 2 and warm_rounds >= 2 (round 1 has no cache of its own)")
 
@@ -240,6 +336,14 @@ KIND = register(Kind(
         "system_tokens": Param(int, 600, "tokens of the system prompt every user shares"),
         "answer_tokens": Param(int, 32, "max_tokens of every reply (greedy)"),
         "warm_rounds": Param(int, 4, "rounds of the warm phase's user (each: append, regenerate, edit)"),
+        "five_turns_targets": Param(list, [OURS, MLX_LM],
+                                    "servers the five_turns phase asks (issue 18 names mlx_lm.server)"),
+        "five_turns_repeats": Param(int, 3,
+                                    "five-turn conversations, each with its own system prompt (medians over them)"),
+        "five_turns_system_tokens": Param(int, 560,
+                                          "the five turns' system prompt (with the question: past a 512-token window)"),
+        "five_turns_question_tokens": Param(int, 10, "tokens of each user message of the five turns"),
+        "five_turns_answer_tokens": Param(int, 8, "max_tokens of each five-turn reply (greedy)"),
         "agents": Param(int, 16, "users in round robin (mlx_lm.server keeps 10 caches by default)"),
         "agent_rounds": Param(int, 2, "rounds per user in the agents phase"),
         "shared_users": Param(int, 6, "new users whose first turn shares the system prompt (RSS growth)"),
@@ -250,8 +354,8 @@ KIND = register(Kind(
         "matched_pool_mb": Param(int, 1024, "the cache budget every server gets in the matched pass (our pool)"),
         "model_dir": Param(str, "", "a model directory to serve instead of the prepared one (tests: a tiny model)"),
     },
-    plots=frozenset({"ttft_rounds", "ttft_cdf", "throughput"}),
+    plots=frozenset({"ttft_rounds", "ttft_cdf", "throughput", "five_turns"}),
     needs_model=False,
     validate=_validate,
-    trial_code=(P.Bench.warm, P.Bench.agents, P.Bench.concurrency, chat),
+    trial_code=(P.Bench.warm, P.Bench.five_turns, P.Bench.agents, P.Bench.concurrency, chat),
 ))

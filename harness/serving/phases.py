@@ -7,6 +7,8 @@ its own copy of every conversation (its own greedy replies appended), which is
 what a real client does::
 
     warm        1 user, R rounds; each round: append, regenerate (the same request), edit (last user message)
+    five_turns  issue 18's five turns past a sliding window (cold, append, regenerate, edit, back to the
+                first branch), ours and mlx_lm.server only, each reply checked against a fresh prefill
     agents      N users round robin (more than mlx_lm.server's 10 cache entries)
     shared      K new users' first turns on the shared system prompt; RSS after each
     restart     SIGTERM (then SIGKILL) every server, restart on its state, every user's next round
@@ -24,7 +26,7 @@ import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping, Sequence
 
 from harness.serving import targets as T
 from harness.serving.loadgen import RequestRecord, chat
@@ -35,6 +37,37 @@ QUESTIONS = [
     "What would you check first tomorrow?", "Rewrite that as a short note for the harbour master.",
     "Give one risk and one precaution.", "What is the most surprising detail so far?",
 ]
+
+# Issue 18's five turns: what each sends (see five_turn_messages)
+FIVE_TURNS = ("first", "append", "regenerate", "edit", "branch")
+
+
+def five_turn_messages(turn: int, system: dict, questions: Sequence[dict], replies: Mapping[int, str]) -> list[dict]:
+    """The messages of issue 18's turn ``turn`` (1-5) for one server, given its own earlier replies.
+
+    1 cold ``[system, q1]``; 2 append ``+ [a1, q2]``; 3 regenerate: turn 2 again; 4 edit: turn 2
+    with ``q3`` in place of ``q2``; 5 branch: the original turn 2 continued ``+ [a2, q4]``.
+    ``replies[k]`` is the server's reply to turn k (only turns 1 and 2 are ever needed).
+
+    Raises:
+        ValueError: ``turn`` is not 1-5, there are fewer than 4 questions, or a needed reply is missing.
+    """
+    if not 1 <= turn <= len(FIVE_TURNS):
+        raise ValueError(f"turn must be 1..{len(FIVE_TURNS)}, not {turn}")
+    if len(questions) < 4:
+        raise ValueError(f"five turns need 4 user messages, got {len(questions)}")
+    need = {1: (), 2: (1,), 3: (1,), 4: (1,), 5: (1, 2)}[turn]
+    missing = [k for k in need if k not in replies]
+    if missing:
+        raise ValueError(f"turn {turn} needs the replies to turns {missing}")
+    said = lambda k: {"role": "assistant", "content": replies[k]}  # noqa: E731
+    t1 = [system, questions[0]]
+    if turn == 1:
+        return t1
+    if turn == 4:
+        return t1 + [said(1), questions[2]]
+    t2 = t1 + [said(1), questions[1]]
+    return t2 if turn in (2, 3) else t2 + [said(2), questions[3]]
 
 
 @dataclass
@@ -121,11 +154,12 @@ class Bench:
         return self.servers[k:] + self.servers[:k]
 
     async def _one(self, s: Server, client, phase: str, user: int, round_: int, kind: str,
-                   messages: list[dict], stats: bool = True) -> RequestRecord:
+                   messages: list[dict], stats: bool = True, extra: dict | None = None,
+                   max_tokens: int | None = None) -> RequestRecord:
         # a stats endpoint says what one request hit only when nothing else runs (not under concurrency)
         before = s.running.stats() if stats and s.target.cached_from == "stats_endpoint" else None
-        rec = await chat(client, s.name, phase, user, round_, kind, s.running.model, messages, self.max_tokens,
-                         self.count, s.extra(user))
+        rec = await chat(client, s.name, phase, user, round_, kind, s.running.model, messages,
+                         max_tokens or self.max_tokens, self.count, s.extra(user) if extra is None else extra)
         rec.output_tokens = self.count_text(rec.reply)
         if before is not None and rec.error is None:
             rec.cached_tokens = T.cached_tokens(s.running, None, before, s.running.stats())
@@ -133,16 +167,24 @@ class Bench:
         return rec
 
     def each_server(self, phase: str, user: int, round_: int, kind: str,
-                    build: Callable[[Server], list[dict]], keep: bool = True) -> None:
-        """Send one step to every server in rotated order; ``keep`` appends its reply to its history."""
+                    build: Callable[[Server], list[dict]], keep: bool = True, only: set[str] | None = None,
+                    max_tokens: int | None = None) -> dict[str, RequestRecord]:
+        """Send one step to every server (or those named in ``only``) in rotated order; ``keep``
+        appends its reply to its history. Returns each server's record."""
+        out = {}
+
         async def go():
             for s in self._order():
+                if only is not None and s.name not in only:
+                    continue
                 messages = build(s)
                 async with s.client() as client:
-                    rec = await self._one(s, client, phase, user, round_, kind, messages)
+                    out[s.name] = rec = await self._one(s, client, phase, user, round_, kind, messages,
+                                                        max_tokens=max_tokens)
                 if keep:
                     s.histories[user] = messages + [{"role": "assistant", "content": rec.reply}]
         asyncio.run(go())
+        return out
 
     def turn(self, phase: str, user: int, round_: int, kind: str = "append", question: str | None = None) -> None:
         """The user's next turn on every server: its history plus a new question."""
@@ -162,6 +204,38 @@ class Bench:
             # edit: the last user message changed; the conversation goes on from the edited turn
             self.each_server("warm", user, r, "edit", lambda s: s.histories[user][:-2] + [
                 {"role": "user", "content": s.histories[user][-2]["content"] + " Answer in one line."}])
+
+    def five_turns(self, user: int, system: dict, questions: Sequence[dict], max_tokens: int,
+                   servers: set[str], fresh: str) -> list[dict]:
+        """Issue 18's five turns for one user on ``servers``, then each of ``fresh``'s five requests
+        again anonymously under a ``cache_salt`` used once (nothing cached can match: a fresh prefill).
+
+        The fresh requests come after all five turns, so their prefills neither slow the measured
+        turns nor take pool room the turns' branches need. Returns one row per turn.
+        """
+        replies: dict[str, dict[int, str]] = {}
+        rows = []
+        for turn, kind in enumerate(FIVE_TURNS, 1):
+            recs = self.each_server("five_turns", user, turn, kind, lambda s, turn=turn: five_turn_messages(
+                turn, system, questions, replies.setdefault(s.name, {})), keep=False, only=servers,
+                max_tokens=max_tokens)
+            for name, rec in recs.items():
+                replies[name][turn] = rec.reply
+            rows.append({"user": user, "turn": turn, "kind": kind,
+                         "servers": {n: _turn_cell(r) for n, r in sorted(recs.items())}})
+        (ref,) = [s for s in self.servers if s.name == fresh]
+
+        async def again():
+            for row in rows:
+                messages = five_turn_messages(row["turn"], system, questions, replies[fresh])
+                async with ref.client() as client:
+                    rec = await self._one(ref, client, "five_turns-fresh", user, row["turn"], row["kind"], messages,
+                                          extra={"cache_salt": f"fresh-{user}-{row['turn']}-{time.time_ns()}"},
+                                          max_tokens=max_tokens)
+                same = rec.error is None and rec.reply == replies[fresh][row["turn"]]
+                row["fresh"] = _turn_cell(rec) | {"equal": same}
+        asyncio.run(again())
+        return rows
 
     def agents(self, phase: str, users: range, rounds: int, first_round: int = 1) -> None:
         """Users in round robin: every user's round r before anyone's round r + 1."""
@@ -201,3 +275,8 @@ class Bench:
             out[s.name] = {"wall_s": wall, "requests": len(recs), "errors": sum(r.error is not None for r in recs),
                            "output_tokens": sum(r.output_tokens for r in recs)}
         return out
+
+
+def _turn_cell(rec: RequestRecord) -> dict:
+    return {"prompt_tokens": rec.prompt_tokens, "cached_tokens": rec.cached_tokens, "ttft_s": rec.ttft_s,
+            "reply": rec.reply, "error": rec.error}

@@ -18,7 +18,8 @@ from harness.models.tiny import write_tiny_llama
 from harness.runner import run
 
 pytestmark = pytest.mark.slow
-PHASES = ["warm", "agents", "shared", "restart", "concurrency"] + (["matched"] if compat.HAS_NEXT_GENERATED else [])
+PHASES = (["warm", "five_turns", "agents", "shared", "restart", "concurrency"]
+          + (["matched"] if compat.HAS_NEXT_GENERATED else []))
 
 
 def test_every_phase_measures_both_servers_and_records_the_ones_not_run(tmp_path):
@@ -27,6 +28,7 @@ def test_every_phase_measures_both_servers_and_records_the_ones_not_run(tmp_path
         'models=["tiny-llama"]', 'params.targets=["semantic", "mlx_lm.server", "omlx"]',
         f"params.model_dir={model}", "params.system_tokens=300", "params.agents=4", "params.restart_users=3",
         "params.shared_users=3", "params.concurrency=[1, 2]", "params.kill_after_s=0.2",
+        "params.five_turns_repeats=1", "params.five_turns_system_tokens=120",
         # mlx-lm 0.30.4's server has no cache-size flags: the matched pass needs 0.32 (test-compat skips it)
         f"params.phases={json.dumps(PHASES)}",
     ])
@@ -41,6 +43,12 @@ def test_every_phase_measures_both_servers_and_records_the_ones_not_run(tmp_path
         assert {(phase, "semantic"), (phase, "mlx_lm.server")} <= phases, phase
     kinds = {r["kind"] for r in out["requests"] if r["phase"] == "warm"}
     assert kinds == {"first", "append", "regenerate", "edit"}
+    # the five turns asked both servers, and ours again under a fresh salt that nothing cached matches
+    five = out["five_turns"]["rows"]
+    assert [r["kind"] for r in five] == ["first", "append", "regenerate", "edit", "branch"]
+    assert all(set(r["servers"]) == {"semantic", "mlx_lm.server"} and r["fresh"]["cached_tokens"] == 0 for r in five)
+    checks = doc["checks"]
+    assert checks["five_turns_cached_ge_mlx_lm"] is not None and checks["five_turns_fresh_cached_max"] == 0
     ours = [r for r in out["requests"] if r["server"] == "semantic" and r["phase"] == "restart-sigterm"]
     assert all(r["cached_tokens"] > 0 for r in ours)  # our agents come back from disk
     assert all(e["blas"] for e in out["run"]["events"] if e["event"] == "started")
