@@ -12,7 +12,9 @@ same under both mlx-lm versions. One :meth:`StepLoop.step`::
     prefill   then at most ``prefill_chunk`` prompt tokens of the waiting
               sequences, in order, each chunk its own forward pass over that
               sequence's single caches; a chunk also ends at the sequence's
-              ``stops`` (block boundaries: ``on_stop`` checkpoints the cache)
+              ``stops`` (block boundaries: ``on_stop`` checkpoints the cache),
+              and the step's prefill ends there unless its budget reaches the
+              next stop, so later chunks stay on the block grid
     read      the decode step's tokens, and the first token of every prompt
               whose last chunk ran now (from that chunk's own logits: no
               extra forward pass for the last prompt token)
@@ -208,8 +210,13 @@ class StepLoop:
                     # only the caches are evaluated: MLX never computes this chunk's logits
                     mx.eval([compat.cache_arrays(c) for c in seq.caches])
                     mx.clear_cache()
-                    if at_stop and seq.on_stop is not None:
-                        seq.on_stop(seq.uid, seq.caches, end)
+                    if at_stop:
+                        if seq.on_stop is not None:
+                            seq.on_stop(seq.uid, seq.caches, end)
+                        # go on only if the budget reaches the next stop (or the end): a few
+                        # tokens more cost a whole forward pass and put later chunks off the grid
+                        if budget < (seq.stops[0] if seq.stops else len(seq.prompt)) - end:
+                            budget = 0
             if seq.fed < len(seq.prompt):
                 break  # the budget is spent
             token, logprobs = self._sample([seq], logits[:, -1, :])

@@ -106,6 +106,42 @@ def test_a_long_prefill_advances_one_chunk_per_step_while_others_decode(llama_ti
     assert decoder_tokens_per_step == [1] * 11  # the decoder got its token at every one of those steps
 
 
+@pytest.mark.parametrize("chunk, passes", [
+    (6, [[1, 4], [4], [4], [4], [3]]),   # after a stop the rest of the budget (1, 2) waits for the next step
+    (8, [[1, 4], [4, 4], [4, 3]]),       # 4 left after a stop reaches the next one: the step goes on
+    (4, [[1], [4], [4], [4], [4], [3]]),
+])
+def test_a_prompt_starting_off_the_block_grid_is_chunked_back_onto_it(llama_tiny, chunk, passes):
+    """A cache holding 3 tokens, 4-token blocks: the prompt's stops fall at 1, 5, 9, 13 and 17.
+    A step's prefill ends at a stop unless its budget reaches the next one, so no forward pass
+    is spent on the few tokens past a stop (each pass has a fixed cost) and chunks stay on the grid."""
+    from semantic.steploop import StepLoop
+
+    calls: list[int] = []
+
+    class Counting:
+        def __init__(self, model):
+            self.model = model
+
+        def __call__(self, inputs, cache=None):
+            calls.append(inputs.shape[1])
+            return self.model(inputs, cache=cache)
+
+    cache = _spec(llama_tiny, None).make_cache()
+    mx.eval(llama_tiny(mx.array([_ids(3, 3)]), cache=cache))
+    stopped = []
+    loop = StepLoop(Counting(llama_tiny), stop_tokens=[], prefill_chunk=chunk)
+    loop.add(0, _ids(4, 20), cache, 1, context=_ids(3, 3), stops=[1, 5, 9, 13, 17],
+             on_stop=lambda uid, caches, fed: stopped.append((fed, caches[0].offset)))
+    per_step, events = [], []
+    while not events:
+        calls.clear()
+        events, _ = loop.step()
+        per_step.append(list(calls))
+    assert per_step == passes
+    assert stopped == [(1, 4), (5, 8), (9, 12), (13, 16), (17, 20)]  # each checkpoint at a block edge
+
+
 def test_quantized_sequences_share_one_forward_pass_per_step(llama_tiny):
     calls = []
 
