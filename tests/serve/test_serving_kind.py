@@ -8,6 +8,7 @@ EXP-009's job), only that each phase measured both servers and ours erred nowher
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 
 import pytest
@@ -48,7 +49,11 @@ def test_every_phase_measures_both_servers_and_records_the_ones_not_run(tmp_path
     assert [r["kind"] for r in five] == ["first", "append", "regenerate", "edit", "branch"]
     assert all(set(r["servers"]) == {"semantic", "mlx_lm.server"} and r["fresh"]["cached_tokens"] == 0 for r in five)
     checks = doc["checks"]
-    assert checks["five_turns_cached_ge_mlx_lm"] is not None and checks["five_turns_fresh_cached_max"] == 0
+    # mlx-lm 0.30.4's server reports no cached tokens (0.32's does): the margin is then unknown, not 0
+    theirs_reported = any(r["servers"]["mlx_lm.server"]["cached_tokens"] is not None for r in five)
+    assert theirs_reported or importlib.metadata.version("mlx-lm").startswith("0.30.")
+    assert (checks["five_turns_cached_ge_mlx_lm"] is not None) == theirs_reported
+    assert checks["five_turns_fresh_cached_max"] == 0
     ours = [r for r in out["requests"] if r["server"] == "semantic" and r["phase"] == "restart-sigterm"]
     assert all(r["cached_tokens"] > 0 for r in ours)  # our agents come back from disk
     assert all(e["blas"] for e in out["run"]["events"] if e["event"] == "started")
