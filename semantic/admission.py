@@ -183,10 +183,10 @@ class Residency:
         # a cache read for a turn is that turn's, not resident: the turn's finish puts its successor
         return own
 
-    def blocks_needed(self, ids: list[int], max_tokens: int, root: int | None = None) -> int:
+    def blocks_needed(self, ids: list[int], max_tokens: int, salt_root: int | None = None) -> int:
         """Free blocks a turn's cache will take at most: the prompt's misses plus its generated tokens."""
         per_group = -(-max_tokens // self.store.block_tokens) + 1
-        return self.store.blocks_to_take(ids, root) + per_group * len(self.store.spec.groups())
+        return self.store.blocks_to_take(ids, salt_root) + per_group * len(self.store.spec.groups())
 
     def make_room(self, need: int, keep: str, reservations: Callable[[], list[int]]) -> bool:
         """Whether ``need`` blocks are free beyond what in-flight turns reserved

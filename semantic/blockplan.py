@@ -110,19 +110,19 @@ def window_edge(layer: LayerSpec, total: int, block_tokens: int) -> int | None:
     return first
 
 
-def chain_keys(token_ids: Sequence[int], block_tokens: int, root: int | None = None) -> list[int]:
+def chain_keys(token_ids: Sequence[int], block_tokens: int, salt_root: int | None = None) -> list[int]:
     """One chained key per full block of ``token_ids`` (group-independent).
 
-    ``root`` is the parent of the first block: a tenant's salt (see
-    :func:`salt_root`), so the same tokens under two roots never share a key.
+    ``salt_root`` is the parent of the first block: a tenant's salt (see
+    :func:`salt_root_of`), so the same tokens under two roots never share a key.
     """
     chain: list[int] = []
     for b in range(len(token_ids) // block_tokens):
-        chain.append(chain_hash(chain[-1] if chain else root, token_ids[b * block_tokens : (b + 1) * block_tokens]))
+        chain.append(chain_hash(chain[-1] if chain else salt_root, token_ids[b * block_tokens : (b + 1) * block_tokens]))
     return chain
 
 
-def salt_root(salt: str | bytes | None) -> int | None:
+def salt_root_of(salt: str | bytes | None) -> int | None:
     """The chain root for ``salt`` (None: unsalted, the root every caller without a salt shares)."""
     if salt is None or salt == "" or salt == b"":
         return None
@@ -131,12 +131,12 @@ def salt_root(salt: str | bytes | None) -> int | None:
 
 def plan_blocks(
     pool: BlockPool, spec: ModelCacheSpec, token_ids: Sequence[int], chain: Sequence[int] | None = None,
-    root: int | None = None, stored_from: dict[str, int] | None = None,
+    salt_root: int | None = None, stored_from: dict[str, int] | None = None,
 ) -> BlockPlan:
     """Look up every keyed block of ``token_ids`` in ``pool``; change nothing.
 
-    ``chain`` is ``chain_keys(token_ids, pool.block_tokens, root)``, when the
-    caller plans the same tokens more than once (``root`` is still needed: the
+    ``chain`` is ``chain_keys(token_ids, pool.block_tokens, salt_root)``, when the
+    caller plans the same tokens more than once (``salt_root`` is still needed: the
     first block and a short tail are indexed under it). ``stored_from`` says, per
     sliding group, where the data buffer's window starts when it holds more
     than the window (a file that stored a shared edge block): a missed edge
@@ -144,8 +144,8 @@ def plan_blocks(
     """
     bt = pool.block_tokens
     tokens = token_ids if type(token_ids) is tuple else tuple(map(int, token_ids))
-    chain = chain_keys(tokens, bt, root) if chain is None else chain
-    assert not chain or chain[0] == chain_hash(root, tokens[:bt]), "chain keyed under another root"
+    chain = chain_keys(tokens, bt, salt_root) if chain is None else chain
+    assert not chain or chain[0] == chain_hash(salt_root, tokens[:bt]), "chain keyed under another root"
     total = len(tokens)
     stored_from = stored_from or {}
     out, need = [], 0
@@ -157,14 +157,14 @@ def plan_blocks(
             key = hit = parent = None
             if a % bt == 0 and (b - a == bt or b == total):
                 # a full block, or the tail: keyed, indexed under the prefix before it
-                parent = chain[a // bt - 1] if a else root
+                parent = chain[a // bt - 1] if a else salt_root
                 link = chain[a // bt] if b - a == bt else chain_hash(parent, tokens[a:b])
                 key = chain_hash(link, (), group)
                 hit = pool.lookup(key, tokens[a:b], count=False)
             elif edge is not None and edge < a < edge + bt:
                 # the window edge: the pooled full block covering it, or that block from the buffer
                 e = edge + bt
-                parent, key = chain[edge // bt - 1] if edge else root, chain_hash(chain[edge // bt], (), group)
+                parent, key = chain[edge // bt - 1] if edge else salt_root, chain_hash(chain[edge // bt], (), group)
                 hit = pool.lookup(key, tokens[edge:e], count=False)
                 if hit is not None or _buffered(layer, total, stored_from.get(group), edge):
                     a, b = edge, e
@@ -202,7 +202,7 @@ def commit(
     planned: BlockPlan,
     data: Callable[[PlannedBlock], tuple[dict[int, LayerKV], SegmentView | None]],
     release: Callable[[list[KVBlock]], None] | None = None,
-    root: int | None = None,
+    salt_root: int | None = None,
 ) -> AgentBlocks:
     """Take ``planned`` from ``pool`` as one agent's blocks.
 
@@ -211,7 +211,7 @@ def commit(
     :class:`PoolExhaustedError` (the pool cannot hold the misses) or an error
     from ``data`` leaves the pool untouched. The plan must be fresh: nothing may have used the pool since
     :func:`plan_blocks` made it. ``release`` (default ``pool.release``) is what the
-    returned AgentBlocks calls to give its blocks back; ``root`` is the chain root
+    returned AgentBlocks calls to give its blocks back; ``salt_root`` is the chain root
     ``planned`` was keyed with.
     """
     tokens = token_ids if type(token_ids) is tuple else tuple(map(int, token_ids))
@@ -229,4 +229,4 @@ def commit(
             block = pool.allocate(p.group, p.start, tokens[p.start : p.end], layer_data, p.key, parent=p.parent)
             block.segment_view = view
             groups[p.group].append(block)
-    return AgentBlocks(spec, tokens, groups, pool.block_tokens, _release=release or pool.release, root=root)
+    return AgentBlocks(spec, tokens, groups, pool.block_tokens, _release=release or pool.release, salt_root=salt_root)

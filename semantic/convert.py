@@ -95,19 +95,19 @@ def _read(spec: ModelCacheSpec, caches: Sequence, total: int) -> list[compat.Lay
     return states
 
 
-def extract(pool: BlockPool, caches: Sequence, token_ids: Sequence[int], release=None, root: int | None = None) -> AgentBlocks:
+def extract(pool: BlockPool, caches: Sequence, token_ids: Sequence[int], release=None, salt_root: int | None = None) -> AgentBlocks:
     """Store live caches covering ``token_ids`` as pooled blocks.
 
     All-or-nothing: when the pool cannot hold the new blocks it raises
     :class:`PoolExhaustedError` before taking any block or copying anything.
     ``release`` is what the returned AgentBlocks calls to give its blocks
     back (default ``pool.release``; a locked one when threads share the pool).
-    ``root`` salts the block keys (``blockplan.chain_keys``).
+    ``salt_root`` salts the block keys (``blockplan.chain_keys``).
     """
     spec = pool.spec
     tokens = tuple(map(int, token_ids))
     states = _read(spec, caches, len(tokens))
-    planned = blockplan.plan_blocks(pool, spec, tokens, root=root)
+    planned = blockplan.plan_blocks(pool, spec, tokens, salt_root=salt_root)
     pool.require_free(planned.need)
 
     # Each run of consecutive missed blocks is copied once per layer into a
@@ -130,7 +130,7 @@ def extract(pool: BlockPool, caches: Sequence, token_ids: Sequence[int], release
             views[idx] = (data, SegmentView(seg, s0, dict(data)))
     mx.eval(fresh, [d for d, _ in views.values()])  # slices evaluate to views: no copy
     index = {id(p): i for i, p in enumerate(planned.blocks)}
-    return blockplan.commit(pool, spec, tokens, planned, lambda p: views[index[id(p)]], release, root)
+    return blockplan.commit(pool, spec, tokens, planned, lambda p: views[index[id(p)]], release, salt_root)
 
 
 def _one_segment(pieces: list, layer: int):

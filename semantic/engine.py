@@ -99,7 +99,7 @@ class _Seq:
     reuse: str = reuse.NONE
     submitted_at: float = 0.0
     first_token_at: float = 0.0
-    root: int | None = None              # block-hash salt (a tenant's)
+    salt_root: int | None = None              # block-hash salt (a tenant's)
     finish_reason: str | None = None     # set with the last token; the Completion follows when the cache is complete
     on_token: Callable | None = None     # (token, logprob, logprobs row) -> True to end here
 
@@ -201,7 +201,7 @@ class BlockPoolBatchEngine:
         *,
         sampling: SamplingParams | None = None,
         on_token: OnToken | None = None,
-        root: int | None = None,
+        salt_root: int | None = None,
     ) -> int:
         """Queue the agent's whole history ``token_ids`` and return the uid.
 
@@ -210,7 +210,7 @@ class BlockPoolBatchEngine:
         the pool covers, as :func:`reuse.choose_start` decides; the rest is
         prefilled. ``own`` is only read; the caller keeps its reference.
         ``sampling`` (default greedy) is this sequence's own; ``on_token``
-        sees each token (see :data:`OnToken`); ``root`` salts the block keys
+        sees each token (see :data:`OnToken`); ``salt_root`` salts the block keys
         of everything this request looks up and stores (a tenant's).
         Nothing changes in the engine when this raises.
         """
@@ -226,20 +226,20 @@ class BlockPoolBatchEngine:
         if sampling is not None and not isinstance(sampling, SamplingParams):
             raise InvalidRequestError(f"sampling must be SamplingParams, got {type(sampling).__name__}")
         return self._enqueue(
-            agent_id, ids, None, max_tokens, plan_reuse=True, own=own, sampling=sampling, on_token=on_token, root=root
+            agent_id, ids, None, max_tokens, plan_reuse=True, own=own, sampling=sampling, on_token=on_token, salt_root=salt_root
         )
 
     def _enqueue(
         self, agent_id: str, ids: list[int], start: reuse.Reuse | None, max_tokens: int,
         *, plan_reuse: bool = False, own: AgentBlocks | None = None,
-        sampling: SamplingParams | None = None, on_token: OnToken | None = None, root: int | None = None,
+        sampling: SamplingParams | None = None, on_token: OnToken | None = None, salt_root: int | None = None,
     ) -> int:
         submitted = time.perf_counter()
         sampler = sampler_for(sampling) if sampling is not None else None
         processors = processors_for(sampling) if sampling is not None else None
         if plan_reuse:
             with self.lock:
-                start = reuse.choose_start(self.pool, ids, own, self._release, root)
+                start = reuse.choose_start(self.pool, ids, own, self._release, salt_root)
         cached = start.cached if start is not None else 0   # what caches covered: the accounting
         source = start.source if start is not None else reuse.NONE
         caches = None
@@ -254,20 +254,20 @@ class BlockPoolBatchEngine:
         new = ids[fed:]
         seq = _Seq(
             next(self._uids), agent_id, ids, cached, max_tokens, reuse=source, submitted_at=submitted,
-            root=root, on_token=on_token,
+            salt_root=salt_root, on_token=on_token,
         )
         bt = self.pool.block_tokens
         stops = [b - fed for b in range(fed // bt * bt + bt, len(ids), bt)] if self._sliding else []
         self._loop.add(
             seq.uid, new, caches if caches is not None else self.spec.make_cache(), max_tokens,
             sampler=sampler, processors=processors, context=ids[:fed], stops=stops,
-            on_stop=lambda uid, live, n, ids=ids, fed=fed, root=root: self._checkpoint(live, ids[: fed + n], root),
+            on_stop=lambda uid, live, n, ids=ids, fed=fed, salt_root=salt_root: self._checkpoint(live, ids[: fed + n], salt_root),
         )
         self._seqs[seq.uid] = seq
         self._busy[agent_id] = seq.uid
         return seq.uid
 
-    def _checkpoint(self, caches: list, ids: list[int], root: int | None) -> None:
+    def _checkpoint(self, caches: list, ids: list[int], salt_root: int | None) -> None:
         """Pool the cache of a prompt cut at a block boundary (``ids`` ends there).
 
         A sliding layer keeps only its window, so a finished cache no longer
@@ -285,7 +285,7 @@ class BlockPoolBatchEngine:
         """
         try:
             with self.lock:
-                convert.extract(self.pool, caches, ids, self._release, root).release()
+                convert.extract(self.pool, caches, ids, self._release, salt_root).release()
         except PoolExhaustedError:
             log.debug("pool full: no checkpoint at %d tokens", len(ids))
 
@@ -366,7 +366,7 @@ class BlockPoolBatchEngine:
             if caches is None:
                 raise CacheError("ended before its first token: no exact cache to keep")
             with self.lock:
-                blocks = convert.extract(self.pool, caches, tokens, self._release, seq.root)
+                blocks = convert.extract(self.pool, caches, tokens, self._release, seq.salt_root)
             self._finished[seq.uid] = blocks
         except CacheError as exc:
             error = f"{type(exc).__name__}: {exc}"
@@ -409,7 +409,7 @@ class BlockPoolBatchEngine:
         caches = self._loop.caches(uid)
         held = compat.read_layer(caches[0]).offset
         with self.lock:
-            return convert.extract(self.pool, caches, (seq.tokens + seq.generated)[:held], self._release, seq.root)
+            return convert.extract(self.pool, caches, (seq.tokens + seq.generated)[:held], self._release, seq.salt_root)
 
 
 def _vocab_size(model) -> int:

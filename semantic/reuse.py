@@ -87,7 +87,7 @@ class _Candidate:
 
 
 def _candidates(pool: BlockPool, ids: tuple[int, ...], own: AgentBlocks | None, same: int,
-                root: int | None) -> dict[str, list[_Candidate]]:
+                salt_root: int | None) -> dict[str, list[_Candidate]]:
     """Per group, every block that serves a prefix of ``ids``: ``own``'s up to
     ``same`` (its common prefix with ``ids``), and the pool's (see the module doc)."""
     bt = pool.block_tokens
@@ -99,12 +99,12 @@ def _candidates(pool: BlockPool, ids: tuple[int, ...], own: AgentBlocks | None, 
                 if blk.start < same:
                     out[g].append(_Candidate(blk, min(blk.end, same), True))
                     seen.add(id(blk))
-    chain = blockplan.chain_keys(ids, bt, root)
+    chain = blockplan.chain_keys(ids, bt, salt_root)
     for g in out:
         for k in range(len(ids) // bt + 1):
             if k * bt >= len(ids) - 1:
                 break  # the last token is always prefilled
-            for blk in pool.children(chain[k - 1] if k else root, g):
+            for blk in pool.children(chain[k - 1] if k else salt_root, g):
                 if id(blk) in seen or blk.start != k * bt:
                     continue
                 m = common_prefix(blk.token_ids, ids[k * bt : k * bt + blk.n_tokens])
@@ -150,23 +150,23 @@ def _plan(spec, cands: dict[str, list[_Candidate]], t: int) -> dict[str, list[_C
 
 
 def choose_start(
-    pool: BlockPool, token_ids: Sequence[int], own: AgentBlocks | None, release=None, root: int | None = None
+    pool: BlockPool, token_ids: Sequence[int], own: AgentBlocks | None, release=None, salt_root: int | None = None
 ) -> Reuse:
     """The longest reusable prefix of ``token_ids`` (see the module doc).
 
     Takes pool references only for a ``POOL`` result (``owned``); nothing
-    else changes. Pooled blocks are looked up under ``root`` (a tenant's
+    else changes. Pooled blocks are looked up under ``salt_root`` (a tenant's
     salt), and an own cache keyed under another root is not used. The caller holds the pool's lock, if threads share it.
     """
     ids = tuple(map(int, token_ids))
     limit = len(ids) - 1  # the last token must be prefilled to produce logits
-    if own is not None and (own.released or own.root != root):
+    if own is not None and (own.released or own.salt_root != salt_root):
         own = None
     same = min(common_prefix(own.token_ids, ids), limit) if own is not None else 0
     own_len = same if same and convert.covers(own, same) else 0
     if own_len and own_len == limit:
         return Reuse(OWN if own_len == own.total_tokens else OWN_CUT, own_len, own)
-    cands = _candidates(pool, ids, own, same, root)
+    cands = _candidates(pool, ids, own, same, salt_root)
     ends = {c.valid for cs in cands.values() for c in cs if own_len < c.valid}
     for t in sorted({min(e, limit) for e in ends}, reverse=True):
         plan = _plan(pool.spec, cands, t)
@@ -178,7 +178,7 @@ def choose_start(
         groups = {g: [pool.acquire(c.block) for c in cover] for g, cover in plan.items()}
         pool.record_lookups(hits=sum(not c.own for c in used), misses=0)
         # blocks may reach past t (a pooled block cut short): fit only to rebuild the first t tokens
-        blocks = AgentBlocks(pool.spec, ids[:t], groups, pool.block_tokens, _release=release or pool.release, root=root)
+        blocks = AgentBlocks(pool.spec, ids[:t], groups, pool.block_tokens, _release=release or pool.release, salt_root=salt_root)
         return Reuse(POOL, t, blocks, owned=True)
     if own_len:
         return Reuse(OWN if own_len == own.total_tokens else OWN_CUT, own_len, own)

@@ -129,7 +129,7 @@ class _Request:
     reserved: int = 0
     sampling: SamplingParams | None = None
     on_token: Callable | None = None
-    root: int | None = None
+    salt_root: int | None = None
     keep: bool = True
     cancelled: bool = False
     on_admit: Callable | None = None
@@ -206,7 +206,7 @@ class ConcurrentScheduler:
         timeout: float | None = 0.0,
         sampling: SamplingParams | None = None,
         on_token: Callable[[int, float, object], bool] | None = None,
-        root: int | None = None,
+        salt_root: int | None = None,
         keep: bool = True,
         on_admit: Callable[[int], None] | None = None,
     ) -> Future:
@@ -216,7 +216,7 @@ class ConcurrentScheduler:
         the chat template), text (tokenized with special tokens), or token
         ids. ``timeout`` is how long to wait for queue space: 0 raises
         :class:`QueueFullError` at once, None waits as long as it takes.
-        ``sampling``, ``on_token`` and ``root`` go to the engine
+        ``sampling``, ``on_token`` and ``salt_root`` go to the engine
         (``BlockPoolBatchEngine.submit_history``); ``on_token`` runs on the
         worker thread, so it must be quick, as must ``on_admit(cached_tokens)``,
         called once when the turn starts with how much of its history a cache
@@ -231,7 +231,7 @@ class ConcurrentScheduler:
             raise InvalidRequestError(f"sampling must be SamplingParams, got {type(sampling).__name__}")
         req = _Request(
             agent_id, ids, max_tokens, Future(), time.perf_counter(),
-            sampling=sampling, on_token=on_token, root=root, keep=keep, on_admit=on_admit,
+            sampling=sampling, on_token=on_token, salt_root=salt_root, keep=keep, on_admit=on_admit,
         )
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cv:
@@ -418,12 +418,12 @@ class ConcurrentScheduler:
             req = queue[0]
         try:
             own = self._resident.own_cache(agent_id) if req.keep else None
-            need = self._resident.blocks_needed(req.ids, req.max_tokens, req.root)
+            need = self._resident.blocks_needed(req.ids, req.max_tokens, req.salt_root)
             if not self._resident.make_room(need, agent_id, self._reservations):
                 return  # stays queued until a finish frees blocks
             req.admitted_at = time.perf_counter()
             uid = self.engine.submit_history(
-                agent_id, req.ids, own, req.max_tokens, sampling=req.sampling, on_token=req.on_token, root=req.root
+                agent_id, req.ids, own, req.max_tokens, sampling=req.sampling, on_token=req.on_token, salt_root=req.salt_root
             )
         except Exception as exc:
             with self._cv:

@@ -299,10 +299,10 @@ class AgentCacheStore:
         with self.pool_lock:
             return self.pool.free_count
 
-    def blocks_to_take(self, token_ids, root: int | None = None) -> int:
-        """Free blocks a cache of ``token_ids`` (keyed under ``root``) would take now (its blocks already pooled are shared)."""
+    def blocks_to_take(self, token_ids, salt_root: int | None = None) -> int:
+        """Free blocks a cache of ``token_ids`` (keyed under ``salt_root``) would take now (its blocks already pooled are shared)."""
         with self.pool_lock:
-            return blockplan.plan_blocks(self.pool, self.spec, token_ids, root=root).need
+            return blockplan.plan_blocks(self.pool, self.spec, token_ids, salt_root=salt_root).need
 
     def close(self) -> None:
         """Drop the RAM tier (the files stay)."""
@@ -327,7 +327,7 @@ class AgentCacheStore:
             for b in unique:
                 self.pool.acquire(b)
         groups = {g: list(bl) for g, bl in blocks.groups.items()}
-        return AgentBlocks(blocks.spec, blocks.token_ids, groups, blocks.block_tokens, _release=self._release, root=blocks.root)
+        return AgentBlocks(blocks.spec, blocks.token_ids, groups, blocks.block_tokens, _release=self._release, salt_root=blocks.salt_root)
 
     def _release(self, blocks: list[KVBlock]) -> None:
         with self.pool_lock:

@@ -41,7 +41,7 @@ class StubBackend:
         if len(ids) + req.max_tokens > self.context_length:
             raise ContextLengthError(f"{len(ids)} prompt tokens + max_tokens {req.max_tokens} > {self.context_length}")
         p = Prepared(request=req, ids=ids, agent_id=f"{req.tenant}/{req.agent or 'anon'}",
-                     keep=req.agent is not None, root=None)
+                     keep=req.agent is not None, salt_root=None)
         self.prepared.append(p)
         return p
 

@@ -227,7 +227,7 @@ def _load_once(path: str, pool: BlockPool, fingerprint: str | None, lock: Abstra
         by_block = {id(p): data[idx] for idx, p in enumerate(planned.blocks) if idx in data}
         release = pool.release if isinstance(lock, nullcontext) else _locked(pool.release, lock)
         return commit(
-            pool, info.spec, info.token_ids, planned, lambda p: by_block[id(p)], release=release, root=info.hash_root
+            pool, info.spec, info.token_ids, planned, lambda p: by_block[id(p)], release=release, salt_root=info.hash_root
         )
 
 

@@ -177,7 +177,7 @@ def save(
         raise InvalidRequestError("prepared bytes belong to another cache than these blocks")
     slots = prepared.slots
     doc = document(
-        blocks.spec, blocks.token_ids, model_fingerprint, agent_id, {s.name: "0" * 32 for s in slots}, blocks.root,
+        blocks.spec, blocks.token_ids, model_fingerprint, agent_id, {s.name: "0" * 32 for s in slots}, blocks.salt_root,
         prepared.stored_from,
     )
 

@@ -123,7 +123,7 @@ class Backend:
 
     def prepare(self, req: GenerateRequest) -> Prepared:
         """Tokenize and check ``req``; nothing is queued. Raises InvalidRequestError (400)."""
-        from semantic.blockplan import salt_root
+        from semantic.blockplan import salt_root_of
         from semantic.errors import ContextLengthError, InvalidAgentIdError
         from semantic.requests import MAX_AGENT_ID, render_chat, validate_agent_id
 
@@ -166,7 +166,7 @@ class Backend:
         else:
             agent_id, keep = ANON + uuid.uuid4().hex, False
         salt = f"{req.tenant}\0{req.cache_salt}" if req.tenant or req.cache_salt else None
-        return Prepared(req, tuple(ids), agent_id, keep, salt_root(salt))
+        return Prepared(req, tuple(ids), agent_id, keep, salt_root_of(salt))
 
     async def stream(self, prepared: Prepared):
         """The turn's deltas, then its :class:`Final`. Closing this generator early cancels the turn."""
@@ -194,7 +194,7 @@ class Backend:
         done, admitted = object(), {}
         future = self.scheduler.submit(
             prepared.agent_id, list(prepared.ids), req.max_tokens, timeout=0.0,
-            sampling=req.sampling, on_token=on_token, root=prepared.root, keep=prepared.keep,
+            sampling=req.sampling, on_token=on_token, salt_root=prepared.salt_root, keep=prepared.keep,
             on_admit=lambda cached: admitted.setdefault("cached", cached),
         )
         future.add_done_callback(lambda _: post(done))

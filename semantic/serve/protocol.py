@@ -101,4 +101,4 @@ class Prepared:
     ids: tuple[int, ...]
     agent_id: str                 # the scheduler's id (tenant-namespaced, or an anonymous one)
     keep: bool                    # save the cache (named agents) or not (anonymous)
-    root: int | None              # the tenant's salt for block hashes
+    salt_root: int | None              # the tenant's salt for block hashes

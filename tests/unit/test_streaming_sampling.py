@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from semantic import AgentCacheStore, BlockPool, BlockPoolBatchEngine, ConcurrentScheduler, ModelCacheSpec
-from semantic.blockplan import salt_root
+from semantic.blockplan import salt_root_of
 from semantic.errors import InvalidRequestError
 from semantic.sampling import SamplingParams
 from tests.tiny_models import byte_tokenizer
@@ -135,28 +135,28 @@ def test_sampling_params_refuse_out_of_range_values_by_name():
 
 
 def test_salted_roots_never_share_blocks_but_the_same_salt_does(llama_tiny, cache_dir):
-    a, b = salt_root("tenant-a"), salt_root("tenant-b")
-    assert a != b and salt_root(None) is None and salt_root("") is None
+    a, b = salt_root_of("tenant-a"), salt_root_of("tenant-b")
+    assert a != b and salt_root_of(None) is None and salt_root_of("") is None
     shared = _ids(11, 24)  # six whole blocks of 4
     with _scheduler(llama_tiny, cache_dir) as sched:
-        first = sched.submit("a1", shared + [5], 3, root=a).result()
+        first = sched.submit("a1", shared + [5], 3, salt_root=a).result()
         assert first.cached_tokens == 0
-        same = sched.submit("a2", shared + [6], 3, root=a).result()
+        same = sched.submit("a2", shared + [6], 3, salt_root=a).result()
         assert same.cached_tokens == 24 and same.reuse == "pool"
-        other = sched.submit("b1", shared + [7], 3, root=b).result()
+        other = sched.submit("b1", shared + [7], 3, salt_root=b).result()
         unsalted = sched.submit("u1", shared + [8], 3).result()
         assert other.cached_tokens == 0 and unsalted.cached_tokens == 0
         # an agent's own cache under another root is not used either
-        moved = sched.submit("a1", shared + [5] + list(first.token_ids) + [9], 3, root=b).result()
+        moved = sched.submit("a1", shared + [5] + list(first.token_ids) + [9], 3, salt_root=b).result()
         assert moved.cached_tokens == 24  # b1's blocks, under b
         sched.flush()
     # after a restart the files come back under their own roots
     with _scheduler(llama_tiny, cache_dir) as sched:
-        again = sched.submit("a2", shared + [6] + list(same.token_ids) + [1], 3, root=a).result()
+        again = sched.submit("a2", shared + [6] + list(same.token_ids) + [1], 3, salt_root=a).result()
         assert again.reuse == "own" and again.cached_tokens == 25 + len(same.token_ids)
         # a2's file came back keyed under a: a hit for a, a miss for b
-        assert sched.submit("x", shared + [2], 3, root=a).result().cached_tokens == 24
-        assert sched.submit("y", shared + [2], 3, root=b).result().cached_tokens == 0
+        assert sched.submit("x", shared + [2], 3, salt_root=a).result().cached_tokens == 24
+        assert sched.submit("y", shared + [2], 3, salt_root=b).result().cached_tokens == 0
         ref = reference(llama_tiny, shared + [6] + list(same.token_ids) + [1], 3)
         _assert_same(again, ref)
 

@@ -135,13 +135,13 @@ def test_pooled_tails_are_indexed_under_their_parent_until_recycled(gemma_tiny):
 
 @pytest.mark.parametrize("salt", [None, "tenant"])
 def test_a_pooled_branch_is_reachable_only_under_its_own_root(gemma_tiny, salt):
-    from semantic.blockplan import salt_root
+    from semantic.blockplan import salt_root_of
 
     eng = engine(gemma_tiny)
     ids = history(13, seed=7)
-    uid = eng.submit_history("a", ids, max_tokens=3, root=salt_root("tenant"))
+    uid = eng.submit_history("a", ids, max_tokens=3, salt_root=salt_root_of("tenant"))
     run(eng)[uid].blocks.release()
-    uid = eng.submit_history("b", ids + [1, 2], max_tokens=1, root=salt_root(salt))
+    uid = eng.submit_history("b", ids + [1, 2], max_tokens=1, salt_root=salt_root_of(salt))
     got = run(eng)[uid]
     assert got.cached_tokens == (13 if salt else 0)  # a's 16 tokens start like b's 15 for 13
 
