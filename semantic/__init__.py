@@ -16,7 +16,7 @@ _blas.enable_from_env()
 
 _EXPORTS = {
     "semantic.blocks": ("AgentBlocks", "KVBlock"),
-    "semantic.engine": ("BlockPoolBatchEngine", "Completion"),
+    "semantic.engine": ("BlockPoolBatchEngine",),
     "semantic.errors": (
         "AgentBusyError",
         "CacheCorruptError",
@@ -32,7 +32,7 @@ _EXPORTS = {
         "UnsupportedCacheError",
     ),
     "semantic.pool": ("BlockPool", "PoolStats"),
-    "semantic.requests": ("render_chat", "validate_agent_id"),
+    "semantic.request": ("Completion", "Request", "encode", "render_chat", "validate_agent_id"),
     "semantic.scheduler": ("ConcurrentScheduler", "SchedulerStats", "TurnResult"),
     "semantic.spec": ("LayerSpec", "ModelCacheSpec"),
     "semantic.store": ("AgentCacheStore", "StoreStats"),

@@ -51,7 +51,7 @@ class CacheCorruptError(CacheError):
         return type(self), (self.path, self.reason)
 
 
-class InvalidAgentIdError(CacheError, ValueError):
+class InvalidAgentIdError(InvalidRequestError):
     """An agent id the cache store cannot accept (not a usable string)."""
 
 

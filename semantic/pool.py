@@ -29,6 +29,7 @@ from typing import Sequence
 
 import numpy as np
 
+from semantic import defaults
 from semantic.blocks import KVBlock, LayerKV
 from semantic.errors import PoolExhaustedError
 from semantic.spec import ModelCacheSpec
@@ -60,7 +61,7 @@ def chain_hash(parent: int | None, token_ids: Sequence[int], group: str = "") ->
 class BlockPool:
     """``total_blocks`` blocks of ``block_tokens`` tokens for one cache spec."""
 
-    def __init__(self, spec: ModelCacheSpec, total_blocks: int, block_tokens: int = 256):
+    def __init__(self, spec: ModelCacheSpec, total_blocks: int, block_tokens: int = defaults.BLOCK_TOKENS):
         if total_blocks <= 0:
             raise ValueError(f"total_blocks must be positive, got {total_blocks}")
         if block_tokens <= 0:

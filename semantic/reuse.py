@@ -150,15 +150,17 @@ def _plan(spec, cands: dict[str, list[_Candidate]], t: int) -> dict[str, list[_C
 
 
 def choose_start(
-    pool: BlockPool, token_ids: Sequence[int], own: AgentBlocks | None, release=None, salt_root: int | None = None
+    pool: BlockPool, ids: tuple[int, ...], own: AgentBlocks | None, release=None, salt_root: int | None = None,
+    *, share: bool = True,
 ) -> Reuse:
-    """The longest reusable prefix of ``token_ids`` (see the module doc).
+    """The longest reusable prefix of ``ids`` (see the module doc).
 
     Takes pool references only for a ``POOL`` result (``owned``); nothing
     else changes. Pooled blocks are looked up under ``salt_root`` (a tenant's
-    salt), and an own cache keyed under another root is not used. The caller holds the pool's lock, if threads share it.
+    salt), and an own cache keyed under another root is not used; with
+    ``share`` False the pool is not looked at (only ``own`` serves). The
+    caller holds the pool's lock, if threads share it.
     """
-    ids = tuple(map(int, token_ids))
     limit = len(ids) - 1  # the last token must be prefilled to produce logits
     if own is not None and (own.released or own.salt_root != salt_root):
         own = None
@@ -166,6 +168,8 @@ def choose_start(
     own_len = same if same and convert.covers(own, same) else 0
     if own_len and own_len == limit:
         return Reuse(OWN if own_len == own.total_tokens else OWN_CUT, own_len, own)
+    if not share:
+        return Reuse(OWN if own_len == own.total_tokens else OWN_CUT, own_len, own) if own_len else Reuse(NONE, 0)
     cands = _candidates(pool, ids, own, same, salt_root)
     ends = {c.valid for cs in cands.values() for c in cs if own_len < c.valid}
     for t in sorted({min(e, limit) for e in ends}, reverse=True):

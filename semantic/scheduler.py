@@ -48,39 +48,19 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from semantic import cachefile
+from semantic import cachefile, defaults
 from semantic.admission import Residency
 from semantic.blocks import AgentBlocks
-from semantic.engine import BlockPoolBatchEngine, Completion
-from semantic.errors import CacheError, InvalidRequestError, QueueFullError, SchedulerClosedError
-from semantic.requests import check_max_tokens, prompt_ids, validate_agent_id
-from semantic.sampling import SamplingParams
+from semantic.engine import BlockPoolBatchEngine
+from semantic.errors import CacheError, QueueFullError, SchedulerClosedError
+from semantic.request import Completion, Request
 from semantic.store import AgentCacheStore
 from semantic.writebehind import WriteBehind
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, slots=True)
-class TurnResult:
-    """One finished turn. Times are seconds; ``ttft_s`` counts from ``submit``
-    (queueing included) to the first generated token, read after evaluation."""
-
-    agent_id: str
-    text: str
-    token_ids: tuple[int, ...]     # generated, the stop token included
-    finish_reason: str
-    logprobs: tuple[float, ...]
-    history_tokens: int            # tokens of the history this turn was given
-    prompt_tokens: int             # of those, prefilled now
-    cached_tokens: int             # of those, taken from a cache
-    reuse: str                     # where the cached tokens came from (``reuse`` sources)
-    queued_s: float
-    ttft_s: float
-    latency_s: float
-    decode_tokens_per_s: float
-    cache_saved: bool              # whether the new cache was kept (False: cache_error says why)
-    cache_error: str | None = None
+TurnResult = Completion  # the scheduler hands callers the engine's Completion, its blocks taken (see ``_finish``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,20 +99,13 @@ class SchedulerStats:
 
 
 @dataclass(slots=True, eq=False)
-class _Request:
-    agent_id: str
-    ids: list[int]
-    max_tokens: int
+class _Ticket:
+    """A submitted request and what the scheduler tracks of it."""
+
+    request: Request
     future: Future
-    submitted_at: float
-    admitted_at: float = 0.0
-    reserved: int = 0
-    sampling: SamplingParams | None = None
-    on_token: Callable | None = None
-    salt_root: int | None = None
-    keep: bool = True
+    reserved: int = 0              # pool blocks admission set aside for it
     cancelled: bool = False
-    on_admit: Callable | None = None
 
 
 class ConcurrentScheduler:
@@ -158,8 +131,8 @@ class ConcurrentScheduler:
         tokenizer,
         store: AgentCacheStore,
         *,
-        max_batch: int = 8,
-        max_queued: int = 256,
+        max_batch: int = defaults.MAX_BATCH,
+        max_queued: int = defaults.MAX_QUEUED,
         prefill_chunk: int | None = None,
         write_behind: bool = True,
         stop_tokens: Sequence[int] | None = None,
@@ -177,10 +150,10 @@ class ConcurrentScheduler:
         )
         self.engine = self._make_engine()
         self._cv = threading.Condition()
-        self._queues: dict[str, deque[_Request]] = {}
+        self._queues: dict[str, deque[_Ticket]] = {}
         self._ready: deque[str] = deque()          # agents with a queued turn and none in flight
         self._queued = 0
-        self._in_flight: dict[int, _Request] = {}  # engine uid -> request
+        self._in_flight: dict[int, _Ticket] = {}  # engine uid -> request
         self._busy: set[str] = set()
         self._counts: Counter[str] = Counter()
         self._closing = False
@@ -197,42 +170,19 @@ class ConcurrentScheduler:
 
     # ------------------------------------------------------------ public
 
-    def submit(
-        self,
-        agent_id: str,
-        prompt,
-        max_tokens: int = 64,
-        *,
-        timeout: float | None = 0.0,
-        sampling: SamplingParams | None = None,
-        on_token: Callable[[int, float, object], bool] | None = None,
-        salt_root: int | None = None,
-        keep: bool = True,
-        on_admit: Callable[[int], None] | None = None,
-    ) -> Future:
-        """Queue one turn of ``agent_id``; the future gives its :class:`TurnResult`.
+    def submit(self, request: Request, *, timeout: float | None = 0.0) -> Future:
+        """Queue one turn; the future gives its :class:`Completion` (``blocks`` None: the scheduler keeps them).
 
-        ``prompt`` is the agent's whole history: chat messages (rendered with
-        the chat template), text (tokenized with special tokens), or token
-        ids. ``timeout`` is how long to wait for queue space: 0 raises
-        :class:`QueueFullError` at once, None waits as long as it takes.
-        ``sampling``, ``on_token`` and ``salt_root`` go to the engine
-        (``BlockPoolBatchEngine.submit_history``); ``on_token`` runs on the
-        worker thread, so it must be quick, as must ``on_admit(cached_tokens)``,
-        called once when the turn starts with how much of its history a cache
-        covers. ``keep=False``: an anonymous turn (see the module doc). Invalid requests raise here and queue nothing.
+        The request carries the agent's whole history and everything the
+        engine reads (``semantic.request``); ``on_token`` and ``on_admit``
+        run on the worker thread, so they must be quick. ``persist=False``:
+        an anonymous turn (see the module doc). ``timeout`` is how long to
+        wait for queue space: 0 raises :class:`QueueFullError` at once, None
+        waits as long as it takes.
         """
-        validate_agent_id(agent_id)  # the same ids the store accepts
-        check_max_tokens(max_tokens)
-        ids = prompt_ids(self.tokenizer, prompt, messages=True)
-        if not ids:
-            raise InvalidRequestError("empty prompt")
-        if sampling is not None and not isinstance(sampling, SamplingParams):
-            raise InvalidRequestError(f"sampling must be SamplingParams, got {type(sampling).__name__}")
-        req = _Request(
-            agent_id, ids, max_tokens, Future(), time.perf_counter(),
-            sampling=sampling, on_token=on_token, salt_root=salt_root, keep=keep, on_admit=on_admit,
-        )
+        assert isinstance(request, Request), type(request)
+        ticket = _Ticket(request, Future())
+        agent_id = request.agent_id
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cv:
             while self._queued >= self.max_queued and not self._closing:
@@ -245,20 +195,20 @@ class ConcurrentScheduler:
                 self._cv.wait(left)
             if self._closing:
                 raise SchedulerClosedError("the scheduler is closed")
-            self._queues.setdefault(agent_id, deque()).append(req)
+            self._queues.setdefault(agent_id, deque()).append(ticket)
             self._queued += 1
             self._counts["submitted"] += 1
             if agent_id not in self._busy and agent_id not in self._ready:
                 self._ready.append(agent_id)
             self._cv.notify_all()
-        return req.future
+        return ticket.future
 
-    async def submit_async(self, agent_id: str, prompt, max_tokens: int = 64, *, timeout: float | None = 0.0) -> TurnResult:
+    async def submit_async(self, request: Request, *, timeout: float | None = 0.0) -> Completion:
         """:meth:`submit` for asyncio: awaits the turn's result (queue waits run off the loop)."""
         if timeout == 0.0:
-            future = self.submit(agent_id, prompt, max_tokens, timeout=0.0)
+            future = self.submit(request, timeout=0.0)
         else:
-            future = await asyncio.to_thread(self.submit, agent_id, prompt, max_tokens, timeout=timeout)
+            future = await asyncio.to_thread(self.submit, request, timeout=timeout)
         return await asyncio.wrap_future(future)
 
     def cancel(self, future: Future) -> bool:
@@ -283,11 +233,9 @@ class ConcurrentScheduler:
             self._counts["cancelled"] += 1
             self._cv.notify_all()
         now = time.perf_counter()
-        req.future.set_result(TurnResult(
-            agent_id=req.agent_id, text="", token_ids=(), finish_reason="cancelled", logprobs=(),
-            history_tokens=len(req.ids), prompt_tokens=0, cached_tokens=0, reuse="none",
-            queued_s=now - req.submitted_at, ttft_s=0.0, latency_s=now - req.submitted_at,
-            decode_tokens_per_s=0.0, cache_saved=False, cache_error="cancelled while queued",
+        req.future.set_result(Completion(
+            request=req.request, uid=-1, token_ids=[], logprobs=[], finish_reason="cancelled", cached_tokens=0,
+            reuse="none", blocks=None, cache_error="cancelled while queued", admitted_at=now, finished_at=now,
         ))
         return True
 
@@ -417,14 +365,12 @@ class ConcurrentScheduler:
                 return
             req = queue[0]
         try:
-            own = self._resident.own_cache(agent_id) if req.keep else None
-            need = self._resident.blocks_needed(req.ids, req.max_tokens, req.salt_root)
+            request = req.request
+            own = self._resident.own_cache(agent_id) if request.persist else None
+            need = self._resident.blocks_needed(request.ids, request.max_tokens, request.salt_root)
             if not self._resident.make_room(need, agent_id, self._reservations):
                 return  # stays queued until a finish frees blocks
-            req.admitted_at = time.perf_counter()
-            uid = self.engine.submit_history(
-                agent_id, req.ids, own, req.max_tokens, sampling=req.sampling, on_token=req.on_token, salt_root=req.salt_root
-            )
+            uid = self.engine.submit(request, own)
         except Exception as exc:
             with self._cv:
                 self._dequeue(agent_id, req)
@@ -440,13 +386,13 @@ class ConcurrentScheduler:
             req.cancelled = not self._dequeue(agent_id, req)
             self._busy.add(agent_id)
             self._in_flight[uid] = req
-        if req.on_admit is not None:
+        if request.on_admit is not None:
             try:
-                req.on_admit(self.engine.cached_tokens(uid))
+                request.on_admit(self.engine.cached_tokens(uid))
             except Exception:  # a caller's bug: its turn still runs
                 log.exception("on_admit of agent %r raised", agent_id)
 
-    def _unqueue(self, future: Future) -> _Request | None:
+    def _unqueue(self, future: Future) -> _Ticket | None:
         """Take the queued request of ``future`` off its agent's queue (the caller holds ``_cv``)."""
         for agent_id, queue in list(self._queues.items()):
             req = next((r for r in queue if r.future is future), None)
@@ -457,7 +403,7 @@ class ConcurrentScheduler:
                 return req
         return None
 
-    def _dequeue(self, agent_id: str, req: _Request) -> bool:
+    def _dequeue(self, agent_id: str, req: _Ticket) -> bool:
         """Take ``req``, being admitted, off its agent's queue; the agent leaves the ready list
         (the caller holds ``_cv``). False when cancel() took it off first."""
         found = self._take(agent_id, req)
@@ -466,10 +412,10 @@ class ConcurrentScheduler:
         self._cv.notify_all()
         return found
 
-    def _take(self, agent_id: str, req: _Request) -> bool:
+    def _take(self, agent_id: str, req: _Ticket) -> bool:
         """Remove ``req`` from the agent's queue if it is there (the caller holds ``_cv``)."""
         queue = self._queues.get(agent_id)
-        if queue is None or req not in queue:  # _Request compares by identity
+        if queue is None or req not in queue:  # _Ticket compares by identity
             return False
         queue.remove(req)
         self._queued -= 1
@@ -484,27 +430,22 @@ class ConcurrentScheduler:
     def _finish(self, c: Completion) -> None:
         req = self._in_flight.pop(c.uid)
         answered = req.future.done()  # cancelled while being admitted: cancel() already answered
+        # the cache is the scheduler's from here: resident and saved, never the caller's
+        blocks, c.blocks = c.blocks, None
         prepared = None
-        keep = req.keep and c.blocks is not None
+        keep = c.request.persist and blocks is not None
         if keep and self.write_behind:
             try:
-                prepared = cachefile.prepare(c.blocks)  # MLX work stays on this thread
+                prepared = cachefile.prepare(blocks)  # MLX work stays on this thread
             except CacheError as exc:
                 log.warning("agent %r: cannot prepare its save: %s", c.agent_id, exc)
-        result = TurnResult(
-            agent_id=c.agent_id, text=c.text, token_ids=tuple(c.token_ids), finish_reason=c.finish_reason,
-            logprobs=tuple(c.logprobs), history_tokens=len(req.ids), prompt_tokens=c.prompt_tokens,
-            cached_tokens=c.cached_tokens, reuse=c.reuse, queued_s=req.admitted_at - req.submitted_at,
-            ttft_s=c.first_token_at - req.submitted_at if c.first_token_at else 0.0, latency_s=c.finished_at - req.submitted_at,
-            decode_tokens_per_s=c.decode_tokens_per_s, cache_saved=c.blocks is not None, cache_error=c.cache_error,
-        )
         replaced = []  # released when nothing else holds them (AgentBlocks' finalizer), after _cv
         with self._cv:
             self._busy.discard(c.agent_id)
             if keep:
-                replaced.append(self._resident.put(c.agent_id, c.blocks))
+                replaced.append(self._resident.put(c.agent_id, blocks))
                 if prepared is not None:  # a newer save replaces a pending older one
-                    replaced.append(self._saver.put(c.agent_id, c.blocks, prepared))
+                    replaced.append(self._saver.put(c.agent_id, blocks, prepared))
             self._counts["completed"] += 1
             self._counts["cancelled"] += c.finish_reason == "cancelled" and not answered
             self._counts["prompt_tokens"] += c.prompt_tokens
@@ -512,18 +453,19 @@ class ConcurrentScheduler:
             if self._queues.get(c.agent_id) and c.agent_id not in self._ready:
                 self._ready.append(c.agent_id)
             self._cv.notify_all()
-        del replaced
+        del replaced, blocks
         if not answered:
-            req.future.set_result(result)
+            req.future.set_result(c)
 
     def _fail_in_flight(self, exc: BaseException) -> None:
         with self._cv:
             failed = list(self._in_flight.values())
             self._in_flight.clear()
             for req in failed:
-                self._busy.discard(req.agent_id)
-                if self._queues.get(req.agent_id) and req.agent_id not in self._ready:
-                    self._ready.append(req.agent_id)
+                agent_id = req.request.agent_id
+                self._busy.discard(agent_id)
+                if self._queues.get(agent_id) and agent_id not in self._ready:
+                    self._ready.append(agent_id)
             self._counts["failed"] += len(failed)
             self._cv.notify_all()
         self.engine = self._make_engine()  # over the same pool: stored caches stay valid

@@ -41,6 +41,8 @@ from typing import Callable, Sequence
 import mlx.core as mx
 
 from semantic import compat
+from semantic.request import Request
+from semantic.sampling import processors_for, sampler_for
 
 # on_stop(uid, caches, fed): the sequence's live caches after ``fed`` prompt tokens, at one of its stops
 OnStop = Callable[[int, list, int], None]
@@ -67,12 +69,12 @@ class Closed:
 @dataclass(slots=True)
 class _Seq:
     uid: int
-    prompt: list[int]              # tokens still to feed, from ``fed`` on
+    prompt: tuple[int, ...]        # the request's ids from ``fed`` on: what the caches do not hold yet
     caches: list                   # single caches while prefilling; None once in the batch
     max_tokens: int
     sampler: Callable | None
     processors: list | None
-    history: list[int]             # every token fed or to feed: the processors' context
+    history: list[int] | None      # every token fed or to feed: the processors' context (None without any)
     stops: deque = field(default_factory=deque)
     on_stop: OnStop | None = None
     fed: int = 0                   # prompt tokens fed so far
@@ -84,11 +86,10 @@ class _Seq:
 class StepLoop:
     """Chunked prefill between batched decode steps (see the module docstring)."""
 
-    def __init__(self, model, *, stop_tokens: Sequence[int], max_batch: int = 8, prefill_chunk: int = 256):
-        if max_batch <= 0 or prefill_chunk <= 0:
-            raise ValueError(f"max_batch and prefill_chunk must be positive, got {max_batch}, {prefill_chunk}")
+    def __init__(self, model, *, stop_tokens: Sequence[int], max_batch: int, prefill_chunk: int):
+        assert max_batch > 0 and prefill_chunk > 0, (max_batch, prefill_chunk)
         self.model = model
-        self.stop_tokens = frozenset(int(t) for t in stop_tokens)
+        self.stop_tokens = frozenset(stop_tokens)
         self.max_batch = max_batch
         self.prefill_chunk = prefill_chunk
         self._waiting: deque[_Seq] = deque()   # prompts, in arrival order
@@ -100,33 +101,23 @@ class StepLoop:
     # ------------------------------------------------------------ sequences
 
     def add(
-        self,
-        uid: int,
-        prompt: Sequence[int],
-        caches: list,
-        max_tokens: int,
-        *,
-        sampler: Callable | None = None,
-        processors: list | None = None,
-        context: Sequence[int] = (),
-        stops: Sequence[int] = (),
-        on_stop: OnStop | None = None,
+        self, uid: int, request: Request, fed: int, caches: list, *,
+        stops: Sequence[int] = (), on_stop: OnStop | None = None,
     ) -> None:
-        """Queue ``prompt`` (the tokens after what ``caches`` hold) for prefill, then decoding.
+        """Queue ``request`` for prefill, then decoding; ``caches`` hold its first ``fed`` ids.
 
-        ``context`` is what the caches already hold (the processors' history);
-        ``stops`` are prompt positions (counted in ``prompt``) where a chunk
-        must end so that ``on_stop`` can see the cache there.
+        The request's ``max_tokens`` and ``sampling`` are read here, as they
+        are; ``stops`` are positions counted from ``fed`` where a chunk must
+        end so that ``on_stop`` can see the cache there.
         """
         assert uid not in self._seqs, uid
-        if not prompt:
-            raise ValueError("a sequence needs at least one prompt token")
-        if max_tokens <= 0:
-            raise ValueError(f"max_tokens must be positive, got {max_tokens}")
+        assert 0 <= fed < len(request.ids), (fed, len(request.ids))
+        prompt = request.ids[fed:]
         assert all(0 < s < len(prompt) for s in stops), (stops, len(prompt))
+        processors = processors_for(request.sampling)
         seq = _Seq(
-            uid, list(map(int, prompt)), caches, max_tokens, sampler, processors,
-            [*map(int, context), *map(int, prompt)], deque(sorted(set(stops))), on_stop,
+            uid, prompt, caches, request.max_tokens, sampler_for(request.sampling), processors,
+            list(request.ids) if processors else None, deque(sorted(set(stops))), on_stop,
         )
         self._seqs[uid] = seq
         self._waiting.append(seq)
@@ -186,7 +177,8 @@ class StepLoop:
 
     def _decode(self):
         for s in self._rows:
-            s.history.append(s.next_token)  # fed by this forward pass: the processors' context
+            if s.history is not None:
+                s.history.append(s.next_token)  # fed by this forward pass: the processors' context
         inputs = mx.array([[s.next_token] for s in self._rows])
         logits = self.model(inputs, cache=self._batch)[:, -1, :]
         tokens, logprobs = self._sample(self._rows, logits)

@@ -54,7 +54,7 @@ from semantic.errors import (
     PoolExhaustedError,
 )
 from semantic.pool import BlockPool
-from semantic.requests import validate_agent_id
+from semantic.request import validate_agent_id
 from semantic.spec import ModelCacheSpec
 
 log = logging.getLogger(__name__)
@@ -66,7 +66,7 @@ def file_name(agent_id: str) -> str:
     """The file name that holds ``agent_id``'s cache (never a path).
 
     Raises:
-        InvalidAgentIdError: see :func:`requests.validate_agent_id`.
+        InvalidAgentIdError: see :func:`request.validate_agent_id`.
     """
     validate_agent_id(agent_id)
     slug = re.sub(r"[^a-z0-9_-]+", "-", agent_id.lower()).strip("-")[:32] or "agent"

@@ -7,7 +7,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models import cache as mlx_cache
 
-from semantic import BlockPool, BlockPoolBatchEngine, ModelCacheSpec, compat
+from semantic import BlockPool, BlockPoolBatchEngine, ModelCacheSpec, Request, compat
 from semantic.blocks import AgentBlocks
 from semantic.convert import extract, reconstruct
 from tests.tiny_models import byte_tokenizer
@@ -30,7 +30,7 @@ def history(n: int, seed: int | None = None) -> list[int]:
 
 
 def generate(eng: BlockPoolBatchEngine, agent: str, prompt, max_tokens: int):
-    uid = eng.submit(agent, prompt, max_tokens=max_tokens)
+    uid = eng.submit(Request(agent, prompt, max_tokens), share=False)
     return run(eng)[uid]
 
 

@@ -25,7 +25,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper  # noqa: E402
 from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
 from transformers import PreTrainedTokenizerFast  # noqa: E402
 
-from semantic import AgentCacheStore, BlockPool, ConcurrentScheduler, ModelCacheSpec  # noqa: E402
+from semantic import AgentCacheStore, BlockPool, ConcurrentScheduler, ModelCacheSpec, Request, encode  # noqa: E402
 
 mx.random.seed(0)
 args = llama.ModelArgs(model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
@@ -43,9 +43,8 @@ with tempfile.TemporaryDirectory() as d:
                             pool=BlockPool(spec, total_blocks=32, block_tokens=16))
     with ConcurrentScheduler(model, tokenizer, store, max_batch=2, stop_tokens=[]) as sched:
         history = " ".join(f"t{i}" for i in range(10, 60))
-        first = sched.submit("agent", history, 4, timeout=None).result()
-        second = sched.submit("agent", tokenizer.encode(history) + list(first.token_ids) + [7, 8, 9], 4,
-                              timeout=None).result()
+        first = sched.submit(Request("agent", encode(tokenizer, history), 4), timeout=None).result()
+        second = sched.submit(Request("agent", tokenizer.encode(history) + list(first.token_ids) + [7, 8, 9], 4), timeout=None).result()
 assert second.cached_tokens > 0, second
 print(f"engine only: semantic {len(semantic.__all__)} names, 2 turns, {second.cached_tokens} tokens reused, "
       f"python {sys.version.split()[0]}")

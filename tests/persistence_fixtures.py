@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from semantic import cachefile, compat
+from semantic import Request, cachefile, compat
 from tests.cache_helpers import engine, generate, history, run, weights_fingerprint
 from tests.tiny_models import tiny_gemma3, tiny_llama
 
@@ -51,7 +51,7 @@ def write() -> list[Path]:
         model = build()
         eng = engine(model, kv_bits)
         if name.endswith("-edge"):
-            uid = eng.submit_history(name, history(n), max_tokens=gen)
+            uid = eng.submit(Request(name, history(n), gen))
             done = run(eng)[uid]
             assert cachefile.prepare(done.blocks).stored_from, "the fixture must reference a pooled edge block"
         else:

@@ -15,7 +15,7 @@ from pathlib import Path
 from harness import models
 from harness.kinds.agents import open_scheduler
 from harness.kinds.common import fresh_first_token, logprob_diff, make_engine
-from semantic import render_chat
+from semantic import Request, encode, render_chat
 
 
 def main(spec: dict) -> dict:
@@ -26,7 +26,7 @@ def main(spec: dict) -> dict:
     turns, results = {}, {}
     try:
         for agent, convo in spec["conversations"].items():  # one at a time: each TTFT is its own
-            r = results[agent] = sched.submit(agent, convo, spec["answer_tokens"], timeout=None).result()
+            r = results[agent] = sched.submit(Request(agent, encode(loaded.tokenizer, convo), spec["answer_tokens"]), timeout=None).result()
             turns[agent] = {"ttft_ms": r.ttft_s * 1e3, "context_tokens": r.history_tokens,
                             "cached_tokens": r.cached_tokens, "new_tokens": r.prompt_tokens, "reuse": r.reuse}
         store = sched.store.stats()

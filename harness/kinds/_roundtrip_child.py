@@ -12,7 +12,7 @@ import time
 
 from harness import models
 from harness.kinds.common import make_engine
-from semantic import cachefile
+from semantic import Request, cachefile
 
 
 def main(model: str, path: str, T: list[int], steps: int) -> dict:
@@ -21,8 +21,8 @@ def main(model: str, path: str, T: list[int], steps: int) -> dict:
     t0 = time.perf_counter()
     cache = cachefile.load(path, engine.pool, model_fingerprint=loaded.fingerprint)
     load_ms = (time.perf_counter() - t0) * 1e3
-    cached_uid = engine.submit("agent", T, cache=cache, max_tokens=steps)
-    fresh_uid = engine.submit("fresh", list(cache.token_ids) + T, max_tokens=steps)
+    cached_uid = engine.submit(Request("agent", [*cache.token_ids, *T], steps), cache, share=False)
+    fresh_uid = engine.submit(Request("fresh", list(cache.token_ids) + T, steps), share=False)
     done = {c.uid: c for c in engine.step()}
     side = lambda c: {"tokens": c.token_ids, "logprobs": c.logprobs, "prompt_tokens": c.prompt_tokens}  # noqa: E731
     return {"load_ms": load_ms, "cached": side(done[cached_uid]), "fresh": side(done[fresh_uid])}

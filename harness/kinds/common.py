@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from harness.timing import Samples, time_interleaved
-from semantic import AgentBlocks, BlockPool, BlockPoolBatchEngine, ModelCacheSpec
+from semantic import AgentBlocks, BlockPool, BlockPoolBatchEngine, ModelCacheSpec, Request
 
 HISTORY = (Path(__file__).parents[1] / "data" / "history.txt").read_text()
 
@@ -51,9 +51,15 @@ def history_ids(tokenizer, n: int) -> list[int]:
     return ids[:n]
 
 
-def run_one(engine: BlockPoolBatchEngine, agent: str, prompt, cache: AgentBlocks | None, max_tokens: int):
-    uid = engine.submit(agent, prompt, cache=cache, max_tokens=max_tokens)
+def run_one(engine: BlockPoolBatchEngine, agent: str, prompt: list[int], cache: AgentBlocks | None, max_tokens: int):
+    """Prefill ``prompt`` after ``cache`` (None: from nothing, no pooled prefix either) and generate."""
+    uid = engine.submit(Request(agent, _after(cache, prompt), max_tokens), cache, share=False)
     return {c.uid: c for c in engine.step()}[uid]
+
+
+def _after(cache: AgentBlocks | None, prompt: list[int]) -> list[int]:
+    """The whole history of a prompt that continues ``cache``."""
+    return prompt if cache is None else [*cache.token_ids, *prompt]
 
 
 def logprob_diff(a, b) -> float:
@@ -71,7 +77,7 @@ def match_report(a, b) -> dict:
 def fresh_first_token(engine: BlockPoolBatchEngine, ids: list[int]):
     """Prefill ``ids`` from nothing and sample one token; the Completion (its ``ttft_s`` is
     submit to the materialized first token). Its blocks are released at once."""
-    uid = engine.submit("fresh", ids, max_tokens=1)
+    uid = engine.submit(Request("fresh", ids, 1), share=False)
     done = {c.uid: c for c in engine.step()}[uid]
     assert done.cached_tokens == 0
     if done.blocks is not None:
@@ -94,7 +100,7 @@ def time_ttft(engine: BlockPoolBatchEngine, cached: tuple, fresh: tuple, protoco
 
     def first_token(agent, prompt, cache):
         def call():
-            engine.submit(agent, prompt, cache=cache, max_tokens=2)
+            engine.submit(Request(agent, _after(cache, prompt), 2), cache, share=False)
             engine.step_once()
         return call
 

@@ -30,7 +30,7 @@ from harness import plots
 from harness.kinds.base import Kind, Param, register
 from harness.kinds.agents import open_scheduler, question, system_prompt, text_of_tokens, user_history
 from harness.kinds.common import fresh_first_token, logprob_diff, make_engine, run_child
-from semantic import render_chat
+from semantic import Request, encode, render_chat
 from semantic.reuse import common_prefix
 
 
@@ -103,11 +103,11 @@ def _round(sched, fresh, tok, convo: dict, turn: int, p: dict, reference: bool) 
     users = len(convo)
     for u in range(users):
         convo[u].append(question(tok, u, turn, p["question_tokens"]))
-    others = {u: sched.submit(f"user-{u}", convo[u], p["answer_tokens"], timeout=None) for u in range(1, users)}
+    others = {u: sched.submit(Request(f"user-{u}", encode(tok, convo[u]), p["answer_tokens"]), timeout=None) for u in range(1, users)}
     got = {u: f.result() for u, f in others.items()}
     ids0 = render_chat(tok, convo[0])
     row = {"turn": turn, "context_tokens": len(ids0)}
-    sides = {"cached": lambda: sched.submit("user-0", convo[0], p["answer_tokens"], timeout=None).result()}
+    sides = {"cached": lambda: sched.submit(Request("user-0", encode(tok, convo[0]), p["answer_tokens"]), timeout=None).result()}
     if reference:
         sides["uncached"] = lambda: fresh_first_token(fresh, ids0)
     timed = _pair(turn, sides)
@@ -130,7 +130,7 @@ def _sharing(sched, tok, system: dict, p: dict) -> dict:
     """Prefix sharing: ``sharing_agents`` more agents with the same system prompt, each with a short
     question of its own; the resident bytes of their caches."""
     share = {f"share-{i}": [system, question(tok, 1000 + i, 1, p["question_tokens"])] for i in range(p["sharing_agents"])}
-    futures = {a: sched.submit(a, m, p["answer_tokens"], timeout=None) for a, m in share.items()}
+    futures = {a: sched.submit(Request(a, encode(tok, m), p["answer_tokens"]), timeout=None) for a, m in share.items()}
     share_results = {a: f.result() for a, f in futures.items()}
     sched.flush()
     bt = sched.store.pool.block_tokens
@@ -167,7 +167,7 @@ def _long_conversation(ctx, cache_dir: Path) -> list[dict]:
     convo = [system, {"role": "user", "content": body}]
     sched = open_scheduler(ctx.loaded, cache_dir, p["pool_blocks"])
     try:
-        reply = sched.submit("long", convo, p["answer_tokens"], timeout=None).result()
+        reply = sched.submit(Request("long", encode(tok, convo), p["answer_tokens"]), timeout=None).result()
     finally:
         sched.close()
     return convo + [{"role": "assistant", "content": reply.text}, question(tok, 9, 99, p["question_tokens"])]

@@ -19,7 +19,7 @@ from harness import plots
 from harness.kinds.base import Kind, Param, register
 from harness.kinds.common import make_engine, match_report, record_ttft, run_one, time_ttft
 from harness.timing import time_once
-from semantic import cachefile, compat
+from semantic import Request, cachefile, compat
 
 
 def _same_caches(a: list, b: list) -> bool:
@@ -63,7 +63,7 @@ def _finish_in_one_batch(ctx, engine) -> list[tuple]:
     p, tok, res = ctx.params, ctx.loaded.tokenizer, ctx.results
     agents = [f"seq{i}" for i in range(len(p["prompts"]))]
     for agent, prompt, n in zip(agents, p["prompts"], p["max_tokens"]):
-        engine.submit(agent, tok.encode(prompt), max_tokens=n)
+        engine.submit(Request(agent, tok.encode(prompt), n), share=False)
 
     finished, step = [], 0
     while engine.in_flight:

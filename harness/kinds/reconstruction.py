@@ -41,7 +41,7 @@ from harness.kinds.base import Kind, Param, register
 from harness.kinds.synthetic import GEMMA3_12B, live_caches
 from harness.stats import linear_fit
 from harness.timing import time_interleaved
-from semantic import BlockPool, ModelCacheSpec, compat, convert
+from semantic import BlockPool, ModelCacheSpec, Request, compat, convert
 from semantic.spec import GLOBAL
 
 BLOCK = 256
@@ -387,7 +387,7 @@ def _with_model(ctx) -> None:
         blocks = blocks_of(n * BLOCK, 1)
 
         def round_trip():
-            engine.submit("rt", follow, cache=blocks, max_tokens=10)
+            engine.submit(Request("rt", [*blocks.token_ids, *follow], 10), blocks, share=False)
             for c in engine.step():
                 c.blocks.release()
 

@@ -58,7 +58,7 @@ def _window(stamps: dict, t0: float, t1: float, long_tokens: int) -> dict:
 
 
 def _interleave_ours(loaded, p: dict, trial: int, chunk: int | None = None) -> dict:
-    from semantic import BlockPool, BlockPoolBatchEngine, ModelCacheSpec
+    from semantic import BlockPool, BlockPoolBatchEngine, ModelCacheSpec, Request
 
     spec = ModelCacheSpec.from_model(loaded.model)
     need = (p["long_tokens"] + p["decoders"] * (p["decoder_prompt"] + 4 * p["warm"] + 2048)) // 256 + 16
@@ -73,13 +73,12 @@ def _interleave_ours(loaded, p: dict, trial: int, chunk: int | None = None) -> d
     def stamp(i):
         return lambda token, lp, row: stamps[i].append(time.perf_counter()) and False
 
-    uids = [engine.submit_history(f"d{i}", _prompt(100 * trial + i, p["decoder_prompt"], vocab), max_tokens=100_000,
-                                  on_token=stamp(i)) for i in range(p["decoders"])]
+    uids = [engine.submit(Request(f"d{i}", _prompt(100 * trial + i, p["decoder_prompt"], vocab), 100_000, on_token=stamp(i))) for i in range(p["decoders"])]
     while min(len(s) for s in stamps.values()) < p["warm"]:
         engine.step_once()
     t0 = time.perf_counter()
-    engine.submit_history("long", _prompt(7 + trial, p["long_tokens"], vocab), max_tokens=2,
-                          on_token=lambda token, lp, row: long_first.append(time.perf_counter()) and False)
+    engine.submit(Request("long", _prompt(7 + trial, p["long_tokens"], vocab), 2,
+                          on_token=lambda token, lp, row: long_first.append(time.perf_counter()) and False))
     while not long_first:
         engine.step_once()
     t1 = long_first[0]
@@ -126,7 +125,7 @@ def _interleave_mlx_lm(loaded, p: dict, trial: int) -> dict:
 
 
 def _quantized_batched(loaded, p: dict, trial: int) -> dict:
-    from semantic import BlockPool, BlockPoolBatchEngine, ModelCacheSpec
+    from semantic import BlockPool, BlockPoolBatchEngine, ModelCacheSpec, Request
 
     spec = ModelCacheSpec.from_model(loaded.model, kv_bits=p["q_bits"], kv_group_size=p["q_group"])
     pool = BlockPool(spec, p["q_agents"] * ((p["q_prompt"] + p["q_tokens"]) // 256 + 2))
@@ -134,8 +133,7 @@ def _quantized_batched(loaded, p: dict, trial: int) -> dict:
                                   max_batch=p["q_agents"], prefill_chunk=p["q_agents"] * p["q_prompt"])
     stamps = []
     for i in range(p["q_agents"]):
-        engine.submit_history(f"q{i}", _prompt(1000 * trial + i, p["q_prompt"], engine.vocab_size),
-                              max_tokens=p["q_tokens"], on_token=lambda *a: stamps.append(time.perf_counter()) and False)
+        engine.submit(Request(f"q{i}", _prompt(1000 * trial + i, p["q_prompt"], engine.vocab_size), p["q_tokens"], on_token=lambda *a: stamps.append(time.perf_counter()) and False))
     done = list(engine.step())
     first = stamps[p["q_agents"] - 1]  # every agent has its first token: decoding starts
     tokens = len(stamps) - p["q_agents"]

@@ -47,7 +47,7 @@ from harness import plots
 from harness.kinds.base import Kind, Param, register
 from harness.kinds.agents import open_scheduler
 from harness.kinds.common import logprob_diff, make_engine as fresh_engine
-from semantic import ModelCacheSpec, cachefile, store as store_mod
+from semantic import ModelCacheSpec, Request, cachefile, store as store_mod
 
 CANARY_LEN = 4
 
@@ -140,7 +140,7 @@ class _Workload:
             self.counts["errors"] += 1
             self.errors.append(f"{a} turn {self.turns[a]}: {type(exc).__name__}: {exc}"[:300])
             return
-        full = tuple(h) + r.token_ids
+        full = (*h, *r.token_ids)
         if self.turns[a]:
             self.counts["cached_tokens"] += r.cached_tokens
             self.counts["history_tokens"] += r.history_tokens
@@ -188,7 +188,7 @@ def _drive(w: _Workload, sched, progress) -> int:
         while len(outstanding) < p["concurrency"] and submitted < p["requests"] and idle:
             a = idle.pop(int(w.rng.integers(len(idle))))
             h, max_tokens, edited = w.next_turn(a, sched)
-            outstanding[sched.submit(a, h, max_tokens, timeout=None)] = (a, h, submitted, edited)
+            outstanding[sched.submit(Request(a, h, max_tokens), timeout=None)] = (a, h, submitted, edited)
             submitted += 1
         finished, _ = cf.wait(list(outstanding), return_when=cf.FIRST_COMPLETED)
         for fut in finished:
@@ -301,7 +301,7 @@ def _choose_parity(eligible: list[tuple], n: int) -> list[tuple]:
 
 def _parity(engine, h: list[int], r, tol: float) -> tuple[bool, float]:
     """The turn again as a fresh prefill in an engine of its own."""
-    uid = engine.submit("parity", h, max_tokens=len(r.token_ids))
+    uid = engine.submit(Request("parity", h, len(r.token_ids)), share=False)
     ref = {c.uid: c for c in engine.step()}[uid]
     if ref.blocks is not None:
         ref.blocks.release()

@@ -110,8 +110,8 @@ class _FileBlocks:
     def read(self, slots: list[TensorSlot]) -> None:
         self.arrays.update(_read_tensors(self.info, slots))
 
-    def layer(self, group: str, i: int) -> LayerKV:
-        """Layer ``i``'s (keys, values) over every token its group holds."""
+    def layer(self, i: int) -> LayerKV:
+        """Layer ``i``'s (keys, values) over every token its group holds (tensors are keyed by layer)."""
         names, a = self.by_layer[i], self.arrays
         if ("keys", None) in names:
             return a[names[("keys", None)]], a[names[("values", None)]]
@@ -128,7 +128,7 @@ class _FileBlocks:
             whole = len(run) == per_group[first.group] and lo == 0 and hi == n
             seg = Segment({}, hi - lo)
             for i in first.layers:
-                kv = self.layer(first.group, i)
+                kv = self.layer(i)
                 # all of the group: the file's arrays are the segment (no copy)
                 seg.layer_data[i] = kv if whole else _map(kv, lambda x: mx.contiguous(x[..., lo:hi, :]))
             starts = [planned.blocks[idx].start - planned.blocks[idx].shift - lo for idx in run]

@@ -30,6 +30,7 @@ from pathlib import Path
 
 from semantic.errors import InvalidRequestError
 from semantic.fingerprint import weights_fingerprint
+from semantic.request import Request
 from semantic.serve.protocol import Final, GenerateRequest, Prepared
 from semantic.serve.textstream import TextStream
 
@@ -125,7 +126,7 @@ class Backend:
         """Tokenize and check ``req``; nothing is queued. Raises InvalidRequestError (400)."""
         from semantic.blockplan import salt_root_of
         from semantic.errors import ContextLengthError, InvalidAgentIdError
-        from semantic.requests import MAX_AGENT_ID, render_chat, validate_agent_id
+        from semantic.request import MAX_AGENT_ID, render_chat, validate_agent_id
 
         if req.messages is not None:
             try:
@@ -192,11 +193,10 @@ class Backend:
             return text.stopped
 
         done, admitted = object(), {}
-        future = self.scheduler.submit(
-            prepared.agent_id, list(prepared.ids), req.max_tokens, timeout=0.0,
-            sampling=req.sampling, on_token=on_token, salt_root=prepared.salt_root, keep=prepared.keep,
-            on_admit=lambda cached: admitted.setdefault("cached", cached),
-        )
+        future = self.scheduler.submit(Request(
+            prepared.agent_id, prepared.ids, req.max_tokens, sampling=req.sampling, persist=prepared.keep,
+            salt_root=prepared.salt_root, on_token=on_token, on_admit=lambda cached: admitted.setdefault("cached", cached),
+        ))
         future.add_done_callback(lambda _: post(done))
         first = True
         try:

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from harness.kinds.synthetic import SMOLLM2_135M
-from semantic import BlockPool, ModelCacheSpec, compat, convert
+from semantic import BlockPool, ModelCacheSpec, Request, compat, convert
 
 TOKENS = 2048
 TRIALS = 30
@@ -114,12 +114,12 @@ def test_round_trip_one_block_real_smollm2(benchmark, smollm2):
 
     spec = ModelCacheSpec.from_model(smollm2.model)
     engine = BlockPoolBatchEngine(smollm2.model, smollm2.tokenizer, BlockPool(spec, 16), spec, stop_tokens=[])
-    uid = engine.submit("a", list(range(1000, 1256)), max_tokens=1)
+    uid = engine.submit(Request("a", list(range(1000, 1256)), 1), share=False)
     blocks = {c.uid: c for c in engine.step()}[uid].blocks
     follow = smollm2.tokenizer.encode(" Continue.", add_special_tokens=False)
 
     def round_trip():
-        engine.submit("a", follow, cache=blocks, max_tokens=10)
+        engine.submit(Request("a", [*blocks.token_ids, *follow], 10), blocks, share=False)
         for c in engine.step():
             c.blocks.release()
 

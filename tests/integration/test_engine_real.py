@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 import harness
-from semantic import BlockPool, BlockPoolBatchEngine, ModelCacheSpec, compat
+from semantic import BlockPool, BlockPoolBatchEngine, ModelCacheSpec, Request, compat
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -63,8 +63,8 @@ def _history(tokenizer, n):
 def _continue_and_compare(engine, agent, first, T):
     """Continue ``first`` (a Completion) with T, beside a fresh prefill of the same tokens."""
     S_gen = list(first.blocks.token_ids)
-    cached_uid = engine.submit(agent, T, cache=first.blocks, max_tokens=STEPS)
-    fresh_uid = engine.submit(agent + "-fresh", S_gen + T, max_tokens=STEPS)
+    cached_uid = engine.submit(Request(agent, [*first.blocks.token_ids, *T], STEPS), first.blocks, share=False)
+    fresh_uid = engine.submit(Request(agent + "-fresh", S_gen + T, STEPS), share=False)
     done = _run(engine)
     cached, fresh = done[cached_uid], done[fresh_uid]
     assert (cached.prompt_tokens, cached.cached_tokens) == (len(T), len(S_gen))
@@ -78,7 +78,7 @@ def test_gemma3_continues_exactly_after_its_sliding_window_wrapped(gemma3):
     window = engine.spec.layers[0].window
     assert window == 512 and {l.kind for l in engine.spec.layers} == {"sliding", "global"}
     S = _history(gemma3.tokenizer, 530)
-    uid = engine.submit("a", S, max_tokens=4)
+    uid = engine.submit(Request("a", S, 4), share=False)
     first = _run(engine)[uid]
     assert first.blocks.total_tokens == 534  # past the window: the ring has wrapped
 
@@ -103,7 +103,7 @@ def test_smollm2_batch_of_three_finishes_at_different_steps_and_each_continues(s
     ids = smollm2.tokenizer.encode(HISTORY)
     prompts = {"short": ids[:20], "medium": ids[100:145], "long": ids[200:280]}
     limits = {"short": 7, "medium": 3, "long": 5}
-    uids = {a: engine.submit(a, p, max_tokens=limits[a]) for a, p in prompts.items()}
+    uids = {a: engine.submit(Request(a, p, limits[a]), share=False) for a, p in prompts.items()}
     finished, step = {}, 0
     while engine.in_flight:
         step += 1
@@ -120,8 +120,8 @@ def test_smollm2_batch_of_three_finishes_at_different_steps_and_each_continues(s
     pairs = {}
     for agent, (_, c) in finished.items():
         pairs[agent] = (
-            engine.submit(agent, T, cache=c.blocks, max_tokens=STEPS),
-            engine.submit(agent + "-fresh", list(c.blocks.token_ids) + T, max_tokens=STEPS),
+            engine.submit(Request(agent, [*c.blocks.token_ids, *T], STEPS), c.blocks, share=False),
+            engine.submit(Request(agent + "-fresh", list(c.blocks.token_ids) + T, STEPS), share=False),
         )
     done = _run(engine)
     for agent, (cached_uid, fresh_uid) in pairs.items():
@@ -135,8 +135,8 @@ def test_two_agents_sharing_a_512_token_prefix_hold_its_blocks_once(smollm2):
     tok = smollm2.tokenizer
     sa = tok.encode(" Question: who was Ilse?", add_special_tokens=False)
     sb = tok.encode(" Question: what did the keeper leave?", add_special_tokens=False)
-    ua = engine.submit("a", prefix + sa, max_tokens=3)
-    ub = engine.submit("b", prefix + sb, max_tokens=3)
+    ua = engine.submit(Request("a", prefix + sa, 3), share=False)
+    ub = engine.submit(Request("b", prefix + sb, 3), share=False)
     done = _run(engine)
     a, b = done[ua].blocks, done[ub].blocks
 
@@ -152,8 +152,8 @@ def test_two_agents_sharing_a_512_token_prefix_hold_its_blocks_once(smollm2):
     Ta = tok.encode(" Answer briefly.", add_special_tokens=False)
     Tb = tok.encode(" Answer in one sentence.", add_special_tokens=False)
     uids = {
-        "a": (engine.submit("a", Ta, cache=a, max_tokens=STEPS), engine.submit("a-fresh", list(a.token_ids) + Ta, max_tokens=STEPS)),
-        "b": (engine.submit("b", Tb, cache=b, max_tokens=STEPS), engine.submit("b-fresh", list(b.token_ids) + Tb, max_tokens=STEPS)),
+        "a": (engine.submit(Request("a", [*a.token_ids, *Ta], STEPS), a, share=False), engine.submit(Request("a-fresh", list(a.token_ids) + Ta, STEPS), share=False)),
+        "b": (engine.submit(Request("b", [*b.token_ids, *Tb], STEPS), b, share=False), engine.submit(Request("b-fresh", list(b.token_ids) + Tb, STEPS), share=False)),
     }
     done = _run(engine)
     for cached_uid, fresh_uid in uids.values():
@@ -171,7 +171,7 @@ def test_smollm2_quantized_cache_continues_exactly_in_the_solo_lane(real_variant
     engine = _engine(smollm2, kv_bits=8)
     assert engine.spec.quantized
     S = _history(smollm2.tokenizer, 60)
-    uid = engine.submit("q", S, max_tokens=4)
+    uid = engine.submit(Request("q", S, 4), share=False)
     first = _run(engine)[uid]
     T = smollm2.tokenizer.encode(" The archivist", add_special_tokens=False)
     _continue_and_compare(engine, "q", first, T)

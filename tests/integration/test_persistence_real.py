@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 
 import harness
-from semantic import BlockPool, BlockPoolBatchEngine, ModelCacheSpec, cachefile
+from semantic import BlockPool, BlockPoolBatchEngine, ModelCacheSpec, Request, cachefile
 from tests.persistence_e2e_child import digest
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -51,7 +51,7 @@ def test_a_cache_saved_here_and_loaded_in_a_fresh_process_continues_like_a_fresh
     engine = BlockPoolBatchEngine(loaded.model, loaded.tokenizer, BlockPool(spec, 64), spec, stop_tokens=[])
     S = loaded.tokenizer.encode(HISTORY)[:n_history]
     assert len(S) == n_history, "harness/data/history.txt is too short for this case"
-    uid = engine.submit("agent", S, max_tokens=n_generated)
+    uid = engine.submit(Request("agent", S, n_generated), share=False)
     first = {c.uid: c for c in engine.step()}[uid]
     if which == "gemma3":
         window = spec.layers[0].window

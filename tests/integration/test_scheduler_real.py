@@ -16,7 +16,7 @@ import pytest
 
 from harness.kinds.agents import open_scheduler, system_prompt, text_of_tokens
 from harness.kinds.common import make_engine as fresh_engine
-from semantic import render_chat
+from semantic import Request, encode, render_chat
 from semantic.reuse import common_prefix
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -27,7 +27,7 @@ STEPS = 8
 
 def _fresh(loaded, messages):
     engine = fresh_engine(loaded, 64)
-    uid = engine.submit("ref", render_chat(loaded.tokenizer, messages), max_tokens=STEPS)
+    uid = engine.submit(Request("ref", render_chat(loaded.tokenizer, messages), STEPS), share=False)
     return {c.uid: c for c in engine.step()}[uid]
 
 
@@ -43,14 +43,14 @@ def test_chat_turns_share_prefixes_survive_edits_and_match_fresh_prefills(smollm
     a = [system, ask(1)]
     b = [system, ask(2)]
     with open_scheduler(smollm2, tmp_path, 64) as sched:
-        a1 = sched.submit("a", a, STEPS).result()
+        a1 = sched.submit(Request("a", encode(tok, a), STEPS)).result()
         a2_msgs = a + [{"role": "assistant", "content": a1.text}, ask(3)]
         # b's first turn and a's second run in one batch
-        fb, fa = sched.submit("b", b, STEPS), sched.submit("a", a2_msgs, STEPS)
+        fb, fa = sched.submit(Request("b", encode(tok, b), STEPS)), sched.submit(Request("a", encode(tok, a2_msgs), STEPS))
         b1, a2 = fb.result(), fa.result()
         # the client edits a's first question: everything after it is recomputed
         edited = [system, ask(4), {"role": "assistant", "content": a1.text}, ask(3)]
-        a3 = sched.submit("a", edited, STEPS).result()
+        a3 = sched.submit(Request("a", encode(tok, edited), STEPS)).result()
         sched.flush()
         assert sched.stats().saves >= 3 and sched.stats().failed == 0
 
@@ -72,8 +72,8 @@ def test_gemma_agents_share_a_system_prompt_longer_than_the_sliding_window(gemma
     system = system_prompt(tok, 560)  # past the 512-token window: its end is only pooled by checkpoints
     ask = lambda i: {"role": "user", "content": text_of_tokens(tok, 12, 40 * i, f"Question {i}:")}  # noqa: E731
     with open_scheduler(gemma3, tmp_path, 64) as sched:
-        a1 = sched.submit("a", [system, ask(1)], STEPS).result()
-        b1 = sched.submit("b", [system, ask(2)], STEPS).result()
+        a1 = sched.submit(Request("a", encode(tok, [system, ask(1)]), STEPS)).result()
+        b1 = sched.submit(Request("b", encode(tok, [system, ask(2)]), STEPS)).result()
     assert (a1.reuse, a1.cached_tokens) == ("none", 0)
     # the window's blocks were pooled at each boundary of a's prefill; a's tail serves up to the question
     a_ids, b_ids = render_chat(tok, [system, ask(1)]), render_chat(tok, [system, ask(2)])
@@ -82,7 +82,7 @@ def test_gemma_agents_share_a_system_prompt_longer_than_the_sliding_window(gemma
 
 
 def test_gemma_regenerate_edit_and_return_to_a_branch_reuse_up_to_the_divergence(gemma3, tmp_path):
-    """Issue 18's five turns with a 576-token prompt (window 512): cold, append, regenerate,
+    """Five turns with a 576-token prompt (window 512): cold, append, regenerate,
     the last user message edited, and turn 3 of the first branch. mlx_lm.server reuses
     0 / 584 / 597 / 584 / 606 tokens there; each turn here reuses up to where its history
     parts from something cached, and every reply equals a fresh prefill's."""
@@ -92,14 +92,14 @@ def test_gemma_regenerate_edit_and_return_to_a_branch_reuse_up_to_the_divergence
     said = lambda r: {"role": "assistant", "content": r.text}  # noqa: E731
     t1 = [system, ask(1)]
     with open_scheduler(gemma3, tmp_path, 64) as sched:
-        r1 = sched.submit("a", t1, STEPS).result()
+        r1 = sched.submit(Request("a", encode(tok, t1), STEPS)).result()
         t2 = t1 + [said(r1), ask(2)]
-        r2 = sched.submit("a", t2, STEPS).result()
-        again = sched.submit("a", t2, STEPS).result()
+        r2 = sched.submit(Request("a", encode(tok, t2), STEPS)).result()
+        again = sched.submit(Request("a", encode(tok, t2), STEPS)).result()
         edited = t1 + [said(r1), ask(3)]
-        r2e = sched.submit("a", edited, STEPS).result()
+        r2e = sched.submit(Request("a", encode(tok, edited), STEPS)).result()
         t3 = t2 + [said(r2), ask(4)]
-        r3 = sched.submit("a", t3, STEPS).result()
+        r3 = sched.submit(Request("a", encode(tok, t3), STEPS)).result()
     ids = {k: render_chat(tok, m) for k, m in (("t1", t1), ("t2", t2), ("edited", edited), ("t3", t3))}
     assert len(ids["t1"]) > 512
     cached = [r.cached_tokens for r in (r1, r2, again, r2e, r3)]
@@ -113,7 +113,7 @@ def test_gemma_regenerate_edit_and_return_to_a_branch_reuse_up_to_the_divergence
     ]
     assert cached[2] > cached[3] > 512 and cached[4] >= len(held2) - 1
     refs = fresh_engine(gemma3, 64)
-    uids = [refs.submit(f"ref-{i}", ids[k], max_tokens=STEPS) for i, k in enumerate(("t1", "t2", "t2", "edited", "t3"))]
+    uids = [refs.submit(Request(f"ref-{i}", ids[k], STEPS), share=False) for i, k in enumerate(("t1", "t2", "t2", "edited", "t3"))]
     done = {c.uid: c for c in refs.step()}
     for r, uid in zip((r1, r2, again, r2e, r3), uids):
         _assert_same(r, done[uid])

@@ -20,7 +20,9 @@ from semantic import (
     CacheMismatchError,
     InvalidRequestError,
     ModelCacheSpec,
+    Request,
     UnknownSequenceError,
+    encode,
 )
 from tests.tiny_models import byte_tokenizer, tiny_gemma3
 
@@ -57,12 +59,12 @@ def test_continuing_from_reconstructed_blocks_equals_a_fresh_prefill(llama_tiny,
     engine = _engine(model, kv_bits)
     S = [int(t) for t in np.random.default_rng(history).integers(1, 250, history)]
     T = [11, 12, 13, 14, 15]
-    uid = engine.submit("a", S, max_tokens=6)
+    uid = engine.submit(Request("a", S, 6), share=False)
     first = _run(engine)[uid]
     assert first.blocks.total_tokens == len(S) + 6
 
-    cached_uid = engine.submit("a", T, cache=first.blocks, max_tokens=STEPS)
-    fresh_uid = engine.submit("b", S + first.token_ids + T, max_tokens=STEPS)
+    cached_uid = engine.submit(Request("a", [*first.blocks.token_ids, *T], STEPS), first.blocks, share=False)
+    fresh_uid = engine.submit(Request("b", S + first.token_ids + T, STEPS), share=False)
     done = _run(engine)
     cached, fresh = done[cached_uid], done[fresh_uid]
     assert (cached.prompt_tokens, cached.cached_tokens) == (len(T), len(S) + 6)
@@ -75,7 +77,7 @@ def test_a_batch_of_three_finishes_independently_and_each_continues(llama_tiny):
     engine = _engine(llama_tiny)
     prompts = {"x": list(range(30, 37)), "y": list(range(60, 79)), "z": list(range(90, 101))}
     limits = {"x": 5, "y": 2, "z": 8}
-    uids = {a: engine.submit(a, p, max_tokens=limits[a]) for a, p in prompts.items()}
+    uids = {a: engine.submit(Request(a, p, limits[a]), share=False) for a, p in prompts.items()}
     finished = list(engine.step())
     assert [c.agent_id for c in finished] == ["y", "x", "z"]  # yielded as each finishes
     assert {c.agent_id: len(c.token_ids) for c in finished} == limits
@@ -83,8 +85,8 @@ def test_a_batch_of_three_finishes_independently_and_each_continues(llama_tiny):
     assert all(by_agent[a].uid == uids[a] for a in prompts)
 
     more = [5, 6, 7]
-    cont = {a: engine.submit(a, more, cache=by_agent[a].blocks, max_tokens=12) for a in prompts}
-    ref = {a: engine.submit(f"{a}-fresh", prompts[a] + by_agent[a].token_ids + more, max_tokens=12) for a in prompts}
+    cont = {a: engine.submit(Request(a, [*by_agent[a].blocks.token_ids, *more], 12), by_agent[a].blocks, share=False) for a in prompts}
+    ref = {a: engine.submit(Request(f"{a}-fresh", prompts[a] + by_agent[a].token_ids + more, 12), share=False) for a in prompts}
     done = _run(engine)
     for a in prompts:
         _assert_same(done[cont[a]], done[ref[a]])
@@ -93,8 +95,8 @@ def test_a_batch_of_three_finishes_independently_and_each_continues(llama_tiny):
 def test_two_agents_with_a_common_prefix_hold_it_once_and_both_continue(gemma_tiny):
     engine = _engine(gemma_tiny, block_tokens=4)
     prefix = list(range(40, 52))  # 3 full blocks of 4
-    ua = engine.submit("a", prefix + [1, 2], max_tokens=2)
-    ub = engine.submit("b", prefix + [3], max_tokens=2)
+    ua = engine.submit(Request("a", prefix + [1, 2], 2), share=False)
+    ub = engine.submit(Request("b", prefix + [3], 2), share=False)
     done = _run(engine)
     a, b = done[ua].blocks, done[ub].blocks
     shared = [x for x in a.groups["global"][:3]]
@@ -102,10 +104,10 @@ def test_two_agents_with_a_common_prefix_hold_it_once_and_both_continue(gemma_ti
     assert [engine.pool.refcount(x) for x in shared] == [2, 2, 2]
     assert engine.pool.stats().shared >= 3
 
-    ca = engine.submit("a", [9, 9], cache=a, max_tokens=16)
-    cb = engine.submit("b", [8, 8], cache=b, max_tokens=16)
-    fa = engine.submit("fa", prefix + [1, 2] + done[ua].token_ids + [9, 9], max_tokens=16)
-    fb = engine.submit("fb", prefix + [3] + done[ub].token_ids + [8, 8], max_tokens=16)
+    ca = engine.submit(Request("a", [*a.token_ids, 9, 9], 16), a, share=False)
+    cb = engine.submit(Request("b", [*b.token_ids, 8, 8], 16), b, share=False)
+    fa = engine.submit(Request("fa", prefix + [1, 2] + done[ua].token_ids + [9, 9], 16), share=False)
+    fb = engine.submit(Request("fb", prefix + [3] + done[ub].token_ids + [8, 8], 16), share=False)
     out = _run(engine)
     _assert_same(out[ca], out[fa])
     _assert_same(out[cb], out[fb])
@@ -113,10 +115,10 @@ def test_two_agents_with_a_common_prefix_hold_it_once_and_both_continue(gemma_ti
 
 def test_a_full_sequence_prompt_prefills_only_what_the_cache_lacks(llama_tiny):
     engine = _engine(llama_tiny)
-    uid = engine.submit("a", "hello there", max_tokens=3)
+    uid = engine.submit(Request("a", encode(engine.tokenizer, "hello there"), 3), share=False)
     first = _run(engine)[uid]
     full = list(first.blocks.token_ids) + list(b" again")
-    again = engine.submit("a", full, cache=first.blocks, max_tokens=4)
+    again = engine.submit(Request("a", full, 4), first.blocks, share=False)
     c = _run(engine)[again]
     assert (c.prompt_tokens, c.cached_tokens) == (6, len(first.blocks.token_ids))
     assert c.text == engine.tokenizer.decode(c.token_ids)
@@ -125,23 +127,23 @@ def test_a_full_sequence_prompt_prefills_only_what_the_cache_lacks(llama_tiny):
 def test_bad_requests_raise_and_leave_the_engine_unchanged(llama_tiny, gemma_tiny):
     engine = _engine(llama_tiny)
     other = _engine(gemma_tiny)
-    uid = other.submit("g", [1, 2, 3], max_tokens=1)
+    uid = other.submit(Request("g", [1, 2, 3], 1), share=False)
     foreign = _run(other)[uid].blocks
-    busy = engine.submit("busy", [1, 2, 3], max_tokens=2)
+    busy = engine.submit(Request("busy", [1, 2, 3], 2), share=False)
     before = (engine.in_flight, engine.pool.stats())
-    cases = [
-        (InvalidRequestError, "empty prompt", dict(agent_id="a", prompt=[])),
-        (InvalidRequestError, "empty prompt", dict(agent_id="a", prompt="")),
-        (InvalidRequestError, "max_tokens", dict(agent_id="a", prompt=[1], max_tokens=0)),
-        (InvalidRequestError, "vocabulary", dict(agent_id="a", prompt=[1, 256])),
-        (InvalidRequestError, "vocabulary", dict(agent_id="a", prompt=[-1])),
-        (InvalidRequestError, "agent_id", dict(agent_id="", prompt=[1])),
-        (CacheMismatchError, "another cache spec", dict(agent_id="a", prompt=[1], cache=foreign)),
-        (AgentBusyError, "busy", dict(agent_id="busy", prompt=[1])),
+    cases = [  # the request's own checks, then the engine's
+        (InvalidRequestError, "empty prompt", lambda: engine.submit(Request("a", []))),
+        (InvalidRequestError, "empty prompt", lambda: engine.submit(Request("a", encode(engine.tokenizer, "")))),
+        (InvalidRequestError, "max_tokens", lambda: engine.submit(Request("a", [1], max_tokens=0))),
+        (InvalidRequestError, "vocabulary", lambda: engine.submit(Request("a", [1, 256]))),
+        (InvalidRequestError, "vocabulary", lambda: engine.submit(Request("a", [-1]))),
+        (InvalidRequestError, "agent_id", lambda: engine.submit(Request("", [1]))),
+        (CacheMismatchError, "another cache spec", lambda: engine.submit(Request("a", [*foreign.token_ids, 1]), foreign)),
+        (AgentBusyError, "busy", lambda: engine.submit(Request("busy", [1]))),
     ]
-    for exc, match, kw in cases:
+    for exc, match, submit in cases:
         with pytest.raises(exc, match=match):
-            engine.submit(**kw)
+            submit()
         assert (engine.in_flight, engine.pool.stats()) == before
     assert [c.uid for c in engine.step()] == [busy]
 
@@ -149,7 +151,7 @@ def test_bad_requests_raise_and_leave_the_engine_unchanged(llama_tiny, gemma_tin
 def test_extract_cache_covers_tokens_processed_so_far_and_finished_blocks(llama_tiny):
     engine = _engine(llama_tiny)
     prompt = list(range(3, 13))
-    uid = engine.submit("a", prompt, max_tokens=8)
+    uid = engine.submit(Request("a", prompt, 8), share=False)
     steps = engine.step()
     assert engine.extract_cache(uid).token_ids == tuple(prompt[:0])  # queued: nothing processed yet
     done = next(steps)
@@ -161,22 +163,22 @@ def test_extract_cache_covers_tokens_processed_so_far_and_finished_blocks(llama_
 def test_in_flight_extraction_continues_correctly(gemma_tiny):
     engine = _engine(gemma_tiny)
     prompt = list(range(100, 121))
-    uid = engine.submit("a", prompt, max_tokens=20)
+    uid = engine.submit(Request("a", prompt, 20), share=False)
     for _ in range(4):  # prefill and first token, then three more
         assert engine.step_once() == []
     mid = engine.extract_cache(uid)
     assert mid.total_tokens == len(prompt) + 3  # the newest token is read, not fed yet
     rest = list(engine.step())
     assert rest[0].uid == uid
-    cont = engine.submit("b", [1, 2], cache=mid, max_tokens=8)
-    ref = engine.submit("c", list(mid.token_ids) + [1, 2], max_tokens=8)
+    cont = engine.submit(Request("b", [*mid.token_ids, 1, 2], 8), mid, share=False)
+    ref = engine.submit(Request("c", list(mid.token_ids) + [1, 2], 8), share=False)
     out = _run(engine)
     _assert_same(out[cont], out[ref])
 
 
 def test_a_pool_too_small_for_the_result_keeps_the_tokens_and_says_why(llama_tiny):
     engine = _engine(llama_tiny, blocks=2, block_tokens=4)
-    uid = engine.submit("a", list(range(1, 20)), max_tokens=2)
+    uid = engine.submit(Request("a", list(range(1, 20)), 2), share=False)
     c = _run(engine)[uid]
     assert c.blocks is None and "PoolExhaustedError" in c.cache_error
     assert len(c.token_ids) == 2 and engine.pool.stats().used == 0
@@ -184,10 +186,10 @@ def test_a_pool_too_small_for_the_result_keeps_the_tokens_and_says_why(llama_tin
 
 def test_stop_tokens_end_a_request(llama_tiny):
     probe = _engine(llama_tiny)
-    uid = probe.submit("a", [5, 6, 7], max_tokens=3)
+    uid = probe.submit(Request("a", [5, 6, 7], 3), share=False)
     first = _run(probe)[uid].token_ids[0]
     engine = _engine(llama_tiny, stop=[first])
-    uid = engine.submit("a", [5, 6, 7], max_tokens=3)
+    uid = engine.submit(Request("a", [5, 6, 7], 3), share=False)
     c = _run(engine)[uid]
     assert c.finish_reason == "stop" and c.token_ids == [first]
 
@@ -215,11 +217,11 @@ def test_a_prompt_reuses_the_longest_pooled_prefix_of_any_agent_and_matches_a_fr
     model = llama_tiny if which == "llama" else gemma_tiny
     engine = _engine(model)  # block_tokens = 4
     shared = [int(t) for t in np.random.default_rng(5).integers(1, 250, shared_len)]
-    uid = engine.submit("a", shared, max_tokens=max_tokens)
+    uid = engine.submit(Request("a", shared, max_tokens), share=False)
     first = _run(engine)[uid]  # agent a's blocks stay pooled (and hittable even once released)
     prompt = shared + [20, 21, 22, 23, 24]
-    b = engine.submit("b", prompt, max_tokens=STEPS, reuse_prefix=True)
-    ref = engine.submit("ref", prompt, max_tokens=STEPS)
+    b = engine.submit(Request("b", prompt, STEPS))
+    ref = engine.submit(Request("ref", prompt, STEPS), share=False)
     done = _run(engine)
     assert (done[b].cached_tokens, done[b].prompt_tokens) == (expect_cached, len(prompt) - expect_cached)
     assert done[ref].cached_tokens == 0
@@ -229,7 +231,7 @@ def test_a_prompt_reuses_the_longest_pooled_prefix_of_any_agent_and_matches_a_fr
 
 def test_no_pooled_prefix_means_a_full_prefill(llama_tiny):
     engine = _engine(llama_tiny)
-    b = engine.submit("b", list(range(30, 47)), max_tokens=2, reuse_prefix=True)
+    b = engine.submit(Request("b", list(range(30, 47)), 2))
     assert _run(engine)[b].cached_tokens == 0
 
 
@@ -259,11 +261,11 @@ def test_an_edited_history_reuses_only_what_precedes_the_edit_and_matches_a_fres
 ):
     model = llama_tiny if which == "llama" else gemma_tiny
     engine = _engine(model)  # block_tokens = 4, window 8 for gemma
-    uid = engine.submit_history("a", _history(first_len, first_len), max_tokens=6)
+    uid = engine.submit(Request("a", _history(first_len, first_len), 6))
     own = _run(engine)[uid].blocks
     edited = _edit(list(own.token_ids), edit_at)
-    b = engine.submit_history("a", edited, own=own, max_tokens=STEPS)
-    ref = engine.submit("ref", edited, max_tokens=STEPS)
+    b = engine.submit(Request("a", edited, STEPS), own)
+    ref = engine.submit(Request("ref", edited, STEPS), share=False)
     done = _run(engine)
     got = done[b]
     assert (got.reuse, got.cached_tokens) == (expect_source, expect_cached)
@@ -275,14 +277,14 @@ def test_an_edited_history_reuses_only_what_precedes_the_edit_and_matches_a_fres
 
 def test_a_sliding_edit_reuses_up_to_the_edit_from_the_window_blocks_earlier_prefills_pooled(gemma_tiny):
     engine = _engine(gemma_tiny)
-    uid = engine.submit_history("a", _history(2, 2), max_tokens=6)
+    uid = engine.submit(Request("a", _history(2, 2), 6))
     turn1 = _run(engine)[uid].blocks            # 8 tokens: the window ending at 8 is pooled
-    uid = engine.submit_history("a", list(turn1.token_ids) + _history(9, 13), own=turn1, max_tokens=6)
+    uid = engine.submit(Request("a", list(turn1.token_ids) + _history(9, 13), 6), turn1)
     turn2 = _run(engine)[uid].blocks            # 27 tokens: the window moved to [19, 27)
     del turn1                                   # released; its blocks stay cached in the pool
     edited = _edit(list(turn2.token_ids), 10)
-    b = engine.submit_history("a", edited, own=turn2, max_tokens=STEPS)
-    ref = engine.submit("ref", edited, max_tokens=STEPS)
+    b = engine.submit(Request("a", edited, STEPS), turn2)
+    ref = engine.submit(Request("ref", edited, STEPS), share=False)
     done = _run(engine)
     # turn 2's prefill checkpointed every block boundary: the window [2, 10) is pooled
     assert (done[b].reuse, done[b].cached_tokens) == ("pool", 10)
@@ -291,7 +293,7 @@ def test_a_sliding_edit_reuses_up_to_the_edit_from_the_window_blocks_earlier_pre
 
 def test_the_own_cache_of_a_sliding_layer_is_refused_once_its_window_has_moved_past_the_cut(gemma_tiny):
     engine = _engine(gemma_tiny)
-    uid = engine.submit_history("a", _history(3, 21), max_tokens=6)
+    uid = engine.submit(Request("a", _history(3, 21), 6))
     own = _run(engine)[uid].blocks  # 27 tokens; window 8 holds [19, 27)
     from semantic import convert
 
@@ -300,27 +302,27 @@ def test_the_own_cache_of_a_sliding_layer_is_refused_once_its_window_has_moved_p
         convert.reconstruct(own, upto=20)
 
 
-def test_submit_history_validates_before_touching_state(llama_tiny):
+def test_bad_requests_are_refused_before_touching_state(llama_tiny):
     engine = _engine(llama_tiny)
     with pytest.raises(InvalidRequestError):
-        engine.submit_history("a", [], max_tokens=2)
+        engine.submit(Request("a", [], 2))
     with pytest.raises(InvalidRequestError):
-        engine.submit_history("a", "text is not token ids", max_tokens=2)
+        engine.submit(Request("a", "text is not token ids", 2))
     with pytest.raises(InvalidRequestError):
-        engine.submit_history("a", [1, 2, 999], max_tokens=2)
+        engine.submit(Request("a", [1, 2, 999], 2))
     assert engine.in_flight == 0 and engine.pool.stats().used == 0
 
 
 def test_a_sliding_window_prefix_is_pooled_at_every_block_boundary_so_other_agents_share_it(gemma_tiny):
     engine = _engine(gemma_tiny)  # window 8, block_tokens 4
     system = _history(11, 13)
-    a = engine.submit_history("a", system + _history(12, 17), max_tokens=STEPS)
-    ref_a = engine.submit("ref-a", system + _history(12, 17), max_tokens=STEPS)
+    a = engine.submit(Request("a", system + _history(12, 17), STEPS))
+    ref_a = engine.submit(Request("ref-a", system + _history(12, 17), STEPS), share=False)
     done = _run(engine)
     _assert_same(done[a], done[ref_a])  # a's prefill, cut at each boundary, changes nothing
     assert (done[a].reuse, done[a].cached_tokens, done[a].prompt_tokens) == ("none", 0, 30)
-    b = engine.submit_history("b", system + [40, 41, 42], max_tokens=STEPS)
-    ref_b = engine.submit("ref-b", system + [40, 41, 42], max_tokens=STEPS)
+    b = engine.submit(Request("b", system + [40, 41, 42], STEPS))
+    ref_b = engine.submit(Request("ref-b", system + [40, 41, 42], STEPS), share=False)
     done = _run(engine)
     # the window ending at 12 was pooled while a prefilled past it, and a's block [12, 16) starts like b's
     assert (done[b].reuse, done[b].cached_tokens) == ("pool", 13)

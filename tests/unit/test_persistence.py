@@ -20,6 +20,7 @@ from semantic import (
     LayerSpec,
     ModelCacheSpec,
     PoolExhaustedError,
+    Request,
 )
 from semantic import cachefile, convert
 from semantic.cachefile import atomic
@@ -68,8 +69,8 @@ def test_a_loaded_cache_is_bit_identical_and_continues_like_a_fresh_prefill(
     loaded = cachefile.load(path, eng.pool, model_fingerprint="tiny")
     assert_identical(loaded, first.blocks)
     T = [11, 12, 13]
-    cont = eng.submit("a", T, cache=loaded, max_tokens=STEPS)
-    ref = eng.submit("b", list(first.blocks.token_ids) + T, max_tokens=STEPS)
+    cont = eng.submit(Request("a", [*loaded.token_ids, *T], STEPS), loaded, share=False)
+    ref = eng.submit(Request("b", list(first.blocks.token_ids) + T, STEPS), share=False)
     done = run(eng)
     assert done[cont].cached_tokens == n + 6
     assert done[cont].token_ids == done[ref].token_ids

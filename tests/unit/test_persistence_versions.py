@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from semantic import cachefile
+from semantic import Request, cachefile
 from tests.cache_helpers import LOGPROB_TOL, engine, run, weights_fingerprint
 from tests.persistence_fixtures import DATA, FIXTURES, expected, model_for
 
@@ -38,8 +38,8 @@ def test_a_file_from_either_version_loads_and_continues_like_a_fresh_prefill(pat
     _, _, history_len, generated, _ = FIXTURES[info.agent_id]
     assert loaded.total_tokens == history_len + generated
     T = [21, 22, 23]
-    cont = eng.submit("a", T, cache=loaded, max_tokens=STEPS)
-    ref = eng.submit("b", list(loaded.token_ids) + T, max_tokens=STEPS)
+    cont = eng.submit(Request("a", [*loaded.token_ids, *T], STEPS), loaded, share=False)
+    ref = eng.submit(Request("b", list(loaded.token_ids) + T, STEPS), share=False)
     done = run(eng)
     assert done[cont].cached_tokens == loaded.total_tokens
     assert done[cont].token_ids == done[ref].token_ids

@@ -12,7 +12,7 @@ import threading
 import numpy as np
 import pytest
 
-from semantic import AgentCacheStore, BlockPool, ConcurrentScheduler, ModelCacheSpec
+from semantic import AgentCacheStore, BlockPool, ConcurrentScheduler, ModelCacheSpec, Request
 from tests.tiny_models import byte_tokenizer
 from tests.unit.test_scheduler import _assert_same, _ids, reference
 
@@ -32,7 +32,7 @@ def _bytes(model, tokens: int) -> int:
 
 
 def _turn(sched, agent, history, max_tokens=2):
-    r = sched.submit(agent, history, max_tokens=max_tokens, timeout=None).result(60)
+    r = sched.submit(Request(agent, history, max_tokens), timeout=None).result(60)
     sched.flush(60)  # saved: evictable from now on
     return r
 
@@ -71,9 +71,9 @@ def test_unsaved_caches_are_never_evicted_the_worker_waits_for_the_saver(llama_t
     gate, real_save = threading.Event(), sched.store.save
     sched.store.save = lambda *a, **kw: (gate.wait(60), real_save(*a, **kw))[1]
     try:
-        first = sched.submit("a", _ids(1, 14), max_tokens=2).result(60)
-        second = sched.submit("b", _ids(2, 14), max_tokens=2).result(60)  # 32 tokens, both unsaved
-        blocked = sched.submit("c", _ids(3, 6), max_tokens=2)  # queued behind the wait
+        first = sched.submit(Request("a", _ids(1, 14), 2)).result(60)
+        second = sched.submit(Request("b", _ids(2, 14), 2)).result(60)  # 32 tokens, both unsaved
+        blocked = sched.submit(Request("c", _ids(3, 6), 2))  # queued behind the wait
         for _ in range(100):
             if sched.stats().budget_waits:
                 break
@@ -103,9 +103,9 @@ def test_a_failed_save_keeps_the_cache_and_the_stats_say_why_the_budget_is_excee
 
     sched.store.save = broken
     with sched:
-        r = sched.submit("a", _ids(1, 14), max_tokens=2).result(60)
+        r = sched.submit(Request("a", _ids(1, 14), 2)).result(60)
         sched.flush(60)
-        sched.submit("b", _ids(2, 3), max_tokens=1).result(60)  # another pass after the failed save
+        sched.submit(Request("b", _ids(2, 3), 1)).result(60)  # another pass after the failed save
         stats = sched.stats()
         kept = sched.resident_cache("a")
         assert not sched.evict("a")  # not on disk: refused
@@ -132,7 +132,7 @@ def test_the_budget_holds_after_every_step_across_many_turns_of_many_agents(gemm
         history = {a: system + _ids(200 + i, 4) for i, a in enumerate(agents)}
         turns = []
         for round_ in range(6):
-            futures = {a: sched.submit(a, history[a], max_tokens=int(rng.integers(1, 4)), timeout=None) for a in agents}
+            futures = {a: sched.submit(Request(a, history[a], int(rng.integers(1, 4))), timeout=None) for a in agents}
             for a, f in futures.items():
                 r = f.result(60)
                 turns.append((list(history[a]), r))

@@ -23,7 +23,9 @@ from semantic import (
     ModelCacheSpec,
     PoolExhaustedError,
     QueueFullError,
+    Request,
     SchedulerClosedError,
+    encode,
     render_chat,
 )
 from tests.tiny_models import byte_tokenizer
@@ -45,7 +47,7 @@ def reference(model, history: list[int], max_tokens: int):
     """A fresh prefill of ``history`` in an engine of its own."""
     spec = ModelCacheSpec.from_model(model)
     engine = BlockPoolBatchEngine(model, byte_tokenizer(), BlockPool(spec, 64, 4), spec, stop_tokens=[])
-    uid = engine.submit("ref", history, max_tokens=max_tokens)
+    uid = engine.submit(Request("ref", history, max_tokens), share=False)
     return {c.uid: c for c in engine.step()}[uid]
 
 
@@ -57,11 +59,11 @@ def _assert_same(result, ref):
 def test_turns_of_one_agent_run_in_order_one_at_a_time_and_each_reuses_the_last(llama_tiny, cache_dir):
     with _scheduler(llama_tiny, cache_dir) as sched:
         h1 = _ids(1, 10)
-        f1 = sched.submit("a", h1, max_tokens=3)
+        f1 = sched.submit(Request("a", h1, 3))
         r1 = f1.result(30)
         h2 = h1 + list(r1.token_ids) + _ids(2, 5)
         h3 = h2 + [0, 0, 0]  # queued behind turn 2: its own cache is turn 2's prompt only after turn 2 ran
-        f2, f3 = sched.submit("a", h2, max_tokens=3), sched.submit("a", h3, max_tokens=3)
+        f2, f3 = sched.submit(Request("a", h2, 3)), sched.submit(Request("a", h3, 3))
         r2, r3 = f2.result(30), f3.result(30)
     assert (r1.reuse, r1.cached_tokens) == ("none", 0)
     assert (r2.reuse, r2.cached_tokens, r2.prompt_tokens) == ("own", 13, 5)
@@ -75,8 +77,8 @@ def test_turns_of_one_agent_run_in_order_one_at_a_time_and_each_reuses_the_last(
 def test_agents_share_a_common_prefix_held_once_in_the_pool(llama_tiny, cache_dir):
     system = _ids(7, 16)  # four whole blocks
     with _scheduler(llama_tiny, cache_dir) as sched:
-        first = sched.submit("a", system + [1, 2, 3], max_tokens=2).result(30)
-        later = [sched.submit(f"b{i}", system + _ids(10 + i, 6), max_tokens=2) for i in range(3)]
+        first = sched.submit(Request("a", system + [1, 2, 3], 2)).result(30)
+        later = [sched.submit(Request(f"b{i}", system + _ids(10 + i, 6), 2)) for i in range(3)]
         results = [f.result(30) for f in later]
         sched.flush(30)
         pool = sched.store.pool
@@ -95,7 +97,7 @@ def test_many_agents_submitting_from_threads_all_get_their_own_continuations(gem
     def converse(agent):
         h = list(histories[agent])
         for turn in range(3):
-            r = sched.submit(agent, h, max_tokens=4, timeout=None).result(60)
+            r = sched.submit(Request(agent, h, 4), timeout=None).result(60)
             results[agent].append((list(h), r))
             h = h + list(r.token_ids) + _ids(turn, 3)
 
@@ -115,7 +117,7 @@ def test_many_agents_submitting_from_threads_all_get_their_own_continuations(gem
 
 def test_asyncio_callers_await_their_results(llama_tiny, cache_dir):
     async def main(sched):
-        return await asyncio.gather(*(sched.submit_async(f"x{i}", _ids(i, 9), 3) for i in range(4)))
+        return await asyncio.gather(*(sched.submit_async(Request(f"x{i}", _ids(i, 9), 3)) for i in range(4)))
 
     with _scheduler(llama_tiny, cache_dir) as sched:
         results = asyncio.run(main(sched))
@@ -128,24 +130,24 @@ def test_a_full_queue_rejects_at_once_or_waits_with_a_timeout(llama_tiny, cache_
     gate = threading.Event()
     real_step = sched.engine.step_once
     sched.engine.step_once = lambda: (gate.wait(30), real_step())[1]  # holds the batch so the queue fills
-    futures = [sched.submit("a", _ids(1, 6), max_tokens=2)]
+    futures = [sched.submit(Request("a", _ids(1, 6), 2))]
     time.sleep(0.2)  # admitted: in flight, not queued
-    futures += [sched.submit("a", _ids(2, 6), max_tokens=2), sched.submit("b", _ids(3, 6), max_tokens=2)]
+    futures += [sched.submit(Request("a", _ids(2, 6), 2)), sched.submit(Request("b", _ids(3, 6), 2))]
     with pytest.raises(QueueFullError, match="max_queued=2"):
-        sched.submit("c", _ids(4, 6), max_tokens=2)
+        sched.submit(Request("c", _ids(4, 6), 2))
     threading.Timer(0.3, gate.set).start()
-    waited = sched.submit("c", _ids(4, 6), max_tokens=2, timeout=30)  # room opens once the gate lifts
+    waited = sched.submit(Request("c", _ids(4, 6), 2), timeout=30)  # room opens once the gate lifts
     assert all(f.result(30).finish_reason == "length" for f in futures + [waited])
     assert sched.stats().rejected == 1
     sched.close()
     with pytest.raises(SchedulerClosedError):
-        sched.submit("a", _ids(1, 6))
+        sched.submit(Request("a", _ids(1, 6)))
 
 
 def test_a_turn_the_pool_can_never_hold_fails_with_a_clear_error_and_others_go_on(llama_tiny, cache_dir):
     with _scheduler(llama_tiny, cache_dir, blocks=8) as sched:
-        too_big = sched.submit("big", _ids(1, 60), max_tokens=2)
-        fine = sched.submit("small", _ids(2, 6), max_tokens=2)
+        too_big = sched.submit(Request("big", _ids(1, 60), 2))
+        fine = sched.submit(Request("small", _ids(2, 6), 2))
         with pytest.raises(PoolExhaustedError, match="raise total_blocks"):
             too_big.result(30)
         assert fine.result(30).finish_reason == "length"
@@ -155,10 +157,10 @@ def test_a_turn_the_pool_can_never_hold_fails_with_a_clear_error_and_others_go_o
 def test_a_small_pool_evicts_saved_agents_and_reloads_them_from_disk(llama_tiny, cache_dir):
     with _scheduler(llama_tiny, cache_dir, blocks=12) as sched:  # 3 agents fill it
         hist = {a: _ids(i, 14) for i, a in enumerate("abcd")}
-        first = {a: sched.submit(a, h, max_tokens=2).result(30) for a, h in hist.items()}
+        first = {a: sched.submit(Request(a, h, 2)).result(30) for a, h in hist.items()}
         sched.flush(30)
         nxt = {a: hist[a] + list(first[a].token_ids) + [5, 6] for a in hist}
-        second = {a: sched.submit(a, h, max_tokens=2).result(30) for a, h in nxt.items()}
+        second = {a: sched.submit(Request(a, h, 2)).result(30) for a, h in nxt.items()}
         stats = sched.stats()
     assert stats.failed == 0 and sched.store.stats().disk_hits > 0 and sched.stats().resident_agents < 4
     for a, r in second.items():
@@ -169,11 +171,11 @@ def test_a_small_pool_evicts_saved_agents_and_reloads_them_from_disk(llama_tiny,
 def test_conversations_continue_from_disk_after_a_restart(gemma_tiny, cache_dir):
     h = _ids(5, 20)
     with _scheduler(gemma_tiny, cache_dir) as sched:
-        r1 = sched.submit("a", h, max_tokens=4).result(30)
+        r1 = sched.submit(Request("a", h, 4)).result(30)
     assert sched.stats().saves == 1
     h2 = h + list(r1.token_ids) + [9, 8, 7]
     with _scheduler(gemma_tiny, cache_dir) as restarted:  # a new pool, store and engine: only the file remains
-        r2 = restarted.submit("a", h2, max_tokens=6).result(30)
+        r2 = restarted.submit(Request("a", h2, 6)).result(30)
         assert restarted.store.stats().disk_hits == 1
     assert (r2.reuse, r2.cached_tokens) == ("own", 24)
     _assert_same(r2, reference(gemma_tiny, h2, 6))
@@ -190,11 +192,11 @@ def test_bad_requests_raise_at_submit_and_queue_nothing(llama_tiny, cache_dir):
             ("a", object(), {}, InvalidRequestError),
         ]:
             if err is None:
-                sched.submit(agent, prompt, **kw).result(30)
+                sched.submit(Request(agent, encode(sched.tokenizer, prompt), **kw)).result(30)
             else:
                 with pytest.raises(err):
-                    sched.submit(agent, prompt, **kw)
-        bad_ids = sched.submit("a", [1, 2, 10_000], max_tokens=2)  # out of the vocabulary: fails in the engine
+                    sched.submit(Request(agent, encode(sched.tokenizer, prompt), **kw))
+        bad_ids = sched.submit(Request("a", [1, 2, 10_000], 2))  # out of the vocabulary: fails in the engine
         with pytest.raises(InvalidRequestError, match="vocabulary"):
             bad_ids.result(30)
         assert sched.stats().submitted == 2
@@ -215,10 +217,10 @@ def test_a_failing_step_fails_only_the_turns_in_flight_and_the_scheduler_keeps_s
             raise RuntimeError("device lost")
 
         broken.step_once = boom
-        lost = sched.submit("a", _ids(1, 6), max_tokens=2)
+        lost = sched.submit(Request("a", _ids(1, 6), 2))
         with pytest.raises(RuntimeError, match="device lost"):
             lost.result(30)
         assert sched.engine is not broken  # a fresh engine over the same pool
-        again = sched.submit("a", _ids(1, 6), max_tokens=2).result(30)
+        again = sched.submit(Request("a", _ids(1, 6), 2)).result(30)
         assert sched.stats().failed == 1
     _assert_same(again, reference(llama_tiny, _ids(1, 6), 2))

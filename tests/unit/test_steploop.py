@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
 
-from semantic import BlockPool, BlockPoolBatchEngine, ModelCacheSpec, compat
+from semantic import BlockPool, BlockPoolBatchEngine, ModelCacheSpec, Request, compat
 from semantic.batchquant import BatchQuantizedKVCache
 from tests.tiny_models import byte_tokenizer
 
@@ -67,7 +67,7 @@ def test_chunked_prefill_in_a_batch_equals_mlx_lm_for_every_cache_type(model_and
     tol = TOL_QUANTIZED if bits else TOL
     engine = _engine(model, bits, chunk)
     hist = {a: _ids(i, n) for i, (a, n) in enumerate(PROMPTS.items())}
-    uids = {a: engine.submit_history(a, h, max_tokens=6) for a, h in hist.items()}
+    uids = {a: engine.submit(Request(a, h, 6)) for a, h in hist.items()}
     first = {c.uid: c for c in engine.step()}
     nxt = {}
     for a, h in hist.items():
@@ -75,7 +75,7 @@ def test_chunked_prefill_in_a_batch_equals_mlx_lm_for_every_cache_type(model_and
         assert (c.token_ids, pytest.approx(c.logprobs, abs=tol)) == generate_step_reference(model, bits, h, 6)
         assert c.blocks.token_ids == tuple(h + c.token_ids)  # the last token was fed too
         nxt[a] = (h + c.token_ids + _ids(9, 5), c.blocks)
-    uids = {a: engine.submit_history(a, h, own, max_tokens=5) for a, (h, own) in nxt.items()}
+    uids = {a: engine.submit(Request(a, h, 5), own) for a, (h, own) in nxt.items()}
     second = {c.uid: c for c in engine.step()}
     for a, (h, _) in nxt.items():
         c = second[uids[a]]
@@ -93,10 +93,10 @@ def test_a_long_prefill_advances_one_chunk_per_step_while_others_decode(llama_ti
             return False
         return count
 
-    engine.submit_history("short", _ids(1, 6), max_tokens=40, on_token=counter("short"))
+    engine.submit(Request("short", _ids(1, 6), 40, on_token=counter("short")))
     while read["short"] == 0:  # 6 prompt tokens: two steps of at most 4
         engine.step_once()
-    engine.submit_history("long", _ids(2, 41), max_tokens=2, on_token=counter("long"))
+    engine.submit(Request("long", _ids(2, 41), 2, on_token=counter("long")))
     decoder_tokens_per_step = []
     while read["long"] == 0:
         before = read["short"]
@@ -130,8 +130,8 @@ def test_a_prompt_starting_off_the_block_grid_is_chunked_back_onto_it(llama_tiny
     cache = _spec(llama_tiny, None).make_cache()
     mx.eval(llama_tiny(mx.array([_ids(3, 3)]), cache=cache))
     stopped = []
-    loop = StepLoop(Counting(llama_tiny), stop_tokens=[], prefill_chunk=chunk)
-    loop.add(0, _ids(4, 20), cache, 1, context=_ids(3, 3), stops=[1, 5, 9, 13, 17],
+    loop = StepLoop(Counting(llama_tiny), stop_tokens=[], max_batch=8, prefill_chunk=chunk)
+    loop.add(0, Request("a", _ids(3, 3) + _ids(4, 20), 1), 3, cache, stops=[1, 5, 9, 13, 17],
              on_stop=lambda uid, caches, fed: stopped.append((fed, caches[0].offset)))
     per_step, events = [], []
     while not events:
@@ -160,7 +160,7 @@ def test_quantized_sequences_share_one_forward_pass_per_step(llama_tiny):
     )
     engine.model = engine._loop.model = Counting(llama_tiny)
     for i in range(4):
-        engine.submit_history(f"q{i}", _ids(i, 9 + i), max_tokens=8)
+        engine.submit(Request(f"q{i}", _ids(i, 9 + i), 8))
     done = list(engine.step())
     assert len(done) == 4
     decode = [s for s in calls if s[1] == 1]

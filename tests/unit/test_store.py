@@ -15,6 +15,7 @@ from semantic import (
     CacheMismatchError,
     InvalidAgentIdError,
     ModelCacheSpec,
+    Request,
 )
 from semantic import cachefile
 from semantic.store import QUARANTINE_DIR, file_name
@@ -58,8 +59,8 @@ def test_a_saved_cache_survives_a_restart_and_continues_like_a_fresh_prefill(
     loaded = store.load("agent-1")
     assert_identical(loaded, done.blocks)
     assert (store.stats().disk_hits, store.stats().ram_hits) == (1, 0)
-    cont = after.submit("agent-1", [3, 4], cache=loaded, max_tokens=12)
-    ref = after.submit("ref", list(done.blocks.token_ids) + [3, 4], max_tokens=12)
+    cont = after.submit(Request("agent-1", [*loaded.token_ids, *[3, 4]], 12), loaded, share=False)
+    ref = after.submit(Request("ref", list(done.blocks.token_ids) + [3, 4], 12), share=False)
     out = run(after)
     assert out[cont].token_ids == out[ref].token_ids
     np.testing.assert_allclose(out[cont].logprobs, out[ref].logprobs, atol=LOGPROB_TOL, rtol=0)

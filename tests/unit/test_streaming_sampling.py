@@ -13,7 +13,7 @@ import threading
 import numpy as np
 import pytest
 
-from semantic import AgentCacheStore, BlockPool, BlockPoolBatchEngine, ConcurrentScheduler, ModelCacheSpec
+from semantic import AgentCacheStore, BlockPool, BlockPoolBatchEngine, ConcurrentScheduler, ModelCacheSpec, Request
 from semantic.blockplan import salt_root_of
 from semantic.errors import InvalidRequestError
 from semantic.sampling import SamplingParams
@@ -47,8 +47,8 @@ def test_on_token_sees_every_token_and_can_end_the_sequence_with_an_exact_cache(
         seen.append((token, logprob, logprobs.shape[-1]))
         return len(seen) == 4  # a stop string found in the fourth token
 
-    uid = engine.submit_history("a", history, max_tokens=30, on_token=on_token)
-    other = engine.submit_history("b", _ids(4, 9), max_tokens=12)  # keeps decoding in the same batch
+    uid = engine.submit(Request("a", history, 30, on_token=on_token))
+    other = engine.submit(Request("b", _ids(4, 9), 12))  # keeps decoding in the same batch
     done = {c.uid: c for c in engine.step()}
     c = done[uid]
     assert c.finish_reason == "stop" and len(c.token_ids) == 4
@@ -58,18 +58,18 @@ def test_on_token_sees_every_token_and_can_end_the_sequence_with_an_exact_cache(
     assert len(done[other].token_ids) == 12
     # the kept cache continues exactly like a fresh prefill of the same history
     nxt = history + c.token_ids + _ids(5, 6)
-    uid2 = engine.submit_history("a", nxt, c.blocks, max_tokens=5)
+    uid2 = engine.submit(Request("a", nxt, 5), c.blocks)
     c2 = {x.uid: x for x in engine.step()}[uid2]
     assert c2.cached_tokens == len(history) + 4
     fresh = _engine(model, bits)  # a fresh prefill with the same cache spec (8-bit KV included)
-    ref_uid = fresh.submit_history("ref", nxt, max_tokens=5)
+    ref_uid = fresh.submit(Request("ref", nxt, 5))
     _assert_same(c2, {x.uid: x for x in fresh.step()}[ref_uid])
 
 
 def test_cancel_ends_a_sequence_in_flight_keeping_what_it_computed(llama_tiny):
     engine = _engine(llama_tiny)
     history = _ids(6, 17)
-    uid = engine.submit_history("a", history, max_tokens=40)
+    uid = engine.submit(Request("a", history, 40))
     for _ in range(3):
         assert engine.step_once() == []
     c = engine.cancel(uid)
@@ -78,7 +78,7 @@ def test_cancel_ends_a_sequence_in_flight_keeping_what_it_computed(llama_tiny):
     assert c.blocks.token_ids == tuple(history + c.token_ids[:-1])
     assert engine.in_flight == 0 and engine.cancel(uid) is None
     nxt = history + c.token_ids + [7, 8, 9]
-    uid2 = engine.submit_history("a", nxt, c.blocks, max_tokens=4)
+    uid2 = engine.submit(Request("a", nxt, 4), c.blocks)
     c2 = {x.uid: x for x in engine.step()}[uid2]
     ref = reference(llama_tiny, nxt, 4)
     assert c2.token_ids == ref.token_ids
@@ -87,7 +87,7 @@ def test_cancel_ends_a_sequence_in_flight_keeping_what_it_computed(llama_tiny):
 
 def test_cancel_before_the_first_token_keeps_no_cache(llama_tiny):
     engine = _engine(llama_tiny)
-    uid = engine.submit_history("a", _ids(7, 30), max_tokens=5)
+    uid = engine.submit(Request("a", _ids(7, 30), 5))
     c = engine.cancel(uid)
     assert c.finish_reason == "cancelled" and c.token_ids == [] and c.blocks is None
     assert "before its first token" in c.cache_error
@@ -100,9 +100,9 @@ def test_a_seed_reproduces_a_sampled_reply_whatever_shares_the_batch(llama_tiny)
 
     def run(neighbours: int, params=hot):
         engine = _engine(llama_tiny)
-        uid = engine.submit_history("s", history, max_tokens=12, sampling=params)
+        uid = engine.submit(Request("s", history, 12, sampling=params))
         for i in range(neighbours):
-            engine.submit_history(f"n{i}", _ids(20 + i, 5 + i), max_tokens=12, sampling=SamplingParams(temperature=0.7))
+            engine.submit(Request(f"n{i}", _ids(20 + i, 5 + i), 12, sampling=SamplingParams(temperature=0.7)))
         return {c.uid: c for c in engine.step()}[uid].token_ids
 
     alone = run(0)
@@ -115,9 +115,9 @@ def test_a_seed_reproduces_a_sampled_reply_whatever_shares_the_batch(llama_tiny)
 def test_greedy_stays_exact_beside_sampled_and_penalized_sequences(llama_tiny):
     engine = _engine(llama_tiny)
     history = _ids(9, 14)
-    g = engine.submit_history("g", history, max_tokens=8)
-    engine.submit_history("s", _ids(10, 9), max_tokens=8, sampling=SamplingParams(temperature=0.9, seed=1))
-    p = engine.submit_history("p", history, max_tokens=8, sampling=SamplingParams(repetition_penalty=1.5, frequency_penalty=1.0))
+    g = engine.submit(Request("g", history, 8))
+    engine.submit(Request("s", _ids(10, 9), 8, sampling=SamplingParams(temperature=0.9, seed=1)))
+    p = engine.submit(Request("p", history, 8, sampling=SamplingParams(repetition_penalty=1.5, frequency_penalty=1.0)))
     done = {c.uid: c for c in engine.step()}
     ref = reference(llama_tiny, history, 8)
     assert done[g].token_ids == ref.token_ids
@@ -139,24 +139,24 @@ def test_salted_roots_never_share_blocks_but_the_same_salt_does(llama_tiny, cach
     assert a != b and salt_root_of(None) is None and salt_root_of("") is None
     shared = _ids(11, 24)  # six whole blocks of 4
     with _scheduler(llama_tiny, cache_dir) as sched:
-        first = sched.submit("a1", shared + [5], 3, salt_root=a).result()
+        first = sched.submit(Request("a1", shared + [5], 3, salt_root=a)).result()
         assert first.cached_tokens == 0
-        same = sched.submit("a2", shared + [6], 3, salt_root=a).result()
+        same = sched.submit(Request("a2", shared + [6], 3, salt_root=a)).result()
         assert same.cached_tokens == 24 and same.reuse == "pool"
-        other = sched.submit("b1", shared + [7], 3, salt_root=b).result()
-        unsalted = sched.submit("u1", shared + [8], 3).result()
+        other = sched.submit(Request("b1", shared + [7], 3, salt_root=b)).result()
+        unsalted = sched.submit(Request("u1", shared + [8], 3)).result()
         assert other.cached_tokens == 0 and unsalted.cached_tokens == 0
         # an agent's own cache under another root is not used either
-        moved = sched.submit("a1", shared + [5] + list(first.token_ids) + [9], 3, salt_root=b).result()
+        moved = sched.submit(Request("a1", shared + [5] + list(first.token_ids) + [9], 3, salt_root=b)).result()
         assert moved.cached_tokens == 24  # b1's blocks, under b
         sched.flush()
     # after a restart the files come back under their own roots
     with _scheduler(llama_tiny, cache_dir) as sched:
-        again = sched.submit("a2", shared + [6] + list(same.token_ids) + [1], 3, salt_root=a).result()
+        again = sched.submit(Request("a2", shared + [6] + list(same.token_ids) + [1], 3, salt_root=a)).result()
         assert again.reuse == "own" and again.cached_tokens == 25 + len(same.token_ids)
         # a2's file came back keyed under a: a hit for a, a miss for b
-        assert sched.submit("x", shared + [2], 3, salt_root=a).result().cached_tokens == 24
-        assert sched.submit("y", shared + [2], 3, salt_root=b).result().cached_tokens == 0
+        assert sched.submit(Request("x", shared + [2], 3, salt_root=a)).result().cached_tokens == 24
+        assert sched.submit(Request("y", shared + [2], 3, salt_root=b)).result().cached_tokens == 0
         ref = reference(llama_tiny, shared + [6] + list(same.token_ids) + [1], 3)
         _assert_same(again, ref)
 
@@ -173,24 +173,24 @@ def test_scheduler_streams_cancels_and_keeps_anonymous_turns_out_of_the_store(ll
                 sched.cancel(box["f"])  # from the worker thread itself: takes effect at the next step
             return False
 
-        box["f"] = sched.submit("c", history, 50, on_token=on_token)
+        box["f"] = sched.submit(Request("c", history, 50, on_token=on_token))
         r = box["f"].result(timeout=60)
         assert r.finish_reason == "cancelled" and list(r.token_ids) == tokens[: len(r.token_ids)]
         assert 3 <= len(r.token_ids) <= 4 and r.cache_saved
         # a queued turn cancelled before it runs
-        slow = sched.submit("q", history, 30)
-        queued = sched.submit("q", history + [1], 30)
+        slow = sched.submit(Request("q", history, 30))
+        queued = sched.submit(Request("q", history + [1], 30))
         assert sched.cancel(queued) and queued.result().finish_reason == "cancelled"
         slow.result(timeout=60)
         assert not sched.cancel(slow)
         # the cancelled turn's cache is the agent's: its next turn reuses all it fed (or the pool's
         # whole blocks of agent q's identical greedy reply, when they reach further)
         nxt = history + list(r.token_ids) + [4, 5]
-        follow = sched.submit("c", nxt, 3).result()
+        follow = sched.submit(Request("c", nxt, 3)).result()
         assert follow.reuse in ("own", "pool") and follow.cached_tokens >= len(history) + len(r.token_ids) - 1
         _assert_same(follow, reference(llama_tiny, nxt, 3))
         # anonymous: pooled prefixes are used, nothing is stored or kept resident
-        anon = sched.submit("anon-1", nxt + [6], 3, keep=False).result()
+        anon = sched.submit(Request("anon-1", nxt + [6], 3, persist=False)).result()
         assert anon.cached_tokens >= 24
         sched.flush()
         assert "anon-1" not in sched.store.agents() and sched.resident_cache("anon-1") is None
@@ -200,7 +200,7 @@ def test_scheduler_streams_cancels_and_keeps_anonymous_turns_out_of_the_store(ll
 def test_a_cancel_landing_while_a_turn_is_admitted_loses_no_other_turn(llama_tiny, cache_dir):
     with _scheduler(llama_tiny, cache_dir) as sched:
         box = {}
-        submit = sched.engine.submit_history
+        submit = sched.engine.submit
 
         def admit_then_cancel(*args, **kw):
             # a wrapper, because only here can a cancel land inside _admit's window (after the
@@ -210,10 +210,10 @@ def test_a_cancel_landing_while_a_turn_is_admitted_loses_no_other_turn(llama_tin
                 box["done"] = sched.cancel(box["first"])
             return uid
 
-        sched.engine.submit_history = admit_then_cancel
+        sched.engine.submit = admit_then_cancel
         history = _ids(13, 15)
-        box["first"] = sched.submit("r", history, 20)
-        second = sched.submit("r", history + [3], 4)
+        box["first"] = sched.submit(Request("r", history, 20))
+        second = sched.submit(Request("r", history + [3], 4))
         assert box["first"].result(timeout=60).finish_reason == "cancelled"
         assert len(second.result(timeout=60).token_ids) == 4  # the agent's next turn was not lost
         sched.flush(60)

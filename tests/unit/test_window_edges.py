@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from semantic import cachefile, convert
+from semantic import Request, cachefile, convert
 from tests.cache_helpers import LOGPROB_TOL, assert_identical, engine, history, run
 
 STEPS = 8
@@ -27,12 +27,12 @@ def _same(got, ref):
 
 def _fresh(model, ids, max_tokens=STEPS):
     eng = engine(model)
-    uid = eng.submit("ref", ids, max_tokens=max_tokens)
+    uid = eng.submit(Request("ref", ids, max_tokens), share=False)
     return run(eng)[uid]
 
 
 def _turn(eng, agent, ids, own=None, max_tokens=STEPS):
-    uid = eng.submit_history(agent, ids, own=own, max_tokens=max_tokens)
+    uid = eng.submit(Request(agent, ids, max_tokens), own)
     return run(eng)[uid]
 
 
@@ -139,9 +139,9 @@ def test_a_pooled_branch_is_reachable_only_under_its_own_root(gemma_tiny, salt):
 
     eng = engine(gemma_tiny)
     ids = history(13, seed=7)
-    uid = eng.submit_history("a", ids, max_tokens=3, salt_root=salt_root_of("tenant"))
+    uid = eng.submit(Request("a", ids, 3, salt_root=salt_root_of("tenant")))
     run(eng)[uid].blocks.release()
-    uid = eng.submit_history("b", ids + [1, 2], max_tokens=1, salt_root=salt_root_of(salt))
+    uid = eng.submit(Request("b", ids + [1, 2], 1, salt_root=salt_root_of(salt)))
     got = run(eng)[uid]
     assert got.cached_tokens == (13 if salt else 0)  # a's 16 tokens start like b's 15 for 13
 

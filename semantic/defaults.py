@@ -1,0 +1,27 @@
+"""Every knob's default, in one place: the engine, the scheduler, the server's flags and the harness read these.
+
+A floor below the one a caller reaches takes its values as given (no
+defaults of its own), so a default never differs between floors.
+"""
+
+from __future__ import annotations
+
+MAX_TOKENS = 256         # tokens a turn may generate when its caller names no budget
+MAX_BATCH = 8            # sequences decoded together in one step
+MAX_QUEUED = 64          # turns that may wait for admission before a submit is refused
+BLOCK_TOKENS = 256       # tokens per pooled KV block (the unit of sharing, saving and eviction)
+POOL_MB = 1024           # the server's KV block pool: every cache, resident, in flight or reusable
+RAM_SHARE = 0.75         # of the pool, the server's default budget for caches resident between turns:
+                         # the rest holds turns in flight and reusable prefixes, so the budget binds
+DISK_MB = 8192           # the server's cache files
+
+
+def prefill_chunk() -> int:
+    """Prompt tokens per step: a chunk costs about one or two decode steps of a small model.
+
+    On a CPU a forward pass over 64 tokens costs about two decode steps of
+    SmolLM2 (EXP-010 measures the trade-off); a GPU runs 512 in about that.
+    """
+    import mlx.core as mx
+
+    return 512 if mx.default_device() == mx.gpu else 64
