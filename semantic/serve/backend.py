@@ -88,7 +88,7 @@ class Backend:
         Caches live under ``cache_dir``, by default
         ``~/.cache/semantic-kv/agents/<model fingerprint>``, so another
         model's files never mix with this one's. ``ram_budget_bytes`` is the
-        scheduler's budget for resident caches (``semantic.admission``); the
+        scheduler's budget for resident caches (``semantic.residency``, ``semantic.planner``); the
         pool (``pool_bytes``) bounds every cache together, so a budget above
         it never binds.
         """

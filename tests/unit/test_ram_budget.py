@@ -1,7 +1,7 @@
 """The scheduler's RAM budget for resident caches (tiny random-weight models).
 
 Resident bytes are the distinct pool blocks of the caches the scheduler keeps
-between turns (``semantic.admission``); the budget holds after every worker
+between turns (``semantic.residency``, ``semantic.planner``); the budget holds after every worker
 pass by evicting, least recently used first, caches already saved to disk.
 """
 

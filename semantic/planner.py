@@ -1,0 +1,307 @@
+"""What the scheduler does next, decided from plain state: the step plan.
+
+The scheduler's worker asks, once per pass, which queued turns start, which
+running ones end, and which resident caches go; it then does what the plan
+says (threads, locks, the model: ``semantic.scheduler``). Deciding takes no
+lock and starts no thread, so every rule below is tested with plain values
+(``tests/unit/test_planner.py``). This is also where a step's token budget
+belongs.
+
+Admission. A turn starts only when the pool can hold its cache beyond what
+the turns in flight reserved; otherwise it waits for a finish, or, with
+nothing in flight, a resident cache that is safely on disk goes (least
+recently used first; the store reloads it on its next turn)::
+
+    need = prompt blocks the pool misses + blocks_per_group(max_tokens) per layer group
+    free - reserved >= need       admit (reserve need)
+    turns in flight               wait for a finish
+    a cache on disk, not busy     evict it, then plan again
+    a save under way              wait for it, then plan again
+    else                          the turn fails (PoolExhaustedError)
+
+The RAM budget (``budget``; None: the pool is the only bound) holds after
+every pass: the turns that finished in the step are resident by then, and
+:meth:`StepPlanner.plan_budget` evicts until it holds::
+
+    resident bytes <= budget      done
+    a cache already on disk       evict the least recently used one (busy or not:
+                                  the engine rebuilt a busy agent's cache at admission)
+    else, a save is under way     wait for the saver (no step meanwhile)
+    else                          over budget: counted with its reason (only caches
+                                  whose save failed are left; they stay until saved)
+
+A pinned cache is never evicted to make room: its agent has a turn in
+flight, or its cache is not on disk (a save pending, being written, or
+failed: ``SaveState.unsaved``).
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from semantic.blocks import AgentBlocks
+from semantic.errors import PoolExhaustedError
+from semantic.request import Completion, Request
+from semantic.residency import Residency
+from semantic.saves import SaveState
+
+
+def blocks_per_group(tokens: int, block_tokens: int) -> int:
+    """Blocks one layer group's cache of ``tokens`` new tokens may take: one more than they fill,
+    for the block a boundary splits."""
+    return -(-tokens // block_tokens) + 1
+
+
+@dataclass(slots=True, eq=False)
+class Ticket:
+    """A submitted request and what the scheduler tracks of it (compared by identity)."""
+
+    request: Request
+    future: Future
+    reserved: int = 0        # pool blocks admission set aside for it
+    cancelled: bool = False  # end it at the next step (cancel() found it running)
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """What the worker does next; empty fields: nothing of that kind."""
+
+    admit: list[tuple[Ticket, int]] = field(default_factory=list)      # start, reserving that many blocks
+    fail: list[tuple[Ticket, Exception]] = field(default_factory=list)  # answer with this error
+    evict: str | None = None         # drop this resident cache, then plan again
+    wait_for_save: bool = False      # only a save under way can help: wait for it, then plan again
+
+    def __bool__(self) -> bool:
+        return bool(self.admit or self.fail or self.evict or self.wait_for_save)
+
+
+class StepPlanner:
+    """The scheduler's state and its rules (see the module doc). The caller guards every call with one lock.
+
+    Args:
+        max_batch: turns in flight at once.
+        max_queued: turns that may wait (all agents together).
+        total_blocks: the pool's size.
+        budget: most bytes resident caches may hold after each pass; None: no budget.
+    """
+
+    def __init__(self, *, max_batch: int, max_queued: int, total_blocks: int, budget: int | None = None):
+        if max_batch <= 0 or max_queued <= 0:
+            raise ValueError(f"max_batch and max_queued must be positive, got {max_batch}, {max_queued}")
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
+            raise ValueError(f"the RAM budget must be a number of bytes >= 0 or None, got {budget!r}")
+        self.max_batch, self.max_queued, self.total_blocks, self.budget = max_batch, max_queued, total_blocks, budget
+        self.residency = Residency()
+        self.saves = SaveState()
+        self._queues: dict[str, deque[Ticket]] = {}
+        self._ready: deque[str] = deque()          # agents with a queued turn and none in flight
+        self.queued = 0
+        self.in_flight: dict[int, Ticket] = {}     # engine uid -> ticket
+        self._busy: set[str] = set()               # agents with a turn in flight
+        self.counts: Counter[str] = Counter()
+        self.over_budget_reason: str | None = None
+        self.budget_wait_s = 0.0
+
+    # ------------------------------------------------------------ callers
+
+    @property
+    def full(self) -> bool:
+        return self.queued >= self.max_queued
+
+    def enqueue(self, ticket: Ticket) -> None:
+        assert not self.full
+        agent_id = ticket.request.agent_id
+        self._queues.setdefault(agent_id, deque()).append(ticket)
+        self.queued += 1
+        self.counts["submitted"] += 1
+        if agent_id not in self._busy and agent_id not in self._ready:
+            self._ready.append(agent_id)
+
+    def cancel(self, future: Future) -> Ticket | bool:
+        """Cancel the turn of ``future``: the queued ticket taken off its queue (answer it),
+        True for a running one (marked: it ends at the next step), False if none is found."""
+        running = next((t for t in self.in_flight.values() if t.future is future), None)
+        if running is not None:
+            running.cancelled = True
+            return True
+        for agent_id, queue in list(self._queues.items()):
+            ticket = next((t for t in queue if t.future is future), None)
+            if ticket is not None:
+                self._take(agent_id, ticket)
+                if agent_id not in self._queues and agent_id in self._ready:
+                    self._ready.remove(agent_id)
+                self.counts["cancelled"] += 1
+                return ticket
+        return False
+
+    def holds(self, agent_id: str) -> bool:
+        """Whether the agent has a turn queued or in flight."""
+        return agent_id in self._busy or agent_id in self._queues
+
+    def pinned(self, agent_id: str) -> bool:
+        """Whether the agent's cache must stay resident: a turn in flight, or not on disk."""
+        return agent_id in self._busy or self.saves.unsaved(agent_id)
+
+    # ------------------------------------------------------------ the worker's pass
+
+    @property
+    def idle(self) -> bool:
+        return not self._ready and not self.in_flight
+
+    def heads(self) -> list[Ticket]:
+        """The next turn of each ready agent, oldest agent first, while the batch has room."""
+        if len(self.in_flight) >= self.max_batch:
+            return []
+        out = []
+        for agent_id in list(self._ready):
+            queue = self._queues.get(agent_id)
+            if agent_id in self._busy or not queue:
+                self._ready.remove(agent_id)
+                continue
+            out.append(queue[0])
+        return out
+
+    def plan(self, free: int, needs: dict[Ticket, int]) -> StepPlan:
+        """Which of the ``needs`` tickets (heads, in order, with the blocks each needs) start now
+        with ``free`` pool blocks, and what must happen first when none can (the module doc)."""
+        plan = StepPlan()
+        reserved = [t.reserved for t in self.in_flight.values()]
+        room = self.max_batch - len(self.in_flight)
+        for ticket, need in needs.items():
+            if room <= 0:
+                break
+            if need > self.total_blocks:
+                plan.fail.append((ticket, PoolExhaustedError(
+                    f"this turn needs up to {need} blocks but the pool has {self.total_blocks}: raise total_blocks")))
+                continue
+            if free - sum(reserved) >= need:
+                plan.admit.append((ticket, need))
+                reserved.append(need)
+                room -= 1
+                continue
+            if reserved:
+                continue  # a finish frees blocks: it waits for one
+            room_plan = self.make_room(keep=ticket.request.agent_id)
+            if room_plan is None:
+                plan.fail.append((ticket, PoolExhaustedError(
+                    f"this turn needs {need} free blocks; {free} are free and every cached agent is busy or not yet"
+                    " saved: raise total_blocks or lower max_batch")))
+                continue
+            plan.evict, plan.wait_for_save = room_plan.evict, room_plan.wait_for_save
+            break
+        return plan
+
+    def make_room(self, keep: str) -> StepPlan | None:
+        """Free pool blocks: evict the least recently used resident cache that may go (not ``keep``'s,
+        not pinned), else wait for a save under way; None when nothing can make room."""
+        victim = next((a for a in self.residency if a != keep and not self.pinned(a)), None)
+        if victim is not None:
+            return StepPlan(evict=victim)
+        return StepPlan(wait_for_save=True) if self.saves.busy else None
+
+    def started(self, ticket: Ticket, uid: int, reserved: int) -> None:
+        """``ticket`` runs in the engine as ``uid``."""
+        agent_id = ticket.request.agent_id
+        # cancel() may have taken it off the queue while it was being admitted: end it at the next step
+        ticket.cancelled = not self._take(agent_id, ticket)
+        if agent_id in self._ready:
+            self._ready.remove(agent_id)
+        ticket.reserved = reserved
+        self._busy.add(agent_id)
+        self.in_flight[uid] = ticket
+
+    def not_started(self, ticket: Ticket) -> None:
+        """``ticket`` failed before it ran; the agent's next turn may still run."""
+        agent_id = ticket.request.agent_id
+        self._take(agent_id, ticket)
+        if agent_id in self._ready:
+            self._ready.remove(agent_id)
+        if self._queues.get(agent_id):
+            self._ready.append(agent_id)
+        self.counts["failed"] += 1
+
+    def cancelled(self) -> list[int]:
+        """Engine uids of running turns to end before the next step."""
+        return [uid for uid, t in self.in_flight.items() if t.cancelled]
+
+    def keeps(self, c: Completion) -> bool:
+        """Whether a finished turn's cache stays resident and is saved (a named agent's, if one was made)."""
+        return c.request.persist and c.blocks is not None
+
+    def finish(self, uid: int, c: Completion, blocks: AgentBlocks | None, prepared) -> tuple[Ticket, list]:
+        """Turn ``uid`` finished as ``c``: its ticket, and the caches its new one replaced (release them
+        outside the lock). ``blocks`` are kept resident when not None, and saved with ``prepared``."""
+        ticket = self.in_flight.pop(uid)
+        agent_id = c.request.agent_id
+        self._busy.discard(agent_id)
+        replaced = []
+        if blocks is not None:
+            replaced.append(self.residency.put(agent_id, blocks))
+            if prepared is not None:  # a newer save replaces a pending older one
+                replaced.append(self.saves.put(agent_id, blocks, prepared))
+        self.counts["completed"] += 1
+        self.counts["cancelled"] += c.finish_reason == "cancelled" and not ticket.future.done()
+        self.counts["prompt_tokens"] += c.prompt_tokens
+        self.counts["cached_tokens"] += c.cached_tokens
+        if self._queues.get(agent_id) and agent_id not in self._ready:
+            self._ready.append(agent_id)
+        return ticket, replaced
+
+    def fail_in_flight(self) -> list[Ticket]:
+        """Every running turn failed with its step: their tickets; their agents' next turns may run."""
+        failed = list(self.in_flight.values())
+        self.in_flight.clear()
+        for t in failed:
+            agent_id = t.request.agent_id
+            self._busy.discard(agent_id)
+            if self._queues.get(agent_id) and agent_id not in self._ready:
+                self._ready.append(agent_id)
+        self.counts["failed"] += len(failed)
+        return failed
+
+    def _take(self, agent_id: str, ticket: Ticket) -> bool:
+        """Take ``ticket`` off its agent's queue if it is there (False: cancel() took it first)."""
+        queue = self._queues.get(agent_id)
+        if queue is None or ticket not in queue:
+            return False
+        queue.remove(ticket)
+        self.queued -= 1
+        if not queue:
+            del self._queues[agent_id]
+        return True
+
+    # ------------------------------------------------------------ resident caches
+
+    def own_cache(self, agent_id: str) -> AgentBlocks | None:
+        """The agent's newest cache if the scheduler holds it (resident, else pending a save); None: ask the store."""
+        own = self.residency.get(agent_id)
+        if own is not None:
+            self.residency.touch(agent_id)
+            return own
+        return self.saves.pending(agent_id)
+
+    def drop(self, agent_id: str) -> AgentBlocks | None:
+        """Evict the agent's resident cache (the caller releases it outside the lock)."""
+        dropped = self.residency.pop(agent_id)
+        self.counts["evictions"] += dropped is not None
+        return dropped
+
+    def plan_budget(self) -> StepPlan:
+        """One step toward the RAM budget (the module doc): evict, wait for a save, or nothing."""
+        if self.budget is None or self.residency.bytes <= self.budget:
+            return StepPlan()
+        victim = next((a for a in self.residency if not self.saves.unsaved(a)), None)
+        if victim is not None:
+            self.counts["budget_evictions"] += 1
+            return StepPlan(evict=victim)
+        if self.saves.busy:  # the oldest unsaved cache is written first: it becomes evictable
+            self.counts["budget_waits"] += 1
+            return StepPlan(wait_for_save=True)
+        self.counts["over_budget_steps"] += 1
+        self.over_budget_reason = (
+            f"{self.residency.bytes} resident bytes over a budget of {self.budget}: the {len(self.residency)} caches"
+            " left are not on disk (their save failed) and stay until a later turn saves them"
+        )
+        return StepPlan()
