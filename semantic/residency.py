@@ -40,10 +40,6 @@ class DistinctBytes:
                 del self._refs[id(b)]
                 self.bytes -= b.nbytes
 
-    def freed_by(self, blocks: AgentBlocks) -> int:
-        """Bytes that removing ``blocks`` (a member of the set) would take off the count."""
-        return sum(b.nbytes for b in blocks.unique_blocks() if self._refs[id(b)] == 1)
-
     @staticmethod
     def of(caches: Iterable[AgentBlocks]) -> int:
         """The same count made afresh from ``caches`` (checks a running count)."""
@@ -92,10 +88,6 @@ class Residency:
         if blocks is not None:
             self._counted.remove(blocks)
         return blocks
-
-    def freed_by(self, agent_id: str) -> int:
-        """Resident bytes that dropping the agent's cache would free."""
-        return self._counted.freed_by(self._caches[agent_id])
 
     def recount(self) -> int:
         """Resident bytes counted afresh from the caches (checks the running count)."""

@@ -355,7 +355,7 @@ class ConcurrentScheduler:
             return own
         while True:
             try:
-                return self.store.load(request.agent_id, keep_in_ram=False)  # the file (a restart, an eviction), else None
+                return self.store.load(request.agent_id)  # the file (a restart, an eviction), else None
             except PoolExhaustedError as exc:  # room for the file's blocks
                 if not self._plan(lambda: self.planner.make_room(keep=request.agent_id) or StepPlan()):
                     self._fail(ticket, exc)

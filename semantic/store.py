@@ -1,13 +1,13 @@
-"""Agents' caches kept across turns and restarts: a RAM tier over a disk tier.
+"""Agents' caches kept across restarts: one file per agent, under a disk budget.
 
 ``save`` writes the agent's cache file (``cachefile``, crash-safe) before
-it returns, and keeps the blocks in RAM; ``load`` answers from RAM, else
-from the file, else ``None``. So every saved cache survives a crash, and the
-RAM tier only saves reading::
+it returns; ``load`` reads it back into the pool (verified), else ``None``.
+So every saved cache survives a crash. The caches kept in RAM between turns
+are the scheduler's (``semantic.residency``, under its RAM budget): this
+store holds no blocks of its own::
 
-    save(a) ──► file a (fsynced) ──► RAM: a        (write-through)
-    load(a) ──► RAM hit?  ──► file? ──► None
-    RAM over budget   ──► drop least recently used (its file stays)
+    save(a) ──► file a (fsynced)
+    load(a) ──► file? ──► blocks in the pool (the caller's), else None
     disk over budget  ──► delete least recently used files (never the one just saved)
 
 Agent ids are mapped to file names, never used as paths: ``<slug>-<sha256
@@ -21,10 +21,6 @@ On startup the store scans its directory: it deletes temporary files that a
 dead process left, moves files that fail their header check to
 ``quarantine/`` (see :attr:`AgentCacheStore.quarantined`), skips files of
 another model or spec, and indexes the rest, least recently used first.
-
-A ``ConcurrentScheduler`` keeps caches resident itself (within its own RAM
-budget) and calls ``save``/``load`` with ``keep_in_ram=False``: this RAM
-tier is for the store used on its own.
 
 Threads: calls for different agents run concurrently (file reads and writes
 happen outside every shared lock); calls for the same agent are serialized.
@@ -46,12 +42,11 @@ from pathlib import Path
 
 from semantic import blockplan, cachefile
 from semantic.cachefile import atomic
-from semantic.blocks import AgentBlocks, KVBlock
+from semantic.blocks import AgentBlocks
 from semantic.errors import (
     CacheCorruptError,
     CacheMismatchError,
     InvalidAgentIdError,
-    PoolExhaustedError,
 )
 from semantic.pool import BlockPool
 from semantic.request import validate_agent_id
@@ -76,26 +71,14 @@ def file_name(agent_id: str) -> str:
 
 @dataclass(frozen=True, slots=True)
 class StoreStats:
-    """Counters since the store opened, and what each tier holds now.
+    """Counters since the store opened, and what it holds now (``disk_bytes``: the indexed files)."""
 
-    ``ram_bytes`` counts each pooled block once, however many agents share
-    it; ``disk_bytes`` is the size of the indexed files.
-    """
-
-    ram_hits: int
     disk_hits: int
     misses: int
-    ram_evictions: int
     disk_evictions: int
-    ram_agents: int
     disk_agents: int
-    ram_bytes: int
     disk_bytes: int
     quarantined: int
-
-    @property
-    def hits(self) -> int:
-        return self.ram_hits + self.disk_hits
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,17 +97,15 @@ class _OnDisk:
 
 
 class AgentCacheStore:
-    """Agents' caches in RAM (LRU, ``ram_budget_bytes``) over files in
-    ``cache_dir`` (LRU, ``disk_budget_bytes``), for one model and spec.
+    """Agents' caches as files in ``cache_dir`` (least recently used go first
+    over ``disk_budget_bytes``), for one model and spec.
 
     Args:
         cache_dir: created if missing; holds one file per agent.
         spec: the cache spec every saved and loaded cache must have.
         model_fingerprint: written into each file; files of other models
             are left alone and not indexed.
-        ram_budget_bytes: bytes of pooled blocks the RAM tier may keep
-            referenced (0 disables it). Keep it below the pool's capacity.
-        disk_budget_bytes: bytes of files the disk tier may keep (a soft
+        disk_budget_bytes: bytes of files the store may keep (a soft
             limit: the file just saved is never deleted to meet it).
         pool: the block pool loaded caches go into (the engine's pool).
         durable: fsync each file and the directory on save.
@@ -135,7 +116,6 @@ class AgentCacheStore:
         cache_dir: str | os.PathLike,
         spec: ModelCacheSpec,
         model_fingerprint: str,
-        ram_budget_bytes: int,
         disk_budget_bytes: int,
         *,
         pool: BlockPool,
@@ -143,18 +123,15 @@ class AgentCacheStore:
     ):
         if not isinstance(model_fingerprint, str) or not model_fingerprint:
             raise ValueError(f"model_fingerprint must be a non-empty string, got {model_fingerprint!r}")
-        if ram_budget_bytes < 0 or disk_budget_bytes < 0:
-            raise ValueError(f"budgets must be >= 0, got RAM {ram_budget_bytes} and disk {disk_budget_bytes}")
+        if disk_budget_bytes < 0:
+            raise ValueError(f"budgets must be >= 0 bytes, got a disk budget of {disk_budget_bytes}")
         spec.require_same(pool.spec, "the pool")
         self.dir = Path(cache_dir)
         self.spec, self.fingerprint, self.pool, self.durable = spec, model_fingerprint, pool, durable
-        self.ram_budget, self.disk_budget = ram_budget_bytes, disk_budget_bytes
+        self.disk_budget = disk_budget_bytes
         self.pool_lock = threading.RLock()
-        self._lock = threading.Lock()  # index, RAM tier and counters; never held during file I/O
+        self._lock = threading.Lock()  # the index and counters; never held during file I/O
         self._agent_locks: dict[str, threading.Lock] = {}
-        self._ram: OrderedDict[str, AgentBlocks] = OrderedDict()
-        self._ram_refs: Counter[int] = Counter()  # id(block) -> RAM agents holding it
-        self._ram_bytes = 0
         self._disk: OrderedDict[str, _OnDisk] = OrderedDict()
         self._counts = Counter()
         self.quarantined: list[Quarantined] = []
@@ -164,122 +141,78 @@ class AgentCacheStore:
 
     # ------------------------------------------------------------ public
 
-    def save(
-        self, agent_id: str, blocks: AgentBlocks, prepared: cachefile.PreparedSave | None = None,
-        *, keep_in_ram: bool = True,
-    ) -> None:
-        """Write ``agent_id``'s cache to disk, then keep it in RAM.
+    def save(self, agent_id: str, blocks: AgentBlocks, prepared: cachefile.PreparedSave | None = None) -> None:
+        """Write ``agent_id``'s cache file (durable unless the store is not).
 
-        The store takes its own reference to the blocks; the caller keeps
-        (and may release) ``blocks``. ``prepared`` (``cachefile.prepare``)
-        lets a write-behind thread save without any MLX work of its own.
-        ``keep_in_ram=False`` writes the file only and drops the agent's
-        older RAM copy (a caller that keeps caches resident itself, as the
-        scheduler does, so no block is held twice behind its budget's back).
+        The caller keeps (and may release) ``blocks``: the store keeps no
+        reference. ``prepared`` (``cachefile.prepare``) lets a write-behind
+        thread save without any MLX work of its own.
         """
         name = file_name(agent_id)
         self.spec.require_same(blocks.spec, "these blocks")
-        if blocks.released:
-            raise CacheMismatchError(f"agent {agent_id!r}: these AgentBlocks were released")
+        self._check_live(blocks)  # before any write: blocks of another pool are refused
         with self._agent_lock(agent_id):
             path = self.dir / name
-            kept = self._retain(blocks)  # first: it refuses blocks of another pool before any write
-            try:
-                info = cachefile.save(
-                    path, blocks, model_fingerprint=self.fingerprint, agent_id=agent_id, durable=self.durable,
-                    prepared=prepared,
-                )
-            except BaseException:
-                kept.release()
-                raise
+            info = cachefile.save(
+                path, blocks, model_fingerprint=self.fingerprint, agent_id=agent_id, durable=self.durable,
+                prepared=prepared,
+            )
             with self._lock:
-                dropped = self._ram_put(agent_id, kept) if keep_in_ram else self._ram_pop(agent_id) + [kept]
                 self._disk[agent_id] = _OnDisk(path, info.nbytes)
                 self._disk.move_to_end(agent_id)
-                dropped += self._ram_trim()
-            self._release_all(dropped)
         self._disk_trim(keep=agent_id)
 
-    def load(self, agent_id: str, *, keep_in_ram: bool = True) -> AgentBlocks | None:
-        """``agent_id``'s cache (a new reference the caller owns), or None.
+    def load(self, agent_id: str) -> AgentBlocks | None:
+        """``agent_id``'s cache read from its file into the pool (a new reference the caller owns), or None.
 
         A file that fails verification is quarantined and reported as a miss.
-        ``keep_in_ram=False``: a cache read from the file is the caller's
-        alone (the RAM tier keeps no copy).
+
+        Raises:
+            PoolExhaustedError: the pool has no room for the file's blocks
+                (the file stays; make room and load again).
         """
         validate_agent_id(agent_id)
         with self._agent_lock(agent_id):
             with self._lock:
-                kept = self._ram.get(agent_id)
                 entry = self._disk.get(agent_id)
-                if kept is not None:
-                    self._ram.move_to_end(agent_id)
-                    if entry is not None:
-                        self._disk.move_to_end(agent_id)
-                    self._counts["ram_hits"] += 1
-                    # under the lock: another thread's eviction cannot release it first
-                    return self._retain(kept)
                 if entry is None:
                     self._counts["misses"] += 1
                     return None
             blocks = self._load_file(agent_id, entry)
             if blocks is None:
                 return None
-            out = self._retain(blocks) if keep_in_ram else blocks
             with self._lock:
                 self._counts["disk_hits"] += 1
                 if agent_id in self._disk:
                     self._disk.move_to_end(agent_id)
-                dropped = self._ram_put(agent_id, blocks) + self._ram_trim() if keep_in_ram else []
-            self._release_all(dropped)
             try:
                 os.utime(entry.path)  # recency survives a restart
             except OSError:
                 pass
-            return out
+            return blocks
 
     def delete(self, agent_id: str) -> bool:
-        """Forget ``agent_id`` in both tiers; True if it was stored."""
+        """Forget ``agent_id`` and delete its file; True if it was stored."""
         validate_agent_id(agent_id)
         with self._agent_lock(agent_id):
             with self._lock:
                 entry = self._disk.pop(agent_id, None)
-                dropped = self._ram_pop(agent_id)
-            self._release_all(dropped)
             if entry is not None:
                 atomic.unlink_quietly(entry.path)
-            return entry is not None or bool(dropped)
-
-    def evict(self, agent_id: str) -> bool:
-        """Drop ``agent_id`` from the RAM tier only (its file stays); True if it was there."""
-        validate_agent_id(agent_id)
-        with self._lock:
-            dropped = self._ram_pop(agent_id)
-            self._counts["ram_evictions"] += bool(dropped)
-        self._release_all(dropped)
-        return bool(dropped)
+            return entry is not None
 
     def agents(self) -> list[str]:
         """Ids of the stored agents, sorted."""
         with self._lock:
-            return sorted(set(self._disk) | set(self._ram))
-
-    def in_ram(self, agent_id: str) -> bool:
-        """Whether the RAM tier holds ``agent_id``'s cache now."""
-        with self._lock:
-            return agent_id in self._ram
+            return sorted(self._disk)
 
     def stats(self) -> StoreStats:
         with self._lock:
             return StoreStats(
-                ram_hits=self._counts["ram_hits"],
                 disk_hits=self._counts["disk_hits"],
                 misses=self._counts["misses"],
-                ram_evictions=self._counts["ram_evictions"],
                 disk_evictions=self._counts["disk_evictions"],
-                ram_agents=len(self._ram),
                 disk_agents=len(self._disk),
-                ram_bytes=self._ram_bytes,
                 disk_bytes=sum(e.nbytes for e in self._disk.values()),
                 quarantined=len(self.quarantined),
             )
@@ -304,91 +237,28 @@ class AgentCacheStore:
         with self.pool_lock:
             return blockplan.plan_blocks(self.pool, self.spec, token_ids, salt_root=salt_root).need
 
-    def close(self) -> None:
-        """Drop the RAM tier (the files stay)."""
-        with self._lock:
-            dropped = [b for a in list(self._ram) for b in self._ram_pop(a)]
-        self._release_all(dropped)
-
-    def __enter__(self) -> "AgentCacheStore":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    # ------------------------------------------------------------ RAM tier
-
-    def _retain(self, blocks: AgentBlocks) -> AgentBlocks:
-        """Another reference to the same pooled blocks, released through the lock."""
+    def _check_live(self, blocks: AgentBlocks) -> None:
+        """Refuse blocks that were released or that live in another pool."""
+        if blocks.released:
+            raise CacheMismatchError("these AgentBlocks were released")
         with self.pool_lock:
-            unique = blocks.unique_blocks()
-            if any(b.block_id >= self.pool.total_blocks or self.pool.refcount(b) == 0 for b in unique):
+            if any(b.block_id >= self.pool.total_blocks or self.pool.refcount(b) == 0 for b in blocks.unique_blocks()):
                 raise CacheMismatchError("these blocks are not live in this store's pool")
-            for b in unique:
-                self.pool.acquire(b)
-        groups = {g: list(bl) for g, bl in blocks.groups.items()}
-        return AgentBlocks(blocks.spec, blocks.token_ids, groups, blocks.block_tokens, _release=self._release, salt_root=blocks.salt_root)
-
-    def _release(self, blocks: list[KVBlock]) -> None:
-        with self.pool_lock:
-            self.pool.release(blocks)
-
-    @staticmethod
-    def _release_all(dropped: list[AgentBlocks]) -> None:
-        for b in dropped:
-            b.release()
-
-    def _ram_put(self, agent_id: str, blocks: AgentBlocks) -> list[AgentBlocks]:
-        dropped = self._ram_pop(agent_id)
-        self._ram[agent_id] = blocks
-        for b in blocks.unique_blocks():
-            if self._ram_refs[id(b)] == 0:
-                self._ram_bytes += b.nbytes
-            self._ram_refs[id(b)] += 1
-        return dropped
-
-    def _ram_pop(self, agent_id: str) -> list[AgentBlocks]:
-        blocks = self._ram.pop(agent_id, None)
-        if blocks is None:
-            return []
-        for b in blocks.unique_blocks():
-            self._ram_refs[id(b)] -= 1
-            if self._ram_refs[id(b)] == 0:
-                del self._ram_refs[id(b)]
-                self._ram_bytes -= b.nbytes
-        return [blocks]
-
-    def _ram_trim(self) -> list[AgentBlocks]:
-        dropped = []
-        while self._ram_bytes > self.ram_budget and self._ram:
-            dropped += self._ram_pop(next(iter(self._ram)))
-            self._counts["ram_evictions"] += 1
-        return dropped
 
     # ------------------------------------------------------------ disk tier
 
     def _load_file(self, agent_id: str, entry: _OnDisk) -> AgentBlocks | None:
-        while True:
-            try:
-                return cachefile.load(entry.path, self.pool, model_fingerprint=self.fingerprint, lock=self.pool_lock)
-            except PoolExhaustedError:
-                # the RAM tier may be what fills the pool: give back its oldest agent and retry
-                with self._lock:
-                    victim = next((a for a in self._ram if a != agent_id), None)
-                    dropped = self._ram_pop(victim) if victim is not None else []
-                    self._counts["ram_evictions"] += bool(dropped)
-                if not dropped:
-                    raise
-                self._release_all(dropped)
-            except CacheCorruptError as exc:
-                self._forget(agent_id)
-                self._quarantine(entry.path, exc.reason)
-                return None
-            except (CacheMismatchError, FileNotFoundError) as exc:
-                # replaced by another model's file, or removed behind our back
-                log.warning("agent %r: cannot load %s: %s", agent_id, entry.path, exc)
-                self._forget(agent_id)
-                return None
+        try:
+            return cachefile.load(entry.path, self.pool, model_fingerprint=self.fingerprint, lock=self.pool_lock)
+        except CacheCorruptError as exc:
+            self._forget(agent_id)
+            self._quarantine(entry.path, exc.reason)
+            return None
+        except (CacheMismatchError, FileNotFoundError) as exc:
+            # replaced by another model's file, or removed behind our back
+            log.warning("agent %r: cannot load %s: %s", agent_id, entry.path, exc)
+            self._forget(agent_id)
+            return None
 
     def _forget(self, agent_id: str) -> None:
         with self._lock:
@@ -415,9 +285,7 @@ class AgentCacheStore:
             try:
                 with self._lock:
                     entry = self._disk.pop(victim, None)
-                    dropped = self._ram_pop(victim)
                     self._counts["disk_evictions"] += entry is not None
-                self._release_all(dropped)
                 if entry is not None:
                     atomic.unlink_quietly(entry.path)
             finally:

@@ -50,7 +50,7 @@ class WriteBehind:
                     self._cv.wait(0.5)
             agent_id, (blocks, prepared) = job
             try:
-                self.store.save(agent_id, blocks, prepared, keep_in_ram=False)
+                self.store.save(agent_id, blocks, prepared)
                 ok = True
             except Exception:  # the cache stays resident; the next finish saves again
                 log.exception("agent %r: write-behind save failed", agent_id)

@@ -39,7 +39,7 @@ words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
 tokenizer = TokenizerWrapper(PreTrainedTokenizerFast(tokenizer_object=words, eos_token="t299"), eos_token_ids=[299])
 spec = ModelCacheSpec.from_model(model)
 with tempfile.TemporaryDirectory() as d:
-    store = AgentCacheStore(d, spec, "tiny-smoke", ram_budget_bytes=1 << 26, disk_budget_bytes=1 << 30,
+    store = AgentCacheStore(d, spec, "tiny-smoke", disk_budget_bytes=1 << 30,
                             pool=BlockPool(spec, total_blocks=32, block_tokens=16))
     with ConcurrentScheduler(model, tokenizer, store, max_batch=2, stop_tokens=[]) as sched:
         history = " ".join(f"t{i}" for i in range(10, 60))

@@ -56,8 +56,7 @@ def open_scheduler(loaded, cache_dir: Path, blocks: int, max_batch: int = 8, wri
     ``ram_budget_bytes`` bounds its resident caches (None: the pool does)."""
     spec = ModelCacheSpec.from_model(loaded.model)
     pool = BlockPool(spec, blocks, block_tokens)
-    store = AgentCacheStore(cache_dir, spec, loaded.fingerprint, ram_budget_bytes=0,
-                            disk_budget_bytes=1 << 40, pool=pool)
+    store = AgentCacheStore(cache_dir, spec, loaded.fingerprint, disk_budget_bytes=1 << 40, pool=pool)
     # no stop tokens: every turn generates exactly max_tokens, so turns compare step for step
     return ConcurrentScheduler(loaded.model, loaded.tokenizer, store, max_batch=max_batch,
                                write_behind=write_behind, stop_tokens=[], ram_budget_bytes=ram_budget_bytes)

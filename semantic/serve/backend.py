@@ -108,8 +108,7 @@ class Backend:
         if total < 4:
             raise ValueError(f"a pool of {pool_bytes} bytes holds {total} blocks of {block_bytes:.0f} bytes: raise it")
         root = Path(cache_dir).expanduser() if cache_dir else Path.home() / ".cache" / "semantic-kv" / "agents" / fingerprint
-        # the store's own RAM tier stays empty: the scheduler keeps caches resident, within the budget
-        store = AgentCacheStore(root, spec, fingerprint, 0, disk_budget_bytes, pool=BlockPool(spec, total, block_tokens))
+        store = AgentCacheStore(root, spec, fingerprint, disk_budget_bytes, pool=BlockPool(spec, total, block_tokens))
         if store.quarantined or store.foreign:
             log.warning("cache dir %s: %d files quarantined, %d of another model left alone",
                         root, len(store.quarantined), len(store.foreign))
@@ -260,7 +259,7 @@ class Backend:
             agents.append({
                 "agent": agent_id.split("/", 1)[1] if "/" in agent_id else agent_id,
                 "cached_tokens": tokens, "age_s": round(now - used, 1) if used else None,
-                "where": "ram" if self.store.in_ram(agent_id) or self.scheduler.resident_cache(agent_id) is not None else "disk",
+                "where": "ram" if self.scheduler.resident_cache(agent_id) is not None else "disk",
             })
             if len(agents) >= 200:
                 break
@@ -285,7 +284,7 @@ class Backend:
             "disk": {"agents": store.disk_agents, "bytes": store.disk_bytes, "budget_bytes": self.store.disk_budget,
                      "dir": str(self.store.dir)},
             "saves": {"done": s.saves, "errors": s.save_errors, "pending": s.pending_saves},
-            "evictions": s.evictions + store.ram_evictions + store.disk_evictions,
+            "evictions": s.evictions + store.disk_evictions,
             "quarantined": store.quarantined,
             "agents": agents,
             "recent": recent,

@@ -14,6 +14,7 @@ import logging
 import os
 import sys
 
+from semantic import defaults
 from semantic.serve.config import LOG_LEVELS, ServeConfig
 
 KEYS_ENV = "SEMANTIC_API_KEYS"
@@ -36,8 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ram-mb", type=int, default=d.ram_mb,
                    help=f"the most memory agents' caches stay resident in between their turns, blocks shared by "
                         f"agents counted once, checked after every step: least recently used caches already on "
-                        f"disk are evicted (their next turn loads the file). Within --pool-mb, so at or above it "
-                        f"only the pool bounds them (default {d.ram_mb})"),
+                        f"disk are evicted (their next turn loads the file). At most --pool-mb, which also holds "
+                        f"turns in flight and reusable prefixes (default {defaults.RAM_SHARE * 100:.0f}%% of --pool-mb)")
     p.add_argument("--disk-mb", type=int, default=d.disk_mb, help=f"disk for saved caches (default {d.disk_mb})")
     p.add_argument("--max-batch", type=int, default=d.max_batch, help=f"sequences decoded together (default {d.max_batch})")
     p.add_argument("--max-queued", type=int, default=d.max_queued,

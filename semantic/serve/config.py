@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+from semantic import defaults
+
 MB = 1 << 20
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
@@ -24,11 +26,11 @@ class ServeConfig:
     port: int = 8000
     cache_dir: str | None = None
     api_keys: tuple[str, ...] = field(default=(), repr=False)  # never in logs
-    pool_mb: int = 1024
-    ram_mb: int = 2048
-    disk_mb: int = 8192
-    max_batch: int = 8
-    max_queued: int = 64
+    pool_mb: int = defaults.POOL_MB
+    ram_mb: int | None = None  # None: a share of the pool (defaults.RAM_SHARE), so the budget binds
+    disk_mb: int = defaults.DISK_MB
+    max_batch: int = defaults.MAX_BATCH
+    max_queued: int = defaults.MAX_QUEUED
     max_context: int | None = None
     prefill_chunk: int | None = None  # prompt tokens per step; None: the device's default
     max_body_mb: float = 4.0
@@ -47,15 +49,18 @@ class ServeConfig:
         self.api_keys = tuple(self.api_keys)
         if any(not isinstance(k, str) or not k or k != k.strip() for k in self.api_keys):
             raise ValueError("api keys must be non-empty strings without surrounding spaces")
-        for name in ("pool_mb", "ram_mb", "disk_mb", "max_batch", "max_queued"):
+        for name in ("pool_mb", "disk_mb", "max_batch", "max_queued"):
             _positive_int(name, getattr(self, name))
-        for name in ("max_context", "prefill_chunk"):
+        for name in ("ram_mb", "max_context", "prefill_chunk"):
             if getattr(self, name) is not None:
                 _positive_int(name, getattr(self, name))
         for name in ("max_body_mb", "graceful_s", "shutdown_s"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
                 raise ValueError(f"{name} must be a positive number, got {v!r}")
+        if self.ram_mb is not None and self.ram_mb > self.pool_mb:
+            raise ValueError(f"ram_mb {self.ram_mb} exceeds pool_mb {self.pool_mb}: the pool holds every resident "
+                             "cache, so such a budget never binds; lower --ram-mb or raise --pool-mb")
         if self.log_level.lower() not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
         self.log_level = self.log_level.lower()
@@ -66,7 +71,8 @@ class ServeConfig:
 
     @property
     def ram_budget_bytes(self) -> int:
-        return self.ram_mb * MB
+        """The budget for caches resident between turns: ``ram_mb``, else a share of the pool."""
+        return self.ram_mb * MB if self.ram_mb is not None else int(self.pool_bytes * defaults.RAM_SHARE)
 
     @property
     def disk_budget_bytes(self) -> int:

@@ -21,8 +21,7 @@ BT = 4  # tokens per block
 
 def _scheduler(model, cache_dir, budget, blocks=512, **kw):
     spec = ModelCacheSpec.from_model(model)
-    # the store's own RAM tier is generous on purpose: the scheduler must not fill it behind its budget
-    store = AgentCacheStore(cache_dir, spec, "tiny", 10**9, 10**9, pool=BlockPool(spec, blocks, BT))
+    store = AgentCacheStore(cache_dir, spec, "tiny", 10**9, pool=BlockPool(spec, blocks, BT))
     return ConcurrentScheduler(model, byte_tokenizer(), store, stop_tokens=[], ram_budget_bytes=budget, **kw)
 
 
@@ -48,7 +47,10 @@ def test_the_budget_evicts_the_least_recently_used_saved_cache(llama_tiny, cache
         _turn(sched, "c", h["c"])  # 52 tokens > 40: one goes, and it is b, the least recently used
         resident = {x: sched.resident_cache(x) is not None for x in "abc"}
         stats = sched.stats()
-        assert sched.store.stats().ram_agents == 0  # the store's RAM tier holds nothing twice
+        with sched.store.pool_lock:
+            used = sched.store.pool.stats().used
+        held = {id(b) for x in "abc" if (c := sched.resident_cache(x)) is not None for b in c.unique_blocks()}
+        assert used == len(held)  # the one RAM tier holds every block in use: nothing is kept twice
     assert resident == {"a": True, "b": False, "c": True}
     assert stats.budget_evictions == 1 and stats.resident_bytes == _bytes(llama_tiny, 36)
     assert stats.resident_peak_bytes <= stats.ram_budget_bytes == _bytes(llama_tiny, 40)
@@ -153,3 +155,20 @@ def test_a_budget_needs_write_behind_and_a_byte_count(llama_tiny, cache_dir):
         _scheduler(llama_tiny, cache_dir, budget=1 << 20, write_behind=False)
     with pytest.raises(ValueError, match="bytes"):
         _scheduler(llama_tiny, cache_dir, budget=-1)
+
+
+def test_resident_bytes_count_a_block_shared_by_two_agents_once(llama_tiny):
+    from semantic.residency import Residency
+    from tests.cache_helpers import engine, generate, history
+
+    eng = engine(llama_tiny, blocks=512)
+    prefix = history(16)
+    a = generate(eng, "a", prefix + [1], 2).blocks
+    b = generate(eng, "b", prefix + [2], 2).blocks
+    resident = Residency()
+    resident.put("a", a)
+    resident.put("b", b)
+    shared = {id(x) for x in a.unique_blocks()} & {id(x) for x in b.unique_blocks()}
+    assert len(shared) == 4  # 16 tokens in blocks of 4
+    assert resident.bytes == a.nbytes + b.nbytes - sum(x.nbytes for x in a.unique_blocks() if id(x) in shared)
+    assert resident.recount() == resident.bytes

@@ -512,7 +512,13 @@ def test_cli_reads_keys_from_flags_and_environment(monkeypatch):
 
 
 @pytest.mark.parametrize("bad", [{"port": 0}, {"pool_mb": 0}, {"host": " "}, {"max_body_mb": -1},
-                                 {"api_keys": ("",)}, {"log_level": "loud"}, {"prefill_chunk": 0}])
+                                 {"api_keys": ("",)}, {"log_level": "loud"}, {"prefill_chunk": 0},
+                                 {"ram_mb": 0}, {"ram_mb": 65, "pool_mb": 64}])
 def test_serve_config_refuses_bad_values(bad):
     with pytest.raises(ValueError):
         ServeConfig(model="m", **bad)
+
+
+def test_the_ram_budget_defaults_within_the_pool_so_it_binds():
+    assert ServeConfig(model="m").ram_budget_bytes == ServeConfig(model="m").pool_bytes * 3 // 4
+    assert ServeConfig(model="m", pool_mb=64, ram_mb=64).ram_budget_bytes == 64 << 20

@@ -1,4 +1,4 @@
-"""AgentCacheStore: tiers, budgets, restarts, quarantine, agent ids, threads."""
+"""AgentCacheStore: files, the disk budget, restarts, quarantine, agent ids, threads."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from semantic import (
     CacheMismatchError,
     InvalidAgentIdError,
     ModelCacheSpec,
+    PoolExhaustedError,
     Request,
 )
 from semantic import cachefile
@@ -24,8 +25,8 @@ from tests.cache_helpers import LOGPROB_TOL, assert_identical, engine, generate,
 FP = "tiny-model"
 
 
-def _store(eng, path, ram=10**9, disk=10**9, **kw):
-    return AgentCacheStore(path, eng.spec, FP, ram, disk, pool=eng.pool, durable=False, **kw)
+def _store(eng, path, disk=10**9, **kw):
+    return AgentCacheStore(path, eng.spec, FP, disk, pool=eng.pool, durable=False, **kw)
 
 
 def _files(path):
@@ -50,15 +51,14 @@ def test_a_saved_cache_survives_a_restart_and_continues_like_a_fresh_prefill(
     model = gemma_tiny if which == "gemma" else llama_tiny
     first = engine(model, kv_bits)
     done = generate(first, "agent-1", history(29), 5)
-    with _store(first, tmp_path) as store:
-        store.save("agent-1", done.blocks)
+    _store(first, tmp_path).save("agent-1", done.blocks)
 
     after = engine(model, kv_bits)  # a new process: new pool, new store over the same directory
     store = _store(after, tmp_path)
     assert store.agents() == ["agent-1"]
     loaded = store.load("agent-1")
     assert_identical(loaded, done.blocks)
-    assert (store.stats().disk_hits, store.stats().ram_hits) == (1, 0)
+    assert (store.stats().disk_hits, store.stats().misses) == (1, 0)
     cont = after.submit(Request("agent-1", [*loaded.token_ids, *[3, 4]], 12), loaded, share=False)
     ref = after.submit(Request("ref", list(done.blocks.token_ids) + [3, 4], 12), share=False)
     out = run(after)
@@ -66,51 +66,26 @@ def test_a_saved_cache_survives_a_restart_and_continues_like_a_fresh_prefill(
     np.testing.assert_allclose(out[cont].logprobs, out[ref].logprobs, atol=LOGPROB_TOL, rtol=0)
 
 
-def test_a_load_after_a_save_is_a_ram_hit_and_returns_an_independent_reference(eng, caches, tmp_path, monkeypatch):
+def test_the_store_takes_no_reference_and_every_load_is_a_new_one_the_caller_owns(eng, caches, tmp_path):
     store = _store(eng, tmp_path)
     store.save("a", caches["a"])
-    caches["a"].release()  # the caller's reference; the store keeps its own
-    monkeypatch.setattr(cachefile, "load", lambda *a, **k: pytest.fail("a RAM hit must not read the file"))
-    got = store.load("a")
+    refs = [eng.pool.refcount(b) for b in caches["a"].unique_blocks()]
+    assert refs == [1] * len(refs)  # the caller's reference alone: the RAM tier is the scheduler's
+    caches["a"].release()
+    got = store.load("a")  # read from the file
     assert got is not None and got.total_tokens == 20
     got.release()
     again = store.load("a")
     assert again.total_tokens == 20 and not again.released
     s = store.stats()
-    assert (s.ram_hits, s.disk_hits, s.misses, s.ram_agents, s.disk_agents) == (2, 0, 0, 1, 1)
+    assert (s.disk_hits, s.misses, s.disk_agents) == (2, 0, 1)
     assert store.load("nobody") is None and store.stats().misses == 1
-
-
-def test_the_ram_tier_evicts_the_least_recently_used_agent_and_keeps_its_file(eng, caches, tmp_path):
-    sizes = {a: b.nbytes for a, b in caches.items()}
-    store = _store(eng, tmp_path, ram=sizes["a"] + sizes["b"] + sizes["c"] - 1)
-    for a in "abc":
-        store.save(a, caches[a])
-    s = store.stats()
-    assert (s.ram_agents, s.ram_evictions, s.disk_agents) == (2, 1, 3)  # "a" left RAM first
-    assert s.ram_bytes == sizes["b"] + sizes["c"]
-    assert store.load("b") is not None and store.stats().ram_hits == 1
-    assert_identical(store.load("a"), caches["a"])  # from its file
-    s = store.stats()
-    assert (s.disk_hits, s.ram_evictions) == (1, 2)  # loading "a" pushed out "c", now the oldest
-
-
-def test_ram_bytes_count_a_block_shared_by_two_agents_once(eng, tmp_path):
-    prefix = history(16)
-    a = generate(eng, "a", prefix + [1], 2).blocks
-    b = generate(eng, "b", prefix + [2], 2).blocks
-    store = _store(eng, tmp_path)
-    store.save("a", a)
-    store.save("b", b)
-    shared = {id(x) for x in a.unique_blocks()} & {id(x) for x in b.unique_blocks()}
-    assert len(shared) == 4  # 16 tokens in blocks of 4
-    assert store.stats().ram_bytes == a.nbytes + b.nbytes - sum(x.nbytes for x in a.unique_blocks() if id(x) in shared)
 
 
 def test_the_disk_tier_deletes_the_least_recently_used_files(eng, caches, tmp_path):
     sizes = {a: os.path.getsize(cachefile.save(tmp_path / "probe", caches[a], model_fingerprint=FP).path) for a in "abc"}
     os.unlink(tmp_path / "probe")
-    store = _store(eng, tmp_path, ram=0, disk=sizes["a"] + sizes["c"] + sizes["b"] // 2)
+    store = _store(eng, tmp_path, disk=sizes["a"] + sizes["c"] + sizes["b"] // 2)
     store.save("a", caches["a"])
     store.save("b", caches["b"])
     assert store.load("a") is not None  # now "b" is the least recently used
@@ -135,7 +110,6 @@ def test_a_restart_orders_agents_by_file_age_and_trims_to_the_budget(eng, caches
         os.utime(tmp_path / file_name(a), ns=(10**18 + i, 10**18 + i))
     os.utime(tmp_path / file_name("a"), ns=(2 * 10**18, 2 * 10**18))  # "a" used last
     budget = sum(os.path.getsize(tmp_path / file_name(a)) for a in "ac")
-    store.close()
     again = _store(eng, tmp_path, disk=budget)
     assert again.agents() == ["a", "c"] and again.stats().disk_evictions == 1
 
@@ -156,7 +130,6 @@ def test_corrupt_files_are_quarantined_and_reported_not_fatal(eng, caches, tmp_p
     store = _store(eng, tmp_path)
     for a in "abc":
         store.save(a, caches[a])
-    store.close()
     (tmp_path / file_name("a")).write_bytes(b"\x10\0\0\0\0\0\0\0{not json at all}")
     renamed = tmp_path / file_name("b")
     renamed.rename(tmp_path / file_name("someone-else"))
@@ -190,12 +163,12 @@ def test_files_of_another_model_are_left_alone(eng, caches, tmp_path):
     assert _files(tmp_path) == [file_name("a")]
 
 
-def test_delete_forgets_an_agent_in_both_tiers(eng, caches, tmp_path):
+def test_delete_forgets_an_agent_and_its_file(eng, caches, tmp_path):
     store = _store(eng, tmp_path)
     store.save("a", caches["a"])
     assert store.delete("a") is True and store.delete("a") is False
     assert store.agents() == [] and _files(tmp_path) == [] and store.load("a") is None
-    assert store.stats().ram_bytes == 0
+    assert store.stats().disk_bytes == 0
 
 
 NASTY_IDS = [
@@ -238,29 +211,29 @@ def test_caches_of_another_spec_or_pool_are_refused(eng, caches, tmp_path, gemma
         store.save("f", foreign_pool)
     assert _files(tmp_path) == [] and store.agents() == []
     with pytest.raises(ValueError, match="budgets"):
-        _store(eng, tmp_path, ram=-1)
+        _store(eng, tmp_path, disk=-1)
 
 
-def test_a_full_pool_makes_room_by_dropping_ram_agents_on_load(llama_tiny, tmp_path):
+def test_a_load_into_a_full_pool_is_refused_the_file_stays_and_loads_once_there_is_room(llama_tiny, tmp_path):
     elsewhere = engine(llama_tiny)
     c = generate(elsewhere, "c", history(26, seed=3), 2).blocks  # 28 tokens: 7 blocks of 4
     cachefile.save(tmp_path / file_name("c"), c, model_fingerprint=FP, agent_id="c")
     eng = engine(llama_tiny, blocks=16)
     store = _store(eng, tmp_path)
-    for name, seed in (("a", 1), ("b", 2)):
-        blocks = generate(eng, name, history(26, seed=seed), 2).blocks
-        store.save(name, blocks)
-        blocks.release()
-    assert eng.pool.stats().used == 14  # the RAM tier holds a and b
-    loaded = store.load("c")  # needs 7 blocks, 2 are free: a, the oldest, leaves RAM
+    held = [generate(eng, name, history(26, seed=seed), 2).blocks for name, seed in (("a", 1), ("b", 2))]
+    assert eng.pool.stats().used == 14  # the caller (the scheduler's RAM tier) holds a and b
+    with pytest.raises(PoolExhaustedError):
+        store.load("c")  # needs 7 blocks, 2 are free: making room is the scheduler's decision
+    assert store.agents() == ["c"] and eng.pool.stats().used == 14
+    held[0].release()  # the caller evicts a
+    loaded = store.load("c")
     assert_identical(loaded, c)
     s = store.stats()
-    assert (s.ram_evictions, s.ram_agents, s.disk_hits) == (1, 2, 1)
-    assert store.agents() == ["a", "b", "c"]
+    assert (s.disk_hits, s.disk_agents) == (1, 1)
 
 
 def test_threads_on_different_agents_overlap_and_on_the_same_agent_serialize(eng, caches, tmp_path, monkeypatch):
-    store = _store(eng, tmp_path, ram=caches["a"].nbytes * 2)
+    store = _store(eng, tmp_path)
     in_flight: dict[str, int] = {}
     peak = {"same": 0, "all": 0}
     guard = threading.Lock()
@@ -305,7 +278,6 @@ def test_threads_on_different_agents_overlap_and_on_the_same_agent_serialize(eng
     assert peak["same"] == 1 and peak["all"] >= 2
     for a in "abc":
         assert store.load(a).token_ids == caches[a].token_ids
-    store.close()
     for b in caches.values():
         b.release()
     assert eng.pool.stats().used == 0  # every reference the store took was given back
@@ -313,18 +285,6 @@ def test_threads_on_different_agents_overlap_and_on_the_same_agent_serialize(eng
 
 def test_an_engine_pool_spec_mismatch_is_refused(eng, tmp_path, gemma_tiny):
     with pytest.raises(CacheMismatchError):
-        AgentCacheStore(tmp_path, ModelCacheSpec.from_model(gemma_tiny), FP, 1, 1, pool=eng.pool)
+        AgentCacheStore(tmp_path, ModelCacheSpec.from_model(gemma_tiny), FP, 1, pool=eng.pool)
     with pytest.raises(ValueError, match="model_fingerprint"):
-        AgentCacheStore(tmp_path, eng.spec, "", 1, 1, pool=eng.pool)
-
-
-def test_keep_in_ram_false_writes_and_reads_the_file_only(eng, tmp_path, caches):
-    store = _store(eng, tmp_path)
-    store.save("a", caches["a"])  # an older copy in RAM
-    store.save("a", caches["a"], keep_in_ram=False)  # the file only: the older RAM copy goes too
-    refs = [eng.pool.refcount(b) for b in caches["a"].unique_blocks()]
-    assert not store.in_ram("a") and store.stats().ram_bytes == 0
-    assert refs == [1] * len(refs)  # the caller's reference alone
-    loaded = store.load("a", keep_in_ram=False)
-    assert_identical(loaded, caches["a"])
-    assert not store.in_ram("a") and store.stats().disk_hits == 1
+        AgentCacheStore(tmp_path, eng.spec, "", 1, pool=eng.pool)

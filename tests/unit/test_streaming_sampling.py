@@ -28,7 +28,7 @@ def _engine(model, kv_bits=None, blocks=256, block_tokens=4):
 
 def _scheduler(model, cache_dir, blocks=256, block_tokens=4, **kw):
     spec = ModelCacheSpec.from_model(model)
-    store = AgentCacheStore(cache_dir, spec, "tiny", 10**9, 10**9, pool=BlockPool(spec, blocks, block_tokens))
+    store = AgentCacheStore(cache_dir, spec, "tiny", 10**9, pool=BlockPool(spec, blocks, block_tokens))
     return ConcurrentScheduler(model, byte_tokenizer(), store, stop_tokens=[], **kw)
 
 
