@@ -23,6 +23,7 @@ _EXPORTS = {
         "CacheError",
         "CacheMismatchError",
         "CacheShapeError",
+        "ContextLengthError",
         "InvalidAgentIdError",
         "InvalidRequestError",
         "PoolExhaustedError",

@@ -94,7 +94,7 @@ class BlockPoolBatchEngine:
         self.lock = lock if lock is not None else threading.RLock()
         # sliding layers lose the window of a prefix once prefill moves past it: see _checkpoint
         self._sliding = any(l.windowed for l in spec.layers)
-        self.vocab_size = _vocab_size(model)
+        self.vocab_size = vocab_size(model)
         self.stop_tokens = frozenset(int(t) for t in (tokenizer.eos_token_ids if stop_tokens is None else stop_tokens))
         self.prefill_chunk = prefill_chunk if prefill_chunk is not None else defaults.prefill_chunk()
         self._loop = StepLoop(model, stop_tokens=self.stop_tokens, max_batch=max_batch, prefill_chunk=self.prefill_chunk)
@@ -291,7 +291,8 @@ class BlockPoolBatchEngine:
             return convert.extract(self.pool, caches, self._held(seq, caches), self._release, seq.request.salt_root)
 
 
-def _vocab_size(model) -> int:
+def vocab_size(model) -> int:
+    """The model's vocabulary size (its config's, else its embedding's rows)."""
     args = getattr(model, "args", None)
     if args is not None and getattr(args, "vocab_size", None):
         return int(args.vocab_size)

@@ -11,8 +11,8 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-from semantic.errors import ContextLengthError
 from semantic.serve.protocol import Delta, Final, GenerateRequest, Prepared, TokenLogprob, TopLogprob
+from semantic.service import Completion, Request, output_budget
 
 
 @dataclass
@@ -35,13 +35,14 @@ class StubBackend:
     closed_early: int = 0             # streams closed or cancelled before their Final
     shut: list[str] = field(default_factory=list)
 
-    def prepare(self, req: GenerateRequest) -> Prepared:
+    async def prepare(self, req: GenerateRequest) -> Prepared:
         text = req.prompt if isinstance(req.prompt, str) else " ".join(m["content"] for m in req.messages or [])
         ids = tuple(req.prompt) if isinstance(req.prompt, list) else tuple(range(len(text.split()) + 2))
-        if len(ids) + req.max_tokens > self.context_length:
-            raise ContextLengthError(f"{len(ids)} prompt tokens + max_tokens {req.max_tokens} > {self.context_length}")
-        p = Prepared(request=req, ids=ids, agent_id=f"{req.tenant}/{req.agent or 'anon'}",
-                     keep=req.agent is not None, salt_root=None)
+        # the service's own fitting: a default cut to the context, an explicit budget refused past it
+        max_tokens = output_budget(len(ids), req.max_tokens, context_length=self.context_length)
+        turn = Request(f"{req.tenant or 'public'}/{req.agent or 'anon'}", ids, max_tokens, sampling=req.sampling,
+                       persist=req.agent is not None)
+        p = Prepared(request=req, turn=turn)
         self.prepared.append(p)
         return p
 
@@ -61,10 +62,12 @@ class StubBackend:
                     if prepared.request.logprobs else []
                 yield Delta(piece, lps)
             done = True
-            yield Final(text="".join(self.pieces), finish_reason=self.finish_reason, stop_sequence=self.stop_sequence,
-                        prompt_tokens=len(prepared.ids), cached_tokens=self.cached_tokens,
-                        completion_tokens=len(self.pieces), ttft_s=0.01, latency_s=time.perf_counter() - t0,
-                        agent=prepared.request.agent)
+            now = time.perf_counter()
+            result = Completion(
+                request=prepared.turn, uid=0, token_ids=list(range(len(self.pieces))), logprobs=[-0.5] * len(self.pieces),
+                finish_reason=self.finish_reason, cached_tokens=self.cached_tokens, reuse="own", blocks=None,
+                admitted_at=t0, first_token_at=prepared.turn.arrived_at + 0.01, finished_at=now)
+            yield Final(result, "".join(self.pieces), self.stop_sequence)
         finally:
             if done:
                 self.finished += 1

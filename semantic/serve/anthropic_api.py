@@ -15,13 +15,13 @@ from typing import AsyncGenerator
 from fastapi import APIRouter, Depends, Request
 from starlette.responses import Response
 
-from semantic.sampling import SamplingParams
+from semantic.service import SamplingParams
 from semantic.serve import anthropic_schemas as an
 from semantic.serve.protocol import Delta, Final, GenerateRequest
 from semantic.serve.errors import from_stream, invalid, sse_error
 from semantic.serve.state import ServeState, serve_state, tenant_of
 from semantic.serve.streaming import EventStream, event
-from semantic.serve.turns import Turn, agent_of, check_model, prepare
+from semantic.serve.turns import Turn, agent_of, check_model
 
 router = APIRouter()
 
@@ -74,7 +74,7 @@ def _request(body: an.MessagesRequest, request: Request) -> GenerateRequest:
 @router.post("/v1/messages")
 async def messages(body: an.MessagesRequest, request: Request, state: ServeState = Depends(serve_state)) -> Response:
     check_model(state, body.model)
-    turn = Turn(state, prepare(state, _request(body, request), explicit_max=True), "messages")
+    turn = Turn(state, await state.backend.prepare(_request(body, request)), "messages")
     mid, model = f"msg_{secrets.token_hex(12)}", state.backend.model_id
     if not body.stream:
         final, _ = await turn.run(request)
@@ -121,5 +121,5 @@ async def count_tokens(body: an.CountTokensRequest, request: Request,
                        state: ServeState = Depends(serve_state)) -> Response:
     check_model(state, body.model)
     req = GenerateRequest(max_tokens=1, messages=_messages(body), tenant=tenant_of(request))
-    out = an.CountTokens(input_tokens=len(state.backend.prepare(req).ids))
+    out = an.CountTokens(input_tokens=len((await state.backend.prepare(req)).ids))
     return Response(out.model_dump_json(), media_type="application/json")

@@ -92,17 +92,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc.name} is missing; install the server's extra: pip install 'semantic-kv[serve]'",
               file=sys.stderr)
         return 2
-    from semantic.errors import CacheError
     from semantic.serve.backend import Backend
+    from semantic.service import CacheError
 
     logging.basicConfig(level=config.log_level_number, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("semantic.serve")
     try:
         backend = Backend.from_model(
-            config.model, model_id=config.model_id, cache_dir=config.cache_dir, pool_bytes=config.pool_bytes,
-            ram_budget_bytes=config.ram_budget_bytes, disk_budget_bytes=config.disk_budget_bytes,
-            max_batch=config.max_batch, max_queued=config.max_queued, max_context=config.max_context,
-            prefill_chunk=config.prefill_chunk, sync_saves=config.sync_saves)
+            config.model, model_id=config.model_id, sync_saves=config.sync_saves, cache_dir=config.cache_dir,
+            pool_bytes=config.pool_bytes, disk_budget_bytes=config.disk_budget_bytes,
+            ram_budget_bytes=config.ram_budget_bytes, max_batch=config.max_batch, max_queued=config.max_queued,
+            max_context=config.max_context, prefill_chunk=config.prefill_chunk)
     except (OSError, ValueError, LookupError, RuntimeError, CacheError) as exc:
         print(f"error: cannot load {config.model!r}: {exc}", file=sys.stderr)
         return 2

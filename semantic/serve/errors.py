@@ -18,7 +18,7 @@ from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from semantic import errors as engine
+from semantic.service import errors as engine
 
 log = logging.getLogger("semantic.serve")
 

@@ -14,13 +14,13 @@ from typing import AsyncGenerator
 from fastapi import APIRouter, Depends, Request
 from starlette.responses import JSONResponse, Response
 
-from semantic.sampling import SamplingParams
+from semantic.service import SamplingParams
 from semantic.serve import openai_schemas as oa
 from semantic.serve.protocol import Delta, Final, GenerateRequest, TokenLogprob
 from semantic.serve.errors import from_stream, invalid, sse_error
 from semantic.serve.state import ServeState, serve_state, tenant_of
 from semantic.serve.streaming import DONE, EventStream, data
-from semantic.serve.turns import DEFAULT_MAX_TOKENS, Turn, agent_of, check_model, prepare
+from semantic.serve.turns import Turn, agent_of, check_model
 
 router = APIRouter()
 
@@ -87,14 +87,14 @@ async def chat_completions(body: oa.ChatCompletionRequest, request: Request,
     if body.top_logprobs and not body.logprobs:
         raise invalid("top_logprobs needs logprobs: true", "top_logprobs")
     want_logprobs = bool(body.logprobs)
-    max_tokens = body.max_completion_tokens or body.max_tokens
     req = GenerateRequest(
-        max_tokens=max_tokens or DEFAULT_MAX_TOKENS, messages=_chat_messages(body),
+        max_tokens=body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens,
+        messages=_chat_messages(body),
         sampling=sampling(body, (body.top_logprobs or 0) if want_logprobs else 0),
         stop=_stops(body.stop), logprobs=want_logprobs, tenant=tenant_of(request),
         agent=agent_of(request, body.prompt_cache_key, body.user), cache_salt=body.cache_salt,
         api="openai.chat")
-    turn = Turn(state, prepare(state, req, explicit_max=max_tokens is not None), "chat")
+    turn = Turn(state, await state.backend.prepare(req), "chat")
     rid, created, model = f"chatcmpl-{secrets.token_hex(12)}", int(time.time()), state.backend.model_id
     if not body.stream:
         final, tokens = await turn.run(request)
@@ -150,11 +150,11 @@ async def completions(body: oa.CompletionRequest, request: Request,
         raise invalid("suffix is not supported", "suffix")
     want_logprobs = body.logprobs is not None
     req = GenerateRequest(
-        max_tokens=body.max_tokens or DEFAULT_MAX_TOKENS, prompt=_one_prompt(body.prompt),
+        max_tokens=body.max_tokens, prompt=_one_prompt(body.prompt),
         sampling=sampling(body, body.logprobs or 0), stop=_stops(body.stop), logprobs=want_logprobs,
         tenant=tenant_of(request), agent=agent_of(request, body.prompt_cache_key, body.user),
         cache_salt=body.cache_salt, api="openai.completions")
-    turn = Turn(state, prepare(state, req, explicit_max=body.max_tokens is not None), "completions")
+    turn = Turn(state, await state.backend.prepare(req), "completions")
     rid, created, model = f"cmpl-{secrets.token_hex(12)}", int(time.time()), state.backend.model_id
     if not body.stream:
         final, tokens = await turn.run(request)

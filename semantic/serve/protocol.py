@@ -1,16 +1,17 @@
 """What the routes and the backend exchange: one request in, text deltas and a final usage out.
 
 The routes build a :class:`GenerateRequest` from an API's JSON; the backend
-answers with :class:`Delta` items and one :class:`Final`. Plain dataclasses,
-so the HTTP layer and its tests need no model.
+prepares it into the engine's :class:`~semantic.request.Request` (a
+:class:`Prepared`) and answers with :class:`Delta` items and one
+:class:`Final`, which wraps the engine's :class:`~semantic.request.Completion`.
+No model is needed to build any of them, so the HTTP layer's tests run without one.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from semantic.errors import InvalidRequestError
-from semantic.sampling import GREEDY, SamplingParams
+from semantic.service import GREEDY, Completion, InvalidRequestError, Request, SamplingParams
 
 MAX_STOP = 16          # stop strings per request (OpenAI allows 4; Anthropic more)
 MAX_STOP_CHARS = 256
@@ -25,7 +26,7 @@ class GenerateRequest:
     and ``prompt`` (completions: text, or token ids) is set.
     """
 
-    max_tokens: int
+    max_tokens: int | None        # None: the client named none (the server's default, fitted to the context)
     messages: list[dict] | None = None
     prompt: str | list[int] | None = None
     sampling: SamplingParams = GREEDY
@@ -39,8 +40,6 @@ class GenerateRequest:
     def __post_init__(self):
         if (self.messages is None) == (self.prompt is None):
             raise InvalidRequestError("give exactly one of messages and prompt")
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
-            raise InvalidRequestError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
         if isinstance(self.stop, str):
             self.stop = (self.stop,)
         self.stop = tuple(self.stop)
@@ -78,27 +77,52 @@ class Delta:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     cached_tokens: int | None = None   # on a turn's first delta: prompt tokens a cache covered
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class Final:
-    """The end of a turn: always the last item of a stream."""
+    """The end of a turn, always the last item of a stream: the engine's Completion and its text."""
 
+    result: Completion
     text: str                     # the whole reply, cut before a stop string
-    finish_reason: str            # "stop" (EOS or a stop string), "length", "cancelled"
     stop_sequence: str | None     # the stop string that ended it, if one did
-    prompt_tokens: int            # the whole prompt (history), cached ones included
-    cached_tokens: int            # of those, served from a cache (OpenAI cached_tokens, Anthropic cache_read_input_tokens)
-    completion_tokens: int        # generated tokens, the one that ended it included
-    ttft_s: float                 # submit (queueing included) to first token, server side
-    latency_s: float
-    agent: str | None             # the agent's name as the client gave it (None: anonymous)
+
+    @property
+    def finish_reason(self) -> str:
+        """"stop" (EOS or a stop string), "length", or "cancelled"."""
+        return "stop" if self.stop_sequence is not None else self.result.finish_reason
+
+    @property
+    def prompt_tokens(self) -> int:
+        """The whole prompt (history), cached ones included."""
+        return self.result.history_tokens
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens served from a cache (OpenAI cached_tokens, Anthropic cache_read_input_tokens)."""
+        return self.result.cached_tokens
+
+    @property
+    def completion_tokens(self) -> int:
+        """Generated tokens, the one that ended it included."""
+        return len(self.result.token_ids)
+
+    @property
+    def ttft_s(self) -> float:
+        """Arrival (queueing included) to the first token, server side."""
+        return self.result.ttft_s
+
+    @property
+    def latency_s(self) -> float:
+        return self.result.latency_s
 
 
 @dataclass(frozen=True, slots=True)
 class Prepared:
-    """A checked request: its token ids and where its cache lives."""
+    """A checked request: what the client asked and the engine's Request for it."""
 
     request: GenerateRequest
-    ids: tuple[int, ...]
-    agent_id: str                 # the scheduler's id (tenant-namespaced, or an anonymous one)
-    keep: bool                    # save the cache (named agents) or not (anonymous)
-    salt_root: int | None              # the tenant's salt for block hashes
+    turn: Request                 # token ids, the tenant-namespaced (or anonymous) agent id, the fitted max_tokens
+    relay: object = None          # the backend's way back from the engine's thread (None in stand-ins)
+
+    @property
+    def ids(self) -> tuple[int, ...]:
+        return self.turn.ids

@@ -1,26 +1,23 @@
-"""One turn through the backend, the same for every API: prepare, run, relay, count.
+"""One turn through the backend, the same for every API: run, relay, count.
 
-The routes build a :class:`GenerateRequest`; :func:`prepare` checks it;
-a :class:`Turn` pulls :class:`Delta` / :class:`Final` items from the
-backend, times the gaps between deltas and counts the final usage, and is
-always closed, so a turn nobody reads any more is cancelled.
+The routes build a :class:`GenerateRequest` and await ``backend.prepare``
+(tokenized off the event loop, its output budget fitted); a :class:`Turn`
+pulls :class:`Delta` / :class:`Final` items from the backend, times the gaps
+between deltas and counts the final usage, and is always closed, so a turn
+nobody reads any more is cancelled.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import replace
 
 from starlette.requests import Request
 
-from semantic.errors import ContextLengthError
-from semantic.serve.protocol import Delta, Final, GenerateRequest, Prepared, TokenLogprob
+from semantic.serve.protocol import Delta, Final, Prepared, TokenLogprob
 from semantic.serve.errors import NOT_FOUND, ApiError
 from semantic.serve.state import ServeState
 from semantic.serve.streaming import until_disconnect
-
-DEFAULT_MAX_TOKENS = 256  # when a client names none (OpenAI); capped to the room the context leaves
 
 
 def check_model(state: ServeState, model: str | None) -> None:
@@ -36,22 +33,6 @@ def agent_of(request: Request, *names: str | None) -> str | None:
         if name is not None:
             return name
     return None
-
-
-def prepare(state: ServeState, req: GenerateRequest, *, explicit_max: bool) -> Prepared:
-    """Check ``req``; without an explicit max_tokens, shrink the default to what the context leaves.
-
-    Raises:
-        InvalidRequestError: from the backend (a 400; ContextLengthError too).
-    """
-    try:
-        return state.backend.prepare(req)
-    except ContextLengthError:
-        if explicit_max:
-            raise
-    probe = state.backend.prepare(replace(req, max_tokens=1))  # raises if not even one token fits
-    room = state.backend.context_length - len(probe.ids)
-    return state.backend.prepare(replace(req, max_tokens=max(1, min(req.max_tokens, room))))
 
 
 class Turn:

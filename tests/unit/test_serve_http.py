@@ -273,9 +273,9 @@ def test_cancelled_finish_is_stop_on_the_wire():
 def test_default_max_tokens_is_capped_by_the_context():
     backend = StubBackend(context_length=64)
     client(backend).post(CHAT, json=chat())
-    assert backend.streamed[-1].request.max_tokens == 64 - 4 and backend.streamed[-1].ids == (0, 1, 2, 3)
+    assert backend.streamed[-1].turn.max_tokens == 64 - 4 and backend.streamed[-1].ids == (0, 1, 2, 3)
     client(backend).post(CHAT, json=chat(max_completion_tokens=5, max_tokens=9))
-    assert backend.streamed[-1].request.max_tokens == 5
+    assert backend.streamed[-1].turn.max_tokens == 5
 
 
 def test_sampling_stop_and_agent_reach_the_request():

@@ -1,0 +1,265 @@
+"""The engine as one server sees it: a model, its cache store and scheduler behind one object.
+
+The HTTP layer (``semantic.serve``) imports this module and nothing else of
+the engine::
+
+    Service.open(model, budgets) ─► Service
+        prepare(messages | prompt, max_tokens, agent, tenant, ...) ─► Request   (tokenized once, fitted, checked)
+        submit(request) ─► Future[Completion]      cancel(future)      wait_saved(agent_id)
+        stats() ─► ServiceStats                    agents(tenant) ─► [AgentInfo]      close()
+
+Which cache a request uses: a named agent keeps its own cache, on disk and
+across restarts, under an id namespaced by its tenant; with no name, the
+request is an anonymous agent whose cache is never saved, and it starts from
+whatever whole-block prefix its tenant's requests left in the pool
+(automatic prefix caching). A tenant and a ``cache_salt`` salt the block
+hashes, so no tenant can hit another's blocks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+import uuid
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+
+from semantic import cachefile, compat, defaults, errors
+from semantic.blockplan import salt_root_of
+from semantic.engine import vocab_size
+from semantic.errors import CacheError, ContextLengthError, InvalidRequestError, SchedulerClosedError
+from semantic.fingerprint import weights_fingerprint
+from semantic.pool import BlockPool, PoolStats
+from semantic.request import Completion, OnToken, Request, encode
+from semantic.sampling import GREEDY, SamplingParams
+from semantic.scheduler import ConcurrentScheduler, SchedulerStats
+from semantic.spec import ModelCacheSpec
+from semantic.store import AgentCacheStore, StoreStats, file_name
+
+log = logging.getLogger(__name__)
+
+# the HTTP layer's one door into the engine: what it names, it imports from here
+__all__ = [
+    "ANON", "AgentInfo", "CacheError", "Completion", "ContextLengthError", "GREEDY", "InvalidRequestError", "Request",
+    "SamplingParams", "SchedulerClosedError", "Service", "ServiceStats", "errors", "output_budget",
+]
+
+ANON = "~anon/"          # anonymous agents' ids: never saved, never listed
+DEFAULT_CONTEXT = 4096   # when the model's config names no context length
+
+
+def model_fingerprint(path: Path) -> str:
+    """The weights' fingerprint (:mod:`semantic.fingerprint`) plus the model's config."""
+    h = hashlib.sha256(weights_fingerprint(path).encode())
+    config = path / "config.json"
+    if config.exists():
+        h.update(b"config\0" + config.read_bytes())
+    return h.hexdigest()[:24]
+
+
+def output_budget(prompt_tokens: int, requested: int | None, *, context_length: int, pool_tokens: int | None = None) -> int:
+    """A turn's ``max_tokens``: ``requested`` when prompt and reply fit, else a ContextLengthError;
+    none requested: the default, cut to what the context (and the pool) leave.
+
+    ``pool_tokens`` is the longest cache the block pool can hold (None: no bound).
+    """
+    limits = [(context_length, _context_message)] + ([(pool_tokens, _pool_message)] if pool_tokens is not None else [])
+    if requested is None:
+        for limit, message in limits:
+            if prompt_tokens + 1 > limit:
+                raise ContextLengthError(message(limit, prompt_tokens, 1))
+        return min(defaults.MAX_TOKENS, *(limit - prompt_tokens for limit, _ in limits))
+    for limit, message in limits:
+        if prompt_tokens + requested > limit:
+            raise ContextLengthError(message(limit, prompt_tokens, requested))
+    return requested
+
+
+def _context_message(limit: int, prompt: int, completion: int) -> str:
+    return (f"This model's maximum context length is {limit} tokens. However, you requested {prompt + completion} "
+            f"tokens ({prompt} in the prompt, {completion} for the completion). Please reduce the length of the "
+            f"messages or completion.")
+
+
+def _pool_message(limit: int, prompt: int, completion: int) -> str:
+    return (f"{prompt + completion} tokens do not fit this server's block pool (at most {limit} tokens in one cache): "
+            f"shorten the request, or restart the server with a larger --pool-mb")
+
+
+@dataclass(frozen=True, slots=True)
+class AgentInfo:
+    """A named agent the store or the RAM tier holds."""
+
+    agent_id: str                 # tenant-namespaced
+    cached_tokens: int
+    last_used: float | None       # unix seconds (None: unknown)
+    resident: bool                # in RAM now (else only on disk)
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceStats:
+    """The scheduler's counters, what the store and the pool hold now, and their budgets."""
+
+    scheduler: SchedulerStats
+    store: StoreStats
+    pool: PoolStats
+    block_tokens: int
+    pool_capacity_bytes: int
+    disk_budget_bytes: int
+    cache_dir: str
+
+
+class Service:
+    """A model served with a persistent KV cache per agent (see the module doc).
+
+    Args:
+        model, tokenizer: loaded with ``mlx_lm.load``.
+        store: the agents' cache files over the engine's block pool.
+        max_context: the most prompt + completion tokens (default and
+            ceiling: the model's own).
+        max_batch, max_queued, prefill_chunk, ram_budget_bytes: the scheduler's
+            (``ConcurrentScheduler``).
+    """
+
+    def __init__(self, model, tokenizer, store: AgentCacheStore, *, max_batch: int = defaults.MAX_BATCH,
+                 max_queued: int = defaults.MAX_QUEUED, max_context: int | None = None,
+                 ram_budget_bytes: int | None = None, prefill_chunk: int | None = None):
+        self.tokenizer, self.store = tokenizer, store
+        self.scheduler = ConcurrentScheduler(model, tokenizer, store, max_batch=max_batch, max_queued=max_queued,
+                                             ram_budget_bytes=ram_budget_bytes, prefill_chunk=prefill_chunk)
+        self.eos = frozenset(int(t) for t in tokenizer.eos_token_ids)
+        self.vocab_size = vocab_size(model)
+        native = getattr(getattr(model, "args", None), "max_position_embeddings", None) or DEFAULT_CONTEXT
+        self.context_length = int(min(max_context or native, native))
+        groups = len(store.spec.groups())
+        # the longest cache the pool can hold: planner.blocks_per_group(tokens) * groups <= total_blocks
+        self.pool_tokens = (store.total_blocks // groups - 1) * store.block_tokens
+        self.model_path: Path | None = None  # set by open()
+        self._lock = threading.Lock()
+        self._seen: dict[str, tuple[int, float | None]] = {}  # agent id -> (cached tokens, last used)
+
+    @classmethod
+    def open(cls, model: str, *, cache_dir: str | None = None, pool_bytes: int, disk_budget_bytes: int,
+             block_tokens: int = defaults.BLOCK_TOKENS, **scheduling) -> "Service":
+        """Load ``model`` (a directory or hub id, whatever ``mlx_lm.load`` takes) and open its cache store.
+
+        Caches live under ``cache_dir``, by default
+        ``~/.cache/semantic-kv/agents/<model fingerprint>``, so another
+        model's files never mix with this one's. ``scheduling``: the
+        constructor's keywords (``ram_budget_bytes`` and the rest).
+        """
+        import mlx_lm
+
+        path = compat.model_path(model)
+        fingerprint = model_fingerprint(path)
+        loaded, tokenizer = mlx_lm.load(str(path))
+        spec = ModelCacheSpec.from_model(loaded)
+        block_bytes = spec.token_bytes() * block_tokens
+        total = int(pool_bytes // block_bytes)
+        if total < 4:
+            raise ValueError(f"a pool of {pool_bytes} bytes holds {total} blocks of {block_bytes:.0f} bytes: raise it")
+        where = Path(cache_dir).expanduser() if cache_dir else Path.home() / ".cache" / "semantic-kv" / "agents" / fingerprint
+        store = AgentCacheStore(where, spec, fingerprint, disk_budget_bytes, pool=BlockPool(spec, total, block_tokens))
+        if store.quarantined or store.foreign:
+            log.warning("cache dir %s: %d files quarantined, %d of another model left alone",
+                        where, len(store.quarantined), len(store.foreign))
+        log.info("loaded %s: %d blocks of %d tokens (%.0f MB), caches in %s",
+                 path, total, block_tokens, total * block_bytes / 1e6, where)
+        service = cls(loaded, tokenizer, store, **scheduling)
+        service.model_path = path
+        return service
+
+    # ------------------------------------------------------------ turns
+
+    def prepare(self, *, messages: list[dict] | None = None, prompt: str | list[int] | None = None,
+                max_tokens: int | None = None, sampling: SamplingParams = GREEDY, tenant: str = "",
+                agent: str | None = None, cache_salt: str | None = None,
+                on_token: OnToken | None = None, on_admit=None) -> Request:
+        """The turn's :class:`Request`: tokenized once (``messages`` through the chat template, or
+        ``prompt`` text or ids), its output budget fitted (:func:`output_budget`), its cache placed.
+
+        Blocking (the tokenizer and the chat template): call it off an event loop.
+
+        Raises:
+            InvalidRequestError: the prompt, the messages or a field is unusable
+                (ContextLengthError: it does not fit the context or the pool).
+        """
+        assert (messages is None) != (prompt is None)
+        ids = encode(self.tokenizer, messages if messages is not None else prompt)
+        max_tokens = output_budget(len(ids), max_tokens, context_length=self.context_length, pool_tokens=self.pool_tokens)
+        if agent is not None:
+            agent_id, persist = f"{tenant or 'public'}/{agent}", True
+        else:
+            agent_id, persist = ANON + uuid.uuid4().hex, False
+        salt = f"{tenant}\0{cache_salt}" if tenant or cache_salt else None
+        return Request(agent_id, ids, max_tokens, sampling=sampling, persist=persist, salt_root=salt_root_of(salt),
+                       on_token=on_token, on_admit=on_admit)
+
+    def submit(self, request: Request) -> Future:
+        """Queue the turn (QueueFullError at once when the queue is full); the future gives its Completion."""
+        future = self.scheduler.submit(request, timeout=0.0)
+        if request.persist:
+            future.add_done_callback(self._note)
+        return future
+
+    def cancel(self, future: Future) -> bool:
+        return self.scheduler.cancel(future)
+
+    def wait_saved(self, agent_id: str, timeout: float | None = None) -> bool:
+        """Wait until the agent's newest cache is on disk (False: timed out)."""
+        return self.scheduler.wait_saved(agent_id, timeout)
+
+    def close(self, timeout: float | None = None) -> None:
+        """Finish what is queued and in flight, write pending saves, stop the threads."""
+        self.scheduler.close(timeout)
+
+    def _note(self, future: Future) -> None:
+        if future.cancelled() or future.exception() is not None:
+            return
+        c: Completion = future.result()
+        if c.cache_saved:
+            with self._lock:
+                self._seen[c.agent_id] = (c.history_tokens + len(c.token_ids), time.time())
+
+    # ------------------------------------------------------------ state
+
+    def stats(self) -> ServiceStats:
+        with self.store.pool_lock:
+            pool = self.store.pool.stats()
+        block_bytes = self.store.spec.token_bytes() * self.store.block_tokens
+        return ServiceStats(
+            scheduler=self.scheduler.stats(), store=self.store.stats(), pool=pool, block_tokens=self.store.block_tokens,
+            pool_capacity_bytes=int(pool.total * block_bytes), disk_budget_bytes=self.store.disk_budget,
+            cache_dir=str(self.store.dir),
+        )
+
+    def agents(self, tenant: str | None = None, limit: int = 200) -> list[AgentInfo]:
+        """Named agents on disk or in RAM (of ``tenant`` only, when given), most recently used first."""
+        prefix = f"{tenant or 'public'}/" if tenant is not None else None
+        resident = set(self.scheduler.resident_agents())
+        out = []
+        for agent_id in self.store.agents():
+            if agent_id.startswith(ANON) or (prefix is not None and not agent_id.startswith(prefix)):
+                continue
+            with self._lock:
+                seen = self._seen.get(agent_id)
+            tokens, used = seen or self._from_disk(agent_id)
+            out.append(AgentInfo(agent_id, tokens, used, agent_id in resident))
+            if len(out) >= limit:
+                break
+        return sorted(out, key=lambda a: -(a.last_used or 0.0))
+
+    def _from_disk(self, agent_id: str) -> tuple[int, float | None]:
+        """Cached tokens and mtime of an agent known only from its file (a restart)."""
+        path = self.store.dir / file_name(agent_id)
+        try:
+            info = cachefile.read_header(path)
+            value = (info.total_tokens, path.stat().st_mtime)
+        except Exception:  # a file being replaced or quarantined right now: shown without numbers
+            value = (0, None)
+        with self._lock:
+            self._seen[agent_id] = value
+        return value

@@ -1,0 +1,81 @@
+"""The engine's façade for the server (``semantic.service``) over a real tiny model directory.
+
+What it adds to the scheduler: one tokenization per request, one fitting of
+the output budget to the context and the pool, tenant-namespaced agents and
+salts, and the stats the dashboard reads.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from harness.models.tiny import write_tiny_llama
+from semantic import ContextLengthError, InvalidRequestError
+from semantic.blockplan import salt_root_of
+from semantic.service import ANON, Service, output_budget
+
+
+@pytest.fixture
+def service(tmp_path):
+    s = Service.open(str(write_tiny_llama(tmp_path / "model")), cache_dir=str(tmp_path / "agents"),
+                     pool_bytes=1 << 20, disk_budget_bytes=1 << 30, block_tokens=16, max_context=512)
+    yield s
+    s.close(30)
+
+
+def test_a_defaulted_budget_is_cut_to_the_context_and_an_explicit_one_is_refused_past_it():
+    assert output_budget(10, None, context_length=512) == 256  # the server's default
+    assert output_budget(400, None, context_length=512) == 112  # what the context leaves
+    assert output_budget(400, 112, context_length=512) == 112
+    with pytest.raises(ContextLengthError, match="maximum context length is 512 tokens.*513 tokens"):
+        output_budget(400, 113, context_length=512)
+    with pytest.raises(ContextLengthError, match="512 in the prompt, 1 for the completion"):
+        output_budget(512, None, context_length=512)  # not even one token fits
+    assert output_budget(100, None, context_length=512, pool_tokens=150) == 50
+    with pytest.raises(ContextLengthError, match="--pool-mb"):
+        output_budget(100, 51, context_length=512, pool_tokens=150)
+
+
+def test_prepare_tokenizes_once_and_fits_the_budget_to_context_and_pool(service, monkeypatch):
+    calls = []
+    real = service.tokenizer.apply_chat_template
+    monkeypatch.setattr(service.tokenizer, "apply_chat_template",
+                        lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    req = service.prepare(messages=[{"role": "user", "content": "x" * 300}])
+    assert len(calls) == 1  # one render, even though the default budget had to be cut
+    assert len(req.ids) + req.max_tokens == service.context_length
+    assert service.pool_tokens == (service.store.total_blocks - 1) * 16  # one layer group
+    with pytest.raises(ContextLengthError):
+        service.prepare(prompt=list(range(1, 200)), max_tokens=400)
+
+
+def test_named_agents_live_under_their_tenant_and_anonymous_ones_are_never_kept(service):
+    a = service.prepare(prompt="hello", agent="bot", tenant="t1", max_tokens=2)
+    b = service.prepare(prompt="hello", agent="bot", tenant="t2", max_tokens=2)
+    anon = service.prepare(prompt="hello", max_tokens=2)
+    public = service.prepare(prompt="hello", agent="bot", max_tokens=2)
+    assert (a.agent_id, a.persist, b.agent_id, public.agent_id) == ("t1/bot", True, "t2/bot", "public/bot")
+    assert anon.agent_id.startswith(ANON) and not anon.persist
+    assert a.salt_root == salt_root_of("t1\0None") != b.salt_root and public.salt_root is None
+    assert service.prepare(prompt="hi", cache_salt="s", max_tokens=1).salt_root == salt_root_of("\0s")
+
+
+def test_bad_prompts_are_refused_before_anything_is_queued(service):
+    for kw in ({"prompt": ""}, {"prompt": [1, True]}, {"messages": [{"role": "user"}]}, {"prompt": "x", "agent": "a\0b"}):
+        with pytest.raises(InvalidRequestError):
+            service.prepare(**kw)
+    assert service.stats().scheduler.submitted == 0
+
+
+def test_a_turn_through_the_facade_is_listed_with_its_cached_tokens(service):
+    first = service.submit(service.prepare(prompt=list(range(1, 40)), agent="a", max_tokens=3)).result(60)
+    assert service.wait_saved(first.agent_id, 60)
+    again = service.submit(service.prepare(prompt=list(range(1, 40)) + first.token_ids + [5], agent="a",
+                                           max_tokens=2)).result(60)
+    n = len(first.token_ids)
+    assert again.cached_tokens == 39 + n and again.reuse == "own"  # the prompt and the reply, all but the new token
+    (info,) = service.agents("")
+    assert (info.agent_id, info.cached_tokens, info.resident) == ("public/a", 39 + n + 1 + len(again.token_ids), True)
+    assert service.agents("other") == []
+    stats = service.stats()
+    assert stats.scheduler.completed == 2 and stats.store.disk_agents == 1 and stats.pool.total == service.store.total_blocks
