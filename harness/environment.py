@@ -11,7 +11,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from semantic import blas, device
+from harness import device
+from semantic import blas
 
 PACKAGES = ("mlx", "mlx-metal", "mlx-cpu", "mlx-lm", "numpy", "scipy", "pandas", "safetensors", "semantic-kv")
 
