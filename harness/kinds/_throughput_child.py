@@ -8,7 +8,7 @@ own process), measures prefill and decode, and prints one JSON line.
 
 - prefill: ``mlx_lm.generate.generate_step`` over N fresh tokens until the
   first token is read (so materialized): N / seconds;
-- decode: B sequences in one ``BatchGenerator`` (through ``semantic.compat``),
+- decode: B sequences in one ``BatchGenerator`` (through ``harness.baseline``),
   timed from the step where every sequence has its first token to the last
   step: generated tokens / seconds.
 """
@@ -24,8 +24,8 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import generate_step
 
-from harness import environment, models
-from semantic import blas, compat
+from harness import baseline, environment, models
+from semantic import blas
 
 
 def _ids(rng, n: int, vocab: int) -> list[int]:
@@ -44,10 +44,10 @@ def prefill_seconds(model, ids: list[int]) -> float:
 
 def decode_tokens_per_s(model, prompts: list[list[int]], tokens: int) -> float:
     """Tokens per second of ``len(prompts)`` sequences decoding together, prefill excluded."""
-    gen = compat.make_batch_generator(model, max_tokens=tokens + 1, stop_tokens=[])
-    uids = set(compat.insert(gen, prompts, [None] * len(prompts), [tokens + 1] * len(prompts)))
+    gen = baseline.make_batch_generator(model, max_tokens=tokens + 1, stop_tokens=[])
+    uids = set(baseline.insert(gen, prompts, [None] * len(prompts), [tokens + 1] * len(prompts)))
     started, t0, generated = set(), None, 0
-    while responses := compat.next_responses(gen):
+    while responses := baseline.next_responses(gen):
         if t0 is None:
             started |= {r.uid for r in responses}
             if started == uids:  # every sequence has its first token: decoding starts now
