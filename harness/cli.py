@@ -11,8 +11,9 @@ from harness.criteria import must_haves_pass
 
 
 def _models(args) -> int:
-    from harness import models
+    from harness import device, models
 
+    device.ensure_working_device()  # the variant follows the device, and preparing f32 computes on it
     if args.action == "list":
         for name, src in sorted(models.REGISTRY.items()):
             state = models.resolve(name) if models.is_prepared(name) else "not prepared"

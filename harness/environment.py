@@ -18,6 +18,7 @@ PACKAGES = ("mlx", "mlx-metal", "mlx-cpu", "mlx-lm", "numpy", "scipy", "pandas",
 
 
 def machine_info() -> dict:
+    probe = device.describe()  # first: a GPU that computes wrongly has left the default device before it is recorded
     info = {
         "system": platform.system(),
         "release": platform.release(),
@@ -27,7 +28,7 @@ def machine_info() -> dict:
         "ram_gb": _ram_gb(),
         "python": platform.python_version(),
         "mlx_device": str(mx.default_device()),
-        "device_probe": device.describe(),
+        "device_probe": probe,
         "blas": blas.describe(),
         "matmul_gflops_f32": matmul_gflops(),
     }

@@ -38,8 +38,9 @@ class Context:
 
 def run(config: ExperimentConfig, out_root: Path = Path("results"), verbose: bool = False) -> list[Path]:
     """Run every model of ``config``; return the JSON paths written. ``verbose`` prints every metric too."""
-    from harness import models
+    from harness import device, models
 
+    device.ensure_working_device()  # every kind computes on the default device: a wrong GPU leaves it first
     kind = KINDS[config.kind]
     out_dir = out_root / config.name
     variant = models.default_variant(config.model_variant)

@@ -12,7 +12,7 @@ import json
 import sys
 from pathlib import Path
 
-from harness import models
+from harness import device, models
 from harness.kinds.agents import open_scheduler
 from harness.kinds.common import fresh_first_token, logprob_diff, make_engine
 from semantic import render_chat
@@ -47,4 +47,5 @@ def main(spec: dict) -> dict:
 
 
 if __name__ == "__main__":
+    device.ensure_working_device()  # this process computes on the default device: a wrong GPU leaves it first
     print(json.dumps(main(json.loads(Path(sys.argv[1]).read_text()))))

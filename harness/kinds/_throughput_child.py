@@ -24,7 +24,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import generate_step
 
-from harness import baseline, environment, models
+from harness import baseline, device, environment, models
 from semantic import blas
 
 
@@ -79,4 +79,5 @@ def main(spec: dict) -> dict:
 
 
 def cli() -> None:
+    device.ensure_working_device()  # this process computes on the default device: a wrong GPU leaves it first
     print(json.dumps(main(json.loads(Path(sys.argv[1]).read_text()))))

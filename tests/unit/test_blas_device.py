@@ -42,6 +42,13 @@ def test_importing_semantic_loads_neither_mlx_nor_a_blas():
     assert done.stdout.split() == ["False", "None"]
 
 
+def test_importing_harness_loads_no_mlx_and_probes_no_device():
+    done = _python("import sys, harness, harness.device as d\n"
+                   "print('mlx.core' in sys.modules, d._probe)")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False", "None"]
+
+
 @needs_openblas
 def test_enable_before_mlx_makes_mlx_call_the_system_openblas():
     info, err = _describe_after("import semantic.blas as b; b.enable()")
