@@ -1,13 +1,8 @@
 """Helpers the engine kinds share: one engine factory, the built-in history, first-token timing,
-how two completions' logprobs are compared, and how a kind runs a measurement in a child process."""
+and how two completions' logprobs are compared."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -16,24 +11,6 @@ from harness.timing import Samples, time_interleaved
 from semantic import AgentBlocks, BlockPool, BlockPoolBatchEngine, ModelCacheSpec
 
 HISTORY = (Path(__file__).parents[1] / "data" / "history.txt").read_text()
-
-
-def run_child(command: list[str], spec: dict, what: str, env: dict | None = None) -> dict:
-    """Run ``python COMMAND SPEC.json`` (``spec`` written to a temp file) and return the JSON
-    object the child prints last.
-
-    Raises:
-        RuntimeError: naming ``what`` and the end of the child's stderr when it exits non-zero.
-    """
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump(spec, f)
-    try:
-        proc = subprocess.run([sys.executable, *command, f.name], capture_output=True, text=True, env=env)
-    finally:
-        os.unlink(f.name)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{what} failed:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def make_engine(loaded, blocks: int = 256) -> BlockPoolBatchEngine:

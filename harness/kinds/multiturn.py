@@ -27,9 +27,10 @@ import tempfile
 from pathlib import Path
 
 from harness import plots
+from harness.children import run_child
 from harness.kinds.base import Kind, Param, register
 from harness.kinds.agents import open_scheduler, question, system_prompt, text_of_tokens, user_history
-from harness.kinds.common import fresh_first_token, logprob_diff, make_engine, run_child
+from harness.kinds.common import fresh_first_token, logprob_diff, make_engine
 from semantic import render_chat
 from semantic.reuse import common_prefix
 
@@ -156,7 +157,7 @@ def _restart(ctx, cache_dir: Path, convo: dict, users: int, turn: int) -> dict:
     if p["restart_context_tokens"]:
         spec["conversations"]["long"] = _long_conversation(ctx, cache_dir)
     spec["reference"] = "long" if p["restart_context_tokens"] else "user-0"
-    return run_child(["-m", "harness.kinds._multiturn_child"], spec, "restart child")
+    return run_child("multiturn", spec, "restart child")
 
 
 def _long_conversation(ctx, cache_dir: Path) -> list[dict]:

@@ -1,6 +1,6 @@
 """The restarted process of EXP-007: continue every conversation from the cache files alone.
 
-``python -m harness.kinds._multiturn_child SPEC.json`` opens a new pool,
+``python -m harness.children.multiturn SPEC.json`` opens a new pool,
 store and scheduler on the cache directory (nothing of the first process
 survives but its files), runs each conversation's next turn alone, then a
 full re-prefill of the reference conversation, and prints one JSON line.

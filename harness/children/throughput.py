@@ -1,7 +1,6 @@
 """One side of the throughput experiment, in a process of its own.
 
-``python -c "from harness.kinds._throughput_child import cli; cli()" SPEC.json``
-(the kind imports this module, so it is not run with ``-m``) loads one model
+``python -m harness.children.throughput SPEC.json`` loads one model
 variant (``$SEMANTIC_MODEL_VARIANT``) with the BLAS the parent chose
 (``$SEMANTIC_BLAS``: the choice is fixed when MLX loads, so each side needs its
 own process), measures prefill and decode, and prints one JSON line.
@@ -78,6 +77,6 @@ def main(spec: dict) -> dict:
     }
 
 
-def cli() -> None:
+if __name__ == "__main__":
     device.ensure_working_device()  # this process computes on the default device: a wrong GPU leaves it first
     print(json.dumps(main(json.loads(Path(sys.argv[1]).read_text()))))
