@@ -13,8 +13,7 @@ import sys
 from pathlib import Path
 
 from harness import device, models
-from harness.kinds.agents import open_scheduler
-from harness.kinds.common import fresh_first_token, logprob_diff, make_engine
+from harness.engines import fresh_first_token, logprob_diff, make_engine, open_scheduler
 from semantic import render_chat
 
 

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from harness import device, models
-from harness.kinds.common import make_engine
+from harness.engines import make_engine
 from semantic import cachefile
 
 

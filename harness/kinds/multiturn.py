@@ -28,9 +28,9 @@ from pathlib import Path
 
 from harness import plots
 from harness.children import run_child
+from harness.engines import fresh_first_token, logprob_diff, make_engine, open_scheduler
 from harness.kinds.base import Kind, Param, register
-from harness.kinds.agents import open_scheduler, question, system_prompt, text_of_tokens, user_history
-from harness.kinds.common import fresh_first_token, logprob_diff, make_engine
+from harness.prompts import question, system_prompt, text_of_tokens, user_history
 from semantic import render_chat
 from semantic.reuse import common_prefix
 

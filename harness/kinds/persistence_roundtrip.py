@@ -17,9 +17,10 @@ from pathlib import Path
 
 from harness import plots
 from harness.children import run_child
+from harness.engines import logprob_diff, make_engine, run_one
 from harness.kinds import persistence_speed as speed
 from harness.kinds.base import Kind, Param, register
-from harness.kinds.common import history_ids, logprob_diff, make_engine, run_one
+from harness.prompts import history_ids
 from semantic import cachefile
 
 

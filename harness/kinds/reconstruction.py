@@ -38,8 +38,8 @@ import numpy as np
 
 from harness import plots
 from harness.kinds.base import Kind, Param, register
-from harness.kinds.synthetic import GEMMA3_12B, live_caches
 from harness.stats import linear_fit
+from harness.synthetic import GEMMA3_12B, live_caches
 from harness.timing import time_interleaved
 from semantic import BlockPool, ModelCacheSpec, compat, convert
 from semantic.spec import GLOBAL
@@ -368,7 +368,7 @@ def _with_model(ctx) -> None:
     engine tests' job), the model and engine are real.
     """
     from harness import models
-    from harness.kinds.common import make_engine, time_ttft
+    from harness.engines import make_engine, time_ttft
 
     p, res = ctx.params, ctx.results
     loaded = models.load(p["model"])

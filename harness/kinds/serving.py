@@ -52,7 +52,7 @@ def five_turn_prompts(tokenizer, repeat: int, system_tokens: int, question_token
 
     Each repeat's system prompt differs from its first words on, so its first turn is cold on every
     server (only the chat template's opening tokens are shared)."""
-    from harness.kinds.agents import text_of_tokens
+    from harness.prompts import text_of_tokens
 
     head = f"Ship's log {repeat + 1}. You are a careful research agent. Reference material:"
     system = {"role": "system", "content": text_of_tokens(tokenizer, system_tokens, 500 + 211 * repeat, head)}
@@ -65,7 +65,7 @@ def run(ctx) -> None:
     from mlx_lm.utils import load_tokenizer
 
     from harness import models
-    from harness.kinds.agents import system_prompt
+    from harness.prompts import system_prompt
 
     p, res = ctx.params, ctx.results
     variant = models.default_variant(ctx.config.model_variant)
