@@ -18,7 +18,7 @@ from semantic import render_chat
 
 
 def main(spec: dict) -> dict:
-    loaded = models.load(spec["model"])
+    loaded = models.load(spec["model"], spec["variant"])
     fresh = make_engine(loaded, spec["pool_blocks"])
     fresh_first_token(fresh, loaded.tokenizer.encode("warm up the kernels"))
     sched = open_scheduler(loaded, Path(spec["cache_dir"]), spec["pool_blocks"], write_behind=False)

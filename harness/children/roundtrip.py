@@ -1,7 +1,7 @@
 """The fresh process of EXP-005: load a cache file, continue beside a fresh prefill.
 
-``python -m harness.children.roundtrip SPEC.json`` loads the spec's cache
-file, continues it with the token ids ``continuation`` for ``steps`` tokens
+``python -m harness.children.roundtrip SPEC.json`` loads the spec's model
+(in its variant) and cache file, continues it with the token ids ``continuation`` for ``steps`` tokens
 beside a fresh prefill of the same tokens, and prints one JSON line with both
 sequences' tokens and logprobs and the load time.
 """
@@ -18,8 +18,8 @@ from harness.engines import make_engine
 from semantic import cachefile
 
 
-def main(model: str, path: str, T: list[int], steps: int) -> dict:
-    loaded = models.load(model)
+def main(model: str, variant: str, path: str, T: list[int], steps: int) -> dict:
+    loaded = models.load(model, variant)
     engine = make_engine(loaded, 64)
     t0 = time.perf_counter()
     cache = cachefile.load(path, engine.pool, model_fingerprint=loaded.fingerprint)
@@ -34,4 +34,4 @@ def main(model: str, path: str, T: list[int], steps: int) -> dict:
 if __name__ == "__main__":
     device.ensure_working_device()  # this process computes on the default device: a wrong GPU leaves it first
     spec = json.loads(Path(sys.argv[1]).read_text())
-    print(json.dumps(main(spec["model"], spec["path"], spec["continuation"], spec["steps"])))
+    print(json.dumps(main(spec["model"], spec["variant"], spec["path"], spec["continuation"], spec["steps"])))

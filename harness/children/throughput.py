@@ -1,9 +1,9 @@
 """One side of the throughput experiment, in a process of its own.
 
-``python -m harness.children.throughput SPEC.json`` loads one model
-variant (``$SEMANTIC_MODEL_VARIANT``) with the BLAS the parent chose
-(``$SEMANTIC_BLAS``: the choice is fixed when MLX loads, so each side needs its
-own process), measures prefill and decode, and prints one JSON line.
+``python -m harness.children.throughput SPEC.json`` loads the spec's model
+variant with the BLAS the parent chose (``$SEMANTIC_BLAS``: the choice is fixed
+when MLX loads, so it is an environment variable and each side needs its own
+process), measures prefill and decode, and prints one JSON line.
 
 - prefill: ``mlx_lm.generate.generate_step`` over N fresh tokens until the
   first token is read (so materialized): N / seconds;

@@ -150,7 +150,7 @@ def _common_len(seqs: list[list[int]]) -> int:
 def _restart(ctx, cache_dir: Path, convo: dict, users: int, turn: int) -> dict:
     """A fresh process continues every conversation from the files alone."""
     p, tok = ctx.params, ctx.loaded.tokenizer
-    spec = {"model": ctx.model_name, "cache_dir": str(cache_dir), "pool_blocks": p["pool_blocks"],
+    spec = {"model": ctx.model_name, "variant": ctx.loaded.variant, "cache_dir": str(cache_dir), "pool_blocks": p["pool_blocks"],
             "answer_tokens": p["answer_tokens"], "conversations": {}}
     for u in range(users):
         spec["conversations"][f"user-{u}"] = convo[u] + [question(tok, u, turn, p["question_tokens"])]

@@ -32,8 +32,8 @@ def run(ctx) -> None:
     with tempfile.TemporaryDirectory(prefix="exp005-") as tmp:
         path = Path(tmp) / "agent.safetensors"
         cachefile.save(path, first.blocks, model_fingerprint=ctx.loaded.fingerprint)
-        out = run_child("roundtrip", {"model": ctx.model_name, "path": str(path), "continuation": T,
-                                      "steps": p["continue_tokens"]}, "round-trip child")
+        out = run_child("roundtrip", {"model": ctx.model_name, "variant": ctx.loaded.variant, "path": str(path),
+                                      "continuation": T, "steps": p["continue_tokens"]}, "round-trip child")
         res.output("file_bytes", path.stat().st_size)
     cached, fresh = out["cached"], out["fresh"]
     diff = logprob_diff(cached["logprobs"], fresh["logprobs"])

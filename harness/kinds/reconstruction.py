@@ -51,8 +51,9 @@ GEOMETRIES = ("smollm2-135m", "gemma3-270m", "gemma3-12b", "gemma3-12b-full")
 EXPECTED_P95 = [(1, 12, 0.1), (4, 24, 0.5), (8, 30, 1.0), (16, 30, 2.0), (32, 48, 5.0)]
 
 
-def geometry(name: str) -> ModelCacheSpec:
-    """The cache spec of a geometry: a real model's (as the engine stores it here) or Gemma 3 12B's config."""
+def geometry(name: str, variant: str | None = None) -> ModelCacheSpec:
+    """The cache spec of a geometry: a real model's in compute ``variant`` (as the engine stores it
+    here), or Gemma 3 12B's config."""
     if name == "gemma3-12b":
         return ModelCacheSpec.from_config(GEMMA3_12B)
     if name == "gemma3-12b-full":
@@ -60,7 +61,7 @@ def geometry(name: str) -> ModelCacheSpec:
         return ModelCacheSpec(tuple(dataclasses.replace(l, kind=GLOBAL, window=None) for l in full.layers))
     from harness import models
 
-    return ModelCacheSpec.from_model(models.load(name).model)
+    return ModelCacheSpec.from_model(models.load(name, variant).model)
 
 
 def first_layers(spec: ModelCacheSpec, n: int) -> ModelCacheSpec:
@@ -169,7 +170,7 @@ def measure_cell(spec: ModelCacheSpec, n_blocks: int, protocol, fragmented: bool
 def run(ctx) -> None:
     p, res = ctx.params, ctx.results
     cells = []
-    specs = {g: geometry(g) for g in p["geometries"]}
+    specs = {g: geometry(g, ctx.config.model_variant) for g in p["geometries"]}
     todo = [(g, b, n) for g in p["geometries"] for n in p["layers"] for b in p["blocks"] if n <= specs[g].n_layers]
     ctx.progress.total = len(todo) * ctx.config.protocol.trials
     for g, b, n in todo:
@@ -371,7 +372,7 @@ def _with_model(ctx) -> None:
     from harness.engines import make_engine, time_ttft
 
     p, res = ctx.params, ctx.results
-    loaded = models.load(p["model"])
+    loaded = models.load(p["model"], ctx.config.model_variant)
     spec = ModelCacheSpec.from_model(loaded.model)
     engine = make_engine(loaded, 256)
     proto = dataclasses.replace(ctx.config.protocol, trials=min(ctx.config.protocol.trials, p["model_trials"]),

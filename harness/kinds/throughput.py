@@ -35,7 +35,8 @@ BASE, FAST = "quantized_bundled", "f32_openblas"
 
 def _run_side(side: str, spec: dict) -> dict:
     variant, blas_env = SIDES[side]
-    env = dict(os.environ, SEMANTIC_BLAS=blas_env, SEMANTIC_MODEL_VARIANT=variant)
+    # The variant travels in the spec; the BLAS cannot: it must be chosen before the child imports MLX.
+    env = dict(os.environ, SEMANTIC_BLAS=blas_env)
     return run_child("throughput", {**spec, "variant": variant}, f"throughput child ({side})", env)
 
 
