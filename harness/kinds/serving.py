@@ -24,8 +24,9 @@ import numpy as np
 from harness import plots
 from harness.kinds.base import Kind, Param, register
 from harness.serving import phases as P
-from harness.serving import targets as T
+from harness.serving import venvs
 from harness.serving.loadgen import chat, chat_counter
+from harness.serving.targets import TARGETS, ServingError
 
 OURS = "semantic"
 ALL_PHASES = ("warm", "five_turns", "agents", "shared", "restart", "concurrency", "matched")
@@ -71,19 +72,19 @@ def run(ctx) -> None:
     variant = models.default_variant(ctx.config.model_variant)
     model_dir = p["model_dir"] or models.prepare(ctx.model_name, variant=variant)
     phases = p["phases_by_model"].get(ctx.model_name, p["phases"])
-    wanted = [T.TARGETS[n] for n in p["targets"]]
+    wanted = [TARGETS[n] for n in p["targets"]]
     runnable, skipped, versions, pythons = [], {}, {}, {}
     for t in wanted:
         if not t.runnable_here:
             skipped[t.name] = t.reason
             continue
         try:
-            venv = T.ensure_venv(t) if t.venv else None
-        except T.ServingError as exc:
+            venv = venvs.ensure_venv(t) if t.venv else None
+        except ServingError as exc:
             skipped[t.name] = f"install failed: {exc}"[:500]
             continue
         if venv is None:  # this interpreter (.venv)
-            venv = T.Venv(Path(sys.executable), T.installed_versions(sys.executable), None, False)
+            venv = venvs.Venv(Path(sys.executable), venvs.installed_versions(sys.executable), None, False)
         else:
             pythons[t.name] = venv.python
         versions[t.name] = venv.pick(t.packages)
@@ -312,9 +313,9 @@ def _plots(ctx, recs, names: list[str], conc: dict) -> None:
 
 
 def _validate(p: dict) -> None:
-    unknown = [n for n in p["targets"] if n not in T.TARGETS]
+    unknown = [n for n in p["targets"] if n not in TARGETS]
     if unknown or OURS not in p["targets"]:
-        raise ValueError(f"targets must include {OURS!r} and name known targets ({sorted(T.TARGETS)}), not {unknown}")
+        raise ValueError(f"targets must include {OURS!r} and name known targets ({sorted(TARGETS)}), not {unknown}")
     for ph in [*p["phases"], *(x for v in p["phases_by_model"].values() for x in v)]:
         if ph not in ALL_PHASES:
             raise ValueError(f"unknown phase {ph!r}; phases: {ALL_PHASES}")

@@ -28,8 +28,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
-from harness.serving import targets as T
+from harness.serving import cache_hits, processes
 from harness.serving.loadgen import RequestRecord, chat
+from harness.serving.targets import ServerTarget
 
 QUESTIONS = [
     "Summarize the last entry in two sentences.", "What changed in the weather that week?",
@@ -74,8 +75,8 @@ def five_turn_messages(turn: int, system: dict, questions: Sequence[dict], repli
 class Server:
     """One started target: its handle and client, and its copy of each conversation."""
 
-    target: T.ServerTarget
-    running: T.Running
+    target: ServerTarget
+    running: processes.Running
     settings: dict
     histories: dict[int, list[dict]] = field(default_factory=dict)
 
@@ -113,15 +114,15 @@ class Bench:
 
     # ------------------------------------------------------------ servers
 
-    def start_all(self, targets: list[T.ServerTarget], settings: dict[str, dict], tag: str, fresh: bool = True) -> None:
+    def start_all(self, targets: list[ServerTarget], settings: dict[str, dict], tag: str, fresh: bool = True) -> None:
         for target in targets:
             self.servers.append(self._start(target, settings.get(target.name, {}), tag, fresh))
 
-    def _start(self, target: T.ServerTarget, settings: dict, tag: str, fresh: bool) -> Server:
+    def _start(self, target: ServerTarget, settings: dict, tag: str, fresh: bool) -> Server:
         work = self.workdir / f"{tag}-{target.name}"
         if fresh and work.exists():
             shutil.rmtree(work)
-        running = T.start(target, self.model_dir, T.free_port(), work, model_id=self.model_id,
+        running = processes.start(target, self.model_dir, processes.free_port(), work, model_id=self.model_id,
                           python=self.pythons.get(target.name), **settings)
         self.events.append({"event": "started", "server": target.name, "tag": tag, "fresh": fresh,
                             "start_to_ready_s": running.start_to_ready_s, "settings": settings,
@@ -162,7 +163,7 @@ class Bench:
                          max_tokens or self.max_tokens, self.count, s.extra(user) if extra is None else extra)
         rec.output_tokens = self.count_text(rec.reply)
         if before is not None and rec.error is None:
-            rec.cached_tokens = T.cached_tokens(s.running, None, before, s.running.stats())
+            rec.cached_tokens = cache_hits.cached_tokens(s.running, None, before, s.running.stats())
         self.records.append(rec)
         return rec
 
