@@ -12,7 +12,7 @@ through ``harness.timing``, interleaved per trial (A B C ..., A B C ...):
   every block array materialized;
 - ``mlxlm_load``: ``load_prompt_cache`` plus ``mx.eval`` of every state;
 - ``floor``: ``readinto`` of our file into a preallocated buffer (numpy's,
-  16-byte aligned: the issue's floor);
+  16-byte aligned: the floor the goals are set against);
 - ``floor_aligned``: the same into a page-aligned buffer. The kernel copies
   from the page cache 3-4x faster when the destination's alignment matches
   the file offset's, so this is the floor a careful reader could reach; it

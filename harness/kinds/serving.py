@@ -49,7 +49,7 @@ def _median(xs) -> float | None:
 
 
 def five_turn_prompts(tokenizer, repeat: int, system_tokens: int, question_tokens: int) -> tuple[dict, list[dict]]:
-    """One five-turn conversation's system prompt and 4 user messages (issue 18's shape).
+    """One five-turn conversation's system prompt and 4 user messages.
 
     Each repeat's system prompt differs from its first words on, so its first turn is cold on every
     server (only the chat template's opening tokens are shared)."""
@@ -221,7 +221,7 @@ def _record(ctx, bench: P.Bench, out: dict, names: list[str]) -> None:
 
 
 def _five_turns(ctx, rows: list[dict]) -> None:
-    """Issue 18's goal on the five turns: ours against mlx_lm.server, per turn (medians over repeats)."""
+    """The five turns' goal: ours against mlx_lm.server, per turn (medians over repeats)."""
     from harness.serving.phases import FIVE_TURNS
 
     res = ctx.results
@@ -242,7 +242,7 @@ def _five_turns(ctx, rows: list[dict]) -> None:
         ctx.plots.append(plots.turns_plot(
             [f"{t['turn']} {t['kind']}" for t in table], series("ttft_s"), series("cached_tokens"),
             [t[OURS]["prompt_tokens"] for t in table], ctx.plot_path("five-turns"),
-            f"{ctx.model_name}: issue 18's five turns (median of {len(rows) // len(FIVE_TURNS)})"))
+            f"{ctx.model_name}: five turns past the window (median of {len(rows) // len(FIVE_TURNS)})"))
 
 
 def five_turns_table(rows: list[dict]) -> list[dict]:
@@ -338,7 +338,7 @@ KIND = register(Kind(
         "answer_tokens": Param(int, 32, "max_tokens of every reply (greedy)"),
         "warm_rounds": Param(int, 4, "rounds of the warm phase's user (each: append, regenerate, edit)"),
         "five_turns_targets": Param(list, [OURS, MLX_LM],
-                                    "servers the five_turns phase asks (issue 18 names mlx_lm.server)"),
+                                    "servers the five_turns phase asks (its goal compares ours with mlx_lm.server)"),
         "five_turns_repeats": Param(int, 3,
                                     "five-turn conversations, each with its own system prompt (medians over them)"),
         "five_turns_system_tokens": Param(int, 560,

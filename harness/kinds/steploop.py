@@ -1,4 +1,4 @@
-"""EXP-010: the step loop (issue 17): a long prefill beside decoders, and quantized KV batched.
+"""EXP-010: the step loop: a long prefill beside decoders, and quantized KV batched.
 
 **Interleaving.** ``decoders`` agents decode; once each has read ``warm``
 tokens, one agent submits a ``long_tokens`` prompt; the decoders go on

@@ -7,8 +7,8 @@ its own copy of every conversation (its own greedy replies appended), which is
 what a real client does::
 
     warm        1 user, R rounds; each round: append, regenerate (the same request), edit (last user message)
-    five_turns  issue 18's five turns past a sliding window (cold, append, regenerate, edit, back to the
-                first branch), ours and mlx_lm.server only, each reply checked against a fresh prefill
+    five_turns  five turns past a sliding window (cold, append, regenerate, edit, back to the first
+                branch), ours and mlx_lm.server only, each reply checked against a fresh prefill
     agents      N users round robin (more than mlx_lm.server's 10 cache entries)
     shared      K new users' first turns on the shared system prompt; RSS after each
     restart     SIGTERM (then SIGKILL) every server, restart on its state, every user's next round
@@ -39,12 +39,12 @@ QUESTIONS = [
     "Give one risk and one precaution.", "What is the most surprising detail so far?",
 ]
 
-# Issue 18's five turns: what each sends (see five_turn_messages)
+# The five turns past a sliding window: what each sends (see five_turn_messages)
 FIVE_TURNS = ("first", "append", "regenerate", "edit", "branch")
 
 
 def five_turn_messages(turn: int, system: dict, questions: Sequence[dict], replies: Mapping[int, str]) -> list[dict]:
-    """The messages of issue 18's turn ``turn`` (1-5) for one server, given its own earlier replies.
+    """The messages of turn ``turn`` (1-5) of the five turns for one server, given its own earlier replies.
 
     1 cold ``[system, q1]``; 2 append ``+ [a1, q2]``; 3 regenerate: turn 2 again; 4 edit: turn 2
     with ``q3`` in place of ``q2``; 5 branch: the original turn 2 continued ``+ [a2, q4]``.
@@ -208,7 +208,7 @@ class Bench:
 
     def five_turns(self, user: int, system: dict, questions: Sequence[dict], max_tokens: int,
                    servers: set[str], fresh: str) -> list[dict]:
-        """Issue 18's five turns for one user on ``servers``, then each of ``fresh``'s five requests
+        """The five turns for one user on ``servers``, then each of ``fresh``'s five requests
         again anonymously under a ``cache_salt`` used once (nothing cached can match: a fresh prefill).
 
         The fresh requests come after all five turns, so their prefills neither slow the measured

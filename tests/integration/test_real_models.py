@@ -1,7 +1,7 @@
 """The converted GGUF models load through plain mlx_lm.load and match llama.cpp.
 
 Reference tokens come from llama.cpp run on the same GGUF files with greedy
-decoding (issue 2); the prompt is "The capital of France is". Both compute
+decoding; the prompt is "The capital of France is". Both compute
 variants must give them: the exact quantized conversion and its float32
 dequantization (``harness.models``), which CPU runs use.
 """
