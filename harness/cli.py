@@ -74,7 +74,7 @@ def _compare(args) -> int:
 
 
 def _report(args) -> int:
-    from harness import console
+    from harness import console, old_names
 
     paths = []
     for item in args.results:
@@ -85,7 +85,7 @@ def _report(args) -> int:
         return 2
     for p in paths:
         try:
-            doc = json.loads(p.read_text())
+            doc = old_names.upgrade(json.loads(p.read_text()))
             print(console.summary(doc, p, verbose=True))
         except (OSError, ValueError, KeyError) as exc:
             print(f"{p}: not a results document ({exc})", file=sys.stderr)
