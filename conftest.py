@@ -10,6 +10,13 @@ from tests.tiny_models import tiny_gemma3, tiny_llama
 REAL_MODEL_FIXTURES = {"smollm2", "smollm2_dir", "gemma3", "real_variant"}
 
 
+def pytest_configure(config):
+    """The tests compute on MLX's default device: a GPU that computes wrongly leaves it before any test runs."""
+    from harness import device
+
+    device.ensure_working_device()
+
+
 def pytest_report_header(config):
     """Say which BLAS and device MLX runs on, so a slow run explains itself."""
     from harness import environment

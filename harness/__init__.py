@@ -1,15 +1,12 @@
 """The experiment harness: configs -> runner -> engine -> results.
 
-Importing it first points MLX at an optimized BLAS on Linux (``semantic.blas``:
-it must happen before ``mlx.core`` is imported) and, where a GPU is present,
-checks that it computes correctly before using it (``semantic.device``).
-Subprocesses the harness starts inherit the BLAS choice through ``SEMANTIC_BLAS``.
+Importing it points MLX at an optimized BLAS on Linux (``semantic.blas``): the
+library is chosen when ``mlx.core`` loads, so this must run before anything
+imports MLX. Subprocesses the harness starts inherit the choice through
+``SEMANTIC_BLAS``. Whether the GPU computes correctly is checked where a run
+starts (``harness.device``), not on import.
 """
 
 from semantic import blas as _blas
 
 _blas.enable()
-
-from semantic import device as _device  # noqa: E402  (after the BLAS: this imports mlx)
-
-_device.ensure_working_device()

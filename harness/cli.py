@@ -11,8 +11,9 @@ from harness.criteria import must_haves_pass
 
 
 def _models(args) -> int:
-    from harness import models
+    from harness import device, models
 
+    device.ensure_working_device()  # the variant follows the device, and preparing f32 computes on it
     if args.action == "list":
         for name, src in sorted(models.REGISTRY.items()):
             state = models.resolve(name) if models.is_prepared(name) else "not prepared"
@@ -73,7 +74,7 @@ def _compare(args) -> int:
 
 
 def _report(args) -> int:
-    from harness import console
+    from harness import console, old_names
 
     paths = []
     for item in args.results:
@@ -84,7 +85,7 @@ def _report(args) -> int:
         return 2
     for p in paths:
         try:
-            doc = json.loads(p.read_text())
+            doc = old_names.upgrade(json.loads(p.read_text()))
             print(console.summary(doc, p, verbose=True))
         except (OSError, ValueError, KeyError) as exc:
             print(f"{p}: not a results document ({exc})", file=sys.stderr)

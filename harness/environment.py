@@ -11,12 +11,14 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from semantic import blas, device
+from harness import device
+from semantic import blas
 
 PACKAGES = ("mlx", "mlx-metal", "mlx-cpu", "mlx-lm", "numpy", "scipy", "pandas", "safetensors", "semantic-kv")
 
 
 def machine_info() -> dict:
+    probe = device.describe()  # first: a GPU that computes wrongly has left the default device before it is recorded
     info = {
         "system": platform.system(),
         "release": platform.release(),
@@ -26,7 +28,7 @@ def machine_info() -> dict:
         "ram_gb": _ram_gb(),
         "python": platform.python_version(),
         "mlx_device": str(mx.default_device()),
-        "device_probe": device.describe(),
+        "device_probe": probe,
         "blas": blas.describe(),
         "matmul_gflops_f32": matmul_gflops(),
     }

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,26 +36,13 @@ class Context:
 
 def run(config: ExperimentConfig, out_root: Path = Path("results"), verbose: bool = False) -> list[Path]:
     """Run every model of ``config``; return the JSON paths written. ``verbose`` prints every metric too."""
-    from harness import models
+    from harness import device, models
 
+    device.ensure_working_device()  # every kind computes on the default device: a wrong GPU leaves it first
     kind = KINDS[config.kind]
     out_dir = out_root / config.name
     variant = models.default_variant(config.model_variant)
-    with _env(models.VARIANT_ENV, variant):  # children a kind starts load the same variant
-        return [_run_model(config, kind, name, variant, out_dir, verbose) for name in config.models]
-
-
-@contextlib.contextmanager
-def _env(key: str, value: str):
-    old = os.environ.get(key)
-    os.environ[key] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = old
+    return [_run_model(config, kind, name, variant, out_dir, verbose) for name in config.models]
 
 
 def _run_model(config: ExperimentConfig, kind, name: str, variant: str, out_dir: Path, verbose: bool) -> Path:

@@ -11,8 +11,8 @@ the agent's next turn twice, in alternating order (A B / B A):
   so no cached block can match and the whole history is prefilled.
 
 Prints a table (pandas) and the median ratio; ``--json`` writes the numbers.
-EXP-009 (issue 16) measures the server against its peers; this is the
-single-server check quoted in issue 15's closing note.
+EXP-009 measures the server against its peers; this is the single-server
+check: the same server's cached turn against its uncached one.
 
     python -m harness.serve_ttft --model smollm2-135m --turns 6
 """

@@ -14,7 +14,7 @@ import json
 import sys
 import time
 
-from harness import models
+from harness import device, models
 from semantic import BlockPool, BlockPoolBatchEngine, ModelCacheSpec, Request, cachefile, compat
 from tests.cache_helpers import arrays
 
@@ -50,5 +50,6 @@ def main(model: str, path: str, T: list[int], steps: int) -> dict:
 
 
 if __name__ == "__main__":
+    device.ensure_working_device()  # this process computes on the default device: a wrong GPU leaves it first
     model, path, t, steps = sys.argv[1:]
     print(json.dumps(main(model, path, [int(x) for x in t.split(",")], int(steps))))

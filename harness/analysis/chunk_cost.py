@@ -49,9 +49,11 @@ def main(argv: list[str] | None = None) -> None:
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
+    from harness import device
     from harness.models.load import load
     from semantic import compat
 
+    device.ensure_working_device()  # the timings below run on the default device: a wrong GPU leaves it first
     model = load(args.model).model
     rows = []
     for i in range(args.decoders):

@@ -23,6 +23,7 @@ from typing import Sequence
 import numpy as np
 import pandas as pd
 
+from harness import old_names
 from harness.stats import mannwhitney_p
 
 REGRESSION, IMPROVEMENT, SAME = "regression", "improvement", "~"
@@ -195,7 +196,7 @@ def load(path: str | Path) -> dict:
         if (not isinstance(samples, list) or not samples
                 or not all(isinstance(v, (int, float)) and math.isfinite(v) for v in samples)):
             raise ValueError(f"{path}: metric {name!r} needs a non-empty list of finite numeric samples")
-    return doc
+    return old_names.upgrade(doc)
 
 
 def main(paths: list[str], factor: float = 1.10, alpha: float = 0.01) -> int:

@@ -18,7 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from harness import results, stats
+from harness import old_names, results, stats
 from harness.analysis import compare
 
 
@@ -31,7 +31,7 @@ def _run(python: str, config: str, sets: list[str], out: Path) -> dict:
     if rc not in (0, 1):
         raise SystemExit(f"{' '.join(cmd)} failed with exit status {rc}")
     (path,) = sorted(out.rglob("*.json"))
-    return json.loads(path.read_text())
+    return old_names.upgrade(json.loads(path.read_text()))
 
 
 def pool(docs: list[dict]) -> dict:

@@ -10,8 +10,9 @@ of each is measured, interleaved, after materialization.
 from __future__ import annotations
 
 from harness import plots
+from harness.engines import make_engine, match_report, record_ttft, run_one, time_ttft
 from harness.kinds.base import Kind, Param, register
-from harness.kinds.common import history_ids, make_engine, match_report, record_ttft, run_one, time_ttft
+from harness.prompts import history_ids
 
 
 def run(ctx) -> None:

@@ -27,9 +27,10 @@ import tempfile
 from pathlib import Path
 
 from harness import plots
+from harness.children import run_child
+from harness.engines import fresh_first_token, logprob_diff, make_engine, open_scheduler
 from harness.kinds.base import Kind, Param, register
-from harness.kinds.agents import open_scheduler, question, system_prompt, text_of_tokens, user_history
-from harness.kinds.common import fresh_first_token, logprob_diff, make_engine, run_child
+from harness.prompts import question, system_prompt, text_of_tokens, user_history
 from semantic import Request, encode, render_chat
 from semantic.reuse import common_prefix
 
@@ -149,14 +150,14 @@ def _common_len(seqs: list[list[int]]) -> int:
 def _restart(ctx, cache_dir: Path, convo: dict, users: int, turn: int) -> dict:
     """A fresh process continues every conversation from the files alone."""
     p, tok = ctx.params, ctx.loaded.tokenizer
-    spec = {"model": ctx.model_name, "cache_dir": str(cache_dir), "pool_blocks": p["pool_blocks"],
+    spec = {"model": ctx.model_name, "variant": ctx.loaded.variant, "cache_dir": str(cache_dir), "pool_blocks": p["pool_blocks"],
             "answer_tokens": p["answer_tokens"], "conversations": {}}
     for u in range(users):
         spec["conversations"][f"user-{u}"] = convo[u] + [question(tok, u, turn, p["question_tokens"])]
     if p["restart_context_tokens"]:
         spec["conversations"]["long"] = _long_conversation(ctx, cache_dir)
     spec["reference"] = "long" if p["restart_context_tokens"] else "user-0"
-    return run_child(["-m", "harness.kinds._multiturn_child"], spec, "restart child")
+    return run_child("multiturn", spec, "restart child")
 
 
 def _long_conversation(ctx, cache_dir: Path) -> list[dict]:

@@ -16,8 +16,8 @@ from pathlib import Path
 import mlx.core as mx
 
 from harness import plots
+from harness.engines import make_engine, match_report, record_ttft, run_one, time_ttft
 from harness.kinds.base import Kind, Param, register
-from harness.kinds.common import make_engine, match_report, record_ttft, run_one, time_ttft
 from harness.timing import time_once
 from semantic import Request, cachefile, compat
 

@@ -12,16 +12,15 @@ run, interleaved, our durable save and verified load against mlx-lm's
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 from harness import plots
+from harness.children import run_child
+from harness.engines import logprob_diff, make_engine, run_one
 from harness.kinds import persistence_speed as speed
 from harness.kinds.base import Kind, Param, register
-from harness.kinds.common import history_ids, logprob_diff, make_engine, run_one
+from harness.prompts import history_ids
 from semantic import cachefile
 
 
@@ -33,12 +32,8 @@ def run(ctx) -> None:
     with tempfile.TemporaryDirectory(prefix="exp005-") as tmp:
         path = Path(tmp) / "agent.safetensors"
         cachefile.save(path, first.blocks, model_fingerprint=ctx.loaded.fingerprint)
-        proc = subprocess.run(
-            [sys.executable, "-m", "harness.kinds._roundtrip_child", ctx.model_name, str(path),
-             ",".join(map(str, T)), str(p["continue_tokens"])],
-            capture_output=True, text=True, check=True,
-        )
-        out = json.loads(proc.stdout.strip().splitlines()[-1])
+        out = run_child("roundtrip", {"model": ctx.model_name, "variant": ctx.loaded.variant, "path": str(path),
+                                      "continuation": T, "steps": p["continue_tokens"]}, "round-trip child")
         res.output("file_bytes", path.stat().st_size)
     cached, fresh = out["cached"], out["fresh"]
     diff = logprob_diff(cached["logprobs"], fresh["logprobs"])

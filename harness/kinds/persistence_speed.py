@@ -1,7 +1,7 @@
 """EXP-005 speed: our cache files against mlx-lm's, and the readinto floor, on the same caches.
 
 For each geometry one cache of synthetic tensors in a real cache geometry
-(``harness.kinds.synthetic``) is written both ways, and these are timed
+(``harness.synthetic``) is written both ways, and these are timed
 through ``harness.timing``, interleaved per trial (A B C ..., A B C ...):
 
 - ``save``: ``cachefile.save``, durable (temp file, fsync, rename, directory
@@ -12,7 +12,7 @@ through ``harness.timing``, interleaved per trial (A B C ..., A B C ...):
   every block array materialized;
 - ``mlxlm_load``: ``load_prompt_cache`` plus ``mx.eval`` of every state;
 - ``floor``: ``readinto`` of our file into a preallocated buffer (numpy's,
-  16-byte aligned: the issue's floor);
+  16-byte aligned: the floor the goals are set against);
 - ``floor_aligned``: the same into a page-aligned buffer. The kernel copies
   from the page cache 3-4x faster when the destination's alignment matches
   the file offset's, so this is the floor a careful reader could reach; it
@@ -34,7 +34,7 @@ import numpy as np
 from mlx_lm.models import cache as mlxlm_cache
 
 from harness import stats
-from harness.kinds.synthetic import GEMMA3_12B, SMOLLM2_135M, synthetic_blocks
+from harness.synthetic import GEMMA3_12B, SMOLLM2_135M, synthetic_blocks
 from harness.timing import Protocol, Samples, time_interleaved
 from semantic import BlockPool, ModelCacheSpec, cachefile, convert
 from semantic.cachefile.atomic import fsync_path

@@ -24,8 +24,9 @@ import numpy as np
 from harness import plots
 from harness.kinds.base import Kind, Param, register
 from harness.serving import phases as P
-from harness.serving import targets as T
+from harness.serving import venvs
 from harness.serving.loadgen import chat, chat_counter
+from harness.serving.targets import TARGETS, ServingError
 
 OURS = "semantic"
 ALL_PHASES = ("warm", "five_turns", "agents", "shared", "restart", "concurrency", "matched")
@@ -48,11 +49,11 @@ def _median(xs) -> float | None:
 
 
 def five_turn_prompts(tokenizer, repeat: int, system_tokens: int, question_tokens: int) -> tuple[dict, list[dict]]:
-    """One five-turn conversation's system prompt and 4 user messages (issue 18's shape).
+    """One five-turn conversation's system prompt and 4 user messages.
 
     Each repeat's system prompt differs from its first words on, so its first turn is cold on every
     server (only the chat template's opening tokens are shared)."""
-    from harness.kinds.agents import text_of_tokens
+    from harness.prompts import text_of_tokens
 
     head = f"Ship's log {repeat + 1}. You are a careful research agent. Reference material:"
     system = {"role": "system", "content": text_of_tokens(tokenizer, system_tokens, 500 + 211 * repeat, head)}
@@ -65,25 +66,25 @@ def run(ctx) -> None:
     from mlx_lm.utils import load_tokenizer
 
     from harness import models
-    from harness.kinds.agents import system_prompt
+    from harness.prompts import system_prompt
 
     p, res = ctx.params, ctx.results
     variant = models.default_variant(ctx.config.model_variant)
     model_dir = p["model_dir"] or models.prepare(ctx.model_name, variant=variant)
     phases = p["phases_by_model"].get(ctx.model_name, p["phases"])
-    wanted = [T.TARGETS[n] for n in p["targets"]]
+    wanted = [TARGETS[n] for n in p["targets"]]
     runnable, skipped, versions, pythons = [], {}, {}, {}
     for t in wanted:
         if not t.runnable_here:
             skipped[t.name] = t.reason
             continue
         try:
-            venv = T.ensure_venv(t) if t.venv else None
-        except T.ServingError as exc:
+            venv = venvs.ensure_venv(t) if t.venv else None
+        except ServingError as exc:
             skipped[t.name] = f"install failed: {exc}"[:500]
             continue
         if venv is None:  # this interpreter (.venv)
-            venv = T.Venv(Path(sys.executable), T.installed_versions(sys.executable), None, False)
+            venv = venvs.Venv(Path(sys.executable), venvs.installed_versions(sys.executable), None, False)
         else:
             pythons[t.name] = venv.python
         versions[t.name] = venv.pick(t.packages)
@@ -220,7 +221,7 @@ def _record(ctx, bench: P.Bench, out: dict, names: list[str]) -> None:
 
 
 def _five_turns(ctx, rows: list[dict]) -> None:
-    """Issue 18's goal on the five turns: ours against mlx_lm.server, per turn (medians over repeats)."""
+    """The five turns' goal: ours against mlx_lm.server, per turn (medians over repeats)."""
     from harness.serving.phases import FIVE_TURNS
 
     res = ctx.results
@@ -241,7 +242,7 @@ def _five_turns(ctx, rows: list[dict]) -> None:
         ctx.plots.append(plots.turns_plot(
             [f"{t['turn']} {t['kind']}" for t in table], series("ttft_s"), series("cached_tokens"),
             [t[OURS]["prompt_tokens"] for t in table], ctx.plot_path("five-turns"),
-            f"{ctx.model_name}: issue 18's five turns (median of {len(rows) // len(FIVE_TURNS)})"))
+            f"{ctx.model_name}: five turns past the window (median of {len(rows) // len(FIVE_TURNS)})"))
 
 
 def five_turns_table(rows: list[dict]) -> list[dict]:
@@ -312,9 +313,9 @@ def _plots(ctx, recs, names: list[str], conc: dict) -> None:
 
 
 def _validate(p: dict) -> None:
-    unknown = [n for n in p["targets"] if n not in T.TARGETS]
+    unknown = [n for n in p["targets"] if n not in TARGETS]
     if unknown or OURS not in p["targets"]:
-        raise ValueError(f"targets must include {OURS!r} and name known targets ({sorted(T.TARGETS)}), not {unknown}")
+        raise ValueError(f"targets must include {OURS!r} and name known targets ({sorted(TARGETS)}), not {unknown}")
     for ph in [*p["phases"], *(x for v in p["phases_by_model"].values() for x in v)]:
         if ph not in ALL_PHASES:
             raise ValueError(f"unknown phase {ph!r}; phases: {ALL_PHASES}")
@@ -337,7 +338,7 @@ KIND = register(Kind(
         "answer_tokens": Param(int, 32, "max_tokens of every reply (greedy)"),
         "warm_rounds": Param(int, 4, "rounds of the warm phase's user (each: append, regenerate, edit)"),
         "five_turns_targets": Param(list, [OURS, MLX_LM],
-                                    "servers the five_turns phase asks (issue 18 names mlx_lm.server)"),
+                                    "servers the five_turns phase asks (its goal compares ours with mlx_lm.server)"),
         "five_turns_repeats": Param(int, 3,
                                     "five-turn conversations, each with its own system prompt (medians over them)"),
         "five_turns_system_tokens": Param(int, 560,

@@ -1,4 +1,4 @@
-"""EXP-010: the step loop (issue 17): a long prefill beside decoders, and quantized KV batched.
+"""EXP-010: the step loop: a long prefill beside decoders, and quantized KV batched.
 
 **Interleaving.** ``decoders`` agents decode; once each has read ``warm``
 tokens, one agent submits a ``long_tokens`` prompt; the decoders go on
@@ -92,19 +92,19 @@ def _interleave_ours(loaded, p: dict, trial: int, chunk: int | None = None) -> d
 
 
 def _interleave_mlx_lm(loaded, p: dict, trial: int) -> dict:
-    from semantic import compat
+    from harness import baseline
 
-    gen = compat.make_batch_generator(loaded.model, max_tokens=100_000, stop_tokens=[],
+    gen = baseline.make_batch_generator(loaded.model, max_tokens=100_000, stop_tokens=[],
                                       completion_batch_size=p["decoders"] + 1, prefill_batch_size=p["decoders"] + 1,
                                       prefill_step_size=512)
     vocab = loaded.model.model.embed_tokens.weight.shape[0]
     prompts = [_prompt(100 * trial + i, p["decoder_prompt"], vocab) for i in range(p["decoders"])]
-    uids = compat.insert(gen, prompts, [None] * len(prompts), [100_000] * len(prompts))
+    uids = baseline.insert(gen, prompts, [None] * len(prompts), [100_000] * len(prompts))
     stamps = {u: [] for u in uids}
     long_uid, long_first = None, []
 
     def step():
-        responses = compat.next_responses(gen)
+        responses = baseline.next_responses(gen)
         now = time.perf_counter()  # the tokens were read: materialized
         for r in responses:
             (stamps[r.uid] if r.uid in stamps else long_first).append(now)
@@ -112,7 +112,7 @@ def _interleave_mlx_lm(loaded, p: dict, trial: int) -> dict:
     while min(len(s) for s in stamps.values()) < p["warm"]:
         step()
     t0 = time.perf_counter()
-    (long_uid,) = compat.insert(gen, [_prompt(7 + trial, p["long_tokens"], vocab)], [None], [2])
+    (long_uid,) = baseline.insert(gen, [_prompt(7 + trial, p["long_tokens"], vocab)], [None], [2])
     while not long_first:
         step()
     t1 = long_first[0]
@@ -120,7 +120,7 @@ def _interleave_mlx_lm(loaded, p: dict, trial: int) -> dict:
     while min(len(s) - after[u] for u, s in stamps.items()) < p["warm"]:
         step()
     for u in [*uids, long_uid]:
-        compat.remove(gen, u)
+        baseline.remove(gen, u)
     return _window(stamps, t0, t1, p["long_tokens"])
 
 

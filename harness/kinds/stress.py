@@ -44,9 +44,8 @@ from pathlib import Path
 import numpy as np
 
 from harness import plots
+from harness.engines import logprob_diff, make_engine as fresh_engine, open_scheduler
 from harness.kinds.base import Kind, Param, register
-from harness.kinds.agents import open_scheduler
-from harness.kinds.common import logprob_diff, make_engine as fresh_engine
 from semantic import ModelCacheSpec, Request, cachefile, store as store_mod
 
 CANARY_LEN = 4

@@ -4,7 +4,7 @@ The point is the fast path on a CPU: the exact quantized conversion on
 the Linux wheel's bundled reference BLAS (what ran before) against the float32
 variant on an optimized BLAS (what CPU runs use now). The BLAS is fixed when a
 process first loads MLX, so each side runs in its own child process
-(``_throughput_child``), and the sides take turns, A B then B A, trial by
+(``harness.children.throughput``), and the sides take turns, A B then B A, trial by
 trial, so that machine drift hits both.
 
 Per side: prefill tokens/s at each of ``prefill_tokens`` (a fresh cache up to
@@ -21,9 +21,9 @@ import os
 import numpy as np
 
 from harness import plots
-from harness.kinds import _throughput_child as child
+from harness.children import run_child
+from harness.children import throughput as child
 from harness.kinds.base import Kind, Param, register
-from harness.kinds.common import run_child
 
 # side name -> (model variant, SEMANTIC_BLAS value); the first is the baseline
 SIDES = {
@@ -31,13 +31,13 @@ SIDES = {
     "f32_openblas": ("f32", "auto"),
 }
 BASE, FAST = "quantized_bundled", "f32_openblas"
-CHILD = "from harness.kinds._throughput_child import cli; cli()"
 
 
 def _run_side(side: str, spec: dict) -> dict:
     variant, blas_env = SIDES[side]
-    env = dict(os.environ, SEMANTIC_BLAS=blas_env, SEMANTIC_MODEL_VARIANT=variant)
-    return run_child(["-c", CHILD], {**spec, "variant": variant}, f"throughput child ({side})", env)
+    # The variant travels in the spec; the BLAS cannot: it must be chosen before the child imports MLX.
+    env = dict(os.environ, SEMANTIC_BLAS=blas_env)
+    return run_child("throughput", {**spec, "variant": variant}, f"throughput child ({side})", env)
 
 
 def run(ctx) -> None:

@@ -94,6 +94,9 @@ def default_variant(choice: str | None = None) -> str:
     if value == "auto":
         import mlx.core as mx
 
+        from harness import device
+
+        device.ensure_working_device()  # a GPU that computes wrongly has left the default device by now
         return "f32" if mx.default_device() == mx.cpu else "quantized"
     if value not in VARIANTS:
         raise ValueError(f"model variant {value!r}: expected auto or one of {', '.join(VARIANTS)}")

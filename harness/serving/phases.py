@@ -7,8 +7,8 @@ its own copy of every conversation (its own greedy replies appended), which is
 what a real client does::
 
     warm        1 user, R rounds; each round: append, regenerate (the same request), edit (last user message)
-    five_turns  issue 18's five turns past a sliding window (cold, append, regenerate, edit, back to the
-                first branch), ours and mlx_lm.server only, each reply checked against a fresh prefill
+    five_turns  five turns past a sliding window (cold, append, regenerate, edit, back to the first
+                branch), ours and mlx_lm.server only, each reply checked against a fresh prefill
     agents      N users round robin (more than mlx_lm.server's 10 cache entries)
     shared      K new users' first turns on the shared system prompt; RSS after each
     restart     SIGTERM (then SIGKILL) every server, restart on its state, every user's next round
@@ -28,8 +28,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
-from harness.serving import targets as T
+from harness.serving import cache_hits, processes
 from harness.serving.loadgen import RequestRecord, chat
+from harness.serving.targets import ServerTarget
 
 QUESTIONS = [
     "Summarize the last entry in two sentences.", "What changed in the weather that week?",
@@ -38,12 +39,12 @@ QUESTIONS = [
     "Give one risk and one precaution.", "What is the most surprising detail so far?",
 ]
 
-# Issue 18's five turns: what each sends (see five_turn_messages)
+# The five turns past a sliding window: what each sends (see five_turn_messages)
 FIVE_TURNS = ("first", "append", "regenerate", "edit", "branch")
 
 
 def five_turn_messages(turn: int, system: dict, questions: Sequence[dict], replies: Mapping[int, str]) -> list[dict]:
-    """The messages of issue 18's turn ``turn`` (1-5) for one server, given its own earlier replies.
+    """The messages of turn ``turn`` (1-5) of the five turns for one server, given its own earlier replies.
 
     1 cold ``[system, q1]``; 2 append ``+ [a1, q2]``; 3 regenerate: turn 2 again; 4 edit: turn 2
     with ``q3`` in place of ``q2``; 5 branch: the original turn 2 continued ``+ [a2, q4]``.
@@ -74,8 +75,8 @@ def five_turn_messages(turn: int, system: dict, questions: Sequence[dict], repli
 class Server:
     """One started target: its handle and client, and its copy of each conversation."""
 
-    target: T.ServerTarget
-    running: T.Running
+    target: ServerTarget
+    running: processes.Running
     settings: dict
     histories: dict[int, list[dict]] = field(default_factory=dict)
 
@@ -113,15 +114,15 @@ class Bench:
 
     # ------------------------------------------------------------ servers
 
-    def start_all(self, targets: list[T.ServerTarget], settings: dict[str, dict], tag: str, fresh: bool = True) -> None:
+    def start_all(self, targets: list[ServerTarget], settings: dict[str, dict], tag: str, fresh: bool = True) -> None:
         for target in targets:
             self.servers.append(self._start(target, settings.get(target.name, {}), tag, fresh))
 
-    def _start(self, target: T.ServerTarget, settings: dict, tag: str, fresh: bool) -> Server:
+    def _start(self, target: ServerTarget, settings: dict, tag: str, fresh: bool) -> Server:
         work = self.workdir / f"{tag}-{target.name}"
         if fresh and work.exists():
             shutil.rmtree(work)
-        running = T.start(target, self.model_dir, T.free_port(), work, model_id=self.model_id,
+        running = processes.start(target, self.model_dir, processes.free_port(), work, model_id=self.model_id,
                           python=self.pythons.get(target.name), **settings)
         self.events.append({"event": "started", "server": target.name, "tag": tag, "fresh": fresh,
                             "start_to_ready_s": running.start_to_ready_s, "settings": settings,
@@ -162,7 +163,7 @@ class Bench:
                          max_tokens or self.max_tokens, self.count, s.extra(user) if extra is None else extra)
         rec.output_tokens = self.count_text(rec.reply)
         if before is not None and rec.error is None:
-            rec.cached_tokens = T.cached_tokens(s.running, None, before, s.running.stats())
+            rec.cached_tokens = cache_hits.cached_tokens(s.running, None, before, s.running.stats())
         self.records.append(rec)
         return rec
 
@@ -207,7 +208,7 @@ class Bench:
 
     def five_turns(self, user: int, system: dict, questions: Sequence[dict], max_tokens: int,
                    servers: set[str], fresh: str) -> list[dict]:
-        """Issue 18's five turns for one user on ``servers``, then each of ``fresh``'s five requests
+        """The five turns for one user on ``servers``, then each of ``fresh``'s five requests
         again anonymously under a ``cache_salt`` used once (nothing cached can match: a fresh prefill).
 
         The fresh requests come after all five turns, so their prefills neither slow the measured

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from mlx_lm.models import cache as mlx_cache
 
-from harness.kinds.synthetic import SMOLLM2_135M, synthetic_blocks
+from harness.synthetic import SMOLLM2_135M, synthetic_blocks
 from semantic import BlockPool, ModelCacheSpec, cachefile, convert
 
 TOKENS = 2048

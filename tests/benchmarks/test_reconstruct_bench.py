@@ -15,7 +15,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from harness.kinds.synthetic import SMOLLM2_135M
+from harness.synthetic import SMOLLM2_135M
 from semantic import BlockPool, ModelCacheSpec, Request, compat, convert
 
 TOKENS = 2048

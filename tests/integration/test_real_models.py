@@ -1,7 +1,7 @@
 """The converted GGUF models load through plain mlx_lm.load and match llama.cpp.
 
 Reference tokens come from llama.cpp run on the same GGUF files with greedy
-decoding (issue 2); the prompt is "The capital of France is". Both compute
+decoding; the prompt is "The capital of France is". Both compute
 variants must give them: the exact quantized conversion and its float32
 dequantization (``harness.models``), which CPU runs use.
 """
@@ -19,8 +19,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models.cache import make_prompt_cache
 
-from harness import models
-from semantic import compat
+from harness import baseline, models
 
 pytestmark = [
     pytest.mark.integration,
@@ -60,10 +59,10 @@ def test_batch_generator_gives_llama_cpp_tokens_beside_another_sequence(real_var
     loaded = real_variant(NAMES[which], variant)
     prompt_ids, expected = LLAMA_CPP[which]
     other = loaded.tokenizer.encode("Machine learning is a field of study that")
-    gen = compat.make_batch_generator(loaded.model, max_tokens=len(expected), stop_tokens=[])
-    uid, _ = compat.insert(gen, [prompt_ids, other], [None, None], [len(expected), 3])
+    gen = baseline.make_batch_generator(loaded.model, max_tokens=len(expected), stop_tokens=[])
+    uid, _ = baseline.insert(gen, [prompt_ids, other], [None, None], [len(expected), 3])
     got = []
-    while responses := compat.next_responses(gen):
+    while responses := baseline.next_responses(gen):
         got += [r.token for r in responses if r.uid == uid]
     assert got == expected
 

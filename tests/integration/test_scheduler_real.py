@@ -14,8 +14,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from harness.kinds.agents import open_scheduler, system_prompt, text_of_tokens
-from harness.kinds.common import make_engine as fresh_engine
+from harness.engines import make_engine as fresh_engine, open_scheduler
+from harness.prompts import system_prompt, text_of_tokens
 from semantic import Request, encode, render_chat
 from semantic.reuse import common_prefix
 

@@ -13,14 +13,14 @@ import json
 
 import pytest
 
+from harness.baseline import HAS_NEXT_GENERATED
 from harness.config import load as load_config
-from semantic import compat
 from harness.models.tiny import write_tiny_llama
 from harness.runner import run
 
 pytestmark = pytest.mark.slow
 PHASES = (["warm", "five_turns", "agents", "shared", "restart", "concurrency"]
-          + (["matched"] if compat.HAS_NEXT_GENERATED else []))
+          + (["matched"] if HAS_NEXT_GENERATED else []))
 
 
 def test_every_phase_measures_both_servers_and_records_the_ones_not_run(tmp_path):

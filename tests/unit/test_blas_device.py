@@ -1,4 +1,4 @@
-"""semantic.blas points MLX at an optimized BLAS before MLX loads; semantic.device keeps MLX off a wrong GPU.
+"""semantic.blas points MLX at an optimized BLAS before MLX loads; harness.device keeps MLX off a wrong GPU.
 
 The BLAS choice is per process (fixed when ``mlx.core`` loads), so each case
 runs in a fresh interpreter with its own environment.
@@ -15,7 +15,8 @@ import sys
 import mlx.core as mx
 import pytest
 
-from semantic import blas, device
+from harness import device
+from semantic import blas
 
 linux_only = pytest.mark.skipif(platform.system() != "Linux", reason="the preload is Linux-only")
 needs_openblas = pytest.mark.skipif(platform.system() != "Linux" or not blas._candidates(),
@@ -37,6 +38,13 @@ def _describe_after(prelude: str, **env) -> tuple[dict, str]:
 def test_importing_semantic_loads_neither_mlx_nor_a_blas():
     done = _python("import sys, semantic, semantic.blas as b\n"
                    "print('mlx.core' in sys.modules, b.choice())")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False", "None"]
+
+
+def test_importing_harness_loads_no_mlx_and_probes_no_device():
+    done = _python("import sys, harness, harness.device as d\n"
+                   "print('mlx.core' in sys.modules, d._probe)")
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["False", "None"]
 

@@ -10,8 +10,6 @@ from __future__ import annotations
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-import pytest
-
 from semantic import PoolExhaustedError, Request
 from semantic.planner import StepPlanner, Ticket, blocks_per_group
 from semantic.residency import DistinctBytes, Residency

@@ -1,4 +1,4 @@
-"""Issue 18's five turns in EXP-009: the messages each turn sends, and the checks judged on them."""
+"""EXP-009's five turns past a sliding window: the messages each turn sends, and the checks judged on them."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""harness.serving.targets: commands, environments, the BLAS preload, install stamps, not-run-here records.
+"""harness.serving: targets' commands and not-run-here records, the BLAS preload, install stamps, starting a server.
 
 Nothing here installs a peer or starts a server; EXP-009's runs do.
 """
@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from harness.serving import blas, cache_hits, processes, venvs
 from harness.serving import targets as t
 
 MODEL = Path("/models/smollm2-f32")
@@ -80,7 +81,7 @@ def test_vllm_mlx_runs_its_console_script_with_home_in_the_workdir(tmp_path):
 def test_peers_get_ours_blas_as_ld_preload_and_ours_loads_it_itself(tmp_path):
     base = {"PATH": "/usr/bin", "SEMANTIC_BLAS": "/somewhere/else.so", "VIRTUAL_ENV": "/old"}
     for target in t.runnable_targets("Linux"):
-        env = t.server_env(target, _launch(target, tmp_path), BLAS, base=base)
+        env = blas.server_env(target, _launch(target, tmp_path), BLAS, base=base)
         assert "VIRTUAL_ENV" not in env and env["PATH"].startswith("/v/bin")
         if target.loads_blas_itself:
             assert env["SEMANTIC_BLAS"] == "auto" and "LD_PRELOAD" not in env
@@ -88,16 +89,16 @@ def test_peers_get_ours_blas_as_ld_preload_and_ours_loads_it_itself(tmp_path):
             assert env["LD_PRELOAD"] == BLAS and "SEMANTIC_BLAS" not in env
     ours, peer = t.TARGETS["semantic"], t.TARGETS["mlx_lm.server"]
     # no OpenBLAS: everyone stays on MLX's bundled BLAS
-    assert t.server_env(ours, _launch(ours, tmp_path), None, base=base)["SEMANTIC_BLAS"] == "off"
-    assert "LD_PRELOAD" not in t.server_env(peer, _launch(peer, tmp_path), None, base=base)
+    assert blas.server_env(ours, _launch(ours, tmp_path), None, base=base)["SEMANTIC_BLAS"] == "off"
+    assert "LD_PRELOAD" not in blas.server_env(peer, _launch(peer, tmp_path), None, base=base)
     # a preload already there is kept, after ours
-    kept = t.server_env(peer, _launch(peer, tmp_path), BLAS, base={**base, "LD_PRELOAD": "/x.so"})
+    kept = blas.server_env(peer, _launch(peer, tmp_path), BLAS, base={**base, "LD_PRELOAD": "/x.so"})
     assert kept["LD_PRELOAD"] == f"{BLAS}:/x.so"
 
 
 @pytest.mark.skipif(platform.system() != "Linux", reason="/proc and the OpenBLAS preload are Linux-only")
 def test_blas_library_is_semantic_blas_choice_and_a_preloaded_child_maps_it():
-    path = t.blas_library()
+    path = blas.blas_library()
     if path is None:
         pytest.skip("no system OpenBLAS here")
     assert Path(path).is_file() and os.path.realpath(path) == path
@@ -105,11 +106,11 @@ def test_blas_library_is_semantic_blas_choice_and_a_preloaded_child_maps_it():
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, env={**os.environ, "LD_PRELOAD": path})
     try:
         assert child.stdout.readline() == b"up\n"   # exec'd: its maps are the new program's
-        mapping = t.blas_of(child.pid)
+        mapping = blas.blas_of(child.pid)
         assert mapping.preload == path and mapping.uses(path) and path in mapping.mapped
     finally:
         child.communicate(b"")
-    assert t.blas_of(child.pid).mapped == ()   # gone: nothing to read
+    assert blas.blas_of(child.pid).mapped == ()   # gone: nothing to read
 
 
 def _recording_pip(log: Path) -> list[str]:
@@ -123,19 +124,19 @@ def test_ensure_venv_runs_the_recipe_once_and_again_only_when_it_changes(tmp_pat
     fake = t.ServerTarget(name="fake", venv="fake", install=(("pkg==1.0",), ("--no-deps", "other==2")),
                           command=None, env=lambda l: {}, health_path="/health", model_name="m",
                           cached_from="none")
-    first = t.ensure_venv(fake, tmp_path, pip=_recording_pip(calls))
+    first = venvs.ensure_venv(fake, tmp_path, pip=_recording_pip(calls))
     assert first.installed_now and first.python == tmp_path / ".peers" / "fake" / "bin" / "python"
     assert calls.read_text().splitlines() == ["install pkg==1.0", "install --no-deps other==2"]
-    stamp = json.loads((tmp_path / ".peers" / "fake" / t.STAMP).read_text())
-    assert stamp["recipe_sha256"] == t.recipe_hash(fake) and stamp["versions"] == dict(first.versions)
+    stamp = json.loads((tmp_path / ".peers" / "fake" / venvs.STAMP).read_text())
+    assert stamp["recipe_sha256"] == venvs.recipe_hash(fake) and stamp["versions"] == dict(first.versions)
 
-    again = t.ensure_venv(fake, tmp_path, pip=_recording_pip(calls))
+    again = venvs.ensure_venv(fake, tmp_path, pip=_recording_pip(calls))
     assert not again.installed_now and len(calls.read_text().splitlines()) == 2
 
     changed = t.ServerTarget(name="fake", venv="fake", install=(("pkg==1.1",),), command=None,
                              env=lambda l: {}, health_path="/health", model_name="m", cached_from="none")
     (tmp_path / ".peers" / "fake" / "leftover").write_text("from the old recipe")
-    assert t.ensure_venv(changed, tmp_path, pip=_recording_pip(calls)).installed_now
+    assert venvs.ensure_venv(changed, tmp_path, pip=_recording_pip(calls)).installed_now
     assert calls.read_text().splitlines()[-1] == "install pkg==1.1"
     assert not (tmp_path / ".peers" / "fake" / "leftover").exists()   # rebuilt from nothing
 
@@ -143,37 +144,37 @@ def test_ensure_venv_runs_the_recipe_once_and_again_only_when_it_changes(tmp_pat
 def test_a_failing_recipe_leaves_no_stamp_and_says_why(tmp_path):
     fake = t.ServerTarget(name="fake", venv="fake", install=(("pkg",),), command=None, env=lambda l: {},
                           health_path="/health", model_name="m", cached_from="none")
-    with pytest.raises(t.InstallError, match="boom"):
-        t.ensure_venv(fake, tmp_path, pip=[sys.executable, "-c", "import sys; print('boom'); sys.exit(3)"])
-    assert not (tmp_path / ".peers" / "fake" / t.STAMP).exists()
+    with pytest.raises(venvs.InstallError, match="boom"):
+        venvs.ensure_venv(fake, tmp_path, pip=[sys.executable, "-c", "import sys; print('boom'); sys.exit(3)"])
+    assert not (tmp_path / ".peers" / "fake" / venvs.STAMP).exists()
 
 
 def test_records_say_why_they_are_not_run_here_and_start_refuses_them(tmp_path):
     for name in ("omlx", "lmstudio-mlx-engine", "llama.cpp"):
         record = t.TARGETS[name]
         assert not record.runnable_on("Linux") and record.reason.startswith("not run here")
-        with pytest.raises(t.NotRunnableHere, match=name):
-            t.start(record, MODEL, 8123, tmp_path)
+        with pytest.raises(processes.NotRunnableHere, match=name):
+            processes.start(record, MODEL, 8123, tmp_path)
     assert "macOS" in t.TARGETS["omlx"].reason and "compiles" in t.TARGETS["llama.cpp"].reason
     assert [x.name for x in t.runnable_targets("Linux")] == ["semantic", "mlx_lm.server", "mlx-vlm", "vllm-mlx"]
 
 
 def test_cached_tokens_from_usage_or_from_stats_growth():
     usage = {"prompt_tokens": 700, "prompt_tokens_details": {"cached_tokens": 512}}
-    assert t.cached_tokens(t.TARGETS["mlx_lm.server"], usage) == 512
-    assert t.cached_tokens(t.TARGETS["semantic"], {"prompt_tokens": 3}) is None
+    assert cache_hits.cached_tokens(t.TARGETS["mlx_lm.server"], usage) == 512
+    assert cache_hits.cached_tokens(t.TARGETS["semantic"], {"prompt_tokens": 3}) is None
     before = {"engine_cache": {"hits": 0, "tokens_saved": 0}, "multimodal_kv_cache": {}}
     after = {"engine_cache": {"hits": 1, "tokens_saved": 640}, "multimodal_kv_cache": {}}
-    assert t.cached_tokens(t.TARGETS["vllm-mlx"], usage, before, after) == 640
-    assert t.cached_tokens(t.TARGETS["vllm-mlx"], usage) is None
+    assert cache_hits.cached_tokens(t.TARGETS["vllm-mlx"], usage, before, after) == 640
+    assert cache_hits.cached_tokens(t.TARGETS["vllm-mlx"], usage) is None
 
 
 def test_start_reports_an_early_exit_with_the_log_tail(tmp_path):
     dies = t.ServerTarget(name="dies", venv=None, install=(), env=lambda l: {}, health_path="/health",
                           command=lambda l: [str(l.python), "-c", "print('no such model'); raise SystemExit(2)"],
                           model_name="m", cached_from="none")
-    with pytest.raises(t.ServerStartError, match="(?s)exited 2.*no such model"):
-        t.start(dies, MODEL, t.free_port(), tmp_path, blas=None, ready_timeout_s=30)
+    with pytest.raises(processes.ServerStartError, match="(?s)exited 2.*no such model"):
+        processes.start(dies, MODEL, processes.free_port(), tmp_path, blas=None, ready_timeout_s=30)
 
 
 def test_start_waits_for_health_and_stop_sends_the_signal(tmp_path):
@@ -185,7 +186,7 @@ def test_start_waits_for_health_and_stop_sends_the_signal(tmp_path):
     ok = t.ServerTarget(name="ok", venv=None, install=(), env=lambda l: {}, health_path="/health",
                         command=lambda l: [str(l.python), "-c", server, str(l.port)],
                         model_name="m", cached_from="none")
-    running = t.start(ok, MODEL, t.free_port(), tmp_path, blas=None, ready_timeout_s=30)
+    running = processes.start(ok, MODEL, processes.free_port(), tmp_path, blas=None, ready_timeout_s=30)
     assert running.start_to_ready_s > 0 and running.rss_bytes() > 1 << 20
     assert running.stop(signal.SIGTERM, timeout_s=10) == -signal.SIGTERM
     assert running.rss_bytes() == 0

@@ -11,7 +11,6 @@ import pytest
 
 from semantic import (
     AgentCacheStore,
-    BlockPool,
     CacheMismatchError,
     InvalidAgentIdError,
     ModelCacheSpec,

@@ -1,19 +1,25 @@
-"""Pieces shared by the agent experiments (EXP-007, EXP-008) and their child processes.
+"""Prompts from the built-in history text: plain token ids, and chat conversations of a given length.
 
 A conversation is a list of chat messages, rendered by the model's chat
 template each turn, as a client would send it. Text of a given token length
-comes from the built-in history corpus, read from a per-user offset so that
-users' histories differ.
+comes from the history corpus, read from a per-user offset so that users'
+histories differ.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from harness.kinds.common import HISTORY
-from semantic import AgentCacheStore, BlockPool, ConcurrentScheduler, ModelCacheSpec
-
+HISTORY = (Path(__file__).parent / "data" / "history.txt").read_text()
 WORDS = HISTORY.split()
+
+
+def history_ids(tokenizer, n: int) -> list[int]:
+    """The first ``n`` tokens of a fixed English text (BOS included where the model has one)."""
+    ids = tokenizer.encode(HISTORY)
+    if n > len(ids):
+        raise ValueError(f"history_tokens={n}, but the built-in history text has only {len(ids)} tokens")
+    return ids[:n]
 
 
 def text_of_tokens(tokenizer, n_tokens: int, offset: int = 0, prefix: str = "") -> str:
@@ -48,15 +54,3 @@ def user_history(tokenizer, user: int, n_tokens: int) -> list[dict]:
 
 def question(tokenizer, user: int, turn: int, n_tokens: int) -> dict:
     return {"role": "user", "content": text_of_tokens(tokenizer, n_tokens, 61 * user + 17 * turn, f"Question {turn}:")}
-
-
-def open_scheduler(loaded, cache_dir: Path, blocks: int, max_batch: int = 8, write_behind: bool = True,
-                   block_tokens: int = 256, ram_budget_bytes: int | None = None):
-    """A scheduler over a fresh pool and a store in ``cache_dir`` (files there are found: a restart);
-    ``ram_budget_bytes`` bounds its resident caches (None: the pool does)."""
-    spec = ModelCacheSpec.from_model(loaded.model)
-    pool = BlockPool(spec, blocks, block_tokens)
-    store = AgentCacheStore(cache_dir, spec, loaded.fingerprint, disk_budget_bytes=1 << 40, pool=pool)
-    # no stop tokens: every turn generates exactly max_tokens, so turns compare step for step
-    return ConcurrentScheduler(loaded.model, loaded.tokenizer, store, max_batch=max_batch,
-                               write_behind=write_behind, stop_tokens=[], ram_budget_bytes=ram_budget_bytes)

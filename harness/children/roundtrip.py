@@ -1,7 +1,9 @@
 """The fresh process of EXP-005: load a cache file, continue beside a fresh prefill.
 
-``python -m harness.kinds._roundtrip_child MODEL FILE T STEPS`` prints one
-JSON line with both sequences' tokens and logprobs and the load time.
+``python -m harness.children.roundtrip SPEC.json`` loads the spec's model
+(in its variant) and cache file, continues it with the token ids ``continuation`` for ``steps`` tokens
+beside a fresh prefill of the same tokens, and prints one JSON line with both
+sequences' tokens and logprobs and the load time.
 """
 
 from __future__ import annotations
@@ -9,14 +11,15 @@ from __future__ import annotations
 import json
 import sys
 import time
+from pathlib import Path
 
-from harness import models
-from harness.kinds.common import make_engine
+from harness import device, models
+from harness.engines import make_engine
 from semantic import Request, cachefile
 
 
-def main(model: str, path: str, T: list[int], steps: int) -> dict:
-    loaded = models.load(model)
+def main(model: str, variant: str, path: str, T: list[int], steps: int) -> dict:
+    loaded = models.load(model, variant)
     engine = make_engine(loaded, 64)
     t0 = time.perf_counter()
     cache = cachefile.load(path, engine.pool, model_fingerprint=loaded.fingerprint)
@@ -29,5 +32,6 @@ def main(model: str, path: str, T: list[int], steps: int) -> dict:
 
 
 if __name__ == "__main__":
-    model, path, t, steps = sys.argv[1:]
-    print(json.dumps(main(model, path, [int(x) for x in t.split(",")], int(steps))))
+    device.ensure_working_device()  # this process computes on the default device: a wrong GPU leaves it first
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    print(json.dumps(main(spec["model"], spec["variant"], spec["path"], spec["continuation"], spec["steps"])))

@@ -1,14 +1,13 @@
 """One side of the throughput experiment, in a process of its own.
 
-``python -c "from harness.kinds._throughput_child import cli; cli()" SPEC.json``
-(the kind imports this module, so it is not run with ``-m``) loads one model
-variant (``$SEMANTIC_MODEL_VARIANT``) with the BLAS the parent chose
-(``$SEMANTIC_BLAS``: the choice is fixed when MLX loads, so each side needs its
-own process), measures prefill and decode, and prints one JSON line.
+``python -m harness.children.throughput SPEC.json`` loads the spec's model
+variant with the BLAS the parent chose (``$SEMANTIC_BLAS``: the choice is fixed
+when MLX loads, so it is an environment variable and each side needs its own
+process), measures prefill and decode, and prints one JSON line.
 
 - prefill: ``mlx_lm.generate.generate_step`` over N fresh tokens until the
   first token is read (so materialized): N / seconds;
-- decode: B sequences in one ``BatchGenerator`` (through ``semantic.compat``),
+- decode: B sequences in one ``BatchGenerator`` (through ``harness.baseline``),
   timed from the step where every sequence has its first token to the last
   step: generated tokens / seconds.
 """
@@ -24,8 +23,8 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import generate_step
 
-from harness import environment, models
-from semantic import blas, compat
+from harness import baseline, device, environment, models
+from semantic import blas
 
 
 def _ids(rng, n: int, vocab: int) -> list[int]:
@@ -44,10 +43,10 @@ def prefill_seconds(model, ids: list[int]) -> float:
 
 def decode_tokens_per_s(model, prompts: list[list[int]], tokens: int) -> float:
     """Tokens per second of ``len(prompts)`` sequences decoding together, prefill excluded."""
-    gen = compat.make_batch_generator(model, max_tokens=tokens + 1, stop_tokens=[])
-    uids = set(compat.insert(gen, prompts, [None] * len(prompts), [tokens + 1] * len(prompts)))
+    gen = baseline.make_batch_generator(model, max_tokens=tokens + 1, stop_tokens=[])
+    uids = set(baseline.insert(gen, prompts, [None] * len(prompts), [tokens + 1] * len(prompts)))
     started, t0, generated = set(), None, 0
-    while responses := compat.next_responses(gen):
+    while responses := baseline.next_responses(gen):
         if t0 is None:
             started |= {r.uid for r in responses}
             if started == uids:  # every sequence has its first token: decoding starts now
@@ -78,5 +77,6 @@ def main(spec: dict) -> dict:
     }
 
 
-def cli() -> None:
+if __name__ == "__main__":
+    device.ensure_working_device()  # this process computes on the default device: a wrong GPU leaves it first
     print(json.dumps(main(json.loads(Path(sys.argv[1]).read_text()))))

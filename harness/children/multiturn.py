@@ -1,6 +1,6 @@
 """The restarted process of EXP-007: continue every conversation from the cache files alone.
 
-``python -m harness.kinds._multiturn_child SPEC.json`` opens a new pool,
+``python -m harness.children.multiturn SPEC.json`` opens a new pool,
 store and scheduler on the cache directory (nothing of the first process
 survives but its files), runs each conversation's next turn alone, then a
 full re-prefill of the reference conversation, and prints one JSON line.
@@ -12,14 +12,13 @@ import json
 import sys
 from pathlib import Path
 
-from harness import models
-from harness.kinds.agents import open_scheduler
-from harness.kinds.common import fresh_first_token, logprob_diff, make_engine
+from harness import device, models
+from harness.engines import fresh_first_token, logprob_diff, make_engine, open_scheduler
 from semantic import Request, encode, render_chat
 
 
 def main(spec: dict) -> dict:
-    loaded = models.load(spec["model"])
+    loaded = models.load(spec["model"], spec["variant"])
     fresh = make_engine(loaded, spec["pool_blocks"])
     fresh_first_token(fresh, loaded.tokenizer.encode("warm up the kernels"))
     sched = open_scheduler(loaded, Path(spec["cache_dir"]), spec["pool_blocks"], write_behind=False)
@@ -47,4 +46,5 @@ def main(spec: dict) -> dict:
 
 
 if __name__ == "__main__":
+    device.ensure_working_device()  # this process computes on the default device: a wrong GPU leaves it first
     print(json.dumps(main(json.loads(Path(sys.argv[1]).read_text()))))

@@ -1,39 +1,14 @@
-"""Helpers the engine kinds share: one engine factory, the built-in history, first-token timing,
-how two completions' logprobs are compared, and how a kind runs a measurement in a child process."""
+"""Our engine as the kinds drive it: an engine or a scheduler over a pool of its own, one
+request run to its end, first-token timing, and how two completions' logprobs are compared."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
 from harness.timing import Samples, time_interleaved
-from semantic import AgentBlocks, BlockPool, BlockPoolBatchEngine, ModelCacheSpec, Request
-
-HISTORY = (Path(__file__).parents[1] / "data" / "history.txt").read_text()
-
-
-def run_child(command: list[str], spec: dict, what: str, env: dict | None = None) -> dict:
-    """Run ``python COMMAND SPEC.json`` (``spec`` written to a temp file) and return the JSON
-    object the child prints last.
-
-    Raises:
-        RuntimeError: naming ``what`` and the end of the child's stderr when it exits non-zero.
-    """
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump(spec, f)
-    try:
-        proc = subprocess.run([sys.executable, *command, f.name], capture_output=True, text=True, env=env)
-    finally:
-        os.unlink(f.name)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{what} failed:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+from semantic import AgentBlocks, AgentCacheStore, BlockPool, BlockPoolBatchEngine, ConcurrentScheduler, ModelCacheSpec, Request
 
 
 def make_engine(loaded, blocks: int = 256) -> BlockPoolBatchEngine:
@@ -43,12 +18,16 @@ def make_engine(loaded, blocks: int = 256) -> BlockPoolBatchEngine:
     return BlockPoolBatchEngine(loaded.model, loaded.tokenizer, BlockPool(spec, blocks), spec, stop_tokens=[])
 
 
-def history_ids(tokenizer, n: int) -> list[int]:
-    """The first ``n`` tokens of a fixed English text (BOS included where the model has one)."""
-    ids = tokenizer.encode(HISTORY)
-    if n > len(ids):
-        raise ValueError(f"history_tokens={n}, but the built-in history text has only {len(ids)} tokens")
-    return ids[:n]
+def open_scheduler(loaded, cache_dir: Path, blocks: int, max_batch: int = 8, write_behind: bool = True,
+                   block_tokens: int = 256, ram_budget_bytes: int | None = None):
+    """A scheduler over a fresh pool and a store in ``cache_dir`` (files there are found: a restart);
+    ``ram_budget_bytes`` bounds its resident caches (None: the pool does)."""
+    spec = ModelCacheSpec.from_model(loaded.model)
+    pool = BlockPool(spec, blocks, block_tokens)
+    store = AgentCacheStore(cache_dir, spec, loaded.fingerprint, disk_budget_bytes=1 << 40, pool=pool)
+    # no stop tokens: every turn generates exactly max_tokens, so turns compare step for step
+    return ConcurrentScheduler(loaded.model, loaded.tokenizer, store, max_batch=max_batch,
+                               write_behind=write_behind, stop_tokens=[], ram_budget_bytes=ram_budget_bytes)
 
 
 def run_one(engine: BlockPoolBatchEngine, agent: str, prompt: list[int], cache: AgentBlocks | None, max_tokens: int):
