@@ -34,7 +34,8 @@ _EXPORTS = {
     ),
     "semantic.pool": ("BlockPool", "PoolStats"),
     "semantic.request": ("Completion", "Request", "encode", "render_chat", "validate_agent_id"),
-    "semantic.scheduler": ("ConcurrentScheduler", "SchedulerStats", "TurnResult"),
+    "semantic.planner": ("SchedulerStats",),
+    "semantic.scheduler": ("ConcurrentScheduler", "TurnResult"),
     "semantic.spec": ("LayerSpec", "ModelCacheSpec"),
     "semantic.store": ("AgentCacheStore", "StoreStats"),
 }

@@ -100,7 +100,7 @@ class BlockPoolBatchEngine:
         self._loop = StepLoop(model, stop_tokens=self.stop_tokens, max_batch=max_batch, prefill_chunk=self.prefill_chunk)
         self._uids = itertools.count()
         self._seqs: dict[int, _InFlight] = {}
-        self._busy: dict[str, int] = {}
+        self._by_agent: dict[str, int] = {}  # agent id -> its uid in flight
         self._finished: weakref.WeakValueDictionary[int, AgentBlocks] = weakref.WeakValueDictionary()
 
     # ------------------------------------------------------------ requests
@@ -122,8 +122,8 @@ class BlockPoolBatchEngine:
                 one fact a request cannot check itself.
             CacheMismatchError: ``own`` is of another model or spec.
         """
-        if request.agent_id in self._busy:
-            raise AgentBusyError(f"agent {request.agent_id!r} already has request {self._busy[request.agent_id]} in flight")
+        if request.agent_id in self._by_agent:
+            raise AgentBusyError(f"agent {request.agent_id!r} already has request {self._by_agent[request.agent_id]} in flight")
         if max(request.ids) >= self.vocab_size:
             bad = [t for t in request.ids if t >= self.vocab_size][:5]
             raise InvalidRequestError(f"token ids outside the vocabulary [0, {self.vocab_size}): {bad}")
@@ -152,7 +152,7 @@ class BlockPoolBatchEngine:
             on_stop=lambda uid, live, n: self._checkpoint(live, ids[: fed + n], request.salt_root),
         )
         self._seqs[seq.uid] = seq
-        self._busy[request.agent_id] = seq.uid
+        self._by_agent[request.agent_id] = seq.uid
         return seq.uid
 
     def _checkpoint(self, caches: list, ids: list[int], salt_root: int | None) -> None:
@@ -245,7 +245,7 @@ class BlockPoolBatchEngine:
 
     def _finish(self, seq: _InFlight, reason: str, caches: list | None) -> Completion:
         del self._seqs[seq.uid]
-        self._busy.pop(seq.request.agent_id, None)
+        self._by_agent.pop(seq.request.agent_id, None)
         blocks, error = None, None
         try:
             if caches is None:

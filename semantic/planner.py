@@ -54,6 +54,47 @@ def blocks_per_group(tokens: int, block_tokens: int) -> int:
     return -(-tokens // block_tokens) + 1
 
 
+def longest_cache(total_blocks: int, groups: int, block_tokens: int) -> int:
+    """The most tokens one cache may hold and still fit the pool: the largest ``n`` with
+    ``blocks_per_group(n) * groups <= total_blocks``."""
+    return (total_blocks // groups - 1) * block_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerStats:
+    """Counters since the scheduler started, and its state now."""
+
+    submitted: int
+    completed: int
+    failed: int
+    rejected: int        # submits refused by a full queue
+    queued: int
+    in_flight: int
+    prompt_tokens: int   # prefilled over all completed turns
+    cached_tokens: int   # taken from caches over all completed turns
+    saves: int
+    save_errors: int
+    pending_saves: int
+    resident_agents: int
+    evictions: int       # agents dropped from RAM (to make room, to hold the budget, or asked to)
+    cancelled: int = 0   # turns ended by cancel() (queued or running)
+    resident_bytes: int = 0          # distinct pool blocks of resident caches (``semantic.residency``)
+    resident_peak_bytes: int = 0     # the most resident bytes after any pass
+    ram_budget_bytes: int | None = None
+    budget_evictions: int = 0        # saved caches evicted to hold the budget
+    budget_waits: int = 0            # times the worker waited for a save to hold it
+    budget_wait_s: float = 0.0
+    over_budget_steps: int = 0       # passes that ended over the budget anyway ...
+    over_budget_reason: str | None = None  # ... and why (the last time)
+    steps: int = 0                   # engine steps of the worker: each pass ends with the budget check and a sample
+
+    @property
+    def token_hit_rate(self) -> float:
+        """Share of history tokens served from a cache instead of prefilled."""
+        total = self.prompt_tokens + self.cached_tokens
+        return self.cached_tokens / total if total else 0.0
+
+
 @dataclass(slots=True, eq=False)
 class Ticket:
     """A submitted request and what the scheduler tracks of it (compared by identity)."""
@@ -183,7 +224,7 @@ class StepPlanner:
                 continue
             if reserved:
                 continue  # a finish frees blocks: it waits for one
-            room_plan = self.make_room(keep=ticket.request.agent_id)
+            room_plan = self.make_room(exclude=ticket.request.agent_id)
             if room_plan is None:
                 plan.fail.append((ticket, PoolExhaustedError(
                     f"this turn needs {need} free blocks; {free} are free and every cached agent is busy or not yet"
@@ -193,10 +234,10 @@ class StepPlanner:
             break
         return plan
 
-    def make_room(self, keep: str) -> StepPlan | None:
-        """Free pool blocks: evict the least recently used resident cache that may go (not ``keep``'s,
+    def make_room(self, exclude: str) -> StepPlan | None:
+        """Free pool blocks: evict the least recently used resident cache that may go (not ``exclude``'s,
         not pinned), else wait for a save under way; None when nothing can make room."""
-        victim = next((a for a in self.residency if a != keep and not self.pinned(a)), None)
+        victim = next((a for a in self.residency if a != exclude and not self.pinned(a)), None)
         if victim is not None:
             return StepPlan(evict=victim)
         return StepPlan(wait_for_save=True) if self.saves.busy else None
@@ -260,6 +301,20 @@ class StepPlanner:
                 self._ready.append(agent_id)
         self.counts["failed"] += len(failed)
         return failed
+
+    def stats(self, steps: int) -> SchedulerStats:
+        """The counters and the state now; ``steps``: the worker's engine steps so far."""
+        c, r, s = self.counts, self.residency, self.saves
+        return SchedulerStats(
+            submitted=c["submitted"], completed=c["completed"], failed=c["failed"], rejected=c["rejected"],
+            queued=self.queued, in_flight=len(self.in_flight),
+            prompt_tokens=c["prompt_tokens"], cached_tokens=c["cached_tokens"],
+            saves=s.saves, save_errors=s.errors, pending_saves=s.outstanding(),
+            resident_agents=len(r), evictions=c["evictions"], cancelled=c["cancelled"],
+            resident_bytes=r.bytes, resident_peak_bytes=r.peak_bytes, ram_budget_bytes=self.budget,
+            budget_evictions=c["budget_evictions"], budget_waits=c["budget_waits"], budget_wait_s=self.budget_wait_s,
+            over_budget_steps=c["over_budget_steps"], over_budget_reason=self.over_budget_reason, steps=steps,
+        )
 
     def _take(self, agent_id: str, ticket: Ticket) -> bool:
         """Take ``ticket`` off its agent's queue if it is there (False: cancel() took it first)."""

@@ -41,14 +41,13 @@ import logging
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from semantic import cachefile, defaults
 from semantic.blocks import AgentBlocks
 from semantic.engine import BlockPoolBatchEngine
 from semantic.errors import CacheError, PoolExhaustedError, QueueFullError, SchedulerClosedError
-from semantic.planner import StepPlan, StepPlanner, Ticket, blocks_per_group
+from semantic.planner import SchedulerStats, StepPlan, StepPlanner, Ticket, blocks_per_group
 from semantic.request import Completion, Request
 from semantic.store import AgentCacheStore
 from semantic.writebehind import WriteBehind
@@ -56,41 +55,6 @@ from semantic.writebehind import WriteBehind
 log = logging.getLogger(__name__)
 
 TurnResult = Completion  # what a turn's future gives: the engine's Completion, its blocks kept by the scheduler
-
-
-@dataclass(frozen=True, slots=True)
-class SchedulerStats:
-    """Counters since the scheduler started, and its state now."""
-
-    submitted: int
-    completed: int
-    failed: int
-    rejected: int        # submits refused by a full queue
-    queued: int
-    in_flight: int
-    prompt_tokens: int   # prefilled over all completed turns
-    cached_tokens: int   # taken from caches over all completed turns
-    saves: int
-    save_errors: int
-    pending_saves: int
-    resident_agents: int
-    evictions: int       # agents dropped from RAM (to make room, to hold the budget, or asked to)
-    cancelled: int = 0   # turns ended by cancel() (queued or running)
-    resident_bytes: int = 0          # distinct pool blocks of resident caches (``semantic.residency``)
-    resident_peak_bytes: int = 0     # the most resident bytes after any pass
-    ram_budget_bytes: int | None = None
-    budget_evictions: int = 0        # saved caches evicted to hold the budget
-    budget_waits: int = 0            # times the worker waited for a save to hold it
-    budget_wait_s: float = 0.0
-    over_budget_steps: int = 0       # passes that ended over the budget anyway ...
-    over_budget_reason: str | None = None  # ... and why (the last time)
-    steps: int = 0                   # engine steps of the worker: each pass ends with the budget check and a sample
-
-    @property
-    def token_hit_rate(self) -> float:
-        """Share of history tokens served from a cache instead of prefilled."""
-        total = self.prompt_tokens + self.cached_tokens
-        return self.cached_tokens / total if total else 0.0
 
 
 class ConcurrentScheduler:
@@ -250,18 +214,7 @@ class ConcurrentScheduler:
 
     def stats(self) -> SchedulerStats:
         with self._cv:
-            p = self.planner
-            c, r, s = p.counts, p.residency, p.saves
-            return SchedulerStats(
-                submitted=c["submitted"], completed=c["completed"], failed=c["failed"], rejected=c["rejected"],
-                queued=p.queued, in_flight=len(p.in_flight),
-                prompt_tokens=c["prompt_tokens"], cached_tokens=c["cached_tokens"],
-                saves=s.saves, save_errors=s.errors, pending_saves=s.outstanding(),
-                resident_agents=len(r), evictions=c["evictions"], cancelled=c["cancelled"],
-                resident_bytes=r.bytes, resident_peak_bytes=r.peak_bytes, ram_budget_bytes=p.budget,
-                budget_evictions=c["budget_evictions"], budget_waits=c["budget_waits"], budget_wait_s=p.budget_wait_s,
-                over_budget_steps=c["over_budget_steps"], over_budget_reason=p.over_budget_reason, steps=self._steps,
-            )
+            return self.planner.stats(self._steps)
 
     def resident_bytes(self, recount: bool = False) -> int:
         """Resident bytes now: the running count, or (``recount``) counted afresh from the resident caches."""
@@ -357,7 +310,7 @@ class ConcurrentScheduler:
             try:
                 return self.store.load(request.agent_id)  # the file (a restart, an eviction), else None
             except PoolExhaustedError as exc:  # room for the file's blocks
-                if not self._plan(lambda: self.planner.make_room(keep=request.agent_id) or StepPlan()):
+                if not self._plan(lambda: self.planner.make_room(exclude=request.agent_id) or StepPlan()):
                     self._fail(ticket, exc)
                     return False
 
@@ -412,7 +365,7 @@ class ConcurrentScheduler:
         prepared = None
         if blocks is not None and self.write_behind:
             try:
-                prepared = cachefile.prepare(blocks)  # MLX work stays on this thread
+                prepared = cachefile.prepare_save(blocks)  # MLX work stays on this thread
             except CacheError as exc:
                 log.warning("agent %r: cannot prepare its save: %s", c.agent_id, exc)
         with self._cv:

@@ -32,10 +32,11 @@ from semantic.blockplan import salt_root_of
 from semantic.engine import vocab_size
 from semantic.errors import CacheError, ContextLengthError, InvalidRequestError, SchedulerClosedError
 from semantic.fingerprint import weights_fingerprint
+from semantic.planner import SchedulerStats, longest_cache
 from semantic.pool import BlockPool, PoolStats
 from semantic.request import Completion, OnToken, Request, encode
 from semantic.sampling import GREEDY, SamplingParams
-from semantic.scheduler import ConcurrentScheduler, SchedulerStats
+from semantic.scheduler import ConcurrentScheduler
 from semantic.spec import ModelCacheSpec
 from semantic.store import AgentCacheStore, StoreStats, file_name
 
@@ -134,9 +135,7 @@ class Service:
         self.vocab_size = vocab_size(model)
         native = getattr(getattr(model, "args", None), "max_position_embeddings", None) or DEFAULT_CONTEXT
         self.context_length = int(min(max_context or native, native))
-        groups = len(store.spec.groups())
-        # the longest cache the pool can hold: planner.blocks_per_group(tokens) * groups <= total_blocks
-        self.pool_tokens = (store.total_blocks // groups - 1) * store.block_tokens
+        self.pool_tokens = longest_cache(store.total_blocks, len(store.spec.groups()), store.block_tokens)
         self.model_path: Path | None = None  # set by open()
         self._lock = threading.Lock()
         self._seen: dict[str, tuple[int, float | None]] = {}  # agent id -> (cached tokens, last used)

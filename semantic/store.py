@@ -145,7 +145,7 @@ class AgentCacheStore:
         """Write ``agent_id``'s cache file (durable unless the store is not).
 
         The caller keeps (and may release) ``blocks``: the store keeps no
-        reference. ``prepared`` (``cachefile.prepare``) lets a write-behind
+        reference. ``prepared`` (``cachefile.prepare_save``) lets a write-behind
         thread save without any MLX work of its own.
         """
         name = file_name(agent_id)

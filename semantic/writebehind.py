@@ -1,6 +1,6 @@
 """The scheduler's saver thread: finished caches written to the store behind the worker.
 
-The worker prepares each save (``cachefile.prepare``, the MLX part) and
+The worker prepares each save (``cachefile.prepare_save``, the MLX part) and
 queues it in the planner's :class:`~semantic.saves.SaveState`; this thread
 takes the oldest, writes its bytes and reports back, so MLX keeps computing.
 A failed save is counted and logged; the cache stays resident (``unsaved``

@@ -2,7 +2,7 @@
 
     fileformat   the layout, the header document, and the checks a header must pass
     atomic       crash-safe writes (temp name, fsync, rename) and startup recovery
-    saving       prepare (the MLX work) and save (the write, no MLX work)
+    saving       prepare_save (the MLX work) and save (the write, no MLX work)
     loading      read, verify and pool a file's blocks
 
 The public names are re-exported here: ``cachefile.save``, ``cachefile.load``,
@@ -23,7 +23,7 @@ from semantic.cachefile.fileformat import (
     read_header,
 )
 from semantic.cachefile.loading import load
-from semantic.cachefile.saving import PreparedSave, prepare, save
+from semantic.cachefile.saving import PreparedSave, prepare_save, save
 
 __all__ = [
     "DOC_HASH_KEY",
@@ -38,7 +38,7 @@ __all__ = [
     "TensorSlot",
     "layout",
     "load",
-    "prepare",
+    "prepare_save",
     "read_header",
     "save",
     "settle",

@@ -124,7 +124,7 @@ class PreparedSave:
     stored_from: dict[str, int]
 
 
-def prepare(blocks: AgentBlocks) -> PreparedSave:
+def prepare_save(blocks: AgentBlocks) -> PreparedSave:
     """The byte views :func:`save` writes for ``blocks`` (no copy of segment views)."""
     if blocks.released:
         raise CacheMismatchError("these AgentBlocks were released; their blocks may be reused")
@@ -158,7 +158,7 @@ def save(
         agent_id: recorded in the document (the store lists agents by it).
         durable: fsync file and directory. Without it a process crash is
             still safe, but a power loss may lose the newest file.
-        prepared: ``prepare(blocks)``, made earlier on the thread that runs
+        prepared: ``prepare_save(blocks)``, made earlier on the thread that runs
             MLX, so this call does no MLX work (a write-behind thread).
 
     Returns:
@@ -172,7 +172,7 @@ def save(
         raise InvalidRequestError(f"agent_id must be a string or None, got {agent_id!r}")
     path = os.fspath(path)
     if prepared is None:
-        prepared = prepare(blocks)
+        prepared = prepare_save(blocks)
     elif prepared.token_ids != blocks.token_ids or prepared.spec != blocks.spec:
         raise InvalidRequestError("prepared bytes belong to another cache than these blocks")
     slots = prepared.slots

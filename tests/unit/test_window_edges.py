@@ -52,7 +52,7 @@ def test_two_agents_sharing_a_prefix_longer_than_the_window_hold_its_edge_block_
 
 
 def test_regenerate_edit_and_return_to_a_branch_reuse_everything_before_the_divergence(gemma_tiny):
-    """The five turns of issue 18, scaled to a window of 8: each turn reuses up to
+    """Five turns past a sliding window (cold, append, regenerate, edit, back to a branch), scaled to a window of 8: each turn reuses up to
     where it differs from something cached, and continues exactly like a fresh prefill."""
     eng = engine(gemma_tiny)
     t1 = history(13, seed=2)

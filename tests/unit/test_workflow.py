@@ -1,6 +1,6 @@
 """.github/workflows/bench.yml cannot run here, so it is checked here: against
 GitHub's workflow schema (check-jsonschema's vendored copy, offline), and for
-what it promises: the macOS arm64 matrix over the seeds' and the latest mlx,
+what it promises: the macOS arm64 matrix over the oldest supported and the latest mlx,
 the commands it runs, and make targets that exist."""
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def test_the_workflow_runs_the_matrix_and_the_promised_commands():
     mac = doc["jobs"]["macos"]
     assert mac["runs-on"] == "macos-14"
     pins = [m["pins"] for m in mac["strategy"]["matrix"]["include"]]
-    assert "mlx==0.30.3 mlx-lm==0.30.4" in pins and "" in pins  # the seeds' versions and the latest
+    assert "mlx==0.30.3 mlx-lm==0.30.4" in pins and "" in pins  # the oldest supported versions and the latest
     text = _run_text(doc)
     for cmd in ("make test", "--benchmark-only", "--benchmark-json", "make exp-006", "harness compare", "bash .ci/run"):
         assert cmd in text, cmd
