@@ -122,6 +122,8 @@ class BlockPoolBatchEngine:
                 one fact a request cannot check itself.
             CacheMismatchError: ``own`` is of another model or spec.
         """
+        if not isinstance(request, Request):
+            raise TypeError(f"submit takes a semantic.Request, got {type(request).__name__}")
         if request.agent_id in self._by_agent:
             raise AgentBusyError(f"agent {request.agent_id!r} already has request {self._by_agent[request.agent_id]} in flight")
         if max(request.ids) >= self.vocab_size:

@@ -125,7 +125,8 @@ class ConcurrentScheduler:
         be quick. ``timeout`` is how long to wait for queue space: 0 raises
         :class:`QueueFullError` at once, None waits as long as it takes.
         """
-        assert isinstance(request, Request), type(request)
+        if not isinstance(request, Request):
+            raise TypeError(f"submit takes a semantic.Request, got {type(request).__name__}")
         ticket = Ticket(request, Future())
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cv:
@@ -283,6 +284,8 @@ class ConcurrentScheduler:
                 self._start(ticket, owns[ticket], need)
             if not plan.evict and not plan.wait_for_save:
                 return
+            # an evicted agent's next turn reads its file: holding its cache here would keep the blocks
+            owns = {t: o for t, o in owns.items() if t.request.agent_id != plan.evict}
 
     def _plan(self, decide: Callable[[], StepPlan]) -> StepPlan:
         """Decide under the lock, then do the plan's failures, eviction and wait."""
