@@ -4,8 +4,9 @@ A kind declares its parameters (checked by ``harness.config``), the plots it
 can draw, and a ``run(ctx)`` function that measures and records into
 ``ctx.results``. ``KINDS`` maps each kind's name to its declaration
 (``harness.kinds.base``). ``persistence_speed`` is no kind of its own: it is
-the save and load timing of ``persistence_roundtrip``. What kinds share is
-outside this folder: ``harness.engines``, ``harness.prompts``,
+the save and load timing of ``persistence_roundtrip``; nor is
+``reconstruction_report``: the summaries of ``reconstruction``'s cells. What
+kinds share is outside this folder: ``harness.engines``, ``harness.prompts``,
 ``harness.synthetic``, ``harness.baseline``, and the child processes in
 ``harness.children``.
 """

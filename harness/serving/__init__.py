@@ -13,5 +13,6 @@
   and its resident memory;
 - ``blas``: the same system OpenBLAS as ours for every server;
 - ``cache_hits``: the prompt tokens a request took from a server's cache;
-- ``loadgen`` and ``phases``: the client and the workload, servers taking turns.
+- ``loadgen`` and ``phases``: the client and the workload, servers taking turns;
+- ``report``: what the requests' records say, as metrics, checks and plots.
 """

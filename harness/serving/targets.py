@@ -21,6 +21,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 CACHED_FROM = ("usage", "stats_endpoint", "none")
 LINUX_AND_MAC = frozenset({"Linux", "Darwin"})
+OURS = "semantic"          # every ratio EXP-009 reports is ours over a peer's
+MLX_LM = "mlx_lm.server"   # the peer users of MLX already run: some checks compare with it alone
 
 
 class ServingError(RuntimeError):
@@ -167,7 +169,7 @@ def _no_env(l: Launch) -> dict[str, str]:
 
 
 _SEMANTIC = ServerTarget(
-    name="semantic", venv=None, install=(), command=_semantic_command, env=_no_env,
+    name=OURS, venv=None, install=(), command=_semantic_command, env=_no_env,
     health_path="/health", model_name="{model_id}", cached_from="usage",
     stats_path="/v1/cache/stats", defaults={"ram_mb": None, "disk_mb": None, "pool_mb": None},
     loads_blas_itself=True, cache_key_field="prompt_cache_key",
@@ -177,7 +179,7 @@ _SEMANTIC = ServerTarget(
 )
 
 _MLX_LM = ServerTarget(
-    name="mlx_lm.server", venv=None, install=(), command=_mlx_lm_command, env=_no_env,
+    name=MLX_LM, venv=None, install=(), command=_mlx_lm_command, env=_no_env,
     health_path="/health", model_name="default_model", cached_from="usage",
     # None: mlx-lm's own default (10 entries in 0.32); a "matched" run passes the caller's figures.
     defaults={"prompt_cache_size": None, "prompt_cache_bytes": None},
