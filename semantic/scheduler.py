@@ -11,12 +11,10 @@ finished caches through the ``AgentCacheStore`` behind it::
                                                                       └─► saver: store.save (write-behind)
 
 What runs, waits, fails or is evicted is the planner's decision
-(``semantic.planner``: admission, the RAM budget, pinned caches), made
-from plain state under the one lock this class holds; this class does what
-it says. Each turn starts from the longest prefix the agent's previous cache
-or the pool covers (``reuse``): an unchanged history prefills only its new
-tokens, an edited one is cut at the first difference, and a new agent
-shares any whole blocks another agent already holds (a common system prompt).
+(``semantic.planner``: admission, the RAM budget, pinned caches), made from
+plain state under the one lock this class holds; this class does what it
+says. Each turn starts from the longest prefix the agent's previous cache or
+the pool covers (``reuse``).
 
 Backpressure is bounded everywhere. At most ``max_queued`` requests wait;
 ``submit`` then raises :class:`QueueFullError`, or waits up to ``timeout``.
