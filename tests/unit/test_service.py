@@ -37,10 +37,11 @@ def test_a_defaulted_budget_is_cut_to_the_context_and_an_explicit_one_is_refused
 
 
 def test_prepare_tokenizes_once_and_fits_the_budget_to_context_and_pool(service, monkeypatch):
+    from semantic import request
+
     calls = []
-    real = service.tokenizer.apply_chat_template
-    monkeypatch.setattr(service.tokenizer, "apply_chat_template",
-                        lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    real = request.render_chat
+    monkeypatch.setattr(request, "render_chat", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     req = service.prepare(messages=[{"role": "user", "content": "x" * 300}])
     assert len(calls) == 1  # one render, even though the default budget had to be cut
     assert len(req.ids) + req.max_tokens == service.context_length
