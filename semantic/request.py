@@ -69,21 +69,22 @@ def render_chat(tokenizer, messages: Sequence[dict]) -> list[int]:
         raise InvalidRequestError(f"the model's chat template refused these messages: {exc}"[:500]) from None
 
 
-def encode(tokenizer, prompt, *, continuing: bool = False) -> tuple[int, ...]:
-    """Token ids of ``prompt``: text (tokenized), chat messages (:func:`render_chat`), or token ids.
+def encode(tokenizer, prompt, *, continuing: bool = False) -> Sequence[int]:
+    """Token ids of ``prompt``: text (tokenized), chat messages (:func:`render_chat`), or token ids
+    (as given). They are converted to a tuple of ints, and checked, once: when the :class:`Request` is built.
 
     ``continuing`` text follows a cached history, so it gets no second BOS in
-    the middle of it. The ids are checked when the :class:`Request` is built.
+    the middle of it.
 
     Raises:
         InvalidRequestError: the prompt is none of these.
     """
     if isinstance(prompt, str):
-        return tuple(tokenizer.encode(prompt, add_special_tokens=not continuing))
+        return tokenizer.encode(prompt, add_special_tokens=not continuing)
     if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict):
-        return tuple(render_chat(tokenizer, prompt))
+        return render_chat(tokenizer, prompt)
     if isinstance(prompt, (list, tuple, range)) or hasattr(prompt, "__array__"):
-        return tuple(prompt)
+        return prompt
     raise InvalidRequestError(f"prompt must be chat messages, text or token ids, got {type(prompt).__name__}")
 
 
@@ -91,11 +92,10 @@ def _token_ids(ids) -> tuple[int, ...]:
     """``ids`` as a tuple of plain ints, converted here once."""
     if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
         raise InvalidRequestError(f"a request takes token ids; encode text or messages first, got {type(ids).__name__}")
-    ids = tuple(ids)
     try:
+        out = tuple(map(operator.index, ids))
         if any(isinstance(t, bool) for t in ids):
             raise TypeError("a bool is not a token id")
-        out = tuple(map(operator.index, ids))
     except TypeError:
         raise InvalidRequestError("token ids must be integers in the vocabulary") from None
     if not out:
