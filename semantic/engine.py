@@ -39,6 +39,7 @@ from typing import Iterator, Sequence
 import mlx.core as mx
 from semantic import compat, convert, defaults, reuse
 from semantic.blocks import AgentBlocks
+from semantic.constraint import Constraint
 from semantic.errors import (
     AgentBusyError,
     PoolExhaustedError,
@@ -121,6 +122,7 @@ class BlockPoolBatchEngine:
             InvalidRequestError: an id outside the model's vocabulary, the
                 one fact a request cannot check itself.
             CacheMismatchError: ``own`` is of another model or spec.
+            InvalidRequestError: also a grammar llguidance cannot use with this tokenizer.
         """
         if not isinstance(request, Request):
             raise TypeError(f"submit takes a semantic.Request, got {type(request).__name__}")
@@ -133,6 +135,7 @@ class BlockPoolBatchEngine:
             if not isinstance(own, AgentBlocks):
                 raise InvalidRequestError(f"own must be AgentBlocks, got {type(own).__name__}")
             self.spec.require_same(own.spec, "this cache")
+        constraint = Constraint(request.grammar, self.tokenizer, self.vocab_size) if request.grammar else None
         admitted = time.perf_counter()
         ids = request.ids
         with self.lock:
@@ -152,6 +155,7 @@ class BlockPoolBatchEngine:
         self._loop.add(
             seq.uid, request, fed, caches if caches is not None else self.spec.make_cache(), stops=stops,
             on_stop=lambda uid, live, n: self._checkpoint(live, ids[: fed + n], request.salt_root),
+            constraint=constraint,
         )
         self._seqs[seq.uid] = seq
         self._by_agent[request.agent_id] = seq.uid

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Sequence
 
 from semantic import defaults
+from semantic.constraint import Grammar
 from semantic.errors import InvalidAgentIdError, InvalidRequestError
 from semantic.sampling import GREEDY, SamplingParams
 
@@ -119,6 +120,8 @@ class Request:
             pool's free queue for later hits.
         salt_root: the chain root of the tenant's block keys
             (``blockplan.salt_root_of``); None: unsalted.
+        grammar: what the generated tokens must follow (``semantic.constraint``:
+            a JSON schema, a tool call); None: free.
         on_token: sees each generated token (:data:`OnToken`).
         on_admit: called once when the turn starts, with the history tokens
             a cache covers. Both run on the engine's thread: keep them quick.
@@ -136,6 +139,7 @@ class Request:
     sampling: SamplingParams = GREEDY
     persist: bool = True
     salt_root: int | None = None
+    grammar: Grammar | None = None
     on_token: OnToken | None = field(default=None, repr=False)
     on_admit: Callable[[int], None] | None = field(default=None, repr=False)
     arrived_at: float = field(default_factory=time.perf_counter, repr=False)
@@ -149,6 +153,8 @@ class Request:
             raise InvalidRequestError(f"sampling must be SamplingParams, got {type(self.sampling).__name__}")
         if self.salt_root is not None and (isinstance(self.salt_root, bool) or not isinstance(self.salt_root, int)):
             raise InvalidRequestError(f"salt_root must be an integer (blockplan.salt_root_of) or None, got {self.salt_root!r}")
+        if self.grammar is not None and not isinstance(self.grammar, Grammar):
+            raise InvalidRequestError(f"grammar must be a semantic.constraint.Grammar, got {type(self.grammar).__name__}")
         for name in ("on_token", "on_admit"):
             if getattr(self, name) is not None and not callable(getattr(self, name)):
                 raise InvalidRequestError(f"{name} must be callable or None")

@@ -39,8 +39,10 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import mlx.core as mx
+import numpy as np
 
 from semantic import compat
+from semantic.constraint import Constraint
 from semantic.request import Request
 from semantic.sampling import processors_for, sampler_for
 
@@ -75,6 +77,7 @@ class _Seq:
     sampler: Callable | None
     processors: list | None
     history: list[int] | None      # every token fed or to feed: the processors' context (None without any)
+    constraint: Constraint | None  # the grammar its tokens follow (None: free)
     stops: deque = field(default_factory=deque)
     on_stop: OnStop | None = None
     fed: int = 0                   # prompt tokens fed so far
@@ -102,13 +105,14 @@ class StepLoop:
 
     def add(
         self, uid: int, request: Request, fed: int, caches: list, *,
-        stops: Sequence[int] = (), on_stop: OnStop | None = None,
+        stops: Sequence[int] = (), on_stop: OnStop | None = None, constraint: Constraint | None = None,
     ) -> None:
         """Queue ``request`` for prefill, then decoding; ``caches`` hold its first ``fed`` ids.
 
         The request's ``max_tokens`` and ``sampling`` are read here, as they
         are; ``stops`` are positions counted from ``fed`` where a chunk must
-        end so that ``on_stop`` can see the cache there.
+        end so that ``on_stop`` can see the cache there; ``constraint`` is
+        the request's grammar over this model's vocabulary.
         """
         assert uid not in self._seqs, uid
         assert 0 <= fed < len(request.ids), (fed, len(request.ids))
@@ -117,7 +121,7 @@ class StepLoop:
         processors = processors_for(request.sampling)
         seq = _Seq(
             uid, prompt, caches, request.max_tokens, sampler_for(request.sampling), processors,
-            list(request.ids) if processors else None, deque(sorted(set(stops))), on_stop,
+            list(request.ids) if processors else None, constraint, deque(sorted(set(stops))), on_stop,
         )
         self._seqs[uid] = seq
         self._waiting.append(seq)
@@ -228,6 +232,8 @@ class StepLoop:
                         row = p(context, row)
                 rows.append(row)
             logits = mx.concatenate(rows, axis=0)
+        if any(s.constraint is not None for s in seqs):
+            logits = _constrain(seqs, logits)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         if any(s.sampler is not None and not s.closing for s in seqs):
             tokens = mx.concatenate(
@@ -256,7 +262,8 @@ class StepLoop:
     def _advance(self, seq: _Seq, token: int, logprobs: mx.array) -> Event:
         seq.generated += 1
         seq.next_token = token
-        reason = "stop" if token in self.stop_tokens else "length" if seq.generated >= seq.max_tokens else None
+        done = seq.constraint is not None and seq.constraint.advance(token)  # the grammar is complete
+        reason = "stop" if token in self.stop_tokens or done else "length" if seq.generated >= seq.max_tokens else None
         seq.closing = reason is not None
         return Event(seq.uid, token, logprobs, reason)
 
@@ -285,3 +292,12 @@ class StepLoop:
             return
         for c in self._batch:
             c.filter(keep)
+
+
+def _constrain(seqs: list[_Seq], logits: mx.array) -> mx.array:
+    """Mask each constrained row to the tokens its grammar allows; other rows stay exactly as they were."""
+    allowed = np.ones(logits.shape, dtype=bool)
+    for i, s in enumerate(seqs):
+        if s.constraint is not None and not s.closing:  # a closing row's token is never used
+            allowed[i] = s.constraint.allowed()
+    return mx.where(mx.array(allowed), logits, -mx.inf)
