@@ -259,6 +259,15 @@ if "expand_dims(mask, -3)" not in inspect.getsource(_base.quantized_scaled_dot_p
 # ---------------------------------------------------------------- loading
 
 
+def tool_parser_names() -> list[str]:
+    """The tool-call formats this mlx-lm can parse (``mlx_lm.tool_parsers`` modules; 0.30.4 has fewer)."""
+    import pkgutil
+
+    import mlx_lm.tool_parsers
+
+    return sorted(m.name for m in pkgutil.iter_modules(mlx_lm.tool_parsers.__path__))
+
+
 def model_path(path_or_repo: str):
     """The local directory ``mlx_lm.load`` reads for a path or hub id (both versions name it ``_download``)."""
     from pathlib import Path

@@ -49,23 +49,33 @@ def validate_agent_id(agent_id) -> None:
         raise InvalidAgentIdError(f"agent id {agent_id!r} contains control characters or lone surrogates")
 
 
-def render_chat(tokenizer, messages: Sequence[dict]) -> list[int]:
+def render_chat(tokenizer, messages: Sequence[dict], tools: Sequence[dict] | None = None) -> list[int]:
     """Token ids of ``messages`` through the tokenizer's chat template, ready for the reply.
 
+    A message is ``{"role", "content"}`` with string content, or an assistant
+    message with ``tool_calls`` (``[{"id", "type": "function", "function":
+    {"name", "arguments": {...}}}]``, arguments decoded as templates expect)
+    and content that may be None. ``tools`` (OpenAI function specs) reach the
+    template as its ``tools``.
+
     Raises:
-        InvalidRequestError: not a non-empty list of ``{"role", "content"}``
-            string dicts, the tokenizer has no chat template, or the template
-            itself refused them (a jinja error: the messages are at fault).
+        InvalidRequestError: not such a non-empty list, the tokenizer has no
+            chat template, or the template itself refused them (a jinja
+            error: the messages are at fault).
     """
     if not isinstance(messages, (list, tuple)) or not messages:
         raise InvalidRequestError("messages must be a non-empty list of {'role': ..., 'content': ...}")
     for m in messages:
-        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+        calls = isinstance(m, dict) and m.get("tool_calls")
+        content = m.get("content") if isinstance(m, dict) else None
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str)
+                and (isinstance(content, str) or (calls and content is None))):
             raise InvalidRequestError(f"each message needs string 'role' and 'content', got {m!r}"[:200])
     if getattr(tokenizer, "chat_template", None) is None:
         raise InvalidRequestError("this tokenizer has no chat template: submit token ids or text")
+    extra = {"tools": list(tools)} if tools else {}
     try:
-        return tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+        return tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True, **extra)
     except Exception as exc:
         raise InvalidRequestError(f"the model's chat template refused these messages: {exc}"[:500]) from None
 

@@ -27,25 +27,28 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
-from semantic import cachefile, compat, defaults, errors
+from semantic import cachefile, compat, constraint, defaults, errors, toolformat
 from semantic.blockplan import salt_root_of
 from semantic.engine import vocab_size
 from semantic.errors import CacheError, ContextLengthError, InvalidRequestError, SchedulerClosedError
 from semantic.fingerprint import weights_fingerprint
 from semantic.planner import SchedulerStats, longest_cache
 from semantic.pool import BlockPool, PoolStats
-from semantic.request import Completion, OnToken, Request, encode
+from semantic.constraint import Grammar
+from semantic.request import Completion, OnToken, Request, encode, render_chat
 from semantic.sampling import GREEDY, SamplingParams
 from semantic.scheduler import ConcurrentScheduler
 from semantic.spec import ModelCacheSpec
 from semantic.store import AgentCacheStore, StoreStats, file_name
+from semantic.toolformat import ToolCall, ToolPlan, Tools, read_calls
 
 log = logging.getLogger(__name__)
 
 # the HTTP layer's one door into the engine: what it names, it imports from here
 __all__ = [
     "ANON", "AgentInfo", "CacheError", "Completion", "ContextLengthError", "GREEDY", "InvalidRequestError", "Request",
-    "SamplingParams", "SchedulerClosedError", "Service", "ServiceStats", "errors", "output_budget",
+    "SamplingParams", "SchedulerClosedError", "Service", "ServiceStats", "ToolCall", "ToolPlan", "Tools", "errors",
+    "output_budget", "read_calls",
 ]
 
 ANON = "~anon/"          # anonymous agents' ids: never saved, never listed
@@ -123,15 +126,19 @@ class Service:
             ceiling: the model's own).
         max_batch, max_queued, prefill_chunk, ram_budget_bytes: the scheduler's
             (``ConcurrentScheduler``).
+        tool_parser: the model's tool-call format (an ``mlx_lm.tool_parsers``
+            module, or "generic"); None: what mlx-lm sniffed from its template.
     """
 
     def __init__(self, model, tokenizer, store: AgentCacheStore, *, max_batch: int = defaults.MAX_BATCH,
                  max_queued: int = defaults.MAX_QUEUED, max_context: int | None = None,
-                 ram_budget_bytes: int | None = None, prefill_chunk: int | None = None):
+                 ram_budget_bytes: int | None = None, prefill_chunk: int | None = None,
+                 tool_parser: str | None = None):
         self.tokenizer, self.store = tokenizer, store
         self.scheduler = ConcurrentScheduler(model, tokenizer, store, max_batch=max_batch, max_queued=max_queued,
                                              ram_budget_bytes=ram_budget_bytes, prefill_chunk=prefill_chunk)
         self.eos = frozenset(int(t) for t in tokenizer.eos_token_ids)
+        self.tool_format = toolformat.sniff(tokenizer, tool_parser)
         self.vocab_size = vocab_size(model)
         native = getattr(getattr(model, "args", None), "max_position_embeddings", None) or DEFAULT_CONTEXT
         self.context_length = int(min(max_context or native, native))
@@ -175,19 +182,32 @@ class Service:
 
     def prepare(self, *, messages: list[dict] | None = None, prompt: str | list[int] | None = None,
                 max_tokens: int | None = None, sampling: SamplingParams = GREEDY, tenant: str = "",
-                agent: str | None = None, cache_salt: str | None = None,
-                on_token: OnToken | None = None, on_admit=None) -> Request:
+                agent: str | None = None, cache_salt: str | None = None, tools: Tools | None = None,
+                response_schema: dict | None = None, on_token: OnToken | None = None,
+                on_admit=None) -> tuple[Request, ToolPlan | None]:
         """The turn's :class:`Request`: tokenized once (``messages`` through the chat template, or
-        ``prompt`` text or ids), its output budget fitted (:func:`output_budget`), its cache placed.
+        ``prompt`` text or ids), its output budget fitted (:func:`output_budget`), its cache placed;
+        and how its reply is read when ``tools`` are offered (``semantic.toolformat``).
 
-        Blocking (the tokenizer and the chat template): call it off an event loop.
+        ``response_schema`` holds the reply to one JSON value matching it (a
+        grammar, as ``tools`` may). Blocking (the tokenizer and the chat
+        template): call it off an event loop.
 
         Raises:
             InvalidRequestError: the prompt, the messages or a field is unusable
                 (ContextLengthError: it does not fit the context or the pool).
         """
         assert (messages is None) != (prompt is None)
-        ids = encode(self.tokenizer, messages if messages is not None else prompt)
+        plan = toolformat.plan(tools, self.tool_format, self.tokenizer) if tools is not None else None
+        grammar = plan.grammar if plan is not None else None
+        if response_schema is not None:
+            if plan is not None and plan.reads_calls:
+                raise InvalidRequestError("response_format with tools the model may call is not supported: "
+                                          "set tool_choice to none, or drop response_format")
+            grammar = Grammar.json_schema(response_schema, "response_format")
+        if grammar is not None:
+            constraint.check(grammar, self.tokenizer, self.vocab_size)
+        ids = self._render(messages, tools) if messages is not None else encode(self.tokenizer, prompt)
         max_tokens = output_budget(len(ids), max_tokens, context_length=self.context_length, pool_tokens=self.pool_tokens)
         if agent is not None:
             agent_id, persist = f"{tenant or 'public'}/{agent}", True
@@ -195,7 +215,15 @@ class Service:
             agent_id, persist = ANON + uuid.uuid4().hex, False
         salt = f"{tenant}\0{cache_salt}" if tenant or cache_salt else None
         return Request(agent_id, ids, max_tokens, sampling=sampling, persist=persist, salt_root=salt_root_of(salt),
-                       on_token=on_token, on_admit=on_admit)
+                       grammar=grammar, on_token=on_token, on_admit=on_admit), plan
+
+    def _render(self, messages: list[dict], tools: Tools | None):
+        """The conversation's token ids: a native tool format's template gets the tools and the calls as
+        they are; another template gets them in the generic form (``toolformat.generic_messages``)."""
+        uses_tools = tools is not None or any(m.get("tool_calls") or m["role"] == "tool" for m in messages)
+        if uses_tools and not self.tool_format.native:
+            return render_chat(self.tokenizer, toolformat.generic_messages(messages, tools))
+        return render_chat(self.tokenizer, messages, tools.specs if tools is not None else None)
 
     def submit(self, request: Request) -> Future:
         """Queue the turn (QueueFullError at once when the queue is full); the future gives its Completion."""

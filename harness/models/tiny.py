@@ -112,3 +112,44 @@ def write_tiny_llama(path, seed: int = 0, layers: int = 3):
     hf.chat_template = CHAT_TEMPLATE
     hf.save_pretrained(str(path))
     return path
+
+
+# The tiny tool-calling models: the byte tokenizer plus each format's markers as special tokens (as real
+# models have them), under a template whose markers mlx-lm sniffs. Ids 256 and up; the vocabulary rounds up.
+TOOL_FLAVOURS = {
+    "hermes": ("hermes_tools.jinja", ["<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>"],
+               "<|im_end|>", None),
+    "mistral": ("mistral_tools.jinja", ["<s>", "</s>", "[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]",
+                                        "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]", "[SYSTEM_PROMPT]",
+                                        "[/SYSTEM_PROMPT]"], "</s>", "<s>"),
+}
+
+
+def write_tiny_tool_llama(path, flavour: str = "hermes", seed: int = 0, layers: int = 2):
+    """A tiny llama directory whose chat template calls tools in ``flavour``'s native format
+    (:data:`TOOL_FLAVOURS`: Qwen2.5's Hermes ``<tool_call>`` or Mistral's ``[TOOL_CALLS]``)."""
+    import json
+    from importlib import resources
+    from pathlib import Path
+
+    from mlx.utils import tree_flatten
+
+    template_file, specials, eos, bos = TOOL_FLAVOURS[flavour]
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    hf = byte_tokenizer()._tokenizer
+    hf.add_special_tokens({"additional_special_tokens": specials})
+    hf.eos_token = eos
+    if bos is not None:
+        hf.bos_token = bos
+    hf.chat_template = resources.files("harness.models").joinpath(f"chat_templates/{template_file}").read_text()
+    vocab = -(-len(hf) // 16) * 16
+    config = {**LLAMA_CONFIG, "num_hidden_layers": layers, "vocab_size": vocab,
+              "eos_token_id": hf.convert_tokens_to_ids(eos)}
+    mx.random.seed(seed)
+    model = llama.Model(llama.ModelArgs.from_dict(config))
+    mx.eval(model.parameters())
+    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (path / "config.json").write_text(json.dumps(config, indent=1))
+    hf.save_pretrained(str(path))
+    return path

@@ -18,6 +18,7 @@ from starlette.responses import Response
 from semantic.service import SamplingParams
 from semantic.serve import anthropic_schemas as an
 from semantic.serve.protocol import Delta, Final, GenerateRequest
+from semantic.serve.conversation import anthropic_messages, anthropic_tools
 from semantic.serve.errors import from_stream, invalid, sse_error
 from semantic.serve.state import ServeState, serve_state, tenant_of
 from semantic.serve.streaming import EventStream, event
@@ -29,6 +30,8 @@ router = APIRouter()
 def stop_reason(final: Final) -> str:
     if final.finish_reason == "length":
         return "max_tokens"
+    if final.finish_reason == "tool_calls":
+        return "tool_use"
     return "stop_sequence" if final.stop_sequence is not None else "end_turn"
 
 
@@ -37,73 +40,98 @@ def usage(final: Final) -> an.Usage:
                     cache_read_input_tokens=final.cached_tokens)
 
 
-def _text(content: str | list[an.ContentBlock] | None, where: str) -> str:
-    if content is None or isinstance(content, str):
-        return content or ""
-    for j, block in enumerate(content):
-        if block.type != "text" or block.text is None:
-            raise invalid(f"{where}[{j}] is a {block.type!r} block; this server reads text blocks only",
-                          f"{where}.{j}.type")
-    return "\n".join(block.text for block in content)
-
-
-def _messages(body: an.CountTokensRequest) -> list[dict]:
+def _messages(body: an.CountTokensRequest, keep_billing_header: bool) -> list[dict]:
     if not body.messages:
         raise invalid("messages must hold at least one message", "messages")
-    out = []
-    system = _text(body.system, "system")
-    if system:
-        out.append({"role": "system", "content": system})
-    for i, m in enumerate(body.messages):
-        if m.role not in ("user", "assistant"):
-            raise invalid(f"messages[{i}].role {m.role!r} is not supported: use user or assistant",
-                          f"messages.{i}.role")
-        out.append({"role": m.role, "content": _text(m.content, f"messages.{i}.content")})
-    return out
+    return anthropic_messages(body.system, body.messages, keep_billing_header)
 
 
-def _request(body: an.MessagesRequest, request: Request) -> GenerateRequest:
+def _request(body: an.MessagesRequest, request: Request, state: ServeState) -> GenerateRequest:
     given = {"temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k}
     return GenerateRequest(
-        max_tokens=body.max_tokens, messages=_messages(body),
+        max_tokens=body.max_tokens, messages=_messages(body, state.config.keep_billing_header),
         sampling=SamplingParams(**{k: v for k, v in given.items() if v is not None}),
         stop=tuple(body.stop_sequences or ()), tenant=tenant_of(request), api="anthropic.messages",
-        agent=agent_of(request, body.metadata.user_id if body.metadata else None))
+        agent=agent_of(request, body.metadata.user_id if body.metadata else None),
+        tools=anthropic_tools(body.tools, body.tool_choice))
+
+
+def _content(final: Final) -> list:
+    blocks: list = [an.TextBlock(text=final.text)] if final.text or not final.tool_calls else []
+    return blocks + [an.ToolUseBlock(id=c.id, name=c.name, input=c.arguments) for c in final.tool_calls]
 
 
 @router.post("/v1/messages")
 async def messages(body: an.MessagesRequest, request: Request, state: ServeState = Depends(serve_state)) -> Response:
     check_model(state, body.model)
-    turn = Turn(state, await state.backend.prepare(_request(body, request)), "messages")
+    turn = Turn(state, await state.backend.prepare(_request(body, request, state)), "messages")
     mid, model = f"msg_{secrets.token_hex(12)}", state.backend.model_id
     if not body.stream:
         final, _ = await turn.run(request)
-        out = an.MessageOut(id=mid, model=model, content=[an.TextBlock(text=final.text)],
-                            stop_reason=stop_reason(final), stop_sequence=final.stop_sequence, usage=usage(final))
+        out = an.MessageOut(id=mid, model=model, content=_content(final), stop_reason=stop_reason(final),
+                            stop_sequence=final.stop_sequence, usage=usage(final))
         return Response(out.model_dump_json(), media_type="application/json")
     await turn.open(request)
     return EventStream(_events(turn, request.url.path, mid, model))
 
 
+class _Blocks:
+    """The stream's content blocks, in order: text, then a tool_use block per call (text again if it resumes)."""
+
+    def __init__(self):
+        self.index, self.open = -1, None  # the current block's index and type
+
+    def text(self, text: str):
+        if self.open != "text":
+            yield from self.close()
+            yield from self._start({"type": "text", "text": ""})
+            self.open = "text"
+        if text:
+            yield event("content_block_delta", {"type": "content_block_delta", "index": self.index,
+                                                "delta": {"type": "text_delta", "text": text}})
+
+    def call(self, call):
+        yield from self.close()
+        yield from self._start({"type": "tool_use", "id": call.id, "name": call.name, "input": {}})
+        yield event("content_block_delta", {"type": "content_block_delta", "index": self.index,
+                                            "delta": {"type": "input_json_delta", "partial_json": call.arguments_json}})
+        yield event("content_block_stop", {"type": "content_block_stop", "index": self.index})
+
+    def close(self):
+        if self.open is not None:
+            yield event("content_block_stop", {"type": "content_block_stop", "index": self.index})
+            self.open = None
+
+    def _start(self, block: dict):
+        self.index += 1
+        yield event("content_block_start", {"type": "content_block_start", "index": self.index, "content_block": block})
+
+
 async def _events(turn: Turn, path: str, mid: str, model: str) -> AsyncGenerator[bytes, None]:
-    # the turn's first delta says how much a cache covered (turn.open waited for it)
+    # the turn's first item says how much a cache covered, and whether the reply opens with text (turn.open waited)
     cached = turn.cached_tokens or 0
     start = an.MessageOut(id=mid, model=model, content=[], stop_reason=None, stop_sequence=None,
                           usage=an.Usage(input_tokens=turn.prompt_tokens - cached, output_tokens=0,
                                          cache_read_input_tokens=cached))
+    blocks = _Blocks()
     try:
         yield event("message_start", {"type": "message_start", "message": start.model_dump()})
-        yield event("content_block_start", {"type": "content_block_start", "index": 0,
-                                            "content_block": {"type": "text", "text": ""}})
+        if not turn.opens_with_calls:
+            for out in blocks.text(""):
+                yield out
         yield event("ping", {"type": "ping"})
         while True:
             item = await turn.next()
             if isinstance(item, Delta):
                 if item.text:
-                    yield event("content_block_delta", {"type": "content_block_delta", "index": 0,
-                                                        "delta": {"type": "text_delta", "text": item.text}})
+                    for out in blocks.text(item.text):
+                        yield out
+                for call in item.tool_calls:  # whole, one input_json_delta each
+                    for out in blocks.call(call):
+                        yield out
                 continue
-            yield event("content_block_stop", {"type": "content_block_stop", "index": 0})
+            for out in blocks.close():
+                yield out
             yield event("message_delta", {
                 "type": "message_delta",
                 "delta": {"stop_reason": stop_reason(item), "stop_sequence": item.stop_sequence},
@@ -120,6 +148,7 @@ async def _events(turn: Turn, path: str, mid: str, model: str) -> AsyncGenerator
 async def count_tokens(body: an.CountTokensRequest, request: Request,
                        state: ServeState = Depends(serve_state)) -> Response:
     check_model(state, body.model)
-    req = GenerateRequest(max_tokens=1, messages=_messages(body), tenant=tenant_of(request))
+    req = GenerateRequest(max_tokens=1, messages=_messages(body, state.config.keep_billing_header),
+                          tenant=tenant_of(request), tools=anthropic_tools(body.tools, body.tool_choice))
     out = an.CountTokens(input_tokens=len((await state.backend.prepare(req)).ids))
     return Response(out.model_dump_json(), media_type="application/json")

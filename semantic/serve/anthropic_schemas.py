@@ -18,6 +18,12 @@ class _In(BaseModel):
 class ContentBlock(_In):
     type: str
     text: str | None = None  # cache_control and other fields are accepted and ignored
+    id: str | None = None                     # tool_use
+    name: str | None = None
+    input: dict | None = None
+    tool_use_id: str | None = None            # tool_result
+    content: Union[str, list["ContentBlock"], None] = None
+    is_error: bool = False
 
 
 class Message(_In):
@@ -33,6 +39,8 @@ class CountTokensRequest(_In):
     model: str
     messages: list[Message]
     system: Union[str, list[ContentBlock], None] = None
+    tools: list | None = None
+    tool_choice: dict | None = None
 
 
 class MessagesRequest(CountTokensRequest):
@@ -60,12 +68,19 @@ class TextBlock(BaseModel):
     text: str
 
 
+class ToolUseBlock(BaseModel):
+    type: Literal["tool_use"] = "tool_use"
+    id: str
+    name: str
+    input: dict
+
+
 class MessageOut(BaseModel):
     id: str
     type: Literal["message"] = "message"
     role: Literal["assistant"] = "assistant"
     model: str
-    content: list[TextBlock]
+    content: list[Union[TextBlock, ToolUseBlock]]
     stop_reason: str | None
     stop_sequence: str | None
     usage: Usage

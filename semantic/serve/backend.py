@@ -23,6 +23,7 @@ from pathlib import Path
 from semantic.service import SchedulerClosedError, Service
 from semantic.serve.protocol import Final, GenerateRequest, Prepared
 from semantic.serve.textstream import TextStream
+from semantic.serve.toolstream import CallSplitter
 
 log = logging.getLogger(__name__)
 
@@ -32,8 +33,9 @@ _DONE = object()
 class _Relay:
     """One turn's way from the worker thread to its stream: text deltas through an asyncio queue."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, text: TextStream):
-        self.loop, self.text = loop, text
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.text: TextStream | None = None  # set once the request is prepared, before it is submitted
         self.queue: asyncio.Queue = asyncio.Queue()
         self.cached: int | None = None  # set at admission, before the first token
 
@@ -83,14 +85,17 @@ class Backend:
 
     async def prepare(self, req: GenerateRequest) -> Prepared:
         """Tokenize and check ``req`` off the event loop; nothing is queued. Raises InvalidRequestError (400)."""
-        relay = _Relay(asyncio.get_running_loop(), TextStream(
-            self.service.tokenizer, req.stop, req.logprobs, req.sampling.top_logprobs if req.logprobs else 0,
-            self.service.eos))
-        turn = await asyncio.to_thread(
+        relay = _Relay(asyncio.get_running_loop())
+        turn, plan = await asyncio.to_thread(
             self.service.prepare, messages=req.messages, prompt=req.prompt, max_tokens=req.max_tokens,
-            sampling=req.sampling, tenant=req.tenant, agent=req.agent, cache_salt=req.cache_salt,
-            on_token=relay.on_token, on_admit=relay.on_admit,
+            sampling=req.sampling, tenant=req.tenant, agent=req.agent, cache_salt=req.cache_salt, tools=req.tools,
+            response_schema=req.response_schema, on_token=relay.on_token, on_admit=relay.on_admit,
         )
+        splitter = CallSplitter(plan, "toolu_" if req.api.startswith("anthropic") else "call_") \
+            if plan is not None and plan.reads_calls else None
+        quiet = (plan.format.start,) if plan is not None and plan.stop_at_call else ()
+        relay.text = TextStream(self.service.tokenizer, req.stop, req.logprobs,
+                                req.sampling.top_logprobs if req.logprobs else 0, self.service.eos, splitter, quiet)
         return Prepared(req, turn, relay)
 
     async def stream(self, prepared: Prepared):
@@ -118,7 +123,7 @@ class Backend:
                 self.service.cancel(future)
 
     def _final(self, prepared: Prepared, result, text: TextStream) -> Final:
-        final = Final(result, text.text[: text.cut] if text.cut is not None else text.text, text.stop_sequence)
+        final = Final(result, text.content, text.stop_sequence, tuple(text.calls))
         with self._lock:
             self._generated += final.completion_tokens
             self._recent.append({

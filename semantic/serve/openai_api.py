@@ -17,6 +17,7 @@ from starlette.responses import JSONResponse, Response
 from semantic.service import SamplingParams
 from semantic.serve import openai_schemas as oa
 from semantic.serve.protocol import Delta, Final, GenerateRequest, TokenLogprob
+from semantic.serve.conversation import openai_call, openai_tools, response_schema
 from semantic.serve.errors import from_stream, invalid, sse_error
 from semantic.serve.state import ServeState, serve_state, tenant_of
 from semantic.serve.streaming import DONE, EventStream, data
@@ -24,11 +25,16 @@ from semantic.serve.turns import Turn, agent_of, check_model
 
 router = APIRouter()
 
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 
 def wire_finish(reason: str) -> str:
     return "stop" if reason == "cancelled" else reason
+
+
+def _calls_out(final: Final) -> list[oa.ToolCallOut] | None:
+    return [oa.ToolCallOut(id=c.id, function=oa.FunctionCall(name=c.name, arguments=c.arguments_json))
+            for c in final.tool_calls] or None
 
 
 def usage(final: Final) -> oa.Usage:
@@ -58,8 +64,8 @@ def _chat_messages(body: oa.ChatCompletionRequest) -> list[dict]:
     for i, m in enumerate(body.messages):
         role = ROLES.get(m.role)
         if role is None:
-            raise invalid(f"messages[{i}].role {m.role!r} is not supported: use system, developer, user or "
-                          "assistant", f"messages.{i}.role")
+            raise invalid(f"messages[{i}].role {m.role!r} is not supported: use system, developer, user, "
+                          "assistant or tool", f"messages.{i}.role")
         if isinstance(m.content, list):
             for j, part in enumerate(m.content):
                 if part.type != "text" or part.text is None:
@@ -68,8 +74,25 @@ def _chat_messages(body: oa.ChatCompletionRequest) -> list[dict]:
             text = "\n".join(part.text for part in m.content)
         else:
             text = m.content or ""
-        out.append({"role": role, "content": text})
+        message = {"role": role, "content": text}
+        if role == "assistant" and m.tool_calls:
+            message["tool_calls"] = [openai_call(c, f"messages.{i}.tool_calls.{j}") for j, c in enumerate(m.tool_calls)]
+            message["content"] = text or None
+        elif role == "tool":
+            message["tool_call_id"] = m.tool_call_id or ""
+            if m.name:
+                message["name"] = m.name
+        out.append(message)
     return out
+
+
+def _refuse_unsupported(body: oa.ChatCompletionRequest) -> None:
+    """A 400 naming any field that would change the output and that this server does not implement."""
+    for name in oa.REFUSED:
+        if getattr(body, name):
+            raise invalid(f"{name} is not supported by this server", name)
+    if body.modalities and set(body.modalities) != {"text"}:
+        raise invalid(f"modalities {body.modalities} is not supported: this server writes text only", "modalities")
 
 
 def _chat_logprobs(tokens: list[TokenLogprob]) -> oa.ChoiceLogprobs:
@@ -84,6 +107,7 @@ def _chat_logprobs(tokens: list[TokenLogprob]) -> oa.ChoiceLogprobs:
 async def chat_completions(body: oa.ChatCompletionRequest, request: Request,
                            state: ServeState = Depends(serve_state)) -> Response:
     _common_checks(state, body)
+    _refuse_unsupported(body)
     if body.top_logprobs and not body.logprobs:
         raise invalid("top_logprobs needs logprobs: true", "top_logprobs")
     want_logprobs = bool(body.logprobs)
@@ -93,14 +117,16 @@ async def chat_completions(body: oa.ChatCompletionRequest, request: Request,
         sampling=sampling(body, (body.top_logprobs or 0) if want_logprobs else 0),
         stop=_stops(body.stop), logprobs=want_logprobs, tenant=tenant_of(request),
         agent=agent_of(request, body.prompt_cache_key, body.user), cache_salt=body.cache_salt,
-        api="openai.chat")
+        api="openai.chat", tools=openai_tools(body.tools, body.tool_choice, body.parallel_tool_calls),
+        response_schema=response_schema(body.response_format))
     turn = Turn(state, await state.backend.prepare(req), "chat")
     rid, created, model = f"chatcmpl-{secrets.token_hex(12)}", int(time.time()), state.backend.model_id
     if not body.stream:
         final, tokens = await turn.run(request)
         out = oa.ChatCompletion(
             id=rid, created=created, model=model, usage=usage(final),
-            choices=[oa.ChatChoice(message=oa.AssistantMessage(content=final.text),
+            choices=[oa.ChatChoice(message=oa.AssistantMessage(content=final.text if final.text or not final.tool_calls
+                                                               else None, tool_calls=_calls_out(final)),
                                    logprobs=_chat_logprobs(tokens) if want_logprobs else None,
                                    finish_reason=wire_finish(final.finish_reason))])
         return _json(out)
@@ -116,6 +142,7 @@ async def _chat_events(turn: Turn, path: str, rid: str, created: int, model: str
             oa.ChunkChoice(delta=delta, logprobs=logprobs, finish_reason=finish)])
         return _sse(c, include_usage)
 
+    calls = 0  # tool calls streamed so far: each delta's index
     try:
         yield chunk(oa.ChunkDelta(role="assistant", content=""))
         while True:
@@ -124,6 +151,10 @@ async def _chat_events(turn: Turn, path: str, rid: str, created: int, model: str
                 if item.text or item.logprobs:
                     yield chunk(oa.ChunkDelta(content=item.text),
                                 logprobs=_chat_logprobs(item.logprobs) if want_logprobs else None)
+                for call in item.tool_calls:  # whole, one delta each: id, name and arguments at once
+                    yield chunk(oa.ChunkDelta(tool_calls=[oa.ToolCallDelta(
+                        index=calls, id=call.id, function=oa.FunctionCall(name=call.name, arguments=call.arguments_json))]))
+                    calls += 1
                 continue
             yield chunk(oa.ChunkDelta(), finish=wire_finish(item.finish_reason))
             if include_usage:

@@ -1,15 +1,16 @@
 """OpenAI's wire protocol: request and response models for chat and text completions.
 
-Unknown request fields (``tools``, ``response_format``, ...) are ignored,
-not refused, so real clients work; fields whose meaning this server cannot
-honour are refused by the routes with a 400 that says so.
+Unknown request fields are ignored, not refused, so real clients work (they
+send ``store``, ``metadata`` and the like); the fields that would change the
+output and that this server cannot honour are named in ``REFUSED`` and
+refused by the routes with a 400 that names them.
 """
 
 from __future__ import annotations
 
 from typing import Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 
 class _In(BaseModel):
@@ -25,6 +26,8 @@ class ChatMessage(_In):
     role: str
     content: Union[str, list[ContentPart], None] = None
     name: str | None = None
+    tool_calls: list[dict] | None = None   # an assistant's calls: {"id", "type": "function", "function": {...}}
+    tool_call_id: str | None = None        # a tool message: the call it answers
 
 
 class StreamOptions(_In):
@@ -53,11 +56,26 @@ class _Sampling(_In):
     cache_salt: str | None = None
 
 
+# fields that would change the output, which this server does not implement: refused, never ignored
+REFUSED = ("logit_bias", "functions", "function_call", "audio", "prediction", "web_search_options")
+
+
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0)
+    tools: list | None = None
+    tool_choice: Union[str, dict, None] = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict | None = None
+    modalities: list[str] | None = None
+    logit_bias: dict | None = None
+    functions: list | None = None
+    function_call: Union[str, dict, None] = None
+    audio: dict | None = None
+    prediction: dict | None = None
+    web_search_options: dict | None = None
 
 
 class CompletionRequest(_Sampling):
@@ -97,10 +115,33 @@ class ChoiceLogprobs(BaseModel):
     refusal: list[TokenLogprobOut] | None = None
 
 
-class AssistantMessage(BaseModel):
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str           # the arguments as JSON text, as OpenAI sends them
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class _CallsWhenAny(BaseModel):
+    """``tool_calls`` appears only when there are calls, as in OpenAI's own answers."""
+
+    @model_serializer(mode="wrap")
+    def _drop_empty_calls(self, handler):
+        out = handler(self)
+        if out.get("tool_calls") is None:
+            out.pop("tool_calls", None)
+        return out
+
+
+class AssistantMessage(_CallsWhenAny):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
     refusal: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -120,9 +161,17 @@ class ChatCompletion(BaseModel):
     system_fingerprint: str | None = None
 
 
-class ChunkDelta(BaseModel):
+class ToolCallDelta(BaseModel):
+    index: int
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChunkDelta(_CallsWhenAny):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChunkChoice(BaseModel):

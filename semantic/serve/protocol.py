@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from semantic.service import GREEDY, Completion, InvalidRequestError, Request, SamplingParams
+from semantic.service import GREEDY, Completion, InvalidRequestError, Request, SamplingParams, ToolCall, Tools
 
 MAX_STOP = 16          # stop strings per request (OpenAI allows 4; Anthropic more)
 MAX_STOP_CHARS = 256
@@ -36,6 +36,8 @@ class GenerateRequest:
     agent: str | None = None      # prompt_cache_key / user / X-Agent-Id / metadata.user_id
     cache_salt: str | None = None
     api: str = ""                 # which endpoint asked (shown on the dashboard)
+    tools: Tools | None = None    # the tools the model may call, and how (``conversation``)
+    response_schema: dict | None = None  # the reply must be one JSON value matching it
 
     def __post_init__(self):
         if (self.messages is None) == (self.prompt is None):
@@ -76,18 +78,22 @@ class Delta:
     text: str
     logprobs: list[TokenLogprob] = field(default_factory=list)
     cached_tokens: int | None = None   # on a turn's first delta: prompt tokens a cache covered
+    tool_calls: list[ToolCall] = field(default_factory=list)  # calls completed since the last delta
 
 @dataclass(frozen=True, slots=True)
 class Final:
     """The end of a turn, always the last item of a stream: the engine's Completion and its text."""
 
     result: Completion
-    text: str                     # the whole reply, cut before a stop string
+    text: str                     # the whole reply's content, cut before a stop string, its tool calls apart
     stop_sequence: str | None     # the stop string that ended it, if one did
+    tool_calls: tuple[ToolCall, ...] = ()
 
     @property
     def finish_reason(self) -> str:
-        """"stop" (EOS or a stop string), "length", or "cancelled"."""
+        """"tool_calls" (it called tools), "stop" (EOS or a stop string), "length", or "cancelled"."""
+        if self.tool_calls and self.result.finish_reason != "cancelled":
+            return "tool_calls"
         return "stop" if self.stop_sequence is not None else self.result.finish_reason
 
     @property

@@ -15,9 +15,13 @@ top-k over the token's row.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from semantic.serve.protocol import Delta, TokenLogprob, TopLogprob
+
+if TYPE_CHECKING:
+    from semantic.service import ToolCall
+    from semantic.serve.toolstream import CallSplitter
 
 
 def stop_cut(text: str, stops: Sequence[str]) -> tuple[int, str | None]:
@@ -44,17 +48,25 @@ def held_back(text: str, stops: Sequence[str]) -> int:
 class TextStream:
     """One turn's text as it is generated: detokenized incrementally (mlx-lm's
     streaming detokenizer), cut exactly before the first stop string, and
-    held back while its tail could still begin one. Runs on the worker thread."""
+    held back while its tail could still begin one. With a ``splitter``
+    (``toolstream``) the text is then split into content and tool calls;
+    ``quiet_stops`` end the text like stop strings but are not reported as
+    one (a tool call the request does not allow). Runs on the worker thread."""
 
-    def __init__(self, tokenizer, stops: tuple[str, ...], logprobs: bool, top: int, eos: frozenset[int]):
+    def __init__(self, tokenizer, stops: tuple[str, ...], logprobs: bool, top: int, eos: frozenset[int],
+                 splitter: CallSplitter | None = None, quiet_stops: tuple[str, ...] = ()):
         self.tokenizer, self.stops, self.want_logprobs, self.top, self.eos = tokenizer, stops, logprobs, top, eos
+        self.splitter, self.cuts = splitter, stops + quiet_stops
         self.detok = tokenizer.detokenizer
         self.text = ""
         self.sent = 0              # characters of text already in deltas
         self.cut: int | None = None
+        self.stopped = False       # a stop string (or a quiet one) ended the text: the turn ends here
         self.stop_sequence: str | None = None
+        self.content = ""          # what the deltas said: the reply's text without its tool calls
+        self.calls: list[ToolCall] = []
         self.pending: list[TokenLogprob] = []
-        self.longest = max((len(s) for s in stops), default=0)
+        self.longest = max((len(s) for s in self.cuts), default=0)
 
     def feed(self, token: int, logprob: float, row) -> Delta | None:
         if self.want_logprobs:
@@ -70,29 +82,34 @@ class TextStream:
             self._grow(self.detok.last_segment)
             if self.cut is None:
                 self.cut = len(self.text)  # nothing held back any more
-        return self._delta()
-
-    @property
-    def stopped(self) -> bool:
-        return self.stop_sequence is not None
+        return self._delta(last=True)
 
     def _grow(self, segment: str) -> None:
         if not segment:
             return
         start = max(0, len(self.text) - self.longest + 1)
         self.text += segment
-        if self.stops:
-            at, which = stop_cut(self.text[start:], self.stops)
+        if self.cuts:
+            at, which = stop_cut(self.text[start:], self.cuts)
             if which is not None:
-                self.cut, self.stop_sequence = start + at, which
+                self.cut, self.stopped = start + at, True
+                self.stop_sequence = which if which in self.stops else None
 
-    def _delta(self) -> Delta | None:
-        end = self.cut if self.cut is not None else len(self.text) - held_back(self.text, self.stops)
+    def _delta(self, last: bool = False) -> Delta | None:
+        end = self.cut if self.cut is not None else len(self.text) - held_back(self.text, self.cuts)
         text = self.text[self.sent:end] if end > self.sent else ""
         self.sent = max(self.sent, end)
-        if not text and not self.pending:
+        calls: list[ToolCall] = []
+        if self.splitter is not None:
+            text, calls = self.splitter.feed(text)
+            if last:
+                rest, more = self.splitter.finish()
+                text, calls = text + rest, calls + more
+        self.content += text
+        self.calls += calls
+        if not text and not self.pending and not calls:
             return None
-        out, self.pending = Delta(text, self.pending), []
+        out, self.pending = Delta(text, self.pending, tool_calls=calls), []
         return out
 
     def _logprob(self, token: int, logprob: float, row) -> TokenLogprob:

@@ -51,6 +51,12 @@ class Turn:
         return len(self.prepared.ids)
 
     @property
+    def opens_with_calls(self) -> bool:
+        """Whether the reply's first item (once :meth:`open` has it) is a tool call and no text."""
+        first = self._first
+        return isinstance(first, Delta) and bool(first.tool_calls) and not first.text
+
+    @property
     def cached_tokens(self) -> int | None:
         """Prompt tokens a cache covered, once :meth:`open` has the first item (None before)."""
         first = self._first

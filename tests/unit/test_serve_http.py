@@ -93,9 +93,9 @@ def test_empty_messages_are_refused():
 def test_unknown_role_is_refused_and_developer_is_system():
     backend = StubBackend()
     c = client(backend)
-    err = openai_error(c.post(CHAT, json=chat(messages=[{"role": "tool", "content": "x"}])), 400,
+    err = openai_error(c.post(CHAT, json=chat(messages=[{"role": "robot", "content": "x"}])), 400,
                        "invalid_request_error")
-    assert "'tool'" in err["message"] and err["param"] == "messages.0.role"
+    assert "'robot'" in err["message"] and err["param"] == "messages.0.role"
     ok = c.post(CHAT, json=chat(messages=[{"role": "developer", "content": "be brief"},
                                           {"role": "user", "content": [{"type": "text", "text": "a"},
                                                                        {"type": "text", "text": "b"}]}]))

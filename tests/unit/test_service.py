@@ -15,6 +15,12 @@ from semantic.blockplan import salt_root_of
 from semantic.service import ANON, Service, output_budget
 
 
+def _prepare(service, **kw):
+    """The turn's Request (the reading plan beside it is for tools, tested elsewhere)."""
+    request, _ = service.prepare(**kw)
+    return request
+
+
 @pytest.fixture
 def service(tmp_path):
     s = Service.open(str(write_tiny_llama(tmp_path / "model")), cache_dir=str(tmp_path / "agents"),
@@ -37,41 +43,41 @@ def test_a_defaulted_budget_is_cut_to_the_context_and_an_explicit_one_is_refused
 
 
 def test_prepare_tokenizes_once_and_fits_the_budget_to_context_and_pool(service, monkeypatch):
-    from semantic import request
+    from semantic import service as service_module
 
     calls = []
-    real = request.render_chat
-    monkeypatch.setattr(request, "render_chat", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    req = service.prepare(messages=[{"role": "user", "content": "x" * 300}])
+    real = service_module.render_chat
+    monkeypatch.setattr(service_module, "render_chat", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    req = _prepare(service, messages=[{"role": "user", "content": "x" * 300}])
     assert len(calls) == 1  # one render, even though the default budget had to be cut
     assert len(req.ids) + req.max_tokens == service.context_length
     assert service.pool_tokens == (service.store.total_blocks - 1) * 16  # one layer group
     with pytest.raises(ContextLengthError):
-        service.prepare(prompt=list(range(1, 200)), max_tokens=400)
+        _prepare(service, prompt=list(range(1, 200)), max_tokens=400)
 
 
 def test_named_agents_live_under_their_tenant_and_anonymous_ones_are_never_kept(service):
-    a = service.prepare(prompt="hello", agent="bot", tenant="t1", max_tokens=2)
-    b = service.prepare(prompt="hello", agent="bot", tenant="t2", max_tokens=2)
-    anon = service.prepare(prompt="hello", max_tokens=2)
-    public = service.prepare(prompt="hello", agent="bot", max_tokens=2)
+    a = _prepare(service, prompt="hello", agent="bot", tenant="t1", max_tokens=2)
+    b = _prepare(service, prompt="hello", agent="bot", tenant="t2", max_tokens=2)
+    anon = _prepare(service, prompt="hello", max_tokens=2)
+    public = _prepare(service, prompt="hello", agent="bot", max_tokens=2)
     assert (a.agent_id, a.persist, b.agent_id, public.agent_id) == ("t1/bot", True, "t2/bot", "public/bot")
     assert anon.agent_id.startswith(ANON) and not anon.persist
     assert a.salt_root == salt_root_of("t1\0None") != b.salt_root and public.salt_root is None
-    assert service.prepare(prompt="hi", cache_salt="s", max_tokens=1).salt_root == salt_root_of("\0s")
+    assert _prepare(service, prompt="hi", cache_salt="s", max_tokens=1).salt_root == salt_root_of("\0s")
 
 
 def test_bad_prompts_are_refused_before_anything_is_queued(service):
     for kw in ({"prompt": ""}, {"prompt": [1, True]}, {"messages": [{"role": "user"}]}, {"prompt": "x", "agent": "a\0b"}):
         with pytest.raises(InvalidRequestError):
-            service.prepare(**kw)
+            _prepare(service, **kw)
     assert service.stats().scheduler.submitted == 0
 
 
 def test_a_turn_through_the_facade_is_listed_with_its_cached_tokens(service):
-    first = service.submit(service.prepare(prompt=list(range(1, 40)), agent="a", max_tokens=3)).result(60)
+    first = service.submit(_prepare(service, prompt=list(range(1, 40)), agent="a", max_tokens=3)).result(60)
     assert service.wait_saved(first.agent_id, 60)
-    again = service.submit(service.prepare(prompt=list(range(1, 40)) + first.token_ids + [5], agent="a",
+    again = service.submit(_prepare(service, prompt=list(range(1, 40)) + first.token_ids + [5], agent="a",
                                            max_tokens=2)).result(60)
     n = len(first.token_ids)
     assert again.cached_tokens == 39 + n and again.reuse == "own"  # the prompt and the reply, all but the new token

@@ -1,0 +1,222 @@
+"""Both APIs' conversations, tools and output formats, in the one form the engine renders.
+
+One message form (OpenAI's, as chat templates expect it)::
+
+    {"role": "system" | "user" | "assistant" | "tool", "content": str | None,
+     "tool_calls": [{"id", "type": "function", "function": {"name", "arguments": {...}}}],   (assistant)
+     "tool_call_id": str, "name": str}                                                        (tool)
+
+Call arguments are decoded JSON (templates render them with ``tojson``).
+Anthropic's ``tool_use`` blocks become an assistant's ``tool_calls`` and its
+``tool_result`` blocks become ``tool`` messages; its tools and ``tool_choice``
+map to OpenAI's. Anything that cannot be honoured is a 400 naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+
+from semantic.service import Tools
+from semantic.serve.errors import invalid
+
+BILLING_HEADER = "x-anthropic-billing-header:"  # Claude Code's first system block: it changes on every request
+
+
+# ---------------------------------------------------------------- tools
+
+
+def openai_tools(tools: list | None, choice, parallel: bool | None, where: str = "tools") -> Tools | None:
+    """OpenAI's ``tools`` / ``tool_choice`` / ``parallel_tool_calls`` as :class:`Tools` (None: no tools)."""
+    if not tools:
+        if choice not in (None, "none", "auto"):
+            raise invalid("tool_choice needs tools", "tool_choice")
+        return None
+    specs = []
+    for i, t in enumerate(tools):
+        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("function"), dict):
+            kind = t.get("type") if isinstance(t, dict) else type(t).__name__
+            raise invalid(f"{where}[{i}] is a {kind!r} tool; this server calls function tools only", f"{where}.{i}.type")
+        specs.append(_spec(t["function"], f"{where}.{i}.function"))
+    return _tools(specs, _openai_choice(choice), parallel)
+
+
+def _openai_choice(choice) -> str:
+    if choice is None:
+        return "auto"
+    if choice in ("auto", "none", "required"):
+        return choice
+    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
+        return _name(choice["function"].get("name"), "tool_choice.function.name")
+    raise invalid(f"tool_choice {choice!r} is not one of auto, none, required or a named function"[:200], "tool_choice")
+
+
+def anthropic_tools(tools: list | None, choice: dict | None) -> Tools | None:
+    """Anthropic's ``tools`` / ``tool_choice`` (auto, any, tool, none; ``disable_parallel_tool_use``)."""
+    parallel = not (isinstance(choice, dict) and choice.get("disable_parallel_tool_use"))
+    mode = _anthropic_choice(choice)
+    if not tools:
+        if mode not in ("auto", "none"):
+            raise invalid("tool_choice needs tools", "tool_choice")
+        return None
+    specs = []
+    for i, t in enumerate(tools):
+        kind = t.get("type", "custom") if isinstance(t, dict) else None
+        if kind not in ("custom", None) or not isinstance(t, dict) or "input_schema" not in t:
+            raise invalid(f"tools[{i}] is a {kind!r} tool; this server calls custom tools (name, input_schema) only",
+                          f"tools.{i}")
+        specs.append(_spec({"name": t.get("name"), "description": t.get("description", ""),
+                            "parameters": t["input_schema"]}, f"tools.{i}"))
+    return _tools(specs, mode, parallel)
+
+
+def _anthropic_choice(choice: dict | None) -> str:
+    if choice is None:
+        return "auto"
+    kind = choice.get("type") if isinstance(choice, dict) else None
+    if kind in ("auto", "none"):
+        return kind
+    if kind == "any":
+        return "required"
+    if kind == "tool":
+        return _name(choice.get("name"), "tool_choice.name")
+    raise invalid(f"tool_choice {choice!r} is not one of auto, any, tool or none"[:200], "tool_choice")
+
+
+def _spec(f: dict, where: str) -> dict:
+    params = f.get("parameters") or {"type": "object", "properties": {}}
+    if not isinstance(params, dict):
+        raise invalid(f"{where}.parameters must be a JSON schema object", f"{where}.parameters")
+    return {"type": "function", "function": {"name": _name(f.get("name"), f"{where}.name"),
+                                             "description": f.get("description") or "", "parameters": params}}
+
+
+def _name(name, where: str) -> str:
+    if not isinstance(name, str) or not name:
+        raise invalid(f"{where} must be a non-empty tool name", where)
+    return name
+
+
+def _tools(specs: list[dict], choice: str, parallel: bool | None) -> Tools:
+    try:
+        return Tools(tuple(specs), choice, True if parallel is None else bool(parallel))
+    except ValueError as exc:  # InvalidRequestError: a duplicate name, a choice naming no tool
+        raise invalid(str(exc), "tool_choice" if "tool_choice" in str(exc) else "tools") from None
+
+
+def response_schema(fmt) -> dict | None:
+    """OpenAI's ``response_format`` as the JSON schema the reply must match (None: free text)."""
+    if fmt is None:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "object"}
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise invalid("response_format.json_schema.schema must be a JSON schema object",
+                          "response_format.json_schema.schema")
+        return schema
+    raise invalid(f"response_format type {kind!r} is not one of text, json_object, json_schema", "response_format")
+
+
+# ---------------------------------------------------------------- messages
+
+
+def openai_call(call, where: str) -> dict:
+    """An assistant's tool call as templates want it: arguments decoded from their JSON text."""
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict):
+        raise invalid(f"{where} must be a function call", where)
+    args = fn.get("arguments") or "{}"
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError:
+            raise invalid(f"{where}.function.arguments is not JSON", f"{where}.function.arguments") from None
+    if not isinstance(args, dict):
+        raise invalid(f"{where}.function.arguments must be a JSON object", f"{where}.function.arguments")
+    return {"id": call.get("id") or "", "type": "function",
+            "function": {"name": _name(fn.get("name"), f"{where}.function.name"), "arguments": args}}
+
+
+def anthropic_messages(system, messages: list, keep_billing_header: bool) -> list[dict]:
+    """Anthropic's system and messages in the one form (module doc)."""
+    out: list[dict] = []
+    blocks = system if isinstance(system, list) else [system] if system else []
+    texts = []
+    for j, b in enumerate(blocks):
+        text = b if isinstance(b, str) else _text_block(b, f"system.{j}")
+        if not keep_billing_header and text.startswith(BILLING_HEADER):
+            continue  # volatile: it would make every local prefix cache miss from the first token
+        texts.append(text)
+    if texts:
+        out.append({"role": "system", "content": "\n".join(texts)})
+    for i, m in enumerate(messages):
+        where = f"messages.{i}"
+        if m.role == "system":  # sent inside messages by some clients: a system turn where it stands
+            out.append({"role": "system", "content": _flat_text(m.content, f"{where}.content")})
+        elif m.role == "user":
+            out.extend(_user_turn(m.content, where))
+        elif m.role == "assistant":
+            out.append(_assistant_turn(m.content, where))
+        else:
+            raise invalid(f"messages[{i}].role {m.role!r} is not supported: use user or assistant", f"{where}.role")
+    return out
+
+
+def _user_turn(content, where: str) -> list[dict]:
+    if isinstance(content, str):
+        return [{"role": "user", "content": content}]
+    out, text = [], []
+    for j, b in enumerate(content):
+        if b.type == "tool_result":
+            if text:
+                out.append({"role": "user", "content": "\n".join(text)})
+                text = []
+            result = b.content if isinstance(b.content, str) else _flat_text(b.content or [], f"{where}.content.{j}.content")
+            if b.is_error:
+                result = f"Error: {result}"
+            out.append({"role": "tool", "tool_call_id": b.tool_use_id or "", "content": result})
+        else:
+            text.append(_text_block(b, f"{where}.content.{j}"))
+    if text or not out:
+        out.append({"role": "user", "content": "\n".join(text)})
+    return out
+
+
+def _assistant_turn(content, where: str) -> dict:
+    if isinstance(content, str):
+        return {"role": "assistant", "content": content}
+    text, calls = [], []
+    for j, b in enumerate(content):
+        if b.type == "tool_use":
+            if not isinstance(b.input, dict):
+                raise invalid(f"{where}.content.{j}.input must be an object", f"{where}.content.{j}.input")
+            calls.append({"id": b.id or "", "type": "function",
+                          "function": {"name": _name(b.name, f"{where}.content.{j}.name"), "arguments": b.input}})
+        elif b.type in ("thinking", "redacted_thinking"):
+            continue  # the model's own earlier reasoning: not rendered back
+        else:
+            text.append(_text_block(b, f"{where}.content.{j}"))
+    message = {"role": "assistant", "content": "\n".join(text) if text or not calls else None}
+    if calls:
+        message["tool_calls"] = calls
+    return message
+
+
+def _flat_text(content, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    return "\n".join(_text_block(b, f"{where}.{j}") for j, b in enumerate(content))
+
+
+def _text_block(block, where: str) -> str:
+    kind = getattr(block, "type", None) if not isinstance(block, dict) else block.get("type")
+    text = getattr(block, "text", None) if not isinstance(block, dict) else block.get("text")
+    if kind != "text" or text is None:
+        raise invalid(f"{where} is a {kind!r} block; this server reads text, tool_use and tool_result blocks",
+                      f"{where}.type")
+    return text
