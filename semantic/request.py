@@ -50,7 +50,14 @@ def validate_agent_id(agent_id) -> None:
 
 
 def render_chat(tokenizer, messages: Sequence[dict], tools: Sequence[dict] | None = None) -> list[int]:
-    """Token ids of ``messages`` through the tokenizer's chat template, ready for the reply.
+    """Token ids of ``messages`` through the tokenizer's chat template, ready for the reply
+    (:func:`render_text`, then tokenized as the template's text: special tokens by name, none added)."""
+    return tokenizer.encode(render_text(tokenizer, messages, tools), add_special_tokens=False)
+
+
+def render_text(tokenizer, messages: Sequence[dict], tools: Sequence[dict] | None = None, *,
+                generation_prompt: bool = True) -> str:
+    """The chat template's text for ``messages`` (ready for the reply unless ``generation_prompt`` is False).
 
     A message is ``{"role", "content"}`` with string content, or an assistant
     message with ``tool_calls`` (``[{"id", "type": "function", "function":
@@ -75,7 +82,8 @@ def render_chat(tokenizer, messages: Sequence[dict], tools: Sequence[dict] | Non
         raise InvalidRequestError("this tokenizer has no chat template: submit token ids or text")
     extra = {"tools": list(tools)} if tools else {}
     try:
-        return tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True, **extra)
+        return tokenizer.apply_chat_template(list(messages), add_generation_prompt=generation_prompt, tokenize=False,
+                                             **extra)
     except Exception as exc:
         raise InvalidRequestError(f"the model's chat template refused these messages: {exc}"[:500]) from None
 

@@ -19,6 +19,7 @@ hashes, so no tenant can hit another's blocks.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import threading
 import time
@@ -26,6 +27,7 @@ import uuid
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 from semantic import cachefile, compat, constraint, defaults, errors, toolformat
 from semantic.blockplan import salt_root_of
@@ -35,7 +37,8 @@ from semantic.fingerprint import weights_fingerprint
 from semantic.planner import SchedulerStats, longest_cache
 from semantic.pool import BlockPool, PoolStats
 from semantic.constraint import Grammar
-from semantic.request import Completion, OnToken, Request, encode, render_chat
+from semantic.echo import EchoBook, Reply, Said
+from semantic.request import Completion, OnToken, Request, encode, render_text
 from semantic.sampling import GREEDY, SamplingParams
 from semantic.scheduler import ConcurrentScheduler
 from semantic.spec import ModelCacheSpec
@@ -47,8 +50,8 @@ log = logging.getLogger(__name__)
 # the HTTP layer's one door into the engine: what it names, it imports from here
 __all__ = [
     "ANON", "AgentInfo", "CacheError", "Completion", "ContextLengthError", "GREEDY", "InvalidRequestError", "Request",
-    "SamplingParams", "SchedulerClosedError", "Service", "ServiceStats", "ToolCall", "ToolPlan", "Tools", "errors",
-    "output_budget", "read_calls",
+    "SamplingParams", "SchedulerClosedError", "Service", "ServiceStats", "ToolCall", "ToolPlan", "Tools", "TurnPlan",
+    "errors", "output_budget", "read_calls",
 ]
 
 ANON = "~anon/"          # anonymous agents' ids: never saved, never listed
@@ -94,6 +97,16 @@ def _pool_message(limit: int, prompt: int, completion: int) -> str:
 
 
 @dataclass(frozen=True, slots=True)
+class TurnPlan:
+    """A prepared turn: the engine's Request, how its reply is read when tools are offered, and the
+    template's text of its prompt (for the next turn's echo; None for a prompt that was not chat)."""
+
+    request: Request
+    tools: ToolPlan | None = None
+    prompt_text: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class AgentInfo:
     """A named agent the store or the RAM tier holds."""
 
@@ -114,6 +127,8 @@ class ServiceStats:
     pool_capacity_bytes: int
     disk_budget_bytes: int
     cache_dir: str
+    echo_spliced: int = 0    # prompts whose echoed reply was the generated ids (``semantic.echo``)
+    echo_rendered: int = 0   # prompts of known agents rendered instead: the echo did not match
 
 
 class Service:
@@ -128,17 +143,21 @@ class Service:
             (``ConcurrentScheduler``).
         tool_parser: the model's tool-call format (an ``mlx_lm.tool_parsers``
             module, or "generic"); None: what mlx-lm sniffed from its template.
+        echo_history: a named agent's echoed reply is its generated ids
+            (``semantic.echo``); False: always the template's rendering.
     """
 
     def __init__(self, model, tokenizer, store: AgentCacheStore, *, max_batch: int = defaults.MAX_BATCH,
                  max_queued: int = defaults.MAX_QUEUED, max_context: int | None = None,
                  ram_budget_bytes: int | None = None, prefill_chunk: int | None = None,
-                 tool_parser: str | None = None):
+                 tool_parser: str | None = None, echo_history: bool = True):
         self.tokenizer, self.store = tokenizer, store
         self.scheduler = ConcurrentScheduler(model, tokenizer, store, max_batch=max_batch, max_queued=max_queued,
                                              ram_budget_bytes=ram_budget_bytes, prefill_chunk=prefill_chunk)
         self.eos = frozenset(int(t) for t in tokenizer.eos_token_ids)
         self.tool_format = toolformat.sniff(tokenizer, tool_parser)
+        self.echo = EchoBook(limit=4096 if echo_history else 0)
+        self._end_texts = [t for t in (tokenizer.decode([e]) for e in sorted(self.eos)) if t]
         self.vocab_size = vocab_size(model)
         native = getattr(getattr(model, "args", None), "max_position_embeddings", None) or DEFAULT_CONTEXT
         self.context_length = int(min(max_context or native, native))
@@ -184,14 +203,16 @@ class Service:
                 max_tokens: int | None = None, sampling: SamplingParams = GREEDY, tenant: str = "",
                 agent: str | None = None, cache_salt: str | None = None, tools: Tools | None = None,
                 response_schema: dict | None = None, on_token: OnToken | None = None,
-                on_admit=None) -> tuple[Request, ToolPlan | None]:
+                on_admit=None) -> TurnPlan:
         """The turn's :class:`Request`: tokenized once (``messages`` through the chat template, or
         ``prompt`` text or ids), its output budget fitted (:func:`output_budget`), its cache placed;
         and how its reply is read when ``tools`` are offered (``semantic.toolformat``).
 
         ``response_schema`` holds the reply to one JSON value matching it (a
-        grammar, as ``tools`` may). Blocking (the tokenizer and the chat
-        template): call it off an event loop.
+        grammar, as ``tools`` may). A named agent whose messages echo the
+        reply this server generated for it gets that reply's own token ids
+        (``semantic.echo``). Blocking (the tokenizer and the chat template):
+        call it off an event loop.
 
         Raises:
             InvalidRequestError: the prompt, the messages or a field is unusable
@@ -207,23 +228,57 @@ class Service:
             grammar = Grammar.json_schema(response_schema, "response_format")
         if grammar is not None:
             constraint.check(grammar, self.tokenizer, self.vocab_size)
-        ids = self._render(messages, tools) if messages is not None else encode(self.tokenizer, prompt)
-        max_tokens = output_budget(len(ids), max_tokens, context_length=self.context_length, pool_tokens=self.pool_tokens)
         if agent is not None:
             agent_id, persist = f"{tenant or 'public'}/{agent}", True
         else:
             agent_id, persist = ANON + uuid.uuid4().hex, False
+        text = None
+        if messages is not None:
+            ids, text = self._render(agent_id if persist else None, messages, tools)
+        else:
+            ids = encode(self.tokenizer, prompt)
+        max_tokens = output_budget(len(ids), max_tokens, context_length=self.context_length, pool_tokens=self.pool_tokens)
         salt = f"{tenant}\0{cache_salt}" if tenant or cache_salt else None
-        return Request(agent_id, ids, max_tokens, sampling=sampling, persist=persist, salt_root=salt_root_of(salt),
-                       grammar=grammar, on_token=on_token, on_admit=on_admit), plan
+        request = Request(agent_id, ids, max_tokens, sampling=sampling, persist=persist, salt_root=salt_root_of(salt),
+                          grammar=grammar, on_token=on_token, on_admit=on_admit)
+        return TurnPlan(request, plan, text)
 
-    def _render(self, messages: list[dict], tools: Tools | None):
-        """The conversation's token ids: a native tool format's template gets the tools and the calls as
-        they are; another template gets them in the generic form (``toolformat.generic_messages``)."""
-        uses_tools = tools is not None or any(m.get("tool_calls") or m["role"] == "tool" for m in messages)
-        if uses_tools and not self.tool_format.native:
-            return render_chat(self.tokenizer, toolformat.generic_messages(messages, tools))
-        return render_chat(self.tokenizer, messages, tools.specs if tools is not None else None)
+    def _render(self, agent_id: str | None, messages: list[dict], tools: Tools | None) -> tuple[Sequence[int], str]:
+        """The conversation's token ids and template text; the agent's own reply as generated when echoed."""
+        def render(msgs, generation_prompt: bool) -> str:
+            # a native tool format's template gets the tools and the calls as they are; another, the generic form
+            uses_tools = tools is not None or any(m.get("tool_calls") or m["role"] == "tool" for m in msgs)
+            if uses_tools and not self.tool_format.native:
+                return render_text(self.tokenizer, toolformat.generic_messages(msgs, tools),
+                                   generation_prompt=generation_prompt)
+            return render_text(self.tokenizer, msgs, tools.specs if tools is not None else None,
+                               generation_prompt=generation_prompt)
+
+        def tokens(text: str) -> list[int]:
+            return self.tokenizer.encode(text, add_special_tokens=False)
+
+        if agent_id is not None and self.echo.limit:
+            spliced = self.echo.splice(agent_id, messages, render, tokens, self._end_texts)
+            if spliced is not None:
+                return spliced
+        text = render(messages, True)
+        return tokens(text), text
+
+    def remember(self, plan: TurnPlan, completion: Completion, text: str, calls: Sequence[ToolCall],
+                 stop_sequence: str | None = None) -> None:
+        """What the client was told of a named agent's turn, so that its echo next turn is the generated ids.
+
+        Only a whole reply the client can send back as it is: not a cancelled
+        one, nor one a stop string cut (the generated tokens run past it).
+        """
+        request = completion.request
+        if (not request.persist or plan.prompt_text is None or completion.finish_reason == "cancelled"
+                or stop_sequence is not None):
+            return
+        generated = tuple(completion.token_ids)
+        reply = Reply(text, tuple((c.name, json.dumps(c.arguments, sort_keys=True)) for c in calls))
+        closed = bool(generated) and generated[-1] in self.eos
+        self.echo.remember(request.agent_id, Said(plan.prompt_text, request.ids + generated, reply, closed))
 
     def submit(self, request: Request) -> Future:
         """Queue the turn (QueueFullError at once when the queue is full); the future gives its Completion."""
@@ -260,7 +315,7 @@ class Service:
         return ServiceStats(
             scheduler=self.scheduler.stats(), store=self.store.stats(), pool=pool, block_tokens=self.store.block_tokens,
             pool_capacity_bytes=int(pool.total * block_bytes), disk_budget_bytes=self.store.disk_budget,
-            cache_dir=str(self.store.dir),
+            cache_dir=str(self.store.dir), echo_spliced=self.echo.spliced, echo_rendered=self.echo.rendered,
         )
 
     def agents(self, tenant: str | None = None, limit: int = 200) -> list[AgentInfo]:

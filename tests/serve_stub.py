@@ -86,6 +86,7 @@ class StubBackend:
                     "budget_waits": 0, "over_budget_steps": 0, "over_budget_reason": None},
             "disk": {"agents": 1, "bytes": 512, "budget_bytes": 8192, "dir": "/tmp/x"},
             "saves": {"done": 1, "errors": 0, "pending": 0},
+            "echo": {"spliced": 2, "rendered": 1},
             "evictions": 5, "quarantined": 0,
             "agents": [{"agent": "a1", "cached_tokens": 32, "age_s": 1.5, "where": "ram"}],
             "recent": [{"at": 1.0, "ttft_s": 0.01, "prompt_tokens": 10, "cached_tokens": 4, "completion_tokens": 3,

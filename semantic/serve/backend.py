@@ -86,17 +86,18 @@ class Backend:
     async def prepare(self, req: GenerateRequest) -> Prepared:
         """Tokenize and check ``req`` off the event loop; nothing is queued. Raises InvalidRequestError (400)."""
         relay = _Relay(asyncio.get_running_loop())
-        turn, plan = await asyncio.to_thread(
+        prepared = await asyncio.to_thread(
             self.service.prepare, messages=req.messages, prompt=req.prompt, max_tokens=req.max_tokens,
             sampling=req.sampling, tenant=req.tenant, agent=req.agent, cache_salt=req.cache_salt, tools=req.tools,
             response_schema=req.response_schema, on_token=relay.on_token, on_admit=relay.on_admit,
         )
+        plan = prepared.tools
         splitter = CallSplitter(plan, "toolu_" if req.api.startswith("anthropic") else "call_") \
             if plan is not None and plan.reads_calls else None
         quiet = (plan.format.start,) if plan is not None and plan.stop_at_call else ()
         relay.text = TextStream(self.service.tokenizer, req.stop, req.logprobs,
                                 req.sampling.top_logprobs if req.logprobs else 0, self.service.eos, splitter, quiet)
-        return Prepared(req, turn, relay)
+        return Prepared(req, prepared.request, relay, prepared)
 
     async def stream(self, prepared: Prepared):
         """The turn's deltas, then its :class:`Final`. Closing this generator early cancels the turn."""
@@ -124,6 +125,7 @@ class Backend:
 
     def _final(self, prepared: Prepared, result, text: TextStream) -> Final:
         final = Final(result, text.content, text.stop_sequence, tuple(text.calls))
+        self.service.remember(prepared.plan, result, final.text, final.tool_calls, final.stop_sequence)
         with self._lock:
             self._generated += final.completion_tokens
             self._recent.append({
@@ -165,6 +167,8 @@ class Backend:
             "disk": {"agents": store.disk_agents, "bytes": store.disk_bytes, "budget_bytes": st.disk_budget_bytes,
                      "dir": st.cache_dir},
             "saves": {"done": s.saves, "errors": s.save_errors, "pending": s.pending_saves},
+            # an agent's echoed reply: its generated ids, or rendered again (an edit, a restart, another client)
+            "echo": {"spliced": st.echo_spliced, "rendered": st.echo_rendered},
             "evictions": s.evictions + store.disk_evictions,
             "quarantined": store.quarantined,
             "agents": agents,

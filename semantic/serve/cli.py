@@ -59,6 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-billing-header", action="store_true",
                    help="keep a system block that starts with 'x-anthropic-billing-header:' (Claude Code sends a "
                         "new one with every request, so every turn would miss the cache from its first token)")
+    p.add_argument("--no-echo-history", dest="echo_history", action="store_false",
+                   help="render every reply a client sends back through the chat template, instead of using the "
+                        "tokens this server generated for that agent (the cache then misses from the re-rendered "
+                        "reply on; for comparisons)")
     p.add_argument("--graceful-timeout", type=float, default=d.graceful_s,
                    help=f"seconds shutdown lets in-flight streams finish before cancelling them (default {d.graceful_s})")
     p.add_argument("--log-level", default=d.log_level, choices=LOG_LEVELS)
@@ -76,7 +80,8 @@ def parse_config(argv: list[str]) -> ServeConfig:
             api_keys=tuple(dict.fromkeys([*a.api_key, *env_keys])), pool_mb=a.pool_mb, ram_mb=a.ram_mb,
             disk_mb=a.disk_mb, max_batch=a.max_batch, max_queued=a.max_queued, max_context=a.max_context,
             prefill_chunk=a.prefill_chunk, max_body_mb=a.max_body_mb, graceful_s=a.graceful_timeout, log_level=a.log_level,
-            sync_saves=a.sync_saves, keep_billing_header=a.keep_billing_header, tool_parser=a.tool_parser)
+            sync_saves=a.sync_saves, keep_billing_header=a.keep_billing_header, tool_parser=a.tool_parser,
+            echo_history=a.echo_history)
     except ValueError as exc:
         parser.error(str(exc))  # exits 2 with the usage line
 
@@ -109,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
             config.model, model_id=config.model_id, sync_saves=config.sync_saves, cache_dir=config.cache_dir,
             pool_bytes=config.pool_bytes, disk_budget_bytes=config.disk_budget_bytes,
             ram_budget_bytes=config.ram_budget_bytes, max_batch=config.max_batch, max_queued=config.max_queued,
-            max_context=config.max_context, prefill_chunk=config.prefill_chunk, tool_parser=config.tool_parser)
+            max_context=config.max_context, prefill_chunk=config.prefill_chunk, tool_parser=config.tool_parser,
+            echo_history=config.echo_history)
     except (OSError, ValueError, LookupError, RuntimeError, CacheError) as exc:
         print(f"error: cannot load {config.model!r}: {exc}", file=sys.stderr)
         return 2

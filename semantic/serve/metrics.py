@@ -104,6 +104,11 @@ class BackendCollector:
         yield CounterMetricFamily("semantic_ram_over_budget_steps", "Scheduler steps that ended over the RAM budget",
                                   value=float(s["ram"]["over_budget_steps"]))
         yield CounterMetricFamily("semantic_save_errors", "Cache saves that failed", value=float(s["saves"]["errors"]))
+        echo = s.get("echo", {})
+        yield CounterMetricFamily("semantic_echo_spliced", "Prompts whose echoed reply was the agent's generated ids",
+                                  value=float(echo.get("spliced", 0)))
+        yield CounterMetricFamily("semantic_echo_rendered", "Prompts of known agents whose echoed reply was rendered again",
+                                  value=float(echo.get("rendered", 0)))
 
 
 class MetricsMiddleware:

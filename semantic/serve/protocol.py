@@ -11,7 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from semantic.service import GREEDY, Completion, InvalidRequestError, Request, SamplingParams, ToolCall, Tools
+from semantic.service import (
+    GREEDY, Completion, InvalidRequestError, Request, SamplingParams, ToolCall, Tools, TurnPlan,
+)
 
 MAX_STOP = 16          # stop strings per request (OpenAI allows 4; Anthropic more)
 MAX_STOP_CHARS = 256
@@ -128,6 +130,7 @@ class Prepared:
     request: GenerateRequest
     turn: Request                 # token ids, the tenant-namespaced (or anonymous) agent id, the fitted max_tokens
     relay: object = None          # the backend's way back from the engine's thread (None in stand-ins)
+    plan: TurnPlan | None = None  # how the reply is read, and the prompt's text for the next echo
 
     @property
     def ids(self) -> tuple[int, ...]:

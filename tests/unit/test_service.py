@@ -17,8 +17,7 @@ from semantic.service import ANON, Service, output_budget
 
 def _prepare(service, **kw):
     """The turn's Request (the reading plan beside it is for tools, tested elsewhere)."""
-    request, _ = service.prepare(**kw)
-    return request
+    return service.prepare(**kw).request
 
 
 @pytest.fixture
@@ -46,8 +45,8 @@ def test_prepare_tokenizes_once_and_fits_the_budget_to_context_and_pool(service,
     from semantic import service as service_module
 
     calls = []
-    real = service_module.render_chat
-    monkeypatch.setattr(service_module, "render_chat", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    real = service_module.render_text
+    monkeypatch.setattr(service_module, "render_text", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     req = _prepare(service, messages=[{"role": "user", "content": "x" * 300}])
     assert len(calls) == 1  # one render, even though the default budget had to be cut
     assert len(req.ids) + req.max_tokens == service.context_length
