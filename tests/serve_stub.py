@@ -29,6 +29,7 @@ class StubBackend:
     delay_s: float = 0.0              # before each piece: lets a test disconnect mid-stream
     refuse: Exception | None = None   # raised before the first item (QueueFullError, ...)
     fail_after: int | None = None     # raise RuntimeError after this many pieces
+    calls: tuple = ()                 # ToolCalls the reply ends with, in one delta
     prepared: list[Prepared] = field(default_factory=list)
     streamed: list[Prepared] = field(default_factory=list)  # what reached stream(), after the route's changes
     finished: int = 0                 # streams that reached their Final
@@ -61,13 +62,15 @@ class StubBackend:
                                     top=(TopLogprob(piece, i, -0.5, tuple(piece.encode())),))] \
                     if prepared.request.logprobs else []
                 yield Delta(piece, lps)
+            if self.calls:
+                yield Delta("", tool_calls=list(self.calls))
             done = True
             now = time.perf_counter()
             result = Completion(
                 request=prepared.turn, uid=0, token_ids=list(range(len(self.pieces))), logprobs=[-0.5] * len(self.pieces),
                 finish_reason=self.finish_reason, cached_tokens=self.cached_tokens, reuse="own", blocks=None,
                 admitted_at=t0, first_token_at=prepared.turn.arrived_at + 0.01, finished_at=now)
-            yield Final(result, "".join(self.pieces), self.stop_sequence)
+            yield Final(result, "".join(self.pieces), self.stop_sequence, tuple(self.calls))
         finally:
             if done:
                 self.finished += 1

@@ -18,6 +18,7 @@ from semantic.serve.app import create_app
 from semantic.serve.auth import tenant_id
 from semantic.serve.cli import parse_config
 from semantic.serve.config import ServeConfig
+from semantic.service import ToolCall
 from tests.serve_stub import StubBackend
 
 CHAT = "/v1/chat/completions"
@@ -522,3 +523,70 @@ def test_serve_config_refuses_bad_values(bad):
 def test_the_ram_budget_defaults_within_the_pool_so_it_binds():
     assert ServeConfig(model="m").ram_budget_bytes == ServeConfig(model="m").pool_bytes * 3 // 4
     assert ServeConfig(model="m", pool_mb=64, ram_mb=64).ram_budget_bytes == 64 << 20
+
+
+# ---- tool calls ------------------------------------------------------------
+
+CALLS = (ToolCall("call_1", "get_weather", {"city": "Oslo"}), ToolCall("call_2", "get_time", {}))
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+
+
+def test_openai_tool_calls_replace_the_content_and_finish_with_tool_calls():
+    backend = StubBackend(pieces=(), calls=CALLS)
+    body = client(backend).post(CHAT, json=chat(tools=[WEATHER], tool_choice="required")).json()
+    message = body["choices"][0]["message"]
+    assert body["choices"][0]["finish_reason"] == "tool_calls" and message["content"] is None
+    assert message["tool_calls"] == [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}},
+        {"id": "call_2", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}]
+    assert backend.prepared[-1].request.tools.choice == "required"
+
+
+def test_openai_streamed_tool_calls_are_whole_indexed_deltas():
+    events = sse_data(client(StubBackend(pieces=("Sure.",), calls=CALLS)).post(
+        CHAT, json=chat(tools=[WEATHER], stream=True)).text)
+    chunks = [json.loads(e) for e in events[:-1]]
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert deltas[1] == {"role": None, "content": "Sure."}
+    assert [d["tool_calls"][0]["index"] for d in deltas if "tool_calls" in d] == [0, 1]
+    assert deltas[2]["tool_calls"][0] == {"index": 0, "id": "call_1", "type": "function",
+                                          "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls" and events[-1] == "[DONE]"
+
+
+def test_anthropic_tool_use_blocks_stream_in_the_order_the_sdk_reads():
+    backend = StubBackend(pieces=(), calls=CALLS)
+    events = sse_events(client(backend).post(MSG, json=msg(stream=True, tools=[
+        {"name": "get_weather", "input_schema": {"type": "object"}}])).text)
+    assert [name for name, _ in events] == [
+        "message_start", "ping",
+        "content_block_start", "content_block_delta", "content_block_stop",
+        "content_block_start", "content_block_delta", "content_block_stop",
+        "message_delta", "message_stop"]
+    assert events[2][1] == {"type": "content_block_start", "index": 0, "content_block": {
+        "type": "tool_use", "id": "call_1", "name": "get_weather", "input": {}}}
+    assert events[3][1]["delta"] == {"type": "input_json_delta", "partial_json": '{"city": "Oslo"}'}
+    assert events[5][1]["index"] == 1 and events[8][1]["delta"]["stop_reason"] == "tool_use"
+
+
+def test_the_sdks_assemble_the_tool_calls():
+    openai = pytest.importorskip("openai")
+    anthropic = pytest.importorskip("anthropic")
+    c = client(StubBackend(pieces=("Let me check.",), calls=CALLS[:1]))
+    oc = openai.OpenAI(api_key="x", base_url="http://testserver/v1", http_client=c, max_retries=0)
+    done = oc.chat.completions.create(model="stub-model", messages=[{"role": "user", "content": "hi"}], tools=[WEATHER])
+    assert done.choices[0].message.tool_calls[0].function.name == "get_weather"
+    ac = anthropic.Anthropic(api_key="x", base_url="http://testserver", http_client=c, max_retries=0)
+    tools = [{"name": "get_weather", "input_schema": {"type": "object"}}]
+    with ac.messages.stream(model="stub-model", max_tokens=8, tools=tools,
+                            messages=[{"role": "user", "content": "hi"}]) as s:
+        final = s.get_final_message()
+    assert [b.type for b in final.content] == ["text", "tool_use"] and final.stop_reason == "tool_use"
+    assert final.content[0].text == "Let me check." and final.content[1].input == {"city": "Oslo"}
+
+
+@pytest.mark.parametrize("field, value", [("logit_bias", {"50256": -100}), ("functions", [{"name": "f"}]),
+                                          ("audio", {"voice": "alloy"}), ("modalities", ["text", "audio"])])
+def test_fields_that_would_change_the_output_are_refused_by_name(field, value):
+    err = openai_error(client().post(CHAT, json=chat(**{field: value})), 400, "invalid_request_error")
+    assert err["param"] == field

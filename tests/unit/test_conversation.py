@@ -1,0 +1,106 @@
+"""Both APIs' tools, tool calls, tool results and output formats, mapped to the one form templates render."""
+
+from __future__ import annotations
+
+import pytest
+
+from semantic.serve import anthropic_schemas as an
+from semantic.serve.conversation import (
+    anthropic_messages,
+    anthropic_tools,
+    openai_call,
+    openai_tools,
+    response_schema,
+)
+from semantic.serve.errors import ApiError
+
+FN = {"type": "function", "function": {"name": "get_weather", "description": "the weather",
+                                       "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+
+
+def _param(call) -> str:
+    with pytest.raises(ApiError) as err:
+        call()
+    assert err.value.status_code == 400
+    return err.value.param
+
+
+def test_openai_tool_choices_map_and_refuse_what_cannot_be_honoured():
+    assert openai_tools(None, None, None) is None
+    assert openai_tools([FN], None, None).choice == "auto"
+    assert openai_tools([FN], "required", False).choice == "required" and not openai_tools([FN], "required", False).parallel
+    assert openai_tools([FN], {"type": "function", "function": {"name": "get_weather"}}, None).choice == "get_weather"
+    assert _param(lambda: openai_tools([FN], {"type": "function", "function": {"name": "nope"}}, None)) == "tool_choice"
+    assert _param(lambda: openai_tools([FN], "sometimes", None)) == "tool_choice"
+    assert _param(lambda: openai_tools(None, "required", None)) == "tool_choice"
+    assert _param(lambda: openai_tools([{"type": "web_search"}], None, None)) == "tools.0.type"
+    assert _param(lambda: openai_tools([FN, FN], None, None)) == "tools"  # duplicate names
+
+
+def test_anthropic_tools_and_choices_map_to_openais():
+    tools = [{"name": "get_weather", "description": "w", "input_schema": {"type": "object"}}]
+    mapped = anthropic_tools(tools, {"type": "any", "disable_parallel_tool_use": True})
+    assert (mapped.choice, mapped.parallel) == ("required", False)
+    assert mapped.specs[0]["function"] == {"name": "get_weather", "description": "w", "parameters": {"type": "object"}}
+    assert anthropic_tools(tools, {"type": "tool", "name": "get_weather"}).choice == "get_weather"
+    assert anthropic_tools(tools, {"type": "none"}).choice == "none"
+    assert _param(lambda: anthropic_tools([{"type": "web_search_20250305", "name": "web_search"}], None)) == "tools.0"
+    assert _param(lambda: anthropic_tools(tools, {"type": "sometimes"})) == "tool_choice"
+
+
+def test_response_formats_become_the_schema_the_reply_must_match():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    assert response_schema(None) is None and response_schema({"type": "text"}) is None
+    assert response_schema({"type": "json_object"}) == {"type": "object"}
+    assert response_schema({"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}) == schema
+    assert _param(lambda: response_schema({"type": "json_schema", "json_schema": {"name": "x"}})) == \
+        "response_format.json_schema.schema"
+    assert _param(lambda: response_schema({"type": "grammar"})) == "response_format"
+
+
+def test_an_openai_call_is_decoded_for_templates_and_bad_arguments_are_refused():
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+    assert openai_call(call, "m") == {"id": "c1", "type": "function",
+                                      "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}
+    bad = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{not json"}}
+    assert _param(lambda: openai_call(bad, "messages.1.tool_calls.0")) == "messages.1.tool_calls.0.function.arguments"
+
+
+def _msg(role, content):
+    return an.Message(role=role, content=content)
+
+
+def test_anthropic_tool_use_and_results_become_tool_calls_and_tool_messages():
+    messages = [
+        _msg("user", "Weather?"),
+        _msg("assistant", [{"type": "text", "text": "Checking."},
+                           {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Oslo"}}]),
+        _msg("user", [{"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "text", "text": "sun"}]},
+                      {"type": "tool_result", "tool_use_id": "toolu_2", "content": "boom", "is_error": True},
+                      {"type": "text", "text": "Thanks"}]),
+    ]
+    assert anthropic_messages("Be brief.", messages, keep_billing_header=False) == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": "Checking.", "tool_calls": [
+            {"id": "toolu_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]},
+        {"role": "tool", "tool_call_id": "toolu_1", "content": "sun"},
+        {"role": "tool", "tool_call_id": "toolu_2", "content": "Error: boom"},
+        {"role": "user", "content": "Thanks"},
+    ]
+
+
+def test_claude_codes_volatile_billing_block_is_dropped_unless_kept():
+    system = [{"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.330; cch=9f1e;"},
+              {"type": "text", "text": "You are Claude Code."}]
+    blocks = [an.ContentBlock(**b) for b in system]
+    assert anthropic_messages(blocks, [_msg("user", "hi")], keep_billing_header=False)[0] == \
+        {"role": "system", "content": "You are Claude Code."}
+    kept = anthropic_messages(blocks, [_msg("user", "hi")], keep_billing_header=True)[0]["content"]
+    assert kept.startswith("x-anthropic-billing-header:") and kept.endswith("You are Claude Code.")
+
+
+def test_anthropic_blocks_the_server_cannot_read_are_refused_by_name():
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}
+    assert _param(lambda: anthropic_messages(None, [_msg("user", [image])], False)) == "messages.0.content.0.type"
+    assert _param(lambda: anthropic_messages(None, [_msg("tool", "x")], False)) == "messages.0.role"
