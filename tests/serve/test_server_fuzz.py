@@ -22,7 +22,7 @@ from tests.serve_helpers import Server
 
 pytestmark = pytest.mark.slow
 
-EXAMPLES = 150  # per endpoint and shape; 6 * 150 requests in all
+EXAMPLES = 150  # per endpoint and shape; 7 * 150 requests in all
 COUNTS: collections.Counter = collections.Counter()
 
 junk = st.recursive(
@@ -35,13 +35,26 @@ text = st.text(max_size=60) | junk
 role = st.sampled_from(["system", "user", "assistant", "developer", "tool", "wizard", ""]) | junk
 part = st.fixed_dictionaries({"type": st.sampled_from(["text", "image", "image_url", "tool_use"]) | junk, "text": text})
 content = text | st.lists(part, max_size=3)
-message = st.fixed_dictionaries({"role": role, "content": content}) | junk
+tool_call = st.fixed_dictionaries({"id": text, "type": st.just("function") | junk, "function": st.fixed_dictionaries(
+    {"name": text, "arguments": st.sampled_from(['{"city": "Oslo"}', "{}", "{not json", "[1]"]) | junk})}) | junk
+message = st.fixed_dictionaries({"role": role, "content": content}, optional={
+    "tool_calls": st.lists(tool_call, max_size=2) | junk, "tool_call_id": text}) | junk
+schema = st.sampled_from([{"type": "object", "properties": {"city": {"type": "string", "maxLength": 5}}},
+                          {"type": "object"}, {"type": "nonsense"}, {"$ref": "#/nowhere"}]) | junk
+tool = st.fixed_dictionaries({"type": st.sampled_from(["function", "web_search"]) | junk, "function": st.fixed_dictionaries(
+    {"name": st.sampled_from(["get_weather", "f", ""]) | junk, "parameters": schema})}) | junk
+tool_choice = st.sampled_from(["auto", "none", "required", "sometimes",
+                               {"type": "function", "function": {"name": "get_weather"}}]) | junk
+response_format = st.sampled_from([{"type": "text"}, {"type": "json_object"}, {"type": "grammar"}]) | \
+    st.builds(lambda s: {"type": "json_schema", "json_schema": {"name": "x", "schema": s}}, schema) | junk
 sampling = st.fixed_dictionaries({}, optional={
     "temperature": st.floats(-1, 3) | junk, "top_p": st.floats(-0.5, 1.5) | junk, "top_k": small_int,
     "seed": st.integers(-5, 2**70) | junk, "stop": st.lists(st.text(max_size=5), max_size=5) | text,
     "stream": st.booleans() | junk, "n": small_int, "logprobs": st.booleans() | junk, "top_logprobs": small_int,
     "presence_penalty": st.floats(-3, 3) | junk, "frequency_penalty": st.floats(-3, 3) | junk,
     "prompt_cache_key": text, "user": text, "unknown_field": junk,
+    "tools": st.lists(tool, max_size=2) | junk, "tool_choice": tool_choice, "parallel_tool_calls": junk,
+    "response_format": response_format, "logit_bias": junk,
 })
 chat = st.builds(lambda m, s, mt, model: {**s, "messages": m, "max_tokens": mt, "model": model},
                  st.lists(message, max_size=4) | junk, sampling, small_int, st.sampled_from(["tiny", "nope"]) | junk)
@@ -52,9 +65,12 @@ anthropic_body = st.builds(
     st.lists(message, max_size=4) | junk, text | st.lists(part, max_size=2), small_int,
     st.fixed_dictionaries({}, optional={"stop_sequences": st.lists(text, max_size=3) | junk,
                                         "temperature": st.floats(-1, 2) | junk, "stream": st.booleans() | junk,
-                                        "metadata": st.fixed_dictionaries({"user_id": text}) | junk}),
+                                        "metadata": st.fixed_dictionaries({"user_id": text}) | junk,
+                                        "tools": st.lists(st.fixed_dictionaries({"name": text, "input_schema": schema})
+                                                          | junk, max_size=2) | junk,
+                                        "tool_choice": st.sampled_from([{"type": "any"}, {"type": "auto"},
+                                                                        {"type": "tool", "name": "x"}]) | junk}),
 )
-
 agent_name = st.from_regex(r"[A-Za-z0-9_.:-]{1,20}", fullmatch=True)  # control characters are refused (400)
 # well-formed requests with random settings in range: these exercise generation itself
 # (stop strings, logprobs, seeds, penalties, streaming) rather than validation
@@ -83,6 +99,21 @@ valid_messages = st.builds(
         "stop_sequences": st.lists(st.text(min_size=1, max_size=3), max_size=4), "stream": st.booleans(),
         "metadata": st.fixed_dictionaries({"user_id": agent_name}),
     }),
+)
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 5}}, "required": ["city"],
+    "additionalProperties": False}}}
+# well-formed tool requests: the grammar must produce a call (or JSON) every time, streamed or not
+valid_tool_chat = st.builds(
+    lambda mt, extra: {**extra, "model": "tiny", "max_tokens": mt, "tools": [WEATHER], "parallel_tool_calls": False,
+                       "messages": [{"role": "user", "content": "weather?"}]},
+    st.integers(64, 96),
+    st.fixed_dictionaries({"tool_choice": st.sampled_from(
+        ["required", "auto", "none", {"type": "function", "function": {"name": "get_weather"}}])},
+        optional={"stream": st.booleans(), "temperature": st.floats(0, 1.5), "seed": st.integers(0, 99),
+                  "prompt_cache_key": agent_name}),
 )
 
 
@@ -140,6 +171,12 @@ def test_fuzzed_valid_chat_requests_succeed(server, body):
 @given(body=valid_messages)
 def test_fuzzed_valid_anthropic_requests_succeed(server, body):
     _send(server, "/v1/messages", json.dumps(body).encode(), ok=True)
+
+
+@FUZZ
+@given(body=valid_tool_chat)
+def test_fuzzed_valid_tool_requests_succeed(server, body):
+    _send(server, "/v1/chat/completions", json.dumps(body).encode(), ok=True)
 
 
 @FUZZ
