@@ -185,6 +185,8 @@ class StepLoop:
                 s.history.append(s.next_token)  # fed by this forward pass: the processors' context
         inputs = mx.array([[s.next_token] for s in self._rows])
         logits = self.model(inputs, cache=self._batch)[:, -1, :]
+        if any(s.constraint is not None for s in self._rows):
+            mx.async_eval(logits)  # the forward pass runs while llguidance computes the rows' masks
         tokens, logprobs = self._sample(self._rows, logits)
         mx.async_eval(tokens, logprobs)  # the prefill chunk is queued behind it
         return tokens, logprobs
