@@ -85,3 +85,14 @@ def test_a_turn_through_the_facade_is_listed_with_its_cached_tokens(service):
     assert service.agents("other") == []
     stats = service.stats()
     assert stats.scheduler.completed == 2 and stats.store.disk_agents == 1 and stats.pool.total == service.store.total_blocks
+
+
+def test_tool_choice_none_keeps_the_generic_tools_note_so_the_prompt_and_its_cache_stay_the_same(service):
+    from semantic.service import Tools
+
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    ask = [{"role": "user", "content": "Weather?"}]
+    auto = service.prepare(messages=ask, tools=Tools((weather,), "auto"))
+    none = service.prepare(messages=ask, tools=Tools((weather,), "none"))
+    assert auto.request.ids == none.request.ids and "get_weather" in none.prompt_text
+    assert none.request.grammar.source == "answer grammar" and not none.tools.reads_calls
