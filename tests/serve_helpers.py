@@ -48,7 +48,8 @@ class Server:
         cmd = [sys.executable, "-m", "semantic.serve", "--model", str(self.model), "--port", str(self.port),
                "--cache-dir", str(self.cache_dir), "--model-id", self.model_id, *self.args]
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(self.log_path, "wb"), stderr=subprocess.STDOUT)
+        with open(self.log_path, "wb") as log:  # the child holds its own copy of the descriptor
+            self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
