@@ -16,7 +16,8 @@ What the request allows decides the grammar (``semantic.constraint``)::
     auto        free; calls parsed from the text   a call, or an answer that does not start with "{"
     required    a call in the native format*        a call
     <name>      that tool, native format*          that tool
-    none        free; the text stops at a call     free (no note)
+    none        free; the text stops at a call     an answer that does not start with "{" (the note stays:
+                                                   the prompt is the same whatever the choice)
     * Hermes/Qwen and Mistral; other native formats are held to the generic call, read back as such.
 
 Arguments always match the tool's JSON schema under a grammar.
@@ -36,6 +37,7 @@ from semantic.errors import InvalidRequestError
 GENERIC = "generic"
 NATIVE_GRAMMARS = ("json_tools", "mistral")  # native formats whose calls we can also write as a grammar
 _LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_ANSWER = "/[^{\\s][\\s\\S]*/"  # a generic-format answer: anything that does not open a call's "{"
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,11 +142,14 @@ class ToolPlan:
 def plan(tools: Tools, fmt: ToolFormat, tokenizer) -> ToolPlan:
     """The grammar and the reading for ``tools`` on a model whose native format is ``fmt`` (module doc)."""
     if tools.choice == "none":
-        return ToolPlan(fmt, tools, None, stop_at_call=fmt.native)
+        if fmt.native:
+            return ToolPlan(fmt, tools, None, stop_at_call=True)
+        # the generic note stays offered (see generic_messages): the answer may not open a call instead
+        return ToolPlan(fmt, tools, Grammar.lark(f"start: answer\nanswer: {_ANSWER}", "tool call grammar"))
     if tools.choice == "auto":
         if fmt.native:
             return ToolPlan(fmt, tools, None)
-        lark = f"start: call | answer\ncall: %json {json.dumps(_generic_schema(tools))}\nanswer: /[^{{\\s][\\s\\S]*/"
+        lark = f"start: call | answer\ncall: %json {json.dumps(_generic_schema(tools))}\nanswer: {_ANSWER}"
         return ToolPlan(fmt, tools, Grammar.lark(lark, "tool call grammar"))
     if fmt.name in NATIVE_GRAMMARS:
         return ToolPlan(fmt, tools, Grammar.lark(_native_lark(tools, fmt, tokenizer), "tool call grammar"))
@@ -244,7 +249,7 @@ def generic_messages(messages: list[dict], tools: Tools | None) -> list[dict]:
                 out.append({"role": "user", "content": text})
         else:
             out.append({"role": role, "content": m.get("content") or ""})
-    if tools is not None and tools.choice != "none":
+    if tools is not None:  # under tool_choice "none" too: the system turn, and the agent's cache after it, stay the same
         note = describe(tools)
         if out and out[0]["role"] == "system":
             out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + note}
