@@ -158,11 +158,11 @@ exp-010-full: models
 
 # Agents that act: an 8-turn tool loop over the OpenAI (Agents SDK) and Anthropic APIs, echo-stable
 # history on and off, mlx_lm.server beside them on the tiny Hermes model; then decode tokens/s under a
-# JSON-schema grammar against none (quick: one conversation per API, about 15 min on 2 cores).
+# JSON-schema grammar against none (quick: one conversation per API, 8 min on 2 cores).
 exp-011: models
 	$(PY) -m harness run experiments/exp_011_agents_act.toml --quick
 
-# Three conversations per API, 128-token decodes, 5 trials per side (about 35 min on 2 cores).
+# Three conversations per API, 128-token decodes, 5 trials per side (about 25 min on 2 cores, by the quick run).
 exp-011-full: models
 	$(PY) -m harness run experiments/exp_011_agents_act.toml
 
