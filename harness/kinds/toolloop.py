@@ -95,7 +95,7 @@ def run(ctx) -> None:
         for s in servers.values():
             s.stop()
     res.output("events", events)
-    record_loops(ctx, [r.row() for r in rows], sides, p["apis"], p["turns"])
+    record_loops(ctx, [r.row() for r in rows], p["apis"], p["turns"])
     if decode:
         _decode(ctx)
 
@@ -256,7 +256,7 @@ def loop_checks(rows: list[dict], turns: int) -> dict:
     return checks
 
 
-def record_loops(ctx, rows: list[dict], sides: list[str], apis: list[str], turns: int) -> None:
+def record_loops(ctx, rows: list[dict], apis: list[str], turns: int) -> None:
     """The loops' rows as outputs, metrics, checks and the per-turn plot."""
     res = ctx.results
     table = loop_table(rows, turns)

@@ -30,6 +30,7 @@ before request k + 1 of any, in an order that rotates with k (A B C, B C A, ...)
 from __future__ import annotations
 
 import asyncio
+import json
 import secrets
 import time
 from contextlib import asynccontextmanager
@@ -249,8 +250,6 @@ def _turn_model_class():
 
 async def agents_loop(client, model: str, side: str, loop: Loop, baton: Baton) -> list[Turn]:
     """One conversation driven by the OpenAI Agents SDK's Runner (streamed) with one function tool."""
-    import json
-
     from agents import Agent, FunctionTool, ModelSettings, Runner, set_tracing_disabled
 
     set_tracing_disabled(True)  # nothing leaves this machine
