@@ -202,3 +202,40 @@ def turns_plot(turns: Sequence[str], ttft_s: Mapping[str, Sequence[float]], cach
         ax.grid(axis="y", alpha=0.3)
         ax.legend(fontsize=8, loc="upper left", ncol=3)
     return _save(fig, path)
+
+
+def turn_lines_plot(panels: Mapping[str, Mapping[str, Sequence[float | None]]], path: Path, ylabel: str, title: str,
+                    goal: float | None = None, first_turn: int = 1) -> Path:
+    """Per turn, one line per side (each its own marker and dash, so equal lines stay visible), one panel
+    per group (e.g. per API), with an optional dashed goal; the y axis spans the values and the goal.
+
+    Args:
+        panels: panel title -> side label -> one value per turn (None where there is none).
+        path: the PNG to write.
+        ylabel, title: y axis label and the figure's title.
+        goal: drawn as a dashed horizontal line in every panel.
+        first_turn: the turn of each series' first value.
+
+    Returns:
+        ``path``.
+    """
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), sharey=True, squeeze=False)
+    values = [y for series in panels.values() for ys in series.values() for y in ys if y is not None]
+    for ax, (name, series) in zip(axes[0], panels.items()):
+        turns = max((len(ys) for ys in series.values()), default=0)
+        for i, (label, ys) in enumerate(series.items()):
+            ax.plot(np.arange(first_turn, first_turn + len(ys)), [np.nan if y is None else y for y in ys],
+                    marker="oxs^"[i % 4], ls=("-", "--", ":", "-.")[i % 4], ms=5, label=label)
+        if goal is not None:
+            ax.axhline(goal, ls="--", lw=1, color="k", label=f"goal {goal:g}")
+        ax.set(title=name, xlabel="turn")
+        ax.set_xticks(np.arange(first_turn, first_turn + turns))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, loc="lower right")
+    if values:
+        lo, hi = min(values + ([goal] if goal is not None else [])), max(values)
+        pad = max(0.005, 0.1 * (hi - lo))
+        axes[0][0].set_ylim(lo - 3 * pad, hi + pad)  # room below for the legend
+    axes[0][0].set_ylabel(ylabel)
+    fig.suptitle(title)
+    return _save(fig, path)

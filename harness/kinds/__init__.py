@@ -26,6 +26,7 @@ from harness.kinds import (  # noqa: E402,F401
     steploop,
     stress,
     throughput,
+    toolloop,
 )
 
 __all__ = ["KINDS", "Kind", "Param", "register"]

@@ -24,6 +24,8 @@ def test_every_plot_kind_writes_a_png_and_leaves_no_figure_open(tmp_path):
         plots.bandwidth_plot([16e6, 1e6, 4e6], {"memcpy": [6, 5, 6], "ours": [3, 2, 3]}, tmp_path / "w.png", "bw"),
         plots.turns_plot(["1 first", "2 append"], {"ours": [3.0, 0.4], "peer": [3.1, 0.5]},
                          {"ours": [0, 590], "peer": [float("nan"), 584]}, [581, 598], tmp_path / "t.png", "turns"),
+        plots.turn_lines_plot({"openai": {"echo": [0.1, 0.97, 0.98], "off": [0.1, 0.9, None]}, "anthropic": {"echo": [0.1, 0.97]}},
+                              tmp_path / "r.png", "cached / prompt", "ratios", goal=0.95),
     ]
     for p in paths:
         assert p.read_bytes()[:8] == PNG and p.stat().st_size > 1000

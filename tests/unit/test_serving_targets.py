@@ -41,6 +41,8 @@ def test_semantic_command_and_its_optional_budgets(tmp_path):
         "/v/bin/python", "-m", "semantic.serve", "--model", str(MODEL), "--model-id", "smollm2-135m",
         "--host", "127.0.0.1", "--port", "8123", "--cache-dir", str(tmp_path / "cache")]
     assert ours.command(_launch(ours, tmp_path, ram_mb=512))[-2:] == ["--ram-mb", "512"]
+    assert ours.command(_launch(ours, tmp_path, echo_history=False))[-1] == "--no-echo-history"
+    assert "--no-echo-history" not in ours.command(_launch(ours, tmp_path, echo_history=True))
     assert ours.request_model(MODEL, "smollm2-135m") == "smollm2-135m"
     assert ours.cache_key_field == "prompt_cache_key"   # without it nothing outlives a restart
 
