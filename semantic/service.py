@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from semantic import cachefile, compat, constraint, defaults, errors, toolformat
+from semantic import cachefile, compat, constraint, defaults, errors, roles, toolformat
 from semantic.blockplan import salt_root_of
 from semantic.engine import vocab_size
 from semantic.errors import CacheError, ContextLengthError, InvalidRequestError, SchedulerClosedError
@@ -67,22 +67,22 @@ def model_fingerprint(path: Path) -> str:
     return h.hexdigest()[:24]
 
 
-def output_budget(prompt_tokens: int, requested: int | None, *, context_length: int, pool_tokens: int | None = None) -> int:
-    """A turn's ``max_tokens``: ``requested`` when prompt and reply fit, else a ContextLengthError;
-    none requested: the default, cut to what the context (and the pool) leave.
+def output_budget(prompt_tokens: int, requested: int | None, *, context_length: int, pool_tokens: int | None = None,
+                  strict: bool = False) -> int:
+    """A turn's ``max_tokens``: what was ``requested``, cut to what the context (and the pool) leave after
+    the prompt; none requested: the default, cut the same way.
 
-    ``pool_tokens`` is the longest cache the block pool can hold (None: no bound).
+    A prompt that leaves no room for one token is a ContextLengthError; so is
+    a ``requested`` budget that does not fit when ``strict`` (the hosted APIs'
+    behaviour). ``pool_tokens`` is the longest cache the block pool can hold
+    (None: no bound).
     """
     limits = [(context_length, _context_message)] + ([(pool_tokens, _pool_message)] if pool_tokens is not None else [])
-    if requested is None:
-        for limit, message in limits:
-            if prompt_tokens + 1 > limit:
-                raise ContextLengthError(message(limit, prompt_tokens, 1))
-        return min(defaults.MAX_TOKENS, *(limit - prompt_tokens for limit, _ in limits))
+    need = 1 if requested is None or not strict else requested
     for limit, message in limits:
-        if prompt_tokens + requested > limit:
-            raise ContextLengthError(message(limit, prompt_tokens, requested))
-    return requested
+        if prompt_tokens + need > limit:
+            raise ContextLengthError(message(limit, prompt_tokens, need))
+    return min(defaults.MAX_TOKENS if requested is None else requested, *(limit - prompt_tokens for limit, _ in limits))
 
 
 def _context_message(limit: int, prompt: int, completion: int) -> str:
@@ -145,18 +145,23 @@ class Service:
             module, or "generic"); None: what mlx-lm sniffed from its template.
         echo_history: a named agent's echoed reply is its generated ids
             (``semantic.echo``); False: always the template's rendering.
+        strict_max_tokens: a ``max_tokens`` the context cannot hold after the
+            prompt is refused (ContextLengthError) rather than cut to fit.
     """
 
     def __init__(self, model, tokenizer, store: AgentCacheStore, *, max_batch: int = defaults.MAX_BATCH,
                  max_queued: int = defaults.MAX_QUEUED, max_context: int | None = None,
                  ram_budget_bytes: int | None = None, prefill_chunk: int | None = None,
-                 tool_parser: str | None = None, echo_history: bool = True):
+                 tool_parser: str | None = None, echo_history: bool = True, strict_max_tokens: bool = False):
         self.tokenizer, self.store = tokenizer, store
         self.scheduler = ConcurrentScheduler(model, tokenizer, store, max_batch=max_batch, max_queued=max_queued,
                                              ram_budget_bytes=ram_budget_bytes, prefill_chunk=prefill_chunk)
         self.eos = frozenset(int(t) for t in tokenizer.eos_token_ids)
         self.tool_format = toolformat.sniff(tokenizer, tool_parser)
         self.echo = EchoBook(limit=4096 if echo_history else 0)
+        self.strict_max_tokens = strict_max_tokens
+        # whether system turns render where they stand, or must move (``semantic.roles``): asked once
+        self.free_system = roles.renders_mid_system(lambda msgs: render_text(tokenizer, msgs))
         self._end_texts = [t for t in (tokenizer.decode([e]) for e in sorted(self.eos)) if t]
         self.vocab_size = vocab_size(model)
         native = getattr(getattr(model, "args", None), "max_position_embeddings", None) or DEFAULT_CONTEXT
@@ -237,7 +242,8 @@ class Service:
             ids, text = self._render(agent_id if persist else None, messages, tools)
         else:
             ids = encode(self.tokenizer, prompt)
-        max_tokens = output_budget(len(ids), max_tokens, context_length=self.context_length, pool_tokens=self.pool_tokens)
+        max_tokens = output_budget(len(ids), max_tokens, context_length=self.context_length,
+                                   pool_tokens=self.pool_tokens, strict=self.strict_max_tokens)
         salt = f"{tenant}\0{cache_salt}" if tenant or cache_salt else None
         request = Request(agent_id, ids, max_tokens, sampling=sampling, persist=persist, salt_root=salt_root_of(salt),
                           grammar=grammar, on_token=on_token, on_admit=on_admit)
@@ -249,10 +255,10 @@ class Service:
             # a native tool format's template gets the tools and the calls as they are; another, the generic form
             uses_tools = tools is not None or any(m.get("tool_calls") or m["role"] == "tool" for m in msgs)
             if uses_tools and not self.tool_format.native:
-                return render_text(self.tokenizer, toolformat.generic_messages(msgs, tools),
+                return render_text(self.tokenizer, roles.fit(toolformat.generic_messages(msgs, tools), self.free_system),
                                    generation_prompt=generation_prompt)
-            return render_text(self.tokenizer, msgs, tools.specs if tools is not None else None,
-                               generation_prompt=generation_prompt)
+            return render_text(self.tokenizer, roles.fit(msgs, self.free_system),
+                               tools.listed() if tools is not None else None, generation_prompt=generation_prompt)
 
         def tokens(text: str) -> list[int]:
             return self.tokenizer.encode(text, add_special_tokens=False)

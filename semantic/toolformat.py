@@ -85,17 +85,25 @@ class Tools:
     specs: tuple[dict, ...]     # {"type": "function", "function": {"name", "description", "parameters"}}
     choice: str = "auto"        # "auto", "none", "required", or a tool's name
     parallel: bool = True
+    # tools whose definitions the conversation carries where they were loaded (a tool search's result):
+    # callable, but left out of the template's list, so the rendered prefix stays the same
+    inline: frozenset[str] = frozenset()
 
     def __post_init__(self):
         names = [s["function"]["name"] for s in self.specs]
         if len(set(names)) != len(names):
             raise InvalidRequestError(f"tool names must be unique, got {names}")
+        assert self.inline <= set(names)
         if self.choice not in ("auto", "none", "required") and self.choice not in names:
             raise InvalidRequestError(f"tool_choice names {self.choice!r}, which is not among the tools {names}")
 
     @property
     def names(self) -> list[str]:
         return [s["function"]["name"] for s in self.specs]
+
+    def listed(self) -> tuple[dict, ...]:
+        """The tools the template lists (all but the ``inline`` ones)."""
+        return tuple(s for s in self.specs if s["function"]["name"] not in self.inline)
 
     def offered(self) -> tuple[dict, ...]:
         """The tools a call may name: one for a named choice, else all."""
@@ -221,7 +229,7 @@ def describe(tools: Tools) -> str:
     lines = ["You can call these tools. To call one, reply with only a JSON object, exactly",
              '{"tool_call": {"name": <tool name>, "arguments": <its arguments>}}',
              "and nothing else. Otherwise reply normally. Tools:"]
-    for s in tools.specs:
+    for s in tools.listed():
         f = s["function"]
         lines.append(json.dumps({"name": f["name"], "description": f.get("description", ""),
                                  "parameters": f.get("parameters") or {"type": "object", "properties": {}}}))

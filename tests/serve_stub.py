@@ -30,6 +30,7 @@ class StubBackend:
     refuse: Exception | None = None   # raised before the first item (QueueFullError, ...)
     fail_after: int | None = None     # raise RuntimeError after this many pieces
     calls: tuple = ()                 # ToolCalls the reply ends with, in one delta
+    strict_max_tokens: bool = False   # the service's --strict-max-tokens
     prepared: list[Prepared] = field(default_factory=list)
     streamed: list[Prepared] = field(default_factory=list)  # what reached stream(), after the route's changes
     finished: int = 0                 # streams that reached their Final
@@ -37,10 +38,11 @@ class StubBackend:
     shut: list[str] = field(default_factory=list)
 
     async def prepare(self, req: GenerateRequest) -> Prepared:
-        text = req.prompt if isinstance(req.prompt, str) else " ".join(m["content"] for m in req.messages or [])
+        text = req.prompt if isinstance(req.prompt, str) else " ".join(m["content"] or "" for m in req.messages or [])
         ids = tuple(req.prompt) if isinstance(req.prompt, list) else tuple(range(len(text.split()) + 2))
-        # the service's own fitting: a default cut to the context, an explicit budget refused past it
-        max_tokens = output_budget(len(ids), req.max_tokens, context_length=self.context_length)
+        # the service's own fitting: a budget cut to the context (refused past it when strict)
+        max_tokens = output_budget(len(ids), req.max_tokens, context_length=self.context_length,
+                                   strict=self.strict_max_tokens)
         turn = Request(f"{req.tenant or 'public'}/{req.agent or 'anon'}", ids, max_tokens, sampling=req.sampling,
                        persist=req.agent is not None)
         p = Prepared(request=req, turn=turn)

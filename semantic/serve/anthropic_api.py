@@ -18,7 +18,9 @@ from starlette.responses import Response
 from semantic.service import SamplingParams
 from semantic.serve import anthropic_schemas as an
 from semantic.serve.protocol import Delta, Final, GenerateRequest
-from semantic.serve.conversation import anthropic_messages, anthropic_tools
+from semantic.serve.conversation import (
+    anthropic_format, anthropic_messages, anthropic_tools, tool_definitions, tool_references,
+)
 from semantic.serve.errors import from_stream, invalid, sse_error
 from semantic.serve.state import ServeState, serve_state, tenant_of
 from semantic.serve.streaming import EventStream, event
@@ -40,20 +42,47 @@ def usage(final: Final) -> an.Usage:
                     cache_read_input_tokens=final.cached_tokens)
 
 
-def _messages(body: an.CountTokensRequest, keep_billing_header: bool) -> list[dict]:
+# context edits this server honours: thinking is never rendered back, so there is none to clear
+CONTEXT_EDITS = ("clear_thinking_20251015",)
+
+
+def _refuse_unsupported(body: an.CountTokensRequest) -> None:
+    """A 400 naming a field this server cannot honour (the README's field table lists them all)."""
+    if body.mcp_servers:
+        raise invalid("mcp_servers is not supported: this server connects to no MCP server; "
+                      "give the tools as tools", "mcp_servers")
+    if body.container is not None:
+        raise invalid("container is not supported: this server runs no code-execution container", "container")
+    for i, edit in enumerate(body.context_management.edits if body.context_management else ()):
+        if edit.type not in CONTEXT_EDITS:
+            raise invalid(f"context_management.edits[{i}].type {edit.type!r} is not supported; this server "
+                          f"applies {', '.join(CONTEXT_EDITS)}", f"context_management.edits.{i}.type")
+    if body.output_format is not None and body.output_config is not None and body.output_config.format is not None:
+        raise invalid("give output_config.format or output_format, not both", "output_format")
+
+
+def _conversation(body: an.CountTokensRequest, keep_billing_header: bool):
+    """The request's messages and tools in the engine's form (``conversation``)."""
+    _refuse_unsupported(body)
     if not body.messages:
         raise invalid("messages must hold at least one message", "messages")
-    return anthropic_messages(body.system, body.messages, keep_billing_header)
+    tools = anthropic_tools(body.tools, body.tool_choice, tool_references(body.messages))
+    messages = anthropic_messages(body.system, body.messages, keep_billing_header, tool_definitions(body.tools))
+    fmt = body.output_config.format if body.output_config is not None else None
+    schema = anthropic_format(fmt, "output_config.format") if fmt is not None else \
+        anthropic_format(body.output_format, "output_format")
+    return messages, tools, schema
 
 
 def _request(body: an.MessagesRequest, request: Request, state: ServeState) -> GenerateRequest:
     given = {"temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k}
+    messages, tools, schema = _conversation(body, state.config.keep_billing_header)
     return GenerateRequest(
-        max_tokens=body.max_tokens, messages=_messages(body, state.config.keep_billing_header),
+        max_tokens=body.max_tokens, messages=messages,
         sampling=SamplingParams(**{k: v for k, v in given.items() if v is not None}),
         stop=tuple(body.stop_sequences or ()), tenant=tenant_of(request), api="anthropic.messages",
         agent=agent_of(request, body.metadata.user_id if body.metadata else None),
-        tools=anthropic_tools(body.tools, body.tool_choice))
+        tools=tools, response_schema=schema)
 
 
 def _content(final: Final) -> list:
@@ -70,9 +99,9 @@ async def messages(body: an.MessagesRequest, request: Request, state: ServeState
         final, _ = await turn.run(request)
         out = an.MessageOut(id=mid, model=model, content=_content(final), stop_reason=stop_reason(final),
                             stop_sequence=final.stop_sequence, usage=usage(final))
-        return Response(out.model_dump_json(), media_type="application/json")
+        return Response(out.model_dump_json(), media_type="application/json", headers=turn.headers)
     await turn.open(request)
-    return EventStream(_events(turn, request.url.path, mid, model))
+    return EventStream(_events(turn, request.url.path, mid, model), turn.headers)
 
 
 class _Blocks:
@@ -148,7 +177,8 @@ async def _events(turn: Turn, path: str, mid: str, model: str) -> AsyncGenerator
 async def count_tokens(body: an.CountTokensRequest, request: Request,
                        state: ServeState = Depends(serve_state)) -> Response:
     check_model(state, body.model)
-    req = GenerateRequest(max_tokens=1, messages=_messages(body, state.config.keep_billing_header),
-                          tenant=tenant_of(request), tools=anthropic_tools(body.tools, body.tool_choice))
+    messages, tools, schema = _conversation(body, state.config.keep_billing_header)
+    req = GenerateRequest(max_tokens=1, messages=messages, tenant=tenant_of(request), tools=tools,
+                          response_schema=schema)
     out = an.CountTokens(input_tokens=len((await state.backend.prepare(req)).ids))
     return Response(out.model_dump_json(), media_type="application/json")

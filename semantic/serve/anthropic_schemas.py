@@ -2,17 +2,23 @@
 
 Content blocks are parsed loosely (any ``type``), so the route can refuse a
 non-text block with a message naming it rather than a union's error list.
+A request's own fields are all named here, as the README's field table
+lists them: an unknown one is a 400 naming it, as on Anthropic's API.
 """
 
 from __future__ import annotations
 
-from typing import Literal, Union
+from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class _In(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
 
 
 class ContentBlock(_In):
@@ -24,6 +30,7 @@ class ContentBlock(_In):
     tool_use_id: str | None = None            # tool_result
     content: Union[str, list["ContentBlock"], None] = None
     is_error: bool = False
+    tool_name: str | None = None              # tool_reference (a tool search's result: that tool is loaded)
 
 
 class Message(_In):
@@ -35,12 +42,48 @@ class Metadata(_In):
     user_id: str | None = None
 
 
-class CountTokensRequest(_In):
+class Thinking(_In):
+    """Extended thinking. A model that cannot think answers without it (the README says so)."""
+
+    type: Literal["enabled", "disabled", "adaptive"]
+    budget_tokens: int | None = Field(default=None, ge=1024)
+    display: Literal["summarized", "omitted"] | None = None
+
+    @model_validator(mode="after")
+    def _budget_when_enabled(self):
+        if self.type == "enabled" and self.budget_tokens is None:
+            raise ValueError("thinking of type 'enabled' needs budget_tokens (at least 1024)")
+        return self
+
+
+class ContextEdit(_In):
+    type: str
+    keep: Any = None
+
+
+class ContextManagement(_In):
+    edits: list[ContextEdit] = []
+
+
+class OutputConfig(_In):
+    effort: Literal["low", "medium", "high", "max"] | None = None   # steers thinking: nothing to steer here
+    format: dict | None = None                                      # {"type": "json_schema", "schema": {...}}
+
+
+class CountTokensRequest(_Body):
     model: str
     messages: list[Message]
     system: Union[str, list[ContentBlock], None] = None
     tools: list | None = None
     tool_choice: dict | None = None
+    thinking: Thinking | None = None
+    context_management: ContextManagement | None = None
+    output_config: OutputConfig | None = None
+    output_format: dict | None = None     # the structured-outputs beta's name for output_config.format
+    mcp_servers: list | None = None       # refused: this server connects to no MCP server
+    container: Any = None                 # refused: no code-execution container here
+    cache_control: dict | None = None     # advisory: every prefix is cached anyway
+    service_tier: str | None = None       # advisory: one tier here
 
 
 class MessagesRequest(CountTokensRequest):
@@ -51,6 +94,12 @@ class MessagesRequest(CountTokensRequest):
     top_k: int | None = None
     stream: bool = False
     metadata: Metadata | None = None
+
+    @model_validator(mode="after")
+    def _thinking_within_budget(self):
+        if self.thinking is not None and self.thinking.type == "enabled" and self.thinking.budget_tokens >= self.max_tokens:
+            raise ValueError("thinking.budget_tokens must be less than max_tokens")
+        return self
 
 
 # ---- responses -------------------------------------------------------------

@@ -63,6 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="render every reply a client sends back through the chat template, instead of using the "
                         "tokens this server generated for that agent (the cache then misses from the re-rendered "
                         "reply on; for comparisons)")
+    p.add_argument("--strict-max-tokens", action="store_true",
+                   help="refuse (400) a max_tokens that does not fit the context after the prompt, as the hosted "
+                        "APIs do (default: cut it to what the context leaves, and say so in the "
+                        "X-Max-Tokens-Clamped header)")
     p.add_argument("--graceful-timeout", type=float, default=d.graceful_s,
                    help=f"seconds shutdown lets in-flight streams finish before cancelling them (default {d.graceful_s})")
     p.add_argument("--log-level", default=d.log_level, choices=LOG_LEVELS)
@@ -81,7 +85,7 @@ def parse_config(argv: list[str]) -> ServeConfig:
             disk_mb=a.disk_mb, max_batch=a.max_batch, max_queued=a.max_queued, max_context=a.max_context,
             prefill_chunk=a.prefill_chunk, max_body_mb=a.max_body_mb, graceful_s=a.graceful_timeout, log_level=a.log_level,
             sync_saves=a.sync_saves, keep_billing_header=a.keep_billing_header, tool_parser=a.tool_parser,
-            echo_history=a.echo_history)
+            echo_history=a.echo_history, strict_max_tokens=a.strict_max_tokens)
     except ValueError as exc:
         parser.error(str(exc))  # exits 2 with the usage line
 
@@ -115,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
             pool_bytes=config.pool_bytes, disk_budget_bytes=config.disk_budget_bytes,
             ram_budget_bytes=config.ram_budget_bytes, max_batch=config.max_batch, max_queued=config.max_queued,
             max_context=config.max_context, prefill_chunk=config.prefill_chunk, tool_parser=config.tool_parser,
-            echo_history=config.echo_history)
+            echo_history=config.echo_history, strict_max_tokens=config.strict_max_tokens)
     except (OSError, ValueError, LookupError, RuntimeError, CacheError) as exc:
         print(f"error: cannot load {config.model!r}: {exc}", file=sys.stderr)
         return 2

@@ -41,6 +41,7 @@ class ServeConfig:
     keep_billing_header: bool = False  # keep Claude Code's per-request system line (every prefix then misses)
     tool_parser: str | None = None     # the model's tool-call format; None: what mlx-lm sniffs from its template
     echo_history: bool = True          # an echoed reply is the agent's generated ids, not a re-render
+    strict_max_tokens: bool = False    # refuse a max_tokens the context cannot hold, instead of cutting it
 
     def __post_init__(self):
         if not isinstance(self.model, str) or not self.model.strip():

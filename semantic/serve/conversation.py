@@ -50,23 +50,68 @@ def _openai_choice(choice) -> str:
     raise invalid(f"tool_choice {choice!r} is not one of auto, none, required or a named function"[:200], "tool_choice")
 
 
-def anthropic_tools(tools: list | None, choice: dict | None) -> Tools | None:
-    """Anthropic's ``tools`` / ``tool_choice`` (auto, any, tool, none; ``disable_parallel_tool_use``)."""
+def anthropic_tools(tools: list | None, choice: dict | None, loaded: frozenset[str] = frozenset()) -> Tools | None:
+    """Anthropic's ``tools`` / ``tool_choice`` (auto, any, tool, none; ``disable_parallel_tool_use``).
+
+    A ``defer_loading`` tool waits behind the client's tool search: it is
+    neither listed nor callable until a ``tool_reference`` in the conversation
+    (``loaded``) brings it in, and then its definition stands where it was
+    loaded (:func:`anthropic_messages`), so the rendered prefix does not change.
+    """
     parallel = not (isinstance(choice, dict) and choice.get("disable_parallel_tool_use"))
     mode = _anthropic_choice(choice)
-    if not tools:
-        if mode not in ("auto", "none"):
-            raise invalid("tool_choice needs tools", "tool_choice")
-        return None
-    specs = []
-    for i, t in enumerate(tools):
+    specs, inline = [], set()
+    for i, t in enumerate(tools or ()):
         kind = t.get("type", "custom") if isinstance(t, dict) else None
         if kind not in ("custom", None) or not isinstance(t, dict) or "input_schema" not in t:
             raise invalid(f"tools[{i}] is a {kind!r} tool; this server calls custom tools (name, input_schema) only",
                           f"tools.{i}")
-        specs.append(_spec({"name": t.get("name"), "description": t.get("description", ""),
-                            "parameters": t["input_schema"]}, f"tools.{i}"))
-    return _tools(specs, mode, parallel)
+        name = _name(t.get("name"), f"tools.{i}.name")
+        if t.get("defer_loading"):
+            if name not in loaded:
+                continue
+            inline.add(name)
+        specs.append(_spec({"name": name, "description": _described(t), "parameters": t["input_schema"]}, f"tools.{i}"))
+    if not specs:
+        if mode not in ("auto", "none"):
+            raise invalid("tool_choice needs tools", "tool_choice")
+        return None
+    return _tools(specs, mode, parallel, frozenset(inline))
+
+
+def _described(tool: dict) -> str:
+    """A tool's description, its ``input_examples`` appended (Anthropic shows them to the model too)."""
+    text = tool.get("description") or ""
+    examples = tool.get("input_examples")
+    if isinstance(examples, list) and examples:
+        text += "\n\nInput examples:\n" + "\n".join(json.dumps(e, sort_keys=True) for e in examples)
+    return text
+
+
+def tool_references(messages: list) -> frozenset[str]:
+    """The tools a ``tool_reference`` block in a ``tool_result`` loads (a client's tool search)."""
+    names = set()
+    for m in messages:
+        for b in m.content if m.role == "user" and isinstance(m.content, list) else ():
+            if b.type == "tool_result" and isinstance(b.content, list):
+                names.update(r.tool_name for r in b.content if r.type == "tool_reference" and r.tool_name)
+    return frozenset(names)
+
+
+def tool_definitions(tools: list | None) -> dict[str, dict]:
+    """Each Anthropic tool's definition by name, as a loaded tool's ``tool_reference`` renders it."""
+    return {t["name"]: {"name": t["name"], "description": _described(t), "input_schema": t.get("input_schema")}
+            for t in tools or () if isinstance(t, dict) and isinstance(t.get("name"), str)}
+
+
+def anthropic_format(fmt, where: str) -> dict | None:
+    """Anthropic's ``output_config.format`` (``{"type": "json_schema", "schema"}``) as the reply's schema."""
+    if fmt is None:
+        return None
+    schema = fmt.get("schema") if isinstance(fmt, dict) and fmt.get("type") == "json_schema" else None
+    if not isinstance(schema, dict):
+        raise invalid(f"{where} must be {{'type': 'json_schema', 'schema': {{...}}}}", where)
+    return schema
 
 
 def _anthropic_choice(choice: dict | None) -> str:
@@ -96,9 +141,9 @@ def _name(name, where: str) -> str:
     return name
 
 
-def _tools(specs: list[dict], choice: str, parallel: bool | None) -> Tools:
+def _tools(specs: list[dict], choice: str, parallel: bool | None, inline: frozenset[str] = frozenset()) -> Tools:
     try:
-        return Tools(tuple(specs), choice, True if parallel is None else bool(parallel))
+        return Tools(tuple(specs), choice, True if parallel is None else bool(parallel), inline)
     except ValueError as exc:  # InvalidRequestError: a duplicate name, a choice naming no tool
         raise invalid(str(exc), "tool_choice" if "tool_choice" in str(exc) else "tools") from None
 
@@ -142,8 +187,10 @@ def openai_call(call, where: str) -> dict:
             "function": {"name": _name(fn.get("name"), f"{where}.function.name"), "arguments": args}}
 
 
-def anthropic_messages(system, messages: list, keep_billing_header: bool) -> list[dict]:
-    """Anthropic's system and messages in the one form (module doc)."""
+def anthropic_messages(system, messages: list, keep_billing_header: bool,
+                       definitions: dict[str, dict] | None = None) -> list[dict]:
+    """Anthropic's system and messages in the one form (module doc); a ``tool_reference`` in a tool
+    result becomes the loaded tool's definition (from ``definitions``, :func:`tool_definitions`)."""
     out: list[dict] = []
     blocks = system if isinstance(system, list) else [system] if system else []
     texts = []
@@ -159,7 +206,7 @@ def anthropic_messages(system, messages: list, keep_billing_header: bool) -> lis
         if m.role == "system":  # sent inside messages by some clients: a system turn where it stands
             out.append({"role": "system", "content": _flat_text(m.content, f"{where}.content")})
         elif m.role == "user":
-            out.extend(_user_turn(m.content, where))
+            out.extend(_user_turn(m.content, where, definitions or {}))
         elif m.role == "assistant":
             out.append(_assistant_turn(m.content, where))
         else:
@@ -167,7 +214,7 @@ def anthropic_messages(system, messages: list, keep_billing_header: bool) -> lis
     return out
 
 
-def _user_turn(content, where: str) -> list[dict]:
+def _user_turn(content, where: str, definitions: dict[str, dict]) -> list[dict]:
     if isinstance(content, str):
         return [{"role": "user", "content": content}]
     out, text = [], []
@@ -176,7 +223,8 @@ def _user_turn(content, where: str) -> list[dict]:
             if text:
                 out.append({"role": "user", "content": "\n".join(text)})
                 text = []
-            result = b.content if isinstance(b.content, str) else _flat_text(b.content or [], f"{where}.content.{j}.content")
+            result = b.content if isinstance(b.content, str) else _result_text(b.content or [], f"{where}.content.{j}.content",
+                                                                                definitions)
             if b.is_error:
                 result = f"Error: {result}"
             out.append({"role": "tool", "tool_call_id": b.tool_use_id or "", "content": result})
@@ -205,6 +253,19 @@ def _assistant_turn(content, where: str) -> dict:
     if calls:
         message["tool_calls"] = calls
     return message
+
+
+def _result_text(blocks: list, where: str, definitions: dict[str, dict]) -> str:
+    """A tool result's blocks as text: a ``tool_reference`` as the definition of the tool it loads."""
+    parts = []
+    for j, b in enumerate(blocks):
+        if b.type == "tool_reference":
+            known = definitions.get(b.tool_name or "")
+            parts.append(f"Tool loaded: {json.dumps(known, sort_keys=True)}" if known is not None
+                         else f"Tool loaded: {b.tool_name} (not among this request's tools)")
+        else:
+            parts.append(_text_block(b, f"{where}.{j}"))
+    return "\n".join(parts)
 
 
 def _flat_text(content, where: str) -> str:

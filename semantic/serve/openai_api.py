@@ -91,6 +91,12 @@ def _refuse_unsupported(body: oa.ChatCompletionRequest) -> None:
     for name in oa.REFUSED:
         if getattr(body, name):
             raise invalid(f"{name} is not supported by this server", name)
+    if body.verbosity not in (None, "medium"):
+        raise invalid(f"verbosity {body.verbosity!r} is not supported: nothing here steers a reply's length "
+                      "(send medium or leave it out)", "verbosity")
+    if body.reasoning_effort not in (None, *oa.REASONING_EFFORTS):
+        raise invalid(f"reasoning_effort {body.reasoning_effort!r} is not one of {', '.join(oa.REASONING_EFFORTS)}",
+                      "reasoning_effort")
     if body.modalities and set(body.modalities) != {"text"}:
         raise invalid(f"modalities {body.modalities} is not supported: this server writes text only", "modalities")
 
@@ -129,10 +135,11 @@ async def chat_completions(body: oa.ChatCompletionRequest, request: Request,
                                                                else None, tool_calls=_calls_out(final)),
                                    logprobs=_chat_logprobs(tokens) if want_logprobs else None,
                                    finish_reason=wire_finish(final.finish_reason))])
-        return _json(out)
+        return _json(out, turn.headers)
     await turn.open(request)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    return EventStream(_chat_events(turn, request.url.path, rid, created, model, include_usage, want_logprobs))
+    return EventStream(_chat_events(turn, request.url.path, rid, created, model, include_usage, want_logprobs),
+                       turn.headers)
 
 
 async def _chat_events(turn: Turn, path: str, rid: str, created: int, model: str, include_usage: bool,
@@ -179,6 +186,8 @@ async def completions(body: oa.CompletionRequest, request: Request,
         raise invalid("best_of must be 1", "best_of")
     if body.suffix:
         raise invalid("suffix is not supported", "suffix")
+    if body.logit_bias:
+        raise invalid("logit_bias is not supported by this server", "logit_bias")
     want_logprobs = body.logprobs is not None
     req = GenerateRequest(
         max_tokens=body.max_tokens, prompt=_one_prompt(body.prompt),
@@ -192,11 +201,11 @@ async def completions(body: oa.CompletionRequest, request: Request,
         out = oa.Completion(id=rid, created=created, model=model, usage=usage(final), choices=[
             oa.CompletionChoice(text=final.text, logprobs=_legacy_logprobs(tokens, 0) if want_logprobs else None,
                                 finish_reason=wire_finish(final.finish_reason))])
-        return _json(out)
+        return _json(out, turn.headers)
     await turn.open(request)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     return EventStream(_completion_events(turn, request.url.path, rid, created, model, include_usage,
-                                          want_logprobs))
+                                          want_logprobs), turn.headers)
 
 
 async def _completion_events(turn: Turn, path: str, rid: str, created: int, model: str, include_usage: bool,
@@ -258,8 +267,8 @@ def _sse(model, include_usage: bool) -> bytes:
     return data(model.model_dump(exclude={"usage"} if not include_usage else set()))
 
 
-def _json(model) -> Response:
-    return Response(model.model_dump_json(), media_type="application/json")
+def _json(model, headers: dict[str, str] | None = None) -> Response:
+    return Response(model.model_dump_json(), media_type="application/json", headers=headers)
 
 
 @router.get("/v1/models")

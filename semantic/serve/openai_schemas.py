@@ -1,9 +1,10 @@
 """OpenAI's wire protocol: request and response models for chat and text completions.
 
-Unknown request fields are ignored, not refused, so real clients work (they
-send ``store``, ``metadata`` and the like); the fields that would change the
-output and that this server cannot honour are named in ``REFUSED`` and
-refused by the routes with a 400 that names them.
+A request's own fields are all named here, as the README's field table lists
+them: an unknown one is a 400 naming it, as on OpenAI's API. Those that
+change nothing here (``store``, ``metadata``, ...) are accepted as advisory;
+those that would change the output and that this server cannot honour are
+named in ``REFUSED`` and refused by the routes with a 400 that names them.
 """
 
 from __future__ import annotations
@@ -15,6 +16,10 @@ from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 class _In(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
 
 
 class ContentPart(_In):
@@ -34,8 +39,8 @@ class StreamOptions(_In):
     include_usage: bool = False
 
 
-class _Sampling(_In):
-    """The sampling fields both endpoints share (ranges checked by SamplingParams)."""
+class _Sampling(_Body):
+    """The fields both endpoints share (sampling ranges checked by SamplingParams)."""
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
@@ -54,10 +59,17 @@ class _Sampling(_In):
     user: str | None = None
     prompt_cache_key: str | None = None
     cache_salt: str | None = None
+    # advisory: accepted, and they change nothing here
+    store: bool | None = None                 # every named agent's cache is stored anyway
+    metadata: dict | None = None
+    service_tier: str | None = None           # one tier here
+    safety_identifier: str | None = None
+    prompt_cache_retention: str | None = None  # caches live until the disk budget evicts them
 
 
 # fields that would change the output, which this server does not implement: refused, never ignored
 REFUSED = ("logit_bias", "functions", "function_call", "audio", "prediction", "web_search_options")
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 
 
 class ChatCompletionRequest(_Sampling):
@@ -76,6 +88,8 @@ class ChatCompletionRequest(_Sampling):
     audio: dict | None = None
     prediction: dict | None = None
     web_search_options: dict | None = None
+    reasoning_effort: str | None = None       # advisory for a model that does not reason (the README says so)
+    verbosity: str | None = None              # refused unless "medium": nothing here steers a reply's length
 
 
 class CompletionRequest(_Sampling):
@@ -84,6 +98,7 @@ class CompletionRequest(_Sampling):
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
+    logit_bias: dict | None = None
 
 
 # ---- responses -------------------------------------------------------------

@@ -135,3 +135,9 @@ class Prepared:
     @property
     def ids(self) -> tuple[int, ...]:
         return self.turn.ids
+
+    @property
+    def clamped_max_tokens(self) -> int | None:
+        """The budget the turn runs with when the client's ``max_tokens`` was cut to fit the context (else None)."""
+        asked = self.request.max_tokens
+        return self.turn.max_tokens if asked is not None and self.turn.max_tokens < asked else None

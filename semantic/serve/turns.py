@@ -19,6 +19,8 @@ from semantic.serve.errors import NOT_FOUND, ApiError
 from semantic.serve.state import ServeState
 from semantic.serve.streaming import until_disconnect
 
+CLAMP_HEADER = "X-Max-Tokens-Clamped"  # a max_tokens the context could not hold was cut to this
+
 
 def check_model(state: ServeState, model: str | None) -> None:
     """404 for a model this server does not serve (no model named: the served one)."""
@@ -45,6 +47,12 @@ class Turn:
         self._open.add(self)
         self._first: Delta | Final | None = None
         self._last_delta: float | None = None
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """The response's own headers: ``X-Max-Tokens-Clamped`` (the budget used) when ``max_tokens`` was cut."""
+        clamped = self.prepared.clamped_max_tokens
+        return {CLAMP_HEADER: str(clamped)} if clamped is not None else {}
 
     @property
     def prompt_tokens(self) -> int:

@@ -6,11 +6,14 @@ import pytest
 
 from semantic.serve import anthropic_schemas as an
 from semantic.serve.conversation import (
+    anthropic_format,
     anthropic_messages,
     anthropic_tools,
     openai_call,
     openai_tools,
     response_schema,
+    tool_definitions,
+    tool_references,
 )
 from semantic.serve.errors import ApiError
 
@@ -104,3 +107,38 @@ def test_anthropic_blocks_the_server_cannot_read_are_refused_by_name():
     image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}
     assert _param(lambda: anthropic_messages(None, [_msg("user", [image])], False)) == "messages.0.content.0.type"
     assert _param(lambda: anthropic_messages(None, [_msg("tool", "x")], False)) == "messages.0.role"
+
+
+SEARCH = {"name": "ToolSearch", "description": "find tools", "input_schema": {"type": "object", "properties": {}}}
+FETCH = {"name": "WebFetch", "description": "fetch a page", "defer_loading": True,
+         "input_schema": {"type": "object", "properties": {"url": {"type": "string"}}},
+         "input_examples": [{"url": "https://example.com"}]}
+
+
+def test_a_deferred_tool_is_neither_listed_nor_callable_until_a_tool_reference_loads_it():
+    before = anthropic_tools([SEARCH, FETCH], None)
+    assert before.names == ["ToolSearch"] and before.inline == frozenset()
+    loaded = [_msg("user", "Fetch it."),
+              _msg("assistant", [{"type": "tool_use", "id": "t1", "name": "ToolSearch", "input": {}}]),
+              _msg("user", [{"type": "tool_result", "tool_use_id": "t1",
+                             "content": [{"type": "tool_reference", "tool_name": "WebFetch"}]}])]
+    refs = tool_references(loaded)
+    assert refs == {"WebFetch"}
+    after = anthropic_tools([SEARCH, FETCH], None, refs)
+    assert after.names == ["ToolSearch", "WebFetch"] and after.inline == {"WebFetch"}
+    assert [s["function"]["name"] for s in after.listed()] == ["ToolSearch"]  # the rendered list is unchanged
+    assert "Input examples:" in after.specs[1]["function"]["description"]
+    # the definition stands where the search loaded it
+    result = anthropic_messages(None, loaded, False, tool_definitions([SEARCH, FETCH]))[-1]
+    assert result["role"] == "tool" and result["content"].startswith("Tool loaded: {")
+    assert '"name": "WebFetch"' in result["content"] and '"url"' in result["content"]
+    # only deferred tools, none loaded: no tools at all (and a choice that needs one is refused)
+    assert anthropic_tools([FETCH], None) is None
+    assert _param(lambda: anthropic_tools([FETCH], {"type": "any"})) == "tool_choice"
+
+
+def test_anthropic_output_format_is_a_json_schema_or_a_400_naming_where():
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}}
+    assert anthropic_format({"type": "json_schema", "schema": schema}, "output_config.format") == schema
+    assert anthropic_format(None, "output_format") is None
+    assert _param(lambda: anthropic_format({"type": "xml"}, "output_config.format")) == "output_config.format"

@@ -135,17 +135,116 @@ def test_unknown_path_and_method_answer_in_shape():
     openai_error(client().get(CHAT), 405, "invalid_request_error")
 
 
-def test_context_overflow_is_400_with_its_code():
-    err = openai_error(client().post(CHAT, json=chat(max_tokens=1000)), 400, "invalid_request_error")
+def test_a_max_tokens_past_the_context_is_cut_to_what_it_leaves_and_the_header_says_so():
+    # the stub's context is 64 tokens and "hi there" is 4: 60 are left
+    for stream in (False, True):
+        r = client().post(CHAT, json=chat(max_tokens=1000, stream=stream))
+        assert r.status_code == 200 and r.headers["x-max-tokens-clamped"] == "60"
+        r = client().post(MSG, json=msg(max_tokens=32000, stream=stream))
+        assert r.status_code == 200 and r.headers["x-max-tokens-clamped"] == "60"
+    backend = StubBackend()
+    r = client(backend).post(CHAT, json=chat(max_completion_tokens=61))
+    assert r.status_code == 200 and backend.prepared[-1].turn.max_tokens == 60
+    r = client().post(CHAT, json=chat(max_tokens=60))
+    assert r.status_code == 200 and "x-max-tokens-clamped" not in r.headers  # it fit: nothing was cut
+
+
+def test_a_max_tokens_past_the_context_is_refused_under_strict_max_tokens():
+    strict = StubBackend(strict_max_tokens=True)
+    err = openai_error(client(strict).post(CHAT, json=chat(max_tokens=1000)), 400, "invalid_request_error")
+    assert err["code"] == "context_length_exceeded" and "1004 tokens" in err["message"]
+    anthropic_error(client(strict).post(MSG, json=msg(max_tokens=32000)), 400, "invalid_request_error")
+    assert parse_config(["--model", "m", "--strict-max-tokens"]).strict_max_tokens
+    assert not parse_config(["--model", "m"]).strict_max_tokens
+
+
+def test_a_prompt_that_leaves_no_room_for_one_token_is_still_a_400():
+    err = openai_error(client().post(CHAT, json=chat(messages=[{"role": "user", "content": "x " * 70}])), 400,
+                       "invalid_request_error")
     assert err["code"] == "context_length_exceeded"
 
 
-def test_unknown_fields_from_real_clients_are_ignored():
-    r = client().post(CHAT, json=chat(tools=[{"type": "function", "function": {"name": "f"}}],
-                                      response_format={"type": "text"}, parallel_tool_calls=False))
-    assert r.status_code == 200
-    r = client().post(MSG, json=msg(tools=[], thinking={"type": "disabled"}))
-    assert r.status_code == 200
+def test_claude_codes_real_first_request_is_accepted_as_it_was_sent():
+    from pathlib import Path
+
+    body = json.loads((Path(__file__).parents[1] / "data" / "claude-code-2.1.330-first-request.json").read_text())
+    body["model"] = "stub-model"  # ANTHROPIC_MODEL names the served model
+    backend = StubBackend(context_length=32768)  # Gemma 3's
+    r = client(backend).post(MSG + "?beta=true", json=body, headers={
+        "anthropic-beta": "claude-code-20250219,context-management-2025-06-27,advanced-tool-use-2025-11-20"})
+    assert r.status_code == 200, r.text
+    req = backend.prepared[-1].request
+    roles = [m["role"] for m in req.messages]
+    assert roles[0] == "system" and "system" in roles[1:]  # the environment block, where it stood
+    assert not any(m["role"] == "system" and m["content"].startswith("x-anthropic-billing-header") for m in req.messages)
+    assert "DeferredToolPlaceholder" not in req.tools.names and "Bash" in req.tools.names  # defer_loading honoured
+    assert req.max_tokens == 32000 and backend.prepared[-1].turn.max_tokens < 32000  # cut, not refused
+
+
+def test_an_unknown_field_is_a_400_naming_it_on_both_apis():
+    err = openai_error(client().post(CHAT, json=chat(temperatur=0.5)), 400, "invalid_request_error")
+    assert err["param"] == "temperatur" and "does not know this field" in err["message"]
+    err = anthropic_error(client().post(MSG, json=msg(thinkin={"type": "enabled"})), 400, "invalid_request_error")
+    assert "thinkin" in err["message"]
+    openai_error(client().post("/v1/completions", json={"model": "stub-model", "prompt": "hi", "bogus": 1}), 400,
+                 "invalid_request_error")
+
+
+def test_advisory_fields_are_accepted_and_change_nothing():
+    backend = StubBackend()
+    for extra in ({"store": True}, {"metadata": {"k": "v"}}, {"service_tier": "auto"}, {"safety_identifier": "u1"},
+                  {"prompt_cache_retention": "24h"}, {"reasoning_effort": "high"}, {"verbosity": "medium"},
+                  {"tools": [{"type": "function", "function": {"name": "f"}}], "response_format": {"type": "text"},
+                   "parallel_tool_calls": False}):
+        assert client(backend).post(CHAT, json=chat(**extra)).status_code == 200, extra
+    for extra in ({"thinking": {"type": "adaptive", "display": "omitted"}}, {"thinking": {"type": "disabled"}},
+                  {"thinking": {"type": "enabled", "budget_tokens": 1024}, "max_tokens": 2048},
+                  {"output_config": {"effort": "high"}}, {"cache_control": {"type": "ephemeral"}},
+                  {"service_tier": "auto"}, {"context_management": {"edits": [{"type": "clear_thinking_20251015",
+                                                                               "keep": "all"}]}}):
+        assert client(backend).post(MSG, json=msg(**extra)).status_code == 200, extra
+    assert all(p.request.response_schema is None for p in backend.prepared)
+
+
+def test_fields_this_server_cannot_honour_are_refused_by_name():
+    for extra, param in (({"verbosity": "high"}, "verbosity"), ({"reasoning_effort": "extreme"}, "reasoning_effort"),
+                         ({"logit_bias": {"1": 5}}, "logit_bias")):
+        assert openai_error(client().post(CHAT, json=chat(**extra)), 400, "invalid_request_error")["param"] == param
+    for extra, where in (({"mcp_servers": [{"type": "url", "url": "http://127.0.0.1:1", "name": "m"}]}, "mcp_servers"),
+                         ({"container": "c1"}, "container"),
+                         ({"context_management": {"edits": [{"type": "clear_tool_uses_20250919"}]}},
+                          "clear_tool_uses_20250919"),
+                         ({"thinking": {"type": "enabled"}}, "budget_tokens"),
+                         ({"thinking": {"type": "enabled", "budget_tokens": 4096}}, "less than max_tokens"),
+                         ({"thinking": {"type": "sometimes"}}, "thinking"),
+                         ({"output_config": {"effort": "extreme"}}, "effort"),
+                         ({"output_config": {"format": {"type": "xml"}}}, "output_config.format")):
+        err = anthropic_error(client().post(MSG, json=msg(**extra)), 400, "invalid_request_error")
+        assert where in err["message"], (extra, err)
+
+
+def test_anthropic_output_format_reaches_the_backend_as_the_replys_schema():
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    for extra in ({"output_config": {"format": {"type": "json_schema", "schema": schema}}},
+                  {"output_format": {"type": "json_schema", "schema": schema}}):
+        backend = StubBackend()
+        assert client(backend).post(MSG, json=msg(**extra)).status_code == 200
+        assert backend.prepared[-1].request.response_schema == schema
+    both = {"output_config": {"format": {"type": "json_schema", "schema": schema}},
+            "output_format": {"type": "json_schema", "schema": schema}}
+    anthropic_error(client().post(MSG, json=msg(**both)), 400, "invalid_request_error")
+
+
+def test_system_and_developer_turns_inside_the_conversation_reach_the_backend_where_they_stand():
+    backend = StubBackend()
+    body = chat(messages=[{"role": "user", "content": "u1"}, {"role": "developer", "content": "d1"},
+                          {"role": "assistant", "content": "a1"}, {"role": "system", "content": "s2"},
+                          {"role": "user", "content": "u2"}])
+    assert client(backend).post(CHAT, json=body).status_code == 200
+    assert [m["role"] for m in backend.prepared[-1].request.messages] == ["user", "system", "assistant", "system", "user"]
+    body = msg(messages=[{"role": "user", "content": "u1"}, {"role": "system", "content": [{"type": "text", "text": "env"}]}])
+    assert client(backend).post(MSG, json=body).status_code == 200
+    assert backend.prepared[-1].request.messages[-1] == {"role": "system", "content": "env"}
 
 
 def test_anthropic_non_text_blocks_are_refused_clearly_and_cache_control_is_accepted():

@@ -28,17 +28,27 @@ def service(tmp_path):
     s.close(30)
 
 
-def test_a_defaulted_budget_is_cut_to_the_context_and_an_explicit_one_is_refused_past_it():
+def test_a_budget_is_cut_to_what_the_context_leaves_and_a_prompt_with_no_room_is_refused():
     assert output_budget(10, None, context_length=512) == 256  # the server's default
     assert output_budget(400, None, context_length=512) == 112  # what the context leaves
     assert output_budget(400, 112, context_length=512) == 112
-    with pytest.raises(ContextLengthError, match="maximum context length is 512 tokens.*513 tokens"):
-        output_budget(400, 113, context_length=512)
+    assert output_budget(400, 32000, context_length=512) == 112  # Claude Code's 32000, cut
+    assert output_budget(511, 32000, context_length=512) == 1
     with pytest.raises(ContextLengthError, match="512 in the prompt, 1 for the completion"):
-        output_budget(512, None, context_length=512)  # not even one token fits
+        output_budget(512, 32000, context_length=512)  # not even one token fits
+    with pytest.raises(ContextLengthError, match="512 in the prompt, 1 for the completion"):
+        output_budget(512, None, context_length=512)
     assert output_budget(100, None, context_length=512, pool_tokens=150) == 50
+    assert output_budget(100, 400, context_length=512, pool_tokens=150) == 50
+
+
+def test_a_strict_budget_past_the_context_or_the_pool_is_refused_as_the_hosted_apis_do():
+    assert output_budget(400, 112, context_length=512, strict=True) == 112
+    assert output_budget(400, None, context_length=512, strict=True) == 112  # none asked: still the default, cut
+    with pytest.raises(ContextLengthError, match="maximum context length is 512 tokens.*513 tokens"):
+        output_budget(400, 113, context_length=512, strict=True)
     with pytest.raises(ContextLengthError, match="--pool-mb"):
-        output_budget(100, 51, context_length=512, pool_tokens=150)
+        output_budget(100, 51, context_length=512, pool_tokens=150, strict=True)
 
 
 def test_prepare_tokenizes_once_and_fits_the_budget_to_context_and_pool(service, monkeypatch):
@@ -51,6 +61,8 @@ def test_prepare_tokenizes_once_and_fits_the_budget_to_context_and_pool(service,
     assert len(calls) == 1  # one render, even though the default budget had to be cut
     assert len(req.ids) + req.max_tokens == service.context_length
     assert service.pool_tokens == (service.store.total_blocks - 1) * 16  # one layer group
+    assert _prepare(service, prompt=list(range(1, 200)), max_tokens=400).max_tokens == 512 - 199
+    service.strict_max_tokens = True
     with pytest.raises(ContextLengthError):
         _prepare(service, prompt=list(range(1, 200)), max_tokens=400)
 
