@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 # extra requirements for .venv, e.g. PINS="mlx==0.30.3 mlx-lm==0.30.4" (the macOS workflow's matrix)
 PINS ?=
 
-.PHONY: help system-blas system-browser venv models serve serve-ttft dashboard-screenshot test test-compat exp-003 exp-004 exp-005 exp-006 exp-006-full exp-007 exp-007-full exp-008 exp-008-full exp-009 exp-009-full exp-010 exp-010-full exp-011 exp-011-full chunk-cost exp-throughput exp-throughput-full bench compare-versions test-install clean
+.PHONY: help system-blas system-browser venv models serve serve-ttft dashboard-screenshot test test-compat exp-003 exp-004 exp-005 exp-006 exp-006-full exp-007 exp-007-full exp-008 exp-008-full exp-009 exp-009-full exp-010 exp-010-full exp-011 exp-011-full exp-012 chunk-cost exp-throughput exp-throughput-full bench compare-versions test-install clean
 
 help:
 	@echo "make test         run the test suite (creates .venv, prepares models)"
@@ -23,6 +23,7 @@ help:
 	@echo "make exp-008      1000-request stress run (errors, stale reuses, leaks, hit rate)"
 	@echo "make exp-010      step loop: decoders beside an 8K prefill, 8-bit KV batched vs solo"
 	@echo "make exp-011      agents that act: a tool loop's cache reuse over HTTP, JSON-grammar decode speed"
+	@echo "make exp-012      Claude Code end to end against ours and vllm-mlx, a SIGKILL and restart between steps"
 	@echo "make chunk-cost   what a decode step and a prefill chunk cost at 0/4K/8K context"
 	@echo "make exp-009      our server vs mlx_lm.server, mlx-vlm and vllm-mlx over one HTTP workload"
 	@echo "make exp-throughput  prefill/decode tokens/s: quantized + bundled BLAS vs f32 + OpenBLAS"
@@ -165,6 +166,12 @@ exp-011: models
 # Three conversations per API, 128-token decodes, 5 trials per side (about 25 min on 2 cores, by the quick run).
 exp-011-full: models
 	$(PY) -m harness run experiments/exp_011_agents_act.toml
+
+# Claude Code end to end: Claude Code from npm (pinned, under .peers/, once) in print mode on a four-step
+# task against ours and vllm-mlx (its venv built once, as for exp-009), SIGKILL and restart before the
+# last step. Needs node and npm; skipped with the reason without them.
+exp-012: models
+	$(PY) -m harness run experiments/exp_012_claude_code.toml
 
 # What a decode step and a prefill chunk cost at 0, 4K and 8K tokens of context: why the
 # decoders' latency and the prefill's time trade against each other (about 6 min).

@@ -239,3 +239,28 @@ def turn_lines_plot(panels: Mapping[str, Mapping[str, Sequence[float | None]]], 
     axes[0][0].set_ylabel(ylabel)
     fig.suptitle(title)
     return _save(fig, path)
+
+
+def request_bars_plot(panels: Mapping[str, Sequence[tuple[str, float, float]]], path: Path, title: str) -> Path:
+    """Per request, its prompt tokens as an outlined bar and the cached part filled in, one panel per
+    server (each panel's requests as ``(label, prompt, cached)`` in order)."""
+    fig, axes = plt.subplots(len(panels), 1, figsize=(max(6.0, 0.5 * max((len(v) for v in panels.values()), default=1)
+                                                          + 2), 2.8 * len(panels)), sharey=True, squeeze=False)
+    for ax, (name, reqs) in zip(axes[:, 0], panels.items()):
+        x = np.arange(len(reqs))
+        ax.bar(x, [r[1] for r in reqs], color="none", edgecolor="0.3", label="prompt tokens")
+        ax.bar(x, [r[2] for r in reqs], color="tab:blue", alpha=0.7, label="cached tokens")
+        for xi, (_, prompt, cached) in zip(x, reqs):
+            if prompt:
+                ax.text(xi, prompt, f"{cached / prompt:.2f}", ha="center", va="bottom", fontsize=7)
+        ax.set_xticks(x)
+        ax.set_xticklabels([r[0] for r in reqs], fontsize=7)
+        ax.set(title=name, ylabel="tokens")
+        ax.grid(alpha=0.3, axis="y")
+        ax.legend(fontsize=8, loc="lower right")
+    axes[-1, 0].set_xlabel("request (step.request)")
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -47,7 +47,7 @@ class Thinking(_In):
 
     type: Literal["enabled", "disabled", "adaptive"]
     budget_tokens: int | None = Field(default=None, ge=1024)
-    display: Literal["summarized", "omitted"] | None = None
+    display: str | None = None   # summarized, omitted, updates (Claude Code's verbose mode): no thinking to show
 
     @model_validator(mode="after")
     def _budget_when_enabled(self):

@@ -67,6 +67,8 @@ def error_body(path: str, err: ApiError) -> dict:
 
 
 def error_response(path: str, err: ApiError) -> Response:
+    # the access log shows only the status: say why, so a refused client can be understood from the server's side
+    log.info("%s %d: %s", path, err.status_code, err.message[:300])
     return JSONResponse(error_body(path, err), status_code=err.status_code, headers=err.headers)
 
 

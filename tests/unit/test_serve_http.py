@@ -198,6 +198,7 @@ def test_advisory_fields_are_accepted_and_change_nothing():
                    "parallel_tool_calls": False}):
         assert client(backend).post(CHAT, json=chat(**extra)).status_code == 200, extra
     for extra in ({"thinking": {"type": "adaptive", "display": "omitted"}}, {"thinking": {"type": "disabled"}},
+                  {"thinking": {"type": "adaptive", "display": "updates"}},  # Claude Code's stream-json --verbose
                   {"thinking": {"type": "enabled", "budget_tokens": 1024}, "max_tokens": 2048},
                   {"output_config": {"effort": "high"}}, {"cache_control": {"type": "ephemeral"}},
                   {"service_tier": "auto"}, {"context_management": {"edits": [{"type": "clear_thinking_20251015",
