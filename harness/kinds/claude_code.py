@@ -25,6 +25,7 @@ runs out, and a 20K-token reply takes most of an hour on this CPU.
 from __future__ import annotations
 
 import signal
+import statistics
 import subprocess
 import tempfile
 import time
@@ -34,6 +35,7 @@ from harness import plots
 from harness.kinds.base import Kind, Param, register
 from harness.serving import claude_code as cc
 from harness.serving import processes, venvs
+from harness.serving.cache_hits import vllm_mlx_log_usage
 from harness.serving.proxy import LoggingProxy
 from harness.serving.targets import OURS, TARGETS
 
@@ -78,6 +80,9 @@ def run(ctx) -> None:
     finally:
         for side in sides.values():
             side.close()
+    for name in names:
+        rows = [r for r in rows if r["server"] != name or r["phase"] != "session"] + with_logged_usage(
+            [r for r in rows if r["server"] == name and r["phase"] == "session"], name, sides[name].server.log_path)
     res.output("events", events)
     record(ctx, rows, transcripts, names, p["restart_before"])
 
@@ -155,10 +160,25 @@ def _probe(ctx, install: cc.Install, name: str, model_dir: Path, python: Path, w
             proc.communicate()
             time.sleep(1.0)  # the relay notices the client left
             events.append({"event": "probe", "server": name, "stopped_after_first_answer": answered})
-            return [{**e.row(), "server": name, "phase": "probe", "step": 1, "after_restart": False}
+            rows = [{**e.row(), "server": name, "phase": "probe", "step": 1, "after_restart": False}
                     for e in proxy.exchanges]
     finally:
         server.stop()
+    return with_logged_usage(rows, name, server.log_path)
+
+
+def with_logged_usage(rows: list[dict], name: str, log_path: Path) -> list[dict]:
+    """A server whose usage gives no prompt or cached tokens (vllm-mlx): its own log's figures, request by
+    request, where the log holds one line per accepted request (else the rows as they were)."""
+    if name != "vllm-mlx":
+        return rows
+    logged = vllm_mlx_log_usage(log_path.read_text(errors="replace")) if log_path.exists() else []
+    accepted = [r for r in rows if r["status"] == 200]
+    if len(logged) != len(accepted):
+        return rows
+    for r, (prompt, cached) in zip(accepted, logged):
+        r.update(prompt_tokens=prompt, cached_tokens=cached, usage_from="server log")
+    return rows
 
 
 def scratch_repo(path: Path) -> Path:
@@ -201,6 +221,9 @@ def session_checks(rows: list[dict], names: list[str]) -> dict:
     ``cached_ratio_min_after_restart_{server}``: the same over the requests after the restart.
     ``session_wall_s_{server}`` / ``restart_wall_s_{server}``: the client's wall time of the steps before /
     after the restart; ``wall_ratio`` / ``wall_ratio_after_restart``: ours over the peer's.
+    ``ttft_later_median_s_{server}``: median TTFT of the requests after the first, before the restart;
+    ``ttft_after_restart_s_{server}``: the first request's after it; ``*_ratio``: ours over the peer's.
+    ``end_turn_at_budget_{server}``: replies that used the whole budget and still said ``end_turn``.
     """
     checks: dict = {}
     for name in names:
@@ -213,6 +236,15 @@ def session_checks(rows: list[dict], names: list[str]) -> dict:
         checks[f"cached_ratio_min_{name}"] = min(later) if later and None not in later else None
         after = [_ratio(r["cached_tokens"], r["prompt_tokens"]) for r in steps if r["after_restart"]]
         checks[f"cached_ratio_min_after_restart_{name}"] = min(after) if after and None not in after else None
+        checks[f"prompt_tokens_first_{name}"] = steps[0]["prompt_tokens"] if steps else None
+        ttfts = [r["ttft_s"] for r in steps[1:] if not r["after_restart"] and r["ttft_s"] is not None]
+        checks[f"ttft_later_median_s_{name}"] = round(statistics.median(ttfts), 3) if ttfts else None
+        restarted = [r for r in steps if r["after_restart"]]
+        checks[f"ttft_after_restart_s_{name}"] = round(restarted[0]["ttft_s"], 3) \
+            if restarted and restarted[0]["ttft_s"] is not None else None
+        # a reply the budget cut, reported as finished: the client then takes it as whole and sends no continuation
+        checks[f"end_turn_at_budget_{name}"] = sum(r["stop_reason"] == "end_turn" and r["output_tokens"] is not None
+                                                   and r["output_tokens"] >= (r["max_tokens"] or 0) for r in steps)
         walls = {(r["step"], r["after_restart"]): r["step_wall_s"] for r in steps}
         checks[f"session_wall_s_{name}"] = round(sum(w for (s, a), w in walls.items() if not a), 3) or None
         checks[f"restart_wall_s_{name}"] = round(sum(w for (s, a), w in walls.items() if a), 3) or None
@@ -220,6 +252,8 @@ def session_checks(rows: list[dict], names: list[str]) -> dict:
     if peer is not None:
         checks["wall_ratio"] = _ratio(checks[f"session_wall_s_{OURS}"], checks[f"session_wall_s_{peer}"])
         checks["wall_ratio_after_restart"] = _ratio(checks[f"restart_wall_s_{OURS}"], checks[f"restart_wall_s_{peer}"])
+        for key in ("ttft_later_median_s", "ttft_after_restart_s"):
+            checks[f"{key[:-2]}_ratio"] = _ratio(checks[f"{key}_{OURS}"], checks[f"{key}_{peer}"])
     clamps = [r["clamped_max_tokens"] for r in rows if r["server"] == OURS and r["phase"] == "probe"]
     checks["probe_clamped_max_tokens_ours"] = next((c for c in clamps if c is not None), None)
     return checks

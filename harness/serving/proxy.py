@@ -23,6 +23,8 @@ from dataclasses import asdict, dataclass, field
 
 import httpx
 
+from harness.serving.cache_hits import sum_key
+
 HOP = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "accept-encoding"}
 
 
@@ -155,11 +157,8 @@ class LoggingProxy:
         if not self.stats_url:
             return None
         try:
-            value = (await client.get(self.stats_url, timeout=10)).json()
-            for part in self.stats_key.split("."):
-                value = value[part]
-            return float(value)
-        except Exception:  # a server without the counter: no figure, not a failed request
+            return float(sum_key((await client.get(self.stats_url, timeout=10)).json(), self.stats_key))
+        except (httpx.HTTPError, ValueError):  # no stats answer: no figure, not a failed request
             return None
 
     async def _handle(self, request):
