@@ -35,6 +35,8 @@ def headline_verdict(doc: dict) -> str:
     """PASS, or which levels failed (a stretch miss is not a broken run)."""
     if doc["verdict"] == "PASS":
         return "PASS"
+    if doc["verdict"] == "SKIP":
+        return f"SKIP: {doc['outputs'].get('skipped')}"
     failed = sorted({c.get("level", "P0") for c in doc["criteria"] if not c["pass"]})
     must = "must-haves pass" if doc.get("must_haves_pass", not failed) else "a MUST-HAVE FAILED"
     return f"FAIL at {', '.join(failed)} ({must})"

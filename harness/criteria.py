@@ -50,7 +50,12 @@ def resolve(doc: dict, dotted: str) -> Any:
 
 
 def verdict(c: Criterion, doc: dict) -> dict:
-    """One criterion's verdict entry, the measured value beside the threshold."""
+    """One criterion's verdict entry, the measured value beside the threshold (SKIP: the run measured
+    nothing, and ``outputs.skipped`` says why, e.g. a client this machine lacks)."""
+    skipped = doc.get("outputs", {}).get("skipped")
+    if skipped:
+        return {"name": c.name, "value": c.value, "measured": None, "op": c.op, "threshold": c.threshold,
+                "pass": False, "verdict": "SKIP", "level": c.level, "source": c.source, "note": str(skipped)}
     try:
         measured = resolve(doc, c.value)
         ok = bool(OPS[c.op](measured, c.threshold))

@@ -129,7 +129,8 @@ class Results:
         model = self.doc["model"]["name"]
         verdicts = [criteria.verdict(c, self.doc) for c in self.config.criteria if criteria.applies(c, model)]
         self.doc["criteria"] = verdicts
-        self.doc["verdict"] = "PASS" if all(v["pass"] for v in verdicts) else "FAIL"
+        skipped = any(v["verdict"] == "SKIP" for v in verdicts)
+        self.doc["verdict"] = "SKIP" if skipped else "PASS" if all(v["pass"] for v in verdicts) else "FAIL"
         self.doc["must_haves_pass"] = criteria.must_haves_pass(verdicts)
         return verdicts
 

@@ -263,6 +263,7 @@ def record(ctx, rows: list[dict], transcripts: dict, names: list[str], restart_b
     res = ctx.results
     res.output("requests", rows)
     res.output("transcripts", transcripts)
+    ctx.plot_path("transcript").with_suffix(".txt").write_text(transcript_text(transcripts))
     for k, v in session_checks(rows, names).items():
         res.check(k, v)
     for name in names:
@@ -278,6 +279,45 @@ def record(ctx, rows: list[dict], transcripts: dict, names: list[str], restart_b
             panels, ctx.plot_path("cached-tokens"),
             f"{ctx.model_name}: Claude Code, prompt and cached tokens per request (step.request; * after SIGKILL "
             f"and restart before step {restart_before})"))
+
+
+def transcript_text(transcripts: dict) -> str:
+    """What Claude Code printed, per server and step, as a reader would skim it: each step's command,
+    the model's text and tool calls, the tools' results and the closing result, cut to a few lines each."""
+    out = []
+    for name, steps in transcripts.items():
+        out.append(f"=== {name} ===")
+        for s in steps:
+            out.append(f"\n$ claude -p {s['prompt']!r}{' --continue' if s['step'] > 1 else ''}   "
+                       f"# step {s['step']}: exit {s['returncode']}, {s['wall_s']:.1f} s")
+            for e in s["events"]:
+                out.extend(_event_lines(e))
+        out.append("")
+    return "\n".join(out) + "\n"
+
+
+def _event_lines(e: dict) -> list[str]:
+    def cut(text) -> str:
+        text = str(text).replace("\n", " ")
+        return text if len(text) <= 240 else text[:240] + " ..."
+
+    kind = e.get("type")
+    if kind in ("assistant", "user"):
+        lines = []
+        for b in (e.get("message") or {}).get("content") or []:
+            if not isinstance(b, dict):
+                continue
+            if b.get("type") == "text":
+                lines.append(f"  {kind}: {cut(b.get('text'))}")
+            elif b.get("type") == "tool_use":
+                lines.append(f"  tool call: {b.get('name')} {cut(b.get('input'))}")
+            elif b.get("type") == "tool_result":
+                lines.append(f"  tool result: {cut(b.get('content'))}")
+        return lines
+    if kind == "result":
+        return [f"  result: {e.get('subtype')}, {e.get('num_turns')} turns, stop {e.get('stop_reason')}: "
+                f"{cut(e.get('result') or '')}"]
+    return []
 
 
 def headline(doc: dict) -> list[str]:

@@ -18,10 +18,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Sequence
 
 from semantic.serve.protocol import Delta, TokenLogprob, TopLogprob
+from semantic.serve.toolstream import CallSplitter, held_back
 
 if TYPE_CHECKING:
     from semantic.service import ToolCall
-    from semantic.serve.toolstream import CallSplitter
 
 
 def stop_cut(text: str, stops: Sequence[str]) -> tuple[int, str | None]:
@@ -32,17 +32,6 @@ def stop_cut(text: str, stops: Sequence[str]) -> tuple[int, str | None]:
         if i != -1 and i < best:
             best, which = i, s
     return best, which
-
-
-def held_back(text: str, stops: Sequence[str]) -> int:
-    """How many trailing characters could still begin a stop string (not streamed yet)."""
-    keep = 0
-    for s in stops:
-        for n in range(min(len(s) - 1, len(text)), keep, -1):
-            if text.endswith(s[:n]):
-                keep = n
-                break
-    return keep
 
 
 class TextStream:

@@ -19,9 +19,19 @@ import logging
 import secrets
 
 from semantic.service import ToolCall, ToolPlan, read_calls
-from semantic.serve.textstream import held_back
 
 log = logging.getLogger(__name__)
+
+
+def held_back(text: str, stops: Sequence[str]) -> int:
+    """How many trailing characters could still begin a stop string (not streamed yet)."""
+    keep = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), keep, -1):
+            if text.endswith(s[:n]):
+                keep = n
+                break
+    return keep
 
 
 class CallSplitter:

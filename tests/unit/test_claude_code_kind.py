@@ -124,3 +124,29 @@ def test_long_transcript_strings_are_cut_and_short_ones_kept():
     event = {"type": "user", "message": {"content": [{"type": "tool_result", "content": "x" * 5000}]}, "n": 3}
     cut = K._trim(event)
     assert cut["n"] == 3 and cut["message"]["content"][0]["content"].endswith("(5000 characters)")
+
+
+def test_a_run_skipped_for_a_missing_client_is_a_skip_that_fails_nothing():
+    from harness.cli import exit_code
+    from harness.criteria import Criterion, verdict
+
+    c = Criterion(name="no refusals", level="P0", value="checks.refused_semantic", op="==", threshold=0,
+                  source="goals")
+    got = verdict(c, {"outputs": {"skipped": "node is not installed"}, "checks": {}})
+    assert got["verdict"] == "SKIP" and got["note"] == "node is not installed" and got["measured"] is None
+    assert exit_code([{"verdict": "SKIP", "criteria": [got]}]) == 0
+    assert exit_code([{"verdict": "FAIL", "criteria": [{**got, "verdict": "FAIL", "pass": False}]}]) == 1
+
+
+def test_the_transcript_shows_each_step_and_what_the_model_and_the_tools_said():
+    events = [{"type": "system", "subtype": "init", "tools": ["Bash"]},
+              {"type": "assistant", "message": {"content": [{"type": "tool_use", "name": "Read",
+                                                             "input": {"file_path": "/r/greet.py"}}]}},
+              {"type": "user", "message": {"content": [{"type": "tool_result", "content": "def greeting(name):"}]}},
+              {"type": "assistant", "message": {"content": [{"type": "text", "text": "It prints Hello, world."}]}},
+              {"type": "result", "subtype": "success", "num_turns": 2, "stop_reason": "end_turn", "result": "done"}]
+    text = K.transcript_text({"semantic": [{"step": 2, "prompt": "Read it.", "returncode": 0, "wall_s": 3.25,
+                                            "events": events}]})
+    assert "$ claude -p 'Read it.' --continue   # step 2: exit 0, 3.2 s" in text
+    assert "tool call: Read {'file_path': '/r/greet.py'}" in text and "tool result: def greeting(name):" in text
+    assert "assistant: It prints Hello, world." in text and "result: success, 2 turns, stop end_turn: done" in text

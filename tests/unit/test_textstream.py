@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from semantic.serve.textstream import TextStream, held_back, stop_cut
+from semantic.serve.textstream import TextStream, stop_cut
+from semantic.serve.toolstream import held_back
 from tests.tiny_models import byte_tokenizer
 
 EOS = 255
