@@ -14,6 +14,10 @@ ids, then the template's text from the end of the reply on::
                     renders to P ✓             == what we said ✓
     prompt ids    ids(P) + G + encode(template's text after the reply's end-of-turn)
 
+The template's own rendering of the reply is dropped whatever it is, so a
+thinking model's reply stays a hit even under a template that strips old
+reasoning from history (the cache keeps the reasoning as generated).
+
 Anything else (an edit, another client's history, a restart) renders as
 usual; the engine verifies every reused token either way, so the rendered
 form is always safe, only slower. ``EchoBook.spliced`` / ``rendered`` count
@@ -91,10 +95,13 @@ class EchoBook:
             return None
         if render(messages[:k], True) != said.prompt_text:
             return None  # the history before the reply was edited
+        before = render(messages[:k], False)
         upto, full = render(messages[: k + 1], False), render(messages, True)
-        if not (full.startswith(upto) and upto.startswith(said.prompt_text)):
+        if not (said.prompt_text.startswith(before) and full.startswith(upto) and upto.startswith(before)):
             return None  # a template that renders a prefix differently once more follows
-        segment = upto[len(said.prompt_text):]  # the template's own form of the reply
+        # the template's own form of the reply, from its turn's header on: it may differ from the
+        # generation prompt (a thinking template opens <think> there, and drops old reasoning here)
+        segment = upto[len(before):]
         ends = [(segment.rfind(e), e) for e in end_texts]
         at, end = max(ends, default=(-1, ""))
         if at == -1:

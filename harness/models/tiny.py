@@ -122,12 +122,15 @@ TOOL_FLAVOURS = {
     "mistral": ("mistral_tools.jinja", ["<s>", "</s>", "[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]",
                                         "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]", "[SYSTEM_PROMPT]",
                                         "[/SYSTEM_PROMPT]"], "</s>", "<s>"),
+    # not a tool format: a reasoning model whose replies open in a think block (mlx-lm finds the markers)
+    "think": ("think.jinja", ["<|im_start|>", "<|im_end|>", "<think>", "</think>"], "<|im_end|>", None),
 }
 
 
 def write_tiny_tool_llama(path, flavour: str = "hermes", seed: int = 0, layers: int = 2):
     """A tiny llama directory whose chat template calls tools in ``flavour``'s native format
-    (:data:`TOOL_FLAVOURS`: Qwen2.5's Hermes ``<tool_call>`` or Mistral's ``[TOOL_CALLS]``)."""
+    (:data:`TOOL_FLAVOURS`: Qwen2.5's Hermes ``<tool_call>`` or Mistral's ``[TOOL_CALLS]``), or
+    thinks (``think``: replies open in ``<think>``, and history drops old reasoning)."""
     import json
     from importlib import resources
     from pathlib import Path

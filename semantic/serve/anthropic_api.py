@@ -9,6 +9,7 @@ message_delta, message_stop.
 
 from __future__ import annotations
 
+import hashlib
 import secrets
 from typing import AsyncGenerator
 
@@ -85,8 +86,19 @@ def _request(body: an.MessagesRequest, request: Request, state: ServeState) -> G
         tools=tools, response_schema=schema)
 
 
-def _content(final: Final) -> list:
-    blocks: list = [an.TextBlock(text=final.text)] if final.text or not final.tool_calls else []
+def shows_thinking(body: an.MessagesRequest) -> bool:
+    """A thinking model's reasoning comes back as ``thinking`` blocks only when the request turned thinking on."""
+    return body.thinking is not None and body.thinking.type in ("enabled", "adaptive")
+
+
+def signature(thinking: str) -> str:
+    return "semantic-" + hashlib.sha256(thinking.encode()).hexdigest()[:32]
+
+
+def _content(final: Final, thinking: bool) -> list:
+    blocks: list = [an.ThinkingBlock(thinking=final.reasoning, signature=signature(final.reasoning))] \
+        if thinking and final.reasoning else []
+    blocks += [an.TextBlock(text=final.text)] if final.text or not final.tool_calls else []
     return blocks + [an.ToolUseBlock(id=c.id, name=c.name, input=c.arguments) for c in final.tool_calls]
 
 
@@ -97,11 +109,11 @@ async def messages(body: an.MessagesRequest, request: Request, state: ServeState
     mid, model = f"msg_{secrets.token_hex(12)}", state.backend.model_id
     if not body.stream:
         final, _ = await turn.run(request)
-        out = an.MessageOut(id=mid, model=model, content=_content(final), stop_reason=stop_reason(final),
+        out = an.MessageOut(id=mid, model=model, content=_content(final, shows_thinking(body)), stop_reason=stop_reason(final),
                             stop_sequence=final.stop_sequence, usage=usage(final))
         return Response(out.model_dump_json(), media_type="application/json", headers=turn.headers)
     await turn.open(request)
-    return EventStream(_events(turn, request.url.path, mid, model), turn.headers)
+    return EventStream(_events(turn, request.url.path, mid, model, shows_thinking(body)), turn.headers)
 
 
 class _Blocks:
@@ -109,6 +121,16 @@ class _Blocks:
 
     def __init__(self):
         self.index, self.open = -1, None  # the current block's index and type
+        self.thought = ""                 # the open thinking block's text, for its signature
+
+    def thinking(self, text: str):
+        if self.open != "thinking":
+            yield from self.close()
+            yield from self._start({"type": "thinking", "thinking": "", "signature": ""})
+            self.open, self.thought = "thinking", ""
+        self.thought += text
+        yield event("content_block_delta", {"type": "content_block_delta", "index": self.index,
+                                            "delta": {"type": "thinking_delta", "thinking": text}})
 
     def text(self, text: str):
         if self.open != "text":
@@ -127,6 +149,9 @@ class _Blocks:
         yield event("content_block_stop", {"type": "content_block_stop", "index": self.index})
 
     def close(self):
+        if self.open == "thinking":
+            yield event("content_block_delta", {"type": "content_block_delta", "index": self.index,
+                                                "delta": {"type": "signature_delta", "signature": signature(self.thought)}})
         if self.open is not None:
             yield event("content_block_stop", {"type": "content_block_stop", "index": self.index})
             self.open = None
@@ -136,7 +161,7 @@ class _Blocks:
         yield event("content_block_start", {"type": "content_block_start", "index": self.index, "content_block": block})
 
 
-async def _events(turn: Turn, path: str, mid: str, model: str) -> AsyncGenerator[bytes, None]:
+async def _events(turn: Turn, path: str, mid: str, model: str, thinking: bool) -> AsyncGenerator[bytes, None]:
     # the turn's first item says how much a cache covered, and whether the reply opens with text (turn.open waited)
     cached = turn.cached_tokens or 0
     start = an.MessageOut(id=mid, model=model, content=[], stop_reason=None, stop_sequence=None,
@@ -145,13 +170,16 @@ async def _events(turn: Turn, path: str, mid: str, model: str) -> AsyncGenerator
     blocks = _Blocks()
     try:
         yield event("message_start", {"type": "message_start", "message": start.model_dump()})
-        if not turn.opens_with_calls:
+        if not turn.opens_with_calls and not (thinking and turn.opens_with_reasoning):
             for out in blocks.text(""):
                 yield out
         yield event("ping", {"type": "ping"})
         while True:
             item = await turn.next()
             if isinstance(item, Delta):
+                if item.reasoning and thinking:
+                    for out in blocks.thinking(item.reasoning):
+                        yield out
                 if item.text:
                     for out in blocks.text(item.text):
                         yield out

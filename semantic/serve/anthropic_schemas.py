@@ -117,6 +117,12 @@ class TextBlock(BaseModel):
     text: str
 
 
+class ThinkingBlock(BaseModel):
+    type: Literal["thinking"] = "thinking"
+    thinking: str
+    signature: str            # this server's digest of the text (Anthropic's is opaque too; clients send it back)
+
+
 class ToolUseBlock(BaseModel):
     type: Literal["tool_use"] = "tool_use"
     id: str
@@ -129,7 +135,7 @@ class MessageOut(BaseModel):
     type: Literal["message"] = "message"
     role: Literal["assistant"] = "assistant"
     model: str
-    content: list[Union[TextBlock, ToolUseBlock]]
+    content: list[Union[ThinkingBlock, TextBlock, ToolUseBlock]]
     stop_reason: str | None
     stop_sequence: str | None
     usage: Usage

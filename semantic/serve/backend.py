@@ -23,6 +23,7 @@ from pathlib import Path
 from semantic.service import SchedulerClosedError, Service
 from semantic.serve.protocol import Final, GenerateRequest, Prepared
 from semantic.serve.textstream import TextStream
+from semantic.serve.thinkstream import ThinkSplitter, opens_in_reasoning
 from semantic.serve.toolstream import CallSplitter
 
 log = logging.getLogger(__name__)
@@ -96,8 +97,17 @@ class Backend:
             if plan is not None and plan.reads_calls else None
         quiet = (plan.format.start,) if plan is not None and plan.stop_at_call else ()
         relay.text = TextStream(self.service.tokenizer, req.stop, req.logprobs,
-                                req.sampling.top_logprobs if req.logprobs else 0, self.service.eos, splitter, quiet)
+                                req.sampling.top_logprobs if req.logprobs else 0, self.service.eos, splitter, quiet,
+                                self._thinker(req, prepared.prompt_text))
         return Prepared(req, prepared.request, relay, prepared)
+
+    def _thinker(self, req: GenerateRequest, prompt_text: str | None) -> ThinkSplitter | None:
+        """A chat reply of a model with think markers is split into reasoning and content."""
+        tok = self.service.tokenizer
+        if req.messages is None or not getattr(tok, "has_thinking", False):
+            return None
+        start, end = tok.think_start, tok.think_end
+        return ThinkSplitter(start, end, opens_in_reasoning(prompt_text, start, end))
 
     async def stream(self, prepared: Prepared):
         """The turn's deltas, then its :class:`Final`. Closing this generator early cancels the turn."""
@@ -124,7 +134,7 @@ class Backend:
                 self.service.cancel(future)
 
     def _final(self, prepared: Prepared, result, text: TextStream) -> Final:
-        final = Final(result, text.content, text.stop_sequence, tuple(text.calls))
+        final = Final(result, text.content, text.stop_sequence, tuple(text.calls), text.reasoning)
         self.service.remember(prepared.plan, result, final.text, final.tool_calls, final.stop_sequence)
         with self._lock:
             self._generated += final.completion_tokens

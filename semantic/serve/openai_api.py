@@ -132,7 +132,8 @@ async def chat_completions(body: oa.ChatCompletionRequest, request: Request,
         out = oa.ChatCompletion(
             id=rid, created=created, model=model, usage=usage(final),
             choices=[oa.ChatChoice(message=oa.AssistantMessage(content=final.text if final.text or not final.tool_calls
-                                                               else None, tool_calls=_calls_out(final)),
+                                                               else None, tool_calls=_calls_out(final),
+                                                               reasoning_content=final.reasoning or None),
                                    logprobs=_chat_logprobs(tokens) if want_logprobs else None,
                                    finish_reason=wire_finish(final.finish_reason))])
         return _json(out, turn.headers)
@@ -155,6 +156,8 @@ async def _chat_events(turn: Turn, path: str, rid: str, created: int, model: str
         while True:
             item = await turn.next()
             if isinstance(item, Delta):
+                if item.reasoning:
+                    yield chunk(oa.ChunkDelta(reasoning_content=item.reasoning))
                 if item.text or item.logprobs:
                     yield chunk(oa.ChunkDelta(content=item.text),
                                 logprobs=_chat_logprobs(item.logprobs) if want_logprobs else None)
@@ -215,6 +218,8 @@ async def _completion_events(turn: Turn, path: str, rid: str, created: int, mode
         while True:
             item = await turn.next()
             if isinstance(item, Delta):
+                if item.reasoning:
+                    yield chunk(oa.ChunkDelta(reasoning_content=item.reasoning))
                 if item.text or item.logprobs:
                     lp = _legacy_logprobs(item.logprobs, offset) if want_logprobs else None
                     yield _sse(oa.Completion(id=rid, created=created, model=model, choices=[

@@ -142,13 +142,18 @@ class ToolCallOut(BaseModel):
 
 
 class _CallsWhenAny(BaseModel):
-    """``tool_calls`` appears only when there are calls, as in OpenAI's own answers."""
+    """``tool_calls`` appears only when there are calls, as in OpenAI's own answers, and a thinking
+    model's reasoning only when there is some: ``reasoning_content`` (llama.cpp's, vLLM's name) and
+    ``reasoning`` (mlx_lm.server's), the same text."""
 
     @model_serializer(mode="wrap")
     def _drop_empty_calls(self, handler):
         out = handler(self)
-        if out.get("tool_calls") is None:
-            out.pop("tool_calls", None)
+        for name in ("tool_calls", "reasoning_content"):
+            if out.get(name) is None:
+                out.pop(name, None)
+        if out.get("reasoning_content") is not None:
+            out["reasoning"] = out["reasoning_content"]
         return out
 
 
@@ -157,6 +162,7 @@ class AssistantMessage(_CallsWhenAny):
     content: str | None
     refusal: str | None = None
     tool_calls: list[ToolCallOut] | None = None
+    reasoning_content: str | None = None
 
 
 class ChatChoice(BaseModel):
@@ -187,6 +193,7 @@ class ChunkDelta(_CallsWhenAny):
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
+    reasoning_content: str | None = None
 
 
 class ChunkChoice(BaseModel):

@@ -81,6 +81,7 @@ class Delta:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     cached_tokens: int | None = None   # on a turn's first delta: prompt tokens a cache covered
     tool_calls: list[ToolCall] = field(default_factory=list)  # calls completed since the last delta
+    reasoning: str = ""           # a thinking model's reasoning since the last delta (never in ``text``)
 
 @dataclass(frozen=True, slots=True)
 class Final:
@@ -90,6 +91,7 @@ class Final:
     text: str                     # the whole reply's content, cut before a stop string, its tool calls apart
     stop_sequence: str | None     # the stop string that ended it, if one did
     tool_calls: tuple[ToolCall, ...] = ()
+    reasoning: str = ""           # a thinking model's whole reasoning, apart from ``text``
 
     @property
     def finish_reason(self) -> str:

@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Sequence
 
 from semantic.serve.protocol import Delta, TokenLogprob, TopLogprob
+from semantic.serve.thinkstream import ThinkSplitter
 from semantic.serve.toolstream import CallSplitter, held_back
 
 if TYPE_CHECKING:
@@ -43,9 +44,11 @@ class TextStream:
     one (a tool call the request does not allow). Runs on the worker thread."""
 
     def __init__(self, tokenizer, stops: tuple[str, ...], logprobs: bool, top: int, eos: frozenset[int],
-                 splitter: CallSplitter | None = None, quiet_stops: tuple[str, ...] = ()):
+                 splitter: CallSplitter | None = None, quiet_stops: tuple[str, ...] = (),
+                 thinker: ThinkSplitter | None = None):
         self.tokenizer, self.stops, self.want_logprobs, self.top, self.eos = tokenizer, stops, logprobs, top, eos
-        self.splitter, self.cuts = splitter, stops + quiet_stops
+        self.splitter, self.cuts, self.thinker = splitter, stops + quiet_stops, thinker
+        self.reasoning = ""        # what the deltas said of the model's reasoning (a thinking model's)
         self.detok = tokenizer.detokenizer
         self.text = ""
         self.sent = 0              # characters of text already in deltas
@@ -89,16 +92,23 @@ class TextStream:
         text = self.text[self.sent:end] if end > self.sent else ""
         self.sent = max(self.sent, end)
         calls: list[ToolCall] = []
+        reasoning = ""
+        if self.thinker is not None:  # reasoning first: a tool call inside a think block is only a thought
+            reasoning, text = self.thinker.feed(text)
+            if last:
+                more_reasoning, more_text = self.thinker.finish()
+                reasoning, text = reasoning + more_reasoning, text + more_text
         if self.splitter is not None:
             text, calls = self.splitter.feed(text)
             if last:
                 rest, more = self.splitter.finish()
                 text, calls = text + rest, calls + more
         self.content += text
+        self.reasoning += reasoning
         self.calls += calls
-        if not text and not self.pending and not calls:
+        if not text and not reasoning and not self.pending and not calls:
             return None
-        out, self.pending = Delta(text, self.pending, tool_calls=calls), []
+        out, self.pending = Delta(text, self.pending, tool_calls=calls, reasoning=reasoning), []
         return out
 
     def _logprob(self, token: int, logprob: float, row) -> TokenLogprob:

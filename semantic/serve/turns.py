@@ -65,6 +65,12 @@ class Turn:
         return isinstance(first, Delta) and bool(first.tool_calls) and not first.text
 
     @property
+    def opens_with_reasoning(self) -> bool:
+        """Whether the reply's first item (once :meth:`open` has it) is a thinking model's reasoning."""
+        first = self._first
+        return isinstance(first, Delta) and bool(first.reasoning)
+
+    @property
     def cached_tokens(self) -> int | None:
         """Prompt tokens a cache covered, once :meth:`open` has the first item (None before)."""
         first = self._first
