@@ -56,6 +56,16 @@ class Said:
     reply: Reply                # what the client was told
     closed: bool                # the generated tokens end with an end-of-turn token
 
+    def to_json(self) -> dict:
+        return {"prompt_text": self.prompt_text, "ids": list(self.ids), "text": self.reply.text,
+                "calls": [list(c) for c in self.reply.calls], "closed": self.closed}
+
+    @classmethod
+    def from_json(cls, doc: dict) -> "Said":
+        """Raises: KeyError, TypeError, ValueError for a document :meth:`to_json` did not write."""
+        reply = Reply(str(doc["text"]), tuple((str(n), str(a)) for n, a in doc["calls"]))
+        return cls(str(doc["prompt_text"]), tuple(int(i) for i in doc["ids"]), reply, bool(doc["closed"]))
+
 
 class EchoBook:
     """Each named agent's last turn (at most ``limit`` agents, least recently used go first); thread-safe."""
@@ -73,6 +83,10 @@ class EchoBook:
             self._said.move_to_end(agent_id)
             while len(self._said) > self.limit:
                 self._said.popitem(last=False)
+
+    def said(self, agent_id: str) -> Said | None:
+        with self._lock:
+            return self._said.get(agent_id)
 
     def splice(self, agent_id: str, messages: Sequence[dict], render: Callable[[Sequence[dict], bool], str],
                encode: Callable[[str], list[int]], end_texts: Sequence[str]) -> tuple[tuple[int, ...], str] | None:

@@ -234,7 +234,7 @@ class Service:
         if grammar is not None:
             constraint.check(grammar, self.tokenizer, self.vocab_size)
         if agent is not None:
-            agent_id, persist = f"{tenant or 'public'}/{agent}", True
+            agent_id, persist = self.agent_id(tenant, agent), True
         else:
             agent_id, persist = ANON + uuid.uuid4().hex, False
         text = None
@@ -285,6 +285,28 @@ class Service:
         reply = Reply(text, tuple((c.name, json.dumps(c.arguments, sort_keys=True)) for c in calls))
         closed = bool(generated) and generated[-1] in self.eos
         self.echo.remember(request.agent_id, Said(plan.prompt_text, request.ids + generated, reply, closed))
+
+    def agent_id(self, tenant: str, agent: str) -> str:
+        """A named agent's id: namespaced by its tenant, as :meth:`prepare` makes it."""
+        return f"{tenant or 'public'}/{agent}"
+
+    def echo_state(self, tenant: str, agent: str) -> dict | None:
+        """The agent's last turn as generated (``semantic.echo``), as JSON, for a record kept across restarts."""
+        said = self.echo.said(self.agent_id(tenant, agent))
+        return said.to_json() if said is not None else None
+
+    def restore_echo(self, tenant: str, agent: str, state: dict) -> None:
+        """Put back a turn :meth:`echo_state` gave (after a restart) unless the book knows the agent already.
+
+        Raises:
+            InvalidRequestError: ``state`` is not what :meth:`echo_state` writes.
+        """
+        agent_id = self.agent_id(tenant, agent)
+        if self.echo.limit and self.echo.said(agent_id) is None:
+            try:
+                self.echo.remember(agent_id, Said.from_json(state))
+            except (KeyError, TypeError, ValueError) as exc:
+                raise InvalidRequestError(f"a stored turn of agent {agent!r} is unreadable: {exc}") from None
 
     def submit(self, request: Request) -> Future:
         """Queue the turn (QueueFullError at once when the queue is full); the future gives its Completion."""

@@ -8,6 +8,7 @@ exact. The real Backend is tested against real models separately.
 from __future__ import annotations
 
 import asyncio
+import tempfile
 import time
 from dataclasses import dataclass, field
 
@@ -31,6 +32,7 @@ class StubBackend:
     fail_after: int | None = None     # raise RuntimeError after this many pieces
     calls: tuple = ()                 # ToolCalls the reply ends with, in one delta
     strict_max_tokens: bool = False   # the service's --strict-max-tokens
+    responses_dir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="stub-responses-"))
     prepared: list[Prepared] = field(default_factory=list)
     streamed: list[Prepared] = field(default_factory=list)  # what reached stream(), after the route's changes
     finished: int = 0                 # streams that reached their Final
@@ -78,6 +80,12 @@ class StubBackend:
                 self.finished += 1
             else:
                 self.closed_early += 1
+
+    def echo_state(self, tenant: str, agent: str | None) -> dict | None:
+        return None
+
+    def restore_echo(self, tenant: str, agent: str, state: dict) -> None:
+        pass
 
     def stats(self, tenant: str | None = None) -> dict:
         return {

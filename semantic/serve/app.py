@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING
 from fastapi import Depends, FastAPI
 from starlette.responses import Response
 
-from semantic.serve import anthropic_api, dashboard, errors, openai_api
+from semantic.serve import anthropic_api, dashboard, errors, openai_api, responses_api
+from semantic.serve.responses_store import ResponseStore
 from semantic.serve.auth import AuthMiddleware, Keys
 from semantic.serve.config import ServeConfig
 from semantic.serve.gates import BodyLimit, ClosingGate
@@ -45,7 +46,8 @@ def create_app(backend: "Backend", config: ServeConfig | None = None) -> FastAPI
         and then awaits ``backend.aclose``.
     """
     config = config or ServeConfig(model=backend.model_id)
-    state = ServeState(backend=backend, config=config, metrics=ServeMetrics(backend))
+    state = ServeState(backend=backend, config=config, metrics=ServeMetrics(backend),
+                       responses=ResponseStore(backend.responses_dir))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -62,7 +64,7 @@ def create_app(backend: "Backend", config: ServeConfig | None = None) -> FastAPI
     app = FastAPI(title="semantic serve", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.serve = state
     errors.install(app)
-    for router in (openai_api.router, anthropic_api.router, dashboard.router):
+    for router in (openai_api.router, anthropic_api.router, responses_api.router, dashboard.router):
         app.include_router(router)
 
     @app.get("/metrics", include_in_schema=False)

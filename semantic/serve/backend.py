@@ -68,6 +68,7 @@ class Backend:
     def __init__(self, service: Service, *, model_id: str, sync_saves: bool = False):
         self.service, self.model_id, self.sync_saves = service, model_id, sync_saves
         self.context_length = service.context_length
+        self.responses_dir = Path(service.store.dir) / "responses"  # stored responses, beside the agents' caches
         self.closing = False
         self.started = time.time()
         self._lock = threading.Lock()  # _recent and _generated: the event loop writes, stats() reads on a thread
@@ -108,6 +109,13 @@ class Backend:
             return None
         start, end = tok.think_start, tok.think_end
         return ThinkSplitter(start, end, opens_in_reasoning(prompt_text, start, end))
+
+    def echo_state(self, tenant: str, agent: str | None) -> dict | None:
+        """The agent's last turn as generated, for a stored response (``Service.echo_state``)."""
+        return self.service.echo_state(tenant, agent) if agent is not None else None
+
+    def restore_echo(self, tenant: str, agent: str, state: dict) -> None:
+        self.service.restore_echo(tenant, agent, state)
 
     async def stream(self, prepared: Prepared):
         """The turn's deltas, then its :class:`Final`. Closing this generator early cancels the turn."""

@@ -281,3 +281,78 @@ def _text_block(block, where: str) -> str:
         raise invalid(f"{where} is a {kind!r} block; this server reads text, tool_use and tool_result blocks",
                       f"{where}.type")
     return text
+
+
+# ---------------------------------------------------------------- the Responses API
+
+
+def responses_tools(tools: list | None, choice, parallel: bool | None) -> Tools | None:
+    """The Responses API's flat function tools and ``tool_choice`` as :class:`Tools`."""
+    nested = []
+    for i, t in enumerate(tools or ()):
+        if not isinstance(t, dict) or t.get("type") != "function":
+            kind = t.get("type") if isinstance(t, dict) else type(t).__name__
+            raise invalid(f"tools[{i}] is a {kind!r} tool; this server calls function tools only", f"tools.{i}.type")
+        nested.append({"type": "function", "function": {k: t.get(k) for k in ("name", "description", "parameters")}})
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        choice = {"type": "function", "function": {"name": choice.get("name")}}
+    return openai_tools(nested, choice, parallel)
+
+
+def responses_format(fmt) -> dict | None:
+    """``text.format`` as the reply's JSON schema (None: free text)."""
+    if fmt is None or fmt.get("type") == "text":
+        return None
+    if fmt.get("type") == "json_schema":
+        return response_schema({"type": "json_schema", "json_schema": {"schema": fmt.get("schema")}})
+    return response_schema(fmt)
+
+
+def responses_input(items) -> list[dict]:
+    """The Responses API's ``input`` (text, or message / function_call / function_call_output items) as
+    messages; ``reasoning`` items are the model's own earlier thoughts and are not rendered back."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    out: list[dict] = []
+    for i, item in enumerate(items):
+        where = f"input.{i}"
+        kind = item.get("type", "message") if isinstance(item, dict) else None
+        if kind == "message" and item.get("role") in ("user", "system", "developer", "assistant"):
+            role = "system" if item["role"] == "developer" else item["role"]
+            out.append({"role": role, "content": _parts_text(item.get("content"), f"{where}.content")})
+        elif kind == "function_call":
+            try:
+                arguments = json.loads(item.get("arguments") or "{}")
+            except json.JSONDecodeError:
+                raise invalid(f"{where}.arguments is not JSON", f"{where}.arguments") from None
+            call = {"id": item.get("call_id") or "", "type": "function",
+                    "function": {"name": _name(item.get("name"), f"{where}.name"), "arguments": arguments}}
+            if out and out[-1]["role"] == "assistant":  # calls that follow the assistant's text are its calls
+                out[-1].setdefault("tool_calls", []).append(call)
+                out[-1]["content"] = out[-1]["content"] or None
+            else:
+                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            out.append({"role": "tool", "tool_call_id": item.get("call_id") or "",
+                        "content": output if isinstance(output, str) else _parts_text(output, f"{where}.output")})
+        elif kind == "reasoning":
+            continue
+        else:
+            raise invalid(f"{where} is a {kind!r} item; this server reads message, function_call, "
+                          "function_call_output and reasoning items", f"{where}.type")
+    return out
+
+
+def _parts_text(content, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise invalid(f"{where} must be text or a list of text parts", where)
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in ("input_text", "output_text", "text") or not isinstance(part.get("text"), str):
+            raise invalid(f"{where}[{j}] is a {kind!r} part; this server reads text parts only", f"{where}.{j}.type")
+        texts.append(part["text"])
+    return "\n".join(texts)

@@ -10,6 +10,7 @@ from starlette.requests import Request
 
 from semantic.serve.config import ServeConfig
 from semantic.serve.metrics import ServeMetrics
+from semantic.serve.responses_store import ResponseStore
 
 if TYPE_CHECKING:
     from semantic.serve.backend import Backend
@@ -23,6 +24,7 @@ class ServeState:
     started: int = field(default_factory=lambda: int(time.time()))  # unix seconds, for /v1/models
     closed: bool = False  # the backend's aclose() finished
     turns: set = field(default_factory=set)  # Turns not yet closed: shutdown lets them close first
+    responses: ResponseStore | None = None  # stored responses (previous_response_id), beside the caches
 
 
 def serve_state(request: Request) -> ServeState:
