@@ -94,3 +94,36 @@ def test_fields_the_server_cannot_honour_are_refused_by_name(server):
         _client(server).responses.create(model="tiny", input="x", background=True)
     with pytest.raises(openai.BadRequestError, match="web_search"):
         _client(server).responses.create(model="tiny", input="x", tools=[{"type": "web_search"}])
+
+
+def test_the_openai_agents_sdks_default_responses_model_runs_a_tool_to_completion(server):
+    import asyncio
+
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
+
+    set_tracing_disabled(True)
+    calls = []
+
+    @function_tool
+    def get_weather(city: str) -> str:
+        """The weather in a city.
+
+        Args:
+            city: the city
+        """
+        calls.append(city)
+        return f"Sunny in {city or 'the city'}."
+
+    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=KEYS[0], max_retries=0, timeout=60)
+    agent = Agent(name="weather", instructions="Answer with the weather tool.", tools=[get_weather],
+                  model=OpenAIResponsesModel(model="tiny", openai_client=client),
+                  model_settings=ModelSettings(tool_choice="required", parallel_tool_calls=False, max_tokens=60,
+                                               temperature=0.0),
+                  tool_use_behavior="stop_on_first_tool")
+
+    async def run():
+        async with client:
+            return await Runner.run(agent, "Weather in Oslo?", max_turns=3)
+
+    result = asyncio.run(run())
+    assert len(calls) == 1 and result.final_output.startswith("Sunny in ")

@@ -142,3 +142,28 @@ def test_anthropic_output_format_is_a_json_schema_or_a_400_naming_where():
     assert anthropic_format({"type": "json_schema", "schema": schema}, "output_config.format") == schema
     assert anthropic_format(None, "output_format") is None
     assert _param(lambda: anthropic_format({"type": "xml"}, "output_config.format")) == "output_config.format"
+
+
+def test_responses_items_become_messages_and_calls_join_the_assistant_text_before_them():
+    from semantic.serve.conversation import responses_format, responses_input, responses_tools
+
+    items = [{"role": "developer", "content": "Be brief."},
+             {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Weather?"}]},
+             {"type": "reasoning", "id": "rs_1", "summary": []},
+             {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Checking."}]},
+             {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Oslo"}'},
+             {"type": "function_call_output", "call_id": "call_1", "output": "sun"}]
+    assert responses_input(items) == [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": "Checking.", "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sun"}]
+    assert responses_input("Hi") == [{"role": "user", "content": "Hi"}]
+    assert _param(lambda: responses_input([{"type": "input_image", "image_url": "x"}])) == "input.0.type"
+    assert _param(lambda: responses_input([{"role": "user", "content": [{"type": "input_file"}]}])) == \
+        "input.0.content.0.type"
+    flat = {"type": "function", "name": "get_weather", "description": "d", "parameters": {"type": "object"}}
+    assert responses_tools([flat], {"type": "function", "name": "get_weather"}, False).choice == "get_weather"
+    assert _param(lambda: responses_tools([{"type": "web_search"}], None, None)) == "tools.0.type"
+    assert responses_format({"type": "json_schema", "name": "f", "schema": {"type": "object"}}) == {"type": "object"}
+    assert responses_format({"type": "text"}) is None
