@@ -290,6 +290,12 @@ class Service:
         """A named agent's id: namespaced by its tenant, as :meth:`prepare` makes it."""
         return f"{tenant or 'public'}/{agent}"
 
+    def knows_agent(self, tenant: str, agent: str) -> bool:
+        """Whether the agent's cache is still here: resident, or in its file (a resident cache not yet saved
+        is never evicted, so the two cover every cache the disk budget has not evicted)."""
+        agent_id = self.agent_id(tenant, agent)
+        return agent_id in set(self.scheduler.resident_agents()) or (self.store.dir / file_name(agent_id)).exists()
+
     def echo_state(self, tenant: str, agent: str) -> dict | None:
         """The agent's last turn as generated (``semantic.echo``), as JSON, for a record kept across restarts."""
         said = self.echo.said(self.agent_id(tenant, agent))

@@ -32,6 +32,7 @@ class StubBackend:
     fail_after: int | None = None     # raise RuntimeError after this many pieces
     calls: tuple = ()                 # ToolCalls the reply ends with, in one delta
     strict_max_tokens: bool = False   # the service's --strict-max-tokens
+    evicted_agents: set = field(default_factory=set)  # agents whose caches the disk budget evicted
     responses_dir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="stub-responses-"))
     prepared: list[Prepared] = field(default_factory=list)
     streamed: list[Prepared] = field(default_factory=list)  # what reached stream(), after the route's changes
@@ -86,6 +87,9 @@ class StubBackend:
 
     def restore_echo(self, tenant: str, agent: str, state: dict) -> None:
         pass
+
+    def knows_agent(self, tenant: str, agent: str) -> bool:
+        return agent not in self.evicted_agents
 
     def stats(self, tenant: str | None = None) -> dict:
         return {

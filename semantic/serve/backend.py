@@ -114,6 +114,9 @@ class Backend:
         """The agent's last turn as generated, for a stored response (``Service.echo_state``)."""
         return self.service.echo_state(tenant, agent) if agent is not None else None
 
+    def knows_agent(self, tenant: str, agent: str) -> bool:
+        return self.service.knows_agent(tenant, agent)
+
     def restore_echo(self, tenant: str, agent: str, state: dict) -> None:
         self.service.restore_echo(tenant, agent, state)
 

@@ -20,6 +20,7 @@ The stream is the event sequence the openai SDK and Codex read::
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import time
 from typing import AsyncGenerator
@@ -71,6 +72,11 @@ async def create(body: rs.ResponsesRequest, request: Request, state: ServeState 
         stored = state.responses.get(tenant, body.previous_response_id)
         if stored is None:
             raise _missing(body.previous_response_id)
+        if not await asyncio.to_thread(state.backend.knows_agent, tenant, stored["agent"]):
+            state.responses.delete(tenant, body.previous_response_id)
+            raise ApiError(NOT_FOUND, f"response {body.previous_response_id!r} was evicted: its cache left this "
+                                      "server's disk budget; send the whole conversation as input instead",
+                           param="previous_response_id", code="response_evicted")
         before, agent = stored["messages"], agent or stored["agent"]
         if stored.get("echo") and agent == stored["agent"]:  # after a restart: the reply as it was generated
             state.backend.restore_echo(tenant, agent, stored["echo"])

@@ -690,3 +690,61 @@ def test_the_sdks_assemble_the_tool_calls():
 def test_fields_that_would_change_the_output_are_refused_by_name(field, value):
     err = openai_error(client().post(CHAT, json=chat(**{field: value})), 400, "invalid_request_error")
     assert err["param"] == field
+
+
+# ---- the Responses API ------------------------------------------------------
+
+RESP = "/v1/responses"
+
+
+def test_a_response_has_openais_shape_and_is_stored_for_its_follow_up():
+    backend = StubBackend()
+    c = client(backend)
+    r = c.post(RESP, json={"model": "stub-model", "input": "hi there", "instructions": "Be brief."})
+    assert r.status_code == 200, r.text
+    doc = r.json()
+    assert doc["object"] == "response" and doc["status"] == "completed" and doc["id"].startswith("resp_")
+    assert doc["output"][0]["type"] == "message" and doc["output"][0]["content"][0]["text"] == "Hello world"
+    assert doc["usage"]["input_tokens_details"]["cached_tokens"] == 3
+    assert c.get(f"{RESP}/{doc['id']}").json()["id"] == doc["id"]
+    r = c.post(RESP, json={"model": "stub-model", "input": "and then?", "previous_response_id": doc["id"]})
+    sent = backend.prepared[-1].request
+    assert [m["role"] for m in sent.messages] == ["user", "assistant", "user"]  # instructions are not carried over
+    assert sent.agent == backend.prepared[0].request.agent and sent.agent.startswith("responses-resp_")
+
+
+def test_a_streamed_response_sends_the_event_sequence_in_order():
+    text = client().post(RESP, json={"model": "stub-model", "input": "hi", "stream": True}).text
+    events = sse_events(text)
+    names = [name for name, _ in events]
+    assert names[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
+    assert names.count("response.output_text.delta") == 3 and names[-1] == "response.completed"
+    assert [d["sequence_number"] for _, d in events] == list(range(len(events)))
+    assert events[-1][1]["response"]["output"][0]["content"][0]["text"] == "Hello world"
+
+
+def test_a_missing_or_evicted_previous_response_is_a_404_that_says_which():
+    backend = StubBackend()
+    c = client(backend)
+    err = openai_error(c.post(RESP, json={"input": "x", "previous_response_id": "resp_" + "0" * 24}), 404,
+                       "not_found_error")
+    assert err["code"] == "response_not_found"
+    first = c.post(RESP, json={"input": "x"}).json()
+    backend.evicted_agents.add(backend.prepared[-1].request.agent)
+    err = openai_error(c.post(RESP, json={"input": "y", "previous_response_id": first["id"]}), 404, "not_found_error")
+    assert err["code"] == "response_evicted"
+    openai_error(c.get(f"{RESP}/{first['id']}"), 404, "not_found_error")  # the record went with its cache
+
+
+def test_responses_fields_it_cannot_honour_are_refused_and_unknown_ones_named():
+    for extra, param in (({"background": True}, "background"), ({"top_logprobs": 2}, "top_logprobs"),
+                         ({"text": {"verbosity": "low"}}, "text.verbosity"),
+                         ({"tools": [{"type": "file_search"}]}, "tools.0.type"),
+                         ({"input": [{"type": "input_image"}]}, "input.0.type")):
+        err = openai_error(client().post(RESP, json={"input": "x", **extra}), 400, "invalid_request_error")
+        assert err["param"] == param, (extra, err)
+    err = openai_error(client().post(RESP, json={"input": "x", "temprature": 1}), 400, "invalid_request_error")
+    assert err["param"] == "temprature"
+    ok = client().post(RESP, json={"input": "x", "store": False, "metadata": {"a": "b"}, "truncation": "disabled",
+                                   "reasoning": {"effort": "low"}, "include": ["reasoning.encrypted_content"]})
+    assert ok.status_code == 200 and "x-max-tokens-clamped" not in ok.headers
