@@ -23,6 +23,7 @@ from harness.kinds import (  # noqa: E402,F401
     per_sequence_extraction,
     persistence_roundtrip,
     reconstruction,
+    responses_chain,
     serving,
     steploop,
     stress,
