@@ -286,17 +286,38 @@ def _text_block(block, where: str) -> str:
 # ---------------------------------------------------------------- the Responses API
 
 
+HOSTED_TOOLS = ("web_search", "web_search_preview")  # run by OpenAI's servers; none runs here
+
+
+def hosted_tools(tools: list | None) -> list[str]:
+    """The hosted tools a request offers, which this server leaves out (it says so in a header)."""
+    return [t["type"] for t in tools or () if isinstance(t, dict) and t.get("type") in HOSTED_TOOLS]
+
+
 def responses_tools(tools: list | None, choice, parallel: bool | None) -> Tools | None:
-    """The Responses API's flat function tools and ``tool_choice`` as :class:`Tools`."""
+    """The Responses API's flat function tools and ``tool_choice`` as :class:`Tools`: a ``namespace``'s
+    functions join them (the namespace goes back on the call, ``namespace_of``); hosted tools are left out."""
     nested = []
     for i, t in enumerate(tools or ()):
-        if not isinstance(t, dict) or t.get("type") != "function":
-            kind = t.get("type") if isinstance(t, dict) else type(t).__name__
-            raise invalid(f"tools[{i}] is a {kind!r} tool; this server calls function tools only", f"tools.{i}.type")
-        nested.append({"type": "function", "function": {k: t.get(k) for k in ("name", "description", "parameters")}})
+        kind = t.get("type") if isinstance(t, dict) else type(t).__name__
+        if kind in HOSTED_TOOLS:
+            continue
+        members = t.get("tools") if kind == "namespace" and isinstance(t.get("tools"), list) else [t]
+        for j, f in enumerate(members):
+            where = f"tools.{i}" + (f".tools.{j}" if kind == "namespace" else "")
+            if not isinstance(f, dict) or f.get("type") != "function":
+                raise invalid(f"{where} is a {f.get('type') if isinstance(f, dict) else f!r} tool; this server calls "
+                              "function tools (and namespaces of them) only", f"{where}.type")
+            nested.append({"type": "function", "function": {k: f.get(k) for k in ("name", "description", "parameters")}})
     if isinstance(choice, dict) and choice.get("type") == "function":
         choice = {"type": "function", "function": {"name": choice.get("name")}}
     return openai_tools(nested, choice, parallel)
+
+
+def namespace_of(tools: list | None) -> dict[str, str]:
+    """Each namespaced function's namespace, by function name."""
+    return {f["name"]: t["name"] for t in tools or () if isinstance(t, dict) and t.get("type") == "namespace"
+            for f in t.get("tools") or () if isinstance(f, dict) and isinstance(f.get("name"), str)}
 
 
 def responses_format(fmt) -> dict | None:

@@ -30,7 +30,7 @@ from starlette.responses import JSONResponse, Response
 
 from semantic.service import SamplingParams
 from semantic.serve import responses_schemas as rs
-from semantic.serve.conversation import responses_format, responses_input, responses_tools
+from semantic.serve.conversation import hosted_tools, namespace_of, responses_format, responses_input, responses_tools
 from semantic.serve.errors import NOT_FOUND, ApiError, from_stream, invalid, sse_error
 from semantic.serve.protocol import Delta, Final, GenerateRequest
 from semantic.serve.state import ServeState, serve_state, tenant_of
@@ -38,6 +38,7 @@ from semantic.serve.streaming import EventStream, event
 from semantic.serve.turns import Turn, check_model
 
 router = APIRouter()
+HOSTED_HEADER = "X-Tools-Not-Offered"  # hosted tools (web_search) the model was not offered: none runs here
 REFUSED = {"background": "background responses", "conversation": "conversation objects",
            "prompt": "stored prompt templates", "max_tool_calls": "max_tool_calls",
            "top_logprobs": "top_logprobs on responses"}
@@ -93,12 +94,14 @@ async def create(body: rs.ResponsesRequest, request: Request, state: ServeState 
         response_schema=responses_format(body.text.format if body.text else None))
     turn = Turn(state, await state.backend.prepare(req), "responses")
     shell = _shell(body, rid, state.backend.model_id)
+    ns = namespace_of(body.tools)
+    headers = {**turn.headers, **({HOSTED_HEADER: ",".join(hosted_tools(body.tools))} if hosted_tools(body.tools) else {})}
     keep = _keeper(state, tenant, rid, agent, before + new) if body.store else None
     if not body.stream:
         final, _ = await turn.run(request)
-        return JSONResponse(_finished(shell, final, keep), headers=turn.headers)
+        return JSONResponse(_finished(shell, final, keep, _items(final, ns)), headers=headers)
     await turn.open(request)
-    return EventStream(_events(turn, request.url.path, shell, keep), turn.headers)
+    return EventStream(_events(turn, request.url.path, shell, keep, ns), headers)
 
 
 @router.get("/v1/responses/{response_id}")
@@ -131,14 +134,14 @@ def _shell(body: rs.ResponsesRequest, rid: str, model: str) -> dict:
             "metadata": body.metadata or {}, "usage": None}
 
 
-def _items(final: Final) -> list[dict]:
+def _items(final: Final, ns: dict[str, str]) -> list[dict]:
     items = []
     if final.reasoning:
         items.append({"type": "reasoning", "id": f"rs_{_hex()}", "summary": [],
                       "content": [{"type": "reasoning_text", "text": final.reasoning}]})
     if final.text or not final.tool_calls:
         items.append(_message(f"msg_{_hex()}", final.text, "completed"))
-    items += [_call(f"fc_{_hex()}", c, "completed") for c in final.tool_calls]
+    items += [_call(f"fc_{_hex()}", c, "completed", namespace=ns.get(c.name)) for c in final.tool_calls]
     return items
 
 
@@ -147,9 +150,10 @@ def _message(item_id: str, text: str | None, status: str) -> dict:
     return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
 
 
-def _call(item_id: str, call, status: str, arguments: str | None = None) -> dict:
-    return {"type": "function_call", "id": item_id, "call_id": call.id, "name": call.name,
-            "arguments": call.arguments_json if arguments is None else arguments, "status": status}
+def _call(item_id: str, call, status: str, arguments: str | None = None, namespace: str | None = None) -> dict:
+    out = {"type": "function_call", "id": item_id, "call_id": call.id, "name": call.name,
+           "arguments": call.arguments_json if arguments is None else arguments, "status": status}
+    return {**out, "namespace": namespace} if namespace else out
 
 
 def _usage(final: Final) -> dict:
@@ -158,10 +162,10 @@ def _usage(final: Final) -> dict:
             "total_tokens": final.prompt_tokens + final.completion_tokens}
 
 
-def _finished(shell: dict, final: Final, keep, items: list[dict] | None = None) -> dict:
+def _finished(shell: dict, final: Final, keep, items: list[dict]) -> dict:
     """The whole response: its output items, status and usage; stored when the request asked."""
     cut = final.finish_reason == "length"
-    out = {**shell, "output": items if items is not None else _items(final),
+    out = {**shell, "output": items,
            "status": "incomplete" if cut else "completed",
            "incomplete_details": {"reason": "max_output_tokens"} if cut else None, "usage": _usage(final)}
     if keep is not None and final.finish_reason != "cancelled":
@@ -188,8 +192,8 @@ def _keeper(state: ServeState, tenant: str, rid: str, agent: str, messages: list
 class _Stream:
     """The stream's events in order, each with its sequence number; the output items as they are built."""
 
-    def __init__(self):
-        self.seq, self.items = 0, []
+    def __init__(self, ns: dict[str, str]):
+        self.seq, self.items, self.ns = 0, [], ns
         self.open: dict | None = None    # the item being streamed (reasoning or message)
 
     def emit(self, name: str, payload: dict) -> bytes:
@@ -237,18 +241,19 @@ class _Stream:
         yield from self.close()
         at, item_id = len(self.items), f"fc_{_hex()}"
         yield self.emit("response.output_item.added", {"output_index": at,
-                                                       "item": _call(item_id, call, "in_progress", "")})
+                                                       "item": _call(item_id, call, "in_progress", "",
+                                                                     self.ns.get(call.name))})
         yield self.emit("response.function_call_arguments.delta", {"item_id": item_id, "output_index": at,
                                                                    "delta": call.arguments_json})
         yield self.emit("response.function_call_arguments.done", {"item_id": item_id, "output_index": at,
                                                                   "arguments": call.arguments_json})
-        item = _call(item_id, call, "completed")
+        item = _call(item_id, call, "completed", namespace=self.ns.get(call.name))
         self.items.append(item)
         yield self.emit("response.output_item.done", {"output_index": at, "item": item})
 
 
-async def _events(turn: Turn, path: str, shell: dict, keep) -> AsyncGenerator[bytes, None]:
-    s = _Stream()
+async def _events(turn: Turn, path: str, shell: dict, keep, ns: dict[str, str]) -> AsyncGenerator[bytes, None]:
+    s = _Stream(ns)
     try:
         yield s.emit("response.created", {"response": shell})
         yield s.emit("response.in_progress", {"response": shell})

@@ -52,6 +52,7 @@ class ResponsesRequest(BaseModel):
     truncation: str | None = None    # "disabled" (the default) or "auto": a prompt over the context is a 400 either way
     include: list[str] | None = None
     stream_options: dict | None = None
+    client_metadata: dict | None = None  # Codex's session and turn ids
     # refused when set: this server cannot honour them
     background: bool | None = None
     conversation: Any = None

@@ -92,8 +92,8 @@ def test_another_api_keys_response_id_is_a_404_and_a_deleted_one_too(server):
 def test_fields_the_server_cannot_honour_are_refused_by_name(server):
     with pytest.raises(openai.BadRequestError, match="background"):
         _client(server).responses.create(model="tiny", input="x", background=True)
-    with pytest.raises(openai.BadRequestError, match="web_search"):
-        _client(server).responses.create(model="tiny", input="x", tools=[{"type": "web_search"}])
+    with pytest.raises(openai.BadRequestError, match="file_search"):
+        _client(server).responses.create(model="tiny", input="x", tools=[{"type": "file_search", "vector_store_ids": []}])
 
 
 def test_the_openai_agents_sdks_default_responses_model_runs_a_tool_to_completion(server):

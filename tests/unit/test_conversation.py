@@ -164,6 +164,9 @@ def test_responses_items_become_messages_and_calls_join_the_assistant_text_befor
         "input.0.content.0.type"
     flat = {"type": "function", "name": "get_weather", "description": "d", "parameters": {"type": "object"}}
     assert responses_tools([flat], {"type": "function", "name": "get_weather"}, False).choice == "get_weather"
-    assert _param(lambda: responses_tools([{"type": "web_search"}], None, None)) == "tools.0.type"
+    assert _param(lambda: responses_tools([{"type": "file_search"}], None, None)) == "tools.0.type"
+    assert responses_tools([{"type": "web_search"}], None, None) is None  # hosted: left out (a header says so)
+    space = {"type": "namespace", "name": "agents", "tools": [{**flat, "name": "spawn"}, {"type": "web_search"}]}
+    assert _param(lambda: responses_tools([space], None, None)) == "tools.0.tools.1.type"
     assert responses_format({"type": "json_schema", "name": "f", "schema": {"type": "object"}}) == {"type": "object"}
     assert responses_format({"type": "text"}) is None

@@ -748,3 +748,18 @@ def test_responses_fields_it_cannot_honour_are_refused_and_unknown_ones_named():
     ok = client().post(RESP, json={"input": "x", "store": False, "metadata": {"a": "b"}, "truncation": "disabled",
                                    "reasoning": {"effort": "low"}, "include": ["reasoning.encrypted_content"]})
     assert ok.status_code == 200 and "x-max-tokens-clamped" not in ok.headers
+
+
+def test_codexs_real_first_request_is_accepted_its_namespaced_tools_offered_and_its_hosted_one_named():
+    from pathlib import Path
+
+    body = json.loads((Path(__file__).parents[1] / "data" / "codex-0.169.0-first-request.json").read_text())
+    body["model"] = "stub-model"
+    backend = StubBackend(context_length=32768)
+    r = client(backend).post(RESP, json=body)
+    assert r.status_code == 200, r.text[:500]
+    assert r.headers["x-tools-not-offered"] == "web_search"
+    sent = backend.prepared[-1].request
+    assert {"exec_command", "close_agent"} <= set(sent.tools.names)  # close_agent came from the namespace
+    assert sent.agent == body["prompt_cache_key"] and [m["role"] for m in sent.messages] == [
+        "system", "system", "user", "user"]
