@@ -21,8 +21,6 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 
-import httpx
-
 from harness.serving.cache_hits import sum_key
 
 HOP = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "accept-encoding"}
@@ -153,7 +151,9 @@ class LoggingProxy:
         if self._thread is not None:
             self._thread.join(timeout=30)
 
-    async def _stat(self, client: httpx.AsyncClient) -> float | None:
+    async def _stat(self, client) -> float | None:
+        import httpx
+
         if not self.stats_url:
             return None
         try:
@@ -162,6 +162,7 @@ class LoggingProxy:
             return None
 
     async def _handle(self, request):
+        import httpx
         from starlette.responses import Response, StreamingResponse
 
         t0 = time.perf_counter()
