@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 # extra requirements for .venv, e.g. PINS="mlx==0.30.3 mlx-lm==0.30.4" (the macOS workflow's matrix)
 PINS ?=
 
-.PHONY: help system-blas system-browser venv models serve serve-ttft dashboard-screenshot test test-compat exp-003 exp-004 exp-005 exp-006 exp-006-full exp-007 exp-007-full exp-008 exp-008-full exp-009 exp-009-full exp-010 exp-010-full exp-011 exp-011-full exp-012 chunk-cost exp-throughput exp-throughput-full bench compare-versions test-install clean
+.PHONY: help system-blas system-browser venv models serve serve-ttft dashboard-screenshot test test-compat exp-003 exp-004 exp-005 exp-006 exp-006-full exp-007 exp-007-full exp-008 exp-008-full exp-009 exp-009-full exp-010 exp-010-full exp-011 exp-011-full exp-012 exp-013 chunk-cost exp-throughput exp-throughput-full bench compare-versions test-install clean
 
 help:
 	@echo "make test         run the test suite (creates .venv, prepares models)"
@@ -24,6 +24,7 @@ help:
 	@echo "make exp-010      step loop: decoders beside an 8K prefill, 8-bit KV batched vs solo"
 	@echo "make exp-011      agents that act: a tool loop's cache reuse over HTTP, JSON-grammar decode speed"
 	@echo "make exp-012      Claude Code end to end against ours and vllm-mlx, a SIGKILL and restart between steps"
+	@echo "make exp-013      Responses API chains vs the chat path, after a restart vs cold; a thinking model's history"
 	@echo "make chunk-cost   what a decode step and a prefill chunk cost at 0/4K/8K context"
 	@echo "make exp-009      our server vs mlx_lm.server, mlx-vlm and vllm-mlx over one HTTP workload"
 	@echo "make exp-throughput  prefill/decode tokens/s: quantized + bundled BLAS vs f32 + OpenBLAS"
@@ -172,6 +173,12 @@ exp-011-full: models
 # last step. Needs node and npm; skipped with the reason without them.
 exp-012: models
 	$(PY) -m harness run experiments/exp_012_claude_code.toml
+
+# The Responses API: a previous_response_id chain against the same turns as full chat histories on
+# SmolLM2 (5 conversations of 6 turns, each side its own tenant), after a SIGTERM restart against a cold
+# prefill; a thinking model's re-sent history with echo-stable history on and off (about 4 min).
+exp-013: models
+	$(PY) -m harness run experiments/exp_013_responses.toml
 
 # What a decode step and a prefill chunk cost at 0, 4K and 8K tokens of context: why the
 # decoders' latency and the prefill's time trade against each other (about 6 min).

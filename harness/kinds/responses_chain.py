@@ -9,7 +9,10 @@ sent two ways, turn by turn in alternation (the first side swaps each turn):
 - ``chat``: ``POST /v1/chat/completions`` with the whole history under a
   ``prompt_cache_key``, so its agent's cache is warm too.
 
-Both stream; TTFT is the client's, to the first output text. Then the server
+Both stream; TTFT is the client's, to the first output text. Each side has
+its own API key, so its own tenant: the two never share a cached block, and
+each turn finds only what its own side left (without this, whichever side
+went second would find the other's identical blocks). Then the server
 is stopped (SIGTERM) and started again on the same caches, and one more turn
 goes down the chain, against the same tokens prefilled cold (the chat path,
 anonymous, under a ``cache_salt`` used once).
@@ -34,6 +37,7 @@ from harness.kinds.base import Kind, Param, register
 from harness.serving import processes
 from harness.serving.targets import OURS, TARGETS
 
+KEYS = {"chain": "sk-chain", "chat": "sk-chat"}  # a tenant per side: no block is shared between them
 QUESTIONS = ["Which module holds the block pool?", "What does the saver do on a full disk?",
              "Name the test that covers eviction.", "How is a tenant's cache kept apart?",
              "Why are blocks 256 tokens long?", "What survives a SIGKILL?", "Summarize what we said."]
@@ -105,7 +109,7 @@ def _chains(ctx, model_dir: Path, tokenizer, work: Path) -> list[dict]:
 
     p, rows = ctx.params, []
     ctx.progress.total = p["conversations"]
-    server = _start(model_dir, ctx.model_name, work / "server")
+    server = _start(model_dir, ctx.model_name, work / "server", api_keys=tuple(KEYS.values()))
     try:
         for c in range(p["conversations"]):
             head = f"Repository guide {c + 1}. You are a careful coding agent. Reference material:"
@@ -114,9 +118,9 @@ def _chains(ctx, model_dir: Path, tokenizer, work: Path) -> list[dict]:
 
             async def turn(t: int, question: str) -> None:
                 nonlocal previous
-                async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0,
-                                              timeout=900) as client:
-                    for side in (("chain", "chat") if t % 2 else ("chat", "chain")):
+                for side in (("chain", "chat") if t % 2 else ("chat", "chain")):
+                    async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=KEYS[side], max_retries=0,
+                                                  timeout=900) as client:
                         if side == "chain":
                             ttft, text, usage, previous = await _ttft_chain(
                                 client, server.model, instructions, question, previous, p["max_tokens"])
@@ -133,7 +137,7 @@ def _chains(ctx, model_dir: Path, tokenizer, work: Path) -> list[dict]:
                 asyncio.run(turn(t, question))
             ctx.progress.update(1)
         server.stop()  # SIGTERM: saves land; then the same caches come back
-        server = _start(model_dir, ctx.model_name, work / "server")
+        server = _start(model_dir, ctx.model_name, work / "server", api_keys=tuple(KEYS.values()))
         rows += asyncio.run(_after_restart(server, p, instructions, history, previous))
     finally:
         server.stop()
@@ -149,9 +153,12 @@ async def _after_restart(server: processes.Running, p: dict, instructions: str, 
     import openai
 
     question, t = QUESTIONS[p["turns"]], p["turns"] + 1
-    async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=900) as client:
+    async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=KEYS["chain"], max_retries=0,
+                                  timeout=900) as client:
         ttft, text, usage, _ = await _ttft_chain(client, server.model, instructions, question, previous,
                                                  p["max_tokens"])
+    async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=KEYS["chat"], max_retries=0,
+                                  timeout=900) as client:
         cold_ttft, cold_text, cold = await _ttft_chat(client, server.model,
                                                       history + [{"role": "user", "content": question}],
                                                       p["max_tokens"], extra_body={"cache_salt": uuid.uuid4().hex})
@@ -204,8 +211,8 @@ def _thinking(ctx, model_dir: Path, tokenizer, work: Path) -> list[dict]:
             history = [{"role": "system", "content": system}]
             for t, question in enumerate(QUESTIONS[: p["turns"]], start=1):
                 history.append({"role": "user", "content": question})
-                r = client.chat.completions.create(model=server.model, messages=history, max_tokens=p["max_tokens"],
-                                                   user="thinker")
+                r = client.chat.completions.create(model=server.model, messages=history,
+                                                   max_tokens=p["think_max_tokens"], user="thinker")
                 message = r.choices[0].message
                 history.append({"role": "assistant", "content": message.content or ""})
                 rows.append({"side": side, "turn": t, "prompt_tokens": r.usage.prompt_tokens,
@@ -239,6 +246,7 @@ KIND = register(Kind(
         "instruction_tokens": Param(int, 1500, "tokens of the instructions (the system prompt)"),
         "max_tokens": Param(int, 16, "tokens each reply may take"),
         "think_model": Param(str, "tiny-think", "the model run as the thinking model (written for the run)"),
+        "think_max_tokens": Param(int, 128, "tokens each of the thinking model's replies takes (its reasoning)"),
     },
     needs_model=False,
     validate=_validate,
