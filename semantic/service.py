@@ -68,9 +68,10 @@ def model_fingerprint(path: Path) -> str:
 
 
 def output_budget(prompt_tokens: int, requested: int | None, *, context_length: int, pool_tokens: int | None = None,
-                  strict: bool = False) -> int:
+                  strict: bool = False, default: int | None = defaults.MAX_TOKENS) -> int:
     """A turn's ``max_tokens``: what was ``requested``, cut to what the context (and the pool) leave after
-    the prompt; none requested: the default, cut the same way.
+    the prompt; none requested: ``default``, cut the same way (None: all the context leaves, as an API
+    whose budget is open-ended by definition wants).
 
     A prompt that leaves no room for one token is a ContextLengthError; so is
     a ``requested`` budget that does not fit when ``strict`` (the hosted APIs'
@@ -82,7 +83,9 @@ def output_budget(prompt_tokens: int, requested: int | None, *, context_length: 
     for limit, message in limits:
         if prompt_tokens + need > limit:
             raise ContextLengthError(message(limit, prompt_tokens, need))
-    return min(defaults.MAX_TOKENS if requested is None else requested, *(limit - prompt_tokens for limit, _ in limits))
+    left = min(limit - prompt_tokens for limit, _ in limits)
+    asked = requested if requested is not None else default
+    return left if asked is None else min(asked, left)
 
 
 def _context_message(limit: int, prompt: int, completion: int) -> str:
@@ -208,11 +211,13 @@ class Service:
                 max_tokens: int | None = None, sampling: SamplingParams = GREEDY, tenant: str = "",
                 agent: str | None = None, cache_salt: str | None = None, tools: Tools | None = None,
                 response_schema: dict | None = None, on_token: OnToken | None = None,
-                on_admit=None) -> TurnPlan:
+                on_admit=None, until_context: bool = False) -> TurnPlan:
         """The turn's :class:`Request`: tokenized once (``messages`` through the chat template, or
         ``prompt`` text or ids), its output budget fitted (:func:`output_budget`), its cache placed;
         and how its reply is read when ``tools`` are offered (``semantic.toolformat``).
 
+        ``until_context``: with no ``max_tokens``, the reply may take all the
+        context leaves (the Responses API's meaning), not the server's default.
         ``response_schema`` holds the reply to one JSON value matching it (a
         grammar, as ``tools`` may). A named agent whose messages echo the
         reply this server generated for it gets that reply's own token ids
@@ -243,7 +248,8 @@ class Service:
         else:
             ids = encode(self.tokenizer, prompt)
         max_tokens = output_budget(len(ids), max_tokens, context_length=self.context_length,
-                                   pool_tokens=self.pool_tokens, strict=self.strict_max_tokens)
+                                   pool_tokens=self.pool_tokens, strict=self.strict_max_tokens,
+                                   default=None if until_context else defaults.MAX_TOKENS)
         salt = f"{tenant}\0{cache_salt}" if tenant or cache_salt else None
         request = Request(agent_id, ids, max_tokens, sampling=sampling, persist=persist, salt_root=salt_root_of(salt),
                           grammar=grammar, on_token=on_token, on_admit=on_admit)

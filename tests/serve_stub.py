@@ -45,7 +45,7 @@ class StubBackend:
         ids = tuple(req.prompt) if isinstance(req.prompt, list) else tuple(range(len(text.split()) + 2))
         # the service's own fitting: a budget cut to the context (refused past it when strict)
         max_tokens = output_budget(len(ids), req.max_tokens, context_length=self.context_length,
-                                   strict=self.strict_max_tokens)
+                                   strict=self.strict_max_tokens, default=None if req.until_context else 256)
         turn = Request(f"{req.tenant or 'public'}/{req.agent or 'anon'}", ids, max_tokens, sampling=req.sampling,
                        persist=req.agent is not None)
         p = Prepared(request=req, turn=turn)

@@ -92,6 +92,7 @@ class Backend:
             self.service.prepare, messages=req.messages, prompt=req.prompt, max_tokens=req.max_tokens,
             sampling=req.sampling, tenant=req.tenant, agent=req.agent, cache_salt=req.cache_salt, tools=req.tools,
             response_schema=req.response_schema, on_token=relay.on_token, on_admit=relay.on_admit,
+            until_context=req.until_context,
         )
         plan = prepared.tools
         splitter = CallSplitter(plan, "toolu_" if req.api.startswith("anthropic") else "call_") \

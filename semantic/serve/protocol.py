@@ -40,6 +40,7 @@ class GenerateRequest:
     api: str = ""                 # which endpoint asked (shown on the dashboard)
     tools: Tools | None = None    # the tools the model may call, and how (``conversation``)
     response_schema: dict | None = None  # the reply must be one JSON value matching it
+    until_context: bool = False   # no max_tokens means all the context leaves (Responses), not the server's default
 
     def __post_init__(self):
         if (self.messages is None) == (self.prompt is None):

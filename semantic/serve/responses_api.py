@@ -91,7 +91,8 @@ async def create(body: rs.ResponsesRequest, request: Request, state: ServeState 
         max_tokens=body.max_output_tokens, messages=system + before + new, tenant=tenant, agent=agent,
         sampling=SamplingParams(**{k: v for k, v in given.items() if v is not None}), api="openai.responses",
         tools=responses_tools(body.tools, body.tool_choice, body.parallel_tool_calls),
-        response_schema=responses_format(body.text.format if body.text else None))
+        response_schema=responses_format(body.text.format if body.text else None),
+        until_context=True)  # OpenAI's meaning of no max_output_tokens: Codex never sends one
     turn = Turn(state, await state.backend.prepare(req), "responses")
     shell = _shell(body, rid, state.backend.model_id)
     ns = namespace_of(body.tools)

@@ -713,6 +713,14 @@ def test_a_response_has_openais_shape_and_is_stored_for_its_follow_up():
     assert sent.agent == backend.prepared[0].request.agent and sent.agent.startswith("responses-resp_")
 
 
+def test_a_response_without_max_output_tokens_may_take_all_the_context_leaves():
+    backend = StubBackend(context_length=64)
+    assert client(backend).post(RESP, json={"input": "hi there"}).status_code == 200
+    assert backend.prepared[-1].turn.max_tokens == 64 - 4  # not the chat routes' default
+    assert client(backend).post(RESP, json={"input": "hi there", "max_output_tokens": 8}).status_code == 200
+    assert backend.prepared[-1].turn.max_tokens == 8
+
+
 def test_a_streamed_response_sends_the_event_sequence_in_order():
     text = client().post(RESP, json={"model": "stub-model", "input": "hi", "stream": True}).text
     events = sse_events(text)

@@ -40,6 +40,7 @@ def test_a_budget_is_cut_to_what_the_context_leaves_and_a_prompt_with_no_room_is
         output_budget(512, None, context_length=512)
     assert output_budget(100, None, context_length=512, pool_tokens=150) == 50
     assert output_budget(100, 400, context_length=512, pool_tokens=150) == 50
+    assert output_budget(100, None, context_length=4096, default=None) == 3996  # open-ended: all that is left
 
 
 def test_a_strict_budget_past_the_context_or_the_pool_is_refused_as_the_hosted_apis_do():
