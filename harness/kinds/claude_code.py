@@ -35,7 +35,6 @@ from harness import plots
 from harness.kinds.base import Kind, Param, register
 from harness.serving import claude_code as cc
 from harness.serving import processes, venvs
-from harness.serving.cache_hits import vllm_mlx_log_usage
 from harness.serving.proxy import LoggingProxy
 from harness.serving.targets import OURS, TARGETS
 
@@ -56,12 +55,13 @@ def run(ctx) -> None:
     model_dir = Path(p["model_dir"] or models.prepare(ctx.model_name, variant=models.default_variant(
         ctx.config.model_variant)))
     work = Path(tempfile.mkdtemp(prefix="exp012-"))
-    names = [n for n in p["servers"]]
-    pythons = {n: venvs.ensure_venv(TARGETS[n]).python for n in names}
+    names = list(p["servers"])
+    installed = {n: venvs.ensure_venv(TARGETS[n]) for n in names}
+    pythons = {n: v.python for n, v in installed.items()}
     res.output("setup", {"claude_code": install.version, "model_dir": str(model_dir), "servers": names,
                          "max_output_tokens": p["max_output_tokens"], "steps": p["steps"],
                          "restart_before": p["restart_before"], "max_turns": p["max_turns"],
-                         "versions": {n: venvs.ensure_venv(TARGETS[n]).pick(TARGETS[n].packages) for n in names}})
+                         "versions": {n: v.pick(TARGETS[n].packages) for n, v in installed.items()}})
     ctx.progress.total = len(names) * (1 + len(p["steps"]))
     rows, transcripts, events = [], {n: [] for n in names}, []
     for name in names:
@@ -97,7 +97,7 @@ class _Side:
         self.repo, self.home = scratch_repo(work / "repo"), work / "home"
         self.restarted = False
         self.server = self._start()
-        self.proxy = LoggingProxy(self.server.url, port=processes.free_port(), **_stats(name, self.server.url))
+        self.proxy = LoggingProxy(self.server.url, port=processes.free_port())
         self.proxy.__enter__()
 
     def _start(self) -> processes.Running:
@@ -122,23 +122,17 @@ class _Side:
 
     def kill_and_restart(self, grace_s: float) -> None:
         time.sleep(grace_s)  # the client has exited: a crash this long after its last reply
-        stats = self.server.stats() if TARGETS[self.name].name == OURS else None
+        stats = self.server.stats() if self.name == OURS else None
         pending = (stats or {}).get("saves", {}).get("pending")
         self.server.stop(signal.SIGKILL)
         self.events.append({"event": "sigkill", "server": self.name, "grace_s": grace_s, "pending_saves": pending})
         self.restarted = True
         self.server = self._start()
-        self.proxy.retarget(self.server.url, _stats(self.name, self.server.url).get("stats_url"))
+        self.proxy.retarget(self.server.url)
 
     def close(self) -> None:
         self.proxy.__exit__(None, None, None)
         self.server.stop()
-
-
-def _stats(name: str, url: str) -> dict:
-    """The proxy's stats endpoint for a server whose usage has no cached-token figure."""
-    t = TARGETS[name]
-    return {"stats_url": url + t.stats_path, "stats_key": t.stats_key} if t.cached_from == "stats_endpoint" else {}
 
 
 def _probe(ctx, install: cc.Install, name: str, model_dir: Path, python: Path, work: Path, events: list) -> list[dict]:
@@ -148,7 +142,7 @@ def _probe(ctx, install: cc.Install, name: str, model_dir: Path, python: Path, w
     server = processes.start(TARGETS[name], model_dir, processes.free_port(), work / "server",
                              model_id=ctx.model_name, python=python, **p["server_settings"].get(name, {}))
     try:
-        with LoggingProxy(server.url, port=processes.free_port(), **_stats(name, server.url)) as proxy:
+        with LoggingProxy(server.url, port=processes.free_port()) as proxy:
             proc = cc.start(install, base_url=proxy.url, model=server.model, repo=scratch_repo(work / "repo"),
                             home=work / "home", prompt=p["steps"][0], max_turns=p["max_turns"])
             deadline = time.monotonic() + p["probe_timeout_s"]
@@ -168,11 +162,12 @@ def _probe(ctx, install: cc.Install, name: str, model_dir: Path, python: Path, w
 
 
 def with_logged_usage(rows: list[dict], name: str, log_path: Path) -> list[dict]:
-    """A server whose usage gives no prompt or cached tokens (vllm-mlx): its own log's figures, request by
-    request, where the log holds one line per accepted request (else the rows as they were)."""
-    if name != "vllm-mlx":
+    """A server whose usage gives no prompt or cached tokens (``ServerTarget.log_usage``: vllm-mlx): its own
+    log's figures, request by request, where the log holds one line per accepted request (else as they were)."""
+    parse = TARGETS[name].log_usage
+    if parse is None:
         return rows
-    logged = vllm_mlx_log_usage(log_path.read_text(errors="replace")) if log_path.exists() else []
+    logged = parse(log_path.read_text(errors="replace")) if log_path.exists() else []
     accepted = [r for r in rows if r["status"] == 200]
     if len(logged) != len(accepted):
         return rows

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,13 +20,13 @@ def usage_cached_tokens(usage: Any) -> int | None:
     return None if value is None else int(value)
 
 
-def sum_key(tree: Any, key: str) -> int:
+def _sum_key(tree: Any, key: str) -> int:
     """The sum of every numeric ``key`` anywhere in a JSON tree."""
     if isinstance(tree, Mapping):
-        return sum((int(v) if k == key and isinstance(v, (int, float)) else sum_key(v, key))
+        return sum((int(v) if k == key and isinstance(v, (int, float)) else _sum_key(v, key))
                    for k, v in tree.items())
     if isinstance(tree, list):
-        return sum(sum_key(v, key) for v in tree)
+        return sum(_sum_key(v, key) for v in tree)
     return 0
 
 
@@ -50,14 +49,5 @@ def cached_tokens(running: Running | ServerTarget, response_usage: Any = None,
     if target.cached_from == "stats_endpoint":
         if before_stats is None or after_stats is None:
             return None
-        return sum_key(after_stats, target.stats_key) - sum_key(before_stats, target.stats_key)
+        return _sum_key(after_stats, target.stats_key) - _sum_key(before_stats, target.stats_key)
     return None
-
-
-_VLLM_FETCH = re.compile(r"\[cache_fetch\] request=\S+ (HIT|MISS) prompt_tokens=(\d+)(?: cached=(\d+))?")
-
-
-def vllm_mlx_log_usage(log_text: str) -> list[tuple[int, int]]:
-    """Per request, in order, the prompt and cached tokens vllm-mlx's scheduler logged (``[cache_fetch]``):
-    its Anthropic usage reports ``input_tokens: 0`` and no cache field."""
-    return [(int(m[2]), int(m[3] or 0)) for m in _VLLM_FETCH.finditer(log_text)]

@@ -9,19 +9,19 @@ proxy to its first content delta (TTFT) and to its last byte::
     claude ──► proxy (this) ──► server
              ◄── relayed as it comes, parsed on the side: one Exchange per request
 
-A server whose usage says nothing of its cache (vllm-mlx) is asked for its
-cache counter before and after each request (``stats_url``, ``stats_key``):
-the growth is that request's cached tokens, exact while requests are serial.
+A server whose usage says nothing of its cache (vllm-mlx) gets its figures
+from its own log after the run (``ServerTarget.log_usage``), so the proxy
+adds nothing to the path it times but the relay itself.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
 from dataclasses import asdict, dataclass, field
 
-from harness.serving.cache_hits import sum_key
 
 HOP = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "accept-encoding"}
 
@@ -46,7 +46,6 @@ class Exchange:
     output_tokens: int | None = None
     stop_reason: str | None = None
     clamped_max_tokens: int | None = None
-    stats_cached_tokens: int | None = None  # from the server's stats endpoint, when its usage has no cache field
     error: str | None = None
     tool_uses: list[str] = field(default_factory=list)
 
@@ -58,8 +57,7 @@ class Exchange:
 
     @property
     def cached_tokens(self) -> int | None:
-        """The stats endpoint's figure where one was asked for (usage lacks it), else usage's."""
-        return self.stats_cached_tokens if self.stats_cached_tokens is not None else self.cache_read_input_tokens
+        return self.cache_read_input_tokens
 
     def row(self) -> dict:
         out = asdict(self)
@@ -113,27 +111,27 @@ class _Reader:
 class LoggingProxy:
     """``with LoggingProxy(upstream) as proxy:`` point the client at ``proxy.url``; ``proxy.exchanges`` fills up."""
 
-    def __init__(self, upstream: str, *, port: int, stats_url: str | None = None, stats_key: str | None = None,
-                 bodies_dir=None):
+    def __init__(self, upstream: str, *, port: int, bodies_dir=None):
         self.upstream, self.port = upstream.rstrip("/"), port
         self.bodies_dir = bodies_dir  # a folder to keep each request body in (request-<index>.json), or None
-        self.stats_url, self.stats_key = stats_url, stats_key
         self.exchanges: list[Exchange] = []
         self.url = f"http://127.0.0.1:{port}"
         self._t0 = time.perf_counter()
         self._server = None
         self._thread: threading.Thread | None = None
+        self._client = None  # httpx.AsyncClient, opened and closed by the proxy's own event loop
 
-    def retarget(self, upstream: str, stats_url: str | None = None) -> None:
+    def retarget(self, upstream: str) -> None:
         """Send what comes next to another server (a restarted one on a new port)."""
-        self.upstream, self.stats_url = upstream.rstrip("/"), stats_url if stats_url else self.stats_url
+        self.upstream = upstream.rstrip("/")
 
     def __enter__(self) -> "LoggingProxy":
         import uvicorn
         from starlette.applications import Starlette
         from starlette.routing import Route
 
-        app = Starlette(routes=[Route("/{path:path}", self._handle, methods=["GET", "POST", "DELETE", "HEAD"])])
+        app = Starlette(routes=[Route("/{path:path}", self._handle, methods=["GET", "POST", "DELETE", "HEAD"])],
+                        lifespan=self._lifespan)
         self._server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
                                                      timeout_keep_alive=600))
         self._thread = threading.Thread(target=self._server.run, name="logging-proxy", daemon=True)
@@ -151,15 +149,12 @@ class LoggingProxy:
         if self._thread is not None:
             self._thread.join(timeout=30)
 
-    async def _stat(self, client) -> float | None:
+    @contextlib.asynccontextmanager
+    async def _lifespan(self, app):
         import httpx
 
-        if not self.stats_url:
-            return None
-        try:
-            return float(sum_key((await client.get(self.stats_url, timeout=10)).json(), self.stats_key))
-        except (httpx.HTTPError, ValueError):  # no stats answer: no figure, not a failed request
-            return None
+        async with httpx.AsyncClient(timeout=httpx.Timeout(1800.0, connect=30.0)) as self._client:
+            yield
 
     async def _handle(self, request):
         import httpx
@@ -181,13 +176,11 @@ class LoggingProxy:
             rec.model, rec.stream, rec.max_tokens = sent.get("model"), bool(sent.get("stream")), sent.get("max_tokens")
             rec.messages, rec.tools = len(sent.get("messages") or []), len(sent.get("tools") or [])
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP}
-        client = httpx.AsyncClient(timeout=httpx.Timeout(1800.0, connect=30.0))
-        before = await self._stat(client)
+        client = self._client  # one for the proxy's life: no connection set up inside a timed request
         upstream = client.build_request(request.method, self.upstream + path, content=body, headers=headers)
         try:
             answer = await client.send(upstream, stream=True)
         except httpx.HTTPError as exc:
-            await client.aclose()
             rec.status, rec.error, rec.wall_s = 502, f"upstream: {exc!r}"[:500], time.perf_counter() - t0
             return Response(json.dumps({"type": "error", "error": {"type": "api_error", "message": rec.error}}),
                             status_code=502, media_type="application/json")
@@ -211,10 +204,6 @@ class LoggingProxy:
                 rec.wall_s = time.perf_counter() - t0
                 if not rec.stream:
                     self._whole(rec, kept)
-                after = await self._stat(client)
-                if before is not None and after is not None:
-                    rec.stats_cached_tokens = int(after - before)
-                await client.aclose()
 
         return StreamingResponse(relay(), status_code=answer.status_code, headers=out_headers)
 

@@ -13,6 +13,7 @@ and ``reason`` says why. A macOS run adds their command and platform.
 from __future__ import annotations
 
 import platform
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -81,6 +82,9 @@ class ServerTarget:
     platforms: frozenset[str] = LINUX_AND_MAC
     loads_blas_itself: bool = False                   # ours (semantic.blas); peers get LD_PRELOAD
     cache_key_field: str | None = None                # the request field naming a conversation's own cache
+    # per accepted request, in order, (prompt, cached) tokens from the server's own log, for a server whose
+    # usage reports neither (EXP-012 reads it after the run); None: usage and the stats endpoint say it
+    log_usage: Callable[[str], list[tuple[int, int]]] | None = None
     reason: str = ""                                  # why it is not run where it is not
     notes: str = ""
 
@@ -166,6 +170,14 @@ def _vllm_mlx_env(l: Launch) -> dict[str, str]:
     return {"HOME": str(l.workdir / "home")}
 
 
+_VLLM_FETCH = re.compile(r"\[cache_fetch\] request=\S+ (HIT|MISS) prompt_tokens=(\d+)(?: cached=(\d+))?")
+
+
+def _vllm_mlx_log_usage(log_text: str) -> list[tuple[int, int]]:
+    # its scheduler logs each admitted request's prompt and cached tokens; its Anthropic usage says input_tokens 0
+    return [(int(m[2]), int(m[3] or 0)) for m in _VLLM_FETCH.finditer(log_text)]
+
+
 def _no_env(l: Launch) -> dict[str, str]:
     return {}
 
@@ -212,6 +224,7 @@ _VLLM_MLX = ServerTarget(
               "uvicorn", "prometheus-client", "mcp", "jsonschema", "lm-format-enforcer", "llguidance", "psutil",
               "pyyaml", "tabulate", "requests", "pillow", "tqdm", "pytz")),
     command=_vllm_mlx_command, env=_vllm_mlx_env,
+    log_usage=_vllm_mlx_log_usage,
     health_path="/health", model_name="{model_dir}", cached_from="stats_endpoint",
     stats_path="/v1/cache/stats", stats_key="tokens_saved",
     # cache_memory_mb unset: --cache-memory-percent 0.20 of available RAM.

@@ -67,8 +67,11 @@ def _conversation(body: an.CountTokensRequest, keep_billing_header: bool):
     _refuse_unsupported(body)
     if not body.messages:
         raise invalid("messages must hold at least one message", "messages")
-    tools = anthropic_tools(body.tools, body.tool_choice, tool_references(body.messages))
-    messages = anthropic_messages(body.system, body.messages, keep_billing_header, tool_definitions(body.tools))
+    loaded = tool_references(body.messages)
+    tools = anthropic_tools(body.tools, body.tool_choice, loaded)
+    # the tools' definitions only where a tool_reference renders one
+    messages = anthropic_messages(body.system, body.messages, keep_billing_header,
+                                  tool_definitions(body.tools) if loaded else None)
     fmt = body.output_config.format if body.output_config is not None else None
     schema = anthropic_format(fmt, "output_config.format") if fmt is not None else \
         anthropic_format(body.output_format, "output_format")

@@ -146,7 +146,8 @@ class Backend:
                 self.service.cancel(future)
 
     def _final(self, prepared: Prepared, result, text: TextStream) -> Final:
-        final = Final(result, text.content, text.stop_sequence, tuple(text.calls), text.reasoning)
+        final = Final(result, text.content, text.stop_sequence, tuple(text.calls), text.reasoning,
+                      text.reasoning_tokens)
         self.service.remember(prepared.plan, result, final.text, final.tool_calls, final.stop_sequence)
         with self._lock:
             self._generated += final.completion_tokens

@@ -93,6 +93,7 @@ class Final:
     stop_sequence: str | None     # the stop string that ended it, if one did
     tool_calls: tuple[ToolCall, ...] = ()
     reasoning: str = ""           # a thinking model's whole reasoning, apart from ``text``
+    reasoning_tokens: int = 0     # of the generated tokens, those inside its think block
 
     @property
     def finish_reason(self) -> str:

@@ -70,11 +70,11 @@ async def create(body: rs.ResponsesRequest, request: Request, state: ServeState 
     tenant = tenant_of(request)
     before, agent = [], body.prompt_cache_key or body.user
     if body.previous_response_id is not None:
-        stored = state.responses.get(tenant, body.previous_response_id)
+        stored = await asyncio.to_thread(state.responses.get, tenant, body.previous_response_id)
         if stored is None:
             raise _missing(body.previous_response_id)
         if not await asyncio.to_thread(state.backend.knows_agent, tenant, stored["agent"]):
-            state.responses.delete(tenant, body.previous_response_id)
+            await asyncio.to_thread(state.responses.delete, tenant, body.previous_response_id)
             raise ApiError(NOT_FOUND, f"response {body.previous_response_id!r} was evicted: its cache left this "
                                       "server's disk budget; send the whole conversation as input instead",
                            param="previous_response_id", code="response_evicted")
@@ -96,18 +96,21 @@ async def create(body: rs.ResponsesRequest, request: Request, state: ServeState 
     turn = Turn(state, await state.backend.prepare(req), "responses")
     shell = _shell(body, rid, state.backend.model_id)
     ns = namespace_of(body.tools)
-    headers = {**turn.headers, **({HOSTED_HEADER: ",".join(hosted_tools(body.tools))} if hosted_tools(body.tools) else {})}
+    hosted = hosted_tools(body.tools)
+    headers = {**turn.headers, **({HOSTED_HEADER: ",".join(hosted)} if hosted else {})}
     keep = _keeper(state, tenant, rid, agent, before + new) if body.store else None
     if not body.stream:
         final, _ = await turn.run(request)
-        return JSONResponse(_finished(shell, final, keep, _items(final, ns)), headers=headers)
+        out = _finished(shell, final, _items(final, ns))
+        await _store(keep, final, out)
+        return JSONResponse(out, headers=headers)
     await turn.open(request)
     return EventStream(_events(turn, request.url.path, shell, keep, ns), headers)
 
 
 @router.get("/v1/responses/{response_id}")
 async def retrieve(response_id: str, request: Request, state: ServeState = Depends(serve_state)) -> Response:
-    stored = state.responses.get(tenant_of(request), response_id)
+    stored = await asyncio.to_thread(state.responses.get, tenant_of(request), response_id)
     if stored is None:
         raise _missing(response_id)
     return JSONResponse(stored["response"])
@@ -115,7 +118,7 @@ async def retrieve(response_id: str, request: Request, state: ServeState = Depen
 
 @router.delete("/v1/responses/{response_id}")
 async def delete(response_id: str, request: Request, state: ServeState = Depends(serve_state)) -> Response:
-    if not state.responses.delete(tenant_of(request), response_id):
+    if not await asyncio.to_thread(state.responses.delete, tenant_of(request), response_id):
         raise _missing(response_id)
     return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
 
@@ -159,19 +162,22 @@ def _call(item_id: str, call, status: str, arguments: str | None = None, namespa
 
 def _usage(final: Final) -> dict:
     return {"input_tokens": final.prompt_tokens, "input_tokens_details": {"cached_tokens": final.cached_tokens},
-            "output_tokens": final.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": final.completion_tokens,
+            "output_tokens_details": {"reasoning_tokens": final.reasoning_tokens},
             "total_tokens": final.prompt_tokens + final.completion_tokens}
 
 
-def _finished(shell: dict, final: Final, keep, items: list[dict]) -> dict:
-    """The whole response: its output items, status and usage; stored when the request asked."""
+def _finished(shell: dict, final: Final, items: list[dict]) -> dict:
+    """The whole response: its output items, status and usage."""
     cut = final.finish_reason == "length"
-    out = {**shell, "output": items,
-           "status": "incomplete" if cut else "completed",
-           "incomplete_details": {"reason": "max_output_tokens"} if cut else None, "usage": _usage(final)}
+    return {**shell, "output": items, "status": "incomplete" if cut else "completed",
+            "incomplete_details": {"reason": "max_output_tokens"} if cut else None, "usage": _usage(final)}
+
+
+async def _store(keep, final: Final, response: dict) -> None:
+    """Store a finished response when the request asked (file I/O: off the event loop)."""
     if keep is not None and final.finish_reason != "cancelled":
-        keep(final, out)
-    return out
+        await asyncio.to_thread(keep, final, response)
 
 
 def _keeper(state: ServeState, tenant: str, rid: str, agent: str, messages: list[dict]):
@@ -276,7 +282,8 @@ async def _events(turn: Turn, path: str, shell: dict, keep, ns: dict[str, str]) 
                     yield out
             for out in s.close():
                 yield out
-            done = _finished(shell, item, keep, s.items)
+            done = _finished(shell, item, s.items)
+            await _store(keep, item, done)
             yield s.emit("response.incomplete" if done["status"] == "incomplete" else "response.completed",
                          {"response": done})
             break

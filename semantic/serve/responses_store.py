@@ -9,7 +9,7 @@ Records are small JSON files, one per response, under the cache directory,
 namespaced by tenant (another tenant's id is not found), written atomically,
 so they survive SIGTERM and SIGKILL as the caches do. At most ``limit``
 are kept; the least recently written go first, and an evicted id is a 404
-that says so.
+that says so. Blocking file I/O: the routes call it off the event loop.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ class ResponseStore:
     def __init__(self, root: Path, limit: int = 10_000):
         self.root, self.limit = Path(root), limit
         self._lock = threading.Lock()
+        self._count: int | None = None  # records on disk, counted once, then kept up to date
 
     def _path(self, tenant: str, response_id: str) -> Path | None:
         if not ID.match(response_id or ""):
@@ -51,19 +52,28 @@ class ResponseStore:
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
         with os.fdopen(fd, "w") as f:
             json.dump(record, f)
-        os.replace(tmp, path)
-        self._evict()
+        with self._lock:
+            if self._count is None:
+                self._count = len(self._files())
+            elif not path.exists():
+                self._count += 1
+            os.replace(tmp, path)
+            if self._count > self.limit:  # only then list them all: not on every put
+                files = sorted(self._files(), key=lambda p: p.stat().st_mtime)
+                for old in files[: len(files) - self.limit]:
+                    old.unlink(missing_ok=True)
+                self._count = min(len(files), self.limit)
 
     def delete(self, tenant: str, response_id: str) -> bool:
         path = self._path(tenant, response_id)
         try:
             path.unlink()
-            return True
         except (OSError, AttributeError):
             return False
-
-    def _evict(self) -> None:
         with self._lock:
-            files = sorted(self.root.glob("*/resp_*.json"), key=lambda p: p.stat().st_mtime)
-            for path in files[: max(0, len(files) - self.limit)]:
-                path.unlink(missing_ok=True)
+            if self._count is not None:
+                self._count -= 1
+        return True
+
+    def _files(self) -> list[Path]:
+        return list(self.root.glob("*/resp_*.json"))

@@ -49,6 +49,7 @@ class TextStream:
         self.tokenizer, self.stops, self.want_logprobs, self.top, self.eos = tokenizer, stops, logprobs, top, eos
         self.splitter, self.cuts, self.thinker = splitter, stops + quiet_stops, thinker
         self.reasoning = ""        # what the deltas said of the model's reasoning (a thinking model's)
+        self.reasoning_tokens = 0  # tokens generated inside a think block (its closing marker included)
         self.detok = tokenizer.detokenizer
         self.text = ""
         self.sent = 0              # characters of text already in deltas
@@ -61,6 +62,8 @@ class TextStream:
         self.longest = max((len(s) for s in self.cuts), default=0)
 
     def feed(self, token: int, logprob: float, row) -> Delta | None:
+        # the splitter's state as of the text before this token (a held-back stop prefix can lag it a token)
+        self.reasoning_tokens += self.thinker is not None and self.thinker.reasoning and token not in self.eos
         if self.want_logprobs:
             self.pending.append(self._logprob(token, logprob, row))
         if self.cut is None and token not in self.eos:

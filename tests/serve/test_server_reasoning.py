@@ -78,3 +78,14 @@ def test_a_thinking_models_history_stays_a_cache_hit_although_its_template_drops
     assert second.prompt_tokens_details.cached_tokens >= first.prompt_tokens + first.completion_tokens - 1
     # rendered again, the reply loses its reasoning: the cache is cut where the reasoning began
     assert rendered.prompt_tokens_details.cached_tokens < first.prompt_tokens
+
+
+def test_a_responses_reply_of_a_thinking_model_is_a_reasoning_item_and_its_tokens_are_counted(servers):
+    r = _oa(servers["echo"]).responses.create(model="tiny", input=ASK[0]["content"], max_output_tokens=24,
+                                              store=False)
+    kinds = [o.type for o in r.output]
+    assert kinds[0] == "reasoning" and r.output[0].content[0].text
+    details = r.usage.output_tokens_details.reasoning_tokens
+    assert 1 <= details <= r.usage.output_tokens
+    if r.output_text == "":  # the think block never closed: every generated token was reasoning
+        assert details == r.usage.output_tokens
