@@ -47,6 +47,7 @@ from semantic.errors import (
     InvalidRequestError,
     UnknownSequenceError,
 )
+from semantic.lookup import SpecConfig
 from semantic.pool import BlockPool
 from semantic.request import Completion, Request
 from semantic.spec import ModelCacheSpec
@@ -84,6 +85,7 @@ class BlockPoolBatchEngine:
         prefill_chunk: int | None = None,
         stop_tokens: Sequence[int] | None = None,
         lock=None,
+        speculation: SpecConfig | None = None,
     ):
         spec.require_same(pool.spec, "the pool")
         quant = next((l for l in spec.layers if l.kv_bits), None)
@@ -98,7 +100,8 @@ class BlockPoolBatchEngine:
         self.vocab_size = vocab_size(model)
         self.stop_tokens = frozenset(int(t) for t in (tokenizer.eos_token_ids if stop_tokens is None else stop_tokens))
         self.prefill_chunk = prefill_chunk if prefill_chunk is not None else defaults.prefill_chunk()
-        self._loop = StepLoop(model, stop_tokens=self.stop_tokens, max_batch=max_batch, prefill_chunk=self.prefill_chunk)
+        self._loop = StepLoop(model, stop_tokens=self.stop_tokens, max_batch=max_batch, prefill_chunk=self.prefill_chunk,
+                              speculation=speculation)
         self._uids = itertools.count()
         self._seqs: dict[int, _InFlight] = {}
         self._by_agent: dict[str, int] = {}  # agent id -> its uid in flight
@@ -197,6 +200,12 @@ class BlockPoolBatchEngine:
         return seq.cached
 
     @property
+    def speculation(self) -> tuple[int, int, int]:
+        """Speculative decode steps, tokens drafted, and drafted tokens accepted, since this engine started."""
+        loop = self._loop
+        return loop.spec_steps, loop.drafted, loop.accepted
+
+    @property
     def in_flight(self) -> int:
         return len(self._seqs)
 
@@ -210,13 +219,17 @@ class BlockPoolBatchEngine:
         prefill chunk for the waiting ones; return those that finished."""
         events, closed = self._loop.step()
         now = time.perf_counter()  # the tokens were read: materialized
+        ended: set[int] = set()  # a stop string ended these: a speculative step's later tokens are not theirs
         for e in events:
+            if e.uid in ended:
+                continue
             seq = self._seqs[e.uid]
             seq.first_token_at = seq.first_token_at or now
             seq.finish_reason = e.finish_reason
             if self._record(seq, e.token, e.logprobs) and e.finish_reason is None:
                 seq.finish_reason = "stop"  # a stop string: ends after this token, like a stop token
-                self._loop.close(seq.uid)
+                self._loop.close(seq.uid, len(seq.generated))
+                ended.add(e.uid)
         # a finished sequence's cache is complete one step later, once its last token is fed
         return [self._finish(self._seqs[c.uid], self._seqs[c.uid].finish_reason, c.caches) for c in closed]
 

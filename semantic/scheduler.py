@@ -45,6 +45,7 @@ from semantic import cachefile, defaults
 from semantic.blocks import AgentBlocks
 from semantic.engine import BlockPoolBatchEngine
 from semantic.errors import CacheError, PoolExhaustedError, QueueFullError, SchedulerClosedError
+from semantic.lookup import SpecConfig
 from semantic.planner import SchedulerStats, StepPlan, StepPlanner, Ticket, blocks_per_group
 from semantic.request import Completion, Request
 from semantic.store import AgentCacheStore
@@ -71,6 +72,7 @@ class ConcurrentScheduler:
         ram_budget_bytes: most bytes resident caches may hold after each
             pass (``semantic.planner``); None: bounded by the pool alone.
             Needs ``write_behind``: only caches on disk are evicted.
+        speculation: prompt-lookup drafts for greedy turns (``semantic.lookup``); None: off.
     """
 
     def __init__(
@@ -85,6 +87,7 @@ class ConcurrentScheduler:
         write_behind: bool = True,
         stop_tokens: Sequence[int] | None = None,
         ram_budget_bytes: int | None = None,
+        speculation: SpecConfig | None = None,
     ):
         if ram_budget_bytes is not None and not write_behind:
             raise ValueError("a RAM budget evicts only caches saved to disk: it needs write_behind=True")
@@ -94,7 +97,7 @@ class ConcurrentScheduler:
         self.store, self.tokenizer, self.write_behind = store, tokenizer, write_behind
         self._make_engine = lambda: BlockPoolBatchEngine(
             model, tokenizer, store.pool, store.spec, max_batch=max_batch,
-            prefill_chunk=prefill_chunk, stop_tokens=stop_tokens, lock=store.pool_lock,
+            prefill_chunk=prefill_chunk, stop_tokens=stop_tokens, lock=store.pool_lock, speculation=speculation,
         )
         self.engine = self._make_engine()
         self._groups = len(store.spec.groups())

@@ -34,6 +34,7 @@ from semantic.blockplan import salt_root_of
 from semantic.engine import vocab_size
 from semantic.errors import CacheError, ContextLengthError, InvalidRequestError, SchedulerClosedError
 from semantic.fingerprint import weights_fingerprint
+from semantic.lookup import SpecConfig
 from semantic.planner import SchedulerStats, longest_cache
 from semantic.pool import BlockPool, PoolStats
 from semantic.constraint import Grammar
@@ -132,6 +133,9 @@ class ServiceStats:
     cache_dir: str
     echo_spliced: int = 0    # prompts whose echoed reply was the generated ids (``semantic.echo``)
     echo_rendered: int = 0   # prompts of known agents rendered instead: the echo did not match
+    spec_steps: int = 0      # decode steps that verified drafts (``semantic.lookup``) ...
+    spec_drafted: int = 0    # ... the tokens drafted in them ...
+    spec_accepted: int = 0   # ... and those the model agreed with: each saved one decode step
 
 
 class Service:
@@ -150,15 +154,18 @@ class Service:
             (``semantic.echo``); False: always the template's rendering.
         strict_max_tokens: a ``max_tokens`` the context cannot hold after the
             prompt is refused (ContextLengthError) rather than cut to fit.
+        speculation: prompt-lookup drafts for greedy turns (``semantic.lookup``); None: off.
     """
 
     def __init__(self, model, tokenizer, store: AgentCacheStore, *, max_batch: int = defaults.MAX_BATCH,
                  max_queued: int = defaults.MAX_QUEUED, max_context: int | None = None,
                  ram_budget_bytes: int | None = None, prefill_chunk: int | None = None,
-                 tool_parser: str | None = None, echo_history: bool = True, strict_max_tokens: bool = False):
+                 tool_parser: str | None = None, echo_history: bool = True, strict_max_tokens: bool = False,
+                 speculation: SpecConfig | None = SpecConfig()):
         self.tokenizer, self.store = tokenizer, store
         self.scheduler = ConcurrentScheduler(model, tokenizer, store, max_batch=max_batch, max_queued=max_queued,
-                                             ram_budget_bytes=ram_budget_bytes, prefill_chunk=prefill_chunk)
+                                             ram_budget_bytes=ram_budget_bytes, prefill_chunk=prefill_chunk,
+                                             speculation=speculation)
         self.eos = frozenset(int(t) for t in tokenizer.eos_token_ids)
         self.tool_format = toolformat.sniff(tokenizer, tool_parser)
         self.echo = EchoBook(limit=4096 if echo_history else 0)
@@ -352,10 +359,12 @@ class Service:
         with self.store.pool_lock:
             pool = self.store.pool.stats()
         block_bytes = self.store.spec.token_bytes() * self.store.block_tokens
+        steps, drafted, accepted = self.scheduler.engine.speculation
         return ServiceStats(
             scheduler=self.scheduler.stats(), store=self.store.stats(), pool=pool, block_tokens=self.store.block_tokens,
             pool_capacity_bytes=int(pool.total * block_bytes), disk_budget_bytes=self.store.disk_budget,
             cache_dir=str(self.store.dir), echo_spliced=self.echo.spliced, echo_rendered=self.echo.rendered,
+            spec_steps=steps, spec_drafted=drafted, spec_accepted=accepted,
         )
 
     def agents(self, tenant: str | None = None, limit: int = 200) -> list[AgentInfo]:

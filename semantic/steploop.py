@@ -21,6 +21,24 @@ same under both mlx-lm versions. One :meth:`StepLoop.step`::
     join      sequences that got their first token join the batch caches, so
               the next decode step includes them
 
+Speculation (``speculation``, a :class:`~semantic.lookup.SpecConfig`; None:
+off). A greedy sequence whose newest tokens occurred earlier in its
+context drafts the tokens that followed them there (``semantic.lookup``).
+The decode step then feeds every row its next token plus its draft, padded
+to the longest draft; row ``i``'s output at position ``j`` is the model's
+token after its input ``j``, so a drafted token is accepted while it equals
+the model's token before it, and the row emits the accepted drafts plus
+the model's own next token, ending at a finish::
+
+    inputs  row 0   n0  d1  d2  d3         outputs  t0  t1  t2  t3
+            row 1   n1  .   .   .   (no draft)      u0  -   -   -
+    d1 = t0, d2 = t1, d3 != t2:  row 0 emits t0 t1 t2 and keeps n0 d1 d2;  row 1 emits u0, keeps n1
+
+The rejected inputs leave the caches (``semantic.rewind``), so every
+emitted token is the one a step of width 1 would have read: greedy output
+does not change, only its pace. Sampled, constrained and penalized rows
+never draft (they decode at position 0 as always).
+
     time ─►  | decode B | chunk a[0:64) | decode B | chunk a[64:128) | ...
              a decoder waits one chunk per step, never the whole prefill
 
@@ -42,7 +60,9 @@ import mlx.core as mx
 import numpy as np
 
 from semantic import compat
+from semantic import rewind
 from semantic.constraint import Constraint
+from semantic.lookup import Drafter, SpecConfig
 from semantic.request import Request
 from semantic.sampling import processors_for, sampler_for
 
@@ -84,14 +104,23 @@ class _Seq:
     generated: int = 0
     next_token: int | None = None  # sampled, reported, not fed yet
     closing: bool = False          # finished: in the batch only to feed ``next_token``
+    ids: tuple = ()                # the request's whole history: a drafter's context
+    drafter: Drafter | None = None # greedy and free sequences, once they decode with speculation on
+
+    @property
+    def can_draft(self) -> bool:
+        return self.sampler is None and not self.processors and self.constraint is None and not self.closing
 
 
 class StepLoop:
     """Chunked prefill between batched decode steps (see the module docstring)."""
 
-    def __init__(self, model, *, stop_tokens: Sequence[int], max_batch: int, prefill_chunk: int):
+    def __init__(self, model, *, stop_tokens: Sequence[int], max_batch: int, prefill_chunk: int,
+                 speculation: SpecConfig | None = None):
         assert max_batch > 0 and prefill_chunk > 0, (max_batch, prefill_chunk)
         self.model = model
+        self.speculation = speculation
+        self.spec_steps = self.drafted = self.accepted = 0  # counters: wide steps, tokens drafted, accepted
         self.stop_tokens = frozenset(stop_tokens)
         self.max_batch = max_batch
         self.prefill_chunk = prefill_chunk
@@ -122,6 +151,7 @@ class StepLoop:
         seq = _Seq(
             uid, prompt, caches, request.max_tokens, sampler_for(request.sampling), processors,
             list(request.ids) if processors else None, constraint, deque(sorted(set(stops))), on_stop,
+            ids=request.ids,
         )
         self._seqs[uid] = seq
         self._waiting.append(seq)
@@ -143,11 +173,20 @@ class StepLoop:
         row = self._rows.index(seq)
         return [c.extract(row) for c in self._batch]
 
-    def close(self, uid: int) -> None:
-        """Finish ``uid`` after its newest token (a stop string): that token is fed at the next step,
-        and its caches come back then as a :class:`Closed`."""
+    def close(self, uid: int, generated: int | None = None) -> None:
+        """Finish ``uid`` after its newest token (a stop string), or after its ``generated``-th when a
+        speculative step read more: that token is fed at the next step, and its caches come back
+        then as a :class:`Closed`."""
         seq = self._seqs[uid]
         assert seq.generated, "close() ends a generating sequence; remove() one still prefilling"
+        back = 0 if generated is None else seq.generated - generated
+        assert 0 <= back < seq.generated, (generated, seq.generated)
+        if back:  # the tokens after it were read in the same step: their inputs leave the cache
+            drops = [back if s is seq else 0 for s in self._rows]
+            rewind.rewind(self._batch, drops)
+            seq.generated = generated
+            seq.drafter.truncate(len(seq.ids) + generated)
+            seq.next_token = seq.drafter.tokens[-1]
         seq.closing = True
 
     def remove(self, uid: int) -> list | None:
@@ -180,16 +219,41 @@ class StepLoop:
         return events, closed
 
     def _decode(self):
+        """Queue the batch's forward pass: (tokens, logprobs) at position 0, and the speculative outputs or None."""
         for s in self._rows:
             if s.history is not None:
                 s.history.append(s.next_token)  # fed by this forward pass: the processors' context
-        inputs = mx.array([[s.next_token] for s in self._rows])
-        logits = self.model(inputs, cache=self._batch)[:, -1, :]
+        drafts = [self._draft(s) for s in self._rows] if self.speculation else []
+        width = 1 + max(map(len, drafts), default=0)
+        if width > 1:
+            rewind.prepare(self._batch)
+        # a row's unused positions repeat its token: computed, then always dropped
+        inputs = mx.array([[s.next_token, *d, *[s.next_token] * (width - 1 - len(d))]
+                           for s, d in zip(self._rows, drafts or [[]] * len(self._rows))])
+        out = self.model(inputs, cache=self._batch)
+        logits = out[:, 0, :] if width > 1 else out[:, -1, :]
         if any(s.constraint is not None for s in self._rows):
             mx.async_eval(logits)  # the forward pass runs while llguidance computes the rows' masks
         tokens, logprobs = self._sample(self._rows, logits)
-        mx.async_eval(tokens, logprobs)  # the prefill chunk is queued behind it
-        return tokens, logprobs
+        if width == 1:
+            mx.async_eval(tokens, logprobs)  # the prefill chunk is queued behind it
+            return tokens, logprobs, None
+        ahead = out[:, 1:, :]
+        ahead = ahead - mx.logsumexp(ahead, axis=-1, keepdims=True)
+        ahead_tokens = mx.argmax(ahead, axis=-1)
+        mx.async_eval(tokens, logprobs, ahead_tokens, ahead)
+        self.spec_steps += 1
+        return tokens, logprobs, (drafts, ahead_tokens, ahead)
+
+    def _draft(self, seq: _Seq) -> list[int]:
+        """The tokens ``seq`` bets will follow its next one ([]: no bet)."""
+        if not seq.can_draft:
+            return []
+        if seq.drafter is None:  # built at its first decode step, not before its first token
+            assert seq.generated == 1, seq.generated
+            seq.drafter = Drafter((*seq.ids, seq.next_token), self.speculation)
+        # all accepted, the step reads len(draft) + 1 tokens: no more than the budget leaves
+        return seq.drafter.draft(seq.max_tokens - seq.generated - 1)
 
     def _prefill(self) -> list[tuple[_Seq, int, mx.array]]:
         """Feed up to ``prefill_chunk`` prompt tokens; the sequences whose prompt is done, with their first token."""
@@ -247,23 +311,54 @@ class StepLoop:
             tokens = mx.argmax(logprobs, axis=-1)
         return tokens, logprobs
 
-    def _read_decoded(self, tokens: mx.array, logprobs: mx.array) -> tuple[list[Event], list[Closed]]:
+    def _read_decoded(self, tokens: mx.array, logprobs: mx.array, spec) -> tuple[list[Event], list[Closed]]:
         ids = tokens.tolist()
-        events, closed, gone = [], [], []
-        for row, (seq, token) in enumerate(zip(self._rows, ids)):
-            if seq.closing:
+        closing = [s.closing for s in self._rows]  # these fed their last token in this step
+        if spec is not None:
+            events = self._read_speculative(ids, logprobs, *spec)
+        else:
+            events = [self._advance(s, t, logprobs[row])
+                      for row, (s, t) in enumerate(zip(self._rows, ids)) if not closing[row]]
+        closed, gone = [], []
+        for row, seq in enumerate(self._rows):
+            if closing[row]:
                 closed.append(Closed(seq.uid, [c.extract(row) for c in self._batch]))
                 del self._seqs[seq.uid]
                 gone.append(row)
-            else:
-                events.append(self._advance(seq, token, logprobs[row]))
         if gone:
             self._drop_rows(gone)
         return events, closed
 
+    def _read_speculative(self, firsts: list[int], logprobs: mx.array, drafts, ahead_tokens, ahead) -> list[Event]:
+        """Each row's accepted tokens as events; the rejected inputs leave the caches."""
+        width = 1 + ahead_tokens.shape[1]
+        later = ahead_tokens.tolist()
+        events, drops = [], []
+        for row, (seq, draft) in enumerate(zip(self._rows, drafts)):
+            if seq.closing:  # fed its last token at position 0: only that one stays
+                drops.append(width - 1)
+                continue
+            token, row_logprobs, taken = firsts[row], logprobs[row], 0
+            while True:
+                event = self._advance(seq, token, row_logprobs)
+                events.append(event)
+                if event.finish_reason is not None or taken == len(draft) or draft[taken] != token:
+                    break
+                taken += 1  # the draft's token was the model's: its output is read too
+                token, row_logprobs = later[row][taken - 1], ahead[row, taken - 1]
+            if draft:
+                seq.drafter.record(len(draft), taken)
+                self.drafted += len(draft)
+                self.accepted += taken
+            drops.append(width - 1 - taken)
+        rewind.rewind(self._batch, drops)
+        return events
+
     def _advance(self, seq: _Seq, token: int, logprobs: mx.array) -> Event:
         seq.generated += 1
         seq.next_token = token
+        if seq.drafter is not None:
+            seq.drafter.extend((token,))
         done = seq.constraint is not None and seq.constraint.advance(token)  # the grammar is complete
         reason = "stop" if token in self.stop_tokens or done else "length" if seq.generated >= seq.max_tokens else None
         seq.closing = reason is not None

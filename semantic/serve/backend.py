@@ -192,6 +192,8 @@ class Backend:
             "saves": {"done": s.saves, "errors": s.save_errors, "pending": s.pending_saves},
             # an agent's echoed reply: its generated ids, or rendered again (an edit, a restart, another client)
             "echo": {"spliced": st.echo_spliced, "rendered": st.echo_rendered},
+            # prompt-lookup drafts: each accepted token is one decode step saved
+            "speculation": {"steps": st.spec_steps, "drafted": st.spec_drafted, "accepted": st.spec_accepted},
             "evictions": s.evictions + store.disk_evictions,
             "quarantined": store.quarantined,
             "agents": agents,

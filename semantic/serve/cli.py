@@ -67,6 +67,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="refuse (400) a max_tokens that does not fit the context after the prompt, as the hosted "
                         "APIs do (default: cut it to what the context leaves, and say so in the "
                         "X-Max-Tokens-Clamped header)")
+    p.add_argument("--no-speculation", dest="speculation", action="store_false",
+                   help="decode one token per step: no prompt-lookup drafts (greedy output is the same either way; "
+                        "drafts end replies that copy their context sooner)")
+    p.add_argument("--spec-max-draft", type=int, default=d.spec_max_draft, metavar="N",
+                   help=f"the most tokens a greedy turn drafts from its context per step; how many it does is "
+                        f"sized online from its own acceptance rate (default {d.spec_max_draft})")
     p.add_argument("--graceful-timeout", type=float, default=d.graceful_s,
                    help=f"seconds shutdown lets in-flight streams finish before cancelling them (default {d.graceful_s})")
     p.add_argument("--log-level", default=d.log_level, choices=LOG_LEVELS)
@@ -85,7 +91,8 @@ def parse_config(argv: list[str]) -> ServeConfig:
             disk_mb=a.disk_mb, max_batch=a.max_batch, max_queued=a.max_queued, max_context=a.max_context,
             prefill_chunk=a.prefill_chunk, max_body_mb=a.max_body_mb, graceful_s=a.graceful_timeout, log_level=a.log_level,
             sync_saves=a.sync_saves, keep_billing_header=a.keep_billing_header, tool_parser=a.tool_parser,
-            echo_history=a.echo_history, strict_max_tokens=a.strict_max_tokens)
+            echo_history=a.echo_history, strict_max_tokens=a.strict_max_tokens, speculation=a.speculation,
+            spec_max_draft=a.spec_max_draft)
     except ValueError as exc:
         parser.error(str(exc))  # exits 2 with the usage line
 
@@ -119,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
             pool_bytes=config.pool_bytes, disk_budget_bytes=config.disk_budget_bytes,
             ram_budget_bytes=config.ram_budget_bytes, max_batch=config.max_batch, max_queued=config.max_queued,
             max_context=config.max_context, prefill_chunk=config.prefill_chunk, tool_parser=config.tool_parser,
-            echo_history=config.echo_history, strict_max_tokens=config.strict_max_tokens)
+            echo_history=config.echo_history, strict_max_tokens=config.strict_max_tokens,
+            speculation=config.spec_config)
     except (OSError, ValueError, LookupError, RuntimeError, CacheError) as exc:
         print(f"error: cannot load {config.model!r}: {exc}", file=sys.stderr)
         return 2

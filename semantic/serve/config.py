@@ -6,6 +6,7 @@ import logging
 from dataclasses import dataclass, field
 
 from semantic import defaults
+from semantic.lookup import SpecConfig
 
 MB = 1 << 20
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -42,6 +43,8 @@ class ServeConfig:
     tool_parser: str | None = None     # the model's tool-call format; None: what mlx-lm sniffs from its template
     echo_history: bool = True          # an echoed reply is the agent's generated ids, not a re-render
     strict_max_tokens: bool = False    # refuse a max_tokens the context cannot hold, instead of cutting it
+    speculation: bool = True           # greedy turns verify tokens copied from their context (semantic.lookup)
+    spec_max_draft: int = 8            # the most tokens drafted per step
 
     def __post_init__(self):
         if not isinstance(self.model, str) or not self.model.strip():
@@ -53,7 +56,7 @@ class ServeConfig:
         self.api_keys = tuple(self.api_keys)
         if any(not isinstance(k, str) or not k or k != k.strip() for k in self.api_keys):
             raise ValueError("api keys must be non-empty strings without surrounding spaces")
-        for name in ("pool_mb", "disk_mb", "max_batch", "max_queued"):
+        for name in ("pool_mb", "disk_mb", "max_batch", "max_queued", "spec_max_draft"):
             _positive_int(name, getattr(self, name))
         for name in ("ram_mb", "max_context", "prefill_chunk"):
             if getattr(self, name) is not None:
@@ -68,6 +71,10 @@ class ServeConfig:
         if self.log_level.lower() not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
         self.log_level = self.log_level.lower()
+
+    @property
+    def spec_config(self) -> SpecConfig | None:
+        return SpecConfig(max_draft=self.spec_max_draft) if self.speculation else None
 
     @property
     def pool_bytes(self) -> int:

@@ -109,6 +109,11 @@ class BackendCollector:
                                   value=float(echo.get("spliced", 0)))
         yield CounterMetricFamily("semantic_echo_rendered", "Prompts of known agents whose echoed reply was rendered again",
                                   value=float(echo.get("rendered", 0)))
+        spec = s.get("speculation", {})
+        yield CounterMetricFamily("semantic_spec_drafted_tokens", "Tokens drafted from the context for verification",
+                                  value=float(spec.get("drafted", 0)))
+        yield CounterMetricFamily("semantic_spec_accepted_tokens", "Drafted tokens the model agreed with (decode steps saved)",
+                                  value=float(spec.get("accepted", 0)))
 
 
 class MetricsMiddleware:
