@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 # extra requirements for .venv, e.g. PINS="mlx==0.30.3 mlx-lm==0.30.4" (the macOS workflow's matrix)
 PINS ?=
 
-.PHONY: help system-blas system-browser venv models serve serve-ttft dashboard-screenshot test test-compat exp-003 exp-004 exp-005 exp-006 exp-006-full exp-007 exp-007-full exp-008 exp-008-full exp-009 exp-009-full exp-010 exp-010-full exp-011 exp-011-full exp-012 exp-013 chunk-cost exp-throughput exp-throughput-full bench compare-versions test-install clean
+.PHONY: help system-blas system-browser venv models serve serve-ttft dashboard-screenshot test test-compat exp-003 exp-004 exp-005 exp-006 exp-006-full exp-007 exp-007-full exp-008 exp-008-full exp-008-spec exp-009 exp-009-full exp-010 exp-010-full exp-011 exp-011-full exp-012 exp-013 chunk-cost exp-throughput exp-throughput-full bench compare-versions test-install clean
 
 help:
 	@echo "make test         run the test suite (creates .venv, prepares models)"
@@ -140,6 +140,10 @@ exp-008: models
 
 exp-008-full: models
 	$(PY) -m harness run experiments/exp_008_stress.toml
+
+# The stress with speculation on, every turn checked against a fresh prefill that does not speculate.
+exp-008-spec: models
+	$(PY) -m harness run experiments/exp_008_stress_spec.toml --quick
 
 # Our server against mlx_lm.server, mlx-vlm's APC and vllm-mlx over one HTTP workload. The peers'
 # venvs are built once under .peers/ (git-ignored; about 2 min each from the package index).

@@ -19,15 +19,16 @@ def make_engine(loaded, blocks: int = 256) -> BlockPoolBatchEngine:
 
 
 def open_scheduler(loaded, cache_dir: Path, blocks: int, max_batch: int = 8, write_behind: bool = True,
-                   block_tokens: int = 256, ram_budget_bytes: int | None = None):
+                   block_tokens: int = 256, ram_budget_bytes: int | None = None, speculation=None):
     """A scheduler over a fresh pool and a store in ``cache_dir`` (files there are found: a restart);
-    ``ram_budget_bytes`` bounds its resident caches (None: the pool does)."""
+    ``ram_budget_bytes`` bounds its resident caches (None: the pool does); ``speculation`` a SpecConfig."""
     spec = ModelCacheSpec.from_model(loaded.model)
     pool = BlockPool(spec, blocks, block_tokens)
     store = AgentCacheStore(cache_dir, spec, loaded.fingerprint, disk_budget_bytes=1 << 40, pool=pool)
     # no stop tokens: every turn generates exactly max_tokens, so turns compare step for step
     return ConcurrentScheduler(loaded.model, loaded.tokenizer, store, max_batch=max_batch,
-                               write_behind=write_behind, stop_tokens=[], ram_budget_bytes=ram_budget_bytes)
+                               write_behind=write_behind, stop_tokens=[], ram_budget_bytes=ram_budget_bytes,
+                               speculation=speculation)
 
 
 def run_one(engine: BlockPoolBatchEngine, agent: str, prompt: list[int], cache: AgentBlocks | None, max_tokens: int):

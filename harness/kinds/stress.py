@@ -47,6 +47,7 @@ from harness import plots
 from harness.engines import logprob_diff, make_engine as fresh_engine, open_scheduler
 from harness.kinds.base import Kind, Param, register
 from semantic import ModelCacheSpec, Request, cachefile, store as store_mod
+from semantic.lookup import SpecConfig
 
 CANARY_LEN = 4
 
@@ -160,7 +161,7 @@ class _Workload:
             stale = held != full or any(b.token_ids != full[b.start:b.end] for b in cache.unique_blocks())
         self.counts["stale"] += stale
         self.counts["leaks"] += any(_contains(held, c) for o, c in self.canaries.items() if o != a)
-        if r.cached_tokens:  # a turn that reused nothing was a fresh prefill already
+        if r.cached_tokens or self.p["parity_every_turn"]:  # a turn that reused nothing was a fresh prefill already
             # int32: every eligible history is kept until the run ends (1000 turns of up to max_context)
             self.eligible.append((index, a, np.asarray(h, np.int32), r, edited))
 
@@ -206,7 +207,8 @@ def run(ctx) -> None:
     working_set = working_set_bytes(p, ModelCacheSpec.from_model(loaded.model))
     budget = int(p["ram_budget"] * working_set) if p["ram_budget"] else None
     sched = open_scheduler(loaded, cache_dir, p["pool_blocks"], max_batch=p["concurrency"],
-                           block_tokens=p["block_tokens"], ram_budget_bytes=budget)
+                           block_tokens=p["block_tokens"], ram_budget_bytes=budget,
+                           speculation=SpecConfig() if p["speculation"] else None)
     t_start = time.perf_counter()
     try:
         done = _drive(w, sched, ctx.progress)
@@ -214,6 +216,7 @@ def run(ctx) -> None:
         sched.flush()
         w.counts["leaks"] += _file_leaks(cache_dir, w.canaries)
         stats, store_stats = sched.stats(), sched.store.stats()
+        spec_steps, drafted, accepted = sched.engine.speculation
     finally:
         sched.close()
         shutil.rmtree(cache_dir, ignore_errors=True)
@@ -221,6 +224,9 @@ def run(ctx) -> None:
     parity, max_diff = _parity_checks(loaded, w)
     _record(ctx, w, parity, max_diff, done, wall_s, stats, store_stats)
     _record_budget(ctx, stats, budget, working_set)
+    ctx.results.output("speculation", {"on": p["speculation"], "steps": spec_steps, "drafted": drafted,
+                                       "accepted": accepted})
+    ctx.results.check("spec_accepted", accepted)
 
 
 def _record_budget(ctx, stats, budget: int | None, working_set: int) -> None:
@@ -244,7 +250,8 @@ def _record_budget(ctx, stats, budget: int | None, working_set: int) -> None:
 def _parity_checks(loaded, w: _Workload) -> tuple[list[dict], float]:
     fresh = fresh_engine(loaded, w.p["pool_blocks"])
     parity, max_diff = [], 0.0
-    for index, a, h, r, edited in _choose_parity(w.eligible, w.p["parity_samples"]):
+    n = len(w.eligible) if w.p["parity_every_turn"] else w.p["parity_samples"]
+    for index, a, h, r, edited in _choose_parity(w.eligible, n):
         ok, diff = _parity(fresh, h.tolist(), r, w.p["tolerance"])
         w.counts["parity_checked"] += 1
         w.counts["parity_edited"] += edited
@@ -348,6 +355,9 @@ KIND = register(Kind(
         "evict_prob": Param(float, 0.05, "chance an agent is evicted to disk before its turn"),
         "max_context": Param(int, 1024, "history length at which the oldest exchange is dropped"),
         "parity_samples": Param(int, 20, "turns re-run as a fresh prefill and compared"),
+        "parity_every_turn": Param(bool, False, "re-run every turn instead (a cold one too), not a sample"),
+        "speculation": Param(bool, False, "greedy turns draft tokens from their context (semantic.lookup); the "
+                                          "fresh prefill that checks them never does"),
         "tolerance": Param(float, 1e-4, "largest logprob difference a parity check allows"),
         "pool_blocks": Param(int, 1024, "blocks in the pool"),
         "block_tokens": Param(int, 256, "tokens per block (small blocks exercise more sharing and cutting)"),

@@ -34,6 +34,20 @@ def test_a_reduced_stress_run_has_no_errors_stale_reuses_or_leaks(model, tmp_pat
     assert any(p["edited"] for p in doc["outputs"]["parity"])
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-gemma3"])
+def test_with_speculation_every_turn_of_a_reduced_stress_run_equals_a_fresh_prefill_without_it(model, tmp_path):
+    cfg = config.load("experiments/exp_008_stress_spec.toml",
+                      overrides=[f'models=["{model}"]', "params.requests=150", "params.evict_prob=0.15"])
+    (path,) = runner.run(cfg, out_root=tmp_path)
+    doc = json.loads(path.read_text())
+    failed = [c for c in doc["criteria"] if not c["pass"]]
+    assert not failed, (failed, doc["outputs"]["errors"])
+    counts, spec = doc["outputs"]["counts"], doc["outputs"]["speculation"]
+    assert counts["parity_checked"] == 150 and counts["parity_failed"] == 0
+    assert spec["drafted"] > spec["accepted"] > 0
+
+
 def test_the_parity_sample_is_full_for_any_schedule():
     """Chosen from submission indices after the run: whichever turns were eligible, in any
     finishing order, ``n`` are checked, half on edited turns, topped up when a group is short."""
