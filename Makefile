@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 # extra requirements for .venv, e.g. PINS="mlx==0.30.3 mlx-lm==0.30.4" (the macOS workflow's matrix)
 PINS ?=
 
-.PHONY: help system-blas system-browser venv models serve serve-ttft dashboard-screenshot test test-compat exp-003 exp-004 exp-005 exp-006 exp-006-full exp-007 exp-007-full exp-008 exp-008-full exp-008-spec exp-009 exp-009-full exp-010 exp-010-full exp-011 exp-011-full exp-012 exp-013 chunk-cost exp-throughput exp-throughput-full bench compare-versions test-install clean
+.PHONY: help system-blas system-browser venv models serve serve-ttft dashboard-screenshot test test-compat exp-003 exp-004 exp-005 exp-006 exp-006-full exp-007 exp-007-full exp-008 exp-008-full exp-008-spec exp-009 exp-009-full exp-010 exp-010-full exp-011 exp-011-full exp-012 exp-013 exp-014 exp-014-full chunk-cost exp-throughput exp-throughput-full bench compare-versions test-install clean
 
 help:
 	@echo "make test         run the test suite (creates .venv, prepares models)"
@@ -183,6 +183,14 @@ exp-012: models
 # prefill; a thinking model's re-sent history with echo-stable history on and off (about 4 min).
 exp-013: models
 	$(PY) -m harness run experiments/exp_013_responses.toml
+
+# Prompt-lookup speculation: ours with and without it and mlx_lm.server side by side, edit-style turns at
+# batch 1 and 4 and plain chat turns, identical greedy text required (SmolLM2 quick; -full adds Gemma 3).
+exp-014: models
+	$(PY) -m harness run experiments/exp_014_speculation.toml --quick
+
+exp-014-full: models
+	$(PY) -m harness run experiments/exp_014_speculation.toml
 
 # What a decode step and a prefill chunk cost at 0, 4K and 8K tokens of context: why the
 # decoders' latency and the prefill's time trade against each other (about 6 min).

@@ -25,6 +25,7 @@ from harness.kinds import (  # noqa: E402,F401
     reconstruction,
     responses_chain,
     serving,
+    speculation,
     steploop,
     stress,
     throughput,

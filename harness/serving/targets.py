@@ -133,6 +133,7 @@ def _semantic_command(l: Launch) -> list[str]:
             "--host", l.host, "--port", str(l.port), "--cache-dir", str(l.workdir / "cache"),
             *_flags(l.settings, {"ram_mb": "--ram-mb", "disk_mb": "--disk-mb", "pool_mb": "--pool-mb"}),
             *(["--no-echo-history"] if l.settings.get("echo_history") is False else []),
+            *(["--no-speculation"] if l.settings.get("speculation") is False else []),
             *[a for key in l.settings.get("api_keys") or () for a in ("--api-key", key)]]
 
 
@@ -185,7 +186,8 @@ def _no_env(l: Launch) -> dict[str, str]:
 _SEMANTIC = ServerTarget(
     name=OURS, venv=None, install=(), command=_semantic_command, env=_no_env,
     health_path="/health", model_name="{model_id}", cached_from="usage",
-    stats_path="/v1/cache/stats", defaults={"ram_mb": None, "disk_mb": None, "pool_mb": None, "echo_history": None, "api_keys": None},
+    stats_path="/v1/cache/stats", defaults={"ram_mb": None, "disk_mb": None, "pool_mb": None, "echo_history": None, "api_keys": None,
+                                                 "speculation": None},
     loads_blas_itself=True, cache_key_field="prompt_cache_key",
     packages=("semantic-kv", "mlx", "mlx-cpu", "mlx-lm", "transformers"),
     notes="ours; a request with prompt_cache_key has its agent cache saved under workdir/cache and "
