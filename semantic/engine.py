@@ -3,9 +3,10 @@
 Every sequence runs through one :class:`~semantic.steploop.StepLoop`: each
 step decodes one token for every generating sequence in one forward pass
 (``KVCache``, ``RotatingKVCache`` and ``QuantizedKVCache`` layers alike; the
-quantized ones through ``batchquant``), then prefills one chunk of at most
-``prefill_chunk`` prompt tokens. A long prompt therefore delays the others
-by one chunk per step, never by its whole prefill. On sliding-window models
+quantized ones through ``batchquant``), then prefills one chunk: the
+largest one when nothing decodes, else ``prefill_chunk`` tokens or what
+holds ``itl_target_s`` (``semantic.budget``). A long prompt therefore
+delays the others by one chunk per step, never by its whole prefill. On sliding-window models
 every prompt's chunks also end at block boundaries, where the cache is
 extracted into the pool (:meth:`BlockPoolBatchEngine._checkpoint`).
 
@@ -39,6 +40,7 @@ from typing import Iterator, Sequence
 import mlx.core as mx
 from semantic import compat, convert, defaults, reuse
 from semantic.blocks import AgentBlocks
+from semantic.budget import StepBudget
 from semantic.constraint import Constraint
 from semantic.errors import (
     AgentBusyError,
@@ -83,6 +85,7 @@ class BlockPoolBatchEngine:
         *,
         max_batch: int = defaults.MAX_BATCH,
         prefill_chunk: int | None = None,
+        itl_target_s: float | None = None,
         stop_tokens: Sequence[int] | None = None,
         lock=None,
         speculation: SpecConfig | None = None,
@@ -99,8 +102,8 @@ class BlockPoolBatchEngine:
         self._sliding = any(l.windowed for l in spec.layers)
         self.vocab_size = vocab_size(model)
         self.stop_tokens = frozenset(int(t) for t in (tokenizer.eos_token_ids if stop_tokens is None else stop_tokens))
-        self.prefill_chunk = prefill_chunk if prefill_chunk is not None else defaults.prefill_chunk()
-        self._loop = StepLoop(model, stop_tokens=self.stop_tokens, max_batch=max_batch, prefill_chunk=self.prefill_chunk,
+        budget = StepBudget(defaults.prefill_chunk(), itl_target_s=itl_target_s, fixed=prefill_chunk)
+        self._loop = StepLoop(model, stop_tokens=self.stop_tokens, max_batch=max_batch, prefill_chunk=budget,
                               speculation=speculation)
         self._uids = itertools.count()
         self._seqs: dict[int, _InFlight] = {}

@@ -65,7 +65,9 @@ class ConcurrentScheduler:
             pool is the engine's pool.
         max_batch: sequences in flight at once.
         max_queued: requests that may wait (all agents together).
-        prefill_chunk: prompt tokens per step (default: the device's).
+        prefill_chunk: prompt tokens per step, fixed; None: a step budget (``semantic.budget``).
+        itl_target_s: with a step budget, the step time to hold while sequences decode; None: the
+            device's chunk then.
         write_behind: save each finished cache on the saver thread (True),
             or not at all (False: RAM only, for measurements).
         stop_tokens: as ``BlockPoolBatchEngine`` (default: the tokenizer's EOS).
@@ -84,6 +86,7 @@ class ConcurrentScheduler:
         max_batch: int = defaults.MAX_BATCH,
         max_queued: int = defaults.MAX_QUEUED,
         prefill_chunk: int | None = None,
+        itl_target_s: float | None = None,
         write_behind: bool = True,
         stop_tokens: Sequence[int] | None = None,
         ram_budget_bytes: int | None = None,
@@ -97,7 +100,8 @@ class ConcurrentScheduler:
         self.store, self.tokenizer, self.write_behind = store, tokenizer, write_behind
         self._make_engine = lambda: BlockPoolBatchEngine(
             model, tokenizer, store.pool, store.spec, max_batch=max_batch,
-            prefill_chunk=prefill_chunk, stop_tokens=stop_tokens, lock=store.pool_lock, speculation=speculation,
+            prefill_chunk=prefill_chunk, itl_target_s=itl_target_s, stop_tokens=stop_tokens, lock=store.pool_lock,
+            speculation=speculation,
         )
         self.engine = self._make_engine()
         self._groups = len(store.spec.groups())

@@ -146,7 +146,7 @@ class Service:
         store: the agents' cache files over the engine's block pool.
         max_context: the most prompt + completion tokens (default and
             ceiling: the model's own).
-        max_batch, max_queued, prefill_chunk, ram_budget_bytes: the scheduler's
+        max_batch, max_queued, prefill_chunk, itl_target_s, ram_budget_bytes: the scheduler's
             (``ConcurrentScheduler``).
         tool_parser: the model's tool-call format (an ``mlx_lm.tool_parsers``
             module, or "generic"); None: what mlx-lm sniffed from its template.
@@ -160,11 +160,13 @@ class Service:
     def __init__(self, model, tokenizer, store: AgentCacheStore, *, max_batch: int = defaults.MAX_BATCH,
                  max_queued: int = defaults.MAX_QUEUED, max_context: int | None = None,
                  ram_budget_bytes: int | None = None, prefill_chunk: int | None = None,
+                 itl_target_s: float | None = None,
                  tool_parser: str | None = None, echo_history: bool = True, strict_max_tokens: bool = False,
                  speculation: SpecConfig | None = SpecConfig()):
         self.tokenizer, self.store = tokenizer, store
         self.scheduler = ConcurrentScheduler(model, tokenizer, store, max_batch=max_batch, max_queued=max_queued,
                                              ram_budget_bytes=ram_budget_bytes, prefill_chunk=prefill_chunk,
+                                             itl_target_s=itl_target_s,
                                              speculation=speculation)
         self.eos = frozenset(int(t) for t in tokenizer.eos_token_ids)
         self.tool_format = toolformat.sniff(tokenizer, tool_parser)

@@ -9,7 +9,9 @@ same under both mlx-lm versions. One :meth:`StepLoop.step`::
     decode    one forward pass: the last token of every generating sequence
               (B rows, left-padded batch caches: BatchKVCache,
               BatchRotatingKVCache, batchquant.BatchQuantizedKVCache)
-    prefill   then at most ``prefill_chunk`` prompt tokens of the waiting
+    prefill   then at most the step's budget of prompt tokens (``semantic.budget``:
+              the largest chunk when nothing decodes, else a fixed chunk or
+              what holds an inter-token latency target) of the waiting
               sequences, in order, each chunk its own forward pass over that
               sequence's single caches; a chunk also ends at the sequence's
               ``stops`` (block boundaries: ``on_stop`` checkpoints the cache),
@@ -52,6 +54,7 @@ a sampler; logits processors see the whole token history.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -61,6 +64,7 @@ import numpy as np
 
 from semantic import compat
 from semantic import rewind
+from semantic.budget import StepBudget
 from semantic.constraint import Constraint
 from semantic.lookup import Drafter, SpecConfig
 from semantic.request import Request
@@ -115,15 +119,17 @@ class _Seq:
 class StepLoop:
     """Chunked prefill between batched decode steps (see the module docstring)."""
 
-    def __init__(self, model, *, stop_tokens: Sequence[int], max_batch: int, prefill_chunk: int,
+    def __init__(self, model, *, stop_tokens: Sequence[int], max_batch: int, prefill_chunk: int | StepBudget,
                  speculation: SpecConfig | None = None):
-        assert max_batch > 0 and prefill_chunk > 0, (max_batch, prefill_chunk)
+        """``prefill_chunk``: a step budget, or a fixed number of prompt tokens per step."""
+        assert max_batch > 0, max_batch
+        self.budget = prefill_chunk if isinstance(prefill_chunk, StepBudget) else StepBudget(
+            prefill_chunk, fixed=prefill_chunk)
         self.model = model
         self.speculation = speculation
         self.spec_steps = self.drafted = self.accepted = 0  # counters: wide steps, tokens drafted, accepted
         self.stop_tokens = frozenset(stop_tokens)
         self.max_batch = max_batch
-        self.prefill_chunk = prefill_chunk
         self._waiting: deque[_Seq] = deque()   # prompts, in arrival order
         self._ready: list[_Seq] = []           # first token read; they join before the next decode
         self._rows: list[_Seq] = []            # the batch, row order of ``_batch``
@@ -206,9 +212,10 @@ class StepLoop:
     def step(self) -> tuple[list[Event], list[Closed]]:
         """Decode one token for the batch, prefill one chunk; return the tokens
         read and the finished sequences whose caches are complete."""
+        started = time.perf_counter()
         self._join()
         decoded = self._decode() if self._rows else None
-        firsts = self._prefill()
+        firsts, prefilled = self._prefill()
         events: list[Event] = []
         closed: list[Closed] = []
         if decoded is not None:
@@ -216,6 +223,7 @@ class StepLoop:
         for seq, token, logprobs in firsts:
             events.append(self._advance(seq, token, logprobs))
             self._ready.append(seq)
+        self.budget.observe(time.perf_counter() - started, decoded is not None, prefilled)  # every token was read
         return events, closed
 
     def _decode(self):
@@ -255,9 +263,11 @@ class StepLoop:
         # all accepted, the step reads len(draft) + 1 tokens: no more than the budget leaves
         return seq.drafter.draft(seq.max_tokens - seq.generated - 1)
 
-    def _prefill(self) -> list[tuple[_Seq, int, mx.array]]:
-        """Feed up to ``prefill_chunk`` prompt tokens; the sequences whose prompt is done, with their first token."""
-        budget, done = self.prefill_chunk, []
+    def _prefill(self) -> tuple[list[tuple[_Seq, int, mx.array]], int]:
+        """Feed up to the step's budget of prompt tokens; the sequences whose prompt is done, with their
+        first token, and the tokens fed."""
+        decoding = bool(self._rows)
+        budget, done, fed = self.budget.tokens(decoding), [], 0
         room = self.max_batch - len(self._rows) - len(self._ready)
         for seq in list(self._waiting)[: max(room, 0)]:
             while budget > 0 and seq.fed < len(seq.prompt):
@@ -267,6 +277,7 @@ class StepLoop:
                     end = seq.stops.popleft()
                 logits = self.model(mx.array([seq.prompt[seq.fed : end]]), cache=seq.caches)
                 budget -= end - seq.fed
+                fed += end - seq.fed
                 seq.fed = end
                 if end < len(seq.prompt):
                     # only the caches are evaluated: MLX never computes this chunk's logits
@@ -285,7 +296,9 @@ class StepLoop:
             mx.eval(token, logprobs, [compat.cache_arrays(c) for c in seq.caches])
             self._waiting.remove(seq)
             done.append((seq, int(token.item()), logprobs[0]))
-        return done
+            if not decoding:  # it decodes from the next step on: the rest of this one delays its second token
+                decoding, budget = True, min(budget, self.budget.tokens(True))
+        return done, fed
 
     def _sample(self, seqs: list[_Seq], logits: mx.array):
         if any(s.processors for s in seqs):

@@ -44,9 +44,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queued", type=int, default=d.max_queued,
                    help=f"requests waiting before 429 (default {d.max_queued})")
     p.add_argument("--prefill-chunk", type=int, default=None,
-                   help="prompt tokens prefilled per step between decode steps: smaller keeps other agents' "
+                   help="prompt tokens prefilled per step between decode steps, fixed: smaller keeps other agents' "
                         "streams smoother while a long prompt prefills, larger finishes that prompt sooner "
-                        "(default: 64 on a CPU, 512 on a GPU)")
+                        "(default: a step budget: 2048 when nothing decodes, else 64 on a CPU and 512 on a GPU, "
+                        "or what --itl-target-ms holds)")
+    p.add_argument("--itl-target-ms", type=float, default=None, metavar="MS",
+                   help="while agents decode, size each step's prefill chunk online so a step (one token for each "
+                        "of them) takes about this long (default: the fixed chunk above)")
     p.add_argument("--max-context", type=int, default=None, help="max prompt + completion tokens (default: the model's)")
     p.add_argument("--max-body-mb", type=float, default=d.max_body_mb, help=f"request body limit (default {d.max_body_mb})")
     p.add_argument("--sync-saves", action="store_true",
@@ -89,7 +93,7 @@ def parse_config(argv: list[str]) -> ServeConfig:
             model=a.model, model_id=a.model_id, host=a.host, port=a.port, cache_dir=a.cache_dir,
             api_keys=tuple(dict.fromkeys([*a.api_key, *env_keys])), pool_mb=a.pool_mb, ram_mb=a.ram_mb,
             disk_mb=a.disk_mb, max_batch=a.max_batch, max_queued=a.max_queued, max_context=a.max_context,
-            prefill_chunk=a.prefill_chunk, max_body_mb=a.max_body_mb, graceful_s=a.graceful_timeout, log_level=a.log_level,
+            prefill_chunk=a.prefill_chunk, itl_target_ms=a.itl_target_ms, max_body_mb=a.max_body_mb, graceful_s=a.graceful_timeout, log_level=a.log_level,
             sync_saves=a.sync_saves, keep_billing_header=a.keep_billing_header, tool_parser=a.tool_parser,
             echo_history=a.echo_history, strict_max_tokens=a.strict_max_tokens, speculation=a.speculation,
             spec_max_draft=a.spec_max_draft)
@@ -126,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
             pool_bytes=config.pool_bytes, disk_budget_bytes=config.disk_budget_bytes,
             ram_budget_bytes=config.ram_budget_bytes, max_batch=config.max_batch, max_queued=config.max_queued,
             max_context=config.max_context, prefill_chunk=config.prefill_chunk, tool_parser=config.tool_parser,
+            itl_target_s=config.itl_target_ms / 1000 if config.itl_target_ms else None,
             echo_history=config.echo_history, strict_max_tokens=config.strict_max_tokens,
             speculation=config.spec_config)
     except (OSError, ValueError, LookupError, RuntimeError, CacheError) as exc:

@@ -33,7 +33,8 @@ class ServeConfig:
     max_batch: int = defaults.MAX_BATCH
     max_queued: int = defaults.MAX_QUEUED
     max_context: int | None = None
-    prefill_chunk: int | None = None  # prompt tokens per step; None: the device's default
+    prefill_chunk: int | None = None  # prompt tokens per step, fixed; None: a step budget (semantic.budget)
+    itl_target_ms: float | None = None  # with the budget: the step time held while others decode
     max_body_mb: float = 4.0
     log_level: str = "info"
     graceful_s: float = 10.0
@@ -61,6 +62,12 @@ class ServeConfig:
         for name in ("ram_mb", "max_context", "prefill_chunk"):
             if getattr(self, name) is not None:
                 _positive_int(name, getattr(self, name))
+        if self.itl_target_ms is not None:
+            if isinstance(self.itl_target_ms, bool) or not isinstance(self.itl_target_ms, (int, float)) \
+                    or not self.itl_target_ms > 0:
+                raise ValueError(f"itl_target_ms must be a positive number, got {self.itl_target_ms!r}")
+            if self.prefill_chunk is not None:
+                raise ValueError("--itl-target-ms sizes the prefill chunk itself: drop --prefill-chunk")
         for name in ("max_body_mb", "graceful_s", "shutdown_s"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
