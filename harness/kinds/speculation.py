@@ -89,19 +89,16 @@ def run(ctx) -> None:
     model_dir = Path(models.prepare(ctx.model_name, variant=models.default_variant(ctx.config.model_variant)))
     tokenizer = load_tokenizer(model_dir)
     work = Path(tempfile.mkdtemp(prefix="exp014-"))
-    servers = {
-        "on": processes.start(TARGETS[OURS], model_dir, processes.free_port(), work / "on", model_id=ctx.model_name,
-                              python=sys.executable),
-        "off": processes.start(TARGETS[OURS], model_dir, processes.free_port(), work / "off",
-                               model_id=ctx.model_name, python=sys.executable, speculation=False),
-        "mlx_lm": processes.start(TARGETS[MLX_LM], model_dir, processes.free_port(), work / "mlx_lm",
-                                  python=sys.executable),
-    }
+    launch = {"on": (OURS, {}), "off": (OURS, {"speculation": False}), "mlx_lm": (MLX_LM, {})}
+    servers: dict[str, processes.Running] = {}
     rows: list[dict] = []
     plan = [("edit", 1, s) for s in range(p["edit_samples"])] + [("chat", 1, s) for s in range(p["chat_samples"])]
     plan += [("edit", p["batch"], s) for s in range(p["batch_samples"])]
     ctx.progress.total = len(plan)
     try:
+        for side, (target, settings) in launch.items():
+            servers[side] = processes.start(TARGETS[target], model_dir, processes.free_port(), work / side,
+                                            model_id=ctx.model_name, python=sys.executable, **settings)
         for i, (shape, batch, sample) in enumerate(plan):
             turns = [edit_prompt(tokenizer, 1000 * batch + sample * batch + j, p["span_tokens"]) if shape == "edit"
                      else chat_prompt(sample * batch + j) for j in range(batch)]
