@@ -57,7 +57,7 @@ def _window(stamps: dict, t0: float, t1: float, long_tokens: int) -> dict:
             "total_tps": (long_tokens + decoded) / (t1 - t0)}
 
 
-def _interleave_ours(loaded, p: dict, trial: int, chunk: int | None = None) -> dict:
+def _interleave_ours(loaded, p: dict, trial: int, chunk: int | None = None, itl_target_ms: int | None = None) -> dict:
     from semantic import BlockPool, BlockPoolBatchEngine, ModelCacheSpec, Request
 
     spec = ModelCacheSpec.from_model(loaded.model)
@@ -65,6 +65,7 @@ def _interleave_ours(loaded, p: dict, trial: int, chunk: int | None = None) -> d
     engine = BlockPoolBatchEngine(
         loaded.model, loaded.tokenizer, BlockPool(spec, need), spec, stop_tokens=[],
         prefill_chunk=chunk or p["prefill_chunk"] or None, max_batch=p["decoders"] + 1,
+        itl_target_s=itl_target_ms / 1000 if itl_target_ms else None,
     )
     vocab = engine.vocab_size
     stamps = {i: [] for i in range(p["decoders"])}
@@ -185,7 +186,7 @@ def _quantized_solo(loaded, p: dict, trial: int) -> dict:
 def run(ctx) -> None:
     p, res, loaded = ctx.params, ctx.results, ctx.loaded
     trials = ctx.config.protocol.trials
-    extra = [f"ours_c{c}" for c in p["extra_chunks"]]
+    extra = [f"ours_c{c}" for c in p["extra_chunks"]] + [f"ours_t{t}" for t in p["itl_targets"]]
     ctx.progress.total = trials * (4 + len(extra)) + 1
     inter = {s: [] for s in (*SIDES, *extra)}
     quant = {"solo": [], "batched": []}
@@ -195,7 +196,8 @@ def run(ctx) -> None:
             if side == "mlx_lm":
                 inter[side].append(_interleave_mlx_lm(loaded, p, trial))
             else:
-                inter[side].append(_interleave_ours(loaded, p, trial, int(side[6:]) if side != "ours" else None))
+                size = int(side[6:]) if side != "ours" else None
+                inter[side].append(_interleave_ours(loaded, p, trial, *((size, None) if side[5:6] == "c" else (None, size))))
             ctx.progress.update(1)
         for side in (("solo", "batched") if trial % 2 == 0 else ("batched", "solo")):
             quant[side].append((_quantized_batched if side == "batched" else _quantized_solo)(loaded, p, trial))
@@ -251,6 +253,8 @@ KIND = register(Kind(
         "long_tokens": Param(int, 8192, "the long prompt's tokens"),
         "prefill_chunk": Param(int, 0, "our loop's prompt tokens per step (0: the engine's default for the device)"),
         "extra_chunks": Param(list, [], "more sides: our loop with these prompt tokens per step (the trade-off curve)"),
+        "itl_targets": Param(list, [], "more sides: our loop holding these inter-token latency targets (ms) by "
+                                       "sizing each chunk online (--itl-target-ms)"),
         "q_agents": Param(int, 8, "agents with quantized KV caches"),
         "q_bits": Param(int, 8, "their KV bits"),
         "q_group": Param(int, 64, "their KV quantization group"),
