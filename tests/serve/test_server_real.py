@@ -8,6 +8,7 @@ same server asked with a salt that no cached block carries.
 from __future__ import annotations
 
 import anthropic
+import httpx
 import openai
 import pytest
 
@@ -57,3 +58,51 @@ def test_anthropic_agent_turn_two_reads_the_cache(server):
         final = stream.get_final_message()
     assert final.usage.cache_read_input_tokens >= first.usage.input_tokens - 8
     assert text == final.content[0].text and text
+
+
+CODE = '''def load(path):
+    with open(path) as f:
+        rows = [line.strip().split(",") for line in f]
+    return [row for row in rows if row and row[0]]
+
+
+def save(path, rows):
+    with open(path, "w") as f:
+        for row in rows:
+            f.write(",".join(row) + "\\n")
+'''
+EDIT = [{"role": "system", "content": "Reply with the complete edited code and nothing else."},
+        {"role": "user", "content": f"```python\n{CODE}```\n\nRename `rows` to `records` and reply with the whole code."}]
+
+
+@pytest.fixture(scope="module")
+def plain_server(smollm2_dir, tmp_path_factory):
+    s = Server(smollm2_dir, tmp_path_factory.mktemp("serve-plain") / "agents", model_id="smollm2",
+               args=["--no-speculation"]).start(timeout=300)
+    yield s
+    assert s.stop_cleanly(), s.log()
+
+
+def test_a_reply_that_copies_its_context_is_the_same_with_speculation_streamed_and_not(server, plain_server):
+    def ask(s, stream):
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=300)
+        kw = dict(model="smollm2", messages=EDIT, max_tokens=120, temperature=0, logprobs=True)
+        if not stream:
+            r = client.chat.completions.create(**kw)
+            return r.choices[0].message.content, [t.logprob for t in r.choices[0].logprobs.content]
+        text, lps = "", []
+        for chunk in client.chat.completions.create(**kw, stream=True):
+            if chunk.choices:
+                text += chunk.choices[0].delta.content or ""
+                lps += [t.logprob for t in (chunk.choices[0].logprobs.content if chunk.choices[0].logprobs else [])]
+        return text, lps
+
+    plain_text, plain_lps = ask(plain_server, stream=False)
+    before = httpx.get(server.url + "/v1/cache/stats").json()["speculation"]["accepted"]
+    for stream in (False, True):
+        text, lps = ask(server, stream)
+        assert text == plain_text
+        assert lps == pytest.approx(plain_lps, abs=1e-3)
+    spec = httpx.get(server.url + "/v1/cache/stats").json()["speculation"]
+    assert spec["accepted"] - before > 20  # the reply copies the code: most of it came in drafted runs
+    assert httpx.get(plain_server.url + "/v1/cache/stats").json()["speculation"]["drafted"] == 0

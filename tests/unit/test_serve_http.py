@@ -612,9 +612,23 @@ def test_cli_reads_keys_from_flags_and_environment(monkeypatch):
         parse_config(["--model", "m", "--prefill-chunk", "0"])
 
 
+def test_cli_turns_speculation_off_and_sets_the_step_budget():
+    from semantic.lookup import SpecConfig
+
+    cfg = parse_config(["--model", "m"])
+    assert cfg.spec_config == SpecConfig() and cfg.itl_target_ms is None   # speculation on by default
+    assert parse_config(["--model", "m", "--no-speculation"]).spec_config is None
+    assert parse_config(["--model", "m", "--spec-max-draft", "4"]).spec_config == SpecConfig(max_draft=4)
+    assert parse_config(["--model", "m", "--itl-target-ms", "250"]).itl_target_ms == 250
+    for bad in (["--spec-max-draft", "0"], ["--itl-target-ms", "-1"], ["--itl-target-ms", "250", "--prefill-chunk", "64"]):
+        with pytest.raises(SystemExit):
+            parse_config(["--model", "m", *bad])
+
+
 @pytest.mark.parametrize("bad", [{"port": 0}, {"pool_mb": 0}, {"host": " "}, {"max_body_mb": -1},
                                  {"api_keys": ("",)}, {"log_level": "loud"}, {"prefill_chunk": 0},
-                                 {"ram_mb": 0}, {"ram_mb": 65, "pool_mb": 64}])
+                                 {"ram_mb": 0}, {"ram_mb": 65, "pool_mb": 64}, {"spec_max_draft": 0},
+                                 {"itl_target_ms": 0}, {"itl_target_ms": 100, "prefill_chunk": 64}])
 def test_serve_config_refuses_bad_values(bad):
     with pytest.raises(ValueError):
         ServeConfig(model="m", **bad)
