@@ -162,7 +162,7 @@ class Service:
                  ram_budget_bytes: int | None = None, prefill_chunk: int | None = None,
                  itl_target_s: float | None = None,
                  tool_parser: str | None = None, echo_history: bool = True, strict_max_tokens: bool = False,
-                 speculation: SpecConfig | None = SpecConfig()):
+                 speculation: SpecConfig | None = None):
         self.tokenizer, self.store = tokenizer, store
         self.scheduler = ConcurrentScheduler(model, tokenizer, store, max_batch=max_batch, max_queued=max_queued,
                                              ram_budget_bytes=ram_budget_bytes, prefill_chunk=prefill_chunk,

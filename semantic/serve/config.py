@@ -81,7 +81,9 @@ class ServeConfig:
 
     @property
     def spec_config(self) -> SpecConfig | None:
-        return SpecConfig(max_draft=self.spec_max_draft) if self.speculation else None
+        if not self.speculation:
+            return None
+        return SpecConfig(max_draft=self.spec_max_draft, position_cost=defaults.spec_position_cost())
 
     @property
     def pool_bytes(self) -> int:

@@ -613,12 +613,14 @@ def test_cli_reads_keys_from_flags_and_environment(monkeypatch):
 
 
 def test_cli_turns_speculation_off_and_sets_the_step_budget():
+    from semantic import defaults
     from semantic.lookup import SpecConfig
 
+    cost = defaults.spec_position_cost()
     cfg = parse_config(["--model", "m"])
-    assert cfg.spec_config == SpecConfig() and cfg.itl_target_ms is None   # speculation on by default
+    assert cfg.spec_config == SpecConfig(position_cost=cost) and cfg.itl_target_ms is None  # on by default
     assert parse_config(["--model", "m", "--no-speculation"]).spec_config is None
-    assert parse_config(["--model", "m", "--spec-max-draft", "4"]).spec_config == SpecConfig(max_draft=4)
+    assert parse_config(["--model", "m", "--spec-max-draft", "4"]).spec_config == SpecConfig(max_draft=4, position_cost=cost)
     assert parse_config(["--model", "m", "--itl-target-ms", "250"]).itl_target_ms == 250
     for bad in (["--spec-max-draft", "0"], ["--itl-target-ms", "-1"], ["--itl-target-ms", "250", "--prefill-chunk", "64"]):
         with pytest.raises(SystemExit):
