@@ -11,18 +11,21 @@ agrees with (``semantic.steploop``), so the output is the model's own::
                      └── earlier: "load ( path )" was followed by ") :" ...
     suffix                                     "load ( path )"  ─► draft  ": \\n    return"
 
-How many tokens to draft is a bet. A forward pass over ``1 + k`` tokens
-costs about ``1 + cost * k`` decode steps (memory-bound on a GPU: cost is
-near 0; about 0.15 on a 2-core CPU) and gains, if each drafted token is
-accepted with probability ``p``, ``p + p^2 + ... + p^k`` tokens. ``k`` is
-the one maximizing tokens per unit of cost under the sequence's own
-acceptance rate, and 0 (no draft, no cost) when nothing pays: a sequence
-whose drafts keep failing stops drafting, and its rate drifts back towards
-the prior so it tries again later.
+How many tokens to draft is a bet, made for the whole batch: every row of
+a step is as wide as the longest draft. A step of ``B`` rows over ``1 + k``
+positions costs about ``1 + cost * sqrt(B) * k`` plain steps (a 2-core CPU,
+SmolLM2: cost 0.16 at one row, 0.29 a position at four; a GPU is bound by
+reading the weights, so its cost is near 0), and row ``i`` gains, if each
+of its drafted tokens is accepted with probability ``p_i``,
+``p_i + p_i^2 + ...`` up to its draft's length. ``k`` is the one with the
+most tokens per unit of cost (:func:`batch_draft_len`), and 0 (no draft, no
+cost) when nothing pays: a sequence whose drafts keep failing stops
+drafting, and its rate drifts back towards the prior so it tries again later.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 PRIOR_ACCEPTED, PRIOR_PROPOSED = 1.0, 2.0   # a rate of 0.5 before any evidence
@@ -49,12 +52,23 @@ class SpecConfig:
 
 
 def best_draft_len(p: float, cost: float, most: int) -> int:
-    """The ``k`` in ``0..most`` with the most expected tokens per unit of cost: (1 + p + ... + p^k) / (1 + cost*k)."""
-    best, best_rate, gain, term = 0, 1.0, 1.0, 1.0
-    for k in range(1, most + 1):
-        term *= p
-        gain += term
-        rate = gain / (1.0 + cost * k)
+    """One row's ``k`` in ``0..most``: the most expected tokens per unit of cost, (1 + p + ... + p^k) / (1 + cost*k)."""
+    return batch_draft_len([(p, most)], cost)
+
+
+def batch_draft_len(rows: list[tuple[float, int]], cost: float) -> int:
+    """The draft length of a step whose rows are ``(acceptance rate, tokens it can draft)`` (0 for a row
+    with no draft): the most expected tokens per unit of cost over all rows."""
+    width_cost = cost * math.sqrt(len(rows))
+    gains = [0.0] * len(rows)   # row i's expected accepted tokens at the current k
+    terms = [1.0] * len(rows)
+    best, best_rate = 0, float(len(rows))
+    for k in range(1, max((n for _, n in rows), default=0) + 1):
+        for i, (p, n) in enumerate(rows):
+            if k <= n:
+                terms[i] *= p
+                gains[i] += terms[i]
+        rate = (len(rows) + sum(gains)) / (1.0 + width_cost * k)
         if rate > best_rate * 1.02:  # a bet that barely pays is not worth the wider pass
             best, best_rate = k, rate
     return best
@@ -90,13 +104,18 @@ class Drafter:
             index.clear()
         self.extend(kept)
 
-    def draft(self, room: int) -> list[int]:
-        """Up to ``room`` tokens to verify after the newest one; [] when no bet pays or nothing matches."""
+    @property
+    def rate(self) -> float:
+        """The drafted tokens' acceptance rate this sequence has shown lately."""
+        return (self.accepted + PRIOR_ACCEPTED) / (self.proposed + PRIOR_PROPOSED)
+
+    def propose(self, room: int) -> list[int]:
+        """What followed the newest tokens' latest earlier occurrence: up to ``room`` and ``max_draft``
+        tokens ([] when nothing matches). Each call is a step: old evidence fades."""
         self.accepted *= DECAY
         self.proposed *= DECAY
-        rate = (self.accepted + PRIOR_ACCEPTED) / (self.proposed + PRIOR_PROPOSED)
-        k = best_draft_len(rate, self.config.position_cost, min(room, self.config.max_draft))
-        if k == 0:
+        k = min(room, self.config.max_draft)
+        if k <= 0:
             return []
         toks = self.tokens
         for n in range(self.config.ngram, self.config.min_ngram - 1, -1):
@@ -106,6 +125,11 @@ class Drafter:
             if at is not None:
                 return toks[at : at + k]
         return []
+
+    def draft(self, room: int) -> list[int]:
+        """One sequence alone: :meth:`propose`, cut to the length whose bet pays best (maybe [])."""
+        guess = self.propose(room)
+        return guess[: best_draft_len(self.rate, self.config.position_cost, len(guess))]
 
     def record(self, drafted: int, accepted: int) -> None:
         self.proposed += drafted

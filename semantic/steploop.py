@@ -66,7 +66,7 @@ from semantic import compat
 from semantic import rewind
 from semantic.budget import StepBudget
 from semantic.constraint import Constraint
-from semantic.lookup import Drafter, SpecConfig
+from semantic.lookup import Drafter, SpecConfig, batch_draft_len
 from semantic.request import Request
 from semantic.sampling import processors_for, sampler_for
 
@@ -231,7 +231,7 @@ class StepLoop:
         for s in self._rows:
             if s.history is not None:
                 s.history.append(s.next_token)  # fed by this forward pass: the processors' context
-        drafts = [self._draft(s) for s in self._rows] if self.speculation else []
+        drafts = self._drafts() if self.speculation else []
         width = 1 + max(map(len, drafts), default=0)
         if width > 1:
             rewind.prepare(self._batch)
@@ -253,15 +253,21 @@ class StepLoop:
         self.spec_steps += 1
         return tokens, logprobs, (drafts, ahead_tokens, ahead)
 
-    def _draft(self, seq: _Seq) -> list[int]:
-        """The tokens ``seq`` bets will follow its next one ([]: no bet)."""
+    def _drafts(self) -> list[list[int]]:
+        """Each row's tokens bet to follow its next one, all cut to the length that pays for the batch."""
+        guesses = [self._propose(s) for s in self._rows]
+        k = batch_draft_len([(s.drafter.rate if g else 0.0, len(g)) for s, g in zip(self._rows, guesses)],
+                            self.speculation.position_cost)
+        return [g[:k] for g in guesses]
+
+    def _propose(self, seq: _Seq) -> list[int]:
         if not seq.can_draft:
             return []
         if seq.drafter is None:  # built at its first decode step, not before its first token
             assert seq.generated == 1, seq.generated
             seq.drafter = Drafter((*seq.ids, seq.next_token), self.speculation)
         # all accepted, the step reads len(draft) + 1 tokens: no more than the budget leaves
-        return seq.drafter.draft(seq.max_tokens - seq.generated - 1)
+        return seq.drafter.propose(seq.max_tokens - seq.generated - 1)
 
     def _prefill(self) -> tuple[list[tuple[_Seq, int, mx.array]], int]:
         """Feed up to the step's budget of prompt tokens; the sequences whose prompt is done, with their

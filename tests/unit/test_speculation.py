@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from semantic import BlockPool, BlockPoolBatchEngine, ModelCacheSpec, Request, lookup, rewind, steploop
-from semantic.lookup import Drafter, SpecConfig, best_draft_len
+from semantic.lookup import Drafter, SpecConfig, batch_draft_len, best_draft_len
 from semantic.sampling import SamplingParams
 from tests.tiny_models import byte_tokenizer
 from tests.unit.test_steploop import TOL, TOL_QUANTIZED, generate_step_reference
@@ -44,7 +44,7 @@ class NoisyDrafter(Drafter):
         super().__init__(tokens, config)
         self.rng = np.random.default_rng(len(self.tokens))
 
-    def draft(self, room: int) -> list[int]:
+    def propose(self, room: int) -> list[int]:
         n = int(self.rng.integers(0, min(room, 4) + 1))
         toks = self.tokens
         at = self._index[2].get(tuple(toks[-2:]))
@@ -104,6 +104,7 @@ def test_speculation_keeps_greedy_tokens_logprobs_and_caches_for_every_cache_typ
 def test_any_drafts_at_all_leave_the_output_unchanged(model_and_bits, monkeypatch, ragged):
     model, bits = model_and_bits
     monkeypatch.setattr(steploop, "Drafter", NoisyDrafter)
+    monkeypatch.setattr(steploop, "batch_draft_len", lambda rows, cost: max(n for _, n in rows))  # every draft whole
     engine = _engine(model, bits)
     _two_turns(engine, model, bits)
     loop = engine._loop
@@ -143,14 +144,14 @@ def test_sampled_and_penalized_neighbours_never_draft_and_change_nothing_for_a_g
     engine.submit(Request("sampled", _history(2, 23), 16, sampling=SamplingParams(temperature=0.8, seed=3)))
     engine.submit(Request("penalized", _history(3, 23), 16, sampling=SamplingParams(repetition_penalty=1.3)))
     drafting = {}
-    real = engine._loop._draft
+    real = engine._loop._propose
 
     def spy(seq):
         out = real(seq)
         drafting.setdefault(seq.uid, []).append(len(out))
         return out
 
-    engine._loop._draft = spy
+    engine._loop._propose = spy
     done = {c.request.agent_id: c for c in engine.step()}
     assert done["greedy"].token_ids == generate_step_reference(llama_tiny, None, h, 16)[0]
     by_uid = {c.uid: c.request.agent_id for c in done.values()}
@@ -193,6 +194,16 @@ def test_truncating_a_drafter_forgets_the_occurrences_after_the_cut():
 @pytest.mark.parametrize("p, cost, expected", [(0.95, 0.15, 8), (0.9, 0.15, 6), (0.5, 0.15, 2), (0.15, 0.15, 0), (0.99, 0.0, 8)])
 def test_the_draft_length_is_the_bet_with_the_most_tokens_per_cost(p, cost, expected):
     assert best_draft_len(p, cost, 8) == expected
+
+
+def test_a_batch_drafts_as_far_as_its_rows_together_pay_for():
+    sure = (0.95, 8)
+    assert batch_draft_len([sure], 0.15) == 8
+    together = batch_draft_len([sure] * 4, 0.15)
+    assert together >= 6                                      # every row gains from every position
+    assert batch_draft_len([sure, (0.0, 0), (0.0, 0), (0.0, 0)], 0.15) < together  # three rows only pay
+    assert batch_draft_len([(0.3, 8)] + [(0.0, 0)] * 7, 0.15) == 0
+    assert batch_draft_len([(0.0, 0)] * 3, 0.15) == 0         # nothing to draft: a plain step
 
 
 def test_speculation_settings_are_checked():
