@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from harness.serving import processes, venvs
-from harness.serving.targets import MLX_LM, OURS, ROOT, TARGETS, ServingError, log_tail
+from harness.serving.targets import MLX_LM, OURS, ROOT, TARGETS, ServerTarget, ServingError, log_tail
 
 VERSION = "0.13.0"
 AIPERF = venvs.ToolRecipe(name="aiperf", venv=f"aiperf-{VERSION}", install=((f"aiperf=={VERSION}",),))
@@ -75,11 +75,13 @@ class Profile:
         return f"{self.name}-c{self.concurrency}"
 
 
+# NOTE: a seed per profile. AIPerf draws the same prompts from the same seed, and every profile runs
+# against the same server process: a repeated seed would find the previous profile's prompts cached.
 PROFILES: dict[str, tuple[Profile, ...]] = {
     # unrelated prompts: every request is a cold prefill of ~600 tokens
-    "random": (Profile("random", 600, 64, 1, 6), Profile("random", 600, 64, 4, 8)),
+    "random": (Profile("random", 600, 64, 1, 6, seed=1), Profile("random", 600, 64, 4, 8, seed=2)),
     # EXP-009's shape: one 600-token system prompt in every request, a short user turn
-    "shared": (Profile("shared", 32, 64, 4, 8, shared_system_tokens=600),),
+    "shared": (Profile("shared", 32, 64, 4, 8, shared_system_tokens=600, seed=3),),
 }
 
 
@@ -272,42 +274,66 @@ def run_profile(profile: Profile, *, aiperf: Path, url: str, model: str, tokeniz
 
 
 def measure(model_dir: Path, targets: Sequence[str], profiles: Sequence[Profile], out: Path, *,
-            root: Path = ROOT, work: Path | None = None) -> list[Run]:
-    """Each target alone on 127.0.0.1 in turn, every profile against it, AIPerf's files kept under ``out``."""
+            root: Path = ROOT, work: Path | None = None) -> tuple[list[Run], dict[str, str]]:
+    """Each target alone on 127.0.0.1 in turn, every profile against it, AIPerf's files kept under ``out``.
+
+    Returns:
+        The runs, and for each target that failed (install, start or AIPerf) why; the others still run.
+    """
     tool = venvs.ensure_venv(AIPERF, root)
     aiperf = tool.python.parent / "aiperf"
     runs: list[Run] = []
+    failed: dict[str, str] = {}
     work = Path(work or tempfile.mkdtemp(prefix="aiperf-"))
     for name in targets:
-        target = TARGETS[name]
-        venv = venvs.ensure_venv(target, root)
-        versions = venv.pick(target.packages)
-        print(f"[aiperf] starting {name}", flush=True)
-        with processes.start(target, model_dir, processes.free_port(), work / name.replace("/", "_"),
-                             python=venv.python, root=root) as srv:
-            blas = srv.blas_mapping().openblas
-            for p in profiles:
-                dest = out / name / p.label
-                log_from = srv.log_path.stat().st_size
-                before = loadavg()
-                export, cpu, wall = run_profile(p, aiperf=aiperf, url=srv.url, model=srv.model,
-                                                tokenizer=model_dir, out_dir=work / "aiperf" / name / p.label)
-                after = loadavg()
-                dest.mkdir(parents=True, exist_ok=True)
-                for f in KEPT:
-                    if (work / "aiperf" / name / p.label / f).is_file():
-                        shutil.copy2(work / "aiperf" / name / p.label / f, dest / f)
-                from_log = None
-                if target.log_usage is not None:
-                    with open(srv.log_path, "rb") as f:
-                        f.seek(log_from)
-                        from_log = log_cached_pct(f.read().decode(errors="replace"), target.log_usage, p.warmup)
-                run = Run(name, p, summarize(export), before, after, round(cpu, 2), round(wall, 2),
-                          str(dest.relative_to(out)), blas, versions, from_log)
-                runs.append(run)
-                print(f"[aiperf] {name} {p.label}: {json.dumps(asdict(run.summary))} load {before} -> {after}",
-                      flush=True)
-    return runs
+        try:
+            _measure_one(TARGETS[name], model_dir, profiles, out, runs, aiperf=aiperf, root=root, work=work)
+        except ServingError as e:
+            failed[name] = str(e)
+            print(f"[aiperf] {name} failed: {e}", flush=True)
+        log = work / _safe(name) / "server.log"
+        if log.is_file():
+            (out / name).mkdir(parents=True, exist_ok=True)
+            shutil.copy2(log, out / name / "server.log")
+    shutil.rmtree(work, ignore_errors=True)
+    return runs, failed
+
+
+def _safe(name: str) -> str:
+    return name.replace("/", "_")
+
+
+def _measure_one(target: ServerTarget, model_dir: Path, profiles: Sequence[Profile], out: Path, runs: list[Run], *,
+                 aiperf: Path, root: Path, work: Path) -> None:
+    # appends to runs as it goes, so a later failure keeps the profiles that finished
+    name = target.name
+    venv = venvs.ensure_venv(target, root)
+    versions = venv.pick(target.packages)
+    print(f"[aiperf] starting {name}", flush=True)
+    with processes.start(target, model_dir, processes.free_port(), work / _safe(name),
+                         python=venv.python, root=root) as srv:
+        blas = srv.blas_mapping().openblas
+        for p in profiles:
+            dest = out / name / p.label
+            log_from = srv.log_path.stat().st_size
+            before = loadavg()
+            export, cpu, wall = run_profile(p, aiperf=aiperf, url=srv.url, model=srv.model,
+                                            tokenizer=model_dir, out_dir=work / "aiperf" / name / p.label)
+            after = loadavg()
+            dest.mkdir(parents=True, exist_ok=True)
+            for f in KEPT:
+                if (work / "aiperf" / name / p.label / f).is_file():
+                    shutil.copy2(work / "aiperf" / name / p.label / f, dest / f)
+            from_log = None
+            if target.log_usage is not None:
+                with open(srv.log_path, "rb") as f:
+                    f.seek(log_from)
+                    from_log = log_cached_pct(f.read().decode(errors="replace"), target.log_usage, p.warmup)
+            run = Run(name, p, summarize(export), before, after, round(cpu, 2), round(wall, 2),
+                      str(dest.relative_to(out)), blas=blas, versions=versions, log_cached_pct=from_log)
+            runs.append(run)
+            print(f"[aiperf] {name} {p.label}: {json.dumps(asdict(run.summary))} load {before} -> {after}",
+                  flush=True)
 
 
 def write_results(runs: Sequence[Run], out: Path, meta: Mapping) -> Path:
@@ -318,7 +344,8 @@ def write_results(runs: Sequence[Run], out: Path, meta: Mapping) -> Path:
     md.write_text(f"# AIPerf {VERSION} against EXP-009's servers: {meta.get('run_id', '')}\n\n"
                   f"Model `{meta.get('model_dir')}`, AIPerf's own export summarized "
                   f"(times in seconds; load is `/proc/loadavg` on {os.cpu_count()} cores).\n\n"
-                  f"{markdown_table(runs)}\n")
+                  f"{markdown_table(runs)}\n"
+                  + "".join(f"\n{name} failed: {why.splitlines()[0]}\n" for name, why in (meta.get("failed") or {}).items()))
     return md
 
 
@@ -341,12 +368,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     run_id = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + f"-{model_dir.name}"
     out = args.out or ROOT / RESULTS / run_id
     targets = [t for t in args.targets.split(",") if t]
-    meta = {"run_id": run_id, "aiperf": VERSION, "model_dir": str(model_dir), "targets": targets,
-            "cpu_count": os.cpu_count(), "load_at_start": loadavg(), "python": sys.version.split()[0]}
-    runs = measure(model_dir, targets, profiles, out, root=args.root)
-    meta["load_at_end"] = loadavg()
+    tool = venvs.ensure_venv(AIPERF, args.root)
+    from harness.environment import git_info
+
+    meta = {"run_id": run_id, "model_dir": str(model_dir), "targets": targets,
+            "profiles": [asdict(p) for p in profiles], "aiperf": VERSION,
+            "aiperf_venv": str(tool.python.parent.parent), "aiperf_install_s": tool.install_s,
+            "aiperf_versions": tool.pick(["aiperf", "transformers", "tokenizers", "aiohttp", "torch"]),
+            "cpu_count": os.cpu_count(), "python": sys.version.split()[0], "git": git_info(ROOT),
+            "load_at_start": loadavg()}
+    runs, failed = measure(model_dir, targets, profiles, out, root=args.root)
+    meta.update(load_at_end=loadavg(), failed=failed)
     print(write_results(runs, out, meta).read_text())
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -50,6 +50,12 @@ def test_the_shared_profile_adds_one_system_prompt_to_every_request():
     assert [p.label for p in ap.PROFILES["random"]] == ["random-c1", "random-c4"]
 
 
+def test_every_profile_draws_its_own_prompts_so_none_finds_an_earlier_ones_cached():
+    every = [p for group in ap.PROFILES.values() for p in group]
+    assert len({p.seed for p in every}) == len(every)
+    assert len({_arg(_cmd(p), "--random-seed") for p in every}) == len(every)
+
+
 def test_a_profile_refuses_an_empty_workload():
     with pytest.raises(ValueError, match="requests must be >= 1"):
         ap.Profile("x", 600, 64, concurrency=1, requests=0)
