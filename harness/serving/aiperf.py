@@ -36,6 +36,7 @@ AIPERF = venvs.ToolRecipe(name="aiperf", venv=f"aiperf-{VERSION}", install=((f"a
 RESULTS = Path("results") / "exp_009_serving" / "aiperf"
 DEFAULT_TARGETS = (OURS, MLX_LM, "vllm-mlx")
 EXPORT = "profile_export_aiperf.json"
+ENDPOINTS = ("chat", "messages")
 KEPT = (EXPORT, "profile_export_aiperf.csv", "profile_export.jsonl")   # AIPerf's files copied into results
 
 
@@ -62,8 +63,11 @@ class Profile:
     warmup: int = 1
     shared_system_tokens: int = 0
     seed: int = 0
+    endpoint: str = "chat"      # AIPerf's endpoint type: chat (/v1/chat/completions) or messages (/v1/messages)
 
     def __post_init__(self):
+        if self.endpoint not in ENDPOINTS:
+            raise ValueError(f"{self.name}: endpoint {self.endpoint!r} is not one of {ENDPOINTS}")
         for key in ("input_tokens", "output_tokens", "concurrency", "requests"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{self.name}: {key} must be >= 1, not {getattr(self, key)}")
@@ -82,6 +86,8 @@ PROFILES: dict[str, tuple[Profile, ...]] = {
     "random": (Profile("random", 600, 64, 1, 6, seed=1), Profile("random", 600, 64, 4, 8, seed=2)),
     # EXP-009's shape: one 600-token system prompt in every request, a short user turn
     "shared": (Profile("shared", 32, 64, 4, 8, shared_system_tokens=600, seed=3),),
+    # the Anthropic API, where a server has one (not mlx_lm.server): not in the default run
+    "messages": (Profile("messages", 600, 64, 1, 4, seed=4, endpoint="messages"),),
 }
 
 
@@ -98,20 +104,23 @@ def command(profile: Profile, *, aiperf: Path | str, url: str, model: str, token
     """
     entries = profile.requests + profile.warmup
     cmd = [str(aiperf), "profile", "--model", model, "--tokenizer", str(tokenizer), "--url", url,
-           "--endpoint-type", "chat", "--streaming",
-           # max_tokens, not max_completion_tokens: vllm-mlx 0.6.0 ignores the newer field
-           "--use-legacy-max-tokens",
+           "--endpoint-type", profile.endpoint, "--streaming",
            "--synthetic-input-tokens-mean", str(profile.input_tokens), "--synthetic-input-tokens-stddev", "0",
            "--output-tokens-mean", str(profile.output_tokens), "--output-tokens-stddev", "0",
            "--concurrency", str(profile.concurrency), "--request-count", str(profile.requests),
            "--warmup-request-count", str(profile.warmup),
            # one prompt per request, warmup included: a repeated prompt would be a full cache hit
            "--num-dataset-entries", str(entries), "--random-seed", str(profile.seed),
-           # greedy like EXP-009; usage in the stream says what each server found cached
-           "--extra-inputs", json.dumps({"temperature": 0, "stream_options": {"include_usage": True}}),
            "--artifact-dir", str(out_dir), "--ui", "none",
            # no /metrics or GPU to poll here, and every process AIPerf adds competes with the server for 2 cores
            "--no-server-metrics", "--no-gpu-telemetry", "--workers-max", "1", "--record-processors", "1"]
+    if profile.endpoint == "chat":
+        # max_tokens, not max_completion_tokens: vllm-mlx 0.6.0 ignores the newer field and runs to its own limit
+        cmd += ["--use-legacy-max-tokens",
+                # greedy like EXP-009; usage in the stream says what each server found cached
+                "--extra-inputs", json.dumps({"temperature": 0, "stream_options": {"include_usage": True}})]
+    else:
+        cmd += ["--extra-inputs", json.dumps({"temperature": 0})]   # the Anthropic stream carries usage itself
     if profile.shared_system_tokens:
         cmd += ["--shared-system-prompt-length", str(profile.shared_system_tokens)]
     return cmd

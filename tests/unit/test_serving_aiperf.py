@@ -118,3 +118,12 @@ def test_vllm_mlx_hits_come_from_its_log_with_aiperfs_warmup_left_out():
     assert ap.log_cached_pct(log, parse, warmup=1) == pytest.approx(100 * (608 + 512) / (2 * 646))
     assert ap.log_cached_pct(log, parse, warmup=0) == pytest.approx(100 * (608 + 512) / (3 * 646))
     assert ap.log_cached_pct("", parse, warmup=1) is None
+
+
+def test_the_messages_profile_drives_the_anthropic_api_without_openai_only_fields():
+    cmd = _cmd(ap.PROFILES["messages"][0])
+    assert _arg(cmd, "--endpoint-type") == "messages" and "--streaming" in cmd
+    assert "--use-legacy-max-tokens" not in cmd
+    assert json.loads(_arg(cmd, "--extra-inputs")) == {"temperature": 0}
+    with pytest.raises(ValueError, match="endpoint"):
+        ap.Profile("x", 600, 64, concurrency=1, requests=1, endpoint="completions")
