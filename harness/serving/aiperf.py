@@ -154,6 +154,7 @@ class Summary:
     ttft_p99_s: float | None
     itl_p50_s: float | None             # per request: (latency - TTFT) / (output tokens - 1), then p50
     itl_p99_s: float | None
+    chunk_gap_p99_s: float | None       # p99 of every gap between streamed chunks, pooled (EXP-009's itl_p99_s)
     latency_p50_s: float | None         # request latency, send to last chunk
     latency_p99_s: float | None
     output_tok_s: float | None          # all output tokens / the benchmark's duration
@@ -161,6 +162,7 @@ class Summary:
     output_tokens_mean: float | None    # as AIPerf counts them, with the model's tokenizer
     prompt_tokens_mean: float | None    # as the server reported them in usage (template included)
     cached_pct: float | None            # prompt tokens the servers reported cached, % of prompt tokens
+    cached_max: float | None            # the most one request found cached: near the prompt means a repeat
     duration_s: float | None
 
 
@@ -180,6 +182,7 @@ def summarize(export: Mapping) -> Summary:
         ttft_p99_s=_stat(export, "time_to_first_token", "p99", ms),
         itl_p50_s=_stat(export, "inter_token_latency", "p50", ms),
         itl_p99_s=_stat(export, "inter_token_latency", "p99", ms),
+        chunk_gap_p99_s=_stat(export, "inter_chunk_latency", "p99", ms),
         latency_p50_s=_stat(export, "request_latency", "p50", ms),
         latency_p99_s=_stat(export, "request_latency", "p99", ms),
         output_tok_s=_stat(export, "output_token_throughput", "avg"),
@@ -187,6 +190,7 @@ def summarize(export: Mapping) -> Summary:
         output_tokens_mean=_stat(export, "output_sequence_length", "avg"),
         prompt_tokens_mean=_stat(export, "usage_prompt_tokens", "avg"),
         cached_pct=_stat(export, "overall_usage_prompt_cache_read_pct", "avg"),
+        cached_max=_stat(export, "usage_prompt_cache_read_tokens", "max"),
         duration_s=_stat(export, "benchmark_duration", "avg"),
     )
 

@@ -77,9 +77,10 @@ def test_summary_of_a_captured_export_is_in_seconds_and_tokens():
     assert (s.requests, s.errors) == (2, 0)
     assert s.ttft_p50_s == pytest.approx(0.963768008) and s.ttft_p99_s == pytest.approx(0.96527797142)
     assert s.itl_p50_s == pytest.approx(0.10319045643) and s.latency_p50_s == pytest.approx(7.464766763)
+    assert s.chunk_gap_p99_s == pytest.approx(150.931567 * 1e-3)
     assert s.output_tok_s == pytest.approx(17.13007456727)
     assert (s.input_tokens_mean, s.output_tokens_mean, s.prompt_tokens_mean) == (633.0, 64.0, 646.0)
-    assert s.cached_pct == pytest.approx(94.117647, rel=1e-6)
+    assert s.cached_pct == pytest.approx(94.117647, rel=1e-6) and s.cached_max == 608.0
 
 
 def test_errors_are_counted_and_missing_metrics_stay_none():
