@@ -154,7 +154,7 @@ exp-009-full: models
 
 # The same servers measured by a load generator none of us wrote: NVIDIA's AIPerf (PyPI, its own venv
 # under .peers/aiperf-<version>, built once, about 1 min and 1.2 GB; no torch), synthetic chat prompts
-# with and without a shared system prompt, each server alone (about 12 min on 2 cores).
+# with and without a shared system prompt, each server alone (22 min on 2 cores at load 4-9).
 exp-009-aiperf: models
 	$(PY) -m harness.serving.aiperf --model smollm2-135m $(AIPERF_ARGS)
 
