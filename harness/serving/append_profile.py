@@ -30,6 +30,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -123,6 +124,10 @@ class Tracer:
         self._undo.clear()
 
 
+def _progress(line: str) -> None:
+    print(f"[append-profile {time.strftime('%H:%M:%S')} load {os.getloadavg()[0]:.1f}] {line}", file=sys.stderr, flush=True)
+
+
 def _ms(s: float) -> float:
     return round(s * 1e3, 2)
 
@@ -132,7 +137,6 @@ def _ms(s: float) -> float:
 def engine_part(model_dir: Path, trials: int, cached: int, new: int, max_tokens: int) -> dict:
     import mlx.core as mx
     from mlx_lm.generate import generate_step
-    from mlx_lm.models.cache import make_prompt_cache
 
     from semantic import defaults
     from semantic.service import Service
@@ -174,6 +178,7 @@ def engine_part(model_dir: Path, trials: int, cached: int, new: int, max_tokens:
     first = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
     warm = turn("warm-0", first, max_tokens)  # compiles, and leaves the prefix's blocks in the pool
     prefix = list(first) + list(warm.token_ids)
+    ref_cache = prefilled(model, prefix)
     for trial in range(trials):
         _, tool = conversation(tok, cached, new, trial)
         appended = prefix + tok.encode("\n" + tool, add_special_tokens=False)
@@ -190,8 +195,9 @@ def engine_part(model_dir: Path, trials: int, cached: int, new: int, max_tokens:
                     tracer.uninstall()
                 rows.append(_account(stamps, list(tracer.spans), c, threading.get_ident()))
             else:
-                ref_rows.append(_reference(model, service.eos, prefix, appended[len(prefix):], max_tokens,
-                                           make_prompt_cache, generate_step, mx))
+                ref_rows.append(_reference(model, service.eos, ref_cache, appended[len(prefix):], max_tokens,
+                                           generate_step, mx))
+            _progress(f"trial {trial + 1}/{trials} {side}: {(rows if side == 'ours' else ref_rows)[-1]['ttft_ms']} ms TTFT")
     micro = _micro(model, tok, prefix, appended, msgs, tool, service.scheduler.engine.prefill_chunk)
     service.close()
     return {"ours": rows, "mlx_lm": ref_rows, "micro": micro, "cached_tokens": len(prefix),
@@ -221,12 +227,29 @@ def _account(stamps: dict, spans: list, c, caller: int) -> dict:
     }
 
 
-def _reference(model, eos, prefix, new, max_tokens, make_prompt_cache, generate_step, mx) -> dict:
-    """mlx-lm's generate_step on ``new`` over a KVCache prefilled with ``prefix`` (untimed)."""
+def prefilled(model, prefix: list[int]) -> list:
+    """mlx-lm's KVCache of ``prefix`` (2048-token steps, as its generate_step prefills)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
     cache = make_prompt_cache(model)
     for i in range(0, len(prefix), 2048):
         model(mx.array([prefix[i:i + 2048]]), cache=cache)
         mx.eval([c.state for c in cache])
+    return cache
+
+
+def back_to(cache: list, n: int) -> list:
+    """``cache`` cut back to its first ``n`` tokens (a KVCache trims by moving its offset)."""
+    from mlx_lm.models.cache import trim_prompt_cache
+
+    trim_prompt_cache(cache, cache[0].offset - n)
+    return cache
+
+
+def _reference(model, eos, cache, new, max_tokens, generate_step, mx) -> dict:
+    """mlx-lm's generate_step on ``new`` over ``cache`` (a KVCache of the prefix, cut back to it after)."""
+    held = cache[0].offset
     t0 = time.perf_counter()
     first, n = None, 0
     for token, _ in generate_step(mx.array(new), model, prompt_cache=cache, max_tokens=max_tokens):
@@ -235,24 +258,19 @@ def _reference(model, eos, prefix, new, max_tokens, make_prompt_cache, generate_
         if int(token) in eos:
             break
     t1 = time.perf_counter()
+    back_to(cache, held)
     return {"ttft_ms": _ms(first - t0), "last_token_ms": _ms(t1 - t0), "generated": n}
 
 
 def _micro(model, tok, prefix, appended, msgs, tool, chunk: int) -> dict:
     """Costs hidden inside other spans, each the median of a few runs."""
     import mlx.core as mx
-    from mlx_lm.models.cache import make_prompt_cache
 
     new = appended[len(prefix):]
-
-    def cache_of_prefix():
-        cache = make_prompt_cache(model)
-        model(mx.array([prefix]), cache=cache)
-        mx.eval([c.state for c in cache])
-        return cache
+    cache = prefilled(model, prefix)
 
     def prefill(step: int, barrier: bool, clear: bool) -> float:
-        cache = cache_of_prefix()
+        back_to(cache, len(prefix))
         t0 = time.perf_counter()
         for i in range(0, len(new), step):
             logits = model(mx.array([new[i:i + step]]), cache=cache)
@@ -267,6 +285,8 @@ def _micro(model, tok, prefix, appended, msgs, tool, chunk: int) -> dict:
     def median(f, n=3) -> float:
         f()
         return _ms(statistics.median(f() for _ in range(n)))
+
+    _progress("micro-benchmarks")
 
     row = mx.random.normal((1, model.args.vocab_size))
     mx.eval(row)
@@ -302,7 +322,9 @@ def _micro(model, tok, prefix, appended, msgs, tool, chunk: int) -> dict:
 
 # ------------------------------------------------------------------ the HTTP part
 
-def http_part(model_dir: Path, trials: int, cached: int, new: int, max_tokens: int, workdir: Path) -> dict:
+def http_part(model_dir: Path, trials: int, cached: int, new: int, max_tokens: int, workdir: Path,
+              before: Path | None = None) -> dict:
+    """Both servers (and, with ``before``, ours from that checkout too), their turns in rotating order."""
     import openai
     from transformers import AutoTokenizer
 
@@ -310,28 +332,39 @@ def http_part(model_dir: Path, trials: int, cached: int, new: int, max_tokens: i
     from harness.serving.targets import MLX_LM, OURS, TARGETS
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
+    sides = [(OURS, OURS, None), (MLX_LM, MLX_LM, None)] + ([(OURS + "@before", OURS, before)] if before else [])
     servers = {}
+    path = os.environ.get("PYTHONPATH")
     try:
-        for name in (OURS, MLX_LM):
-            servers[name] = processes.start(TARGETS[name], model_dir, processes.free_port(), workdir / name.replace(".", "_"),
-                                            model_id="model")
-        clients = {n: openai.OpenAI(base_url=f"{r.base_url}/v1", api_key="none", max_retries=0, timeout=600)
+        for name, kind, checkout in sides:
+            # each of ours imports ``semantic`` from its own checkout
+            os.environ["PYTHONPATH"] = str(Path(checkout or ROOT).resolve())
+            servers[name] = processes.start(TARGETS[kind], model_dir, processes.free_port(),
+                                            workdir / name.replace(".", "_").replace("@", "_"), model_id="model")
+        if path is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = path
+        clients = {n: openai.OpenAI(base_url=f"{r.url}/v1", api_key="none", max_retries=0, timeout=600)
                    for n, r in servers.items()}
         samples = defaultdict(list)
         msgs, _ = conversation(tok, cached, new, 0)
         for name, client in clients.items():  # warm: compile, and the first turn's prefix cached
-            _chat(client, servers[name].model_name, msgs, max_tokens, "warm", name)
+            _chat(client, servers[name].model, msgs, max_tokens, "warm", name)
+        names = list(servers)
         for trial in range(trials):
             _, tool = conversation(tok, cached, new, trial + 1)
-            order = (OURS, MLX_LM) if trial % 2 == 0 else (MLX_LM, OURS)
+            k = trial % len(names)
+            order = names[k:] + names[:k]  # each side first, second, ... in turn
             for name in order:
-                client, model = clients[name], servers[name].model_name
+                client, model = clients[name], servers[name].model
                 agent = f"append-{trial}"
                 reply = _chat(client, model, msgs, max_tokens, agent, name)
                 second = msgs + [{"role": "assistant", "content": reply["text"]}, {"role": "user", "content": tool}]
                 got = _chat(client, model, second, max_tokens, agent, name)
                 got["load"] = os.getloadavg()[0]
                 samples[name].append(got)
+                _progress(f"http trial {trial + 1}/{trials} {name}: TTFT {got['ttft_s']:.3f} s, turn {got['turn_s']:.3f} s")
         return {"samples": dict(samples)}
     finally:
         for r in servers.values():
@@ -342,7 +375,7 @@ def _chat(client, model: str, messages: list[dict], max_tokens: int, agent: str,
     """One streamed chat turn timed from the client: first content chunk, last content chunk, stream end."""
     from harness.serving.targets import OURS
 
-    extra = {"prompt_cache_key": agent} if server == OURS else {}
+    extra = {"prompt_cache_key": agent} if server.startswith(OURS) else {}
     t0 = time.perf_counter()
     first = last = None
     parts, usage = [], None
@@ -391,11 +424,11 @@ def summarize(result: dict) -> dict:
             out["http"][name] = {k: statistics.median(r[k] for r in rows) for k in ("ttft_s", "last_token_s", "turn_s")}
             out["http"][name]["n"] = len(rows)
             out["http"][name]["cached_tokens"] = [r["cached_tokens"] for r in rows]
-        names = list(s)
-        if len(names) == 2:
-            a, b = s[names[0]], s[names[1]]
-            out["http"]["ratio_ours_over_mlx_lm"] = {
-                k: statistics.median(x[k] / y[k] for x, y in zip(a, b)) for k in ("ttft_s", "turn_s")}
+        peer = s.get("mlx_lm.server")
+        for name, rows in s.items():
+            if peer is not None and name != "mlx_lm.server":  # the ratio of each trial's pair, then the median
+                out["http"][f"ratio_{name}_over_mlx_lm"] = {
+                    k: statistics.median(x[k] / y[k] for x, y in zip(rows, peer)) for k in ("ttft_s", "last_token_s", "turn_s")}
         out["http"]["load"] = [r["load"] for rows in s.values() for r in rows]
     return out
 
@@ -414,6 +447,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=24)
     p.add_argument("--http", action="store_true", help="also time both servers over HTTP")
     p.add_argument("--no-engine", action="store_true", help="skip the in-process part")
+    p.add_argument("--before", type=Path, help="another checkout of this project: its server joins the HTTP rotation")
     p.add_argument("--json", type=Path, help="write the samples and the summary here")
     a = p.parse_args(argv)
     model_dir = models.prepared_dir(a.model, models.default_variant(None))
@@ -422,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
         result["engine"] = engine_part(model_dir, a.trials, a.cached, a.new, a.max_tokens)
     if a.http:
         with tempfile.TemporaryDirectory(prefix="append-http-") as d:
-            result["http"] = http_part(model_dir, a.trials, a.cached, a.new, a.max_tokens, Path(d))
+            result["http"] = http_part(model_dir, a.trials, a.cached, a.new, a.max_tokens, Path(d), a.before)
     result["load_after"] = os.getloadavg()
     result["summary"] = summarize(result)
     print(json.dumps(result["summary"], indent=1))
