@@ -72,11 +72,17 @@ def conversation(tokenizer, cached: int, new: int, trial: int) -> tuple[list[dic
     while hi - lo > 64:  # the longest prefix of the file that keeps the turn within ``cached`` tokens
         mid = (lo + hi) // 2
         msgs = _first_turn(source[:mid])
-        n = len(tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True))
+        n = len(tokens_of(tokenizer, msgs))
         lo, hi = (mid, hi) if n <= cached else (lo, mid)
     tool = TOOL_OUTPUT.read_text()
     ids = tokenizer.encode(tool, add_special_tokens=False)[: new - 12]
     return _first_turn(source[:lo]), f"run_tests #{trial}:\n" + tokenizer.decode(ids)
+
+
+def tokens_of(tokenizer, messages: list[dict]) -> list[int]:
+    """The chat template's token ids (rendered, then encoded: tokenizers differ in what ``tokenize=True`` gives)."""
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return list(tokenizer.encode(text, add_special_tokens=False))
 
 
 def _first_turn(text: str) -> list[dict]:
@@ -175,7 +181,7 @@ def engine_part(model_dir: Path, trials: int, cached: int, new: int, max_tokens:
     tracer = Tracer()
     rows, ref_rows, sides = [], [], []
     msgs, tool = conversation(tok, cached, new, 0)
-    first = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+    first = tokens_of(tok, msgs)
     warm = turn("warm-0", first, max_tokens)  # compiles, and leaves the prefix's blocks in the pool
     prefix = list(first) + list(warm.token_ids)
     ref_cache = prefilled(model, prefix)
