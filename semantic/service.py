@@ -5,7 +5,7 @@ the engine::
 
     Service.open(model, budgets) ─► Service
         prepare(messages | prompt, max_tokens, agent, tenant, ...) ─► Request   (tokenized once, fitted, checked)
-        submit(request) ─► Future[Completion]      cancel(future)      wait_saved(agent_id)
+        submit(request) ─► TurnFuture[Completion] (.tokens: sooner)   cancel(future)   wait_saved(agent_id)
         stats() ─► ServiceStats                    agents(tenant) ─► [AgentInfo]      close()
 
 Which cache a request uses: a named agent keeps its own cache, on disk and
@@ -41,7 +41,7 @@ from semantic.constraint import Grammar
 from semantic.echo import EchoBook, Reply, Said
 from semantic.request import Completion, OnToken, Request, encode, render_text
 from semantic.sampling import GREEDY, SamplingParams
-from semantic.scheduler import ConcurrentScheduler
+from semantic.scheduler import ConcurrentScheduler, TurnFuture
 from semantic.spec import ModelCacheSpec
 from semantic.store import AgentCacheStore, StoreStats, file_name
 from semantic.toolformat import ToolCall, ToolPlan, Tools, read_calls
@@ -307,9 +307,11 @@ class Service:
 
     def knows_agent(self, tenant: str, agent: str) -> bool:
         """Whether the agent's cache is still here: resident, or in its file (a resident cache not yet saved
-        is never evicted, so the two cover every cache the disk budget has not evicted)."""
+        is never evicted, so the two cover every cache the disk budget has not evicted), or about to be
+        (a turn answered whose cache is still being kept)."""
         agent_id = self.agent_id(tenant, agent)
-        return agent_id in set(self.scheduler.resident_agents()) or (self.store.dir / file_name(agent_id)).exists()
+        return (agent_id in set(self.scheduler.resident_agents()) or self.scheduler.holds(agent_id)
+                or (self.store.dir / file_name(agent_id)).exists())
 
     def echo_state(self, tenant: str, agent: str) -> dict | None:
         """The agent's last turn as generated (``semantic.echo``), as JSON, for a record kept across restarts."""
@@ -329,8 +331,9 @@ class Service:
             except (KeyError, TypeError, ValueError) as exc:
                 raise InvalidRequestError(f"a stored turn of agent {agent!r} is unreadable: {exc}") from None
 
-    def submit(self, request: Request) -> Future:
-        """Queue the turn (QueueFullError at once when the queue is full); the future gives its Completion."""
+    def submit(self, request: Request) -> TurnFuture:
+        """Queue the turn (QueueFullError at once when the queue is full); the future gives its Completion
+        once its cache is kept, and its ``tokens`` future as soon as its last token is read."""
         future = self.scheduler.submit(request, timeout=0.0)
         if request.persist:
             future.add_done_callback(self._note)

@@ -127,22 +127,24 @@ class Backend:
             raise SchedulerClosedError("the server is shutting down")
         turn, relay = prepared.turn, prepared.relay
         future = self.service.submit(turn)
-        future.add_done_callback(lambda _: relay.post(_DONE))
+        # the answer ends when the last token is read; the cache is kept after it (the agent's next turn waits)
+        tokens = future.tokens
+        tokens.add_done_callback(lambda _: relay.post(_DONE))
         first = True
         try:
             while (item := await relay.queue.get()) is not _DONE:
                 if first:  # admission ran on the worker before any token: the cache hit is known
                     item.cached_tokens, first = relay.cached, False
                 yield item
-            result = future.result()
-            if self.sync_saves and turn.persist and result.cache_saved:
+            result = tokens.result()
+            if self.sync_saves and turn.persist and (await asyncio.wrap_future(future)).cache_saved:
                 await asyncio.to_thread(self.service.wait_saved, turn.agent_id, 120.0)
             tail = relay.text.finish()
             if tail is not None:
                 yield tail
             yield self._final(prepared, result, relay.text)
         finally:
-            if not future.done():
+            if not tokens.done():
                 self.service.cancel(future)
 
     def _final(self, prepared: Prepared, result, text: TextStream) -> Final:

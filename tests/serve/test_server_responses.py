@@ -53,6 +53,8 @@ def test_a_response_streamed_and_whole_say_the_same_and_report_cached_tokens(ser
 def test_a_chain_of_previous_response_ids_reads_its_cache_across_a_sigterm_and_a_sigkill(server):
     client, previous, seen = _client(server), None, 0
     for turn, stop in enumerate((None, signal.SIGTERM, signal.SIGKILL, None)):
+        if stop == signal.SIGKILL:
+            server.wait_saved(KEYS[0])  # write-behind: the newest turn's cache is on disk once its save is written
         if stop is not None:
             server.stop(stop)
             server.start()

@@ -224,3 +224,73 @@ def test_a_failing_step_fails_only_the_turns_in_flight_and_the_scheduler_keeps_s
         again = sched.submit(Request("a", _ids(1, 6), 2)).result(30)
         assert sched.stats().failed == 1
     _assert_same(again, reference(llama_tiny, _ids(1, 6), 2))
+
+
+def _held_worker(sched):
+    """An Event the worker waits on in the next ``_finish`` (after the last token, before the Completion)."""
+    gate, reached = threading.Event(), threading.Event()
+    finish = sched._finish
+
+    def held(c):
+        reached.set()
+        assert gate.wait(30), "the test never let the worker go on"
+        finish(c)
+
+    sched._finish = held
+    return gate, reached
+
+
+def test_a_turns_tokens_are_answered_before_its_cache_is_fed_and_extracted(llama_tiny, cache_dir):
+    with _scheduler(llama_tiny, cache_dir) as sched:
+        gate, reached = _held_worker(sched)
+        h1 = _ids(3, 10)
+        future = sched.submit(Request("a", h1, 3))
+        early = future.tokens.result(30)  # while the worker is still to feed the last token and extract
+        assert not future.done() and early.blocks is None
+        gate.set()
+        full = future.result(30)
+    assert (early.token_ids, early.logprobs, early.finish_reason) == (full.token_ids, full.logprobs, full.finish_reason)
+    assert (early.cached_tokens, early.history_tokens, early.reuse) == (full.cached_tokens, full.history_tokens, full.reuse)
+    assert early.finished_at <= full.finished_at and reached.is_set()
+    _assert_same(full, reference(llama_tiny, h1, 3))
+
+
+def test_a_follow_up_sent_when_the_tokens_are_final_waits_for_and_reuses_the_whole_cache(llama_tiny, cache_dir):
+    with _scheduler(llama_tiny, cache_dir) as sched:
+        gate, reached = _held_worker(sched)
+        h1 = _ids(4, 10)
+        f1 = sched.submit(Request("a", h1, 3))
+        r1 = f1.tokens.result(30)
+        h2 = h1 + list(r1.token_ids) + _ids(5, 5)
+        admitted = []
+        f2 = sched.submit(Request("a", h2, 3, on_admit=admitted.append))
+        assert reached.wait(30) and not f1.done()
+        time.sleep(0.05)
+        assert admitted == [] and sched.holds("a")  # one turn in flight per agent: the second waits
+        gate.set()
+        r2 = f2.result(30)
+    assert (r2.reuse, r2.cached_tokens, r2.prompt_tokens) == ("own", len(h1) + 3, 5)
+    assert admitted == [len(h1) + 3]
+    _assert_same(r2, reference(llama_tiny, h2, 3))
+
+
+def test_a_turn_whose_tokens_are_final_is_not_cancelled_and_keeps_its_whole_cache(llama_tiny, cache_dir):
+    with _scheduler(llama_tiny, cache_dir) as sched:
+        gate, _ = _held_worker(sched)
+        h1 = _ids(6, 10)
+        future = sched.submit(Request("a", h1, 3))
+        future.tokens.result(30)
+        assert sched.cancel(future) is False  # a client that leaves after its last token costs the cache nothing
+        gate.set()
+        done = future.result(30)
+        assert done.finish_reason == "length" and sched.stats().cancelled == 0
+        assert sched.resident_cache("a").total_tokens == len(h1) + 3
+
+
+def test_a_queued_cancel_and_a_failed_turn_answer_both_futures(llama_tiny, cache_dir):
+    with _scheduler(llama_tiny, cache_dir, blocks=4) as sched:
+        too_big = sched.submit(Request("big", _ids(8, 64), 3))
+        with pytest.raises(PoolExhaustedError):
+            too_big.tokens.result(30)
+        with pytest.raises(PoolExhaustedError):
+            too_big.result(30)

@@ -7,6 +7,9 @@ salts, and the stats the dashboard reads.
 
 from __future__ import annotations
 
+import asyncio
+import threading
+
 import pytest
 
 from harness.models.tiny import write_tiny_llama
@@ -109,3 +112,45 @@ def test_tool_choice_none_keeps_the_generic_tools_note_so_the_prompt_and_its_cac
     none = service.prepare(messages=ask, tools=Tools((weather,), "none"))
     assert auto.request.ids == none.request.ids and "get_weather" in none.prompt_text
     assert none.request.grammar.source == "answer grammar" and not none.tools.reads_calls
+
+
+def test_the_final_chunk_is_sent_before_the_cache_is_extracted_and_the_next_turn_still_reuses_it(service, monkeypatch):
+    from semantic import convert
+    from semantic.serve.backend import Backend
+    from semantic.serve.protocol import Final, GenerateRequest
+
+    backend = Backend(service, model_id="tiny")
+    gate, extracted = threading.Event(), threading.Event()
+    extract = convert.extract
+
+    def held_extract(*a, **k):
+        assert gate.wait(30), "the test never let the extract go on"
+        try:
+            return extract(*a, **k)
+        finally:
+            extracted.set()
+
+    monkeypatch.setattr(convert, "extract", held_extract)
+    ids = list(range(1, 40))
+
+    async def turns():
+        first = await backend.prepare(GenerateRequest(max_tokens=3, prompt=ids, agent="a"))
+        items = [item async for item in backend.stream(first)]
+        final = items[-1]
+        assert isinstance(final, Final) and not extracted.is_set()  # the cache is kept after the answer
+        n = final.completion_tokens
+        follow = await backend.prepare(GenerateRequest(max_tokens=2, prompt=ids + list(final.result.token_ids) + [5],
+                                                       agent="a"))
+        second = asyncio.ensure_future(_final_of(backend.stream(follow)))
+        await asyncio.sleep(0.05)
+        assert not second.done() and service.knows_agent("", "a")  # it waits for the cache it continues
+        gate.set()
+        return n, await asyncio.wait_for(second, 60)
+
+    n, again = asyncio.run(turns())
+    assert again.cached_tokens == len(ids) + n and again.result.reuse == "own"
+
+
+async def _final_of(stream):
+    items = [item async for item in stream]
+    return items[-1]
