@@ -51,11 +51,6 @@ class SpecConfig:
             raise ValueError(f"invalid speculation settings: {self}")
 
 
-def best_draft_len(p: float, cost: float, most: int) -> int:
-    """One row's ``k`` in ``0..most``: the most expected tokens per unit of cost, (1 + p + ... + p^k) / (1 + cost*k)."""
-    return batch_draft_len([(p, most)], cost)
-
-
 def batch_draft_len(rows: list[tuple[float, int]], cost: float) -> int:
     """The draft length of a step whose rows are ``(acceptance rate, tokens it can draft)`` (0 for a row
     with no draft): the most expected tokens per unit of cost over all rows."""
@@ -125,11 +120,6 @@ class Drafter:
             if at is not None:
                 return toks[at : at + k]
         return []
-
-    def draft(self, room: int) -> list[int]:
-        """One sequence alone: :meth:`propose`, cut to the length whose bet pays best (maybe [])."""
-        guess = self.propose(room)
-        return guess[: best_draft_len(self.rate, self.config.position_cost, len(guess))]
 
     def record(self, drafted: int, accepted: int) -> None:
         self.proposed += drafted

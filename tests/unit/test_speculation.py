@@ -14,8 +14,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from semantic import BlockPool, BlockPoolBatchEngine, ModelCacheSpec, Request, lookup, rewind, steploop
-from semantic.lookup import Drafter, SpecConfig, batch_draft_len, best_draft_len
+from semantic import BlockPool, BlockPoolBatchEngine, ModelCacheSpec, Request, rewind, steploop
+from semantic.lookup import Drafter, SpecConfig, batch_draft_len
 from semantic.sampling import SamplingParams
 from tests.tiny_models import byte_tokenizer
 from tests.unit.test_steploop import TOL, TOL_QUANTIZED, generate_step_reference
@@ -163,37 +163,43 @@ def test_sampled_and_penalized_neighbours_never_draft_and_change_nothing_for_a_g
 
 
 def test_a_draft_copies_what_followed_the_latest_earlier_occurrence_of_the_suffix():
-    d = Drafter([1, 2, 3, 4, 5, 9, 2, 3, 7, 8, 2, 3], SpecConfig(max_draft=3, ngram=2, min_ngram=2, position_cost=0))
-    assert d.draft(10) == [7, 8, 2]        # "2 3" last seen before "7 8 2", not before "4 5 9"
+    d = Drafter([1, 2, 3, 4, 5, 9, 2, 3, 7, 8, 2, 3], SpecConfig(max_draft=3, ngram=2, min_ngram=2))
+    assert d.propose(10) == [7, 8, 2]      # "2 3" last seen before "7 8 2", not before "4 5 9"
     d.extend([7])
-    assert d.draft(10) == [8, 2, 3]        # "3 7": continues from there
-    assert d.draft(1) == [8]               # never more than the budget leaves
-    assert Drafter([1, 2, 3, 4], SpecConfig(ngram=2, min_ngram=2, position_cost=0)).draft(5) == []  # no match
+    assert d.propose(10) == [8, 2, 3]      # "3 7": continues from there
+    assert d.propose(1) == [8]             # never more than the budget leaves
+    assert Drafter([1, 2, 3, 4], SpecConfig(ngram=2, min_ngram=2)).propose(5) == []  # no match
+
+
+def _alone(d: Drafter, room: int = 50) -> list[int]:
+    """One sequence's draft when it decodes alone: its guess, cut to the bet that pays."""
+    guess = d.propose(room)
+    return guess[: batch_draft_len([(d.rate, len(guess))], d.config.position_cost)]
 
 
 def test_a_drafter_whose_drafts_fail_stops_drafting_and_tries_again_later():
     d = Drafter([1, 2] * 20, SpecConfig(max_draft=8, ngram=2, min_ngram=2, position_cost=0.15))
-    assert len(d.draft(50)) > 1
+    assert len(_alone(d)) > 1
     for _ in range(6):
-        d.record(len(d.draft(50)) or 1, 0)
-    assert d.draft(50) == []               # nothing pays at this acceptance rate: no draft, no cost
+        d.record(len(_alone(d)) or 1, 0)
+    assert _alone(d) == []                 # nothing pays at this acceptance rate: no draft, no cost
     tries = 0
-    while not d.draft(50):
+    while not _alone(d):
         tries += 1
     assert 5 < tries < 200                 # the evidence fades, and it bets again
 
 
 def test_truncating_a_drafter_forgets_the_occurrences_after_the_cut():
-    d = Drafter([5, 6, 7, 5, 6, 8], SpecConfig(ngram=2, min_ngram=2, position_cost=0))
+    d = Drafter([5, 6, 7, 5, 6, 8], SpecConfig(ngram=2, min_ngram=2))
     d.truncate(4)
     assert d.tokens == [5, 6, 7, 5]
     d.extend([6])
-    assert d.draft(5)[:1] == [7]           # "5 6" was followed by 7, the 8 was forgotten
+    assert d.propose(5)[:1] == [7]           # "5 6" was followed by 7, the 8 was forgotten
 
 
 @pytest.mark.parametrize("p, cost, expected", [(0.95, 0.15, 8), (0.9, 0.15, 6), (0.5, 0.15, 2), (0.15, 0.15, 0), (0.99, 0.0, 8)])
 def test_the_draft_length_is_the_bet_with_the_most_tokens_per_cost(p, cost, expected):
-    assert best_draft_len(p, cost, 8) == expected
+    assert batch_draft_len([(p, 8)], cost) == expected
 
 
 def test_a_batch_drafts_as_far_as_its_rows_together_pay_for():
@@ -211,4 +217,3 @@ def test_speculation_settings_are_checked():
         SpecConfig(max_draft=0)
     with pytest.raises(ValueError):
         SpecConfig(ngram=1, min_ngram=2)
-    assert lookup.SpecConfig() == SpecConfig()
