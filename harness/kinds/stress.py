@@ -208,7 +208,7 @@ def run(ctx) -> None:
     budget = int(p["ram_budget"] * working_set) if p["ram_budget"] else None
     sched = open_scheduler(loaded, cache_dir, p["pool_blocks"], max_batch=p["concurrency"],
                            block_tokens=p["block_tokens"], ram_budget_bytes=budget,
-                           speculation=SpecConfig() if p["speculation"] else None)
+                           speculation=SpecConfig(position_cost=p["spec_position_cost"]) if p["speculation"] else None)
     t_start = time.perf_counter()
     try:
         done = _drive(w, sched, ctx.progress)
@@ -358,6 +358,8 @@ KIND = register(Kind(
         "parity_every_turn": Param(bool, False, "re-run every turn instead (a cold one too), not a sample"),
         "speculation": Param(bool, False, "greedy turns draft tokens from their context (semantic.lookup); the "
                                           "fresh prefill that checks them never does"),
+        "spec_position_cost": Param(float, 0.15, "what one more drafted position costs a step (0: every match is "
+                                                 "drafted in full, so short runs exercise speculation)"),
         "tolerance": Param(float, 1e-4, "largest logprob difference a parity check allows"),
         "pool_blocks": Param(int, 1024, "blocks in the pool"),
         "block_tokens": Param(int, 256, "tokens per block (small blocks exercise more sharing and cutting)"),

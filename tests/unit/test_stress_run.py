@@ -38,7 +38,8 @@ def test_a_reduced_stress_run_has_no_errors_stale_reuses_or_leaks(model, tmp_pat
 @pytest.mark.parametrize("model", ["tiny-llama", "tiny-gemma3"])
 def test_with_speculation_every_turn_of_a_reduced_stress_run_equals_a_fresh_prefill_without_it(model, tmp_path):
     cfg = config.load("experiments/exp_008_stress_spec.toml",
-                      overrides=[f'models=["{model}"]', "params.requests=150", "params.evict_prob=0.15"])
+                      overrides=[f'models=["{model}"]', "params.requests=150", "params.evict_prob=0.15",
+                                 "params.spec_position_cost=0.0"])
     (path,) = runner.run(cfg, out_root=tmp_path)
     doc = json.loads(path.read_text())
     failed = [c for c in doc["criteria"] if not c["pass"]]
