@@ -185,7 +185,10 @@ class AgentCacheStore:
                 )
             except OSError as exc:
                 with self._lock:
-                    raise self.health.failed(exc) from None
+                    err = self.health.failed(exc)
+                    if err.kind == "missing":
+                        self._scanned = False  # the next try makes the directory again and indexes it
+                raise err from None
             with self._lock:
                 self.health.ok()
                 self._disk[agent_id] = _OnDisk(path, info.nbytes)
