@@ -39,7 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
                         f"agents counted once, checked after every step: least recently used caches already on "
                         f"disk are evicted (their next turn loads the file). At most --pool-mb, which also holds "
                         f"turns in flight and reusable prefixes (default {defaults.RAM_SHARE * 100:.0f}%% of --pool-mb)")
-    p.add_argument("--disk-mb", type=int, default=d.disk_mb, help=f"disk for saved caches (default {d.disk_mb})")
+    p.add_argument("--disk-mb", type=int, default=d.disk_mb,
+                   help=f"disk for saved caches, least recently used files deleted beyond it; a filesystem with less "
+                        f"room (free space less a 5%% reserve) stops new saves without deleting any (default "
+                        f"{d.disk_mb})")
     p.add_argument("--max-batch", type=int, default=d.max_batch, help=f"sequences decoded together (default {d.max_batch})")
     p.add_argument("--max-queued", type=int, default=d.max_queued,
                    help=f"requests waiting before 429 (default {d.max_queued})")
@@ -55,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-body-mb", type=float, default=d.max_body_mb, help=f"request body limit (default {d.max_body_mb})")
     p.add_argument("--sync-saves", action="store_true",
                    help="answer a named agent's turn only once its cache is written and fsynced, so a SIGKILL "
-                        "right after the reply loses nothing (default: saved behind the reply)")
+                        "right after the reply loses nothing; the reply says saved or failed (X-Semantic-Cache-Save, "
+                        "usage.cache_save) (default: saved behind the reply, which says pending)")
     p.add_argument("--tool-parser", default=None, metavar="NAME",
                    help="the model's tool-call format: an mlx_lm.tool_parsers module (json_tools, mistral, "
                         "qwen3_coder, ...) or 'generic' (tools described in the system turn, calls as JSON under a "
