@@ -13,10 +13,12 @@ import re
 import shutil
 import subprocess
 
+import httpx
 import openai
 import pytest
 
 from harness.models.tiny import write_tiny_llama
+from tests.fs_helpers import fill, tmpfs
 from tests.serve_helpers import Server
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -58,7 +60,28 @@ def test_the_dashboard_shows_hit_rate_bytes_agents_and_recent_ttfts(tmp_path):
     assert "agent-0" in dom and "agent-1" in dom  # the agents table
     assert len(re.findall(r"<tr><td>", dom.split('id="recent"')[1].split("</tbody>")[0])) == 4  # recent TTFTs
     assert "MiB" in text_of("ram-bytes") and "MiB" in text_of("disk-bytes")
+    assert re.search(r'<div id="disk-alert"[^>]*hidden', dom)  # saves work: no alert
     png = shot.read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     if os.environ.get("SEMANTIC_DASHBOARD_SHOT"):
         shutil.copyfile(shot, os.environ["SEMANTIC_DASHBOARD_SHOT"])
+
+
+def test_the_dashboard_says_so_when_the_disk_is_full(tmp_path):
+    with tmpfs("4m") as where:
+        s = Server(write_tiny_llama(tmp_path / "model"), where / "agents", ["--pool-mb", "64"],
+                   log_dir=tmp_path).start()
+        try:
+            httpx.get(s.url + "/health", timeout=10)  # the cache directory exists: now nothing fits beside it
+            filler = fill(where)
+            client = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0)
+            client.chat.completions.create(model="tiny", max_tokens=4, prompt_cache_key="agent-0",
+                                           messages=[{"role": "user", "content": "hello"}])
+            s.wait_saved()
+            full = _browser("--dump-dom", s.url + "/dashboard")
+            filler.unlink()
+        finally:
+            assert s.stop_cleanly(), s.log()
+    alert = re.search(r'<div id="disk-alert"([^>]*)>(.*?)</div>', full, re.S)
+    assert alert and "hidden" not in alert.group(1), full[:2000]
+    assert alert.group(2).startswith("The disk is full: caches stay in RAM")

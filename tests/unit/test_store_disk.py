@@ -1,16 +1,11 @@
 """The store on a disk that fills, turns read-only or vanishes: saves fail by name, nothing written is lost.
 
 The read-only and full-filesystem cases use a real size-limited tmpfs
-mounted here (root only; elsewhere they are skipped with the reason): a
-chmod does not stop root, and only the kernel gives a real ENOSPC mid-write.
+(``tests/fs_helpers``: root only, elsewhere skipped with the reason).
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
-import subprocess
-import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -19,6 +14,7 @@ import pytest
 from semantic import AgentCacheStore, CacheSaveError
 from semantic.diskhealth import DiskHealth
 from tests.cache_helpers import assert_identical, engine, generate, history
+from tests.fs_helpers import fill, remount, tmpfs
 
 FP = "tiny-model"
 
@@ -52,27 +48,6 @@ def caches(eng):
     return {a: generate(eng, a, history(n, seed=i), 4).blocks for i, (a, n) in enumerate((("a", 16), ("b", 60)))}
 
 
-@contextlib.contextmanager
-def tmpfs(size: str):
-    """A tmpfs of ``size`` mounted on a fresh directory, unmounted after."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a size-limited tmpfs needs root")
-    where = Path(tempfile.mkdtemp(prefix="semantic-tmpfs-"))
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True)
-    if done.returncode != 0:
-        where.rmdir()
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
-    try:
-        yield where
-    finally:
-        subprocess.run(["umount", "-l", str(where)], check=False)
-        where.rmdir()
-
-
-def _remount(where: Path, mode: str) -> None:
-    subprocess.run(["mount", "-o", f"remount,{mode}", str(where)], check=True)
-
-
 def test_a_save_the_disk_cannot_hold_is_refused_before_writing_and_older_files_still_load(eng, caches, tmp_path):
     store = _store(eng, tmp_path)
     store.save("a", caches["a"])
@@ -95,10 +70,7 @@ def test_a_real_enospc_mid_write_leaves_the_old_file_whole_and_no_temporary_file
     with tmpfs("2m") as where:
         store = _store(eng, where / "cache", Clock())
         store.save("b", caches["a"])  # b's older, smaller cache
-        filler = where / "filler"
-        with open(filler, "wb") as f, contextlib.suppress(OSError):
-            while True:
-                f.write(b"\0" * 65536)
+        filler = fill(where)
         store.health.room = lambda: None  # room unknown: the write itself must meet the full disk
         with pytest.raises(CacheSaveError) as err:
             store.save("b", caches["b"])
@@ -116,7 +88,7 @@ def test_a_read_only_directory_still_serves_loads_and_saves_resume_when_it_is_wr
         clock = Clock()
         store = _store(eng, where, clock)
         store.save("a", caches["a"])
-        _remount(where, "ro")
+        remount(where, "ro")
         try:
             with pytest.raises(CacheSaveError) as err:
                 store.save("b", caches["b"])
@@ -125,7 +97,7 @@ def test_a_read_only_directory_still_serves_loads_and_saves_resume_when_it_is_wr
             assert restarted.agents() == ["a"]
             assert_identical(restarted.load("a"), caches["a"])
         finally:
-            _remount(where, "rw")
+            remount(where, "rw")
         clock.t += 60
         store.save("b", caches["b"])
         assert store.agents() == ["a", "b"] and store.stats().disk["state"] == "ok"
