@@ -22,6 +22,7 @@ _EXPORTS = {
         "CacheCorruptError",
         "CacheError",
         "CacheMismatchError",
+        "CacheSaveError",
         "CacheShapeError",
         "ContextLengthError",
         "InvalidAgentIdError",

@@ -65,3 +65,17 @@ class SchedulerClosedError(CacheError):
 
 class ContextLengthError(InvalidRequestError):
     """A prompt plus its token budget exceeds the model's context (or the pool)."""
+
+
+class CacheSaveError(CacheError):
+    """A cache file could not be written; the cache stays in RAM and the agent's next turn saves again.
+
+    ``kind`` names the cause: "disk_full" (no room, or less than the
+    reserve left), "read_only", "missing" (the directory is gone) or "io".
+    ``skipped``: the store did not try, because it is backing off after an
+    earlier failure of that kind.
+    """
+
+    def __init__(self, kind: str, message: str, *, skipped: bool = False):
+        self.kind, self.skipped = kind, skipped
+        super().__init__(message)

@@ -17,6 +17,7 @@ recently used first; the store reloads it on its next turn)::
     turns in flight               wait for a finish
     a cache on disk, not busy     evict it, then plan again
     a save under way              wait for it, then plan again
+    a cache whose save failed     drop it, counted as lost, then plan again
     else                          the turn fails (PoolExhaustedError)
 
 The RAM budget (``budget``; None: the pool is the only bound) holds after
@@ -27,12 +28,15 @@ every pass: the turns that finished in the step are resident by then, and
     a cache already on disk       evict the least recently used one (busy or not:
                                   the engine rebuilt a busy agent's cache at admission)
     else, a save is under way     wait for the saver (no step meanwhile)
-    else                          over budget: counted with its reason (only caches
-                                  whose save failed are left; they stay until saved)
+    else                          drop the least recently used cache whose save failed
+                                  (the disk is full or gone), counted as lost
 
 A pinned cache is never evicted to make room: its agent has a turn in
 flight, or its cache is not on disk (a save pending, being written, or
-failed: ``SaveState.unsaved``).
+failed: ``SaveState.unsaved``). Memory stays bounded when nothing can be
+saved: a cache whose save failed, and that no save is pending for, is the
+last to go, and goes (``SaveState.lost``). Its agent's next turn starts from
+its last file on disk, if any, and prefills the rest.
 """
 
 from __future__ import annotations
@@ -87,6 +91,7 @@ class SchedulerStats:
     over_budget_steps: int = 0       # passes that ended over the budget anyway ...
     over_budget_reason: str | None = None  # ... and why (the last time)
     steps: int = 0                   # engine steps of the worker: each pass ends with the budget check and a sample
+    lost_caches: int = 0             # caches dropped unsaved under memory pressure (their save had failed)
 
     @property
     def token_hit_rate(self) -> float:
@@ -236,11 +241,21 @@ class StepPlanner:
 
     def make_room(self, exclude: str) -> StepPlan | None:
         """Free pool blocks: evict the least recently used resident cache that may go (not ``exclude``'s,
-        not pinned), else wait for a save under way; None when nothing can make room."""
+        not pinned), else wait for a save under way, else drop one whose save failed (lost); None when
+        nothing can make room."""
         victim = next((a for a in self.residency if a != exclude and not self.pinned(a)), None)
         if victim is not None:
             return StepPlan(evict=victim)
-        return StepPlan(wait_for_save=True) if self.saves.busy else None
+        if self.saves.busy:
+            return StepPlan(wait_for_save=True)
+        victim = next((a for a in self.residency if a != exclude and a not in self._busy and self.saves.failed(a)),
+                      None)
+        return self._lose(victim) if victim is not None else None
+
+    def _lose(self, agent_id: str) -> StepPlan:
+        """Evict a cache that is not on disk: its turns since its last file are lost (counted)."""
+        self.saves.forget(agent_id)
+        return StepPlan(evict=agent_id)
 
     def started(self, ticket: Ticket, uid: int, reserved: int) -> None:
         """``ticket`` runs in the engine as ``uid``."""
@@ -273,7 +288,8 @@ class StepPlanner:
 
     def finish(self, uid: int, c: Completion, blocks: AgentBlocks | None, prepared) -> tuple[Ticket, list]:
         """Turn ``uid`` finished as ``c``: its ticket, and the caches its new one replaced (release them
-        outside the lock). ``blocks`` are kept resident when not None, and saved with ``prepared``."""
+        outside the lock). ``blocks`` are kept resident when not None, and saved with ``prepared``
+        (``c.save_number`` is then its save's)."""
         ticket = self.in_flight.pop(uid)
         agent_id = c.request.agent_id
         self._busy.discard(agent_id)
@@ -281,7 +297,8 @@ class StepPlanner:
         if blocks is not None:
             replaced.append(self.residency.put(agent_id, blocks))
             if prepared is not None:  # a newer save replaces a pending older one
-                replaced.append(self.saves.put(agent_id, blocks, prepared))
+                c.save_number, older = self.saves.put(agent_id, blocks, prepared)
+                replaced.append(older)
         self.counts["completed"] += 1
         self.counts["cancelled"] += c.finish_reason == "cancelled" and not ticket.future.done()
         self.counts["prompt_tokens"] += c.prompt_tokens
@@ -309,7 +326,7 @@ class StepPlanner:
             submitted=c["submitted"], completed=c["completed"], failed=c["failed"], rejected=c["rejected"],
             queued=self.queued, in_flight=len(self.in_flight),
             prompt_tokens=c["prompt_tokens"], cached_tokens=c["cached_tokens"],
-            saves=s.saves, save_errors=s.errors, pending_saves=s.outstanding(),
+            saves=s.saves, save_errors=s.errors, pending_saves=s.outstanding(), lost_caches=s.lost,
             resident_agents=len(r), evictions=c["evictions"], cancelled=c["cancelled"],
             resident_bytes=r.bytes, resident_peak_bytes=r.peak_bytes, ram_budget_bytes=self.budget,
             budget_evictions=c["budget_evictions"], budget_waits=c["budget_waits"], budget_wait_s=self.budget_wait_s,
@@ -354,9 +371,12 @@ class StepPlanner:
         if self.saves.busy:  # the oldest unsaved cache is written first: it becomes evictable
             self.counts["budget_waits"] += 1
             return StepPlan(wait_for_save=True)
+        victim = next((a for a in self.residency if self.saves.failed(a)), None)
+        if victim is not None:  # nothing can be saved (the disk is full or gone): the memory bound wins
+            self.counts["budget_evictions"] += 1
+            return self._lose(victim)
         self.counts["over_budget_steps"] += 1
         self.over_budget_reason = (
-            f"{self.residency.bytes} resident bytes over a budget of {self.budget}: the {len(self.residency)} caches"
-            " left are not on disk (their save failed) and stay until a later turn saves them"
+            f"{self.residency.bytes} resident bytes over a budget of {self.budget}, and no cache left that may go"
         )
         return StepPlan()

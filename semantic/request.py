@@ -201,6 +201,7 @@ class Completion:
     admitted_at: float = 0.0    # the engine took the request
     first_token_at: float = 0.0  # the first generated token was read (materialized); 0: none
     finished_at: float = 0.0    # the sequence finished, its cache extracted
+    save_number: int = 0        # the scheduler's save of its cache (``SaveState.outcome``); 0: none queued
     decode: Callable[[list[int]], str] | None = field(default=None, repr=False)  # the tokenizer's, for ``text``
 
     @property

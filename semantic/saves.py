@@ -5,7 +5,8 @@ evicted) and by the saver thread (``writebehind``), which takes the oldest
 pending save, writes it and reports back. Pending saves are bounded by the
 agents that have one: a newer save of an agent replaces its older pending
 one. A failed save leaves the agent ``unsaved`` until a later save of it
-succeeds. Plain state: the scheduler's lock guards every call.
+succeeds. Each save has a number, so a turn can ask what became of its own
+(:meth:`SaveState.outcome`). Plain state: the scheduler's lock guards every call.
 """
 
 from __future__ import annotations
@@ -17,33 +18,49 @@ from semantic.blocks import AgentBlocks
 
 Pending = tuple[AgentBlocks, cachefile.PreparedSave]
 
+SAVED, PENDING, FAILED = "saved", "pending", "failed"  # what became of a turn's save
+WRITTEN_KEPT = 65536  # agents whose last save's outcome is remembered (a turn asks right after its save)
+
 
 class SaveState:
     """Pending saves, oldest first, and what became of the ones written."""
 
     def __init__(self):
         self._pending: OrderedDict[str, Pending] = OrderedDict()
+        self._numbers: dict[str, int] = {}  # agent -> the number of its newest save queued
         self.saving: str | None = None  # the agent whose save is being written
+        self._saving_number = 0
         self._failed: set[str] = set()  # agents whose newest save failed
+        self._written: OrderedDict[str, tuple[int, bool]] = OrderedDict()  # agent -> (number, ok) of its newest save done
+        self._next = 0
         self.saves = self.errors = 0
+        self.lost = 0  # caches dropped from RAM unsaved (``semantic.planner``): their turns are not on disk
 
-    def put(self, agent_id: str, blocks: AgentBlocks, prepared: cachefile.PreparedSave) -> Pending | None:
-        """Queue a save; returns the older pending one it replaces (the caller releases it)."""
+    def put(self, agent_id: str, blocks: AgentBlocks, prepared: cachefile.PreparedSave) -> tuple[int, Pending | None]:
+        """Queue a save: its number, and the older pending one it replaces (the caller releases it)."""
         replaced = self._pending.pop(agent_id, None)
         self._pending[agent_id] = (blocks, prepared)
-        return replaced
+        self._next += 1
+        self._numbers[agent_id] = self._next
+        return self._next, replaced
 
     def take(self) -> tuple[str, Pending] | None:
         """The oldest pending save, now being written; None if there is none."""
         if not self._pending:
             return None
         agent_id, entry = self._pending.popitem(last=False)
-        self.saving = agent_id
+        self.saving, self._saving_number = agent_id, self._numbers[agent_id]
         return agent_id, entry
 
     def done(self, agent_id: str, ok: bool) -> None:
         """The save :meth:`take` handed out was written (``ok``) or failed."""
         assert self.saving == agent_id, (self.saving, agent_id)
+        self._written[agent_id] = (self._saving_number, ok)
+        self._written.move_to_end(agent_id)
+        while len(self._written) > WRITTEN_KEPT:
+            self._written.popitem(last=False)
+        if agent_id not in self._pending:
+            del self._numbers[agent_id]
         self.saving = None
         if ok:
             self.saves += 1
@@ -51,6 +68,23 @@ class SaveState:
         else:
             self.errors += 1
             self._failed.add(agent_id)
+
+    def outcome(self, agent_id: str, number: int) -> str:
+        """What became of save ``number`` of the agent: SAVED or FAILED once it, or a newer save that replaced
+        it (the same history and more), was written; PENDING while one is queued or being written."""
+        written = self._written.get(agent_id)
+        if number > 0 and written is not None and written[0] >= number:
+            return SAVED if written[1] else FAILED
+        return PENDING if number > 0 and self.holds(agent_id) else FAILED
+
+    def forget(self, agent_id: str) -> None:
+        """The agent's unsaved cache was dropped (counted as lost): it is no longer pinned as unsaved."""
+        self._failed.discard(agent_id)
+        self.lost += 1
+
+    def failed(self, agent_id: str) -> bool:
+        """Whether the agent's newest save failed and none is pending."""
+        return agent_id in self._failed and not self.holds(agent_id)
 
     @property
     def busy(self) -> bool:

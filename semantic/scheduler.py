@@ -219,6 +219,12 @@ class ConcurrentScheduler:
         """Wait until no save of ``agent_id`` is pending or being written (False: timed out)."""
         return self._wait_while(lambda: self.planner.saves.holds(agent_id), timeout)
 
+    def save_outcome(self, c: Completion) -> str:
+        """What became of the save of turn ``c``'s cache: "saved" (its file is written, fsynced unless the
+        store is not durable), "pending", or "failed" (not kept, not written, or the disk refused it)."""
+        with self._cv:
+            return self.planner.saves.outcome(c.agent_id, c.save_number)
+
     def _wait_while(self, busy: Callable[[], object], timeout: float | None) -> bool:
         """Wait on ``_cv`` while ``busy()`` (checked under it); False when ``timeout`` ran out first."""
         deadline = None if timeout is None else time.monotonic() + timeout

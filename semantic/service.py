@@ -5,7 +5,8 @@ the engine::
 
     Service.open(model, budgets) ─► Service
         prepare(messages | prompt, max_tokens, agent, tenant, ...) ─► Request   (tokenized once, fitted, checked)
-        submit(request) ─► TurnFuture[Completion] (.tokens: sooner)   cancel(future)   wait_saved(agent_id)
+        submit(request) ─► TurnFuture[Completion] (.tokens: sooner)   cancel(future)
+        wait_saved(agent_id)   save_outcome(completion) ─► "saved" | "pending" | "failed"
         stats() ─► ServiceStats                    agents(tenant) ─► [AgentInfo]      close()
 
 Which cache a request uses: a named agent keeps its own cache, on disk and
@@ -41,6 +42,7 @@ from semantic.constraint import Grammar
 from semantic.echo import EchoBook, Reply, Said
 from semantic.request import Completion, OnToken, Request, encode, render_text
 from semantic.sampling import GREEDY, SamplingParams
+from semantic.saves import FAILED, PENDING, SAVED
 from semantic.scheduler import ConcurrentScheduler, TurnFuture
 from semantic.spec import ModelCacheSpec
 from semantic.store import AgentCacheStore, StoreStats, file_name
@@ -50,7 +52,7 @@ log = logging.getLogger(__name__)
 
 # the HTTP layer's one door into the engine: what it names, it imports from here
 __all__ = [
-    "ANON", "AgentInfo", "CacheError", "Completion", "ContextLengthError", "GREEDY", "InvalidRequestError", "Request",
+    "ANON", "FAILED", "PENDING", "SAVED", "AgentInfo", "CacheError", "Completion", "ContextLengthError", "GREEDY", "InvalidRequestError", "Request",
     "SamplingParams", "SchedulerClosedError", "Service", "ServiceStats", "ToolCall", "ToolPlan", "Tools", "TurnPlan",
     "errors", "output_budget", "read_calls",
 ]
@@ -343,8 +345,12 @@ class Service:
         return self.scheduler.cancel(future)
 
     def wait_saved(self, agent_id: str, timeout: float | None = None) -> bool:
-        """Wait until the agent's newest cache is on disk (False: timed out)."""
+        """Wait until no save of the agent is pending or being written (False: timed out)."""
         return self.scheduler.wait_saved(agent_id, timeout)
+
+    def save_outcome(self, c: Completion) -> str:
+        """"saved", "pending" or "failed": what became of the save of turn ``c``'s cache (a named agent's)."""
+        return self.scheduler.save_outcome(c)
 
     def close(self, timeout: float | None = None) -> None:
         """Finish what is queued and in flight, write pending saves, stop the threads."""

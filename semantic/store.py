@@ -9,6 +9,7 @@ store holds no blocks of its own::
     save(a) ──► file a (fsynced)
     load(a) ──► file? ──► blocks in the pool (the caller's), else None
     disk over budget  ──► delete least recently used files (never the one just saved)
+    disk full, read-only or gone ──► CacheSaveError (``semantic.diskhealth``): nothing deleted, retried later
 
 Agent ids are mapped to file names, never used as paths: ``<slug>-<sha256
 prefix>.safetensors``, where the slug keeps only ``[a-z0-9_-]`` of the id for
@@ -20,7 +21,16 @@ raise :class:`InvalidAgentIdError`.
 On startup the store scans its directory: it deletes temporary files that a
 dead process left, moves files that fail their header check to
 ``quarantine/`` (see :attr:`AgentCacheStore.quarantined`), skips files of
-another model or spec, and indexes the rest, least recently used first.
+another model or spec, and indexes the rest, least recently used first. A
+directory that cannot be created or written is no error: the store serves
+what it can read, saves fail with :class:`CacheSaveError` (tried again after
+a back-off), and the scan runs once the directory is usable.
+
+The disk budget is the smaller of ``disk_budget_bytes`` and what the
+filesystem leaves (our files plus the free space, less a reserve):
+:meth:`AgentCacheStore.effective_budget`. Over the configured budget, least
+recently used files go; a disk that other programs filled only stops new
+saves, and every file already written stays loadable.
 
 Threads: calls for different agents run concurrently (file reads and writes
 happen outside every shared lock); calls for the same agent are serialized.
@@ -43,9 +53,11 @@ from pathlib import Path
 from semantic import blockplan, cachefile
 from semantic.cachefile import atomic
 from semantic.blocks import AgentBlocks
+from semantic.diskhealth import DiskHealth
 from semantic.errors import (
     CacheCorruptError,
     CacheMismatchError,
+    CacheSaveError,
     InvalidAgentIdError,
 )
 from semantic.pool import BlockPool
@@ -79,6 +91,7 @@ class StoreStats:
     disk_agents: int
     disk_bytes: int
     quarantined: int
+    disk: dict | None = None  # the directory's state for saves (``DiskHealth.snapshot``) and the effective budget
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,7 +150,13 @@ class AgentCacheStore:
         self.quarantined: list[Quarantined] = []
         self.foreign: list[str] = []   # files of another model or spec, left in place
         self.cleaned: list[str] = []   # leftover temporary files deleted on startup
-        self._scan()
+        self.health = DiskHealth(self.dir)  # guarded by _lock
+        self._scanned = False
+        try:
+            self._scan()
+        except OSError as exc:  # served from RAM until the directory can be used (the next save tries again)
+            with self._lock:
+                self.health.failed(exc)
 
     # ------------------------------------------------------------ public
 
@@ -151,13 +170,27 @@ class AgentCacheStore:
         name = file_name(agent_id)
         self.spec.require_same(blocks.spec, "these blocks")
         self._check_live(blocks)  # before any write: blocks of another pool are refused
+        if prepared is None:
+            prepared = cachefile.prepare_save(blocks)
         with self._agent_lock(agent_id):
-            path = self.dir / name
-            info = cachefile.save(
-                path, blocks, model_fingerprint=self.fingerprint, agent_id=agent_id, durable=self.durable,
-                prepared=prepared,
-            )
             with self._lock:
+                self.health.check(prepared.nbytes)  # raises while backing off or when the disk has no room
+            try:
+                if not self._scanned:
+                    self._scan()  # the directory is usable again (or for the first time): index what it holds
+                path = self.dir / name
+                info = cachefile.save(
+                    path, blocks, model_fingerprint=self.fingerprint, agent_id=agent_id, durable=self.durable,
+                    prepared=prepared,
+                )
+            except OSError as exc:
+                with self._lock:
+                    err = self.health.failed(exc)
+                    if err.kind == "missing":
+                        self._scanned = False  # the next try makes the directory again and indexes it
+                raise err from None
+            with self._lock:
+                self.health.ok()
                 self._disk[agent_id] = _OnDisk(path, info.nbytes)
                 self._disk.move_to_end(agent_id)
         self._disk_trim(keep=agent_id)
@@ -206,8 +239,19 @@ class AgentCacheStore:
         with self._lock:
             return sorted(self._disk)
 
-    def stats(self) -> StoreStats:
+    def effective_budget(self) -> int:
+        """The bytes of files the store may hold now: the configured budget, or less when the filesystem
+        leaves less (our files plus the free space beyond the reserve)."""
         with self._lock:
+            ours = sum(e.nbytes for e in self._disk.values())
+            room = self.health.room()
+        return self.disk_budget if room is None else min(self.disk_budget, ours + room[1])
+
+    def stats(self) -> StoreStats:
+        effective = self.effective_budget()
+        with self._lock:
+            disk = self.health.snapshot()
+            disk["effective_budget_bytes"] = effective
             return StoreStats(
                 disk_hits=self._counts["disk_hits"],
                 misses=self._counts["misses"],
@@ -215,6 +259,7 @@ class AgentCacheStore:
                 disk_agents=len(self._disk),
                 disk_bytes=sum(e.nbytes for e in self._disk.values()),
                 quarantined=len(self.quarantined),
+                disk=disk,
             )
 
     # ------------------------------------------------------------ the pool, for admission
@@ -259,6 +304,11 @@ class AgentCacheStore:
             log.warning("agent %r: cannot load %s: %s", agent_id, entry.path, exc)
             self._forget(agent_id)
             return None
+        except OSError as exc:  # unreadable now (permissions, I/O): a miss; the file may read again later
+            log.warning("agent %r: cannot read %s: %s", agent_id, entry.path, exc)
+            with self._lock:
+                self._counts["misses"] += 1
+            return None
 
     def _forget(self, agent_id: str) -> None:
         with self._lock:
@@ -284,15 +334,24 @@ class AgentCacheStore:
                 return  # every other agent is busy: try again on the next save
             try:
                 with self._lock:
-                    entry = self._disk.pop(victim, None)
-                    self._counts["disk_evictions"] += entry is not None
+                    entry = self._disk.get(victim)
                 if entry is not None:
-                    atomic.unlink_quietly(entry.path)
+                    try:
+                        atomic.unlink_quietly(entry.path)
+                    except OSError as exc:  # a read-only directory: the file stays, and so does its entry
+                        log.warning("cannot delete %s to hold the disk budget: %s", entry.path, exc)
+                        return
+                    with self._lock:
+                        self._counts["disk_evictions"] += self._disk.pop(victim, None) is not None
             finally:
                 lock.release()
 
     def _quarantine(self, path: Path, reason: str) -> None:
-        dest = atomic.quarantine(path, self.dir / QUARANTINE_DIR)
+        try:
+            dest = atomic.quarantine(path, self.dir / QUARANTINE_DIR)
+        except OSError as exc:  # a read-only directory: left in place, not indexed
+            log.warning("cannot quarantine %s (%s): %s", path, reason, exc)
+            return
         if dest is None:
             return
         log.warning("quarantined %s -> %s: %s", path, dest, reason)
@@ -300,6 +359,7 @@ class AgentCacheStore:
             self.quarantined.append(Quarantined(str(dest), str(path), reason))
 
     def _scan(self) -> None:
+        """Index the directory's files (raises OSError when it cannot be created or listed)."""
         self.dir.mkdir(parents=True, exist_ok=True)
         self.cleaned.extend(atomic.remove_abandoned(self.dir))  # dead writers' temporary files
         found = []
@@ -325,8 +385,13 @@ class AgentCacheStore:
                 self._quarantine(path, f"file name does not match its agent id {info.agent_id!r}")
                 continue
             found.append((path.stat().st_mtime_ns, info.agent_id, _OnDisk(path, info.nbytes)))
-        for _, agent_id, entry in sorted(found, key=lambda x: (x[0], x[1])):
-            self._disk[agent_id] = entry
+        with self._lock:
+            # newest first, each put in front: least recently used first, ahead of what this process saved
+            for _, agent_id, entry in sorted(found, key=lambda x: (x[0], x[1]), reverse=True):
+                if agent_id not in self._disk:
+                    self._disk[agent_id] = entry
+                    self._disk.move_to_end(agent_id, last=False)
+        self._scanned = True
         self._disk_trim(keep="")
 
     def _agent_lock(self, agent_id: str) -> threading.Lock:

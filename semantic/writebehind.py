@@ -3,9 +3,11 @@
 The worker prepares each save (``cachefile.prepare_save``, the MLX part) and
 queues it in the planner's :class:`~semantic.saves.SaveState`; this thread
 takes the oldest, writes its bytes and reports back, so MLX keeps computing.
-A failed save is counted and logged; the cache stays resident (``unsaved``
-until a later save of the agent succeeds, so neither the pool nor the RAM
-budget evicts it) and the agent's next finished turn saves again.
+A failed save is counted (the store logs one line per kind of failure: a
+full disk, a read-only or vanished directory); the cache stays resident
+(``unsaved`` until a later save of the agent succeeds: evicted only as the
+last resort, counted as lost, ``semantic.planner``) and the agent's next
+finished turn saves again.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import logging
 import threading
 from typing import Callable
 
+from semantic.errors import CacheSaveError
 from semantic.saves import SaveState
 from semantic.store import AgentCacheStore
 
@@ -52,7 +55,9 @@ class WriteBehind:
             try:
                 self.store.save(agent_id, blocks, prepared)
                 ok = True
-            except Exception:  # the cache stays resident; the next finish saves again
+            except CacheSaveError:  # the store logged its kind once; the cache stays resident
+                ok = False
+            except Exception:  # unexpected: the cache stays resident; the next finish saves again
                 log.exception("agent %r: write-behind save failed", agent_id)
                 ok = False
             del blocks, prepared, job

@@ -37,6 +37,7 @@ class Server:
     port: int = 0
     proc: subprocess.Popen | None = None
     log_path: Path | None = None
+    log_dir: Path | None = None  # default: beside the cache directory
 
     @property
     def url(self) -> str:
@@ -44,7 +45,7 @@ class Server:
 
     def start(self, timeout: float = 120.0) -> "Server":
         self.port = free_port()
-        self.log_path = self.cache_dir.parent / f"server-{self.port}.log"
+        self.log_path = (self.log_dir or self.cache_dir.parent) / f"server-{self.port}.log"
         cmd = [sys.executable, "-m", "semantic.serve", "--model", str(self.model), "--port", str(self.port),
                "--cache-dir", str(self.cache_dir), "--model-id", self.model_id, *self.args]
         env = {**os.environ, "PYTHONPATH": str(ROOT)}

@@ -239,7 +239,10 @@ def remove_abandoned(directory: Path) -> list[str]:
             continue
         gone = path.stat().st_mtime_ns < _STARTED_NS if pid == os.getpid() else not _alive(pid)
         if gone:
-            unlink_quietly(path)
+            try:
+                unlink_quietly(path)
+            except OSError:  # a read-only directory: a later scan deletes it
+                continue
             removed.append(str(path))
     return removed
 

@@ -123,6 +123,11 @@ class PreparedSave:
     chunks: list[list[memoryview]]
     stored_from: dict[str, int]
 
+    @property
+    def nbytes(self) -> int:
+        """The tensor bytes the file will hold (its header adds a few KiB)."""
+        return sum(v.nbytes for views in self.chunks for v in views)
+
 
 def prepare_save(blocks: AgentBlocks) -> PreparedSave:
     """The byte views :func:`save` writes for ``blocks`` (no copy of segment views)."""

@@ -25,7 +25,7 @@ from semantic.serve.conversation import (
 from semantic.serve.errors import from_stream, invalid, sse_error
 from semantic.serve.state import ServeState, serve_state, tenant_of
 from semantic.serve.streaming import EventStream, event
-from semantic.serve.turns import Turn, agent_of, check_model
+from semantic.serve.turns import Turn, agent_of, check_model, salt_of
 
 router = APIRouter()
 
@@ -40,7 +40,7 @@ def stop_reason(final: Final) -> str:
 
 def usage(final: Final) -> an.Usage:
     return an.Usage(input_tokens=final.prompt_tokens - final.cached_tokens, output_tokens=final.completion_tokens,
-                    cache_read_input_tokens=final.cached_tokens)
+                    cache_read_input_tokens=final.cached_tokens, cache_save=final.cache_save)
 
 
 # context edits this server honours: thinking is never rendered back, so there is none to clear
@@ -86,6 +86,7 @@ def _request(body: an.MessagesRequest, request: Request, state: ServeState) -> G
         sampling=SamplingParams(**{k: v for k, v in given.items() if v is not None}),
         stop=tuple(body.stop_sequences or ()), tenant=tenant_of(request), api="anthropic.messages",
         agent=agent_of(request, body.metadata.user_id if body.metadata else None),
+        cache_salt=salt_of(request),
         tools=tools, response_schema=schema)
 
 

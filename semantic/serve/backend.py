@@ -20,7 +20,7 @@ import time
 from collections import deque
 from pathlib import Path
 
-from semantic.service import SchedulerClosedError, Service
+from semantic.service import FAILED, PENDING, SchedulerClosedError, Service
 from semantic.serve.protocol import Final, GenerateRequest, Prepared
 from semantic.serve.textstream import TextStream
 from semantic.serve.thinkstream import ThinkSplitter, opens_in_reasoning
@@ -29,6 +29,7 @@ from semantic.serve.toolstream import CallSplitter
 log = logging.getLogger(__name__)
 
 _DONE = object()
+SYNC_SAVE_WAIT_S = 120.0  # a reply waits this long for its save at most (then it says "pending")
 
 
 class _Relay:
@@ -62,7 +63,8 @@ class Backend:
     Args:
         service: the engine (model, caches, scheduler).
         model_id: the name clients use.
-        sync_saves: a named agent's Final waits until its cache file is written.
+        sync_saves: a named agent's Final waits until its cache file is written, and says whether it
+            was ("saved" / "failed"); without it, a Final says "pending" (saved behind the reply).
     """
 
     def __init__(self, service: Service, *, model_id: str, sync_saves: bool = False):
@@ -137,19 +139,32 @@ class Backend:
                     item.cached_tokens, first = relay.cached, False
                 yield item
             result = tokens.result()
-            if self.sync_saves and turn.persist and (await asyncio.wrap_future(future)).cache_saved:
-                await asyncio.to_thread(self.service.wait_saved, turn.agent_id, 120.0)
+            saved = await self._saved(turn, future) if turn.persist else None
             tail = relay.text.finish()
             if tail is not None:
                 yield tail
-            yield self._final(prepared, result, relay.text)
+            yield self._final(prepared, result, relay.text, saved)
         finally:
             if not tokens.done():
                 self.service.cancel(future)
 
-    def _final(self, prepared: Prepared, result, text: TextStream) -> Final:
+    async def _saved(self, turn, future) -> str:
+        """What became of a named agent's save: with ``sync_saves``, waited for ("saved" or "failed");
+        else "pending" (written behind the reply), unless it is already known."""
+        if not self.sync_saves:
+            return self.service.save_outcome(future.result()) if future.done() and not future.exception() \
+                else PENDING
+        try:
+            completion = await asyncio.wrap_future(future)
+        except Exception:  # the step failed after the last token was read: nothing was kept
+            return FAILED
+        if completion.save_number:
+            await asyncio.to_thread(self.service.wait_saved, turn.agent_id, SYNC_SAVE_WAIT_S)
+        return self.service.save_outcome(completion)
+
+    def _final(self, prepared: Prepared, result, text: TextStream, saved: str | None) -> Final:
         final = Final(result, text.content, text.stop_sequence, tuple(text.calls), text.reasoning,
-                      text.reasoning_tokens)
+                      text.reasoning_tokens, saved)
         self.service.remember(prepared.plan, result, final.text, final.tool_calls, final.stop_sequence)
         with self._lock:
             self._generated += final.completion_tokens
@@ -189,9 +204,13 @@ class Backend:
                     "peak_bytes": s.resident_peak_bytes, "budget_evictions": s.budget_evictions,
                     "budget_waits": s.budget_waits, "over_budget_steps": s.over_budget_steps,
                     "over_budget_reason": s.over_budget_reason},
+            # state: "ok", or why saves fail now ("disk_full", "read_only", "missing", "io"): caches stay in RAM
             "disk": {"agents": store.disk_agents, "bytes": store.disk_bytes, "budget_bytes": st.disk_budget_bytes,
-                     "dir": st.cache_dir},
-            "saves": {"done": s.saves, "errors": s.save_errors, "pending": s.pending_saves},
+                     "dir": st.cache_dir, **_disk_state(store.disk)},
+            # lost: caches dropped from RAM unsaved (their saves failed) to hold the memory bounds
+            "saves": {"done": s.saves, "errors": s.save_errors, "pending": s.pending_saves,
+                      "skipped": (store.disk or {}).get("skipped", 0), "lost": s.lost_caches,
+                      "errors_by_kind": (store.disk or {}).get("errors_by_kind", {})},
             # an agent's echoed reply: its generated ids, or rendered again (an edit, a restart, another client)
             "echo": {"spliced": st.echo_spliced, "rendered": st.echo_rendered},
             # prompt-lookup drafts: each accepted token is one decode step saved
@@ -210,3 +229,11 @@ class Backend:
         """Finish what is queued and in flight, write pending saves, stop the threads."""
         self.closing = True
         await asyncio.to_thread(self.service.close, timeout)
+
+
+def _disk_state(disk: dict | None) -> dict:
+    """The store's directory state for the stats: ``DiskHealth.snapshot`` less the counts shown under saves."""
+    if disk is None:
+        return {}
+    keep = ("state", "reason", "state_s", "retry_in_s", "free_bytes", "room_bytes", "effective_budget_bytes")
+    return {k: disk[k] for k in keep if k in disk}

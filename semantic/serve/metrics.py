@@ -50,6 +50,9 @@ class ServeMetrics:
                                      ["api"], buckets=GAP_BUCKETS, registry=r)
         self.request_seconds = Histogram("semantic_request_seconds", "Whole request, streams to their end",
                                          ["api"], buckets=LATENCY_BUCKETS, registry=r)
+        self.turn_saves = Counter("semantic_turn_cache_saves", "Named agents' turns by what their reply said of "
+                                  "the cache save: saved, pending (behind the reply) or failed", ["api", "result"],
+                                  registry=r)
         r.register(BackendCollector(backend))
 
     def observe_final(self, api: str, final) -> None:
@@ -58,6 +61,8 @@ class ServeMetrics:
         self.cached_tokens.labels(api).inc(final.cached_tokens)
         self.completion_tokens.labels(api).inc(final.completion_tokens)
         self.ttft.labels(api).observe(final.ttft_s)
+        if final.cache_save is not None:
+            self.turn_saves.labels(api, final.cache_save).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -103,7 +108,26 @@ class BackendCollector:
                                   value=float(s["ram"]["budget_evictions"]))
         yield CounterMetricFamily("semantic_ram_over_budget_steps", "Scheduler steps that ended over the RAM budget",
                                   value=float(s["ram"]["over_budget_steps"]))
-        yield CounterMetricFamily("semantic_save_errors", "Cache saves that failed", value=float(s["saves"]["errors"]))
+        saves, disk = s["saves"], s["disk"]
+        yield CounterMetricFamily("semantic_save_errors", "Cache saves that failed", value=float(saves["errors"]))
+        by_kind = CounterMetricFamily("semantic_save_errors_by_kind", "Cache saves that failed, tried or skipped, by "
+                                      "cause", labels=["kind"])
+        for kind in ("disk_full", "read_only", "missing", "io"):
+            by_kind.add_metric([kind], float(saves.get("errors_by_kind", {}).get(kind, 0)))
+        yield by_kind
+        yield CounterMetricFamily("semantic_save_skipped", "Cache saves not tried while backing off after a failure",
+                                  value=float(saves.get("skipped", 0)))
+        yield CounterMetricFamily("semantic_cache_lost", "Unsaved agent caches dropped from RAM to hold its bounds",
+                                  value=float(saves.get("lost", 0)))
+        state = GaugeMetricFamily("semantic_disk_state", "1 for the cache directory's state now (ok, or why saves "
+                                  "fail)", labels=["state"])
+        for name in ("ok", "disk_full", "read_only", "missing", "io"):
+            state.add_metric([name], float(disk.get("state", "ok") == name))
+        yield state
+        for name, doc in (("free_bytes", "Free bytes on the cache directory's filesystem"),
+                          ("effective_budget_bytes", "Disk budget now: --disk-mb, or less when the disk holds less")):
+            if disk.get(name) is not None:
+                yield GaugeMetricFamily(f"semantic_disk_{name}", doc, value=float(disk[name]))
         echo = s.get("echo", {})
         yield CounterMetricFamily("semantic_echo_spliced", "Prompts whose echoed reply was the agent's generated ids",
                                   value=float(echo.get("spliced", 0)))

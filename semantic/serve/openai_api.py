@@ -21,7 +21,7 @@ from semantic.serve.conversation import openai_call, openai_tools, response_sche
 from semantic.serve.errors import from_stream, invalid, sse_error
 from semantic.serve.state import ServeState, serve_state, tenant_of
 from semantic.serve.streaming import DONE, EventStream, data
-from semantic.serve.turns import Turn, agent_of, check_model
+from semantic.serve.turns import Turn, agent_of, check_model, salt_of
 
 router = APIRouter()
 
@@ -40,7 +40,8 @@ def _calls_out(final: Final) -> list[oa.ToolCallOut] | None:
 def usage(final: Final) -> oa.Usage:
     return oa.Usage(prompt_tokens=final.prompt_tokens, completion_tokens=final.completion_tokens,
                     total_tokens=final.prompt_tokens + final.completion_tokens,
-                    prompt_tokens_details=oa.PromptTokensDetails(cached_tokens=final.cached_tokens))
+                    prompt_tokens_details=oa.PromptTokensDetails(cached_tokens=final.cached_tokens),
+                    cache_save=final.cache_save)
 
 
 def sampling(body: oa._Sampling, top_logprobs: int = 0) -> SamplingParams:
@@ -122,7 +123,7 @@ async def chat_completions(body: oa.ChatCompletionRequest, request: Request,
         messages=_chat_messages(body),
         sampling=sampling(body, (body.top_logprobs or 0) if want_logprobs else 0),
         stop=_stops(body.stop), logprobs=want_logprobs, tenant=tenant_of(request),
-        agent=agent_of(request, body.prompt_cache_key, body.user), cache_salt=body.cache_salt,
+        agent=agent_of(request, body.prompt_cache_key, body.user), cache_salt=salt_of(request, body.cache_salt),
         api="openai.chat", tools=openai_tools(body.tools, body.tool_choice, body.parallel_tool_calls),
         response_schema=response_schema(body.response_format))
     turn = Turn(state, await state.backend.prepare(req), "chat")
@@ -196,7 +197,7 @@ async def completions(body: oa.CompletionRequest, request: Request,
         max_tokens=body.max_tokens, prompt=_one_prompt(body.prompt),
         sampling=sampling(body, body.logprobs or 0), stop=_stops(body.stop), logprobs=want_logprobs,
         tenant=tenant_of(request), agent=agent_of(request, body.prompt_cache_key, body.user),
-        cache_salt=body.cache_salt, api="openai.completions")
+        cache_salt=salt_of(request, body.cache_salt), api="openai.completions")
     turn = Turn(state, await state.backend.prepare(req), "completions")
     rid, created, model = f"cmpl-{secrets.token_hex(12)}", int(time.time()), state.backend.model_id
     if not body.stream:

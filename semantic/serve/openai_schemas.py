@@ -113,6 +113,14 @@ class Usage(BaseModel):
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
+    cache_save: str | None = None  # ours: a named agent's "saved", "pending" or "failed"; absent otherwise
+
+    @model_serializer(mode="wrap")
+    def _drop_no_save(self, handler):
+        out = handler(self)
+        if out.get("cache_save") is None:
+            out.pop("cache_save", None)
+        return out
 
 
 class TopLogprobOut(BaseModel):

@@ -94,6 +94,7 @@ class Final:
     tool_calls: tuple[ToolCall, ...] = ()
     reasoning: str = ""           # a thinking model's whole reasoning, apart from ``text``
     reasoning_tokens: int = 0     # of the generated tokens, those inside its think block
+    cache_save: str | None = None  # a named agent's: "saved", "pending" or "failed" (None: anonymous)
 
     @property
     def finish_reason(self) -> str:

@@ -21,6 +21,7 @@ The stream is the event sequence the openai SDK and Codex read::
 from __future__ import annotations
 
 import asyncio
+import logging
 import secrets
 import time
 from typing import AsyncGenerator
@@ -35,7 +36,9 @@ from semantic.serve.errors import NOT_FOUND, ApiError, from_stream, invalid, sse
 from semantic.serve.protocol import Delta, Final, GenerateRequest
 from semantic.serve.state import ServeState, serve_state, tenant_of
 from semantic.serve.streaming import EventStream, event
-from semantic.serve.turns import Turn, check_model
+from semantic.serve.turns import Turn, check_model, salt_of
+
+log = logging.getLogger(__name__)
 
 router = APIRouter()
 HOSTED_HEADER = "X-Tools-Not-Offered"  # hosted tools (web_search) the model was not offered: none runs here
@@ -89,6 +92,7 @@ async def create(body: rs.ResponsesRequest, request: Request, state: ServeState 
     given = {"temperature": body.temperature, "top_p": body.top_p}
     req = GenerateRequest(
         max_tokens=body.max_output_tokens, messages=system + before + new, tenant=tenant, agent=agent,
+        cache_salt=salt_of(request),
         sampling=SamplingParams(**{k: v for k, v in given.items() if v is not None}), api="openai.responses",
         tools=responses_tools(body.tools, body.tool_choice, body.parallel_tool_calls),
         response_schema=responses_format(body.text.format if body.text else None),
@@ -103,7 +107,7 @@ async def create(body: rs.ResponsesRequest, request: Request, state: ServeState 
         final, _ = await turn.run(request)
         out = _finished(shell, final, _items(final, ns))
         await _store(keep, final, out)
-        return JSONResponse(out, headers=headers)
+        return JSONResponse(out, headers={**headers, **turn.headers})
     await turn.open(request)
     return EventStream(_events(turn, request.url.path, shell, keep, ns), headers)
 
@@ -164,7 +168,8 @@ def _usage(final: Final) -> dict:
     return {"input_tokens": final.prompt_tokens, "input_tokens_details": {"cached_tokens": final.cached_tokens},
             "output_tokens": final.completion_tokens,
             "output_tokens_details": {"reasoning_tokens": final.reasoning_tokens},
-            "total_tokens": final.prompt_tokens + final.completion_tokens}
+            "total_tokens": final.prompt_tokens + final.completion_tokens,
+            **({"cache_save": final.cache_save} if final.cache_save is not None else {})}
 
 
 def _finished(shell: dict, final: Final, items: list[dict]) -> dict:
@@ -177,7 +182,10 @@ def _finished(shell: dict, final: Final, items: list[dict]) -> dict:
 async def _store(keep, final: Final, response: dict) -> None:
     """Store a finished response when the request asked (file I/O: off the event loop)."""
     if keep is not None and final.finish_reason != "cancelled":
-        await asyncio.to_thread(keep, final, response)
+        try:
+            await asyncio.to_thread(keep, final, response)
+        except OSError as exc:  # a full or read-only disk: the reply stands; a follow-up naming it is a 404
+            log.warning("response %s not stored: %s", response.get("id"), exc)
 
 
 def _keeper(state: ServeState, tenant: str, rid: str, agent: str, messages: list[dict]):

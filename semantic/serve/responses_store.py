@@ -50,8 +50,12 @@ class ResponseStore:
         assert path is not None, response_id
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
-        with os.fdopen(fd, "w") as f:
-            json.dump(record, f)
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(record, f)
+        except BaseException:  # a full disk: no half-written record left behind
+            os.unlink(tmp)
+            raise
         with self._lock:
             if self._count is None:
                 self._count = len(self._files())

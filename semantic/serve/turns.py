@@ -20,6 +20,7 @@ from semantic.serve.state import ServeState
 from semantic.serve.streaming import until_disconnect
 
 CLAMP_HEADER = "X-Max-Tokens-Clamped"  # a max_tokens the context could not hold was cut to this
+SAVE_HEADER = "X-Semantic-Cache-Save"   # a named agent's cache: saved, pending (behind the reply) or failed
 
 
 def check_model(state: ServeState, model: str | None) -> None:
@@ -27,6 +28,11 @@ def check_model(state: ServeState, model: str | None) -> None:
     if model is not None and model != state.backend.model_id:
         raise ApiError(NOT_FOUND, f"the model {model!r} is not served here; this server serves "
                                   f"{state.backend.model_id!r}", param="model", code="model_not_found")
+
+
+def salt_of(request: Request, body_salt: str | None = None) -> str | None:
+    """The cache salt: the body's ``cache_salt`` (OpenAI's APIs), else the ``X-Cache-Salt`` header (any API)."""
+    return body_salt if body_salt is not None else request.headers.get("x-cache-salt")
 
 
 def agent_of(request: Request, *names: str | None) -> str | None:
@@ -47,12 +53,19 @@ class Turn:
         self._open.add(self)
         self._first: Delta | Final | None = None
         self._last_delta: float | None = None
+        self.final: Final | None = None
 
     @property
     def headers(self) -> dict[str, str]:
-        """The response's own headers: ``X-Max-Tokens-Clamped`` (the budget used) when ``max_tokens`` was cut."""
+        """The response's own headers: ``X-Max-Tokens-Clamped`` (the budget used) when ``max_tokens`` was cut;
+        once the turn has ended (a response that is not streamed), ``X-Semantic-Cache-Save`` for a named agent."""
+        out = {}
         clamped = self.prepared.clamped_max_tokens
-        return {CLAMP_HEADER: str(clamped)} if clamped is not None else {}
+        if clamped is not None:
+            out[CLAMP_HEADER] = str(clamped)
+        if self.final is not None and self.final.cache_save is not None:
+            out[SAVE_HEADER] = self.final.cache_save
+        return out
 
     @property
     def prompt_tokens(self) -> int:
@@ -131,5 +144,6 @@ class Turn:
                 self.metrics.inter_token.labels(self.api).observe(now - self._last_delta)
             self._last_delta = now
         else:
+            self.final = item
             self.metrics.observe_final(self.api, item)
         return item

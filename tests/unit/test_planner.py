@@ -78,7 +78,7 @@ def test_with_nothing_in_flight_the_least_recently_used_saved_cache_is_evicted_f
     assert p.plan(free=1, needs={t: 4}).evict == "y"
 
 
-def test_an_agents_own_cache_and_pinned_caches_are_never_evicted_to_make_room():
+def test_an_agents_own_cache_is_never_evicted_to_make_room_and_a_cache_being_saved_is_waited_for():
     p = planner(total_blocks=10)
     saved(p, "a", Cache(Block(1)))       # the waiting turn's own cache
     unsaved(p, "pending", Cache(Block(1)))
@@ -87,11 +87,30 @@ def test_an_agents_own_cache_and_pinned_caches_are_never_evicted_to_make_room():
     plan = p.plan(free=1, needs={t: 4})
     assert plan.evict is None and plan.wait_for_save  # only the save under way can help
     p.saves.take()
-    p.saves.done("pending", ok=False)     # the save failed: the cache stays, never evicted
+    p.saves.done("pending", ok=False)     # the save failed: now only dropping it, unsaved, can help
+    plan = p.plan(free=1, needs={t: 4})
+    assert plan.evict == "pending" and p.saves.lost == 1
+    p.drop("pending")
     plan = p.plan(free=1, needs={t: 4})
     assert plan.admit == [] and plan.evict is None and not plan.wait_for_save
     (failed, exc), = plan.fail
     assert failed is t and isinstance(exc, PoolExhaustedError) and "busy or not yet saved" in str(exc)
+
+
+def test_a_cache_whose_save_failed_is_dropped_for_room_only_after_every_saved_one_and_never_while_it_runs():
+    p = planner(total_blocks=10)
+    unsaved(p, "failed", Cache(Block(1)))
+    p.saves.take()
+    p.saves.done("failed", ok=False)
+    saved(p, "saved", Cache(Block(1)))
+    t = ticket("a")
+    p.enqueue(t)
+    assert p.plan(free=1, needs={t: 4}).evict == "saved" and p.saves.lost == 0
+    p.drop("saved")
+    busy = ticket("failed")
+    p.enqueue(busy)
+    p.started(busy, 7, 1)                 # its turn runs: it may not go (a turn's finish frees blocks)
+    assert p.make_room(exclude="a") is None and not p.plan(free=1, needs={t: 4}) and p.saves.lost == 0
 
 
 def test_a_turn_larger_than_the_pool_fails_at_once_and_the_next_is_admitted():
@@ -152,7 +171,7 @@ def test_a_ticket_cancelled_while_being_admitted_ends_at_the_next_step():
     assert p.cancelled() == [3] and p.queued == 0
 
 
-def test_the_budget_evicts_saved_caches_least_recently_used_first_then_waits_then_reports():
+def test_the_budget_evicts_saved_caches_first_then_waits_for_saves_then_drops_unsaved_ones_as_lost():
     p = planner(budget=10)
     shared = Block(4)
     saved(p, "x", Cache(shared, Block(4)))
@@ -169,10 +188,12 @@ def test_the_budget_evicts_saved_caches_least_recently_used_first_then_waits_the
     p.saves.take()
     p.saves.done("z", ok=False)
     p.saves.take()
-    p.saves.done("w", ok=False)
-    assert not p.plan_budget() and p.counts["over_budget_steps"] == 1
-    assert "not on disk" in p.over_budget_reason
-    assert (p.counts["budget_evictions"], p.counts["budget_waits"], p.counts["evictions"]) == (2, 1, 2)
+    p.saves.done("w", ok=False)             # nothing can be saved: the memory bound wins
+    assert p.plan_budget().evict == "z" and p.saves.lost == 1
+    p.drop("z")
+    assert p.residency.bytes == 8 and not p.plan_budget() and p.counts["over_budget_steps"] == 0
+    assert not p.saves.unsaved("z") and p.saves.unsaved("w")
+    assert (p.counts["budget_evictions"], p.counts["budget_waits"], p.counts["evictions"]) == (3, 1, 3)
 
 
 def test_distinct_bytes_count_a_shared_block_once_and_match_a_recount():

@@ -7,11 +7,13 @@ pass by evicting, least recently used first, caches already saved to disk.
 
 from __future__ import annotations
 
+import errno
 import threading
 
 import numpy as np
 import pytest
 
+from semantic import cachefile
 from semantic import AgentCacheStore, BlockPool, ConcurrentScheduler, ModelCacheSpec, Request
 from tests.tiny_models import byte_tokenizer
 from tests.unit.test_scheduler import _assert_same, _ids, reference
@@ -98,22 +100,31 @@ def test_unsaved_caches_are_never_evicted_the_worker_waits_for_the_saver(llama_t
     assert stats.budget_wait_s > 0
 
 
-def test_a_failed_save_keeps_the_cache_and_the_stats_say_why_the_budget_is_exceeded(llama_tiny, cache_dir):
-    sched = _scheduler(llama_tiny, cache_dir, budget=_bytes(llama_tiny, 8))
-    def broken(*a, **kw):
-        raise OSError("disk full")
+def test_when_no_save_succeeds_the_budget_drops_unsaved_caches_as_lost_and_the_next_turn_is_exact(
+        llama_tiny, cache_dir, monkeypatch):
+    budget = _bytes(llama_tiny, 8)
+    sched = _scheduler(llama_tiny, cache_dir, budget=budget)
 
-    sched.store.save = broken
+    def disk_full(*a, **kw):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(cachefile, "save", disk_full)
+    history = _ids(1, 14)
     with sched:
-        r = sched.submit(Request("a", _ids(1, 14), 2)).result(60)
+        r = sched.submit(Request("a", history, 2)).result(60)
         sched.flush(60)
+        saved = sched.save_outcome(r)
         sched.submit(Request("b", _ids(2, 3), 1)).result(60)  # another pass after the failed save
+        sched.flush(60)
         stats = sched.stats()
-        kept = sched.resident_cache("a")
-        assert not sched.evict("a")  # not on disk: refused
-    assert r.cache_saved and kept is not None and kept.total_tokens == 16
-    assert stats.save_errors >= 1 and stats.over_budget_steps > 0
-    assert "save failed" in stats.over_budget_reason
+        dropped = sched.resident_cache("a") is None
+        monkeypatch.undo()
+        follow = history + list(r.token_ids) + [5, 6]
+        r2 = sched.submit(Request("a", follow, 3)).result(60)
+    assert saved == "failed" and dropped and stats.lost_caches >= 1
+    assert stats.over_budget_steps == 0 and stats.resident_bytes <= budget and stats.save_errors >= 1
+    assert r2.reuse in ("pool", "none")  # its own cache is gone; blocks left in the pool may still serve
+    _assert_same(r2, reference(llama_tiny, follow, 3))
 
 
 def test_the_budget_holds_after_every_step_across_many_turns_of_many_agents(gemma_tiny, cache_dir):

@@ -1,0 +1,166 @@
+"""The store on a disk that fills, turns read-only or vanishes: saves fail by name, nothing written is lost.
+
+The read-only and full-filesystem cases use a real size-limited tmpfs
+mounted here (root only; elsewhere they are skipped with the reason): a
+chmod does not stop root, and only the kernel gives a real ENOSPC mid-write.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from semantic import AgentCacheStore, CacheSaveError
+from semantic.diskhealth import DiskHealth
+from tests.cache_helpers import assert_identical, engine, generate, history
+
+FP = "tiny-model"
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _store(eng, path, clock=None):
+    store = AgentCacheStore(path, eng.spec, FP, 10**9, pool=eng.pool, durable=False)
+    if clock is not None:  # the back-off on a clock the test moves
+        store.health = DiskHealth(store.dir, clock=clock)
+    return store
+
+
+def _temps(path: Path) -> list[str]:
+    return sorted(p.name for p in path.rglob(".*.tmp"))
+
+
+@pytest.fixture
+def eng(llama_tiny):
+    return engine(llama_tiny, blocks=512)
+
+
+@pytest.fixture
+def caches(eng):
+    return {a: generate(eng, a, history(n, seed=i), 4).blocks for i, (a, n) in enumerate((("a", 16), ("b", 60)))}
+
+
+@contextlib.contextmanager
+def tmpfs(size: str):
+    """A tmpfs of ``size`` mounted on a fresh directory, unmounted after."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a size-limited tmpfs needs root")
+    where = Path(tempfile.mkdtemp(prefix="semantic-tmpfs-"))
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True)
+    if done.returncode != 0:
+        where.rmdir()
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+        where.rmdir()
+
+
+def _remount(where: Path, mode: str) -> None:
+    subprocess.run(["mount", "-o", f"remount,{mode}", str(where)], check=True)
+
+
+def test_a_save_the_disk_cannot_hold_is_refused_before_writing_and_older_files_still_load(eng, caches, tmp_path):
+    store = _store(eng, tmp_path)
+    store.save("a", caches["a"])
+    before = sorted(p.name for p in tmp_path.iterdir())
+    # the filesystem now has 1 MiB free of 10 GiB: less than the 5% reserve
+    store.health._statvfs = lambda _p: SimpleNamespace(f_bavail=256, f_frsize=4096, f_blocks=10 * 262144)
+    with pytest.raises(CacheSaveError) as err:
+        store.save("b", caches["b"])
+    assert err.value.kind == "disk_full" and not err.value.skipped
+    assert sorted(p.name for p in tmp_path.iterdir()) == before and _temps(tmp_path) == []
+    assert_identical(store.load("a"), caches["a"])
+    stats = store.stats()
+    assert stats.disk["state"] == "disk_full" and stats.disk["effective_budget_bytes"] == stats.disk_bytes
+    with pytest.raises(CacheSaveError) as err:
+        store.save("b", caches["b"])
+    assert err.value.skipped  # backing off: not even checked again
+
+
+def test_a_real_enospc_mid_write_leaves_the_old_file_whole_and_no_temporary_file(eng, caches):
+    with tmpfs("2m") as where:
+        store = _store(eng, where / "cache", Clock())
+        store.save("b", caches["a"])  # b's older, smaller cache
+        filler = where / "filler"
+        with open(filler, "wb") as f, contextlib.suppress(OSError):
+            while True:
+                f.write(b"\0" * 65536)
+        store.health.room = lambda: None  # room unknown: the write itself must meet the full disk
+        with pytest.raises(CacheSaveError) as err:
+            store.save("b", caches["b"])
+        assert err.value.kind == "disk_full" and _temps(where) == []
+        assert_identical(store.load("b"), caches["a"])
+        filler.unlink()
+        store.health._clock.t += 60  # past the back-off
+        store.save("b", caches["b"])
+        assert store.stats().disk["state"] == "ok"
+        assert_identical(store.load("b"), caches["b"])
+
+
+def test_a_read_only_directory_still_serves_loads_and_saves_resume_when_it_is_writable(eng, caches):
+    with tmpfs("16m") as where:
+        clock = Clock()
+        store = _store(eng, where, clock)
+        store.save("a", caches["a"])
+        _remount(where, "ro")
+        try:
+            with pytest.raises(CacheSaveError) as err:
+                store.save("b", caches["b"])
+            assert err.value.kind == "read_only"
+            restarted = _store(eng, where)  # a restart onto the read-only directory: no error, loads work
+            assert restarted.agents() == ["a"]
+            assert_identical(restarted.load("a"), caches["a"])
+        finally:
+            _remount(where, "rw")
+        clock.t += 60
+        store.save("b", caches["b"])
+        assert store.agents() == ["a", "b"] and store.stats().disk["state"] == "ok"
+
+
+def test_a_directory_that_cannot_be_made_at_startup_is_served_from_ram_and_indexed_once_it_can(eng, caches, tmp_path):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where the cache directory's parent should be")
+    clock = Clock()
+    store = AgentCacheStore(blocker / "cache", eng.spec, FP, 10**9, pool=eng.pool, durable=False)
+    assert store.stats().disk["state"] == "missing" and store.agents() == []
+    assert store.load("a") is None
+    store.health = DiskHealth(store.dir, clock=clock)
+    with pytest.raises(CacheSaveError) as err:
+        store.save("a", caches["a"])
+    assert err.value.kind == "missing"
+    blocker.unlink()
+    _store(eng, blocker / "cache").save("old", caches["a"])  # another process wrote meanwhile
+    clock.t += 60
+    store.save("b", caches["b"])
+    assert store.agents() == ["b", "old"] and store.stats().disk["state"] == "ok"
+    assert_identical(store.load("old"), caches["a"])
+
+
+def test_a_directory_removed_mid_run_is_made_again_by_a_later_save(eng, caches, tmp_path):
+    clock = Clock()
+    store = _store(eng, tmp_path / "cache", clock)
+    store.save("a", caches["a"])
+    for p in (tmp_path / "cache").iterdir():
+        p.unlink()
+    (tmp_path / "cache").rmdir()
+    with pytest.raises(CacheSaveError) as err:
+        store.save("b", caches["b"])
+    assert err.value.kind == "missing"
+    assert store.load("a") is None  # its file went with the directory: a miss, forgotten
+    clock.t += 60
+    store.save("b", caches["b"])
+    assert store.agents() == ["b"] and _temps(tmp_path) == []
