@@ -31,6 +31,13 @@ import openai
 from harness.chaos.ledger import Ledger, Reply
 from harness.chaos.server import ChaosServer
 
+try:  # the anthropic SDK's own fork of httpx: its transport errors escape a stream's iteration unwrapped
+    import httpx2
+    TIMEOUTS: tuple = (httpx.TimeoutException, httpx2.TimeoutException)
+    TRANSPORT: tuple = (httpx.TransportError, httpx2.TransportError)
+except ImportError:
+    TIMEOUTS, TRANSPORT = (httpx.TimeoutException,), (httpx.TransportError,)
+
 TOOL_NAME = "read_file"
 OPENAI_TOOL = {"type": "function", "function": {
     "name": TOOL_NAME, "description": "Read a file of the repository and return its text.",
@@ -132,6 +139,9 @@ def anthropic_turn(client: anthropic.Anthropic, body: dict, headers: dict, strea
                    hang_up_after: int | None = None) -> tuple[Reply, list[dict]]:
     """One message; returns the reply and its raw tool calls (id, name, input)."""
     t0 = time.perf_counter()
+    body = dict(body)
+    if "temperature" in body:  # this SDK's create() takes no temperature: sent as it would be, in the body
+        body["extra_body"] = {"temperature": body.pop("temperature")}
     if not stream:
         raw = client.messages.with_raw_response.create(**body, extra_headers=headers)
         m = raw.parse()
@@ -176,7 +186,7 @@ def anthropic_turn(client: anthropic.Anthropic, body: dict, headers: dict, strea
 def classify(exc: BaseException, server: ChaosServer, life: int, was_up: bool) -> Failed:
     """The outcome of a request that raised, given the server's life when it was sent."""
     interrupted = server.life != life or not server.up.is_set() or server.stopping is not None
-    if isinstance(exc, (openai.APITimeoutError, anthropic.APITimeoutError, httpx.TimeoutException)):
+    if isinstance(exc, (openai.APITimeoutError, anthropic.APITimeoutError, *TIMEOUTS)):
         return Failed("interrupted" if interrupted else "hang", None, repr(exc)[:300])
     if isinstance(exc, (openai.APIStatusError, anthropic.APIStatusError)):
         code = exc.status_code
@@ -185,7 +195,7 @@ def classify(exc: BaseException, server: ChaosServer, life: int, was_up: bool) -
         if code == 503 and interrupted:
             return Failed("refused_shutting_down", code, str(exc)[:300])
         return Failed("http_5xx" if code >= 500 else "http_4xx", code, str(exc)[:300])
-    if isinstance(exc, (openai.APIConnectionError, anthropic.APIConnectionError, httpx.TransportError)):
+    if isinstance(exc, (openai.APIConnectionError, anthropic.APIConnectionError, *TRANSPORT)):
         if not was_up:
             return Failed("server_down", None, repr(exc)[:300])
         return Failed("interrupted" if interrupted else "disconnect", None, repr(exc)[:300])
@@ -240,7 +250,7 @@ class Fleet:
             return self.turns_by_life.get(life, 0)
 
     def _clients(self):
-        kw = dict(max_retries=0, timeout=httpx.Timeout(self.p.timeout_s, connect=5.0))
+        kw = dict(max_retries=0, timeout=self.p.timeout_s)   # anthropic's SDK takes no httpx.Timeout (httpx2)
         return (openai.OpenAI(base_url=self.server.url + "/v1", api_key="none", **kw),
                 anthropic.Anthropic(base_url=self.server.url, api_key="none", **kw))
 
@@ -257,8 +267,13 @@ class Fleet:
                 self.agent_ids.add(agent)
                 self.live[slot] = agent
             while s.turns_left > 0 and not self.stop_event.is_set():
-                if not self._turn(s, slot, rng, oa, an):
-                    break    # a failure: the session ends, a new agent id starts
+                try:
+                    if not self._turn(s, slot, rng, oa, an):
+                        break    # a failure: the session ends, a new agent id starts
+                except Exception as exc:  # noqa: BLE001 - a bug of ours, recorded; the slot goes on
+                    import traceback
+                    self.ledger.event("harness_error", agent=s.agent, error=traceback.format_exc()[-1500:])
+                    break
 
     def _turn(self, s: Session, slot: int, rng, oa, an) -> bool:
         p = self.p

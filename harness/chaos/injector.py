@@ -34,6 +34,12 @@ from semantic.store import file_name
 FS_FAULTS = ("disk_full", "read_only")
 
 
+def quarantined_count(stats: dict | None) -> int | None:
+    """``/v1/cache/stats`` ``quarantined``: a count, or (older servers) the list of files."""
+    q = (stats or {}).get("quarantined")
+    return len(q) if isinstance(q, list) else q
+
+
 @dataclass(slots=True)
 class FaultPlan:
     """How many of each fault a run injects, over how long."""
@@ -97,7 +103,7 @@ class Injector:
         before = self.server.stats(timeout_s=5)
         name = signal.Signals(sig).name
         ev = self.ledger.event(name.lower(), life=self.server.life, cause=cause,
-                               quarantined_this_life=len(before["quarantined"]) if before else None,
+                               quarantined_this_life=quarantined_count(before),
                                saves=before.get("saves") if before else None)
         t0 = time.perf_counter()
         ev["exit"] = self.server.stop(sig)
@@ -111,7 +117,7 @@ class Injector:
         left = fs.temp_files(self.cache_dir)
         stats = self.server.stats(timeout_s=10) or {}
         return self.ledger.event("restart", life=self.server.life, start_s=round(took, 3), temp_files=left,
-                                 quarantined_at_start=len(stats.get("quarantined", [])),
+                                 quarantined_at_start=quarantined_count(stats),
                                  quarantine_dir=len(fs.quarantined_files(self.cache_dir)))
 
     def _sigkill(self, corrupt: bool = False) -> None:
@@ -122,8 +128,9 @@ class Injector:
 
     def _corrupt(self) -> None:
         """Damage one cache file, a live agent's when there is one (its next turn must find it quarantined)."""
-        by_file = {file_name(a): a for a in self.fleet.agent_ids}
-        live = {file_name(a) for a in self.fleet.live.values()}
+        # the server stores an agent under "<tenant>/<agent id>" (no API key: the tenant "public")
+        by_file = {file_name(f"public/{a}"): a for a in list(self.fleet.agent_ids)}
+        live = {file_name(f"public/{a}") for a in list(self.fleet.live.values())}
         files = fs.cache_files(self.cache_dir)
         if not files:
             self.ledger.event("corrupt", skipped="no cache file")
@@ -199,7 +206,7 @@ class Injector:
         results = []
 
         def one(i: int) -> None:
-            kw = dict(max_retries=0, timeout=httpx.Timeout(60, connect=5.0))
+            kw = dict(max_retries=0, timeout=60.0)
             named = i % 2 == 0
             headers = {"X-Agent-Id": f"hangup-{len(self.ledger.events)}-{i}"} if named else {}
             life, was_up = self.server.life, self.server.up.is_set()

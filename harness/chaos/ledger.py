@@ -118,9 +118,12 @@ class Ledger:
                     verdict = "unknown"     # a reply without usage: nothing to check
                 else:
                     verdict = "kept" if cached >= s.prompt_tokens else "lost"
+                # a prompt shorter than the durable one it extends: the history was tokenized otherwise
+                # after the restart (a reply re-rendered from its text, not its generated ids)
+                shrank = reply.prompt_tokens is not None and reply.prompt_tokens <= s.prompt_tokens
                 row = {"t": round(t, 3), "agent": agent, "life": life, "saved_life": s.saved_life,
                        "durable_prompt_tokens": s.prompt_tokens, "cached_tokens": cached,
-                       "prompt_tokens": reply.prompt_tokens, "verdict": verdict}
+                       "prompt_tokens": reply.prompt_tokens, "prompt_shrank": shrank, "verdict": verdict}
                 self.resumptions.append(row)
                 self.counts[f"resume.{verdict}"] += 1
                 s.corrupted = False

@@ -31,7 +31,7 @@ from pathlib import Path
 
 from harness.chaos import fs
 from harness.chaos.agents import AgentParams, Fleet
-from harness.chaos.injector import FaultPlan, Injector
+from harness.chaos.injector import FaultPlan, Injector, quarantined_count
 from harness.chaos.ledger import Ledger
 from harness.chaos.server import ChaosServer
 from harness.chaos.timeline import timeline_plot
@@ -188,7 +188,7 @@ def _record(ctx, ledger: Ledger, out: dict, p: dict) -> None:
         "corruptions_not_quarantined": len(not_quarantined),
         "quarantined_reported": sum(e.get("quarantined_this_life") or 0 for e in events
                                     if e["kind"] in ("sigkill", "sigterm"))
-        + len((out.get("final_stats") or {}).get("quarantined", [])),
+        + (quarantined_count(out.get("final_stats")) or 0),
         "cache_save_states": save_states, "cache_save_missing": save_states.get("missing", 0),
         "cache_save_header_mismatch": header_mismatch, "anonymous_with_cache_save": anonymous_with_save,
         "salt_reused_cache": salt_reused, **rss,
@@ -199,7 +199,7 @@ def _record(ctx, ledger: Ledger, out: dict, p: dict) -> None:
         "disk_full_ram_within_budget": bool(disk_full) and all(ph["ram_within_budget"] for ph in disk_full),
         "disk_full_resumptions_kept": sum(1 for r in after_full if r["verdict"] == "kept"),
         "disk_full_resumptions_lost": sum(1 for r in after_full if r["verdict"] == "lost"),
-        "skipped_faults": out["skipped"], "agents_not_stopped": out.get("agents_not_stopped"),
+        "harness_errors": kinds.count("harness_error"), "skipped_faults": out["skipped"], "agents_not_stopped": out.get("agents_not_stopped"),
         "server_starts_s_max": max((e.get("start_s") or 0 for e in restarts), default=None),
     }
     for k, v in checks.items():
