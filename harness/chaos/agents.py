@@ -4,8 +4,8 @@ Each of ``agents`` slots runs on its own thread: a session of a few turns under 
 (header ``X-Agent-Id``), then a new id, so histories stay short. A session speaks one API
 (the ``openai`` SDK's chat completions or the ``anthropic`` SDK's messages), each turn streamed
 or not (an OpenAI stream asks for usage in its last chunk on most turns, and always on an agent's
-first turn in a new server life, whose cached tokens are the durability check). Some turns offer
-a function tool; when the reply calls it, the next turn sends the tool's result back.
+first turn in a new server life, whose cached tokens are the durability check). Some sessions offer
+a function tool on every turn; when the reply calls it, the next turn sends the tool's result back.
 
 Every turn is greedy (temperature 0). A sampled turn is sent once more, the exact request without
 the agent id and under a fresh ``X-Cache-Salt``, so that nothing cached can be reused: its text and
@@ -216,6 +216,8 @@ class Session:
     turns_left: int
     messages: list[dict] = field(default_factory=list)
     pending_calls: list[dict] = field(default_factory=list)   # the last reply's tool calls, answered next turn
+    tools: bool = False            # offered on every turn or none: tools change the prompt's system block, so
+                                   # toggling them per turn would make each prompt diverge early from the last
     turn: int = 0
 
 
@@ -262,7 +264,8 @@ class Fleet:
             session_no += 1
             agent = f"chaos-{slot:02d}-{session_no:03d}"
             api = "openai" if (slot + session_no) % 2 else "anthropic"
-            s = Session(agent, api, int(rng.integers(self.p.turns_per_session[0], self.p.turns_per_session[1] + 1)))
+            s = Session(agent, api, int(rng.integers(self.p.turns_per_session[0], self.p.turns_per_session[1] + 1)),
+                        tools=bool(rng.random() < self.p.tools_prob))
             with self._lock:
                 self.agent_ids.add(agent)
                 self.live[slot] = agent
@@ -282,7 +285,7 @@ class Fleet:
         else:
             q = f"{QUESTIONS[int(rng.integers(len(QUESTIONS)))]} (ticket {int(rng.integers(1000, 9999))})"
             s.messages.append({"role": "user", "content": q})
-        tools = bool(rng.random() < p.tools_prob)
+        tools = s.tools
         stream = bool(rng.random() < p.stream_prob)
         usage = bool(rng.random() < p.usage_prob)
         check = bool(rng.random() < p.check_prob)

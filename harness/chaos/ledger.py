@@ -126,6 +126,8 @@ class Ledger:
                        "prompt_tokens": reply.prompt_tokens, "prompt_shrank": shrank, "verdict": verdict}
                 self.resumptions.append(row)
                 self.counts[f"resume.{verdict}"] += 1
+                if s.corrupted:   # its file is quarantined: nothing durable is left until its next save
+                    s.prompt_tokens = s.saved_life = None
                 s.corrupted = False
             s.last_life = life
             if reply.save_state == "saved":

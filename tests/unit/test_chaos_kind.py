@@ -47,7 +47,9 @@ def test_a_corrupted_file_excuses_the_miss_and_a_hit_is_a_served_corruption():
         led.corrupted(agent)
     assert led.answered("a", 2, reply(120, 30), 2.0)["verdict"] == "excused_corrupt"
     assert led.answered("b", 2, reply(120, 100), 2.0)["verdict"] == "corrupt_served"
-    assert led.answered("a", 3, reply(140, 40), 3.0)["verdict"] == "lost"   # the excuse holds once
+    assert led.answered("a", 3, reply(140, 40), 3.0) is None    # its file is gone: no bar until a save
+    led.answered("a", 3, reply(160, 140), 3.5)                   # saved again: the bar is back
+    assert led.answered("a", 4, reply(180, 100), 4.0)["verdict"] == "lost"
     s = led.summary()
     assert (s["resumptions_excused_corrupt"], s["corrupt_served"], s["lost_durable_turns"]) == (1, 1, 1)
 
