@@ -45,7 +45,7 @@ def test_a_corrupted_file_excuses_the_miss_and_a_hit_is_a_served_corruption():
     for agent in ("a", "b"):
         led.answered(agent, 1, reply(100, 0), 1.0)
         led.corrupted(agent)
-    assert led.answered("a", 2, reply(120, 30), 2.0)["verdict"] == "excused_corrupt"
+    assert led.answered("a", 2, reply(120, 30, "failed"), 2.0)["verdict"] == "excused_corrupt"
     assert led.answered("b", 2, reply(120, 100), 2.0)["verdict"] == "corrupt_served"
     assert led.answered("a", 3, reply(140, 40), 3.0) is None    # its file is gone: no bar until a save
     led.answered("a", 3, reply(160, 140), 3.5)                   # saved again: the bar is back
