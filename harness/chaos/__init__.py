@@ -1,0 +1,12 @@
+"""EXP-015's chaos soak: one ``semantic serve`` under faults, many agents, and what must still hold.
+
+- :mod:`harness.chaos.server`: the server as a process we kill, stop and start again on one port;
+- :mod:`harness.chaos.fs`: the cache filesystem (a size-limited tmpfs): fill it, make it read-only,
+  corrupt a file in it;
+- :mod:`harness.chaos.agents`: agents talking through the official SDKs, each request's outcome;
+- :mod:`harness.chaos.ledger`: every request and fault recorded, the durability check, the counts;
+- :mod:`harness.chaos.injector`: the seeded fault plan and its execution;
+- :mod:`harness.chaos.timeline`: the plot of faults, TTFT and RSS over the run.
+
+The kind that runs it all is :mod:`harness.kinds.chaos`.
+"""

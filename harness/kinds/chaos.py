@@ -1,0 +1,330 @@
+"""EXP-015: nothing lost under chaos. One ``semantic serve`` under injected faults, agents talking throughout.
+
+The server runs with ``--sync-saves`` on a size-limited tmpfs this run mounts (and unmounts),
+a RAM budget of about a quarter of the agents' working set (KV bytes per token × their history
+tokens), a small ``--max-queued``, and a disk budget ample for the live agents. ``agents`` agents
+talk through the official SDKs (:mod:`harness.chaos.agents`) while the injector
+(:mod:`harness.chaos.injector`) kills it (SIGKILL, SIGTERM) and starts it again, fills its disk,
+makes it read-only, hangs up streams, floods it past its queue, and damages cache files while it is
+down. Then a last, crash-free life of ``calm_turns`` turns measures RSS, and a SIGTERM ends the run.
+
+What must hold (:mod:`harness.chaos.ledger`): no 5xx, no hang (every request answered or refused
+within the client timeout), no durable turn lost (a reply that said ``cache_save: saved`` is found
+cached after every restart, unless its file was damaged: then it is quarantined), sampled replies
+equal to the same request sent anonymously under a fresh salt, RSS at the end within 1.2x the last
+life's after its first ``rss_baseline_turns`` turns, no writer's temporary file left after a start or
+the shutdown, and while the disk is full: 200s, resident bytes within the budget, and every cache
+saved before it still loads afterwards.
+
+The run writes its results document, a timeline plot, and ``README.md`` beside them with the verdicts.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from harness.chaos import fs
+from harness.chaos.agents import AgentParams, Fleet
+from harness.chaos.injector import FaultPlan, Injector, quarantined_count
+from harness.chaos.ledger import Ledger
+from harness.chaos.server import ChaosServer
+from harness.chaos.timeline import timeline_plot
+from harness.kinds.base import Kind, Param, register
+
+MB = 1 << 20
+
+
+def sizes(p: dict, model_dir: Path, variant: str) -> dict:
+    """The server's budgets from the model's KV bytes per token and the agents' history tokens.
+
+    An agent's history at the end of its longest session: the system prompt and template, plus per
+    turn a question (~30 tokens), a reply (``max_tokens``; a tool call's ``tool_max_tokens`` on some)
+    and the template's glue (~10)."""
+    from semantic.spec import ModelCacheSpec
+
+    cfg = json.loads((model_dir / "config.json").read_text())
+    spec = ModelCacheSpec.from_config(cfg, dtype="float32" if variant == "f32" else None)
+    per_token = int(spec.token_bytes())
+    reply = (1 - p["tools_prob"]) * p["max_tokens"] + p["tools_prob"] * p["tool_max_tokens"]
+    history = int(p["system_tokens"] + 20 + p["turns_per_session"][1] * (30 + reply + 10))
+    working_set = p["agents"] * history * per_token
+    ram_mb = max(1, int(p["ram_share"] * working_set / MB))
+    disk_mb = p["disk_mb"] or max(64, int(2 * working_set / MB))   # the live agents twice over: ample
+    return {"kv_bytes_per_token": per_token, "history_tokens": history, "working_set_bytes": working_set,
+            "ram_mb": ram_mb, "disk_mb": disk_mb, "tmpfs_mb": int(disk_mb * 1.25) + 16}
+
+
+def run(ctx) -> None:
+    from mlx_lm.utils import load_tokenizer
+
+    from harness import models
+    from harness.prompts import system_prompt
+
+    p, res = ctx.params, ctx.results
+    variant = models.default_variant(ctx.config.model_variant)
+    model_dir = Path(p["model_dir"] or models.prepare(ctx.model_name, variant=variant))
+    system = system_prompt(load_tokenizer(model_dir), p["system_tokens"])["content"]
+    size = sizes(p, model_dir, variant)
+    work = Path(tempfile.mkdtemp(prefix="exp015-"))
+    mount = work / "cachefs"
+    skipped = {}
+    why = fs.mount_tmpfs(mount, size["tmpfs_mb"]) if p["filesystem_faults"] else "params.filesystem_faults is off"
+    if why:
+        skipped = {"disk_full": why, "read_only": why}
+    cache_dir = (work / "cache") if why else (mount / "cache")
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    args = ["--sync-saves", "--ram-mb", str(size["ram_mb"]), "--disk-mb", str(size["disk_mb"]),
+            "--max-queued", str(p["max_queued"]), "--max-batch", str(p["max_batch"])]
+    server = ChaosServer(model_dir, ctx.model_name, cache_dir, work / "server.log", args)
+    ledger = Ledger()
+    agent_p = AgentParams(max_tokens=p["max_tokens"], tool_max_tokens=p["tool_max_tokens"],
+                          turns_per_session=tuple(p["turns_per_session"]), tools_prob=p["tools_prob"],
+                          stream_prob=p["stream_prob"], check_prob=p["check_prob"], timeout_s=p["request_timeout_s"])
+    fleet = Fleet(server, ledger, system, p["agents"], agent_p, p["seed"])
+    plan = FaultPlan(**{k: p[k] for k in ("sigkill", "sigterm", "corrupt", "disk_full", "read_only", "hangup",
+                                          "flood", "hold_s", "flood_requests")}, duration_s=p["chaos_s"])
+    injector = Injector(server, fleet, ledger, plan, None if why else mount, cache_dir, p["seed"], p["max_queued"])
+    sampling = threading.Event()
+    out: dict = {"sizes": size, "server_args": args, "skipped": skipped, "work": str(work)}
+    ctx.progress.total = 3
+    try:
+        ledger.event("start", life=1, start_s=round(server.start(), 3), temp_files=fs.temp_files(cache_dir))
+        threading.Thread(target=_sample_rss, args=(server, fleet, ledger, sampling), daemon=True).start()
+        fleet.start()
+        out["plan"] = injector.run()
+        ctx.progress.update(1)
+        # the last life: crash-free, long enough for its RSS after the first turns to compare with its end
+        injector.crash(signal.SIGTERM, cause="the last life begins")
+        last = server.life
+        deadline = time.monotonic() + p["calm_timeout_s"]
+        while fleet.turns_in(last) < p["calm_turns"] and time.monotonic() < deadline:
+            time.sleep(0.5)
+        out["rss_end_bytes"] = server.rss_bytes()
+        ledger.rss.append((ledger.now(), last, fleet.turns_in(last), out["rss_end_bytes"]))
+        out["agents_not_stopped"] = fleet.stop(p["request_timeout_s"] + 10)
+        ctx.progress.update(1)
+        out["final_stats"] = server.stats(timeout_s=30)
+        ev = ledger.event("shutdown", life=last)
+        ev["exit"] = server.stop(signal.SIGTERM)
+        ev["clean"] = ev["exit"] in (0, -signal.SIGTERM) and "Application shutdown complete" in server.log_tail(20000)
+        ev["temp_files"] = fs.temp_files(cache_dir)
+        out["quarantine_dir"] = fs.quarantined_files(cache_dir)
+        out["cache_files_at_end"] = len(fs.cache_files(cache_dir))
+        out["last_life"] = last
+    finally:
+        sampling.set()
+        fleet.stop(5)
+        server.kill_now()
+        out["server_log_tail"] = server.log_tail(6000)
+        if not why:
+            out["unmount_error"] = fs.unmount(mount)
+        shutil.rmtree(work, ignore_errors=True)
+    out["phases"] = injector.phases
+    _record(ctx, ledger, out, p)
+    ctx.progress.update(1)
+
+
+def _sample_rss(server: ChaosServer, fleet: Fleet, ledger: Ledger, done: threading.Event) -> None:
+    while not done.wait(1.0):
+        rss = server.rss_bytes()
+        if rss:
+            life = server.life
+            ledger.rss.append((round(ledger.now(), 3), life, fleet.turns_in(life), rss))
+
+
+def rss_checks(rss: list, last_life: int, baseline_turns: int, end_bytes: int | None) -> dict:
+    """The last life's RSS once it had answered ``baseline_turns`` turns against its RSS at the end."""
+    last = [r for r in rss if r[1] == last_life]
+    base = next((r for r in last if r[2] >= baseline_turns), None)
+    end = end_bytes or (last[-1][3] if last else None)
+    return {"rss_baseline_bytes": base[3] if base else None, "rss_baseline_turns": base[2] if base else None,
+            "rss_end_bytes": end, "rss_end_over_baseline": end / base[3] if base and end else None,
+            "rss_max_bytes": max((r[3] for r in rss), default=None),
+            "rss_max_last_life_bytes": max((r[3] for r in last), default=None)}
+
+
+def _record(ctx, ledger: Ledger, out: dict, p: dict) -> None:
+    res, s = ctx.results, ledger.summary()
+    events = ledger.events
+    kinds = [e["kind"] for e in events]
+    faults = {k: kinds.count(k) for k in ("sigkill", "sigterm", "corrupt", "disk_full_start", "read_only_start",
+                                          "hangup", "flood")}
+    restarts = [e for e in events if e["kind"] in ("start", "restart")]
+    shutdown = next((e for e in events if e["kind"] == "shutdown"), {})
+    temp_left = sum(len(e.get("temp_files") or []) for e in restarts) + len(shutdown.get("temp_files") or [])
+    corrupt = [e for e in events if e["kind"] == "corrupt" and e.get("file")]
+    qdir = out.get("quarantine_dir", [])
+    # a damaged file is found when it is scanned (a bad header) or loaded (its agent's next turn): every
+    # one whose agent came back must be in quarantine/; others may still sit unread
+    came_back = {r["agent"] for r in ledger.resumptions if r["verdict"] in ("excused_corrupt", "corrupt_served")}
+    not_quarantined = [e["file"] for e in corrupt if e.get("agent") in came_back
+                       and not any(q.startswith(e["file"] + ".") for q in qdir)]
+    turns = [r for r in ledger.requests if r.get("kind") == "turn" and r["outcome"] == "ok"]
+    named_with_usage = [r for r in turns if r.get("usage_asked") or not r.get("stream")]
+    save_states = {}
+    for r in named_with_usage:
+        k = r.get("cache_save") or r.get("header_save") or "missing"
+        save_states[k] = save_states.get(k, 0) + 1
+    header_mismatch = sum(1 for r in turns if r.get("cache_save") and r.get("header_save")
+                          and r["cache_save"] != r["header_save"])
+    anonymous_with_save = sum(1 for c in ledger.checks if c.get("anonymous_cache_save"))
+    salt_reused = sum(1 for c in ledger.checks if (c.get("cached_tokens") or 0) > 0)
+    rss = rss_checks(ledger.rss, out.get("last_life", -1), p["rss_baseline_turns"], out.get("rss_end_bytes"))
+    disk_full = [ph for ph in out["phases"] if ph["kind"] == "disk_full"]
+    # the life each disk-full phase's SIGKILL led to: its resumptions load what was saved before the disk filled
+    lives_after = {next((e["life"] for e in restarts if e["t"] >= ph["t1"]), None) for ph in disk_full}
+    after_full = [r for r in ledger.resumptions if r["life"] in lives_after]
+    ttft = [r["ttft_s"] for r in turns if r.get("stream")]
+    checks = {
+        **s, "crashes": faults["sigkill"] + faults["sigterm"], **{f"faults_{k}": v for k, v in faults.items()},
+        "temp_files_left": temp_left, "clean_shutdown": bool(shutdown.get("clean")),
+        "corrupted_files": len(corrupt), "quarantined_files": len(qdir),
+        "corruptions_not_quarantined": len(not_quarantined),
+        "quarantined_reported": sum(e.get("quarantined_this_life") or 0 for e in events
+                                    if e["kind"] in ("sigkill", "sigterm"))
+        + (quarantined_count(out.get("final_stats")) or 0),
+        "cache_save_states": save_states, "cache_save_missing": save_states.get("missing", 0),
+        "cache_save_header_mismatch": header_mismatch, "anonymous_with_cache_save": anonymous_with_save,
+        "salt_reused_cache": salt_reused, **rss,
+        "disk_full_phases": len(disk_full),
+        "disk_full_all_answered": bool(disk_full) and all(set(ph["outcomes"]) <= {"ok", "refused_429"}
+                                                          for ph in disk_full),
+        "disk_full_saves_failed": sum(ph["cache_save"].get("failed", 0) for ph in disk_full),
+        "disk_full_ram_within_budget": bool(disk_full) and all(ph["ram_within_budget"] for ph in disk_full),
+        "disk_full_resumptions_kept": sum(1 for r in after_full if r["verdict"] == "kept"),
+        "disk_full_resumptions_lost": sum(1 for r in after_full if r["verdict"] == "lost"),
+        "harness_errors": kinds.count("harness_error"), "skipped_faults": out["skipped"], "agents_not_stopped": out.get("agents_not_stopped"),
+        "server_starts_s_max": max((e.get("start_s") or 0 for e in restarts), default=None),
+    }
+    for k, v in checks.items():
+        res.check(k, v)
+    res.output("sizes", out["sizes"])
+    res.output("server_args", out["server_args"])
+    res.output("plan", out.get("plan"))
+    res.output("skipped_faults", out["skipped"])
+    res.output("events", events)
+    res.output("phases", out["phases"])
+    res.output("resumptions", ledger.resumptions)
+    res.output("correctness_checks", ledger.checks)
+    res.output("failures", [r for r in ledger.requests if r["outcome"] not in ("ok",) and r["outcome"] in
+                            ("http_5xx", "http_4xx", "hang", "disconnect", "stream_error")][:200])
+    res.output("requests", ledger.requests)
+    res.output("rss", ledger.rss)
+    res.output("final_stats", out.get("final_stats"))
+    res.output("corruptions_not_quarantined", not_quarantined)
+    res.output("server_log_tail", out.get("server_log_tail"))
+    res.output("unmount_error", out.get("unmount_error"))
+    if ttft:
+        res.metric("ttft_s", ttft, "s", description="client TTFT of streamed agent turns, faults and all")
+    ctx.plots.append(timeline_plot(ledger.requests, events, ledger.rss, ctx.plot_path("timeline"),
+                                   f"EXP-015 chaos soak, {ctx.model_name}: {s['turns']} turns, "
+                                   f"{checks['crashes']} crashes"))
+    _readme(ctx, checks)
+
+
+def _readme(ctx, checks: dict) -> None:
+    """``README.md`` beside the results: what the run did and each goal's verdict."""
+    verdicts = ctx.results.evaluate()
+    run_id = ctx.results.doc["run_id"]
+    rows = "\n".join(f"| {v['name']} | {v['level']} | {_fmt(v['measured'])} {v['op']} {_fmt(v['threshold'])} | "
+                     f"**{v['verdict']}** |" for v in verdicts)
+    c = checks
+    text = f"""# EXP-015: nothing lost under chaos
+
+`make exp-015` (`harness run experiments/exp_015_chaos.toml`) runs one `semantic serve` on
+{ctx.model_name} with `--sync-saves` on a size-limited tmpfs, {ctx.params['agents']} agents talking
+through the `openai` and `anthropic` SDKs, and a seeded fault injector: SIGKILL and SIGTERM then a
+restart, a cache file corrupted or truncated while the server is down, the disk filled until ENOSPC,
+the cache filesystem made read-only, streams cut by their clients, and floods past the queue. A last,
+crash-free life measures RSS. See `harness/kinds/chaos.py` for what each goal means.
+
+This file is written by the run. Latest run: `{run_id}` ({ctx.results.doc['created_at'][:19]} UTC),
+results `{run_id}.json`, timeline `{run_id}-timeline.png`.
+
+| | |
+|---|---|
+| requests / agent turns answered | {c['requests']} / {c['turns']} |
+| crashes (SIGKILL / SIGTERM) | {c['crashes']} ({c['faults_sigkill']} / {c['faults_sigterm']}) |
+| files corrupted / quarantined | {c['corrupted_files']} / {c['quarantined_files']} |
+| disk full / read-only / hang-ups / floods | {c['faults_disk_full_start']} / {c['faults_read_only_start']} / {c['faults_hangup']} / {c['faults_flood']} |
+| skipped faults | {c['skipped_faults'] or 'none'} |
+| server down / interrupted / 429 / 503 while shutting down | {c['server_down']} / {c['interrupted']} / {c['refused_429']} / {c['refused_shutting_down']} |
+| 5xx / 4xx / hangs / disconnects / stream errors | {c['http_5xx']} / {c['http_4xx']} / {c['hang']} / {c['disconnect']} / {c['stream_error']} |
+| resumptions checked / lost durable turns / excused (corrupted) | {c['resumptions_checked']} / {c['lost_durable_turns']} / {c['resumptions_excused_corrupt']} |
+| replies re-checked / wrong | {c['correctness_checked']} / {c['wrong_replies']} |
+| cache_save states of named replies | {c['cache_save_states']} |
+| RSS after {c['rss_baseline_turns']} turns of the last life / at its end / max | {_mb(c['rss_baseline_bytes'])} / {_mb(c['rss_end_bytes'])} / {_mb(c['rss_max_bytes'])} |
+| temporary files left | {c['temp_files_left']} |
+
+![timeline]({run_id}-timeline.png)
+
+| goal | level | measured | verdict |
+|---|---|---|---|
+{rows}
+"""
+    (ctx.out_dir / "README.md").write_text(text)
+
+
+def _fmt(v) -> str:
+    return f"{v:.3g}" if isinstance(v, float) else str(v)
+
+
+def _mb(v) -> str:
+    return f"{v / MB:.0f} MiB" if v else "n/a"
+
+
+def _validate(p: dict) -> None:
+    lo, hi = p["turns_per_session"]
+    if not 1 <= lo <= hi:
+        raise ValueError("turns_per_session must be [low, high] with 1 <= low <= high")
+    if p["agents"] < 1 or p["calm_turns"] < 1 or p["chaos_s"] <= 0:
+        raise ValueError("agents >= 1, calm_turns >= 1, chaos_s > 0")
+    if p["corrupt"] > p["sigkill"]:
+        raise ValueError("corrupt counts SIGKILLs that also damage a file: at most sigkill")
+
+
+KIND = register(Kind(
+    name="chaos",
+    run=run,
+    params={
+        "agents": Param(int, 16, "agents talking at once, each on its own thread"),
+        "system_tokens": Param(int, 300, "tokens of the system prompt every agent shares"),
+        "turns_per_session": Param(list, [3, 5], "turns under one agent id before it starts a new one, [low, high]"),
+        "max_tokens": Param(int, 12, "max_tokens of a turn without tools (greedy)"),
+        "tool_max_tokens": Param(int, 40, "max_tokens of a turn that offers the tool (a call in JSON)"),
+        "tools_prob": Param(float, 0.3, "share of turns that offer a function tool"),
+        "stream_prob": Param(float, 0.5, "share of turns streamed"),
+        "check_prob": Param(float, 0.05, "share of turns re-sent anonymously under a fresh salt and compared"),
+        "request_timeout_s": Param(float, 120.0, "the client's bound on every request: past it is a hang"),
+        "chaos_s": Param(float, 480.0, "seconds the faults are spread over"),
+        "sigkill": Param(int, 14, "SIGKILLs and restarts (besides the one after each disk-full phase)"),
+        "sigterm": Param(int, 6, "SIGTERMs and restarts (besides the one before the last life)"),
+        "corrupt": Param(int, 5, "of the SIGKILLs, those that damage a cache file while the server is down"),
+        "disk_full": Param(int, 1, "disk-full phases (each then a SIGKILL and a restart)"),
+        "read_only": Param(int, 1, "read-only phases"),
+        "hangup": Param(int, 4, "rounds of streams cut by their clients"),
+        "flood": Param(int, 3, "floods past the queue"),
+        "hold_s": Param(float, 20.0, "seconds a disk-full or read-only phase holds"),
+        "flood_requests": Param(int, 48, "requests released at once in a flood"),
+        "calm_turns": Param(int, 300, "agent turns of the last, crash-free life"),
+        "calm_timeout_s": Param(float, 400.0, "the most seconds the last life waits for its turns"),
+        "rss_baseline_turns": Param(int, 100, "turns of the last life after which its RSS is the baseline"),
+        "ram_share": Param(float, 0.25, "--ram-mb as a share of the agents' working set"),
+        "disk_mb": Param(int, 0, "--disk-mb (0: twice the working set)"),
+        "max_queued": Param(int, 12, "--max-queued: small, so a flood gets 429s"),
+        "max_batch": Param(int, 8, "--max-batch"),
+        "filesystem_faults": Param(bool, True, "mount a tmpfs for the disk-full and read-only faults (needs root)"),
+        "seed": Param(int, 0, "seed of the agents' turns and of the fault plan"),
+        "model_dir": Param(str, "", "a model directory to serve instead of the prepared one"),
+    },
+    plots=frozenset({"timeline"}),
+    needs_model=False,
+    validate=_validate,
+    trial_code=(Fleet, Injector, FaultPlan, Ledger, rss_checks, sizes),
+))

@@ -1,0 +1,127 @@
+"""EXP-015's bookkeeping without a server: the durability check, the fault plan, file damage, RSS, sizes."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from harness.chaos import fs
+from harness.chaos.injector import FaultPlan
+from harness.chaos.ledger import Ledger, Reply
+from harness.kinds.chaos import rss_checks, sizes
+
+
+def reply(prompt: int, cached: int | None, save: str | None = "saved") -> Reply:
+    return Reply("hi", [], prompt, cached, save, None, 0.1)
+
+
+def test_a_saved_turn_must_be_found_cached_in_the_next_life():
+    led = Ledger()
+    assert led.answered("a", 1, reply(100, 0), 1.0) is None
+    assert led.answered("a", 1, reply(150, 140, "pending"), 2.0) is None   # same life: nothing to check
+    lost = led.answered("a", 2, reply(170, 99), 3.0)                        # 100 was the durable turn
+    assert lost["verdict"] == "lost" and lost["durable_prompt_tokens"] == 100
+    kept = led.answered("a", 3, reply(200, 170), 4.0)
+    assert kept["verdict"] == "kept" and kept["durable_prompt_tokens"] == 170
+    assert led.summary()["lost_durable_turns"] == 1 and led.summary()["resumptions_checked"] == 2
+
+
+def test_a_turn_whose_save_failed_leaves_the_earlier_durable_turn_as_the_bar():
+    led = Ledger()
+    led.answered("a", 1, reply(100, 0), 1.0)
+    led.answered("a", 1, reply(300, 100, "failed"), 2.0)     # the disk was full
+    assert led.answered("a", 2, reply(320, 120), 3.0)["verdict"] == "kept"
+
+
+def test_an_agent_without_a_saved_turn_has_nothing_to_lose():
+    led = Ledger()
+    led.answered("a", 1, reply(100, 0, "failed"), 1.0)
+    assert led.answered("a", 2, reply(120, 0), 2.0) is None
+
+
+def test_a_corrupted_file_excuses_the_miss_and_a_hit_is_a_served_corruption():
+    led = Ledger()
+    for agent in ("a", "b"):
+        led.answered(agent, 1, reply(100, 0), 1.0)
+        led.corrupted(agent)
+    assert led.answered("a", 2, reply(120, 30, "failed"), 2.0)["verdict"] == "excused_corrupt"
+    assert led.answered("b", 2, reply(120, 100), 2.0)["verdict"] == "corrupt_served"
+    assert led.answered("a", 3, reply(140, 40), 3.0) is None    # its file is gone: no bar until a save
+    led.answered("a", 3, reply(160, 140), 3.5)                   # saved again: the bar is back
+    assert led.answered("a", 4, reply(180, 100), 4.0)["verdict"] == "lost"
+    s = led.summary()
+    assert (s["resumptions_excused_corrupt"], s["corrupt_served"], s["lost_durable_turns"]) == (1, 1, 1)
+
+
+def test_the_header_stands_in_for_usage_when_a_reply_has_no_cache_save_field():
+    r = Reply("x", [], 10, 0, None, "saved", 0.1)
+    assert r.save_state == "saved"
+
+
+def test_outcomes_are_counted_as_expected_or_failures():
+    led = Ledger()
+    for outcome in ("ok", "server_down", "interrupted", "refused_429", "http_5xx", "hang"):
+        led.request({"outcome": outcome})
+    s = led.summary()
+    assert (s["turns"], s["failures"], s["http_5xx"], s["hang"], s["requests"]) == (1, 2, 1, 1, 6)
+
+
+def test_the_fault_plan_is_seeded_complete_and_never_starts_with_a_filesystem_fault():
+    plan = FaultPlan(sigkill=4, sigterm=2, corrupt=2, disk_full=1, read_only=1, hangup=1, flood=1)
+    for seed in range(20):
+        order = plan.draw(np.random.default_rng(seed))
+        assert order == plan.draw(np.random.default_rng(seed))
+        assert sorted(order) == sorted(["sigkill+corrupt"] * 2 + ["sigkill"] * 2 + ["sigterm"] * 2
+                                       + ["disk_full", "read_only", "hangup", "flood"])
+        assert order[0] not in ("disk_full", "read_only")
+    assert "disk_full" not in plan.draw(np.random.default_rng(0), skip=("disk_full", "read_only"))
+
+
+def test_corrupt_truncates_or_flips_bytes(tmp_path):
+    rng = np.random.default_rng(1)
+    modes = set()
+    for i in range(8):
+        path = tmp_path / f"a{i}.safetensors"
+        data = bytes(range(256)) * 64
+        path.write_bytes(data)
+        done = fs.corrupt(path, rng)
+        modes.add(done["mode"])
+        after = path.read_bytes()
+        assert after != data
+        if done["mode"] == "truncate":
+            assert len(after) == done["kept"] < len(data)
+        else:
+            assert len(after) == len(data) and after[:1024] == data[:1024]
+    assert modes == {"truncate", "flip"}
+
+
+def test_temp_and_cache_files_are_told_apart(tmp_path):
+    (tmp_path / "a-1.safetensors").write_bytes(b"x")
+    (tmp_path / ".a-1.safetensors.77.deadbeef.tmp").write_bytes(b"x")
+    (tmp_path / "quarantine").mkdir()
+    (tmp_path / "quarantine" / "b-2.safetensors.123").write_bytes(b"x")
+    assert [p.name for p in fs.cache_files(tmp_path)] == ["a-1.safetensors"]
+    assert fs.temp_files(tmp_path) == [".a-1.safetensors.77.deadbeef.tmp"]
+    assert fs.quarantined_files(tmp_path) == ["b-2.safetensors.123"]
+
+
+def test_rss_compares_the_last_life_after_its_baseline_turns_with_its_end():
+    rss = [(1, 1, 50, 900), (2, 2, 10, 500), (3, 2, 100, 600), (4, 2, 300, 700)]
+    c = rss_checks(rss, last_life=2, baseline_turns=100, end_bytes=None)
+    assert (c["rss_baseline_bytes"], c["rss_end_bytes"], c["rss_max_bytes"]) == (600, 700, 900)
+    assert abs(c["rss_end_over_baseline"] - 700 / 600) < 1e-9
+    assert rss_checks(rss, 2, 1000, None)["rss_end_over_baseline"] is None
+
+
+def test_the_ram_budget_is_a_quarter_of_the_agents_kv_working_set(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "llama", "num_hidden_layers": 30, "num_key_value_heads": 3, "num_attention_heads": 9,
+        "head_dim": 64, "hidden_size": 576}))
+    p = {"tools_prob": 0.0, "max_tokens": 10, "tool_max_tokens": 40, "system_tokens": 300,
+         "turns_per_session": [3, 5], "agents": 16, "ram_share": 0.25, "disk_mb": 0}
+    s = sizes(p, tmp_path, "f32")
+    assert s["kv_bytes_per_token"] == 2 * 30 * 3 * 64 * 4          # keys and values, float32
+    assert s["history_tokens"] == 300 + 20 + 5 * 50
+    assert s["ram_mb"] == int(0.25 * 16 * 570 * 46080 / 2**20)
+    assert s["tmpfs_mb"] > s["disk_mb"] >= 2 * 16 * 570 * 46080 // 2**20
