@@ -27,11 +27,22 @@ from semantic.serve.config import ServeConfig
 from semantic.serve.gates import BodyLimit, ClosingGate
 from semantic.serve.metrics import CONTENT_TYPE, MetricsMiddleware, ServeMetrics
 from semantic.serve.state import ServeState, serve_state
+from semantic.service import SchedulerClosedError
 
 if TYPE_CHECKING:
     from semantic.serve.backend import Backend
 
 CANCEL_WAIT_S = 2.0
+
+
+def abort_turns(state: ServeState) -> int:
+    """End every open turn with a 503 (a stream: its error event), as shutdown's grace runs out: uvicorn
+    would cancel their tasks next, and a task cancelled before it answers becomes a bare 500."""
+    turns = list(state.turns)
+    for turn in turns:
+        turn.abort(SchedulerClosedError("the server is shutting down and its --graceful-timeout ran out: "
+                                        "this turn was cancelled; retry it once the server is back"))
+    return len(turns)
 
 
 def create_app(backend: "Backend", config: ServeConfig | None = None) -> FastAPI:

@@ -135,6 +135,8 @@ class Backend:
         first = True
         try:
             while (item := await relay.queue.get()) is not _DONE:
+                if isinstance(item, BaseException):  # aborted (shutdown ran out of time): the finally cancels
+                    raise item
                 if first:  # admission ran on the worker before any token: the cache hit is known
                     item.cached_tokens, first = relay.cached, False
                 yield item
@@ -147,6 +149,11 @@ class Backend:
         finally:
             if not tokens.done():
                 self.service.cancel(future)
+
+    @staticmethod
+    def abort(prepared: Prepared, exc: BaseException) -> None:
+        """End the turn's stream with ``exc`` (raised where it is read), queued or running; its turn is cancelled."""
+        prepared.relay.post(exc)
 
     async def _saved(self, turn, future) -> str:
         """What became of a named agent's save: with ``sync_saves``, waited for ("saved" or "failed");

@@ -18,6 +18,7 @@ from semantic import defaults
 from semantic.serve.config import LOG_LEVELS, ServeConfig
 
 KEYS_ENV = "SEMANTIC_API_KEYS"
+ABORT_MARGIN_S = 0.5  # open turns are answered this long before uvicorn cancels their tasks
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -145,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
              f"{len(config.api_keys)} API key(s)" if config.api_keys else "no API keys: open to anyone who can connect")
     server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
                                            lifespan="on", timeout_graceful_shutdown=config.graceful_s))
-    _admit_nothing_on_signal(server, backend)
+    _admit_nothing_on_signal(server, backend, app.state.serve, config.graceful_s)
     try:
         server.run()
     except KeyboardInterrupt:
@@ -157,13 +158,26 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if server.started else 1
 
 
-def _admit_nothing_on_signal(server, backend) -> None:
-    """On SIGTERM / SIGINT, stop admitting at once: new requests get 503 during the graceful drain."""
+def _admit_nothing_on_signal(server, backend, state, graceful_s: float) -> None:
+    """On SIGTERM / SIGINT, stop admitting at once: new requests get 503 during the graceful drain; just
+    before the drain's time runs out, the turns still open are ended with a 503 (not a cancelled task's 500)."""
+    from semantic.serve.app import abort_turns
+
     uvicorn_exit = server.handle_exit
+    log = logging.getLogger("semantic.serve")
+
+    def abort() -> None:
+        if n := abort_turns(state):
+            log.warning("--graceful-timeout %.1f s ran out: %d open turn(s) answered 503 and cancelled", graceful_s, n)
+
+    def stop(loop) -> None:
+        backend.begin_shutdown()
+        loop.call_later(max(0.0, graceful_s - ABORT_MARGIN_S), abort)
 
     def handle_exit(sig, frame) -> None:
         try:  # from the loop, not in the signal handler: begin_shutdown may take a lock this thread holds
-            asyncio.get_running_loop().call_soon_threadsafe(backend.begin_shutdown)
+            loop = asyncio.get_running_loop()
+            loop.call_soon_threadsafe(stop, loop)
         except RuntimeError:
             pass
         uvicorn_exit(sig, frame)

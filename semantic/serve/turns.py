@@ -49,6 +49,7 @@ class Turn:
     def __init__(self, state: ServeState, prepared: Prepared, api: str):
         self.prepared, self.api, self.metrics = prepared, api, state.metrics
         self.stream = state.backend.stream(prepared)
+        self._backend = state.backend
         self._open = state.turns
         self._open.add(self)
         self._first: Delta | Final | None = None
@@ -125,6 +126,11 @@ class Turn:
             return await until_disconnect(request.receive, self.collect())
         finally:
             await self.close()
+
+    def abort(self, exc: BaseException) -> None:
+        """End the turn at once with ``exc``: a response not yet begun answers its status (a 503 for a
+        SchedulerClosedError), a stream its error event; the engine's turn is cancelled."""
+        self._backend.abort(self.prepared, exc)
 
     async def close(self) -> None:
         # shielded: the backend must hear the cancel even if this task is being cancelled too

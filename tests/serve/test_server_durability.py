@@ -8,6 +8,10 @@ it, "pending" while it is written behind the reply (no ``--sync-saves``).
 
 from __future__ import annotations
 
+import signal
+import threading
+import time
+
 import anthropic
 import httpx
 import openai
@@ -122,3 +126,30 @@ def test_the_x_cache_salt_header_keeps_anthropic_requests_from_sharing_blocks(sy
     assert cached("first") == 0
     assert cached("first") >= 512   # the same salt: its two whole blocks are shared
     assert cached("second") == 0    # another salt: nothing is
+
+
+def test_turns_still_open_when_the_graceful_timeout_runs_out_are_answered_503_never_500(tiny_dir, tmp_path):
+    server = Server(tiny_dir, tmp_path / "agents",
+                    ["--pool-mb", "64", "--max-batch", "1", "--graceful-timeout", "1"]).start()
+    statuses: list[int] = []
+
+    def turn(i: int) -> None:
+        body = {"model": "tiny", "max_tokens": 2000, "temperature": 0,
+                "messages": [{"role": "user", "content": f"Write a long story, number {i}."}]}
+        try:
+            r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60,
+                           headers={"X-Agent-Id": f"agent-{i}"})
+            statuses.append(r.status_code)
+            assert "Traceback" not in r.text
+        except httpx.HTTPError:
+            statuses.append(0)  # the connection closed without an answer
+
+    threads = [threading.Thread(target=turn, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    time.sleep(1.0)  # one turn runs, three wait
+    server.stop(signal.SIGTERM)
+    for t in threads:
+        t.join(60)
+    assert set(statuses) <= {200, 503} and 503 in statuses, (statuses, server.log())
+    assert "answered 503 and cancelled" in server.log()
