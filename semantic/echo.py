@@ -18,8 +18,10 @@ The template's own rendering of the reply is dropped whatever it is, so a
 thinking model's reply stays a hit even under a template that strips old
 reasoning from history (the cache keeps the reasoning as generated).
 
-Anything else (an edit, another client's history, a restart) renders as
-usual; the engine verifies every reused token either way, so the rendered
+The service keeps each agent's last :class:`Said` beside its cache file too
+(``AgentCacheStore.save_extra``), so a restart's first turn splices as the
+next turn would have. Anything else (an edit, another client's history)
+renders as usual; the engine verifies every reused token either way, so the rendered
 form is always safe, only slower. ``EchoBook.spliced`` / ``rendered`` count
 the two paths.
 """

@@ -281,6 +281,8 @@ class Service:
             return self.tokenizer.encode(text, add_special_tokens=False)
 
         if agent_id is not None and self.echo.limit:
+            if self.echo.said(agent_id) is None:  # a restart, or a book that forgot it: the note on disk
+                self._recall(agent_id)
             spliced = self.echo.splice(agent_id, messages, render, tokens, self._end_texts)
             if spliced is not None:
                 return spliced
@@ -301,7 +303,19 @@ class Service:
         generated = tuple(completion.token_ids)
         reply = Reply(text, tuple((c.name, json.dumps(c.arguments, sort_keys=True)) for c in calls))
         closed = bool(generated) and generated[-1] in self.eos
-        self.echo.remember(request.agent_id, Said(plan.prompt_text, request.ids + generated, reply, closed))
+        said = Said(plan.prompt_text, request.ids + generated, reply, closed)
+        self.echo.remember(request.agent_id, said)
+        if self.echo.limit:  # beside its cache file, so a restart's first turn splices as the next one would
+            self.store.save_extra(request.agent_id, {"echo": said.to_json()})
+
+    def _recall(self, agent_id: str) -> None:
+        doc = self.store.load_extra(agent_id)
+        if doc is None or not isinstance(doc.get("echo"), dict):
+            return
+        try:
+            self.echo.remember(agent_id, Said.from_json(doc["echo"]))
+        except (KeyError, TypeError, ValueError):  # written by another build: render as usual
+            pass
 
     def agent_id(self, tenant: str, agent: str) -> str:
         """A named agent's id: namespaced by its tenant, as :meth:`prepare` makes it."""

@@ -41,7 +41,9 @@ uses the same pool from another thread must hold it too.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import json
 import logging
 import os
 import re
@@ -67,6 +69,7 @@ from semantic.spec import ModelCacheSpec
 log = logging.getLogger(__name__)
 
 QUARANTINE_DIR = "quarantine"
+EXTRA_SUFFIX = ".json"  # an agent's small JSON document beside its cache file: <cache file name>.json
 
 
 def file_name(agent_id: str) -> str:
@@ -232,7 +235,33 @@ class AgentCacheStore:
                 entry = self._disk.pop(agent_id, None)
             if entry is not None:
                 atomic.unlink_quietly(entry.path)
+                _unlink_extra(entry.path)
             return entry is not None
+
+    def save_extra(self, agent_id: str, doc: dict) -> bool:
+        """Keep a small JSON document beside the agent's cache file (deleted with it); False if it could not
+        be written. Crash-safe (written aside, then renamed) but not fsynced: it is a hint that makes a
+        cache hit longer, never what makes a reply right."""
+        path = self.dir / (file_name(agent_id) + EXTRA_SUFFIX)
+        tmp = atomic.temp_name(path)
+        try:
+            with open(tmp, "w") as f:
+                json.dump(doc, f, separators=(",", ":"))
+            os.replace(tmp, path)
+            return True
+        except (OSError, TypeError, ValueError) as exc:  # a full or read-only disk: the store's saves say so
+            log.debug("agent %r: extra document not written: %s", agent_id, exc)
+            with contextlib.suppress(OSError):
+                atomic.unlink_quietly(tmp)
+            return False
+
+    def load_extra(self, agent_id: str) -> dict | None:
+        """The document :meth:`save_extra` kept for the agent, or None (none, unreadable, not a JSON object)."""
+        try:
+            doc = json.loads((self.dir / (file_name(agent_id) + EXTRA_SUFFIX)).read_text())
+        except (OSError, ValueError):
+            return None
+        return doc if isinstance(doc, dict) else None
 
     def agents(self) -> list[str]:
         """Ids of the stored agents, sorted."""
@@ -341,6 +370,7 @@ class AgentCacheStore:
                     except OSError as exc:  # a read-only directory: the file stays, and so does its entry
                         log.warning("cannot delete %s to hold the disk budget: %s", entry.path, exc)
                         return
+                    _unlink_extra(entry.path)
                     with self._lock:
                         self._counts["disk_evictions"] += self._disk.pop(victim, None) is not None
             finally:
@@ -364,6 +394,9 @@ class AgentCacheStore:
         self.cleaned.extend(atomic.remove_abandoned(self.dir))  # dead writers' temporary files
         found = []
         for path in sorted(self.dir.iterdir()):
+            if path.name.endswith(cachefile.SUFFIX + EXTRA_SUFFIX) and path.is_file() \
+                    and not path.with_name(path.name[: -len(EXTRA_SUFFIX)]).exists():
+                _unlink_extra(path.with_name(path.name[: -len(EXTRA_SUFFIX)]))  # its cache file is gone
             if not path.is_file() or not path.name.endswith(cachefile.SUFFIX):
                 continue
             try:
@@ -398,3 +431,8 @@ class AgentCacheStore:
         with self._lock:
             return self._agent_locks.setdefault(agent_id, threading.Lock())
 
+
+def _unlink_extra(cache_path: Path) -> None:
+    """Delete the extra document beside a cache file, if any (a read-only directory keeps it)."""
+    with contextlib.suppress(OSError):
+        atomic.unlink_quietly(str(cache_path) + EXTRA_SUFFIX)

@@ -107,3 +107,27 @@ def test_an_edited_history_or_another_reply_is_rendered_as_usual(model_dir, tmp_
         assert list(plan.request.ids) == rendered  # the template's own form, token for token
     finally:
         service.close(30)
+
+
+def test_after_a_restart_the_echoed_reply_is_still_the_generated_ids_and_the_whole_turn_is_reused(model_dir, tmp_path):
+    # the non-UTF-8 reply of the test above: only the echo, kept beside the cache file, can splice it back
+    ask = [{"role": "user", "content": "Say something."}]
+    first = _service(model_dir, tmp_path, echo=True)
+    try:
+        plan1 = first.prepare(messages=ask, agent="a", max_tokens=24, sampling=SamplingParams(temperature=1.0, seed=5))
+        done1 = first.submit(plan1.request).result(60)
+        text = first.tokenizer.decode([t for t in done1.token_ids if t not in first.eos])
+        first.remember(plan1, done1, text, [])
+        assert first.wait_saved(plan1.request.agent_id, 30)
+    finally:
+        first.close(30)
+    restarted = _service(model_dir, tmp_path, echo=True)  # a new process over the same directory
+    try:
+        plan2 = restarted.prepare(messages=ask + [{"role": "assistant", "content": text},
+                                                  {"role": "user", "content": "And?"}], agent="a", max_tokens=4)
+        done2 = restarted.submit(plan2.request).result(60)
+    finally:
+        restarted.close(30)
+    assert "\ufffd" in text
+    assert done2.cached_tokens == len(plan1.request.ids) + len(done1.token_ids)
+    assert (restarted.echo.spliced, restarted.echo.rendered) == (1, 0)
