@@ -190,6 +190,8 @@ def classify(exc: BaseException, server: ChaosServer, life: int, was_up: bool) -
         return Failed("interrupted" if interrupted else "hang", None, repr(exc)[:300])
     if isinstance(exc, (openai.APIStatusError, anthropic.APIStatusError)):
         code = exc.status_code
+        if code < 300:  # an error event inside a stream that had begun (Anthropic's SDK keeps its 200)
+            return Failed("refused_shutting_down" if interrupted else "stream_error", code, str(exc)[:300])
         if code == 429:
             return Failed("refused_429", code, str(exc)[:300])
         if code == 503 and interrupted:

@@ -125,3 +125,23 @@ def test_the_ram_budget_is_a_quarter_of_the_agents_kv_working_set(tmp_path):
     assert s["history_tokens"] == 300 + 20 + 5 * 50
     assert s["ram_mb"] == int(0.25 * 16 * 570 * 46080 / 2**20)
     assert s["tmpfs_mb"] > s["disk_mb"] >= 2 * 16 * 570 * 46080 // 2**20
+
+
+def test_an_error_event_in_a_begun_stream_is_a_refusal_during_a_shutdown_and_a_failure_otherwise():
+    import threading
+    from types import SimpleNamespace
+
+    import anthropic
+    import httpx
+
+    from harness.chaos.agents import classify
+
+    request = httpx.Request("POST", "http://127.0.0.1/v1/messages")
+    event = anthropic.APIStatusError("the server is shutting down", response=httpx.Response(200, request=request),
+                                     body=None)
+    up = threading.Event()
+    up.set()
+    stopping = SimpleNamespace(life=3, up=up, stopping="SIGTERM")
+    quiet = SimpleNamespace(life=3, up=up, stopping=None)
+    assert classify(event, stopping, 3, True).outcome == "refused_shutting_down"
+    assert classify(event, quiet, 3, True).outcome == "stream_error"
