@@ -128,6 +128,9 @@ class Ledger:
                 self.counts[f"resume.{verdict}"] += 1
                 if s.corrupted:   # its file is quarantined: nothing durable is left until its next save
                     s.prompt_tokens = s.saved_life = None
+            if life != s.last_life:
+                # the damaged file was met at this life's start (quarantined), whether or not a saved turn
+                # made it a durable bar: a file this agent saves from now on is a new one
                 s.corrupted = False
             s.last_life = life
             if reply.save_state == "saved":

@@ -145,3 +145,14 @@ def test_an_error_event_in_a_begun_stream_is_a_refusal_during_a_shutdown_and_a_f
     quiet = SimpleNamespace(life=3, up=up, stopping=None)
     assert classify(event, stopping, 3, True).outcome == "refused_shutting_down"
     assert classify(event, quiet, 3, True).outcome == "stream_error"
+
+
+def test_a_corrupted_file_of_an_agent_with_no_saved_turn_yet_is_forgotten_at_the_next_life():
+    # its turn before the damage reported no usage, so nothing was durable; the next life quarantines the
+    # file, the agent saves a new one, and the life after that must judge the new file as any other
+    led = Ledger()
+    led.answered("a", 1, reply(None, None, None), 1.0)
+    led.corrupted("a")
+    assert led.answered("a", 2, reply(515, 422), 2.0) is None
+    assert led.answered("a", 3, reply(582, 555), 3.0)["verdict"] == "kept"
+    assert led.summary()["corrupt_served"] == 0
