@@ -42,6 +42,7 @@ from semantic.constraint import Grammar
 from semantic.echo import EchoBook, Reply, Said
 from semantic.request import Completion, OnToken, Request, encode, render_text
 from semantic.sampling import GREEDY, SamplingParams
+from semantic.diskhealth import KINDS as SAVE_FAILURES
 from semantic.saves import FAILED, PENDING, SAVED
 from semantic.scheduler import ConcurrentScheduler, TurnFuture
 from semantic.spec import ModelCacheSpec
@@ -52,9 +53,9 @@ log = logging.getLogger(__name__)
 
 # the HTTP layer's one door into the engine: what it names, it imports from here
 __all__ = [
-    "ANON", "FAILED", "PENDING", "SAVED", "AgentInfo", "CacheError", "Completion", "ContextLengthError", "GREEDY", "InvalidRequestError", "Request",
-    "SamplingParams", "SchedulerClosedError", "Service", "ServiceStats", "ToolCall", "ToolPlan", "Tools", "TurnPlan",
-    "errors", "output_budget", "read_calls",
+    "ANON", "AgentInfo", "CacheError", "Completion", "ContextLengthError", "FAILED", "GREEDY", "InvalidRequestError",
+    "PENDING", "Request", "SAVED", "SAVE_FAILURES", "SamplingParams", "SchedulerClosedError", "Service",
+    "ServiceStats", "ToolCall", "ToolPlan", "Tools", "TurnPlan", "errors", "output_budget", "read_calls",
 ]
 
 ANON = "~anon/"          # anonymous agents' ids: never saved, never listed

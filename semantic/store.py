@@ -271,22 +271,20 @@ class AgentCacheStore:
     def effective_budget(self) -> int:
         """The bytes of files the store may hold now: the configured budget, or less when the filesystem
         leaves less (our files plus the free space beyond the reserve)."""
-        with self._lock:
-            ours = sum(e.nbytes for e in self._disk.values())
-            room = self.health.room()
-        return self.disk_budget if room is None else min(self.disk_budget, ours + room[1])
+        return self.stats().disk["effective_budget_bytes"]
 
     def stats(self) -> StoreStats:
-        effective = self.effective_budget()
         with self._lock:
-            disk = self.health.snapshot()
-            disk["effective_budget_bytes"] = effective
+            ours = sum(e.nbytes for e in self._disk.values())
+            disk = self.health.snapshot()  # one statvfs: the room below comes from it
+            room = disk["room_bytes"]
+            disk["effective_budget_bytes"] = self.disk_budget if room is None else min(self.disk_budget, ours + room)
             return StoreStats(
                 disk_hits=self._counts["disk_hits"],
                 misses=self._counts["misses"],
                 disk_evictions=self._counts["disk_evictions"],
                 disk_agents=len(self._disk),
-                disk_bytes=sum(e.nbytes for e in self._disk.values()),
+                disk_bytes=ours,
                 quarantined=len(self.quarantined),
                 disk=disk,
             )
@@ -394,9 +392,9 @@ class AgentCacheStore:
         self.cleaned.extend(atomic.remove_abandoned(self.dir))  # dead writers' temporary files
         found = []
         for path in sorted(self.dir.iterdir()):
-            if path.name.endswith(cachefile.SUFFIX + EXTRA_SUFFIX) and path.is_file() \
-                    and not path.with_name(path.name[: -len(EXTRA_SUFFIX)]).exists():
-                _unlink_extra(path.with_name(path.name[: -len(EXTRA_SUFFIX)]))  # its cache file is gone
+            if path.name.endswith(cachefile.SUFFIX + EXTRA_SUFFIX) and not path.with_suffix("").exists():
+                with contextlib.suppress(OSError):  # its cache file is gone (a read-only directory keeps it)
+                    atomic.unlink_quietly(path)
             if not path.is_file() or not path.name.endswith(cachefile.SUFFIX):
                 continue
             try:

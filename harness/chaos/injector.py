@@ -35,9 +35,8 @@ FS_FAULTS = ("disk_full", "read_only")
 
 
 def quarantined_count(stats: dict | None) -> int | None:
-    """``/v1/cache/stats`` ``quarantined``: a count, or (older servers) the list of files."""
-    q = (stats or {}).get("quarantined")
-    return len(q) if isinstance(q, list) else q
+    """``/v1/cache/stats`` ``quarantined``: the files set aside so far (None: no stats)."""
+    return (stats or {}).get("quarantined")
 
 
 @dataclass(slots=True)

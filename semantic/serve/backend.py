@@ -145,7 +145,9 @@ class Backend:
             tail = relay.text.finish()
             if tail is not None:
                 yield tail
-            yield self._final(prepared, result, relay.text, saved)
+            # a named agent's Final writes its echo beside its cache file (``Service.remember``): off the loop
+            yield await asyncio.to_thread(self._final, prepared, result, relay.text, saved) if turn.persist \
+                else self._final(prepared, result, relay.text, saved)
         finally:
             if not tokens.done():
                 self.service.cancel(future)

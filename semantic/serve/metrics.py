@@ -16,6 +16,8 @@ from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from semantic.service import SAVE_FAILURES
+
 log = logging.getLogger("semantic.serve")
 
 CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4  # what generate_latest writes
@@ -112,7 +114,7 @@ class BackendCollector:
         yield CounterMetricFamily("semantic_save_errors", "Cache saves that failed", value=float(saves["errors"]))
         by_kind = CounterMetricFamily("semantic_save_errors_by_kind", "Cache saves that failed, tried or skipped, by "
                                       "cause", labels=["kind"])
-        for kind in ("disk_full", "read_only", "missing", "io"):
+        for kind in SAVE_FAILURES:
             by_kind.add_metric([kind], float(saves.get("errors_by_kind", {}).get(kind, 0)))
         yield by_kind
         yield CounterMetricFamily("semantic_save_skipped", "Cache saves not tried while backing off after a failure",
@@ -121,7 +123,7 @@ class BackendCollector:
                                   value=float(saves.get("lost", 0)))
         state = GaugeMetricFamily("semantic_disk_state", "1 for the cache directory's state now (ok, or why saves "
                                   "fail)", labels=["state"])
-        for name in ("ok", "disk_full", "read_only", "missing", "io"):
+        for name in ("ok", *SAVE_FAILURES):
             state.add_metric([name], float(disk.get("state", "ok") == name))
         yield state
         for name, doc in (("free_bytes", "Free bytes on the cache directory's filesystem"),

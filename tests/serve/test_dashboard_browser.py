@@ -68,7 +68,7 @@ def test_the_dashboard_shows_hit_rate_bytes_agents_and_recent_ttfts(tmp_path):
 
 
 def test_the_dashboard_says_so_when_the_disk_is_full(tmp_path):
-    with tmpfs("4m") as where:
+    with tmpfs(4) as where:
         s = Server(write_tiny_llama(tmp_path / "model"), where / "agents", ["--pool-mb", "64"],
                    log_dir=tmp_path).start()
         try:

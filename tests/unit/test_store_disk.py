@@ -67,7 +67,7 @@ def test_a_save_the_disk_cannot_hold_is_refused_before_writing_and_older_files_s
 
 
 def test_a_real_enospc_mid_write_leaves_the_old_file_whole_and_no_temporary_file(eng, caches):
-    with tmpfs("2m") as where:
+    with tmpfs(2) as where:
         store = _store(eng, where / "cache", Clock())
         store.save("b", caches["a"])  # b's older, smaller cache
         filler = fill(where)
@@ -84,7 +84,7 @@ def test_a_real_enospc_mid_write_leaves_the_old_file_whole_and_no_temporary_file
 
 
 def test_a_read_only_directory_still_serves_loads_and_saves_resume_when_it_is_writable(eng, caches):
-    with tmpfs("16m") as where:
+    with tmpfs(16) as where:
         clock = Clock()
         store = _store(eng, where, clock)
         store.save("a", caches["a"])
