@@ -99,11 +99,16 @@ class StoreStats:
 
 @dataclass(frozen=True, slots=True)
 class Quarantined:
-    """A cache file moved aside because it failed its checks."""
+    """A cache file set aside because it failed its checks: moved to ``quarantine/``, or, in a directory
+    that cannot be written, left in place (``path == original``) and no longer indexed."""
 
     path: str       # where it is now
     original: str   # where it was
     reason: str
+
+    @property
+    def moved(self) -> bool:
+        return self.path != self.original
 
 
 @dataclass(slots=True)
@@ -377,8 +382,10 @@ class AgentCacheStore:
     def _quarantine(self, path: Path, reason: str) -> None:
         try:
             dest = atomic.quarantine(path, self.dir / QUARANTINE_DIR)
-        except OSError as exc:  # a read-only directory: left in place, not indexed
-            log.warning("cannot quarantine %s (%s): %s", path, reason, exc)
+        except OSError as exc:  # a read-only directory: left in place, not indexed, still refused and counted
+            log.warning("cannot quarantine %s (%s): %s; left in place", path, reason, exc)
+            with self._lock:
+                self.quarantined.append(Quarantined(str(path), str(path), reason))
             return
         if dest is None:
             return

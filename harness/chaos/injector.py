@@ -39,6 +39,12 @@ def quarantined_count(stats: dict | None) -> int | None:
     return (stats or {}).get("quarantined")
 
 
+def quarantined_names(stats: dict | None) -> list[str]:
+    """The files ``/v1/cache/stats`` says it refused as damaged lately, moved aside or (a read-only
+    directory) left in place."""
+    return [q["file"] for q in (stats or {}).get("quarantined_recent", [])]
+
+
 @dataclass(slots=True)
 class FaultPlan:
     """How many of each fault a run injects, over how long."""
@@ -103,6 +109,7 @@ class Injector:
         name = signal.Signals(sig).name
         ev = self.ledger.event(name.lower(), life=self.server.life, cause=cause,
                                quarantined_this_life=quarantined_count(before),
+                               refused_files=quarantined_names(before),
                                saves=before.get("saves") if before else None)
         t0 = time.perf_counter()
         ev["exit"] = self.server.stop(sig)

@@ -31,7 +31,7 @@ from pathlib import Path
 
 from harness.chaos import fs
 from harness.chaos.agents import AgentParams, Fleet
-from harness.chaos.injector import FaultPlan, Injector, quarantined_count
+from harness.chaos.injector import FaultPlan, Injector, quarantined_count, quarantined_names
 from harness.chaos.ledger import Ledger
 from harness.chaos.server import ChaosServer
 from harness.chaos.timeline import timeline_plot
@@ -161,9 +161,12 @@ def _record(ctx, ledger: Ledger, out: dict, p: dict) -> None:
     corrupt = [e for e in events if e["kind"] == "corrupt" and e.get("file")]
     qdir = out.get("quarantine_dir", [])
     # a damaged file is found when it is scanned (a bad header) or loaded (its agent's next turn): every
-    # one whose agent came back must be in quarantine/; others may still sit unread
+    # one whose agent came back must be in quarantine/, or (a read-only directory then) reported refused
+    # in place; others may still sit unread
     came_back = {r["agent"] for r in ledger.resumptions if r["verdict"] in ("excused_corrupt", "corrupt_served")}
-    not_quarantined = [e["file"] for e in corrupt if e.get("agent") in came_back
+    refused = {f for e in events if e["kind"] in ("sigkill", "sigterm") for f in e.get("refused_files") or []}
+    refused |= set(quarantined_names(out.get("final_stats")))
+    not_quarantined = [e["file"] for e in corrupt if e.get("agent") in came_back and e["file"] not in refused
                        and not any(q.startswith(e["file"] + ".") for q in qdir)]
     turns = [r for r in ledger.requests if r.get("kind") == "turn" and r["outcome"] == "ok"]
     named_with_usage = [r for r in turns if r.get("usage_asked") or not r.get("stream")]

@@ -226,6 +226,11 @@ class Backend:
             "speculation": {"steps": st.spec_steps, "drafted": st.spec_drafted, "accepted": st.spec_accepted},
             "evictions": s.evictions + store.disk_evictions,
             "quarantined": store.quarantined,
+            # the newest files refused as damaged (moved: False when the directory could not be written);
+            # file names carry agent ids, so a tenant's view leaves them out
+            "quarantined_recent": [] if tenant else [
+                {"file": Path(q.original).name, "moved": q.moved, "reason": q.reason}
+                for q in self.service.store.quarantined[-16:]],
             "agents": agents,
             "recent": recent,
         }

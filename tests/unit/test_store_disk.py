@@ -103,6 +103,27 @@ def test_a_read_only_directory_still_serves_loads_and_saves_resume_when_it_is_wr
         assert store.agents() == ["a", "b"] and store.stats().disk["state"] == "ok"
 
 
+def test_a_damaged_file_in_a_read_only_directory_is_refused_counted_and_left_in_place(eng, caches, llama_tiny):
+    with tmpfs(16) as where:
+        _store(eng, where).save("b", caches["b"])
+        store = _store(engine(llama_tiny, blocks=512), where)  # a restart: no block of "b" is pooled
+        path = next(where.glob("*.safetensors"))
+        with open(path, "r+b") as f:  # the last tensor's last bytes: read by any load of "b"
+            f.seek(-64, 2)
+            tail = f.read()
+            f.seek(-64, 2)
+            f.write(bytes(x ^ 0x5A for x in tail))
+        remount(where, "ro")
+        try:
+            assert store.load("b") is None
+            assert path.exists() and store.agents() == []
+            (q,) = store.quarantined
+            assert not q.moved and q.original == str(path) and "checksum" in q.reason
+            assert store.stats().quarantined == 1
+        finally:
+            remount(where, "rw")
+
+
 def test_a_directory_that_cannot_be_made_at_startup_is_served_from_ram_and_indexed_once_it_can(eng, caches, tmp_path):
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("a file where the cache directory's parent should be")
