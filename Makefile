@@ -16,7 +16,7 @@ AIPERF_ARGS ?=
 # extra requirements for .venv, e.g. PINS="mlx==0.30.3 mlx-lm==0.30.4" (the macOS workflow's matrix)
 PINS ?=
 
-.PHONY: help system-blas system-browser venv models serve serve-ttft append-profile dashboard-screenshot test test-compat exp-003 exp-004 exp-005 exp-006 exp-006-full exp-007 exp-007-full exp-008 exp-008-full exp-008-spec exp-009 exp-009-full exp-009-aiperf exp-010 exp-010-full exp-011 exp-011-full exp-012 exp-013 exp-014 exp-014-full exp-015 chunk-cost exp-throughput exp-throughput-full bench compare-versions test-install clean
+.PHONY: help system-blas system-browser system-redis venv models serve serve-ttft append-profile dashboard-screenshot test test-compat exp-003 exp-004 exp-005 exp-006 exp-006-full exp-007 exp-007-full exp-008 exp-008-full exp-008-spec exp-009 exp-009-full exp-009-aiperf exp-010 exp-010-full exp-011 exp-011-full exp-012 exp-013 exp-014 exp-014-full exp-015 chunk-cost exp-throughput exp-throughput-full bench compare-versions test-install clean
 
 help:
 	@echo "make test         run the test suite (creates .venv, prepares models)"
@@ -61,6 +61,15 @@ venv: system-blas $(STAMP)
 
 # The dashboard test drives Debian's headless Chromium (Playwright's own browser
 # download needs the internet). Installed where we may (root with apt-get, as on CI).
+system-redis:
+	@command -v redis-server >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "installing redis-server (for the shared cache tier's tests)"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; \
+	  else \
+	    echo "NOTE: no redis-server; the shared-tier tests are skipped. Install it: sudo apt-get install redis-server"; \
+	  fi; }
+
 system-browser:
 	@command -v chromium >/dev/null || command -v chromium-browser >/dev/null || { \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
@@ -73,7 +82,7 @@ system-browser:
 models: venv
 	$(PY) -m harness models prepare all
 
-test: models system-browser
+test: models system-browser system-redis
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # The prepared model this device computes with (f32 on a CPU: the last line `models path` prints).
@@ -102,7 +111,7 @@ $(COMPAT_STAMP): pyproject.toml
 	$(COMPAT_PY) -m pip install -q -e '.[dev]' $(COMPAT_PINS)
 	touch $@
 
-test-compat: system-blas system-browser $(COMPAT_STAMP) models
+test-compat: system-blas system-browser system-redis $(COMPAT_STAMP) models
 	$(COMPAT_PY) -c "import mlx_lm, importlib.metadata as m; v = m.version('mlx-lm'); assert v == '0.30.4', v; print('mlx-lm', v, 'mlx', m.version('mlx'))"
 	$(COMPAT_PY) -m pytest $(PYTEST_ARGS)
 

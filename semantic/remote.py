@@ -1,0 +1,248 @@
+"""A cache tier on Redis that several servers share: each agent's newest cache file, versioned.
+
+::
+
+    publish(agent, path, version) ─► queue ─► publisher thread ─► Lua: replace only if newer
+    fetch(agent)                  ─► (version, file bytes) | None  (the store verifies them as any file)
+    version(agent)                ─► the newest version any server published (one small read)
+    drop(agent, version)          ─► delete a value that failed verification, unless replaced meanwhile
+
+Keys carry the model fingerprint, so another model's caches never match, and the agent id, which the
+service already namespaces by tenant: ``<prefix>:<fingerprint>:agent:<sha256(agent id)>`` holds a hash
+``{v: version, data: the cache file's bytes}``. The bytes keep the file's checksums: a value damaged in
+Redis (or written by anything else) fails the store's checks and is dropped, never used.
+
+Redis down, slow or full costs the caller nothing but a miss: every call has a socket timeout, a
+failure is counted and logged once per streak, and calls are skipped for a back-off (1 s doubling to
+30 s) until one succeeds. A Redis that answers but refuses a write (``maxmemory`` with
+``noeviction``) is counted as ``refused``, logged once, and not backed off: reads still work. With an
+evicting policy (``allkeys-lru``), Redis's own eviction is the remote budget. Publishing never
+blocks: a full queue drops the oldest entry (counted).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import queue
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+log = logging.getLogger(__name__)
+
+PREFIX = "semkv"
+BACKOFF_S = (1.0, 30.0)
+QUEUE_LIMIT = 256
+
+# replace the agent's value only with a newer version: the older writer loses cleanly
+_PUT_IF_NEWER = """
+local v = tonumber(redis.call('HGET', KEYS[1], 'v') or '-1')
+if tonumber(ARGV[1]) > v then
+  redis.call('HSET', KEYS[1], 'v', ARGV[1], 'data', ARGV[2])
+  return 1
+end
+return 0
+"""
+# delete a value that failed verification, unless a newer one replaced it meanwhile
+_DROP_IF_SAME = """
+if redis.call('HGET', KEYS[1], 'v') == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+"""
+
+
+class RemoteUnavailable(Exception):
+    """The remote tier did not answer (down, slow, full); the caller carries on without it."""
+
+
+@dataclass(frozen=True, slots=True)
+class Fetched:
+    version: int
+    data: bytes
+
+
+class RemoteTier:
+    """Agents' cache files on a Redis (or Valkey) server at ``url``, for one model.
+
+    Args:
+        url: ``redis://host:port/db`` (``rediss://`` for TLS).
+        fingerprint: the model's; part of every key.
+        timeout_s: socket timeout of every call.
+        connect: makes the client (tests inject one); default ``redis.Redis.from_url``.
+    """
+
+    def __init__(self, url: str, fingerprint: str, *, timeout_s: float = 1.0, prefix: str = PREFIX,
+                 clock: Callable[[], float] = time.monotonic, connect: Callable | None = None):
+        import redis
+
+        self.url, self.fingerprint, self.prefix = url, fingerprint, prefix
+        self._clock = clock
+        self._refused = redis.ResponseError
+        self._errors = (redis.RedisError, OSError)
+        make = connect or (lambda: redis.Redis.from_url(url, socket_timeout=timeout_s,
+                                                        socket_connect_timeout=timeout_s))
+        self._client = make()
+        self._put = self._client.register_script(_PUT_IF_NEWER)
+        self._drop = self._client.register_script(_DROP_IF_SAME)
+        self._lock = threading.Lock()
+        self.counts: Counter[str] = Counter()
+        self.latency_s: Counter[str] = Counter()  # total seconds per call kind (with counts: a mean)
+        self._down_since: float | None = None
+        self._retry_at = 0.0
+        self._delay = BACKOFF_S[0]
+        self._queue: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._publisher, name="semantic-remote", daemon=True)
+        self._closed = False
+        self._thread.start()
+
+    # ------------------------------------------------------------ reads
+
+    def key(self, agent_id: str) -> str:
+        return f"{self.prefix}:{self.fingerprint}:agent:{hashlib.sha256(agent_id.encode()).hexdigest()}"
+
+    def version(self, agent_id: str) -> int | None:
+        """The newest version published for the agent (None: none, or the tier is unavailable)."""
+        try:
+            v = self._call("version", lambda: self._client.hget(self.key(agent_id), "v"))
+        except RemoteUnavailable:
+            return None
+        return int(v) if v is not None else None
+
+    def fetch(self, agent_id: str) -> Fetched | None:
+        """The agent's newest published cache file (unverified: the caller checks it), or None."""
+        try:
+            got = self._call("fetch", lambda: self._client.hmget(self.key(agent_id), ["v", "data"]))
+        except RemoteUnavailable:
+            return None
+        v, data = got
+        if v is None or data is None:
+            self._count("misses")
+            return None
+        self._count("hits")
+        self._count("bytes_in", len(data))
+        return Fetched(int(v), bytes(data))
+
+    def drop(self, agent_id: str, version: int) -> None:
+        """Delete the agent's value of ``version`` (it failed verification) unless a newer one replaced it."""
+        self._count("verify_failures")
+        try:
+            self._call("drop", lambda: self._drop(keys=[self.key(agent_id)], args=[str(version)]))
+        except RemoteUnavailable:
+            pass
+
+    # ------------------------------------------------------------ writes, behind the caller
+
+    def publish(self, agent_id: str, path: Path, version: int) -> None:
+        """Queue the agent's cache file at ``path`` for publishing as ``version`` (read when it is sent)."""
+        if self._queue.qsize() >= QUEUE_LIMIT:
+            try:
+                self._queue.get_nowait()
+                self._count("publish_dropped")
+            except queue.Empty:
+                pass
+        self._queue.put((agent_id, Path(path), version))
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued publish was sent or given up (False: timed out)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self._queue.unfinished_tasks:
+            if deadline is not None and time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
+        return True
+
+    def close(self, timeout: float = 10.0) -> None:
+        self.flush(timeout)
+        self._closed = True
+        self._queue.put(None)
+        self._thread.join(timeout)
+        self._client.close()
+
+    def stats(self) -> dict:
+        with self._lock:
+            c, lat = Counter(self.counts), Counter(self.latency_s)
+            down = self._down_since
+        calls = {k[:-len(".calls")]: c[k] for k in c if k.endswith(".calls")}
+        return {
+            "url": self.url, "up": down is None,
+            "down_s": round(self._clock() - down, 1) if down is not None else 0.0,
+            "hits": c["hits"], "misses": c["misses"], "bytes_in": c["bytes_in"], "bytes_out": c["bytes_out"],
+            "published": c["published"], "publish_lost_race": c["publish_lost_race"],
+            "publish_dropped": c["publish_dropped"], "verify_failures": c["verify_failures"],
+            "errors": c["errors"], "refused": c["refused"], "skipped": c["skipped"],
+            "mean_latency_ms": {k: round(1000 * lat[k] / n, 3) for k, n in calls.items() if n},
+        }
+
+    def _publisher(self) -> None:
+        while True:
+            job = self._queue.get()
+            try:
+                if job is None:
+                    return
+                agent_id, path, version = job
+                try:
+                    data = path.read_bytes()
+                except OSError:  # replaced or trimmed meanwhile: a newer save publishes its own
+                    continue
+                try:
+                    won = self._call("publish", lambda: self._put(keys=[self.key(agent_id)],
+                                                                  args=[str(version), data]))
+                except RemoteUnavailable:
+                    continue
+                self._count("published" if won else "publish_lost_race")
+                if won:
+                    self._count("bytes_out", len(data))
+            finally:
+                self._queue.task_done()
+
+    # ------------------------------------------------------------ faults
+
+    def _call(self, kind: str, fn):
+        now = self._clock()
+        with self._lock:
+            if self._down_since is not None and now < self._retry_at:
+                self.counts["skipped"] += 1
+                raise RemoteUnavailable(f"{self.url} is unavailable; next try in {self._retry_at - now:.1f} s")
+        t0 = time.perf_counter()
+        try:
+            out = fn()
+        except self._refused as exc:  # it answered, and said no (maxmemory with noeviction): no back-off
+            with self._lock:
+                self.counts["errors"] += 1
+                self.counts["refused"] += 1
+                first = self.counts["refused"] == 1
+            if first:
+                log.warning("remote cache tier %s refused a write: %s (further refusals are counted, not logged)",
+                            self.url, exc)
+            raise RemoteUnavailable(str(exc)) from None
+        except self._errors as exc:
+            self._failed(exc)
+            raise RemoteUnavailable(str(exc)) from None
+        with self._lock:
+            self.counts[f"{kind}.calls"] += 1
+            self.latency_s[kind] += time.perf_counter() - t0
+            if self._down_since is not None:
+                log.info("remote cache tier %s: answering again after %.0f s", self.url, now - self._down_since)
+                self._down_since, self._delay = None, BACKOFF_S[0]
+        return out
+
+    def _failed(self, exc: BaseException) -> None:
+        now = self._clock()
+        with self._lock:
+            self.counts["errors"] += 1
+            if self._down_since is None:
+                log.warning("remote cache tier %s: %s; serving from RAM and local disk, retrying from %.0f s on",
+                            self.url, exc, self._delay)
+                self._down_since = now
+            else:
+                self._delay = min(self._delay * 2, BACKOFF_S[1])
+            self._retry_at = now + self._delay
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self.counts[name] += n
