@@ -48,6 +48,7 @@ import logging
 import os
 import re
 import threading
+import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -141,6 +142,7 @@ class AgentCacheStore:
         *,
         pool: BlockPool,
         durable: bool = True,
+        remote=None,
     ):
         if not isinstance(model_fingerprint, str) or not model_fingerprint:
             raise ValueError(f"model_fingerprint must be a non-empty string, got {model_fingerprint!r}")
@@ -159,6 +161,8 @@ class AgentCacheStore:
         self.foreign: list[str] = []   # files of another model or spec, left in place
         self.cleaned: list[str] = []   # leftover temporary files deleted on startup
         self.health = DiskHealth(self.dir)  # guarded by _lock
+        self.remote = remote  # a RemoteTier shared with other servers (``semantic.remote``), or None
+        self._versions: dict[str, int] = {}  # agent -> version of its local file (time_ns of its save)
         self._scanned = False
         try:
             self._scan()
@@ -201,6 +205,9 @@ class AgentCacheStore:
                 self.health.ok()
                 self._disk[agent_id] = _OnDisk(path, info.nbytes)
                 self._disk.move_to_end(agent_id)
+                version = self._versions[agent_id] = time.time_ns()
+            if self.remote is not None:
+                self.remote.publish(agent_id, path, version)  # behind this call: read and sent by its thread
         self._disk_trim(keep=agent_id)
 
     def load(self, agent_id: str) -> AgentBlocks | None:
@@ -214,6 +221,7 @@ class AgentCacheStore:
         """
         validate_agent_id(agent_id)
         with self._agent_lock(agent_id):
+            fetched = self._fetch_newer(agent_id) if self.remote is not None else None
             with self._lock:
                 entry = self._disk.get(agent_id)
                 if entry is None:
@@ -221,6 +229,8 @@ class AgentCacheStore:
                     return None
             blocks = self._load_file(agent_id, entry)
             if blocks is None:
+                if fetched is not None:  # what another server published failed its checks here
+                    self.remote.drop(agent_id, fetched)
                 return None
             with self._lock:
                 self._counts["disk_hits"] += 1
@@ -231,6 +241,49 @@ class AgentCacheStore:
             except OSError:
                 pass
             return blocks
+
+    def newer_elsewhere(self, agent_id: str) -> bool:
+        """Whether another server published a newer cache of the agent than the one here (False without a
+        remote tier, or when it does not answer)."""
+        if self.remote is None:
+            return False
+        theirs = self.remote.version(agent_id)
+        with self._lock:
+            ours = self._versions.get(agent_id)
+        return theirs is not None and (ours is None or theirs > ours)
+
+    def _fetch_newer(self, agent_id: str) -> int | None:
+        """Bring the agent's remote cache file here when it is newer than the local one (called under the
+        agent's lock); the version fetched, or None. The bytes become the local file, checked on load."""
+        if not self.newer_elsewhere(agent_id):
+            return None
+        got = self.remote.fetch(agent_id)
+        if got is None:
+            return None
+        path = self.dir / file_name(agent_id)
+        tmp = atomic.temp_name(path)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(got.data)
+            info = cachefile.read_header(tmp)
+            if info.model_fingerprint != self.fingerprint or info.spec != self.spec or info.agent_id != agent_id:
+                raise CacheMismatchError(f"the remote cache of {agent_id!r} is another model's, spec's or agent's")
+            os.replace(tmp, path)
+        except (CacheCorruptError, CacheMismatchError) as exc:
+            log.warning("agent %r: the remote cache (version %d) is refused: %s", agent_id, got.version, exc)
+            self.remote.drop(agent_id, got.version)
+            atomic.unlink_quietly(tmp)
+            return None
+        except OSError as exc:  # the local disk cannot take it: the next turn prefills
+            log.warning("agent %r: cannot keep the remote cache here: %s", agent_id, exc)
+            with contextlib.suppress(OSError):
+                atomic.unlink_quietly(tmp)
+            return None
+        with self._lock:
+            self._disk[agent_id] = _OnDisk(path, path.stat().st_size)
+            self._disk.move_to_end(agent_id)
+            self._versions[agent_id] = got.version
+        return got.version
 
     def delete(self, agent_id: str) -> bool:
         """Forget ``agent_id`` and delete its file; True if it was stored."""
@@ -425,10 +478,12 @@ class AgentCacheStore:
             found.append((path.stat().st_mtime_ns, info.agent_id, _OnDisk(path, info.nbytes)))
         with self._lock:
             # newest first, each put in front: least recently used first, ahead of what this process saved
-            for _, agent_id, entry in sorted(found, key=lambda x: (x[0], x[1]), reverse=True):
+            for mtime_ns, agent_id, entry in sorted(found, key=lambda x: (x[0], x[1]), reverse=True):
                 if agent_id not in self._disk:
                     self._disk[agent_id] = entry
                     self._disk.move_to_end(agent_id, last=False)
+                    # written at or after its version was stamped: a remote copy of the same save is not newer
+                    self._versions.setdefault(agent_id, mtime_ns)
         self._scanned = True
         self._disk_trim(keep="")
 

@@ -1,0 +1,55 @@
+"""Two stores (two servers' pools and directories) sharing one real redis-server: an agent resumes on either."""
+
+from __future__ import annotations
+
+import pytest
+
+from semantic import AgentCacheStore
+from semantic.remote import RemoteTier
+from tests.cache_helpers import assert_identical, engine, generate, history
+from tests.redis_helpers import RedisServer
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    server = RedisServer(tmp_path).start()
+    yield server
+    server.stop()
+
+
+def _store(eng, path, server, fingerprint="tiny-model"):
+    return AgentCacheStore(path, eng.spec, fingerprint, 10**9, pool=eng.pool, durable=False,
+                           remote=RemoteTier(server.url, fingerprint, timeout_s=0.5))
+
+
+def test_an_agent_saved_on_one_server_loads_on_another_and_back_newest_first(llama_tiny, tmp_path, redis_server):
+    e1, e2 = engine(llama_tiny, blocks=256), engine(llama_tiny, blocks=256)
+    s1, s2 = _store(e1, tmp_path / "one", redis_server), _store(e2, tmp_path / "two", redis_server)
+    turn1 = generate(e1, "public/a", history(20), 4).blocks
+    s1.save("public/a", turn1)
+    assert s1.remote.flush(10)
+    assert_identical(s2.load("public/a"), turn1)                 # server two had never seen it
+    turn2 = generate(e2, "public/a", list(turn1.token_ids) + [5, 6, 7], 4).blocks
+    s2.save("public/a", turn2)
+    assert s2.remote.flush(10)
+    assert s1.newer_elsewhere("public/a")
+    assert_identical(s1.load("public/a"), turn2)                 # its own older file is replaced
+    assert not s1.newer_elsewhere("public/a") and s1.remote.stats()["hits"] == 1
+
+
+def test_a_damaged_or_foreign_remote_value_is_refused_dropped_and_the_local_file_still_loads(
+        llama_tiny, tmp_path, redis_server):
+    e1 = engine(llama_tiny, blocks=256)
+    s1 = _store(e1, tmp_path / "one", redis_server)
+    mine = generate(e1, "public/a", history(20), 4).blocks
+    s1.save("public/a", mine)
+    assert s1.remote.flush(10)
+    client = s1.remote._client
+    key = s1.remote.key("public/a")
+    client.hset(key, mapping={"v": str(2**62), "data": b"not a cache file"})
+    assert_identical(s1.load("public/a"), mine)
+    assert client.exists(key) == 0 and s1.remote.stats()["verify_failures"] == 1
+    other = _store(engine(llama_tiny, blocks=256), tmp_path / "other", redis_server, fingerprint="another-model")
+    other.remote.publish("public/b", next((tmp_path / "one").glob("*.safetensors")), 1)
+    assert other.remote.flush(10)
+    assert s1.load("public/b") is None  # another model's key space: never even fetched
