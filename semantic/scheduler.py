@@ -353,6 +353,12 @@ class ConcurrentScheduler:
             return None
         with self._cv:
             own = self.planner.own_cache(request.agent_id)
+        if own is not None and self.store.remote is not None and self.store.newer_elsewhere(request.agent_id):
+            with self._cv:  # another server moved the agent on: its file is newer than what is resident here
+                stale = None if self.planner.pinned(request.agent_id) else self.planner.drop(request.agent_id)
+            if stale is not None:
+                own = None
+            del stale  # released outside the lock
         if own is not None:
             return own
         while True:

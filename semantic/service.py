@@ -139,6 +139,7 @@ class ServiceStats:
     spec_steps: int = 0      # decode steps that verified drafts (``semantic.lookup``) ...
     spec_drafted: int = 0    # ... the tokens drafted in them ...
     spec_accepted: int = 0   # ... and those the model agreed with: each saved one decode step
+    remote: dict | None = None  # the shared tier's counters (``RemoteTier.stats``), when there is one
 
 
 class Service:
@@ -188,12 +189,13 @@ class Service:
 
     @classmethod
     def open(cls, model: str, *, cache_dir: str | None = None, pool_bytes: int, disk_budget_bytes: int,
-             block_tokens: int = defaults.BLOCK_TOKENS, **scheduling) -> "Service":
+             block_tokens: int = defaults.BLOCK_TOKENS, remote: str | None = None, **scheduling) -> "Service":
         """Load ``model`` (a directory or hub id, whatever ``mlx_lm.load`` takes) and open its cache store.
 
         Caches live under ``cache_dir``, by default
         ``~/.cache/semantic-kv/agents/<model fingerprint>``, so another
-        model's files never mix with this one's. ``scheduling``: the
+        model's files never mix with this one's. ``remote``: a Redis URL whose
+        tier other servers of this model share (agents resume on any of them). ``scheduling``: the
         constructor's keywords (``ram_budget_bytes`` and the rest).
         """
         import mlx_lm
@@ -207,7 +209,13 @@ class Service:
         if total < 4:
             raise ValueError(f"a pool of {pool_bytes} bytes holds {total} blocks of {block_bytes:.0f} bytes: raise it")
         where = Path(cache_dir).expanduser() if cache_dir else Path.home() / ".cache" / "semantic-kv" / "agents" / fingerprint
-        store = AgentCacheStore(where, spec, fingerprint, disk_budget_bytes, pool=BlockPool(spec, total, block_tokens))
+        tier = None
+        if remote is not None:  # caches shared with other servers of the same model (``semantic.remote``)
+            from semantic.remote import RemoteTier
+
+            tier = RemoteTier(remote, fingerprint)
+        store = AgentCacheStore(where, spec, fingerprint, disk_budget_bytes, pool=BlockPool(spec, total, block_tokens),
+                                remote=tier)
         if store.quarantined or store.foreign:
             log.warning("cache dir %s: %d files quarantined, %d of another model left alone",
                         where, len(store.quarantined), len(store.foreign))
@@ -368,8 +376,10 @@ class Service:
         return self.scheduler.save_outcome(c)
 
     def close(self, timeout: float | None = None) -> None:
-        """Finish what is queued and in flight, write pending saves, stop the threads."""
+        """Finish what is queued and in flight, write pending saves (and publish them), stop the threads."""
         self.scheduler.close(timeout)
+        if self.store.remote is not None:
+            self.store.remote.close(timeout or 10.0)
 
     def _note(self, future: Future) -> None:
         if future.cancelled() or future.exception() is not None:
@@ -391,6 +401,7 @@ class Service:
             pool_capacity_bytes=int(pool.total * block_bytes), disk_budget_bytes=self.store.disk_budget,
             cache_dir=str(self.store.dir), echo_spliced=self.echo.spliced, echo_rendered=self.echo.rendered,
             spec_steps=steps, spec_drafted=drafted, spec_accepted=accepted,
+            remote=self.store.remote.stats() if self.store.remote is not None else None,
         )
 
     def agents(self, tenant: str | None = None, limit: int = 200) -> list[AgentInfo]:

@@ -224,6 +224,8 @@ class Backend:
             "echo": {"spliced": st.echo_spliced, "rendered": st.echo_rendered},
             # prompt-lookup drafts: each accepted token is one decode step saved
             "speculation": {"steps": st.spec_steps, "drafted": st.spec_drafted, "accepted": st.spec_accepted},
+            # the tier shared with other servers (--remote): hits, misses, bytes, verification failures, latency
+            "remote": st.remote,
             "evictions": s.evictions + store.disk_evictions,
             "quarantined": store.quarantined,
             # the newest files refused as damaged (moved: False when the directory could not be written);

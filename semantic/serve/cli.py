@@ -82,6 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--spec-max-draft", type=int, default=d.spec_max_draft, metavar="N",
                    help=f"the most tokens a greedy turn drafts from its context per step; how many it does is "
                         f"sized online from its own acceptance rate (default {d.spec_max_draft})")
+    p.add_argument("--remote", default=None, metavar="URL",
+                   help="a Redis (or Valkey) URL, redis://host:port/db: every saved cache is also published there, "
+                        "and an agent's newer cache published by another server of the same model is fetched "
+                        "before its turn, so any server resumes any agent (default: this machine only)")
     p.add_argument("--graceful-timeout", type=float, default=d.graceful_s,
                    help=f"seconds shutdown lets in-flight streams finish before cancelling them (default {d.graceful_s})")
     p.add_argument("--log-level", default=d.log_level, choices=LOG_LEVELS)
@@ -101,7 +105,7 @@ def parse_config(argv: list[str]) -> ServeConfig:
             prefill_chunk=a.prefill_chunk, itl_target_ms=a.itl_target_ms, max_body_mb=a.max_body_mb, graceful_s=a.graceful_timeout, log_level=a.log_level,
             sync_saves=a.sync_saves, keep_billing_header=a.keep_billing_header, tool_parser=a.tool_parser,
             echo_history=a.echo_history, strict_max_tokens=a.strict_max_tokens, speculation=a.speculation,
-            spec_max_draft=a.spec_max_draft)
+            spec_max_draft=a.spec_max_draft, remote=a.remote)
     except ValueError as exc:
         parser.error(str(exc))  # exits 2 with the usage line
 
@@ -137,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
             max_context=config.max_context, prefill_chunk=config.prefill_chunk, tool_parser=config.tool_parser,
             itl_target_s=config.itl_target_ms / 1000 if config.itl_target_ms else None,
             echo_history=config.echo_history, strict_max_tokens=config.strict_max_tokens,
-            speculation=config.spec_config)
+            speculation=config.spec_config, remote=config.remote)
     except (OSError, ValueError, LookupError, RuntimeError, CacheError) as exc:
         print(f"error: cannot load {config.model!r}: {exc}", file=sys.stderr)
         return 2

@@ -46,6 +46,7 @@ class ServeConfig:
     strict_max_tokens: bool = False    # refuse a max_tokens the context cannot hold, instead of cutting it
     speculation: bool = True           # greedy turns verify tokens copied from their context (semantic.lookup)
     spec_max_draft: int = 8            # the most tokens drafted per step
+    remote: str | None = None          # redis://host:port/db: a cache tier shared with other servers
 
     def __post_init__(self):
         if not isinstance(self.model, str) or not self.model.strip():
@@ -75,6 +76,8 @@ class ServeConfig:
         if self.ram_mb is not None and self.ram_mb > self.pool_mb:
             raise ValueError(f"ram_mb {self.ram_mb} exceeds pool_mb {self.pool_mb}: the pool holds every resident "
                              "cache, so such a budget never binds; lower --ram-mb or raise --pool-mb")
+        if self.remote is not None and not str(self.remote).startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"remote must be a redis://, rediss:// or unix:// URL, got {self.remote!r}")
         if self.log_level.lower() not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
         self.log_level = self.log_level.lower()

@@ -135,6 +135,17 @@ class BackendCollector:
                                   value=float(echo.get("spliced", 0)))
         yield CounterMetricFamily("semantic_echo_rendered", "Prompts of known agents whose echoed reply was rendered again",
                                   value=float(echo.get("rendered", 0)))
+        remote = s.get("remote")
+        if remote:
+            for name, doc in (("hits", "Agent caches fetched from the shared tier"),
+                              ("misses", "Shared-tier lookups that found nothing"),
+                              ("bytes_in", "Bytes fetched from the shared tier"),
+                              ("bytes_out", "Bytes published to the shared tier"),
+                              ("verify_failures", "Shared-tier values refused by the cache-file checks and dropped"),
+                              ("errors", "Shared-tier calls that failed (down, slow, refused)"),
+                              ("skipped", "Shared-tier calls skipped while backing off")):
+                yield CounterMetricFamily(f"semantic_remote_{name}", doc, value=float(remote.get(name, 0)))
+            yield GaugeMetricFamily("semantic_remote_up", "1 while the shared tier answers", value=float(remote["up"]))
         spec = s.get("speculation", {})
         yield CounterMetricFamily("semantic_spec_drafted_tokens", "Tokens drafted from the context for verification",
                                   value=float(spec.get("drafted", 0)))

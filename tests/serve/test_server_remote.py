@@ -1,0 +1,60 @@
+"""Two real ``semantic serve`` processes, separate cache directories, one real redis-server: any server
+resumes any agent (``--remote``)."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from harness.models.tiny import write_tiny_llama
+from tests.redis_helpers import RedisServer
+from tests.serve_helpers import Server
+
+SYSTEM = "You are a careful coding agent. " * 20  # 640 one-token characters: two whole 256-token blocks
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    base = tmp_path_factory.mktemp("cluster")
+    redis = RedisServer(base).start()
+    model = write_tiny_llama(base / "model")
+    servers = [Server(model, base / f"agents-{i}", ["--pool-mb", "64", "--sync-saves", "--remote", redis.url]).start()
+               for i in range(2)]
+    yield servers, redis
+    for s in servers:
+        assert s.stop_cleanly(), s.log()
+    redis.stop()
+
+
+def _chat(server, agent, messages):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+    return client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0,
+                                          extra_headers={"X-Agent-Id": agent})
+
+
+def test_an_agent_alternating_between_two_servers_resumes_its_whole_history_on_each(cluster):
+    servers, _ = cluster
+    messages = [{"role": "system", "content": SYSTEM}]
+    prompts, cached = [], []
+    for turn in range(4):
+        messages.append({"role": "user", "content": f"Step {turn}: list the files."})
+        reply = _chat(servers[turn % 2], "alternating", messages)
+        messages.append({"role": "assistant", "content": reply.choices[0].message.content})
+        prompts.append(reply.usage.prompt_tokens)
+        cached.append(reply.usage.prompt_tokens_details.cached_tokens)
+    # each turn after the first finds the whole previous turn (its prompt and reply) cached, wherever it ran
+    assert all(c >= p for c, p in zip(cached[1:], prompts[:-1])), (prompts, cached)
+    stats = [s.stats()["remote"] for s in servers]
+    assert stats[0]["hits"] >= 1 and stats[1]["hits"] >= 2 and all(s["verify_failures"] == 0 for s in stats)
+    assert "semantic_remote_hits_total" in httpx.get(servers[1].url + "/metrics", timeout=10).text
+
+
+def test_redis_going_down_costs_no_request_and_the_tier_comes_back(cluster):
+    servers, redis = cluster
+    redis.stop()
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "While Redis is down."}]
+    for s in servers:
+        assert _chat(s, "during-outage", messages).choices[0].finish_reason in ("stop", "length")
+    assert servers[0].stats()["remote"]["up"] is False
+    redis.start()
