@@ -2,14 +2,19 @@
 
 ::
 
-    publish(agent, path, version) ─► queue ─► publisher thread ─► Lua: replace only if newer
+    publish(agent, path, version, chain) ─► queue ─► publisher thread ─► Lua: replace only if newer,
+                                                                         then each full block ─► that agent
     fetch(agent)                  ─► (version, file bytes) | None  (the store verifies them as any file)
+    holder(chain)                 ─► (blocks, agent): the agent whose file holds the most leading blocks
     version(agent)                ─► the newest version any server published (one small read)
     drop(agent, version)          ─► delete a value that failed verification, unless replaced meanwhile
 
 Keys carry the model fingerprint, so another model's caches never match, and the agent id, which the
 service already namespaces by tenant: ``<prefix>:<fingerprint>:agent:<sha256(agent id)>`` holds a hash
-``{v: version, data: the cache file's bytes}``. The bytes keep the file's checksums: a value damaged in
+``{v: version, data: the cache file's bytes}``. Full blocks are shared by pointer:
+``<prefix>:<fingerprint>:block:<chain key>`` names an agent whose file holds that block. A chain key
+hashes every token before it under the tenant's salt root, so another tenant's prompt never matches; a
+server that misses a prefix fetches the holder's file and loads its blocks into its pool. The bytes keep the file's checksums: a value damaged in
 Redis (or written by anything else) fails the store's checks and is dropped, never used.
 
 Redis down, slow or full costs the caller nothing but a miss: every call has a socket timeout, a
@@ -127,6 +132,21 @@ class RemoteTier:
         self._count("bytes_in", len(data))
         return Fetched(int(v), bytes(data))
 
+    def block_key(self, chain_key: int) -> str:
+        return f"{self.prefix}:{self.fingerprint}:block:{chain_key:x}"
+
+    def holder(self, chain: list[int]) -> tuple[int, str] | None:
+        """(n, agent): an agent whose published file holds the first ``n`` full blocks of ``chain`` (the
+        largest ``n`` found), or None."""
+        if not chain:
+            return None
+        try:
+            found = self._call("holder", lambda: self._client.mget([self.block_key(k) for k in chain]))
+        except RemoteUnavailable:
+            return None
+        n = next((i for i in range(len(found), 0, -1) if found[i - 1] is not None), 0)
+        return (n, found[n - 1].decode()) if n else None
+
     def drop(self, agent_id: str, version: int) -> None:
         """Delete the agent's value of ``version`` (it failed verification) unless a newer one replaced it."""
         self._count("verify_failures")
@@ -137,15 +157,16 @@ class RemoteTier:
 
     # ------------------------------------------------------------ writes, behind the caller
 
-    def publish(self, agent_id: str, path: Path, version: int) -> None:
-        """Queue the agent's cache file at ``path`` for publishing as ``version`` (read when it is sent)."""
+    def publish(self, agent_id: str, path: Path, version: int, chain: list[int] = ()) -> None:
+        """Queue the agent's cache file at ``path`` for publishing as ``version`` (read when it is sent), and
+        its full blocks' ``chain`` keys as pointers to it."""
         if self._queue.qsize() >= QUEUE_LIMIT:
             try:
                 self._queue.get_nowait()
                 self._count("publish_dropped")
             except queue.Empty:
                 pass
-        self._queue.put((agent_id, Path(path), version))
+        self._queue.put((agent_id, Path(path), version, tuple(chain)))
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued publish was sent or given up (False: timed out)."""
@@ -184,7 +205,7 @@ class RemoteTier:
             try:
                 if job is None:
                     return
-                agent_id, path, version = job
+                agent_id, path, version, chain = job
                 try:
                     data = path.read_bytes()
                 except OSError:  # replaced or trimmed meanwhile: a newer save publishes its own
@@ -197,6 +218,12 @@ class RemoteTier:
                 self._count("published" if won else "publish_lost_race")
                 if won:
                     self._count("bytes_out", len(data))
+                    if chain:
+                        pointers = {self.block_key(k): agent_id for k in chain}
+                        try:
+                            self._call("pointers", lambda: self._client.mset(pointers))
+                        except RemoteUnavailable:
+                            pass
             finally:
                 self._queue.task_done()
 

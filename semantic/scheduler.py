@@ -323,6 +323,9 @@ class ConcurrentScheduler:
             for t in heads:
                 if t not in owns:
                     owns[t] = self._own_cache(t)
+                    if owns[t] is None and self.store.remote is not None:
+                        # a prefix another server published (a shared system prompt): into the pool first
+                        self.store.prefetch(t.request.ids, t.request.salt_root)
             needs = {t: self._need(t) for t in heads if owns[t] is not False}
             free = self.store.free_blocks()
             plan = self._plan(lambda: self.planner.plan(free, needs))

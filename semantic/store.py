@@ -62,6 +62,7 @@ from semantic.errors import (
     CacheMismatchError,
     CacheSaveError,
     InvalidAgentIdError,
+    PoolExhaustedError,
 )
 from semantic.pool import BlockPool
 from semantic.request import validate_agent_id
@@ -206,8 +207,9 @@ class AgentCacheStore:
                 self._disk[agent_id] = _OnDisk(path, info.nbytes)
                 self._disk.move_to_end(agent_id)
                 version = self._versions[agent_id] = time.time_ns()
-            if self.remote is not None:
-                self.remote.publish(agent_id, path, version)  # behind this call: read and sent by its thread
+            if self.remote is not None:  # behind this call: read and sent by its thread
+                chain = blockplan.chain_keys(blocks.token_ids, self.pool.block_tokens, blocks.salt_root)
+                self.remote.publish(agent_id, path, version, chain)
         self._disk_trim(keep=agent_id)
 
     def load(self, agent_id: str) -> AgentBlocks | None:
@@ -241,6 +243,44 @@ class AgentCacheStore:
             except OSError:
                 pass
             return blocks
+
+    def prefetch(self, token_ids, salt_root: int | None = None) -> int:
+        """Bring into the pool the leading full blocks of ``token_ids`` that it lacks and another server
+        published (the holder's file, fetched, kept on local disk and loaded; its blocks stay pooled for
+        the turn to hit). Returns the blocks gained; 0 without a remote tier or when nothing helps."""
+        if self.remote is None:
+            return 0
+        bt = self.pool.block_tokens
+        chain = blockplan.chain_keys(token_ids, bt, salt_root)
+        with self.pool_lock:
+            plan = blockplan.plan_blocks(self.pool, self.spec, token_ids, chain, salt_root=salt_root)
+        have = len(chain)  # leading full blocks every group that holds them (global layers) has pooled
+        for group in {p.group for p in plan.blocks}:
+            spans = [p for p in plan.blocks if p.group == group]
+            if spans and spans[0].start == 0:
+                hits = 0
+                for p in spans:
+                    if p.hit is None or p.end - p.start != bt:
+                        break
+                    hits += 1
+                have = min(have, hits)
+        if have == len(chain):
+            return 0
+        found = self.remote.holder(chain[have:])
+        if found is None:
+            return 0
+        n, holder = found
+        try:
+            validate_agent_id(holder)
+            blocks = self.load(holder)
+        except (InvalidAgentIdError, PoolExhaustedError) as exc:
+            log.info("prefix of %d blocks held by %r not loaded: %s", n, holder, exc)
+            return 0
+        if blocks is None:
+            return 0
+        with self.pool_lock:
+            blocks.release()  # its keyed blocks stay in the pool's free queue, hittable until recycled
+        return n
 
     def newer_elsewhere(self, agent_id: str) -> bool:
         """Whether another server published a newer cache of the agent than the one here (False without a

@@ -3,6 +3,8 @@ resumes any agent (``--remote``)."""
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import openai
 import pytest
@@ -27,6 +29,13 @@ def cluster(tmp_path_factory):
     redis.stop()
 
 
+def _published(server, count: int, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while server.stats()["remote"]["published"] < count:
+        assert time.monotonic() < deadline, server.stats()["remote"]
+        time.sleep(0.02)
+
+
 def _chat(server, agent, messages):
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
     return client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0,
@@ -39,7 +48,9 @@ def test_an_agent_alternating_between_two_servers_resumes_its_whole_history_on_e
     prompts, cached = [], []
     for turn in range(4):
         messages.append({"role": "user", "content": f"Step {turn}: list the files."})
+        before = servers[turn % 2].stats()["remote"]["published"]
         reply = _chat(servers[turn % 2], "alternating", messages)
+        _published(servers[turn % 2], before + 1)
         messages.append({"role": "assistant", "content": reply.choices[0].message.content})
         prompts.append(reply.usage.prompt_tokens)
         cached.append(reply.usage.prompt_tokens_details.cached_tokens)
@@ -48,6 +59,18 @@ def test_an_agent_alternating_between_two_servers_resumes_its_whole_history_on_e
     stats = [s.stats()["remote"] for s in servers]
     assert stats[0]["hits"] >= 1 and stats[1]["hits"] >= 2 and all(s["verify_failures"] == 0 for s in stats)
     assert "semantic_remote_hits_total" in httpx.get(servers[1].url + "/metrics", timeout=10).text
+
+
+def test_a_system_prompt_first_prefilled_on_one_server_is_a_hit_for_a_new_agent_on_the_other(cluster):
+    servers, _ = cluster
+    system = [{"role": "system", "content": "You review pull requests for a payments team. " * 14}]
+    before = servers[0].stats()["remote"]["published"]
+    first = _chat(servers[0], "reviewer-1", system + [{"role": "user", "content": "Review PR 1."}])
+    _published(servers[0], before + 1)  # publishing runs behind the save
+    second = _chat(servers[1], "reviewer-2", system + [{"role": "user", "content": "Review PR 2."}])
+    assert first.usage.prompt_tokens_details.cached_tokens < 256  # new here too (a template tail at most)
+    # every full 256-token block of the shared system prompt came from the other server's file
+    assert second.usage.prompt_tokens_details.cached_tokens >= 512
 
 
 def test_redis_going_down_costs_no_request_and_the_tier_comes_back(cluster):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from semantic import AgentCacheStore
+from semantic import AgentCacheStore, blockplan
 from semantic.remote import RemoteTier
 from tests.cache_helpers import assert_identical, engine, generate, history
 from tests.redis_helpers import RedisServer
@@ -53,3 +53,16 @@ def test_a_damaged_or_foreign_remote_value_is_refused_dropped_and_the_local_file
     other.remote.publish("public/b", next((tmp_path / "one").glob("*.safetensors")), 1)
     assert other.remote.flush(10)
     assert s1.load("public/b") is None  # another model's key space: never even fetched
+
+
+def test_a_prefix_saved_on_one_server_is_prefetched_into_another_servers_pool(llama_tiny, tmp_path, redis_server):
+    e1, e2 = engine(llama_tiny, blocks=256), engine(llama_tiny, blocks=256)
+    s1, s2 = _store(e1, tmp_path / "one", redis_server), _store(e2, tmp_path / "two", redis_server)
+    shared = history(40)  # ten full 4-token blocks
+    s1.save("public/first", generate(e1, "public/first", shared, 4).blocks)
+    assert s1.remote.flush(10)
+    newcomer = shared + [9, 9, 9]
+    assert s2.prefetch(newcomer) == 10 and s2.prefetch(newcomer) == 0  # the second time: all pooled already
+    plan = blockplan.plan_blocks(s2.pool, s2.spec, newcomer)
+    assert sum(p.hit is not None for p in plan.blocks) == 10  # the newcomer's turn will start from them
+    assert s2.prefetch(newcomer, salt_root=12345) == 0  # another tenant's root: no pointer matches
