@@ -3,6 +3,8 @@ resumes any agent (``--remote``)."""
 
 from __future__ import annotations
 
+import signal
+import threading
 import time
 
 import httpx
@@ -39,7 +41,7 @@ def _published(server, count: int, timeout: float = 10.0) -> None:
 def _chat(server, agent, messages):
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
     return client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0,
-                                          extra_headers={"X-Agent-Id": agent})
+                                          extra_headers={"X-Agent-Id": agent} if agent else None)
 
 
 def test_an_agent_alternating_between_two_servers_resumes_its_whole_history_on_each(cluster):
@@ -71,6 +73,73 @@ def test_a_system_prompt_first_prefilled_on_one_server_is_a_hit_for_a_new_agent_
     assert first.usage.prompt_tokens_details.cached_tokens < 256  # new here too (a template tail at most)
     # every full 256-token block of the shared system prompt came from the other server's file
     assert second.usage.prompt_tokens_details.cached_tokens >= 512
+
+
+def test_two_servers_answering_one_agent_at_once_leave_one_whole_cache_and_the_next_turn_is_exact(cluster):
+    servers, redis_server = cluster
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Both of you, answer."}]
+    replies: dict[int, object] = {}
+    errors = [s.stats()["remote"]["errors"] for s in servers]
+
+    def ask(i):
+        replies[i] = _chat(servers[i], "contested", messages)
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert replies[0].choices[0].message.content == replies[1].choices[0].message.content  # greedy, same history
+    for s in servers:
+        s.wait_saved()
+    time.sleep(0.5)  # both publishes ran: the newer version stands, an older one lost its race cleanly
+    assert [s.stats()["remote"]["errors"] for s in servers] == errors
+    follow = messages + [{"role": "assistant", "content": replies[0].choices[0].message.content},
+                         {"role": "user", "content": "Go on."}]
+    again = [_chat(s, "contested", follow) for s in servers]
+    fresh = _chat(servers[0], None, follow)  # anonymous: only pooled blocks, never the agent's cache
+    assert {a.choices[0].message.content for a in again} == {fresh.choices[0].message.content}
+    assert all(a.usage.prompt_tokens_details.cached_tokens >= replies[0].usage.prompt_tokens for a in again)
+
+
+def test_agents_of_a_server_killed_mid_burst_continue_on_the_other_from_their_last_published_turn(tmp_path):
+    redis_server = RedisServer(tmp_path).start()
+    model = write_tiny_llama(tmp_path / "model")
+    one, two = (Server(model, tmp_path / f"agents-{i}", ["--pool-mb", "64", "--sync-saves", "--remote",
+                                                          redis_server.url]).start() for i in range(2))
+    try:
+        agents = [f"burst-{i}" for i in range(4)]
+        histories = {a: [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"{a}: first."}]
+                     for a in agents}
+        durable = {}
+        before = one.stats()["remote"]["published"]
+        for a in agents:
+            r = _chat(one, a, histories[a])
+            durable[a] = r.usage.prompt_tokens
+            histories[a] += [{"role": "assistant", "content": r.choices[0].message.content},
+                             {"role": "user", "content": "second."}]
+        _published(one, before + len(agents))
+        burst = [threading.Thread(target=lambda a=a: _try(one, a, histories[a])) for a in agents]
+        for t in burst:
+            t.start()
+        time.sleep(0.05)
+        one.stop(signal.SIGKILL)  # mid-burst: the second turns may or may not have finished
+        for t in burst:
+            t.join(60)
+        for a in agents:
+            r = _chat(two, a, histories[a])
+            assert r.usage.prompt_tokens_details.cached_tokens >= durable[a], (a, r.usage)
+    finally:
+        one.stop(signal.SIGKILL)
+        assert two.stop_cleanly(), two.log()
+        redis_server.stop()
+
+
+def _try(server, agent, messages) -> None:
+    try:
+        _chat(server, agent, messages)
+    except openai.APIError:
+        pass  # the server died under it
 
 
 def test_redis_going_down_costs_no_request_and_the_tier_comes_back(cluster):
