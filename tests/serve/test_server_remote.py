@@ -102,6 +102,36 @@ def test_two_servers_answering_one_agent_at_once_leave_one_whole_cache_and_the_n
     assert all(a.usage.prompt_tokens_details.cached_tokens >= replies[0].usage.prompt_tokens for a in again)
 
 
+@pytest.mark.parametrize("damage", ["truncate", "flip"])
+def test_a_damaged_remote_value_is_never_used_dropped_and_counted(cluster, damage):
+    import redis
+
+    servers, redis_server = cluster
+    agent = f"victim-{damage}"
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Remember this."}]
+    before = servers[0].stats()["remote"]["published"]
+    first = _chat(servers[0], agent, messages)
+    _published(servers[0], before + 1)
+    client = redis.Redis.from_url(redis_server.url)
+    key = next(k for k in client.scan_iter(match="semkv:*:agent:*")
+               if agent.encode() in client.hget(k, "data")[:4096])  # the header names its agent
+    data = bytearray(client.hget(key, "data"))
+    if damage == "truncate":
+        data = data[: len(data) // 2]
+    else:  # past the header: only the tensors' checksums can tell
+        for at in range(len(data) - 4096, len(data) - 8, 997):
+            data[at] ^= 0xFF
+    client.hset(key, mapping={"v": str(2**62), "data": bytes(data)})
+    failures = servers[1].stats()["remote"]["verify_failures"]
+    follow = messages + [{"role": "assistant", "content": first.choices[0].message.content},
+                         {"role": "user", "content": "Now?"}]
+    reply = _chat(servers[1], agent, follow)
+    fresh = _chat(servers[1], None, follow)
+    assert reply.choices[0].message.content == fresh.choices[0].message.content
+    assert servers[1].stats()["remote"]["verify_failures"] == failures + 1
+    assert client.hget(key, "v") != str(2**62).encode()  # dropped (or already replaced by server two's turn)
+
+
 def test_agents_of_a_server_killed_mid_burst_continue_on_the_other_from_their_last_published_turn(tmp_path):
     redis_server = RedisServer(tmp_path).start()
     model = write_tiny_llama(tmp_path / "model")
