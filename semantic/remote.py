@@ -20,9 +20,15 @@ Redis (or written by anything else) fails the store's checks and is dropped, nev
 Redis down, slow or full costs the caller nothing but a miss: every call has a socket timeout, a
 failure is counted and logged once per streak, and calls are skipped for a back-off (1 s doubling to
 30 s) until one succeeds. A Redis that answers but refuses a write (``maxmemory`` with
-``noeviction``) is counted as ``refused``, logged once, and not backed off: reads still work. With an
-evicting policy (``allkeys-lru``), Redis's own eviction is the remote budget. Publishing never
-blocks: a full queue drops the oldest entry (counted).
+``noeviction``) is counted as ``refused``, logged once, and not backed off: reads still work.
+
+The remote budget (``budget_bytes``, ``--remote-mb``) bounds the agents' values of one model: a
+publish that takes the total past it deletes the values least recently published or fetched, oldest
+first, in the same script (so two servers never both evict for one overflow); the value just written
+always stays. Servers sharing a tier should pass the same budget: each publish applies its own.
+Block pointers to a deleted value are left to miss (a lookup finds no file and counts a miss). A
+Redis ``maxmemory`` with an evicting policy (``allkeys-lru``) is a second, coarser bound beneath it.
+Publishing never blocks: a full queue drops the oldest entry (counted).
 """
 
 from __future__ import annotations
@@ -43,18 +49,44 @@ PREFIX = "semkv"
 BACKOFF_S = (1.0, 30.0)
 QUEUE_LIMIT = 256
 
-# replace the agent's value only with a newer version: the older writer loses cleanly
+# replace the agent's value only with a newer version: the older writer loses cleanly. A winner is
+# indexed by publish time (KEYS[2], a sorted set) and size (KEYS[3]); past the budget ARGV[3] (0: none)
+# the least recently published or fetched agents' values go, oldest first, never the one just written
 _PUT_IF_NEWER = """
 local v = tonumber(redis.call('HGET', KEYS[1], 'v') or '-1')
-if tonumber(ARGV[1]) > v then
-  redis.call('HSET', KEYS[1], 'v', ARGV[1], 'data', ARGV[2])
-  return 1
+if tonumber(ARGV[1]) <= v then return {0, 0} end
+redis.call('HSET', KEYS[1], 'v', ARGV[1], 'data', ARGV[2])
+local t = redis.call('TIME')
+redis.call('ZADD', KEYS[2], tonumber(t[1]) * 1000000 + tonumber(t[2]), KEYS[1])
+redis.call('HSET', KEYS[3], KEYS[1], string.len(ARGV[2]))
+local budget, evicted = tonumber(ARGV[3]), 0
+if budget > 0 then
+  local total = 0
+  for _, n in ipairs(redis.call('HVALS', KEYS[3])) do total = total + tonumber(n) end
+  while total > budget do
+    local oldest = redis.call('ZRANGE', KEYS[2], 0, 0)[1]
+    if not oldest or oldest == KEYS[1] then break end
+    total = total - tonumber(redis.call('HGET', KEYS[3], oldest) or '0')
+    evicted = evicted + redis.call('DEL', oldest)
+    redis.call('ZREM', KEYS[2], oldest)
+    redis.call('HDEL', KEYS[3], oldest)
+  end
+end
+return {1, evicted}
+"""
+# a fetched value counts as recently used, on Redis's clock (servers' clocks may differ)
+_TOUCH = """
+if redis.call('ZSCORE', KEYS[1], ARGV[1]) then
+  local t = redis.call('TIME')
+  redis.call('ZADD', KEYS[1], tonumber(t[1]) * 1000000 + tonumber(t[2]), ARGV[1])
 end
 return 0
 """
 # delete a value that failed verification, unless a newer one replaced it meanwhile
 _DROP_IF_SAME = """
 if redis.call('HGET', KEYS[1], 'v') == ARGV[1] then
+  redis.call('ZREM', KEYS[2], KEYS[1])
+  redis.call('HDEL', KEYS[3], KEYS[1])
   return redis.call('DEL', KEYS[1])
 end
 return 0
@@ -77,15 +109,17 @@ class RemoteTier:
     Args:
         url: ``redis://host:port/db`` (``rediss://`` for TLS).
         fingerprint: the model's; part of every key.
+        budget_bytes: the most bytes of agents' values this model's keys hold (0: no bound of ours).
         timeout_s: socket timeout of every call.
         connect: makes the client (tests inject one); default ``redis.Redis.from_url``.
     """
 
-    def __init__(self, url: str, fingerprint: str, *, timeout_s: float = 1.0, prefix: str = PREFIX,
-                 clock: Callable[[], float] = time.monotonic, connect: Callable | None = None):
+    def __init__(self, url: str, fingerprint: str, *, budget_bytes: int = 0, timeout_s: float = 1.0,
+                 prefix: str = PREFIX, clock: Callable[[], float] = time.monotonic, connect: Callable | None = None):
         import redis
 
-        self.url, self.fingerprint, self.prefix = url, fingerprint, prefix
+        assert budget_bytes >= 0
+        self.url, self.fingerprint, self.prefix, self.budget_bytes = url, fingerprint, prefix, budget_bytes
         self._clock = clock
         self._refused = redis.ResponseError
         self._errors = (redis.RedisError, OSError)
@@ -94,6 +128,7 @@ class RemoteTier:
         self._client = make()
         self._put = self._client.register_script(_PUT_IF_NEWER)
         self._drop = self._client.register_script(_DROP_IF_SAME)
+        self._touch = self._client.register_script(_TOUCH)
         self._lock = threading.Lock()
         self.counts: Counter[str] = Counter()
         self.latency_s: Counter[str] = Counter()  # total seconds per call kind (with counts: a mean)
@@ -109,6 +144,10 @@ class RemoteTier:
 
     def key(self, agent_id: str) -> str:
         return f"{self.prefix}:{self.fingerprint}:agent:{hashlib.sha256(agent_id.encode()).hexdigest()}"
+
+    def _index(self) -> list[str]:
+        """The keys of the budget's index: publish (or fetch) times, and sizes, of the agents' values."""
+        return [f"{self.prefix}:{self.fingerprint}:lru", f"{self.prefix}:{self.fingerprint}:sizes"]
 
     def version(self, agent_id: str) -> int | None:
         """The newest version published for the agent (None: none, or the tier is unavailable)."""
@@ -130,6 +169,10 @@ class RemoteTier:
             return None
         self._count("hits")
         self._count("bytes_in", len(data))
+        try:  # a fetched value is recently used: the budget deletes it last
+            self._call("touch", lambda: self._touch(keys=self._index()[:1], args=[self.key(agent_id)]))
+        except RemoteUnavailable:
+            pass
         return Fetched(int(v), bytes(data))
 
     def block_key(self, chain_key: int) -> str:
@@ -151,7 +194,8 @@ class RemoteTier:
         """Delete the agent's value of ``version`` (it failed verification) unless a newer one replaced it."""
         self._count("verify_failures")
         try:
-            self._call("drop", lambda: self._drop(keys=[self.key(agent_id)], args=[str(version)]))
+            self._call("drop", lambda: self._drop(keys=[self.key(agent_id), *self._index()],
+                                                            args=[str(version)]))
         except RemoteUnavailable:
             pass
 
@@ -190,7 +234,7 @@ class RemoteTier:
             down = self._down_since
         calls = {k[:-len(".calls")]: c[k] for k in c if k.endswith(".calls")}
         return {
-            "url": self.url, "up": down is None,
+            "url": self.url, "up": down is None, "budget_bytes": self.budget_bytes, "evicted": c["evicted"],
             "down_s": round(self._clock() - down, 1) if down is not None else 0.0,
             "hits": c["hits"], "misses": c["misses"], "bytes_in": c["bytes_in"], "bytes_out": c["bytes_out"],
             "published": c["published"], "publish_lost_race": c["publish_lost_race"],
@@ -211,11 +255,12 @@ class RemoteTier:
                 except OSError:  # replaced or trimmed meanwhile: a newer save publishes its own
                     continue
                 try:
-                    won = self._call("publish", lambda: self._put(keys=[self.key(agent_id)],
-                                                                  args=[str(version), data]))
+                    won, evicted = self._call("publish", lambda: self._put(
+                        keys=[self.key(agent_id), *self._index()], args=[str(version), data, str(self.budget_bytes)]))
                 except RemoteUnavailable:
                     continue
                 self._count("published" if won else "publish_lost_race")
+                self._count("evicted", evicted)
                 if won:
                     self._count("bytes_out", len(data))
                     if chain:

@@ -189,13 +189,15 @@ class Service:
 
     @classmethod
     def open(cls, model: str, *, cache_dir: str | None = None, pool_bytes: int, disk_budget_bytes: int,
-             block_tokens: int = defaults.BLOCK_TOKENS, remote: str | None = None, **scheduling) -> "Service":
+             block_tokens: int = defaults.BLOCK_TOKENS, remote: str | None = None, remote_budget_bytes: int = 0,
+             **scheduling) -> "Service":
         """Load ``model`` (a directory or hub id, whatever ``mlx_lm.load`` takes) and open its cache store.
 
         Caches live under ``cache_dir``, by default
         ``~/.cache/semantic-kv/agents/<model fingerprint>``, so another
         model's files never mix with this one's. ``remote``: a Redis URL whose
-        tier other servers of this model share (agents resume on any of them). ``scheduling``: the
+        tier other servers of this model share (agents resume on any of them), holding at most
+        ``remote_budget_bytes`` of this model's caches (0: Redis's own ``maxmemory`` only). ``scheduling``: the
         constructor's keywords (``ram_budget_bytes`` and the rest).
         """
         import mlx_lm
@@ -213,7 +215,7 @@ class Service:
         if remote is not None:  # caches shared with other servers of the same model (``semantic.remote``)
             from semantic.remote import RemoteTier
 
-            tier = RemoteTier(remote, fingerprint)
+            tier = RemoteTier(remote, fingerprint, budget_bytes=remote_budget_bytes)
         store = AgentCacheStore(where, spec, fingerprint, disk_budget_bytes, pool=BlockPool(spec, total, block_tokens),
                                 remote=tier)
         if store.quarantined or store.foreign:

@@ -132,6 +132,8 @@ class AgentCacheStore:
             limit: the file just saved is never deleted to meet it).
         pool: the block pool loaded caches go into (the engine's pool).
         durable: fsync each file and the directory on save.
+        remote: a tier shared with other servers of the model: a ``redis://`` URL, or a
+            :class:`semantic.remote.RemoteTier` (for its options, such as a budget); None: this machine only.
     """
 
     def __init__(
@@ -162,6 +164,10 @@ class AgentCacheStore:
         self.foreign: list[str] = []   # files of another model or spec, left in place
         self.cleaned: list[str] = []   # leftover temporary files deleted on startup
         self.health = DiskHealth(self.dir)  # guarded by _lock
+        if isinstance(remote, str):
+            from semantic.remote import RemoteTier
+
+            remote = RemoteTier(remote, model_fingerprint)
         self.remote = remote  # a RemoteTier shared with other servers (``semantic.remote``), or None
         self._versions: dict[str, int] = {}  # agent -> version of its local file (time_ns of its save)
         self._scanned = False

@@ -86,6 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a Redis (or Valkey) URL, redis://host:port/db: every saved cache is also published there, "
                         "and an agent's newer cache published by another server of the same model is fetched "
                         "before its turn, so any server resumes any agent (default: this machine only)")
+    p.add_argument("--remote-mb", type=int, default=d.remote_mb, metavar="MB",
+                   help="the most MiB of this model's caches the shared tier keeps: past it, the agents least "
+                        "recently published or fetched are deleted there; give every server the same value "
+                        "(default 0: only Redis's own maxmemory bounds it)")
     p.add_argument("--graceful-timeout", type=float, default=d.graceful_s,
                    help=f"seconds shutdown lets in-flight streams finish before cancelling them (default {d.graceful_s})")
     p.add_argument("--log-level", default=d.log_level, choices=LOG_LEVELS)
@@ -105,7 +109,8 @@ def parse_config(argv: list[str]) -> ServeConfig:
             prefill_chunk=a.prefill_chunk, itl_target_ms=a.itl_target_ms, max_body_mb=a.max_body_mb, graceful_s=a.graceful_timeout, log_level=a.log_level,
             sync_saves=a.sync_saves, keep_billing_header=a.keep_billing_header, tool_parser=a.tool_parser,
             echo_history=a.echo_history, strict_max_tokens=a.strict_max_tokens, speculation=a.speculation,
-            spec_max_draft=a.spec_max_draft, remote=a.remote)
+            spec_max_draft=a.spec_max_draft, remote=a.remote,
+            remote_mb=a.remote_mb)
     except ValueError as exc:
         parser.error(str(exc))  # exits 2 with the usage line
 
@@ -141,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
             max_context=config.max_context, prefill_chunk=config.prefill_chunk, tool_parser=config.tool_parser,
             itl_target_s=config.itl_target_ms / 1000 if config.itl_target_ms else None,
             echo_history=config.echo_history, strict_max_tokens=config.strict_max_tokens,
-            speculation=config.spec_config, remote=config.remote)
+            speculation=config.spec_config, remote=config.remote,
+            remote_budget_bytes=config.remote_mb * 2**20)
     except (OSError, ValueError, LookupError, RuntimeError, CacheError) as exc:
         print(f"error: cannot load {config.model!r}: {exc}", file=sys.stderr)
         return 2

@@ -47,6 +47,7 @@ class ServeConfig:
     speculation: bool = True           # greedy turns verify tokens copied from their context (semantic.lookup)
     spec_max_draft: int = 8            # the most tokens drafted per step
     remote: str | None = None          # redis://host:port/db: a cache tier shared with other servers
+    remote_mb: int = 0                 # the most MiB of this model's caches kept there (0: Redis's maxmemory only)
 
     def __post_init__(self):
         if not isinstance(self.model, str) or not self.model.strip():
@@ -78,6 +79,10 @@ class ServeConfig:
                              "cache, so such a budget never binds; lower --ram-mb or raise --pool-mb")
         if self.remote is not None and not str(self.remote).startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"remote must be a redis://, rediss:// or unix:// URL, got {self.remote!r}")
+        if not isinstance(self.remote_mb, int) or self.remote_mb < 0:
+            raise ValueError(f"remote_mb must be an integer >= 0, got {self.remote_mb!r}")
+        if self.remote_mb and self.remote is None:
+            raise ValueError("remote_mb bounds the shared tier: give --remote too")
         if self.log_level.lower() not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
         self.log_level = self.log_level.lower()

@@ -143,8 +143,14 @@ class BackendCollector:
                               ("bytes_out", "Bytes published to the shared tier"),
                               ("verify_failures", "Shared-tier values refused by the cache-file checks and dropped"),
                               ("errors", "Shared-tier calls that failed (down, slow, refused)"),
-                              ("skipped", "Shared-tier calls skipped while backing off")):
+                              ("skipped", "Shared-tier calls skipped while backing off"),
+                              ("evicted", "Agent caches our remote budget deleted from the shared tier")):
                 yield CounterMetricFamily(f"semantic_remote_{name}", doc, value=float(remote.get(name, 0)))
+            lat = GaugeMetricFamily("semantic_remote_mean_latency_seconds",
+                                    "Mean time of a shared-tier call that answered, by call", labels=["call"])
+            for call, ms in sorted(remote.get("mean_latency_ms", {}).items()):
+                lat.add_metric([call], ms / 1000)
+            yield lat
             yield GaugeMetricFamily("semantic_remote_up", "1 while the shared tier answers", value=float(remote["up"]))
         spec = s.get("speculation", {})
         yield CounterMetricFamily("semantic_spec_drafted_tokens", "Tokens drafted from the context for verification",

@@ -6,6 +6,7 @@ from __future__ import annotations
 import signal
 import threading
 import time
+import uuid
 
 import httpx
 import openai
@@ -38,10 +39,16 @@ def _published(server, count: int, timeout: float = 10.0) -> None:
         time.sleep(0.02)
 
 
-def _chat(server, agent, messages):
+def _chat(server, agent, messages, salt=None):
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+    headers = {**({"X-Agent-Id": agent} if agent else {}), **({"X-Cache-Salt": salt} if salt else {})}
     return client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0,
-                                          extra_headers={"X-Agent-Id": agent} if agent else None)
+                                          extra_headers=headers or None)
+
+
+def _fresh(server, messages):
+    """The reply to a fresh prefill: anonymous, under a salt no block was ever stored with."""
+    return _chat(server, None, messages, salt=uuid.uuid4().hex)
 
 
 def test_an_agent_alternating_between_two_servers_resumes_its_whole_history_on_each(cluster):
@@ -53,6 +60,7 @@ def test_an_agent_alternating_between_two_servers_resumes_its_whole_history_on_e
         before = servers[turn % 2].stats()["remote"]["published"]
         reply = _chat(servers[turn % 2], "alternating", messages)
         _published(servers[turn % 2], before + 1)
+        assert reply.choices[0].message.content == _fresh(servers[turn % 2], messages).choices[0].message.content
         messages.append({"role": "assistant", "content": reply.choices[0].message.content})
         prompts.append(reply.usage.prompt_tokens)
         cached.append(reply.usage.prompt_tokens_details.cached_tokens)
@@ -172,11 +180,76 @@ def _try(server, agent, messages) -> None:
         pass  # the server died under it
 
 
-def test_redis_going_down_costs_no_request_and_the_tier_comes_back(cluster):
-    servers, redis = cluster
-    redis.stop()
-    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "While Redis is down."}]
-    for s in servers:
-        assert _chat(s, "during-outage", messages).choices[0].finish_reason in ("stop", "length")
-    assert servers[0].stats()["remote"]["up"] is False
-    redis.start()
+def test_another_tenants_salt_or_another_agents_value_is_never_used_and_is_counted(cluster):
+    import redis
+
+    servers, redis_server = cluster
+    system = [{"role": "system", "content": "You triage incidents for a hospital's records team. " * 13}]
+    before = servers[0].stats()["remote"]["published"]
+    _chat(servers[0], "triage-1", system + [{"role": "user", "content": "Incident 1."}], salt="tenant-a")
+    _published(servers[0], before + 1)
+    # the same prompt under another salt (another tenant) finds none of the first one's blocks
+    other = _chat(servers[1], "triage-2", system + [{"role": "user", "content": "Incident 2."}], salt="tenant-b")
+    assert other.usage.prompt_tokens_details.cached_tokens < 256
+    same = _chat(servers[1], "triage-3", system + [{"role": "user", "content": "Incident 3."}], salt="tenant-a")
+    assert same.usage.prompt_tokens_details.cached_tokens >= 512
+    # triage-1's file written under triage-4's key (a foreign or confused writer): refused, dropped, counted
+    client = redis.Redis.from_url(redis_server.url)
+    keys = {k: client.hget(k, "data") for k in client.scan_iter(match="semkv:*:agent:*")}
+    theirs = next(v for v in keys.values() if b"triage-1" in v[:4096])
+    messages = system + [{"role": "user", "content": "Incident 4."}]
+    _chat(servers[0], "triage-4", messages, salt="tenant-a")  # makes triage-4's key
+    _published(servers[0], before + 2)
+    mine = next(k for k, v in ((k, client.hget(k, "data")) for k in client.scan_iter(match="semkv:*:agent:*"))
+                if b"triage-4" in v[:4096])
+    client.hset(mine, mapping={"v": str(2**62), "data": theirs})
+    failures = servers[1].stats()["remote"]["verify_failures"]
+    reply = _chat(servers[1], "triage-4", messages + [{"role": "assistant", "content": "Noted."},
+                                                     {"role": "user", "content": "Next?"}], salt="tenant-a")
+    fresh = _fresh(servers[1], messages + [{"role": "assistant", "content": "Noted."}, {"role": "user", "content": "Next?"}])
+    assert reply.choices[0].message.content == fresh.choices[0].message.content
+    assert servers[1].stats()["remote"]["verify_failures"] == failures + 1
+
+
+def test_redis_killed_and_restarted_under_load_costs_no_request_and_no_wrong_reply(cluster):
+    servers, redis_server = cluster
+    stop, errors, wrong, turns = threading.Event(), [], [], [0, 0]
+
+    def agent(i: int) -> None:
+        messages = [{"role": "system", "content": SYSTEM}]
+        for n in range(60):  # each turn on the other server
+            if stop.is_set():
+                return
+            server = servers[(i + n) % 2]
+            messages.append({"role": "user", "content": f"Agent {i}, step {n}."})
+            try:
+                reply = _chat(server, f"under-load-{i}", messages)
+                if reply.choices[0].message.content != _fresh(server, messages).choices[0].message.content:
+                    wrong.append((i, n))
+            except Exception as exc:  # any failure is the test's
+                errors.append(repr(exc))
+                return
+            messages.append({"role": "assistant", "content": reply.choices[0].message.content})
+            turns[i] += 1
+
+    threads = [threading.Thread(target=agent, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(1.0)
+        redis_server.stop()
+        time.sleep(2.0)
+        down = [s.stats()["remote"]["up"] for s in servers]
+        redis_server.start()  # empty: nothing was persisted
+        published = [s.stats()["remote"]["published"] for s in servers]
+        deadline = time.monotonic() + 60
+        while not all(s.stats()["remote"]["published"] > p for s, p in zip(servers, published)):
+            assert time.monotonic() < deadline and not errors, [s.stats()["remote"] for s in servers]
+            time.sleep(0.2)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(120)
+    assert errors == [] and wrong == [] and min(turns) >= 3, (errors, wrong, turns)
+    assert down == [False, False]  # both saw the outage ...
+    assert all(s.stats()["remote"]["up"] for s in servers)  # ... and both publish again

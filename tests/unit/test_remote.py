@@ -121,3 +121,29 @@ def test_a_full_redis_refuses_or_evicts_and_the_tier_never_raises(tmp_path, poli
         assert s["refused"] >= 1 and s["up"]  # OOM refusals: counted, logged once, never raised; reads go on
     else:
         assert s["errors"] == 0 and s["published"] == 12  # Redis evicted the least recently used itself
+
+
+def test_past_the_budget_the_least_recently_published_or_fetched_values_go_never_the_newest(redis_server, tmp_path):
+    tier = _tier(redis_server, budget_bytes=250)
+    for i, agent in enumerate(("public/a", "public/b")):
+        tier.publish(agent, _file(tmp_path, agent[-1], bytes(100)), 1 + i)
+        assert tier.flush(10)
+    assert tier.fetch("public/a") is not None  # a is now more recent than b
+    tier.publish("public/c", _file(tmp_path, "c", bytes(100)), 3)
+    assert tier.flush(10)
+    assert tier.fetch("public/b") is None and tier.fetch("public/a") is not None
+    assert tier.fetch("public/c") is not None and tier.stats()["evicted"] == 1
+    tier.publish("public/d", _file(tmp_path, "d", bytes(400)), 4)  # alone past the budget: it still stays
+    assert tier.flush(10)
+    assert [tier.fetch(a) is not None for a in ("public/a", "public/c", "public/d")] == [False, False, True]
+    assert tier.stats()["evicted"] == 3 and tier.stats()["budget_bytes"] == 250
+    tier.close()
+
+
+def test_without_a_budget_nothing_of_ours_is_deleted(redis_server, tmp_path):
+    tier = _tier(redis_server)
+    for i in range(5):
+        tier.publish(f"public/{i}", _file(tmp_path, str(i), bytes(10_000)), 1)
+    assert tier.flush(10)
+    assert all(tier.fetch(f"public/{i}") is not None for i in range(5)) and tier.stats()["evicted"] == 0
+    tier.close()
