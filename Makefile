@@ -16,7 +16,7 @@ AIPERF_ARGS ?=
 # extra requirements for .venv, e.g. PINS="mlx==0.30.3 mlx-lm==0.30.4" (the macOS workflow's matrix)
 PINS ?=
 
-.PHONY: help system-blas system-browser system-redis venv models serve serve-ttft append-profile dashboard-screenshot test test-compat exp-003 exp-004 exp-005 exp-006 exp-006-full exp-007 exp-007-full exp-008 exp-008-full exp-008-spec exp-009 exp-009-full exp-009-aiperf exp-010 exp-010-full exp-011 exp-011-full exp-012 exp-013 exp-014 exp-014-full exp-015 chunk-cost exp-throughput exp-throughput-full bench compare-versions test-install clean
+.PHONY: help system-blas system-browser system-redis venv models serve serve-ttft append-profile dashboard-screenshot test test-compat exp-003 exp-004 exp-005 exp-006 exp-006-full exp-007 exp-007-full exp-008 exp-008-full exp-008-spec exp-009 exp-009-full exp-009-aiperf exp-010 exp-010-full exp-011 exp-011-full exp-012 exp-013 exp-014 exp-014-full exp-015 exp-016 chunk-cost exp-throughput exp-throughput-full bench compare-versions test-install clean
 
 help:
 	@echo "make test         run the test suite (creates .venv, prepares models)"
@@ -28,6 +28,7 @@ help:
 	@echo "make exp-012      Claude Code end to end against ours and vllm-mlx, a SIGKILL and restart between steps"
 	@echo "make exp-013      Responses API chains vs the chat path, after a restart vs cold; a thinking model's history"
 	@echo "make exp-015      chaos soak: crashes, full/read-only disk, corruption, floods; nothing lost"
+	@echo "make exp-016      two servers on one Redis: resume elsewhere vs local and cold, Redis faults"
 	@echo "make chunk-cost   what a decode step and a prefill chunk cost at 0/4K/8K context"
 	@echo "make exp-009      our server vs mlx_lm.server, mlx-vlm and vllm-mlx over one HTTP workload"
 	@echo "make exp-009-aiperf  ours, mlx_lm.server and vllm-mlx measured by NVIDIA's AIPerf instead of our client"
@@ -222,6 +223,11 @@ exp-014-full: models
 # agents talk through the OpenAI and Anthropic SDKs (about 15 min on 2 cores; results/exp_015_chaos/).
 exp-015: models
 	$(PY) -m harness run experiments/exp_015_chaos.toml
+
+# Two servers sharing one redis-server: an 8K-token agent resumed on the other server against local
+# disk and a cold prefill, a shared system prompt, Redis killed / paused / full under load.
+exp-016: models system-redis
+	$(PY) -m harness run experiments/exp_016_shared_tier.toml
 
 # What a decode step and a prefill chunk cost at 0, 4K and 8K tokens of context: why the
 # decoders' latency and the prefill's time trade against each other (about 6 min).

@@ -26,6 +26,7 @@ from harness.kinds import (  # noqa: E402,F401
     reconstruction,
     responses_chain,
     serving,
+    shared_tier,
     speculation,
     steploop,
     stress,

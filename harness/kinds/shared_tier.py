@@ -1,0 +1,298 @@
+"""EXP-016: any server resumes any agent. Two ``semantic serve`` processes sharing one Redis (``--remote``).
+
+Both serve the same model with ``--sync-saves``, each with its own cache directory, on one real
+``redis-server`` (``harness.serving.redis_server``). Three phases, every turn streamed through the
+``openai`` SDK and timed at the client:
+
+1. **Resume elsewhere.** Per trial, two agents with their own ``history_tokens``-token histories
+   take a first turn on server 1 (a cold prefill, timed). Server 1 is then restarted (SIGTERM), so
+   its next turns read local disk, not RAM. Then, interleaved per trial: agent L's second turn on
+   server 1 (*local*: its file), agent R's second turn on server 2 (*remote*: server 2 never saw
+   R; it fetches R's file from Redis), and R's second turn sent to server 2 anonymously under a fresh
+   salt (*cold*: a full prefill). Each reply must equal the cold one's of its own history.
+2. **A system prompt seen elsewhere.** An agent on server 1 prefills a ``system_tokens`` system
+   prompt; a new agent on server 2 with the same prompt must find its full blocks cached.
+3. **Redis faults under load.** ``fault_agents`` agents alternate servers turn by turn while Redis is
+   SIGKILLed and restarted empty, paused (SIGSTOP: every call times out) and filled (``maxmemory``
+   at what it holds, ``noeviction``). Every turn is checked against a fresh salted prefill.
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import statistics
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import openai
+
+from harness.chaos.agents import openai_turn
+from harness.chaos.server import ChaosServer
+from harness.kinds.base import Kind, Param, register
+from harness.serving.redis_server import RedisMissing, RedisServer
+
+
+def _client(server: ChaosServer, timeout_s: float) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=timeout_s)
+
+
+def _turn(server, messages, p, agent=None, salt=None):
+    """One streamed greedy turn: the reply (text, prompt and cached tokens, client TTFT)."""
+    headers = {**({"X-Agent-Id": agent} if agent else {}), **({"X-Cache-Salt": salt} if salt else {})}
+    body = {"model": server.model_id, "messages": messages, "max_tokens": p["max_tokens"], "temperature": 0}
+    reply, _ = openai_turn(_client(server, p["request_timeout_s"]), body, headers, stream=True, usage=True)
+    return reply
+
+
+def _fresh(server, messages, p):
+    return _turn(server, messages, p, salt=uuid.uuid4().hex)
+
+
+def _published(server: ChaosServer, count: int, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while (server.stats() or {}).get("remote", {}).get("published", 0) < count:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"server published fewer than {count} caches in {timeout_s:.0f} s")
+        time.sleep(0.1)
+
+
+def run(ctx) -> None:
+    from mlx_lm.utils import load_tokenizer
+
+    from harness import models
+    from harness.prompts import question, system_prompt, user_history
+
+    p, res = ctx.params, ctx.results
+    model_dir = Path(p["model_dir"] or models.prepare(ctx.model_name, variant=models.default_variant(
+        ctx.config.model_variant)))
+    tok = load_tokenizer(model_dir)
+    work = Path(tempfile.mkdtemp(prefix="exp016-"))
+    redis = RedisServer(work)
+    try:
+        redis.start()
+    except RedisMissing as exc:
+        res.output("skipped", str(exc))
+        shutil.rmtree(work, ignore_errors=True)
+        return
+    args = ["--sync-saves", "--remote", redis.url, "--pool-mb", str(p["pool_mb"]), "--disk-mb", str(p["disk_mb"])]
+    servers = [ChaosServer(model_dir, ctx.model_name, work / f"cache-{i}", work / f"server-{i}.log", args)
+               for i in (1, 2)]
+    out: dict = {"server_args": args}
+    ctx.progress.total = 3
+    try:
+        for s in servers:
+            s.start()
+        out["resume"] = _resume_elsewhere(servers, p, tok, system_prompt, user_history, question)
+        ctx.progress.update(1)
+        out["shared_prompt"] = _shared_prompt(servers, p, tok, system_prompt, question)
+        ctx.progress.update(1)
+        out["faults"] = _faults(servers, redis, p, tok, system_prompt, question)
+        ctx.progress.update(1)
+        out["stats"] = [s.stats() for s in servers]
+    finally:
+        out["logs"] = [s.log_tail(3000) for s in servers]
+        for s in servers:
+            s.kill_now()
+        redis.stop()
+        shutil.rmtree(work, ignore_errors=True)
+    _record(ctx, out)
+
+
+def _resume_elsewhere(servers, p, tok, system_prompt, user_history, question) -> dict:
+    one, two = servers
+    system = system_prompt(tok, 300)
+    rows, histories = [], {}
+    for i in range(p["trials"]):
+        for role in ("local", "remote"):
+            agent = f"{role}-{i}"
+            messages = [system, *user_history(tok, 2 * i + (role == "remote"), p["history_tokens"] - 300),
+                        question(tok, 2 * i + (role == "remote"), 1, 30)]
+            r = _turn(one, messages, p, agent=agent)
+            rows.append({"trial": i, "phase": "first", "agent": agent, "ttft_s": r.ttft_s,
+                         "prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens})
+            histories[agent] = messages + [{"role": "assistant", "content": r.text},
+                                           question(tok, 2 * i + (role == "remote"), 2, 30)]
+    _published(one, 2 * p["trials"])
+    one.stop(signal.SIGTERM)  # its RAM is gone: its next turns read their files
+    one.start()
+    for i in range(p["trials"]):
+        order = [("local", one), ("remote", two), ("cold", two)]
+        if i % 2:
+            order.reverse()
+        replies = {}
+        for kind, server in order:
+            agent = f"{'remote' if kind == 'cold' else kind}-{i}"
+            r = _turn(server, histories[agent], p, agent=None if kind == "cold" else agent,
+                      salt=uuid.uuid4().hex if kind == "cold" else None)
+            replies[kind] = r
+            rows.append({"trial": i, "phase": kind, "agent": agent, "ttft_s": r.ttft_s, "text": r.text,
+                         "prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens})
+        local_fresh = _fresh(one, histories[f"local-{i}"], p)
+        rows.append({"trial": i, "phase": "local_fresh", "agent": f"local-{i}", "ttft_s": local_fresh.ttft_s,
+                     "text": local_fresh.text, "prompt_tokens": local_fresh.prompt_tokens,
+                     "cached_tokens": local_fresh.cached_tokens})
+        rows[-4:-1] = [dict(r, same_as_fresh=r["text"] == (replies["cold"].text if r["phase"] != "local"
+                                                           else local_fresh.text)) for r in rows[-4:-1]]
+    return {"rows": rows}
+
+
+def _shared_prompt(servers, p, tok, system_prompt, question) -> dict:
+    one, two = servers
+    system = system_prompt(tok, p["system_tokens"])
+    first = _turn(one, [system, question(tok, 900, 1, 30)], p, agent="shared-first")
+    _published(one, (one.stats() or {})["remote"]["published"], 5)  # the count already includes it: settled
+    time.sleep(0.5)
+    messages = [system, question(tok, 901, 1, 30)]
+    second = _turn(two, messages, p, agent="shared-second")
+    ids = [tok.apply_chat_template([system, question(tok, n, 1, 30)], add_generation_prompt=True)
+           for n in (900, 901)]
+    common = next((k for k, (a, b) in enumerate(zip(*ids)) if a != b), min(map(len, ids)))
+    return {"system_tokens": p["system_tokens"], "common_prefix_tokens": common,
+            "full_blocks_tokens": common // 256 * 256, "first_cached": first.cached_tokens,
+            "second_cached": second.cached_tokens, "second_prompt_tokens": second.prompt_tokens,
+            "second_ttft_s": second.ttft_s}
+
+
+def _faults(servers, redis, p, tok, system_prompt, question) -> dict:
+    system = system_prompt(tok, 300)
+    stop = threading.Event()
+    turns, failures, wrong, checked = [], [], [], [0]
+    lock = threading.Lock()
+
+    def agent(i: int) -> None:
+        messages = [system]
+        for n in range(p["fault_turns"]):
+            if stop.is_set():
+                return
+            server = servers[(i + n) % 2]
+            messages.append(question(tok, 1000 + i, n, 20))
+            t = time.monotonic()
+            try:
+                r = _turn(server, messages, p, agent=f"fault-{i}")
+                f = _fresh(server, messages, p)
+            except Exception as exc:  # every failure is counted, whatever it is
+                with lock:
+                    failures.append({"agent": i, "turn": n, "error": repr(exc)[:300]})
+                messages.pop()
+                continue
+            with lock:
+                checked[0] += 1
+                turns.append({"agent": i, "turn": n, "server": (i + n) % 2 + 1, "t": t, "ttft_s": r.ttft_s,
+                              "cached_tokens": r.cached_tokens, "prompt_tokens": r.prompt_tokens})
+                if r.text != f.text:
+                    wrong.append({"agent": i, "turn": n, "reply": r.text, "fresh": f.text})
+            messages.append({"role": "assistant", "content": r.text})
+
+    threads = [threading.Thread(target=agent, args=(i,), daemon=True) for i in range(p["fault_agents"])]
+    events = []
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    # each fault, then how many holds it lasts before the next
+    schedule = [("calm", lambda: None, 1), ("kill", redis.stop, 1), ("restarted empty", redis.start, 1),
+                ("pause", redis.pause, 1), ("resume", redis.resume, 1),
+                ("full", lambda: redis.config(maxmemory=str(redis.used_memory() + 1),
+                                              maxmemory_policy="noeviction"), 2),
+                ("room again", lambda: redis.config(maxmemory="0"), 1)]
+    try:
+        for name, act, holds in schedule:
+            act()
+            events.append({"t": round(time.monotonic() - t0, 3), "fault": name})
+            time.sleep(holds * p["fault_hold_s"])
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(p["request_timeout_s"] * 2 + 10)
+    remote = [(s.stats() or {}).get("remote", {}) for s in servers]
+    return {"events": events, "turns": turns, "failures": failures, "wrong": wrong, "checked": checked[0],
+            "remote": remote}
+
+
+def _record(ctx, out: dict) -> None:
+    res = ctx.results
+    if "resume" not in out:
+        return
+    rows = out["resume"]["rows"]
+    by = {k: [r for r in rows if r["phase"] == k] for k in ("first", "local", "remote", "cold", "local_fresh")}
+    for k, rs in by.items():
+        if rs:
+            res.metric(f"ttft_{k}_s", [r["ttft_s"] for r in rs], "s", description=f"client TTFT, {k} turns")
+    med = {k: statistics.median(r["ttft_s"] for r in rs) for k, rs in by.items() if rs}
+    sp, fl = out["shared_prompt"], out["faults"]
+    checks = {
+        "history_tokens": statistics.median(r["prompt_tokens"] for r in by["remote"]),
+        "remote_over_local": med["remote"] / med["local"],
+        "remote_over_cold": med["remote"] / med["cold"],
+        "local_over_cold": med["local"] / med["cold"],
+        "remote_resumes_fully_cached": all(r["cached_tokens"] >= f["prompt_tokens"] for r, f in
+                                           zip(by["remote"], [x for x in by["first"] if x["agent"].startswith("remote")])),
+        "local_resumes_fully_cached": all(r["cached_tokens"] >= f["prompt_tokens"] for r, f in
+                                          zip(by["local"], [x for x in by["first"] if x["agent"].startswith("local")])),
+        "resume_replies_differing": sum(1 for r in rows if r.get("same_as_fresh") is False),
+        "shared_prompt_cached": sp["second_cached"], "shared_prompt_full_blocks": sp["full_blocks_tokens"],
+        "shared_prompt_hit": sp["second_cached"] >= sp["full_blocks_tokens"] > 0,
+        "fault_turns": len(fl["turns"]), "fault_failed_requests": len(fl["failures"]),
+        "fault_wrong_replies": len(fl["wrong"]),
+        "fault_remote_errors": sum(r.get("errors", 0) for r in fl["remote"]),
+        "fault_remote_refused": sum(r.get("refused", 0) for r in fl["remote"]),
+        "fault_remote_up_at_end": all(r.get("up") for r in fl["remote"]),
+    }
+    for k, v in checks.items():
+        res.check(k, v)
+    for k in ("resume", "shared_prompt", "faults", "stats", "server_args", "logs"):
+        res.output(k, out.get(k))
+    _readme(ctx, checks, med)
+
+
+def _readme(ctx, c: dict, med: dict) -> None:
+    verdicts = ctx.results.evaluate()
+    run_id = ctx.results.doc["run_id"]
+    rows = "\n".join(f"| {v['name']} | {v['level']} | {_fmt(v['measured'])} {v['op']} {_fmt(v['threshold'])} | "
+                     f"**{v['verdict']}** |" for v in verdicts)
+    ttft = " | ".join(f"{k} {med[k]:.3f} s" for k in ("first", "local", "remote", "cold") if k in med)
+    (ctx.out_dir / "README.md").write_text(f"""# EXP-016: any server resumes any agent
+
+`make exp-016` (`harness run experiments/exp_016_shared_tier.toml`) runs two `semantic serve` on
+{ctx.model_name} sharing one `redis-server` (`--remote`), with their own cache directories. See
+`harness/kinds/shared_tier.py` for the phases. This file is written by the run. Latest run:
+`{run_id}` ({ctx.results.doc['created_at'][:19]} UTC), results `{run_id}.json`.
+
+Median client TTFT at {c['history_tokens']:.0f} prompt tokens: {ttft}.
+Remote / local {c['remote_over_local']:.2f}x, remote / cold {c['remote_over_cold']:.3f}x,
+local / cold {c['local_over_cold']:.3f}x. A new agent on a {ctx.params['system_tokens']}-token system prompt
+first seen on the other server: {c['shared_prompt_cached']} tokens cached ({c['shared_prompt_full_blocks']} in
+full blocks). Under Redis faults: {c['fault_turns']} turns, {c['fault_failed_requests']} failed,
+{c['fault_wrong_replies']} wrong.
+
+| goal | level | measured | verdict |
+|---|---|---|---|
+{rows}
+""")
+
+
+def _fmt(v) -> str:
+    return f"{v:.3g}" if isinstance(v, float) else str(v)
+
+
+KIND = register(Kind(
+    name="shared_tier",
+    run=run,
+    params={
+        "trials": Param(int, 3, "agents resumed on each side (local, remote), interleaved"),
+        "history_tokens": Param(int, 7900, "tokens of each resumed agent's history before its first question"),
+        "system_tokens": Param(int, 2048, "tokens of the system prompt the second phase shares across servers"),
+        "max_tokens": Param(int, 8, "max_tokens of every turn (greedy)"),
+        "fault_agents": Param(int, 3, "agents alternating servers while Redis fails"),
+        "fault_turns": Param(int, 200, "the most turns each of them takes"),
+        "fault_hold_s": Param(float, 6.0, "seconds each Redis fault (and each calm between) lasts"),
+        "request_timeout_s": Param(float, 300.0, "the client's bound on every request"),
+        "pool_mb": Param(int, 2048, "--pool-mb of each server"),
+        "disk_mb": Param(int, 16384, "--disk-mb of each server"),
+        "model_dir": Param(str, "", "a model directory to serve instead of the prepared one"),
+    },
+    needs_model=False,
+))
