@@ -17,7 +17,8 @@ hashes every token before it under the tenant's salt root, so another tenant's p
 server that misses a prefix fetches the holder's file and loads its blocks into its pool. The bytes keep the file's checksums: a value damaged in
 Redis (or written by anything else) fails the store's checks and is dropped, never used.
 
-Redis down, slow or full costs the caller nothing but a miss: every call has a socket timeout, a
+Redis down, slow or full costs the caller nothing but a miss: every call has a socket timeout (1 s;
+30 s for moving a value, on connections of its own; a fetch follows a version read that answered), a
 failure is counted and logged once per streak, and calls are skipped for a back-off (1 s doubling to
 30 s) until one succeeds. A Redis that answers but refuses a write (``maxmemory`` with
 ``noeviction``) is counted as ``refused``, logged once, and not backed off: reads still work.
@@ -110,12 +111,13 @@ class RemoteTier:
         url: ``redis://host:port/db`` (``rediss://`` for TLS).
         fingerprint: the model's; part of every key.
         budget_bytes: the most bytes of agents' values this model's keys hold (0: no bound of ours).
-        timeout_s: socket timeout of every call.
-        connect: makes the client (tests inject one); default ``redis.Redis.from_url``.
+        timeout_s: socket timeout of every small call (versions, pointers), and the first a down tier gets.
+        bulk_timeout_s: socket timeout of moving a value (a publish, a fetch): an 8K-token cache of a small
+            model is ~400 MB, which takes seconds to send.
     """
 
     def __init__(self, url: str, fingerprint: str, *, budget_bytes: int = 0, timeout_s: float = 1.0,
-                 prefix: str = PREFIX, clock: Callable[[], float] = time.monotonic, connect: Callable | None = None):
+                 bulk_timeout_s: float = 30.0, prefix: str = PREFIX, clock: Callable[[], float] = time.monotonic):
         import redis
 
         assert budget_bytes >= 0
@@ -123,10 +125,10 @@ class RemoteTier:
         self._clock = clock
         self._refused = redis.ResponseError
         self._errors = (redis.RedisError, OSError)
-        make = connect or (lambda: redis.Redis.from_url(url, socket_timeout=timeout_s,
-                                                        socket_connect_timeout=timeout_s))
-        self._client = make()
-        self._put = self._client.register_script(_PUT_IF_NEWER)
+        self._client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        # values move on their own connections: a small call never waits behind one, nor times out for it
+        self._bulk = redis.Redis.from_url(url, socket_timeout=bulk_timeout_s, socket_connect_timeout=timeout_s)
+        self._put = self._bulk.register_script(_PUT_IF_NEWER)
         self._drop = self._client.register_script(_DROP_IF_SAME)
         self._touch = self._client.register_script(_TOUCH)
         self._lock = threading.Lock()
@@ -160,7 +162,7 @@ class RemoteTier:
     def fetch(self, agent_id: str) -> Fetched | None:
         """The agent's newest published cache file (unverified: the caller checks it), or None."""
         try:
-            got = self._call("fetch", lambda: self._client.hmget(self.key(agent_id), ["v", "data"]))
+            got = self._call("fetch", lambda: self._bulk.hmget(self.key(agent_id), ["v", "data"]))
         except RemoteUnavailable:
             return None
         v, data = got
@@ -227,6 +229,7 @@ class RemoteTier:
         self._queue.put(None)
         self._thread.join(timeout)
         self._client.close()
+        self._bulk.close()
 
     def stats(self) -> dict:
         with self._lock:
