@@ -230,25 +230,32 @@ class AgentCacheStore:
         validate_agent_id(agent_id)
         with self._agent_lock(agent_id):
             fetched = self._fetch_newer(agent_id) if self.remote is not None else None
-            with self._lock:
-                entry = self._disk.get(agent_id)
-                if entry is None:
-                    self._counts["misses"] += 1
-                    return None
-            blocks = self._load_file(agent_id, entry)
-            if blocks is None:
-                if fetched is not None:  # what another server published failed its checks here
-                    self.remote.drop(agent_id, fetched)
+            blocks = self._load_indexed(agent_id)
+            if blocks is None and fetched is not None:  # what another server published failed its checks here
+                self.remote.drop(agent_id, fetched)
+        if fetched is not None:  # a file came from elsewhere: the disk tier holds to its budget as on a save
+            self._disk_trim(keep=agent_id)
+        return blocks
+
+    def _load_indexed(self, agent_id: str) -> AgentBlocks | None:
+        """The agent's indexed file loaded (under its lock), or None: none, or it failed its checks."""
+        with self._lock:
+            entry = self._disk.get(agent_id)
+            if entry is None:
+                self._counts["misses"] += 1
                 return None
-            with self._lock:
-                self._counts["disk_hits"] += 1
-                if agent_id in self._disk:
-                    self._disk.move_to_end(agent_id)
-            try:
-                os.utime(entry.path)  # recency survives a restart
-            except OSError:
-                pass
-            return blocks
+        blocks = self._load_file(agent_id, entry)
+        if blocks is None:
+            return None
+        with self._lock:
+            self._counts["disk_hits"] += 1
+            if agent_id in self._disk:
+                self._disk.move_to_end(agent_id)
+        try:
+            os.utime(entry.path)  # recency survives a restart
+        except OSError:
+            pass
+        return blocks
 
     def prefetch(self, token_ids, salt_root: int | None = None) -> int:
         """Bring into the pool the leading full blocks of ``token_ids`` that it lacks and another server

@@ -102,20 +102,22 @@ def run(ctx) -> None:
     _record(ctx, out)
 
 
+def _row(trial: int, phase: str, agent: str, r, **extra) -> dict:
+    return {"trial": trial, "phase": phase, "agent": agent, "ttft_s": r.ttft_s, "text": r.text,
+            "prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens, **extra}
+
+
 def _resume_elsewhere(servers, p, tok, system_prompt, user_history, question) -> dict:
     one, two = servers
     system = system_prompt(tok, 300)
     rows, histories = [], {}
     for i in range(p["trials"]):
         for role in ("local", "remote"):
-            agent = f"{role}-{i}"
-            messages = [system, *user_history(tok, 2 * i + (role == "remote"), p["history_tokens"] - 300),
-                        question(tok, 2 * i + (role == "remote"), 1, 30)]
+            agent, user = f"{role}-{i}", 2 * i + (role == "remote")
+            messages = [system, *user_history(tok, user, p["history_tokens"] - 300), question(tok, user, 1, 30)]
             r = _turn(one, messages, p, agent=agent)
-            rows.append({"trial": i, "phase": "first", "agent": agent, "ttft_s": r.ttft_s,
-                         "prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens})
-            histories[agent] = messages + [{"role": "assistant", "content": r.text},
-                                           question(tok, 2 * i + (role == "remote"), 2, 30)]
+            rows.append(_row(i, "first", agent, r))
+            histories[agent] = messages + [{"role": "assistant", "content": r.text}, question(tok, user, 2, 30)]
     _published(one, 2 * p["trials"])
     one.stop(signal.SIGTERM)  # its RAM is gone: its next turns read their files
     one.start()
@@ -126,26 +128,25 @@ def _resume_elsewhere(servers, p, tok, system_prompt, user_history, question) ->
         replies = {}
         for kind, server in order:
             agent = f"{'remote' if kind == 'cold' else kind}-{i}"
-            r = _turn(server, histories[agent], p, agent=None if kind == "cold" else agent,
-                      salt=uuid.uuid4().hex if kind == "cold" else None)
-            replies[kind] = r
-            rows.append({"trial": i, "phase": kind, "agent": agent, "ttft_s": r.ttft_s, "text": r.text,
-                         "prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens})
+            cold = kind == "cold"
+            replies[kind] = (agent, _turn(server, histories[agent], p, agent=None if cold else agent,
+                                          salt=uuid.uuid4().hex if cold else None))
         local_fresh = _fresh(one, histories[f"local-{i}"], p)
-        rows.append({"trial": i, "phase": "local_fresh", "agent": f"local-{i}", "ttft_s": local_fresh.ttft_s,
-                     "text": local_fresh.text, "prompt_tokens": local_fresh.prompt_tokens,
-                     "cached_tokens": local_fresh.cached_tokens})
-        rows[-4:-1] = [dict(r, same_as_fresh=r["text"] == (replies["cold"].text if r["phase"] != "local"
-                                                           else local_fresh.text)) for r in rows[-4:-1]]
+        # each resumed reply against a cold prefill of its own history (the cold turn is R's)
+        reference = {"local": local_fresh.text, "remote": replies["cold"][1].text}
+        for kind, (agent, r) in replies.items():
+            extra = {"same_as_fresh": r.text == reference[kind]} if kind in reference else {}
+            rows.append(_row(i, kind, agent, r, **extra))
+        rows.append(_row(i, "local_fresh", f"local-{i}", local_fresh))
     return {"rows": rows}
 
 
 def _shared_prompt(servers, p, tok, system_prompt, question) -> dict:
     one, two = servers
     system = system_prompt(tok, p["system_tokens"])
+    before = (one.stats() or {})["remote"]["published"]
     first = _turn(one, [system, question(tok, 900, 1, 30)], p, agent="shared-first")
-    _published(one, (one.stats() or {})["remote"]["published"], 5)  # the count already includes it: settled
-    time.sleep(0.5)
+    _published(one, before + 1)  # publishing runs behind the save
     messages = [system, question(tok, 901, 1, 30)]
     second = _turn(two, messages, p, agent="shared-second")
     ids = [tok.apply_chat_template([system, question(tok, n, 1, 30)], add_generation_prompt=True)

@@ -17,8 +17,8 @@ def redis_server(tmp_path):
     server.stop()
 
 
-def _store(eng, path, server, fingerprint="tiny-model"):
-    return AgentCacheStore(path, eng.spec, fingerprint, 10**9, pool=eng.pool, durable=False,
+def _store(eng, path, server, fingerprint="tiny-model", disk_budget=10**9):
+    return AgentCacheStore(path, eng.spec, fingerprint, disk_budget, pool=eng.pool, durable=False,
                            remote=RemoteTier(server.url, fingerprint, timeout_s=0.5))
 
 
@@ -66,3 +66,17 @@ def test_a_prefix_saved_on_one_server_is_prefetched_into_another_servers_pool(ll
     plan = blockplan.plan_blocks(s2.pool, s2.spec, newcomer)
     assert sum(p.hit is not None for p in plan.blocks) == 10  # the newcomer's turn will start from them
     assert s2.prefetch(newcomer, salt_root=12345) == 0  # another tenant's root: no pointer matches
+
+
+def test_a_file_fetched_from_elsewhere_keeps_the_local_disk_within_its_budget(llama_tiny, tmp_path, redis_server):
+    e1, e2 = engine(llama_tiny, blocks=256), engine(llama_tiny, blocks=256)
+    s1 = _store(e1, tmp_path / "one", redis_server)
+    caches = {a: generate(e1, a, history(40, seed=i), 4).blocks for i, a in enumerate(("public/a", "public/b"))}
+    for agent, blocks in caches.items():
+        s1.save(agent, blocks)
+    assert s1.remote.flush(10)
+    size = max(p.stat().st_size for p in (tmp_path / "one").glob("*.safetensors"))
+    s2 = _store(e2, tmp_path / "two", redis_server, disk_budget=size + size // 2)  # room for one file
+    assert_identical(s2.load("public/a"), caches["public/a"])
+    assert_identical(s2.load("public/b"), caches["public/b"])
+    assert s2.agents() == ["public/b"] and s2.stats().disk_bytes <= s2.disk_budget
