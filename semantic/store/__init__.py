@@ -67,10 +67,10 @@ from semantic.errors import (
 from semantic.pool import BlockPool
 from semantic.request import validate_agent_id
 from semantic.spec import ModelCacheSpec
+from semantic.store.quarantine import QUARANTINE_DIR, Quarantine, Quarantined
 
 log = logging.getLogger(__name__)
 
-QUARANTINE_DIR = "quarantine"
 EXTRA_SUFFIX = ".json"  # an agent's small JSON document beside its cache file: <cache file name>.json
 
 
@@ -97,20 +97,6 @@ class StoreStats:
     disk_bytes: int
     quarantined: int
     disk: dict | None = None  # the directory's state for saves (``DiskHealth.snapshot``) and the effective budget
-
-
-@dataclass(frozen=True, slots=True)
-class Quarantined:
-    """A cache file set aside because it failed its checks: moved to ``quarantine/``, or, in a directory
-    that cannot be written, left in place (``path == original``) and no longer indexed."""
-
-    path: str       # where it is now
-    original: str   # where it was
-    reason: str
-
-    @property
-    def moved(self) -> bool:
-        return self.path != self.original
 
 
 @dataclass(slots=True)
@@ -157,10 +143,10 @@ class AgentCacheStore:
         self.disk_budget = disk_budget_bytes
         self.pool_lock = threading.RLock()
         self._lock = threading.Lock()  # the index and counters; never held during file I/O
+        self._quarantine = Quarantine(self.dir, self._lock)
         self._agent_locks: dict[str, threading.Lock] = {}
         self._disk: OrderedDict[str, _OnDisk] = OrderedDict()
         self._counts = Counter()
-        self.quarantined: list[Quarantined] = []
         self.foreign: list[str] = []   # files of another model or spec, left in place
         self.cleaned: list[str] = []   # leftover temporary files deleted on startup
         self.health = DiskHealth(self.dir)  # guarded by _lock
@@ -400,6 +386,11 @@ class AgentCacheStore:
                 disk=disk,
             )
 
+    @property
+    def quarantined(self) -> list[Quarantined]:
+        """The files refused since the store opened (guarded by the store's lock)."""
+        return self._quarantine.refused
+
     # ------------------------------------------------------------ the pool, for admission
 
     @property
@@ -435,7 +426,7 @@ class AgentCacheStore:
             return cachefile.load(entry.path, self.pool, model_fingerprint=self.fingerprint, lock=self.pool_lock)
         except CacheCorruptError as exc:
             self._forget(agent_id)
-            self._quarantine(entry.path, exc.reason)
+            self._quarantine.set_aside(entry.path, exc.reason)
             return None
         except (CacheMismatchError, FileNotFoundError) as exc:
             # replaced by another model's file, or removed behind our back
@@ -485,20 +476,6 @@ class AgentCacheStore:
             finally:
                 lock.release()
 
-    def _quarantine(self, path: Path, reason: str) -> None:
-        try:
-            dest = atomic.quarantine(path, self.dir / QUARANTINE_DIR)
-        except OSError as exc:  # a read-only directory: left in place, not indexed, still refused and counted
-            log.warning("cannot quarantine %s (%s): %s; left in place", path, reason, exc)
-            with self._lock:
-                self.quarantined.append(Quarantined(str(path), str(path), reason))
-            return
-        if dest is None:
-            return
-        log.warning("quarantined %s -> %s: %s", path, dest, reason)
-        with self._lock:
-            self.quarantined.append(Quarantined(str(dest), str(path), reason))
-
     def _scan(self) -> None:
         """Index the directory's files (raises OSError when it cannot be created or listed)."""
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -513,7 +490,7 @@ class AgentCacheStore:
             try:
                 info = cachefile.read_header(path)
             except CacheCorruptError as exc:
-                self._quarantine(path, exc.reason)
+                self._quarantine.set_aside(path, exc.reason)
                 continue
             except OSError as exc:
                 log.warning("skipping unreadable cache file %s: %s", path, exc)
@@ -526,7 +503,7 @@ class AgentCacheStore:
             except InvalidAgentIdError:
                 expected = None
             if expected != path.name:
-                self._quarantine(path, f"file name does not match its agent id {info.agent_id!r}")
+                self._quarantine.set_aside(path, f"file name does not match its agent id {info.agent_id!r}")
                 continue
             found.append((path.stat().st_mtime_ns, info.agent_id, _OnDisk(path, info.nbytes)))
         with self._lock:
