@@ -1,0 +1,318 @@
+"""The agents' cache files in one directory, and their index, least recently used first.
+
+Agent ids are mapped to file names, never used as paths: ``<slug>-<sha256
+prefix>.safetensors``, where the slug keeps only ``[a-z0-9_-]`` of the id for
+people reading the directory and the digest keeps distinct ids apart (also
+on case-insensitive file systems). The id itself is stored in the file. Any
+string of 1 to 256 characters without control characters is an id; others
+raise :class:`InvalidAgentIdError`. Beside a cache file an agent may keep a
+small JSON document (``<cache file name>.json``), deleted with it.
+
+On startup the directory is scanned: temporary files that a dead process
+left are deleted, files that fail their header check are quarantined
+(``semantic.store.quarantine``), files of another model or spec are skipped
+(left in place), and the rest are indexed, least recently used first. A
+directory that cannot be created or listed raises OSError; the scan runs
+again once it is usable. Each indexed agent also has a version: the
+``time_ns`` of its save, or the version of a copy fetched from elsewhere, or
+(after a scan) the file's mtime.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import re
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+from semantic import cachefile
+from semantic.blocks import AgentBlocks
+from semantic.cachefile import atomic
+from semantic.errors import CacheCorruptError, CacheMismatchError, InvalidAgentIdError
+from semantic.pool import BlockPool
+from semantic.request import validate_agent_id
+from semantic.spec import ModelCacheSpec
+from semantic.store.quarantine import Quarantine
+
+log = logging.getLogger(__package__)  # the store's one logger: its lines keep the name they had
+
+EXTRA_SUFFIX = ".json"  # an agent's small JSON document beside its cache file: <cache file name>.json
+
+
+def file_name(agent_id: str) -> str:
+    """The file name that holds ``agent_id``'s cache (never a path).
+
+    Raises:
+        InvalidAgentIdError: see :func:`request.validate_agent_id`.
+    """
+    validate_agent_id(agent_id)
+    slug = re.sub(r"[^a-z0-9_-]+", "-", agent_id.lower()).strip("-")[:32] or "agent"
+    digest = hashlib.sha256(agent_id.encode()).hexdigest()[:24]
+    return f"{slug}-{digest}{cachefile.SUFFIX}"
+
+
+@dataclass(slots=True)
+class OnDisk:
+    """One indexed cache file."""
+
+    path: Path
+    nbytes: int
+
+
+class AgentFiles:
+    """One cache file per agent in ``directory``, indexed least recently used first, for one model and spec.
+
+    Methods marked *(under the lock)* expect the caller to hold ``lock``; the others take it themselves,
+    never during file I/O. Calls for one agent are serialized by :meth:`agent_lock`, which the caller takes.
+
+    Args:
+        directory: holds one file per agent (created by :meth:`scan`).
+        spec: the cache spec of every file indexed, saved and loaded.
+        fingerprint: the model's, written into each file; files of other models are not indexed.
+        durable: fsync each file and the directory on save.
+        lock: the store's lock: it guards the index, the versions and the counters.
+        quarantine: where files that fail their checks go.
+    """
+
+    def __init__(self, directory: Path, spec: ModelCacheSpec, fingerprint: str, *, durable: bool,
+                 lock: threading.Lock, quarantine: Quarantine):
+        self.dir, self.spec, self.fingerprint, self.durable = directory, spec, fingerprint, durable
+        self.lock = lock
+        self.quarantine = quarantine
+        self.entries: OrderedDict[str, OnDisk] = OrderedDict()  # least recently used first
+        self.versions: dict[str, int] = {}  # agent -> version of its local file (time_ns of its save)
+        self.hits = 0
+        self.misses = 0
+        self.foreign: list[str] = []   # files of another model or spec, left in place
+        self.cleaned: list[str] = []   # leftover temporary files deleted on startup
+        self.scanned = False
+        self._agent_locks: dict[str, threading.Lock] = {}
+
+    # ------------------------------------------------------------ the index
+
+    def agent_lock(self, agent_id: str) -> threading.Lock:
+        """The lock that serializes calls for ``agent_id`` (held around its file I/O)."""
+        with self.lock:
+            return self._agent_locks.setdefault(agent_id, threading.Lock())
+
+    def put(self, agent_id: str, path: Path, nbytes: int, version: int | None = None) -> int:
+        """Index ``path`` as the agent's file, most recently used (under the lock).
+
+        Args:
+            version: the file's version; None: now (``time.time_ns``), for a file just saved.
+
+        Returns:
+            The version recorded.
+        """
+        self.entries[agent_id] = OnDisk(path, nbytes)
+        self.entries.move_to_end(agent_id)
+        version = self.versions[agent_id] = time.time_ns() if version is None else version
+        return version
+
+    def pop(self, agent_id: str) -> OnDisk | None:
+        """Forget the agent's file, if indexed; its version stays (under the lock)."""
+        return self.entries.pop(agent_id, None)
+
+    def get(self, agent_id: str) -> OnDisk | None:
+        """The agent's indexed file, or None (under the lock)."""
+        return self.entries.get(agent_id)
+
+    def agents(self) -> list[str]:
+        """Ids of the indexed agents, sorted (under the lock)."""
+        return sorted(self.entries)
+
+    def count(self) -> int:
+        """How many agents are indexed (under the lock)."""
+        return len(self.entries)
+
+    def total_bytes(self) -> int:
+        """Bytes of the indexed files (under the lock)."""
+        return sum(e.nbytes for e in self.entries.values())
+
+    def least_recent(self, keep: str) -> list[str]:
+        """The indexed agents but ``keep``, least recently used first (under the lock)."""
+        return [a for a in self.entries if a != keep]
+
+    # ------------------------------------------------------------ the files
+
+    def write(self, agent_id: str, blocks: AgentBlocks, prepared: cachefile.PreparedSave) -> tuple[Path, int]:
+        """Write the agent's cache file (crash-safe; durable if the store is); not indexed yet.
+
+        Returns:
+            The file's path and size.
+
+        Raises:
+            OSError: the directory did not take it (nothing written).
+        """
+        path = self.dir / file_name(agent_id)
+        info = cachefile.save(
+            path, blocks, model_fingerprint=self.fingerprint, agent_id=agent_id, durable=self.durable,
+            prepared=prepared,
+        )
+        return path, info.nbytes
+
+    def adopt(self, agent_id: str, data: bytes) -> Path:
+        """Make ``data`` (a cache file from elsewhere) the agent's file: written aside, its header checked,
+        then renamed over the old one; not indexed yet.
+
+        Returns:
+            The file's path.
+
+        Raises:
+            CacheCorruptError, CacheMismatchError: the bytes are no file of this model, spec and agent.
+            OSError: the directory did not take them.
+        """
+        path = self.dir / file_name(agent_id)
+        tmp = atomic.temp_name(path)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+            info = cachefile.read_header(tmp)
+            if not self._ours(info) or info.agent_id != agent_id:
+                raise CacheMismatchError(f"the remote cache of {agent_id!r} is another model's, spec's or agent's")
+            os.replace(tmp, path)
+        except (CacheCorruptError, CacheMismatchError):
+            atomic.unlink_quietly(tmp)
+            raise
+        except OSError:
+            with contextlib.suppress(OSError):
+                atomic.unlink_quietly(tmp)
+            raise
+        return path
+
+    def load(self, agent_id: str, pool: BlockPool, pool_lock: threading.RLock) -> AgentBlocks | None:
+        """The agent's indexed file read into ``pool`` (the caller holds the agent's lock), or None.
+
+        A file that fails verification is quarantined and forgotten; each None counts a miss.
+
+        Raises:
+            PoolExhaustedError: the pool has no room for the file's blocks (the file stays).
+        """
+        with self.lock:
+            entry = self.entries.get(agent_id)
+            if entry is None:
+                self.misses += 1
+                return None
+        blocks = self._read(agent_id, entry, pool, pool_lock)
+        if blocks is None:
+            return None
+        with self.lock:
+            self.hits += 1
+            if agent_id in self.entries:
+                self.entries.move_to_end(agent_id)
+        try:
+            os.utime(entry.path)  # recency survives a restart
+        except OSError:
+            pass
+        return blocks
+
+    def remove(self, path: Path) -> None:
+        """Delete a cache file, then the extra document beside it.
+
+        Raises:
+            OSError: the cache file could not be deleted (its extra document is left too).
+        """
+        atomic.unlink_quietly(path)
+        _unlink_extra(path)
+
+    def save_extra(self, agent_id: str, doc: dict) -> bool:
+        """Keep a small JSON document beside the agent's cache file; False if it could not be written."""
+        path = self.dir / (file_name(agent_id) + EXTRA_SUFFIX)
+        tmp = atomic.temp_name(path)
+        try:
+            with open(tmp, "w") as f:
+                json.dump(doc, f, separators=(",", ":"))
+            os.replace(tmp, path)
+            return True
+        except (OSError, TypeError, ValueError) as exc:  # a full or read-only disk: the store's saves say so
+            log.debug("agent %r: extra document not written: %s", agent_id, exc)
+            with contextlib.suppress(OSError):
+                atomic.unlink_quietly(tmp)
+            return False
+
+    def load_extra(self, agent_id: str) -> dict | None:
+        """The document :meth:`save_extra` kept for the agent, or None (none, unreadable, not a JSON object)."""
+        try:
+            doc = json.loads((self.dir / (file_name(agent_id) + EXTRA_SUFFIX)).read_text())
+        except (OSError, ValueError):
+            return None
+        return doc if isinstance(doc, dict) else None
+
+    def scan(self) -> None:
+        """Index the directory's files (raises OSError when it cannot be created or listed)."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.cleaned.extend(atomic.remove_abandoned(self.dir))  # dead writers' temporary files
+        found = []
+        for path in sorted(self.dir.iterdir()):
+            if path.name.endswith(cachefile.SUFFIX + EXTRA_SUFFIX) and not path.with_suffix("").exists():
+                with contextlib.suppress(OSError):  # its cache file is gone (a read-only directory keeps it)
+                    atomic.unlink_quietly(path)
+            if not path.is_file() or not path.name.endswith(cachefile.SUFFIX):
+                continue
+            try:
+                info = cachefile.read_header(path)
+            except CacheCorruptError as exc:
+                self.quarantine.set_aside(path, exc.reason)
+                continue
+            except OSError as exc:
+                log.warning("skipping unreadable cache file %s: %s", path, exc)
+                continue
+            if not self._ours(info):
+                self.foreign.append(str(path))
+                continue
+            try:
+                expected = file_name(info.agent_id)
+            except InvalidAgentIdError:
+                expected = None
+            if expected != path.name:
+                self.quarantine.set_aside(path, f"file name does not match its agent id {info.agent_id!r}")
+                continue
+            found.append((path.stat().st_mtime_ns, info.agent_id, OnDisk(path, info.nbytes)))
+        with self.lock:
+            # newest first, each put in front: least recently used first, ahead of what this process saved
+            for mtime_ns, agent_id, entry in sorted(found, key=lambda x: (x[0], x[1]), reverse=True):
+                if agent_id not in self.entries:
+                    self.entries[agent_id] = entry
+                    self.entries.move_to_end(agent_id, last=False)
+                    # written at or after its version was stamped: a remote copy of the same save is not newer
+                    self.versions.setdefault(agent_id, mtime_ns)
+        self.scanned = True
+
+    def _ours(self, info: cachefile.CacheFileInfo) -> bool:
+        return info.model_fingerprint == self.fingerprint and info.spec == self.spec
+
+    def _read(self, agent_id: str, entry: OnDisk, pool: BlockPool, pool_lock: threading.RLock) -> AgentBlocks | None:
+        try:
+            return cachefile.load(entry.path, pool, model_fingerprint=self.fingerprint, lock=pool_lock)
+        except CacheCorruptError as exc:
+            self._forget(agent_id)
+            self.quarantine.set_aside(entry.path, exc.reason)
+            return None
+        except (CacheMismatchError, FileNotFoundError) as exc:
+            # replaced by another model's file, or removed behind our back
+            log.warning("agent %r: cannot load %s: %s", agent_id, entry.path, exc)
+            self._forget(agent_id)
+            return None
+        except OSError as exc:  # unreadable now (permissions, I/O): a miss; the file may read again later
+            log.warning("agent %r: cannot read %s: %s", agent_id, entry.path, exc)
+            with self.lock:
+                self.misses += 1
+            return None
+
+    def _forget(self, agent_id: str) -> None:
+        with self.lock:
+            self.entries.pop(agent_id, None)
+            self.misses += 1
+
+
+def _unlink_extra(cache_path: Path) -> None:
+    """Delete the extra document beside a cache file, if any (a read-only directory keeps it)."""
+    with contextlib.suppress(OSError):
+        atomic.unlink_quietly(str(cache_path) + EXTRA_SUFFIX)
