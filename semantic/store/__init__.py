@@ -50,6 +50,7 @@ from pathlib import Path
 from semantic import blockplan, cachefile
 from semantic.blocks import AgentBlocks
 from semantic.diskhealth import DiskHealth
+from semantic.store.disk import DiskBudget
 from semantic.errors import (
     CacheCorruptError,
     CacheMismatchError,
@@ -115,14 +116,12 @@ class AgentCacheStore:
         spec.require_same(pool.spec, "the pool")
         self.dir = Path(cache_dir)
         self.spec, self.fingerprint, self.pool, self.durable = spec, model_fingerprint, pool, durable
-        self.disk_budget = disk_budget_bytes
         self.pool_lock = threading.RLock()
         self._lock = threading.Lock()  # the index and counters; never held during file I/O
         self._quarantine = Quarantine(self.dir, self._lock)
         self._files = AgentFiles(self.dir, spec, model_fingerprint, durable=durable, lock=self._lock,
                                  quarantine=self._quarantine)
-        self._evictions = 0
-        self.health = DiskHealth(self.dir)  # guarded by _lock
+        self._budget = DiskBudget(self.dir, disk_budget_bytes, files=self._files, lock=self._lock)
         if isinstance(remote, str):
             from semantic.remote import RemoteTier
 
@@ -167,7 +166,7 @@ class AgentCacheStore:
             if self.remote is not None:  # behind this call: read and sent by its thread
                 chain = blockplan.chain_keys(blocks.token_ids, self.pool.block_tokens, blocks.salt_root)
                 self.remote.publish(agent_id, path, version, chain)
-        self._disk_trim(keep=agent_id)
+        self._budget.trim(keep=agent_id)
 
     def load(self, agent_id: str) -> AgentBlocks | None:
         """``agent_id``'s cache read from its file into the pool (a new reference the caller owns), or None.
@@ -185,7 +184,7 @@ class AgentCacheStore:
             if blocks is None and fetched is not None:  # what another server published failed its checks here
                 self.remote.drop(agent_id, fetched)
         if fetched is not None:  # a file came from elsewhere: the disk tier holds to its budget as on a save
-            self._disk_trim(keep=agent_id)
+            self._budget.trim(keep=agent_id)
         return blocks
 
     def prefetch(self, token_ids, salt_root: int | None = None) -> int:
@@ -290,18 +289,33 @@ class AgentCacheStore:
     def stats(self) -> StoreStats:
         with self._lock:
             ours = self._files.total_bytes()
-            disk = self.health.snapshot()  # one statvfs: the room below comes from it
-            room = disk["room_bytes"]
-            disk["effective_budget_bytes"] = self.disk_budget if room is None else min(self.disk_budget, ours + room)
             return StoreStats(
                 disk_hits=self._files.hits,
                 misses=self._files.misses,
-                disk_evictions=self._evictions,
+                disk_evictions=self._budget.evictions,
                 disk_agents=self._files.count(),
                 disk_bytes=ours,
                 quarantined=len(self.quarantined),
-                disk=disk,
+                disk=self._budget.snapshot(ours),
             )
+
+    @property
+    def disk_budget(self) -> int:
+        """Bytes of files the store may keep (the configured budget)."""
+        return self._budget.budget
+
+    @disk_budget.setter
+    def disk_budget(self, nbytes: int) -> None:
+        self._budget.budget = nbytes
+
+    @property
+    def health(self) -> DiskHealth:
+        """The cache directory's state for saves (guarded by the store's lock)."""
+        return self._budget.health
+
+    @health.setter
+    def health(self, health: DiskHealth) -> None:
+        self._budget.health = health
 
     @property
     def quarantined(self) -> list[Quarantined]:
@@ -346,40 +360,8 @@ class AgentCacheStore:
             if any(b.block_id >= self.pool.total_blocks or self.pool.refcount(b) == 0 for b in blocks.unique_blocks()):
                 raise CacheMismatchError("these blocks are not live in this store's pool")
 
-    # ------------------------------------------------------------ disk tier
-
-    def _disk_trim(self, keep: str) -> None:
-        """Delete least recently used files until the disk tier fits its budget.
-
-        Agents busy in another thread are skipped rather than waited for.
-        """
-        while True:
-            with self._lock:
-                if self._files.total_bytes() <= self.disk_budget:
-                    return
-                candidates = self._files.least_recent(keep)
-            for victim in candidates:
-                lock = self._files.agent_lock(victim)
-                if lock.acquire(blocking=False):
-                    break
-            else:
-                return  # every other agent is busy: try again on the next save
-            try:
-                with self._lock:
-                    entry = self._files.get(victim)
-                if entry is not None:
-                    try:
-                        self._files.remove(entry.path)
-                    except OSError as exc:  # a read-only directory: the file stays, and so does its entry
-                        log.warning("cannot delete %s to hold the disk budget: %s", entry.path, exc)
-                        return
-                    with self._lock:
-                        self._evictions += self._files.pop(victim) is not None
-            finally:
-                lock.release()
-
     def _scan(self) -> None:
         """Index the directory's files, then hold them to the budget (raises OSError when the directory
         cannot be created or listed)."""
         self._files.scan()
-        self._disk_trim(keep="")
+        self._budget.trim(keep="")
