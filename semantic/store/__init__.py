@@ -11,37 +11,31 @@ store holds no blocks of its own::
     disk over budget  ──► delete least recently used files (never the one just saved)
     disk full, read-only or gone ──► CacheSaveError (``semantic.diskhealth``): nothing deleted, retried later
 
-Agent ids are mapped to file names, never used as paths: ``<slug>-<sha256
-prefix>.safetensors``, where the slug keeps only ``[a-z0-9_-]`` of the id for
-people reading the directory and the digest keeps distinct ids apart (also
-on case-insensitive file systems). The id itself is stored in the file. Any
-string of 1 to 256 characters without control characters is an id; others
-raise :class:`InvalidAgentIdError`.
+:class:`AgentCacheStore` is the facade over one module per idea::
 
-On startup the store scans its directory: it deletes temporary files that a
-dead process left, moves files that fail their header check to
-``quarantine/`` (see :attr:`AgentCacheStore.quarantined`), skips files of
-another model or spec, and indexes the rest, least recently used first. A
-directory that cannot be created or written is no error: the store serves
+    files.py       the agents' files and their index: names from agent ids, the startup scan,
+                   least recently used order and versions, writes, loads, extra JSON documents
+    disk.py        the disk budget (least recently used files go) and the directory's health
+    quarantine.py  files that failed their checks, set aside and listed
+    fetch.py       the tier shared with other servers: publish on save, fetch what is newer, prefetch
+
+A directory that cannot be created or written is no error: the store serves
 what it can read, saves fail with :class:`CacheSaveError` (tried again after
 a back-off), and the scan runs once the directory is usable.
 
-The disk budget is the smaller of ``disk_budget_bytes`` and what the
-filesystem leaves (our files plus the free space, less a reserve):
-:meth:`AgentCacheStore.effective_budget`. Over the configured budget, least
-recently used files go; a disk that other programs filled only stops new
-saves, and every file already written stays loadable.
-
 Threads: calls for different agents run concurrently (file reads and writes
-happen outside every shared lock); calls for the same agent are serialized.
-Every use the store makes of ``pool`` holds :attr:`AgentCacheStore.pool_lock`,
-and so do the releases of the AgentBlocks it returns; anything else that
-uses the same pool from another thread must hold it too.
+happen outside every shared lock); calls for the same agent are serialized
+by its agent lock. One store lock guards the index, the versions, the
+counters, the disk health and the quarantine list; it is held briefly and
+never while waiting for another lock (the budget's trim only tries agents'
+locks, and skips those it cannot get). Every use the store makes of ``pool``
+holds :attr:`AgentCacheStore.pool_lock`, and so do the releases of the
+AgentBlocks it returns; anything else that uses the same pool from another
+thread must hold it too.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 from dataclasses import dataclass
@@ -50,22 +44,16 @@ from pathlib import Path
 from semantic import blockplan, cachefile
 from semantic.blocks import AgentBlocks
 from semantic.diskhealth import DiskHealth
-from semantic.store.disk import DiskBudget
-from semantic.errors import (
-    CacheCorruptError,
-    CacheMismatchError,
-    InvalidAgentIdError,
-    PoolExhaustedError,
-)
+from semantic.errors import CacheMismatchError
 from semantic.pool import BlockPool
 from semantic.request import validate_agent_id
 from semantic.spec import ModelCacheSpec
+from semantic.store.disk import DiskBudget
+from semantic.store.fetch import RemoteFetch
 from semantic.store.files import EXTRA_SUFFIX, AgentFiles, file_name
 from semantic.store.quarantine import QUARANTINE_DIR, Quarantine, Quarantined
 
 __all__ = ["EXTRA_SUFFIX", "QUARANTINE_DIR", "AgentCacheStore", "Quarantined", "StoreStats", "file_name"]
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,16 +105,12 @@ class AgentCacheStore:
         self.dir = Path(cache_dir)
         self.spec, self.fingerprint, self.pool, self.durable = spec, model_fingerprint, pool, durable
         self.pool_lock = threading.RLock()
-        self._lock = threading.Lock()  # the index and counters; never held during file I/O
+        self._lock = threading.Lock()  # the index and counters, the health, the refused; never held during file I/O
         self._quarantine = Quarantine(self.dir, self._lock)
         self._files = AgentFiles(self.dir, spec, model_fingerprint, durable=durable, lock=self._lock,
                                  quarantine=self._quarantine)
         self._budget = DiskBudget(self.dir, disk_budget_bytes, files=self._files, lock=self._lock)
-        if isinstance(remote, str):
-            from semantic.remote import RemoteTier
-
-            remote = RemoteTier(remote, model_fingerprint)
-        self.remote = remote  # a RemoteTier shared with other servers (``semantic.remote``), or None
+        self._fetch = RemoteFetch(remote, self._files, pool=pool, pool_lock=self.pool_lock, lock=self._lock)
         try:
             self._scan()
         except OSError as exc:  # served from RAM until the directory can be used (the next save tries again)
@@ -163,9 +147,7 @@ class AgentCacheStore:
             with self._lock:
                 self.health.ok()
                 version = self._files.put(agent_id, path, nbytes)
-            if self.remote is not None:  # behind this call: read and sent by its thread
-                chain = blockplan.chain_keys(blocks.token_ids, self.pool.block_tokens, blocks.salt_root)
-                self.remote.publish(agent_id, path, version, chain)
+            self._fetch.publish(agent_id, path, version, blocks)
         self._budget.trim(keep=agent_id)
 
     def load(self, agent_id: str) -> AgentBlocks | None:
@@ -179,10 +161,10 @@ class AgentCacheStore:
         """
         validate_agent_id(agent_id)
         with self._files.agent_lock(agent_id):
-            fetched = self._fetch_newer(agent_id) if self.remote is not None else None
+            fetched = self._fetch.fetch_newer(agent_id)
             blocks = self._files.load(agent_id, self.pool, self.pool_lock)
             if blocks is None and fetched is not None:  # what another server published failed its checks here
-                self.remote.drop(agent_id, fetched)
+                self._fetch.refused(agent_id, fetched)
         if fetched is not None:  # a file came from elsewhere: the disk tier holds to its budget as on a save
             self._budget.trim(keep=agent_id)
         return blocks
@@ -191,70 +173,12 @@ class AgentCacheStore:
         """Bring into the pool the leading full blocks of ``token_ids`` that it lacks and another server
         published (the holder's file, fetched, kept on local disk and loaded; its blocks stay pooled for
         the turn to hit). Returns the blocks gained; 0 without a remote tier or when nothing helps."""
-        if self.remote is None:
-            return 0
-        bt = self.pool.block_tokens
-        chain = blockplan.chain_keys(token_ids, bt, salt_root)
-        with self.pool_lock:
-            plan = blockplan.plan_blocks(self.pool, self.spec, token_ids, chain, salt_root=salt_root)
-        have = len(chain)  # leading full blocks every group that holds them (global layers) has pooled
-        for group in {p.group for p in plan.blocks}:
-            spans = [p for p in plan.blocks if p.group == group]
-            if spans and spans[0].start == 0:
-                hits = 0
-                for p in spans:
-                    if p.hit is None or p.end - p.start != bt:
-                        break
-                    hits += 1
-                have = min(have, hits)
-        if have == len(chain):
-            return 0
-        found = self.remote.holder(chain[have:])
-        if found is None:
-            return 0
-        n, holder = found
-        try:
-            validate_agent_id(holder)
-            blocks = self.load(holder)
-        except (InvalidAgentIdError, PoolExhaustedError) as exc:
-            log.info("prefix of %d blocks held by %r not loaded: %s", n, holder, exc)
-            return 0
-        if blocks is None:
-            return 0
-        with self.pool_lock:
-            blocks.release()  # its keyed blocks stay in the pool's free queue, hittable until recycled
-        return n
+        return self._fetch.prefetch(token_ids, salt_root, self.load)
 
     def newer_elsewhere(self, agent_id: str) -> bool:
         """Whether another server published a newer cache of the agent than the one here (False without a
         remote tier, or when it does not answer)."""
-        if self.remote is None:
-            return False
-        theirs = self.remote.version(agent_id)
-        with self._lock:
-            ours = self._files.versions.get(agent_id)
-        return theirs is not None and (ours is None or theirs > ours)
-
-    def _fetch_newer(self, agent_id: str) -> int | None:
-        """Bring the agent's remote cache file here when it is newer than the local one (called under the
-        agent's lock); the version fetched, or None. The bytes become the local file, checked on load."""
-        if not self.newer_elsewhere(agent_id):
-            return None
-        got = self.remote.fetch(agent_id)
-        if got is None:
-            return None
-        try:
-            path = self._files.adopt(agent_id, got.data)
-        except (CacheCorruptError, CacheMismatchError) as exc:
-            log.warning("agent %r: the remote cache (version %d) is refused: %s", agent_id, got.version, exc)
-            self.remote.drop(agent_id, got.version)
-            return None
-        except OSError as exc:  # the local disk cannot take it: the next turn prefills
-            log.warning("agent %r: cannot keep the remote cache here: %s", agent_id, exc)
-            return None
-        with self._lock:
-            self._files.put(agent_id, path, path.stat().st_size, got.version)
-        return got.version
+        return self._fetch.newer_elsewhere(agent_id)
 
     def delete(self, agent_id: str) -> bool:
         """Forget ``agent_id`` and delete its file; True if it was stored."""
@@ -316,6 +240,11 @@ class AgentCacheStore:
     @health.setter
     def health(self, health: DiskHealth) -> None:
         self._budget.health = health
+
+    @property
+    def remote(self):
+        """The tier shared with other servers (a :class:`semantic.remote.RemoteTier`), or None."""
+        return self._fetch.remote
 
     @property
     def quarantined(self) -> list[Quarantined]:

@@ -1,0 +1,148 @@
+"""The store's side of a tier shared with other servers of the model (the tier itself: ``semantic.remote``).
+
+::
+
+    save(a)        ─► publish(a, file, version, chain keys)    sent behind the call by the tier's thread
+    load(a)        ─► newer elsewhere? ─► fetch ─► a's local file (header checked) ─► loaded as any file
+    prefetch(ids)  ─► leading full blocks the pool lacks ─► the agent holding them ─► load(that agent)
+
+Each local file has a version (the index's: the ``time_ns`` of its save, a
+fetched copy's own, or after a restart its mtime); another server's copy is
+fetched only when its version is newer. Bytes from elsewhere are trusted no
+more than a file on disk: a header of another model, spec or agent, or a
+file that later fails its checks, is refused and dropped from the tier.
+Without a tier (``remote=None``) every call here is a no-op.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+from typing import Callable
+
+from semantic import blockplan
+from semantic.blocks import AgentBlocks
+from semantic.errors import CacheCorruptError, CacheMismatchError, InvalidAgentIdError, PoolExhaustedError
+from semantic.pool import BlockPool
+from semantic.request import validate_agent_id
+from semantic.store.files import AgentFiles
+
+log = logging.getLogger(__package__)  # the store's one logger: its lines keep the name they had
+
+
+class RemoteFetch:
+    """Publishes the files saved here and fetches those other servers saved.
+
+    Args:
+        remote: a ``redis://`` URL, a :class:`semantic.remote.RemoteTier`, or None (this machine only).
+        files: the index that fetched files join.
+        pool: the pool loaded caches go into.
+        pool_lock: held for every use of ``pool``.
+        lock: the store's lock, which guards the index's versions.
+    """
+
+    def __init__(self, remote, files: AgentFiles, *, pool: BlockPool, pool_lock: threading.RLock,
+                 lock: threading.Lock):
+        if isinstance(remote, str):
+            from semantic.remote import RemoteTier
+
+            remote = RemoteTier(remote, files.fingerprint)
+        self.remote = remote  # a RemoteTier shared with other servers (``semantic.remote``), or None
+        self.files, self.pool, self.pool_lock, self.lock = files, pool, pool_lock, lock
+
+    def publish(self, agent_id: str, path: Path, version: int, blocks: AgentBlocks) -> None:
+        """Offer the file just saved to the other servers (the tier reads and sends it on its thread).
+
+        Args:
+            path, version: the saved file and its version.
+            blocks: the cache saved (its chain keys let others find its blocks).
+        """
+        if self.remote is not None:  # behind this call: read and sent by its thread
+            chain = blockplan.chain_keys(blocks.token_ids, self.pool.block_tokens, blocks.salt_root)
+            self.remote.publish(agent_id, path, version, chain)
+
+    def newer_elsewhere(self, agent_id: str) -> bool:
+        """Whether another server published a newer cache of the agent than the one here (False without a
+        remote tier, or when it does not answer)."""
+        if self.remote is None:
+            return False
+        theirs = self.remote.version(agent_id)
+        with self.lock:
+            ours = self.files.versions.get(agent_id)
+        return theirs is not None and (ours is None or theirs > ours)
+
+    def fetch_newer(self, agent_id: str) -> int | None:
+        """Bring the agent's remote cache file here when it is newer than the local one (called under the
+        agent's lock); the version fetched, or None. The bytes become the local file, checked on load."""
+        if not self.newer_elsewhere(agent_id):
+            return None
+        got = self.remote.fetch(agent_id)
+        if got is None:
+            return None
+        try:
+            path = self.files.adopt(agent_id, got.data)
+        except (CacheCorruptError, CacheMismatchError) as exc:
+            log.warning("agent %r: the remote cache (version %d) is refused: %s", agent_id, got.version, exc)
+            self.remote.drop(agent_id, got.version)
+            return None
+        except OSError as exc:  # the local disk cannot take it: the next turn prefills
+            log.warning("agent %r: cannot keep the remote cache here: %s", agent_id, exc)
+            return None
+        with self.lock:
+            self.files.put(agent_id, path, path.stat().st_size, got.version)
+        return got.version
+
+    def refused(self, agent_id: str, version: int) -> None:
+        """The copy of ``version`` fetched for the agent failed its checks here: the tier drops it."""
+        self.remote.drop(agent_id, version)
+
+    def prefetch(self, token_ids, salt_root: int | None, load: Callable[[str], AgentBlocks | None]) -> int:
+        """Bring into the pool the leading full blocks of ``token_ids`` that it lacks and another server
+        published (the holder's file, fetched, kept on local disk and loaded; its blocks stay pooled for
+        the turn to hit).
+
+        Args:
+            load: the store's load (fetches the holder's file when it is newer elsewhere).
+
+        Returns:
+            The blocks gained; 0 without a remote tier or when nothing helps.
+        """
+        if self.remote is None:
+            return 0
+        chain = blockplan.chain_keys(token_ids, self.pool.block_tokens, salt_root)
+        have = self._pooled(token_ids, chain, salt_root)
+        if have == len(chain):
+            return 0
+        found = self.remote.holder(chain[have:])
+        if found is None:
+            return 0
+        n, holder = found
+        try:
+            validate_agent_id(holder)
+            blocks = load(holder)
+        except (InvalidAgentIdError, PoolExhaustedError) as exc:
+            log.info("prefix of %d blocks held by %r not loaded: %s", n, holder, exc)
+            return 0
+        if blocks is None:
+            return 0
+        with self.pool_lock:
+            blocks.release()  # its keyed blocks stay in the pool's free queue, hittable until recycled
+        return n
+
+    def _pooled(self, token_ids, chain, salt_root: int | None) -> int:
+        """Leading full blocks that every group holding them (global layers) has pooled."""
+        bt = self.pool.block_tokens
+        with self.pool_lock:
+            plan = blockplan.plan_blocks(self.pool, self.files.spec, token_ids, chain, salt_root=salt_root)
+        have = len(chain)
+        for group in {p.group for p in plan.blocks}:
+            spans = [p for p in plan.blocks if p.group == group]
+            if spans and spans[0].start == 0:
+                hits = 0
+                for p in spans:
+                    if p.hit is None or p.end - p.start != bt:
+                        break
+                    hits += 1
+                have = min(have, hits)
+        return have
