@@ -69,7 +69,7 @@ class RemoteFetch:
             return False
         theirs = self.remote.version(agent_id)
         with self.lock:
-            ours = self.files.versions.get(agent_id)
+            ours = self.files.version(agent_id)
         return theirs is not None and (ours is None or theirs > ours)
 
     def fetch_newer(self, agent_id: str) -> int | None:

@@ -124,6 +124,10 @@ class AgentFiles:
         """The agent's indexed file, or None (under the lock)."""
         return self.entries.get(agent_id)
 
+    def version(self, agent_id: str) -> int | None:
+        """The version of the agent's local file, or None if it never had one (under the lock)."""
+        return self.versions.get(agent_id)
+
     def agents(self) -> list[str]:
         """Ids of the indexed agents, sorted (under the lock)."""
         return sorted(self.entries)
