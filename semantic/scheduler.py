@@ -11,12 +11,9 @@ finished caches through the ``AgentCacheStore`` behind it::
                                                                       │ own cache resident, saved
                                                                       └─► saver: store.save (write-behind)
 
-A turn answers twice (:class:`TurnFuture`). Its ``tokens`` future resolves
-as soon as its last token is read, with everything a client is told (the
-tokens, the finish reason, the cached and prompt counts); the future itself
-resolves one step later, once the last token is fed, the cache extracted and
-its save prepared. The agent's next turn waits for the second: it always
-starts from the whole cache of the one before.
+A turn answers twice (:class:`~semantic.turnfuture.TurnFuture`): its
+``tokens`` as soon as its last token is read, the turn once its cache is
+kept; the agent's next turn waits for the second.
 
 What runs, waits, fails or is evicted is the planner's decision
 (``semantic.planner``: admission, the RAM budget, pinned caches), made from
@@ -57,30 +54,10 @@ from semantic.lookup import SpecConfig
 from semantic.planner import SchedulerStats, StepPlan, StepPlanner, Ticket, blocks_per_group
 from semantic.request import Completion, Request
 from semantic.store import AgentCacheStore
+from semantic.turnfuture import TurnFuture, TurnResult  # noqa: F401  (TurnResult: semantic exports it from here)
 from semantic.writebehind import WriteBehind
 
 log = logging.getLogger(__name__)
-
-TurnResult = Completion  # what a turn's future gives: the engine's Completion, its blocks kept by the scheduler
-
-
-class TurnFuture(Future):
-    """A turn's Completion once its cache is kept; ``tokens`` resolves sooner, as soon as its last token is
-    read, with a Completion of the same tokens and counts and no blocks (the cache is not complete yet)."""
-
-    def __init__(self):
-        super().__init__()
-        self.tokens: Future = Future()
-
-    def answer(self, result: Completion | None = None, exc: BaseException | None = None) -> None:
-        """Resolve both futures (``tokens`` first, unless it already was), with ``result`` or ``exc``."""
-        for f in (self.tokens, self):
-            if f.done():
-                continue
-            if exc is not None:
-                f.set_exception(exc)
-            else:
-                f.set_result(result)
 
 
 class ConcurrentScheduler:
