@@ -18,8 +18,8 @@ kept; the agent's next turn waits for the second.
 What runs, waits, fails or is evicted is the planner's decision
 (``semantic.planner``: admission, the RAM budget, pinned caches), made from
 plain state under the one lock this class holds; this class does what it
-says. Each turn starts from the longest prefix the agent's previous cache or
-the pool covers (``reuse``).
+says. Where each turn's starting cache comes from (held here, another
+server's, the agent's file, a shared prefix) is ``semantic.origin``.
 
 Backpressure is bounded everywhere. At most ``max_queued`` requests wait;
 ``submit`` then raises :class:`QueueFullError`, or waits up to ``timeout``.
@@ -51,7 +51,8 @@ from semantic.blocks import AgentBlocks
 from semantic.engine import BlockPoolBatchEngine
 from semantic.errors import CacheError, PoolExhaustedError, QueueFullError, SchedulerClosedError
 from semantic.lookup import SpecConfig
-from semantic.planner import SchedulerStats, StepPlan, StepPlanner, Ticket, blocks_per_group
+from semantic.origin import CacheOrigin
+from semantic.planner import SchedulerStats, StepPlan, StepPlanner, Ticket
 from semantic.request import Completion, Request
 from semantic.store import AgentCacheStore
 from semantic.turnfuture import TurnFuture, TurnResult  # noqa: F401  (TurnResult: semantic exports it from here)
@@ -108,8 +109,8 @@ class ConcurrentScheduler:
             speculation=speculation, on_ended=self._ended,
         )
         self.engine = self._make_engine()
-        self._groups = len(store.spec.groups())
         self._cv = threading.Condition()
+        self.origin = CacheOrigin(store, self.planner, self._cv, self._plan)
         self._closing = False
         self._steps = 0
         self._worker = threading.Thread(target=self._work, name="semantic-scheduler", daemon=True)
@@ -299,11 +300,8 @@ class ConcurrentScheduler:
                 return
             for t in heads:
                 if t not in owns:
-                    owns[t] = self._own_cache(t)
-                    if owns[t] is None and self.store.remote is not None:
-                        # a prefix another server published (a shared system prompt): into the pool first
-                        self.store.prefetch(t.request.ids, t.request.salt_root)
-            needs = {t: self._need(t) for t in heads if owns[t] is not False}
+                    owns[t] = self._starting_cache(t)
+            needs = {t: self.origin.need(t.request) for t in heads if owns[t] is not False}
             free = self.store.free_blocks()
             plan = self._plan(lambda: self.planner.plan(free, needs))
             for ticket, need in plan.admit:
@@ -325,35 +323,14 @@ class ConcurrentScheduler:
             self._fail(ticket, exc)
         return plan
 
-    def _own_cache(self, ticket: Ticket) -> AgentBlocks | None | bool:
-        """The agent's newest cache for ``ticket``: held here, else read from its file (that read is
-        the turn's alone, not resident); None: none; False: the turn failed (no room to read it)."""
-        request = ticket.request
-        if not request.persist:
-            return None
-        with self._cv:
-            own = self.planner.own_cache(request.agent_id)
-        if own is not None and self.store.remote is not None and self.store.newer_elsewhere(request.agent_id):
-            with self._cv:  # another server moved the agent on: its file is newer than what is resident here
-                stale = None if self.planner.pinned(request.agent_id) else self.planner.drop(request.agent_id)
-            if stale is not None:
-                own = None
-            del stale  # released outside the lock
-        if own is not None:
-            return own
-        while True:
-            try:
-                return self.store.load(request.agent_id)  # the file (a restart, an eviction), else None
-            except PoolExhaustedError as exc:  # room for the file's blocks
-                if not self._plan(lambda: self.planner.make_room(exclude=request.agent_id) or StepPlan()):
-                    self._fail(ticket, exc)
-                    return False
-
-    def _need(self, ticket: Ticket) -> int:
-        """Free blocks a turn's cache will take at most: the prompt's misses plus its generated tokens."""
-        r = ticket.request
-        generated = blocks_per_group(r.max_tokens, self.store.block_tokens) * self._groups
-        return self.store.blocks_to_take(r.ids, r.salt_root) + generated
+    def _starting_cache(self, ticket: Ticket) -> AgentBlocks | None | bool:
+        """The cache ``ticket``'s turn starts from (``semantic.origin``); False: the turn failed, no room
+        to read its file."""
+        try:
+            return self.origin.find(ticket.request)
+        except PoolExhaustedError as exc:
+            self._fail(ticket, exc)
+            return False
 
     def _start(self, ticket: Ticket, own: AgentBlocks | None, need: int) -> None:
         try:
