@@ -25,7 +25,8 @@ Backpressure is bounded everywhere. At most ``max_queued`` requests wait;
 ``submit`` then raises :class:`QueueFullError`, or waits up to ``timeout``.
 Pending saves are bounded by the agents that have one (a newer save of an
 agent replaces its older pending one). ``ram_budget_bytes`` bounds the
-resident caches, the one RAM tier (``semantic.residency``).
+resident caches, the one RAM tier (``semantic.residency``); other threads
+read them, or evict one, through ``semantic.residentview``.
 
 :meth:`ConcurrentScheduler.cancel` ends a queued or running turn (a client
 that went away). A request with ``persist=False`` is anonymous: it starts
@@ -54,6 +55,7 @@ from semantic.lookup import SpecConfig
 from semantic.origin import CacheOrigin
 from semantic.planner import SchedulerStats, StepPlan, StepPlanner, Ticket
 from semantic.request import Completion, Request
+from semantic.residentview import ResidentView
 from semantic.store import AgentCacheStore
 from semantic.turnfuture import TurnFuture, TurnResult  # noqa: F401  (TurnResult: semantic exports it from here)
 from semantic.writebehind import WriteBehind
@@ -61,7 +63,7 @@ from semantic.writebehind import WriteBehind
 log = logging.getLogger(__name__)
 
 
-class ConcurrentScheduler:
+class ConcurrentScheduler(ResidentView):
     """Runs agents' turns in one continuous batch, keeping and saving their caches.
 
     Args:
@@ -235,40 +237,6 @@ class ConcurrentScheduler:
     def stats(self) -> SchedulerStats:
         with self._cv:
             return self.planner.stats(self._steps)
-
-    def resident_bytes(self, recount: bool = False) -> int:
-        """Resident bytes now: the running count, or (``recount``) counted afresh from the resident caches."""
-        with self._cv:
-            r = self.planner.residency
-            return r.recount() if recount else r.bytes
-
-    def resident_agents(self) -> list[str]:
-        """Agents whose cache is resident now, least recently used first."""
-        with self._cv:
-            return list(self.planner.residency)
-
-    def evict(self, agent_id: str) -> bool:
-        """Drop ``agent_id``'s cache from RAM; its file stays, and its next turn reloads it.
-
-        Returns False (and drops nothing) while the agent has a turn queued or
-        in flight, or its cache is not on disk yet.
-        """
-        with self._cv:
-            if self.planner.pinned(agent_id) or self.planner.holds(agent_id):
-                return False
-            dropped = self.planner.drop(agent_id)
-        del dropped  # released outside the lock
-        return True
-
-    def holds(self, agent_id: str) -> bool:
-        """Whether ``agent_id`` has a turn queued or in flight (its cache is resident once it finishes)."""
-        with self._cv:
-            return self.planner.holds(agent_id)
-
-    def resident_cache(self, agent_id: str) -> AgentBlocks | None:
-        """The newest cache the scheduler holds for ``agent_id`` (read only; do not release)."""
-        with self._cv:
-            return self.planner.residency.get(agent_id)
 
     # ------------------------------------------------------------ the worker
 
