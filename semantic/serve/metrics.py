@@ -131,10 +131,8 @@ def _save_counters(s: dict):
     for kind in SAVE_FAILURES:
         by_kind.add_metric([kind], float(saves.get("errors_by_kind", {}).get(kind, 0)))
     yield by_kind
-    yield CounterMetricFamily("semantic_save_skipped", "Cache saves not tried while backing off after a failure",
-                              value=float(saves.get("skipped", 0)))
-    yield CounterMetricFamily("semantic_cache_lost", "Unsaved agent caches dropped from RAM to hold its bounds",
-                              value=float(saves.get("lost", 0)))
+    yield from _counters(saves, (("skipped", "save_skipped", "Cache saves not tried while backing off after a failure"),
+                                 ("lost", "cache_lost", "Unsaved agent caches dropped from RAM to hold its bounds")))
 
 
 def _disk_gauges(s: dict):
@@ -153,11 +151,9 @@ def _disk_gauges(s: dict):
 
 def _echo_counters(s: dict):
     """Echoed replies taken as the agent's generated ids, or rendered again."""
-    echo = s.get("echo", {})
-    yield CounterMetricFamily("semantic_echo_spliced", "Prompts whose echoed reply was the agent's generated ids",
-                              value=float(echo.get("spliced", 0)))
-    yield CounterMetricFamily("semantic_echo_rendered", "Prompts of known agents whose echoed reply was rendered again",
-                              value=float(echo.get("rendered", 0)))
+    yield from _counters(s.get("echo", {}), (
+        ("spliced", "echo_spliced", "Prompts whose echoed reply was the agent's generated ids"),
+        ("rendered", "echo_rendered", "Prompts of known agents whose echoed reply was rendered again")))
 
 
 def _remote_metrics(s: dict):
@@ -166,15 +162,15 @@ def _remote_metrics(s: dict):
     remote = s.get("remote")
     if not remote:
         return
-    for name, doc in (("hits", "Agent caches fetched from the shared tier"),
-                      ("misses", "Shared-tier lookups that found nothing"),
-                      ("bytes_in", "Bytes fetched from the shared tier"),
-                      ("bytes_out", "Bytes published to the shared tier"),
-                      ("verify_failures", "Shared-tier values refused by the cache-file checks and dropped"),
-                      ("errors", "Shared-tier calls that failed (down, slow, refused)"),
-                      ("skipped", "Shared-tier calls skipped while backing off"),
-                      ("evicted", "Agent caches our remote budget deleted from the shared tier")):
-        yield CounterMetricFamily(f"semantic_remote_{name}", doc, value=float(remote.get(name, 0)))
+    yield from _counters(remote, tuple((key, f"remote_{key}", doc) for key, doc in (
+        ("hits", "Agent caches fetched from the shared tier"),
+        ("misses", "Shared-tier lookups that found nothing"),
+        ("bytes_in", "Bytes fetched from the shared tier"),
+        ("bytes_out", "Bytes published to the shared tier"),
+        ("verify_failures", "Shared-tier values refused by the cache-file checks and dropped"),
+        ("errors", "Shared-tier calls that failed (down, slow, refused)"),
+        ("skipped", "Shared-tier calls skipped while backing off"),
+        ("evicted", "Agent caches our remote budget deleted from the shared tier"))))
     lat = GaugeMetricFamily("semantic_remote_mean_latency_seconds",
                             "Mean time of a shared-tier call that answered, by call", labels=["call"])
     for call, ms in sorted(remote.get("mean_latency_ms", {}).items()):
@@ -185,11 +181,15 @@ def _remote_metrics(s: dict):
 
 def _speculation_counters(s: dict):
     """Prompt-lookup drafts: tokens drafted, and those the model accepted."""
-    spec = s.get("speculation", {})
-    yield CounterMetricFamily("semantic_spec_drafted_tokens", "Tokens drafted from the context for verification",
-                              value=float(spec.get("drafted", 0)))
-    yield CounterMetricFamily("semantic_spec_accepted_tokens", "Drafted tokens the model agreed with (decode steps saved)",
-                              value=float(spec.get("accepted", 0)))
+    yield from _counters(s.get("speculation", {}), (
+        ("drafted", "spec_drafted_tokens", "Tokens drafted from the context for verification"),
+        ("accepted", "spec_accepted_tokens", "Drafted tokens the model agreed with (decode steps saved)")))
+
+
+def _counters(values: dict, table: tuple[tuple[str, str, str], ...]):
+    """One counter per ``(key, name, help)`` of ``table``: ``semantic_<name>``, ``values[key]`` (0 when absent)."""
+    for key, name, doc in table:
+        yield CounterMetricFamily(f"semantic_{name}", doc, value=float(values.get(key, 0)))
 
 
 # in exposition order: each reads its part of ``backend.stats()``
