@@ -11,24 +11,22 @@ finished caches through the ``AgentCacheStore`` behind it::
                                                                       │ own cache resident, saved
                                                                       └─► saver: store.save (write-behind)
 
-A turn answers twice (:class:`TurnFuture`). Its ``tokens`` future resolves
-as soon as its last token is read, with everything a client is told (the
-tokens, the finish reason, the cached and prompt counts); the future itself
-resolves one step later, once the last token is fed, the cache extracted and
-its save prepared. The agent's next turn waits for the second: it always
-starts from the whole cache of the one before.
+A turn answers twice (:class:`~semantic.turnfuture.TurnFuture`): its
+``tokens`` as soon as its last token is read, the turn once its cache is
+kept; the agent's next turn waits for the second.
 
 What runs, waits, fails or is evicted is the planner's decision
 (``semantic.planner``: admission, the RAM budget, pinned caches), made from
 plain state under the one lock this class holds; this class does what it
-says. Each turn starts from the longest prefix the agent's previous cache or
-the pool covers (``reuse``).
+says. Where each turn's starting cache comes from (held here, another
+server's, the agent's file, a shared prefix) is ``semantic.origin``.
 
 Backpressure is bounded everywhere. At most ``max_queued`` requests wait;
 ``submit`` then raises :class:`QueueFullError`, or waits up to ``timeout``.
 Pending saves are bounded by the agents that have one (a newer save of an
 agent replaces its older pending one). ``ram_budget_bytes`` bounds the
-resident caches, the one RAM tier (``semantic.residency``).
+resident caches, the one RAM tier (``semantic.residency``); other threads
+read them, or evict one, through ``semantic.residentview``.
 
 :meth:`ConcurrentScheduler.cancel` ends a queued or running turn (a client
 that went away). A request with ``persist=False`` is anonymous: it starts
@@ -54,36 +52,18 @@ from semantic.blocks import AgentBlocks
 from semantic.engine import BlockPoolBatchEngine
 from semantic.errors import CacheError, PoolExhaustedError, QueueFullError, SchedulerClosedError
 from semantic.lookup import SpecConfig
-from semantic.planner import SchedulerStats, StepPlan, StepPlanner, Ticket, blocks_per_group
+from semantic.origin import CacheOrigin
+from semantic.planner import SchedulerStats, StepPlan, StepPlanner, Ticket
 from semantic.request import Completion, Request
+from semantic.residentview import ResidentView
 from semantic.store import AgentCacheStore
+from semantic.turnfuture import TurnFuture, TurnResult  # noqa: F401  (TurnResult: semantic exports it from here)
 from semantic.writebehind import WriteBehind
 
 log = logging.getLogger(__name__)
 
-TurnResult = Completion  # what a turn's future gives: the engine's Completion, its blocks kept by the scheduler
 
-
-class TurnFuture(Future):
-    """A turn's Completion once its cache is kept; ``tokens`` resolves sooner, as soon as its last token is
-    read, with a Completion of the same tokens and counts and no blocks (the cache is not complete yet)."""
-
-    def __init__(self):
-        super().__init__()
-        self.tokens: Future = Future()
-
-    def answer(self, result: Completion | None = None, exc: BaseException | None = None) -> None:
-        """Resolve both futures (``tokens`` first, unless it already was), with ``result`` or ``exc``."""
-        for f in (self.tokens, self):
-            if f.done():
-                continue
-            if exc is not None:
-                f.set_exception(exc)
-            else:
-                f.set_result(result)
-
-
-class ConcurrentScheduler:
+class ConcurrentScheduler(ResidentView):
     """Runs agents' turns in one continuous batch, keeping and saving their caches.
 
     Args:
@@ -131,8 +111,8 @@ class ConcurrentScheduler:
             speculation=speculation, on_ended=self._ended,
         )
         self.engine = self._make_engine()
-        self._groups = len(store.spec.groups())
         self._cv = threading.Condition()
+        self.origin = CacheOrigin(store, self.planner, self._cv, self._plan)
         self._closing = False
         self._steps = 0
         self._worker = threading.Thread(target=self._work, name="semantic-scheduler", daemon=True)
@@ -258,40 +238,6 @@ class ConcurrentScheduler:
         with self._cv:
             return self.planner.stats(self._steps)
 
-    def resident_bytes(self, recount: bool = False) -> int:
-        """Resident bytes now: the running count, or (``recount``) counted afresh from the resident caches."""
-        with self._cv:
-            r = self.planner.residency
-            return r.recount() if recount else r.bytes
-
-    def resident_agents(self) -> list[str]:
-        """Agents whose cache is resident now, least recently used first."""
-        with self._cv:
-            return list(self.planner.residency)
-
-    def evict(self, agent_id: str) -> bool:
-        """Drop ``agent_id``'s cache from RAM; its file stays, and its next turn reloads it.
-
-        Returns False (and drops nothing) while the agent has a turn queued or
-        in flight, or its cache is not on disk yet.
-        """
-        with self._cv:
-            if self.planner.pinned(agent_id) or self.planner.holds(agent_id):
-                return False
-            dropped = self.planner.drop(agent_id)
-        del dropped  # released outside the lock
-        return True
-
-    def holds(self, agent_id: str) -> bool:
-        """Whether ``agent_id`` has a turn queued or in flight (its cache is resident once it finishes)."""
-        with self._cv:
-            return self.planner.holds(agent_id)
-
-    def resident_cache(self, agent_id: str) -> AgentBlocks | None:
-        """The newest cache the scheduler holds for ``agent_id`` (read only; do not release)."""
-        with self._cv:
-            return self.planner.residency.get(agent_id)
-
     # ------------------------------------------------------------ the worker
 
     def _work(self) -> None:
@@ -322,11 +268,8 @@ class ConcurrentScheduler:
                 return
             for t in heads:
                 if t not in owns:
-                    owns[t] = self._own_cache(t)
-                    if owns[t] is None and self.store.remote is not None:
-                        # a prefix another server published (a shared system prompt): into the pool first
-                        self.store.prefetch(t.request.ids, t.request.salt_root)
-            needs = {t: self._need(t) for t in heads if owns[t] is not False}
+                    owns[t] = self._starting_cache(t)
+            needs = {t: self.origin.need(t.request) for t in heads if owns[t] is not False}
             free = self.store.free_blocks()
             plan = self._plan(lambda: self.planner.plan(free, needs))
             for ticket, need in plan.admit:
@@ -348,35 +291,14 @@ class ConcurrentScheduler:
             self._fail(ticket, exc)
         return plan
 
-    def _own_cache(self, ticket: Ticket) -> AgentBlocks | None | bool:
-        """The agent's newest cache for ``ticket``: held here, else read from its file (that read is
-        the turn's alone, not resident); None: none; False: the turn failed (no room to read it)."""
-        request = ticket.request
-        if not request.persist:
-            return None
-        with self._cv:
-            own = self.planner.own_cache(request.agent_id)
-        if own is not None and self.store.remote is not None and self.store.newer_elsewhere(request.agent_id):
-            with self._cv:  # another server moved the agent on: its file is newer than what is resident here
-                stale = None if self.planner.pinned(request.agent_id) else self.planner.drop(request.agent_id)
-            if stale is not None:
-                own = None
-            del stale  # released outside the lock
-        if own is not None:
-            return own
-        while True:
-            try:
-                return self.store.load(request.agent_id)  # the file (a restart, an eviction), else None
-            except PoolExhaustedError as exc:  # room for the file's blocks
-                if not self._plan(lambda: self.planner.make_room(exclude=request.agent_id) or StepPlan()):
-                    self._fail(ticket, exc)
-                    return False
-
-    def _need(self, ticket: Ticket) -> int:
-        """Free blocks a turn's cache will take at most: the prompt's misses plus its generated tokens."""
-        r = ticket.request
-        generated = blocks_per_group(r.max_tokens, self.store.block_tokens) * self._groups
-        return self.store.blocks_to_take(r.ids, r.salt_root) + generated
+    def _starting_cache(self, ticket: Ticket) -> AgentBlocks | None | bool:
+        """The cache ``ticket``'s turn starts from (``semantic.origin``); False: the turn failed, no room
+        to read its file."""
+        try:
+            return self.origin.find(ticket.request)
+        except PoolExhaustedError as exc:
+            self._fail(ticket, exc)
+            return False
 
     def _start(self, ticket: Ticket, own: AgentBlocks | None, need: int) -> None:
         try:

@@ -22,16 +22,36 @@ ABORT_MARGIN_S = 0.5  # open turns are answered this long before uvicorn cancels
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``semantic serve`` command line.
+
+    Returns:
+        A parser of every flag, in ``--help`` order: one function below adds each group of them.
+    """
     p = argparse.ArgumentParser(prog="semantic serve", description="OpenAI- and Anthropic-compatible server "
                                 "with a persistent KV cache per agent.")
     d = ServeConfig(model="-")  # the defaults live in one place
+    for add in FLAG_GROUPS:
+        add(p, d)
+    return p
+
+
+def _model_flags(p: argparse.ArgumentParser, d: ServeConfig) -> None:
+    """The model and the name clients use for it."""
     p.add_argument("--model", required=True, help="a model directory or Hugging Face hub id")
     p.add_argument("--model-id", default=None, help="the name clients use (default: the model's)")
+
+
+def _server_flags(p: argparse.ArgumentParser, d: ServeConfig) -> None:
+    """Where the server listens, where it keeps caches, and who may call it."""
     p.add_argument("--host", default=d.host, help=f"address to bind (default {d.host})")
     p.add_argument("--port", type=int, default=d.port, help=f"port (default {d.port})")
     p.add_argument("--cache-dir", default=None, help="where agent caches are saved (default: the backend's)")
     p.add_argument("--api-key", action="append", default=[], metavar="KEY",
                    help=f"accept this key (repeatable; also ${KEYS_ENV}, comma-separated); none: no auth")
+
+
+def _memory_flags(p: argparse.ArgumentParser, d: ServeConfig) -> None:
+    """The budgets: the KV block pool, the caches resident in RAM, the cache files on disk."""
     p.add_argument("--pool-mb", type=int, default=d.pool_mb,
                    help=f"KV block pool: the most memory all KV caches take together, resident, in flight and "
                         f"reusable prefixes (default {d.pool_mb})")
@@ -44,6 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"disk for saved caches, least recently used files deleted beyond it; a filesystem with less "
                         f"room (free space less a 5%% reserve) stops new saves without deleting any (default "
                         f"{d.disk_mb})")
+
+
+def _batch_flags(p: argparse.ArgumentParser, d: ServeConfig) -> None:
+    """How many turns run and wait, and how a long prompt's prefill shares steps with decoding."""
     p.add_argument("--max-batch", type=int, default=d.max_batch, help=f"sequences decoded together (default {d.max_batch})")
     p.add_argument("--max-queued", type=int, default=d.max_queued,
                    help=f"requests waiting before 429 (default {d.max_queued})")
@@ -55,6 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--itl-target-ms", type=float, default=None, metavar="MS",
                    help="while agents decode, size each step's prefill chunk online so a step (one token for each "
                         "of them) takes about this long (default: the fixed chunk above)")
+
+
+def _request_flags(p: argparse.ArgumentParser, d: ServeConfig) -> None:
+    """How a request is read and answered: its limits, its save, its tools and history."""
     p.add_argument("--max-context", type=int, default=None, help="max prompt + completion tokens (default: the model's)")
     p.add_argument("--max-body-mb", type=float, default=d.max_body_mb, help=f"request body limit (default {d.max_body_mb})")
     p.add_argument("--sync-saves", action="store_true",
@@ -76,12 +104,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="refuse (400) a max_tokens that does not fit the context after the prompt, as the hosted "
                         "APIs do (default: cut it to what the context leaves, and say so in the "
                         "X-Max-Tokens-Clamped header)")
+
+
+def _speculation_flags(p: argparse.ArgumentParser, d: ServeConfig) -> None:
+    """Prompt-lookup drafts for greedy turns."""
     p.add_argument("--no-speculation", dest="speculation", action="store_false",
                    help="decode one token per step: no prompt-lookup drafts (greedy output is the same either way; "
                         "drafts end replies that copy their context sooner)")
     p.add_argument("--spec-max-draft", type=int, default=d.spec_max_draft, metavar="N",
                    help=f"the most tokens a greedy turn drafts from its context per step; how many it does is "
                         f"sized online from its own acceptance rate (default {d.spec_max_draft})")
+
+
+def _remote_flags(p: argparse.ArgumentParser, d: ServeConfig) -> None:
+    """The tier shared with other servers (Redis)."""
     p.add_argument("--remote", default=None, metavar="URL",
                    help="a Redis (or Valkey) URL, redis://host:port/db: every saved cache is also published there, "
                         "and an agent's newer cache published by another server of the same model is fetched "
@@ -90,10 +126,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the most MiB of this model's caches the shared tier keeps: past it, the agents least "
                         "recently published or fetched are deleted there; give every server the same value "
                         "(default 0: only Redis's own maxmemory bounds it)")
+
+
+def _lifecycle_flags(p: argparse.ArgumentParser, d: ServeConfig) -> None:
+    """Shutdown and logging."""
     p.add_argument("--graceful-timeout", type=float, default=d.graceful_s,
                    help=f"seconds shutdown lets in-flight streams finish before cancelling them (default {d.graceful_s})")
     p.add_argument("--log-level", default=d.log_level, choices=LOG_LEVELS)
-    return p
+
+
+# in --help order: each adds its flags after the group before it
+FLAG_GROUPS = (_model_flags, _server_flags, _memory_flags, _batch_flags, _request_flags, _speculation_flags,
+               _remote_flags, _lifecycle_flags)
 
 
 def parse_config(argv: list[str]) -> ServeConfig:

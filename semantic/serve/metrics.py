@@ -85,78 +85,116 @@ class BackendCollector:
         except Exception:  # a scrape must not fail the whole exposition
             log.exception("backend.stats() failed during a scrape")
             return
-        gauges = {
-            "queue_depth": ("Requests waiting to start", s["requests"]["queued"]),
-            "in_flight": ("Requests generating now", s["requests"]["in_flight"]),
-            "pool_used_bytes": ("KV block pool bytes in use", s["pool"]["used_bytes"]),
-            "pool_capacity_bytes": ("KV block pool capacity", s["pool"]["capacity_bytes"]),
-            "pool_used_blocks": ("KV blocks in use", s["pool"]["used_blocks"]),
-            "pool_cached_blocks": ("KV blocks holding reusable prefixes", s["pool"]["cached_blocks"]),
-            "ram_bytes": ("Agent caches resident in RAM (distinct pool blocks)", s["ram"]["bytes"]),
-            "ram_budget_bytes": ("RAM budget for resident agent caches (0: none)", s["ram"]["budget_bytes"] or 0),
-            "ram_peak_bytes": ("Most resident bytes after any scheduler step", s["ram"]["peak_bytes"]),
-            "ram_agents": ("Agents resident in RAM", s["ram"]["agents"]),
-            "disk_bytes": ("Agent cache files on disk", s["disk"]["bytes"]),
-            "disk_budget_bytes": ("Disk budget for agent caches", s["disk"]["budget_bytes"]),
-            "disk_agents": ("Agents saved on disk", s["disk"]["agents"]),
-            "quarantined_files": ("Damaged cache files set aside", s["quarantined"]),
-            "cached_token_ratio": ("Prompt tokens served from a cache / all prompt tokens", s["tokens"]["hit_rate"]),
-            "saves_pending": ("Cache saves not yet on disk", s["saves"]["pending"]),
-        }
-        for name, (doc, value) in gauges.items():
-            yield GaugeMetricFamily(f"semantic_{name}", doc, value=float(value))
-        yield CounterMetricFamily("semantic_evictions", "Agent caches evicted from RAM", value=float(s["evictions"]))
-        yield CounterMetricFamily("semantic_ram_budget_evictions", "Saved agent caches evicted to hold the RAM budget",
-                                  value=float(s["ram"]["budget_evictions"]))
-        yield CounterMetricFamily("semantic_ram_over_budget_steps", "Scheduler steps that ended over the RAM budget",
-                                  value=float(s["ram"]["over_budget_steps"]))
-        saves, disk = s["saves"], s["disk"]
-        yield CounterMetricFamily("semantic_save_errors", "Cache saves that failed", value=float(saves["errors"]))
-        by_kind = CounterMetricFamily("semantic_save_errors_by_kind", "Cache saves that failed, tried or skipped, by "
-                                      "cause", labels=["kind"])
-        for kind in SAVE_FAILURES:
-            by_kind.add_metric([kind], float(saves.get("errors_by_kind", {}).get(kind, 0)))
-        yield by_kind
-        yield CounterMetricFamily("semantic_save_skipped", "Cache saves not tried while backing off after a failure",
-                                  value=float(saves.get("skipped", 0)))
-        yield CounterMetricFamily("semantic_cache_lost", "Unsaved agent caches dropped from RAM to hold its bounds",
-                                  value=float(saves.get("lost", 0)))
-        state = GaugeMetricFamily("semantic_disk_state", "1 for the cache directory's state now (ok, or why saves "
-                                  "fail)", labels=["state"])
-        for name in ("ok", *SAVE_FAILURES):
-            state.add_metric([name], float(disk.get("state", "ok") == name))
-        yield state
-        for name, doc in (("free_bytes", "Free bytes on the cache directory's filesystem"),
-                          ("effective_budget_bytes", "Disk budget now: --disk-mb, or less when the disk holds less")):
-            if disk.get(name) is not None:
-                yield GaugeMetricFamily(f"semantic_disk_{name}", doc, value=float(disk[name]))
-        echo = s.get("echo", {})
-        yield CounterMetricFamily("semantic_echo_spliced", "Prompts whose echoed reply was the agent's generated ids",
-                                  value=float(echo.get("spliced", 0)))
-        yield CounterMetricFamily("semantic_echo_rendered", "Prompts of known agents whose echoed reply was rendered again",
-                                  value=float(echo.get("rendered", 0)))
-        remote = s.get("remote")
-        if remote:
-            for name, doc in (("hits", "Agent caches fetched from the shared tier"),
-                              ("misses", "Shared-tier lookups that found nothing"),
-                              ("bytes_in", "Bytes fetched from the shared tier"),
-                              ("bytes_out", "Bytes published to the shared tier"),
-                              ("verify_failures", "Shared-tier values refused by the cache-file checks and dropped"),
-                              ("errors", "Shared-tier calls that failed (down, slow, refused)"),
-                              ("skipped", "Shared-tier calls skipped while backing off"),
-                              ("evicted", "Agent caches our remote budget deleted from the shared tier")):
-                yield CounterMetricFamily(f"semantic_remote_{name}", doc, value=float(remote.get(name, 0)))
-            lat = GaugeMetricFamily("semantic_remote_mean_latency_seconds",
-                                    "Mean time of a shared-tier call that answered, by call", labels=["call"])
-            for call, ms in sorted(remote.get("mean_latency_ms", {}).items()):
-                lat.add_metric([call], ms / 1000)
-            yield lat
-            yield GaugeMetricFamily("semantic_remote_up", "1 while the shared tier answers", value=float(remote["up"]))
-        spec = s.get("speculation", {})
-        yield CounterMetricFamily("semantic_spec_drafted_tokens", "Tokens drafted from the context for verification",
-                                  value=float(spec.get("drafted", 0)))
-        yield CounterMetricFamily("semantic_spec_accepted_tokens", "Drafted tokens the model agreed with (decode steps saved)",
-                                  value=float(spec.get("accepted", 0)))
+        for part in STATS_PARTS:
+            yield from part(s)
+
+
+def _state_gauges(s: dict):
+    """One gauge each for the backend's state now: requests, the pool, resident caches, disk, saves."""
+    gauges = {
+        "queue_depth": ("Requests waiting to start", s["requests"]["queued"]),
+        "in_flight": ("Requests generating now", s["requests"]["in_flight"]),
+        "pool_used_bytes": ("KV block pool bytes in use", s["pool"]["used_bytes"]),
+        "pool_capacity_bytes": ("KV block pool capacity", s["pool"]["capacity_bytes"]),
+        "pool_used_blocks": ("KV blocks in use", s["pool"]["used_blocks"]),
+        "pool_cached_blocks": ("KV blocks holding reusable prefixes", s["pool"]["cached_blocks"]),
+        "ram_bytes": ("Agent caches resident in RAM (distinct pool blocks)", s["ram"]["bytes"]),
+        "ram_budget_bytes": ("RAM budget for resident agent caches (0: none)", s["ram"]["budget_bytes"] or 0),
+        "ram_peak_bytes": ("Most resident bytes after any scheduler step", s["ram"]["peak_bytes"]),
+        "ram_agents": ("Agents resident in RAM", s["ram"]["agents"]),
+        "disk_bytes": ("Agent cache files on disk", s["disk"]["bytes"]),
+        "disk_budget_bytes": ("Disk budget for agent caches", s["disk"]["budget_bytes"]),
+        "disk_agents": ("Agents saved on disk", s["disk"]["agents"]),
+        "quarantined_files": ("Damaged cache files set aside", s["quarantined"]),
+        "cached_token_ratio": ("Prompt tokens served from a cache / all prompt tokens", s["tokens"]["hit_rate"]),
+        "saves_pending": ("Cache saves not yet on disk", s["saves"]["pending"]),
+    }
+    for name, (doc, value) in gauges.items():
+        yield GaugeMetricFamily(f"semantic_{name}", doc, value=float(value))
+
+
+def _eviction_counters(s: dict):
+    """Caches evicted from RAM, and how the RAM budget held."""
+    yield CounterMetricFamily("semantic_evictions", "Agent caches evicted from RAM", value=float(s["evictions"]))
+    yield CounterMetricFamily("semantic_ram_budget_evictions", "Saved agent caches evicted to hold the RAM budget",
+                              value=float(s["ram"]["budget_evictions"]))
+    yield CounterMetricFamily("semantic_ram_over_budget_steps", "Scheduler steps that ended over the RAM budget",
+                              value=float(s["ram"]["over_budget_steps"]))
+
+
+def _save_counters(s: dict):
+    """Saves that failed (by cause), were skipped while backing off, or whose caches were dropped unsaved."""
+    saves = s["saves"]
+    yield CounterMetricFamily("semantic_save_errors", "Cache saves that failed", value=float(saves["errors"]))
+    by_kind = CounterMetricFamily("semantic_save_errors_by_kind", "Cache saves that failed, tried or skipped, by "
+                                  "cause", labels=["kind"])
+    for kind in SAVE_FAILURES:
+        by_kind.add_metric([kind], float(saves.get("errors_by_kind", {}).get(kind, 0)))
+    yield by_kind
+    yield from _counters(saves, (("skipped", "save_skipped", "Cache saves not tried while backing off after a failure"),
+                                 ("lost", "cache_lost", "Unsaved agent caches dropped from RAM to hold its bounds")))
+
+
+def _disk_gauges(s: dict):
+    """The cache directory's state now, its free bytes and the budget it leaves (when known)."""
+    disk = s["disk"]
+    state = GaugeMetricFamily("semantic_disk_state", "1 for the cache directory's state now (ok, or why saves "
+                              "fail)", labels=["state"])
+    for name in ("ok", *SAVE_FAILURES):
+        state.add_metric([name], float(disk.get("state", "ok") == name))
+    yield state
+    for name, doc in (("free_bytes", "Free bytes on the cache directory's filesystem"),
+                      ("effective_budget_bytes", "Disk budget now: --disk-mb, or less when the disk holds less")):
+        if disk.get(name) is not None:
+            yield GaugeMetricFamily(f"semantic_disk_{name}", doc, value=float(disk[name]))
+
+
+def _echo_counters(s: dict):
+    """Echoed replies taken as the agent's generated ids, or rendered again."""
+    yield from _counters(s.get("echo", {}), (
+        ("spliced", "echo_spliced", "Prompts whose echoed reply was the agent's generated ids"),
+        ("rendered", "echo_rendered", "Prompts of known agents whose echoed reply was rendered again")))
+
+
+def _remote_metrics(s: dict):
+    """The tier shared with other servers (--remote): its counters, call latency and whether it answers;
+    nothing without one."""
+    remote = s.get("remote")
+    if not remote:
+        return
+    yield from _counters(remote, tuple((key, f"remote_{key}", doc) for key, doc in (
+        ("hits", "Agent caches fetched from the shared tier"),
+        ("misses", "Shared-tier lookups that found nothing"),
+        ("bytes_in", "Bytes fetched from the shared tier"),
+        ("bytes_out", "Bytes published to the shared tier"),
+        ("verify_failures", "Shared-tier values refused by the cache-file checks and dropped"),
+        ("errors", "Shared-tier calls that failed (down, slow, refused)"),
+        ("skipped", "Shared-tier calls skipped while backing off"),
+        ("evicted", "Agent caches our remote budget deleted from the shared tier"))))
+    lat = GaugeMetricFamily("semantic_remote_mean_latency_seconds",
+                            "Mean time of a shared-tier call that answered, by call", labels=["call"])
+    for call, ms in sorted(remote.get("mean_latency_ms", {}).items()):
+        lat.add_metric([call], ms / 1000)
+    yield lat
+    yield GaugeMetricFamily("semantic_remote_up", "1 while the shared tier answers", value=float(remote["up"]))
+
+
+def _speculation_counters(s: dict):
+    """Prompt-lookup drafts: tokens drafted, and those the model accepted."""
+    yield from _counters(s.get("speculation", {}), (
+        ("drafted", "spec_drafted_tokens", "Tokens drafted from the context for verification"),
+        ("accepted", "spec_accepted_tokens", "Drafted tokens the model agreed with (decode steps saved)")))
+
+
+def _counters(values: dict, table: tuple[tuple[str, str, str], ...]):
+    """One counter per ``(key, name, help)`` of ``table``: ``semantic_<name>``, ``values[key]`` (0 when absent)."""
+    for key, name, doc in table:
+        yield CounterMetricFamily(f"semantic_{name}", doc, value=float(values.get(key, 0)))
+
+
+# in exposition order: each reads its part of ``backend.stats()``
+STATS_PARTS = (_state_gauges, _eviction_counters, _save_counters, _disk_gauges, _echo_counters, _remote_metrics,
+               _speculation_counters)
 
 
 class MetricsMiddleware:

@@ -1,0 +1,99 @@
+"""Where a turn's starting cache comes from, and how many free blocks the turn will take.
+
+The scheduler's worker asks once for each turn at the head of its agent's
+queue, before the planner decides whether it starts::
+
+    the agent's cache held here (resident, else pending a save)
+        └─ another server published a newer one (--remote): the resident one goes, unless pinned,
+           and the file is read instead
+    else its file (a restart, an eviction; the store fetches a newer one from the tier first)
+        └─ the pool has no room for it: the planner evicts a resident cache (or waits for a
+           save) and the read is tried again; nothing can make room: the turn fails
+    none (a new agent, an anonymous turn): a prefix another server published
+        (a shared system prompt) is brought into the pool for the turn to hit
+
+A cache read from its file is the turn's alone, not resident. The turn then
+starts from the longest prefix its own cache or the pool covers
+(``semantic.reuse``).
+
+Lock order, as the scheduler's: its condition is held only around the
+planner, never while the store is asked (the store takes the pool's lock).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable
+
+from semantic.blocks import AgentBlocks
+from semantic.errors import PoolExhaustedError
+from semantic.planner import StepPlan, StepPlanner, blocks_per_group
+from semantic.request import Request
+from semantic.store import AgentCacheStore
+
+
+class CacheOrigin:
+    """Each queued turn's starting cache and its block need, for the scheduler's worker.
+
+    Args:
+        store: the agents' files, the pool and the remote tier.
+        planner: the scheduler's planner, read and changed under ``cv`` only.
+        cv: the scheduler's condition.
+        carry_out: how the scheduler does a plan (decides under ``cv``, evicts, waits, fails);
+            given the decision, it returns the plan it carried out.
+    """
+
+    def __init__(self, store: AgentCacheStore, planner: StepPlanner, cv: threading.Condition,
+                 carry_out: Callable[[Callable[[], StepPlan]], StepPlan]):
+        self.store, self.planner, self._cv, self._carry_out = store, planner, cv, carry_out
+        self._groups = len(store.spec.groups())
+
+    def find(self, request: Request) -> AgentBlocks | None:
+        """The cache ``request``'s turn starts from; with none, a shared prefix is fetched into the pool.
+
+        Args:
+            request: the turn at the head of its agent's queue.
+
+        Returns:
+            The agent's newest cache (held by the scheduler, else read from its file for this turn
+            alone), or None: none, or an anonymous turn.
+
+        Raises:
+            PoolExhaustedError: the file's blocks do not fit the pool and nothing can make room.
+        """
+        own = self._own(request.agent_id) if request.persist else None
+        if own is None and self.store.remote is not None:
+            # a prefix another server published (a shared system prompt): into the pool first
+            self.store.prefetch(request.ids, request.salt_root)
+        return own
+
+    def need(self, request: Request) -> int:
+        """Free blocks ``request``'s cache will take at most.
+
+        Args:
+            request: the turn to admit.
+
+        Returns:
+            The prompt's blocks the pool misses plus those its generated tokens may fill.
+        """
+        generated = blocks_per_group(request.max_tokens, self.store.block_tokens) * self._groups
+        return self.store.blocks_to_take(request.ids, request.salt_root) + generated
+
+    def _own(self, agent_id: str) -> AgentBlocks | None:
+        """The agent's newest cache: the one held here unless another server moved on, else its file."""
+        with self._cv:
+            own = self.planner.own_cache(agent_id)
+        if own is not None and self.store.remote is not None and self.store.newer_elsewhere(agent_id):
+            with self._cv:  # another server moved the agent on: its file is newer than what is resident here
+                stale = None if self.planner.pinned(agent_id) else self.planner.drop(agent_id)
+            if stale is not None:
+                own = None
+            del stale  # released outside the lock
+        if own is not None:
+            return own
+        while True:
+            try:
+                return self.store.load(agent_id)  # the file (a restart, an eviction), else None
+            except PoolExhaustedError:  # room for the file's blocks, else the turn fails
+                if not self._carry_out(lambda: self.planner.make_room(exclude=agent_id) or StepPlan()):
+                    raise
