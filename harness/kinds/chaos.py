@@ -208,6 +208,7 @@ def _record(ctx, ledger: Ledger, out: dict, p: dict) -> None:
 
 
 def _outputs(res, ledger: Ledger, out: dict, not_quarantined: list[str]) -> None:
+    """What the run saw, kept whole in the results: the plan, every event, request and resumption, RSS."""
     res.output("sizes", out["sizes"])
     res.output("server_args", out["server_args"])
     res.output("plan", out.get("plan"))
@@ -223,7 +224,6 @@ def _outputs(res, ledger: Ledger, out: dict, not_quarantined: list[str]) -> None
     res.output("corruptions_not_quarantined", not_quarantined)
     res.output("server_log_tail", out.get("server_log_tail"))
     res.output("unmount_error", out.get("unmount_error"))
-
 
 
 def _readme(ctx, c: dict) -> None:
