@@ -6,6 +6,7 @@
 - :mod:`harness.chaos.agents`: agents talking through the official SDKs, each request's outcome;
 - :mod:`harness.chaos.ledger`: every request and fault recorded, the durability check, the counts;
 - :mod:`harness.chaos.injector`: the seeded fault plan and its execution;
+- :mod:`harness.chaos.checks`: what the record says against each goal (the checks of the results);
 - :mod:`harness.chaos.timeline`: the plot of faults, TTFT and RSS over the run.
 
 The kind that runs it all is :mod:`harness.kinds.chaos`.

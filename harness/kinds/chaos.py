@@ -8,13 +8,13 @@ talk through the official SDKs (:mod:`harness.chaos.agents`) while the injector
 makes it read-only, hangs up streams, floods it past its queue, and damages cache files while it is
 down. Then a last, crash-free life of ``calm_turns`` turns measures RSS, and a SIGTERM ends the run.
 
-What must hold (:mod:`harness.chaos.ledger`): no 5xx, no hang (every request answered or refused
-within the client timeout), no durable turn lost (a reply that said ``cache_save: saved`` is found
-cached after every restart, unless its file was damaged: then it is quarantined), sampled replies
-equal to the same request sent anonymously under a fresh salt, RSS at the end within 1.2x the last
-life's after its first ``rss_baseline_turns`` turns, no writer's temporary file left after a start or
-the shutdown, and while the disk is full: 200s, resident bytes within the budget, and every cache
-saved before it still loads afterwards.
+What must hold (:mod:`harness.chaos.ledger`; :mod:`harness.chaos.checks` judges it): no 5xx, no
+hang (every request answered or refused within the client timeout), no durable turn lost (a reply
+that said ``cache_save: saved`` is found cached after every restart, unless its file was damaged:
+then it is quarantined), sampled replies equal to the same request sent anonymously under a fresh
+salt, RSS at the end within 1.2x the last life's after its first ``rss_baseline_turns`` turns, no
+writer's temporary file left after a start or the shutdown, and while the disk is full: 200s,
+resident bytes within the budget, and every cache saved before it still loads afterwards.
 
 The run writes its results document, a timeline plot, and ``README.md`` beside them with the verdicts.
 """
@@ -27,12 +27,14 @@ import signal
 import tempfile
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from harness.chaos import fs
 from harness.chaos.agents import AgentParams, Fleet
-from harness.chaos.injector import FaultPlan, Injector, quarantined_count, quarantined_names
-from harness.chaos.ledger import Ledger
+from harness.chaos.checks import answered_turns, checks, rss_checks
+from harness.chaos.injector import FaultPlan, Injector
+from harness.chaos.ledger import FAILURES, Ledger
 from harness.chaos.server import ChaosServer
 from harness.chaos.timeline import timeline_plot
 from harness.kinds.base import Kind, Param, register
@@ -61,24 +63,55 @@ def sizes(p: dict, model_dir: Path, variant: str) -> dict:
 
 
 def run(ctx) -> None:
+    """The rig built, then its phases: chaos, the calm last life, the shutdown; the teardown whatever happens."""
+    p = ctx.params
+    rig = _rig(ctx)
+    out: dict = {"sizes": rig.size, "server_args": rig.args, "skipped": rig.skipped, "work": str(rig.work)}
+    ctx.progress.total = 3
+    try:
+        out["plan"] = _chaos(rig)
+        ctx.progress.update(1)
+        out.update(_calm_life(rig, p))
+        ctx.progress.update(1)
+        out.update(_shutdown(rig, out["last_life"]))
+    finally:
+        _teardown(rig, out)
+    out["phases"] = rig.injector.phases
+    _record(ctx, rig.ledger, out, p)
+    ctx.progress.update(1)
+
+
+@dataclass(slots=True)
+class _Rig:
+    """One run's pieces: its scratch folder, the cache folder (on the tmpfs unless ``mount`` is None), the
+    server, the agents, the injector, and the RSS sampler's stop."""
+
+    size: dict
+    args: list[str]
+    work: Path
+    mount: Path | None
+    cache_dir: Path
+    skipped: dict
+    server: ChaosServer
+    ledger: Ledger
+    fleet: Fleet
+    injector: Injector
+    sampling: threading.Event = field(default_factory=threading.Event)
+
+
+def _rig(ctx) -> _Rig:
+    """The model and its agents' system prompt, the budgets, the cache filesystem, and the pieces on them."""
     from mlx_lm.utils import load_tokenizer
 
     from harness import models
     from harness.prompts import system_prompt
 
-    p, res = ctx.params, ctx.results
+    p = ctx.params
     variant = models.default_variant(ctx.config.model_variant)
     model_dir = Path(p["model_dir"] or models.prepare(ctx.model_name, variant=variant))
     system = system_prompt(load_tokenizer(model_dir), p["system_tokens"])["content"]
     size = sizes(p, model_dir, variant)
-    work = Path(tempfile.mkdtemp(prefix="exp015-"))
-    mount = work / "cachefs"
-    skipped = {}
-    why = fs.mount_tmpfs(mount, size["tmpfs_mb"]) if p["filesystem_faults"] else "params.filesystem_faults is off"
-    if why:
-        skipped = {"disk_full": why, "read_only": why}
-    cache_dir = (work / "cache") if why else (mount / "cache")
-    cache_dir.mkdir(parents=True, exist_ok=True)
+    work, mount, cache_dir, skipped = _cache_fs(p, size["tmpfs_mb"])
     args = ["--sync-saves", "--ram-mb", str(size["ram_mb"]), "--disk-mb", str(size["disk_mb"]),
             "--max-queued", str(p["max_queued"]), "--max-batch", str(p["max_batch"])]
     server = ChaosServer(model_dir, ctx.model_name, cache_dir, work / "server.log", args)
@@ -89,45 +122,65 @@ def run(ctx) -> None:
     fleet = Fleet(server, ledger, system, p["agents"], agent_p, p["seed"])
     plan = FaultPlan(**{k: p[k] for k in ("sigkill", "sigterm", "corrupt", "disk_full", "read_only", "hangup",
                                           "flood", "hold_s", "flood_requests")}, duration_s=p["chaos_s"])
-    injector = Injector(server, fleet, ledger, plan, None if why else mount, cache_dir, p["seed"], p["max_queued"])
-    sampling = threading.Event()
-    out: dict = {"sizes": size, "server_args": args, "skipped": skipped, "work": str(work)}
-    ctx.progress.total = 3
-    try:
-        ledger.event("start", life=1, start_s=round(server.start(), 3), temp_files=fs.temp_files(cache_dir))
-        threading.Thread(target=_sample_rss, args=(server, fleet, ledger, sampling), daemon=True).start()
-        fleet.start()
-        out["plan"] = injector.run()
-        ctx.progress.update(1)
-        # the last life: crash-free, long enough for its RSS after the first turns to compare with its end
-        injector.crash(signal.SIGTERM, cause="the last life begins")
-        last = server.life
-        deadline = time.monotonic() + p["calm_timeout_s"]
-        while fleet.turns_in(last) < p["calm_turns"] and time.monotonic() < deadline:
-            time.sleep(0.5)
-        out["rss_end_bytes"] = server.rss_bytes()
-        ledger.rss.append((ledger.now(), last, fleet.turns_in(last), out["rss_end_bytes"]))
-        out["agents_not_stopped"] = fleet.stop(p["request_timeout_s"] + 10)
-        ctx.progress.update(1)
-        out["final_stats"] = server.stats(timeout_s=30)
-        ev = ledger.event("shutdown", life=last)
-        ev["exit"] = server.stop(signal.SIGTERM)
-        ev["clean"] = ev["exit"] in (0, -signal.SIGTERM) and "Application shutdown complete" in server.log_tail(20000)
-        ev["temp_files"] = fs.temp_files(cache_dir)
-        out["quarantine_dir"] = fs.quarantined_files(cache_dir)
-        out["cache_files_at_end"] = len(fs.cache_files(cache_dir))
-        out["last_life"] = last
-    finally:
-        sampling.set()
-        fleet.stop(5)
-        server.kill_now()
-        out["server_log_tail"] = server.log_tail(6000)
-        if not why:
-            out["unmount_error"] = fs.unmount(mount)
-        shutil.rmtree(work, ignore_errors=True)
-    out["phases"] = injector.phases
-    _record(ctx, ledger, out, p)
-    ctx.progress.update(1)
+    injector = Injector(server, fleet, ledger, plan, mount, cache_dir, p["seed"], p["max_queued"])
+    return _Rig(size, args, work, mount, cache_dir, skipped, server, ledger, fleet, injector)
+
+
+def _cache_fs(p: dict, tmpfs_mb: int) -> tuple[Path, Path | None, Path, dict]:
+    """A scratch folder, and the cache folder on a tmpfs mounted in it: (work, mount, cache_dir, skipped).
+    Without the tmpfs (no root, or the faults off) the mount is None and the filesystem faults are skipped."""
+    work = Path(tempfile.mkdtemp(prefix="exp015-"))
+    mount = work / "cachefs"
+    why = fs.mount_tmpfs(mount, tmpfs_mb) if p["filesystem_faults"] else "params.filesystem_faults is off"
+    skipped = {"disk_full": why, "read_only": why} if why else {}
+    cache_dir = (work / "cache") if why else (mount / "cache")
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    return work, None if why else mount, cache_dir, skipped
+
+
+def _chaos(rig: _Rig) -> list[str]:
+    """The first life starts, RSS is sampled from now on, the agents talk, and the injector runs its plan."""
+    rig.ledger.event("start", life=1, start_s=round(rig.server.start(), 3), temp_files=fs.temp_files(rig.cache_dir))
+    threading.Thread(target=_sample_rss, args=(rig.server, rig.fleet, rig.ledger, rig.sampling), daemon=True).start()
+    rig.fleet.start()
+    return rig.injector.run()
+
+
+def _calm_life(rig: _Rig, p: dict) -> dict:
+    """The last life: crash-free, long enough for its RSS after the first turns to compare with its end;
+    then the agents stop."""
+    rig.injector.crash(signal.SIGTERM, cause="the last life begins")
+    last = rig.server.life
+    deadline = time.monotonic() + p["calm_timeout_s"]
+    while rig.fleet.turns_in(last) < p["calm_turns"] and time.monotonic() < deadline:
+        time.sleep(0.5)
+    rss_end = rig.server.rss_bytes()
+    rig.ledger.rss.append((rig.ledger.now(), last, rig.fleet.turns_in(last), rss_end))
+    return {"rss_end_bytes": rss_end, "agents_not_stopped": rig.fleet.stop(p["request_timeout_s"] + 10),
+            "last_life": last}
+
+
+def _shutdown(rig: _Rig, last: int) -> dict:
+    """A SIGTERM ends the last life: its exit, whether it was clean, the temporaries and quarantine it left."""
+    final_stats = rig.server.stats(timeout_s=30)
+    ev = rig.ledger.event("shutdown", life=last)
+    ev["exit"] = rig.server.stop(signal.SIGTERM)
+    ev["clean"] = ev["exit"] in (0, -signal.SIGTERM) and "Application shutdown complete" in rig.server.log_tail(20000)
+    ev["temp_files"] = fs.temp_files(rig.cache_dir)
+    return {"final_stats": final_stats, "quarantine_dir": fs.quarantined_files(rig.cache_dir),
+            "cache_files_at_end": len(fs.cache_files(rig.cache_dir))}
+
+
+def _teardown(rig: _Rig, out: dict) -> None:
+    """However the run ended: sampler and agents stopped, the server killed (its log's tail kept), the tmpfs
+    unmounted, the scratch folder removed."""
+    rig.sampling.set()
+    rig.fleet.stop(5)
+    rig.server.kill_now()
+    out["server_log_tail"] = rig.server.log_tail(6000)
+    if rig.mount is not None:
+        out["unmount_error"] = fs.unmount(rig.mount)
+    shutil.rmtree(rig.work, ignore_errors=True)
 
 
 def _sample_rss(server: ChaosServer, fleet: Fleet, ledger: Ledger, done: threading.Event) -> None:
@@ -138,106 +191,47 @@ def _sample_rss(server: ChaosServer, fleet: Fleet, ledger: Ledger, done: threadi
             ledger.rss.append((round(ledger.now(), 3), life, fleet.turns_in(life), rss))
 
 
-def rss_checks(rss: list, last_life: int, baseline_turns: int, end_bytes: int | None) -> dict:
-    """The last life's RSS once it had answered ``baseline_turns`` turns against its RSS at the end."""
-    last = [r for r in rss if r[1] == last_life]
-    base = next((r for r in last if r[2] >= baseline_turns), None)
-    end = end_bytes or (last[-1][3] if last else None)
-    return {"rss_baseline_bytes": base[3] if base else None, "rss_baseline_turns": base[2] if base else None,
-            "rss_end_bytes": end, "rss_end_over_baseline": end / base[3] if base and end else None,
-            "rss_max_bytes": max((r[3] for r in rss), default=None),
-            "rss_max_last_life_bytes": max((r[3] for r in last), default=None)}
-
-
 def _record(ctx, ledger: Ledger, out: dict, p: dict) -> None:
-    res, s = ctx.results, ledger.summary()
-    events = ledger.events
-    kinds = [e["kind"] for e in events]
-    faults = {k: kinds.count(k) for k in ("sigkill", "sigterm", "corrupt", "disk_full_start", "read_only_start",
-                                          "hangup", "flood")}
-    restarts = [e for e in events if e["kind"] in ("start", "restart")]
-    shutdown = next((e for e in events if e["kind"] == "shutdown"), {})
-    temp_left = sum(len(e.get("temp_files") or []) for e in restarts) + len(shutdown.get("temp_files") or [])
-    corrupt = [e for e in events if e["kind"] == "corrupt" and e.get("file")]
-    qdir = out.get("quarantine_dir", [])
-    # a damaged file is found when it is scanned (a bad header) or loaded (its agent's next turn): every
-    # one whose agent came back must be in quarantine/, or (a read-only directory then) reported refused
-    # in place; others may still sit unread
-    came_back = {r["agent"] for r in ledger.resumptions if r["verdict"] in ("excused_corrupt", "corrupt_served")}
-    refused = {f for e in events if e["kind"] in ("sigkill", "sigterm") for f in e.get("refused_files") or []}
-    refused |= set(quarantined_names(out.get("final_stats")))
-    not_quarantined = [e["file"] for e in corrupt if e.get("agent") in came_back and e["file"] not in refused
-                       and not any(q.startswith(e["file"] + ".") for q in qdir)]
-    turns = [r for r in ledger.requests if r.get("kind") == "turn" and r["outcome"] == "ok"]
-    named_with_usage = [r for r in turns if r.get("usage_asked") or not r.get("stream")]
-    save_states = {}
-    for r in named_with_usage:
-        k = r.get("cache_save") or r.get("header_save") or "missing"
-        save_states[k] = save_states.get(k, 0) + 1
-    header_mismatch = sum(1 for r in turns if r.get("cache_save") and r.get("header_save")
-                          and r["cache_save"] != r["header_save"])
-    anonymous_with_save = sum(1 for c in ledger.checks if c.get("anonymous_cache_save"))
-    salt_reused = sum(1 for c in ledger.checks if (c.get("cached_tokens") or 0) > 0)
-    rss = rss_checks(ledger.rss, out.get("last_life", -1), p["rss_baseline_turns"], out.get("rss_end_bytes"))
-    disk_full = [ph for ph in out["phases"] if ph["kind"] == "disk_full"]
-    # the life each disk-full phase's SIGKILL led to: its resumptions load what was saved before the disk filled
-    lives_after = {next((e["life"] for e in restarts if e["t"] >= ph["t1"]), None) for ph in disk_full}
-    after_full = [r for r in ledger.resumptions if r["life"] in lives_after]
-    ttft = [r["ttft_s"] for r in turns if r.get("stream")]
-    checks = {
-        **s, "crashes": faults["sigkill"] + faults["sigterm"], **{f"faults_{k}": v for k, v in faults.items()},
-        "temp_files_left": temp_left, "clean_shutdown": bool(shutdown.get("clean")),
-        "corrupted_files": len(corrupt), "quarantined_files": len(qdir),
-        "corruptions_not_quarantined": len(not_quarantined),
-        "quarantined_reported": sum(e.get("quarantined_this_life") or 0 for e in events
-                                    if e["kind"] in ("sigkill", "sigterm"))
-        + (quarantined_count(out.get("final_stats")) or 0),
-        "cache_save_states": save_states, "cache_save_missing": save_states.get("missing", 0),
-        "cache_save_header_mismatch": header_mismatch, "anonymous_with_cache_save": anonymous_with_save,
-        "salt_reused_cache": salt_reused, **rss,
-        "disk_full_phases": len(disk_full),
-        "disk_full_all_answered": bool(disk_full) and all(set(ph["outcomes"]) <= {"ok", "refused_429"}
-                                                          for ph in disk_full),
-        "disk_full_saves_failed": sum(ph["cache_save"].get("failed", 0) for ph in disk_full),
-        "disk_full_ram_within_budget": bool(disk_full) and all(ph["ram_within_budget"] for ph in disk_full),
-        "disk_full_resumptions_kept": sum(1 for r in after_full if r["verdict"] == "kept"),
-        "disk_full_resumptions_lost": sum(1 for r in after_full if r["verdict"] == "lost"),
-        "harness_errors": kinds.count("harness_error"), "skipped_faults": out["skipped"], "agents_not_stopped": out.get("agents_not_stopped"),
-        "server_starts_s_max": max((e.get("start_s") or 0 for e in restarts), default=None),
-    }
-    for k, v in checks.items():
+    """The checks, the outputs, the TTFT metric, the timeline plot and the README."""
+    res = ctx.results
+    found, not_quarantined = checks(ledger, out, p["rss_baseline_turns"])
+    for k, v in found.items():
         res.check(k, v)
+    _outputs(res, ledger, out, not_quarantined)
+    ttft = [r["ttft_s"] for r in answered_turns(ledger.requests) if r.get("stream")]
+    if ttft:
+        res.metric("ttft_s", ttft, "s", description="client TTFT of streamed agent turns, faults and all")
+    ctx.plots.append(timeline_plot(ledger.requests, ledger.events, ledger.rss, ctx.plot_path("timeline"),
+                                   f"EXP-015 chaos soak, {ctx.model_name}: {found['turns']} turns, "
+                                   f"{found['crashes']} crashes"))
+    _readme(ctx, found)
+
+
+def _outputs(res, ledger: Ledger, out: dict, not_quarantined: list[str]) -> None:
+    """What the run saw, kept whole in the results: the plan, every event, request and resumption, RSS."""
     res.output("sizes", out["sizes"])
     res.output("server_args", out["server_args"])
     res.output("plan", out.get("plan"))
     res.output("skipped_faults", out["skipped"])
-    res.output("events", events)
+    res.output("events", ledger.events)
     res.output("phases", out["phases"])
     res.output("resumptions", ledger.resumptions)
     res.output("correctness_checks", ledger.checks)
-    res.output("failures", [r for r in ledger.requests if r["outcome"] not in ("ok",) and r["outcome"] in
-                            ("http_5xx", "http_4xx", "hang", "disconnect", "stream_error")][:200])
+    res.output("failures", [r for r in ledger.requests if r["outcome"] in FAILURES][:200])
     res.output("requests", ledger.requests)
     res.output("rss", ledger.rss)
     res.output("final_stats", out.get("final_stats"))
     res.output("corruptions_not_quarantined", not_quarantined)
     res.output("server_log_tail", out.get("server_log_tail"))
     res.output("unmount_error", out.get("unmount_error"))
-    if ttft:
-        res.metric("ttft_s", ttft, "s", description="client TTFT of streamed agent turns, faults and all")
-    ctx.plots.append(timeline_plot(ledger.requests, events, ledger.rss, ctx.plot_path("timeline"),
-                                   f"EXP-015 chaos soak, {ctx.model_name}: {s['turns']} turns, "
-                                   f"{checks['crashes']} crashes"))
-    _readme(ctx, checks)
 
 
-def _readme(ctx, checks: dict) -> None:
+def _readme(ctx, c: dict) -> None:
     """``README.md`` beside the results: what the run did and each goal's verdict."""
     verdicts = ctx.results.evaluate()
     run_id = ctx.results.doc["run_id"]
     rows = "\n".join(f"| {v['name']} | {v['level']} | {_fmt(v['measured'])} {v['op']} {_fmt(v['threshold'])} | "
                      f"**{v['verdict']}** |" for v in verdicts)
-    c = checks
     text = f"""# EXP-015: nothing lost under chaos
 
 `make exp-015` (`harness run experiments/exp_015_chaos.toml`) runs one `semantic serve` on
@@ -329,5 +323,6 @@ KIND = register(Kind(
     plots=frozenset({"timeline"}),
     needs_model=False,
     validate=_validate,
-    trial_code=(Fleet, Injector, FaultPlan, Ledger, rss_checks, sizes),
+    trial_code=(_rig, _cache_fs, _chaos, _calm_life, _shutdown, _teardown, Fleet, Injector, FaultPlan, Ledger,
+                rss_checks, sizes),
 ))

@@ -7,9 +7,10 @@ import json
 import numpy as np
 
 from harness.chaos import fs
+from harness.chaos.checks import rss_checks
 from harness.chaos.injector import FaultPlan
 from harness.chaos.ledger import Ledger, Reply
-from harness.kinds.chaos import rss_checks, sizes
+from harness.kinds.chaos import sizes
 
 
 def reply(prompt: int, cached: int | None, save: str | None = "saved") -> Reply:
