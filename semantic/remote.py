@@ -19,9 +19,11 @@ Redis (or written by anything else) fails the store's checks and is dropped, nev
 
 Redis down, slow or full costs the caller nothing but a miss: every call has a socket timeout (1 s;
 30 s for moving a value, on connections of its own; a fetch follows a version read that answered), a
-failure is counted and logged once per streak, and calls are skipped for a back-off (1 s doubling to
-30 s) until one succeeds. A Redis that answers but refuses a write (``maxmemory`` with
-``noeviction``) is counted as ``refused``, logged once, and not backed off: reads still work.
+failure is counted and logged once per streak, and from then on calls are skipped while the tier's
+own prober thread pings Redis once a second (one try, the small timeout): the first answer ends the
+streak, so a returned Redis is used again within about a second and no request ever waits for a
+probe. A Redis that answers but refuses a write (``maxmemory`` with ``noeviction``) is counted as
+``refused``, logged once, and not treated as down: reads still work.
 
 The remote budget (``budget_bytes``, ``--remote-mb``) bounds the agents' values of one model: a
 publish that takes the total past it deletes the values least recently published or fetched, oldest
@@ -47,7 +49,7 @@ from typing import Callable
 log = logging.getLogger(__name__)
 
 PREFIX = "semkv"
-BACKOFF_S = (1.0, 30.0)
+PROBE_S = 1.0  # while the tier is down, one ping this often (on the prober thread, never a caller's)
 QUEUE_LIMIT = 256
 
 # replace the agent's value only with a newer version: the older writer loses cleanly. A winner is
@@ -119,6 +121,8 @@ class RemoteTier:
     def __init__(self, url: str, fingerprint: str, *, budget_bytes: int = 0, timeout_s: float = 1.0,
                  bulk_timeout_s: float = 30.0, prefix: str = PREFIX, clock: Callable[[], float] = time.monotonic):
         import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
 
         assert budget_bytes >= 0
         self.url, self.fingerprint, self.prefix, self.budget_bytes = url, fingerprint, prefix, budget_bytes
@@ -131,16 +135,20 @@ class RemoteTier:
         self._put = self._bulk.register_script(_PUT_IF_NEWER)
         self._drop = self._client.register_script(_DROP_IF_SAME)
         self._touch = self._client.register_script(_TOUCH)
+        # the prober's ping: one try on a connection of its own (redis-py would otherwise retry it 3 times)
+        self._probe = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                                           retry=Retry(NoBackoff(), 0))
         self._lock = threading.Lock()
         self.counts: Counter[str] = Counter()
         self.latency_s: Counter[str] = Counter()  # total seconds per call kind (with counts: a mean)
         self._down_since: float | None = None
-        self._retry_at = 0.0
-        self._delay = BACKOFF_S[0]
+        self._down = threading.Event()  # set while down: the prober pings
+        self._closing = threading.Event()
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._publisher, name="semantic-remote", daemon=True)
-        self._closed = False
+        self._prober = threading.Thread(target=self._probing, name="semantic-remote-probe", daemon=True)
         self._thread.start()
+        self._prober.start()
 
     # ------------------------------------------------------------ reads
 
@@ -225,11 +233,13 @@ class RemoteTier:
 
     def close(self, timeout: float = 10.0) -> None:
         self.flush(timeout)
-        self._closed = True
+        self._closing.set()
+        self._down.set()  # wakes the prober to see the close
         self._queue.put(None)
         self._thread.join(timeout)
-        self._client.close()
-        self._bulk.close()
+        self._prober.join(timeout)
+        for client in (self._client, self._bulk, self._probe):
+            client.close()
 
     def stats(self) -> dict:
         with self._lock:
@@ -243,6 +253,7 @@ class RemoteTier:
             "published": c["published"], "publish_lost_race": c["publish_lost_race"],
             "publish_dropped": c["publish_dropped"], "verify_failures": c["verify_failures"],
             "errors": c["errors"], "refused": c["refused"], "skipped": c["skipped"],
+            "probes_failed": c["probes_failed"],
             "mean_latency_ms": {k: round(1000 * lat[k] / n, 3) for k, n in calls.items() if n},
         }
 
@@ -278,15 +289,14 @@ class RemoteTier:
     # ------------------------------------------------------------ faults
 
     def _call(self, kind: str, fn):
-        now = self._clock()
         with self._lock:
-            if self._down_since is not None and now < self._retry_at:
+            if self._down_since is not None:
                 self.counts["skipped"] += 1
-                raise RemoteUnavailable(f"{self.url} is unavailable; next try in {self._retry_at - now:.1f} s")
+                raise RemoteUnavailable(f"{self.url} is unavailable; probing it every {PROBE_S:.0f} s")
         t0 = time.perf_counter()
         try:
             out = fn()
-        except self._refused as exc:  # it answered, and said no (maxmemory with noeviction): no back-off
+        except self._refused as exc:  # it answered, and said no (maxmemory with noeviction): not down
             with self._lock:
                 self.counts["errors"] += 1
                 self.counts["refused"] += 1
@@ -301,22 +311,39 @@ class RemoteTier:
         with self._lock:
             self.counts[f"{kind}.calls"] += 1
             self.latency_s[kind] += time.perf_counter() - t0
-            if self._down_since is not None:
-                log.info("remote cache tier %s: answering again after %.0f s", self.url, now - self._down_since)
-                self._down_since, self._delay = None, BACKOFF_S[0]
+        self._answered()
         return out
 
     def _failed(self, exc: BaseException) -> None:
-        now = self._clock()
         with self._lock:
             self.counts["errors"] += 1
+            if self._down_since is not None:
+                return
+            self._down_since = self._clock()
+            self._down.set()
+        log.warning("remote cache tier %s: %s; serving from RAM and local disk, probing it every %.0f s",
+                    self.url, exc, PROBE_S)
+
+    def _answered(self) -> None:
+        """Redis answered: a streak of failures, if any, ends here (logged once)."""
+        with self._lock:
+            since, self._down_since = self._down_since, None
+            self._down.clear()
+        if since is not None:
+            log.info("remote cache tier %s: answering again after %.0f s", self.url, self._clock() - since)
+
+    def _probing(self) -> None:
+        """While the tier is down, ping it every ``PROBE_S``; the first answer brings it back."""
+        while self._down.wait() and not self._closing.wait(PROBE_S):
             if self._down_since is None:
-                log.warning("remote cache tier %s: %s; serving from RAM and local disk, retrying from %.0f s on",
-                            self.url, exc, self._delay)
-                self._down_since = now
-            else:
-                self._delay = min(self._delay * 2, BACKOFF_S[1])
-            self._retry_at = now + self._delay
+                continue
+            try:
+                self._probe.ping()
+            except self._errors:
+                with self._lock:
+                    self.counts["probes_failed"] += 1
+                continue
+            self._answered()
 
     def _count(self, name: str, n: int = 1) -> None:
         with self._lock:

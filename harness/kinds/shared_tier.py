@@ -189,28 +189,84 @@ def _faults(servers, redis, p, tok, system_prompt, question) -> dict:
             messages.append({"role": "assistant", "content": r.text})
 
     threads = [threading.Thread(target=agent, args=(i,), daemon=True) for i in range(p["fault_agents"])]
-    events = []
-    t0 = time.monotonic()
+    tier = _TierWatch(servers)
+    t0 = tier.t0
     for t in threads:
         t.start()
-    # each fault, then how many holds it lasts before the next
-    schedule = [("calm", lambda: None, 1), ("kill", redis.stop, 1), ("restarted empty", redis.start, 1),
-                ("pause", redis.pause, 1), ("resume", redis.resume, 1),
-                ("full", lambda: redis.config(maxmemory=str(redis.used_memory() + 1),
-                                              maxmemory_policy="noeviction"), 2),
-                ("room again", lambda: redis.config(maxmemory="0"), 1)]
     try:
-        for name, act, holds in schedule:
-            act()
-            events.append({"t": round(time.monotonic() - t0, 3), "fault": name})
-            time.sleep(holds * p["fault_hold_s"])
+        events = _fault_schedule(redis, tier, p["fault_hold_s"], t0)
     finally:
         stop.set()
         for t in threads:
             t.join(p["request_timeout_s"] * 2 + 10)
+    up_wait_s = tier.wait(lambda ups: all(ups), UP_CEILING_S)  # the tier's own recovery, not the schedule's
+    tier.close()
     remote = [(s.stats() or {}).get("remote", {}) for s in servers]
     return {"events": events, "turns": turns, "failures": failures, "wrong": wrong, "checked": checked[0],
-            "remote": remote}
+            "remote": remote, "up_wait_s": up_wait_s, "recovery_s": tier.recoveries(events),
+            "up_samples": tier.samples}
+
+
+UP_CEILING_S = 60.0  # the longest the run waits for a server to find a returned Redis (the prober takes ~1 s)
+
+
+def _fault_schedule(redis, tier: "_TierWatch", hold_s: float, t0: float) -> list[dict]:
+    """Each fault held ``hold_s``; an outage (kill, pause) is held until both servers felt it, so that
+    every outage is measured on both, however slowly the agents' turns come on a busy machine."""
+    full = lambda: redis.config(maxmemory=str(redis.used_memory() + 1), maxmemory_policy="noeviction")  # noqa: E731
+    # each fault, how many holds it lasts, and whether both servers must have seen the tier down before the next
+    schedule = [("calm", lambda: None, 1, False), ("kill", redis.stop, 1, True),
+                ("restarted empty", redis.start, 1, False), ("pause", redis.pause, 1, True),
+                ("resume", redis.resume, 1, False), ("full", full, 2, False),
+                ("room again", lambda: redis.config(maxmemory="0"), 1, False)]
+    events = []
+    for name, act, holds, felt in schedule:
+        act()
+        events.append({"t": round(time.monotonic() - t0, 3), "fault": name})
+        time.sleep(holds * hold_s)  # the fault's length is the experiment's design, not a wait for a condition
+        if felt:
+            waited = tier.wait(lambda ups: not any(ups), UP_CEILING_S)
+            events[-1]["felt_after_s"] = None if waited is None else round(holds * hold_s + waited, 3)
+    return events
+
+
+class _TierWatch:
+    """Samples every server's ``remote.up`` four times a second, so an outage's end is timed on the tier."""
+
+    def __init__(self, servers, every_s: float = 0.25):
+        self.servers, self.every_s, self.samples = servers, every_s, []
+        self.t0, self._stop = time.monotonic(), threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    def _ups(self) -> list[bool | None]:
+        return [((s.stats(timeout_s=5) or {}).get("remote") or {}).get("up") for s in self.servers]
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self.samples.append({"t": round(time.monotonic() - self.t0, 3), "up": self._ups()})
+
+    def wait(self, cond, ceiling_s: float) -> float | None:
+        """Seconds until ``cond(ups)`` held (polled), or None past the ceiling."""
+        start = time.monotonic()
+        while not cond(self._ups()):
+            if time.monotonic() - start > ceiling_s:
+                return None
+            time.sleep(0.1)
+        return round(time.monotonic() - start, 3)
+
+    def recoveries(self, events: list[dict]) -> dict:
+        """Per Redis return (a restart, a resume; both timed from ``t0``): seconds until every server was
+        sampled up again, or None."""
+        out = {}
+        for e in (e for e in events if e["fault"] in ("restarted empty", "resume")):
+            up = next((x["t"] for x in self.samples if x["t"] >= e["t"] and all(x["up"])), None)
+            out[e["fault"]] = None if up is None else round(up - e["t"], 3)
+        return out
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
 
 
 def _record(ctx, out: dict) -> None:
@@ -241,6 +297,8 @@ def _record(ctx, out: dict) -> None:
         "fault_remote_errors": sum(r.get("errors", 0) for r in fl["remote"]),
         "fault_remote_refused": sum(r.get("refused", 0) for r in fl["remote"]),
         "fault_remote_up_at_end": all(r.get("up") for r in fl["remote"]),
+        # a return never seen within the run counts as the ceiling the run waits at the end
+        "fault_remote_recovery_s": max(UP_CEILING_S if v is None else v for v in fl["recovery_s"].values()),
     }
     for k, v in checks.items():
         res.check(k, v)

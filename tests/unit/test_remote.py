@@ -3,19 +3,12 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import pytest
 
 from semantic.remote import RemoteTier
 from tests.redis_helpers import RedisServer
-
-
-class Clock:
-    def __init__(self):
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 @pytest.fixture
@@ -79,20 +72,32 @@ def test_a_value_that_failed_verification_is_dropped_unless_a_newer_one_replaced
     tier.close()
 
 
-def test_redis_down_is_a_miss_logged_once_then_skipped_until_it_answers_again(redis_server, tmp_path, caplog):
-    clock = Clock()
-    tier = _tier(redis_server, clock=clock)
+def _until(cond, timeout_s: float = 30.0) -> bool:
+    """Poll ``cond`` until it holds (True) or the ceiling passes (False)."""
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_redis_down_is_a_miss_logged_once_then_skipped_until_a_probe_finds_it_again(redis_server, tmp_path, caplog):
+    tier = _tier(redis_server)
     tier.publish("public/a", _file(tmp_path, "a", b"bytes"), 1)
     assert tier.flush(10)
     redis_server.stop()
     with caplog.at_level(logging.INFO, logger="semantic.remote"):
         assert tier.fetch("public/a") is None           # tried: fails fast
         for _ in range(5):
-            assert tier.fetch("public/a") is None       # backing off: not tried
+            assert tier.fetch("public/a") is None       # down: not tried
         tier.publish("public/b", _file(tmp_path, "b", b"more"), 1)
         assert tier.flush(10)                           # dropped quietly, nothing raised
+        assert not tier.stats()["up"]
         redis_server.start()                            # the same port, empty (no persistence)
-        clock.t += 60
+        skipped = tier.stats()["skipped"]
+        assert _until(lambda: tier.stats()["up"])       # the prober found it: no caller had to try
+        assert tier.stats()["skipped"] == skipped
         tier.publish("public/a", _file(tmp_path, "a", b"bytes"), 2)
         assert tier.flush(10)
         assert tier.fetch("public/a").version == 2
@@ -100,6 +105,20 @@ def test_redis_down_is_a_miss_logged_once_then_skipped_until_it_answers_again(re
     assert s["up"] and s["errors"] == 1 and s["skipped"] >= 6
     messages = [r.getMessage() for r in caplog.records]
     assert len(messages) == 2 and "serving from RAM and local disk" in messages[0] and "again" in messages[1]
+    tier.close()
+
+
+def test_a_paused_redis_is_found_again_once_it_resumes(redis_server, tmp_path):
+    tier = _tier(redis_server)
+    redis_server.pause()                                # SIGSTOP: every call times out
+    try:
+        assert tier.version("public/a") is None and not tier.stats()["up"]
+        assert _until(lambda: tier.stats()["probes_failed"] > 0)  # still paused: the probes time out
+    finally:
+        redis_server.resume()
+    assert _until(lambda: tier.stats()["up"])
+    tier.publish("public/a", _file(tmp_path, "a", b"bytes"), 1)
+    assert tier.flush(10) and tier.fetch("public/a").version == 1
     tier.close()
 
 
