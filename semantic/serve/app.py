@@ -5,7 +5,7 @@ Middlewares, outermost first (each refuses before the next runs)::
     MetricsMiddleware  count and time every request, whatever answered it
     CatchAll           anything that escapes → logged, generic 500 in the API's shape
     AuthMiddleware     401 without a key (when keys are set); sets the tenant
-    ClosingGate        503 once shutdown began
+    ClosingGate        503 once shutdown began, and for a request cancelled by its end
     BodyLimit          413 over --max-body-mb
     (FastAPI)          exception handlers → errors.install
 """

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Callable
 
 from starlette.datastructures import Headers
@@ -49,14 +50,34 @@ class BodyLimit:
 
 
 class ClosingGate:
-    """503 for API requests once the backend began shutting down."""
+    """503 for API requests once the backend began shutting down, and for a request whose task shutdown
+    cancelled before it answered (uvicorn's graceful timeout ran out while it was tokenized, queued or
+    waiting for its save): uvicorn itself would answer a bare 500."""
 
     def __init__(self, app: ASGIApp, closing: Callable[[], bool]):
         self.app, self.closing = app, closing
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
-        if scope["type"] == "http" and path.startswith("/v1/") and path not in DRAIN_OPEN and self.closing():
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        if path.startswith("/v1/") and path not in DRAIN_OPEN and self.closing():
             err = ApiError(UNAVAILABLE, "the server is shutting down", code="shutting_down")
             return await error_response(path, err)(scope, receive, send)
-        await self.app(scope, receive, send)
+        started = False
+
+        async def tracking(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking)
+        except asyncio.CancelledError:
+            if started or not self.closing():
+                raise
+            # the task was cancelled to end it: it ends here, answered
+            err = ApiError(UNAVAILABLE, "the server is shutting down and its --graceful-timeout ran out before "
+                                        "this request was answered; retry it once the server is back",
+                           code="shutting_down")
+            await error_response(path, err)(scope, receive, send)

@@ -334,6 +334,53 @@ def test_closing_answers_503_but_stats_still_answer():
     assert c.get("/v1/cache/stats").status_code == 200
 
 
+def _cancelled_by_shutdown(path: str, body: dict) -> tuple[int, bytes]:
+    """A request whose task uvicorn cancels once shutdown's graceful timeout ran out, while the backend is
+    still preparing it (before any turn exists): the status and body the client gets."""
+    backend = StubBackend()
+    reached = asyncio.Event()
+
+    async def prepare_forever(req):
+        reached.set()
+        await asyncio.Event().wait()
+
+    backend.prepare = prepare_forever
+    app = create_app(backend, ServeConfig(model="stub"))
+    raw = json.dumps(body).encode()
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
+             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())],
+             "client": ("127.0.0.1", 5000), "server": ("127.0.0.1", 8000)}
+    sent: list[dict] = []
+    bodies = iter([{"type": "http.request", "body": raw, "more_body": False}])
+
+    async def receive():
+        return next(bodies, None) or await asyncio.Event().wait()
+
+    async def send(message):
+        sent.append(message)
+
+    async def main():
+        task = asyncio.create_task(app(scope, receive, send))
+        await asyncio.wait_for(reached.wait(), 30)
+        backend.closing = True  # SIGTERM: shutdown began; then the graceful timeout runs out
+        task.cancel()
+        await task  # answered, not cancelled
+
+    asyncio.run(main())
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    return start["status"], b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+
+
+def test_a_request_cancelled_by_shutdown_before_it_answered_is_a_503_in_its_apis_shape_not_a_bare_500():
+    status, body = _cancelled_by_shutdown(CHAT, chat())
+    error = json.loads(body)["error"]
+    assert status == 503 and (error["type"], error["code"]) == ("service_unavailable", "shutting_down")
+    assert "graceful-timeout" in error["message"]
+    status, body = _cancelled_by_shutdown(MSG, msg())
+    assert status == 503 and json.loads(body)["error"]["type"] == "overloaded_error"
+
+
 def test_an_unexpected_error_is_a_generic_500_without_details():
     backend = StubBackend()
     backend.prepare = lambda req: (_ for _ in ()).throw(RuntimeError("secret detail"))
