@@ -11,15 +11,18 @@ COMPAT_PINS := mlx==0.30.3 mlx-lm==0.30.4
 INSTALL_VENV := .venv-install
 
 PYTEST_ARGS ?=
+# every run ends with its 15 slowest tests, so growth shows
+PYTEST := -m pytest --durations=15
 # e.g. AIPERF_ARGS="--targets semantic,mlx_lm.server --profiles random"
 AIPERF_ARGS ?=
 # extra requirements for .venv, e.g. PINS="mlx==0.30.3 mlx-lm==0.30.4" (the macOS workflow's matrix)
 PINS ?=
 
-.PHONY: help system-blas system-browser system-redis venv models serve serve-ttft append-profile dashboard-screenshot test test-compat exp-003 exp-004 exp-005 exp-006 exp-006-full exp-007 exp-007-full exp-008 exp-008-full exp-008-spec exp-009 exp-009-full exp-009-aiperf exp-010 exp-010-full exp-011 exp-011-full exp-012 exp-013 exp-014 exp-014-full exp-015 exp-016 chunk-cost exp-throughput exp-throughput-full bench compare-versions test-install clean
+.PHONY: help system-blas system-browser system-redis venv models serve serve-ttft append-profile dashboard-screenshot test test-slow test-compat exp-003 exp-004 exp-005 exp-006 exp-006-full exp-007 exp-007-full exp-008 exp-008-full exp-008-spec exp-009 exp-009-full exp-009-aiperf exp-010 exp-010-full exp-011 exp-011-full exp-012 exp-013 exp-014 exp-014-full exp-015 exp-016 chunk-cost exp-throughput exp-throughput-full bench compare-versions test-install clean
 
 help:
-	@echo "make test         run the test suite (creates .venv, prepares models)"
+	@echo "make test         run the test suite (creates .venv, prepares models; about 10 min on 2 cores)"
+	@echo "make test-slow    the long soaks and experiments' quick runs (chaos, shared tier, serving, stress)"
 	@echo "make exp-006      run the EXP-006 measurement"
 	@echo "make exp-007      multi-turn agents: cached vs re-prefill TTFT, sharing, restart"
 	@echo "make exp-008      1000-request stress run (errors, stale reuses, leaks, hit rate)"
@@ -37,7 +40,7 @@ help:
 	@echo "make serve        serve SmolLM2 over the OpenAI and Anthropic APIs (SERVE_ARGS=\"--port 8080 --api-key K\")"
 	@echo "make serve-ttft   TTFT of a cached agent turn vs the same turn uncached, through HTTP"
 	@echo "make append-profile  where a cached 300-over-2K append turn's time goes, ours vs mlx-lm"
-	@echo "make test-compat  run the test suite again under mlx 0.30.3 / mlx-lm 0.30.4"
+	@echo "make test-compat  the tests of mlx-lm's API again under mlx 0.30.3 / mlx-lm 0.30.4"
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -83,8 +86,14 @@ system-browser:
 models: venv
 	$(PY) -m harness models prepare all
 
+# The pyramid: `make test` proves behaviour (unit, the real models, servers on tiny models, one short
+# end-to-end per capability); `make test-slow` runs the soaks and the experiments' quick runs;
+# `make test-compat` runs what touches mlx-lm's API again under its oldest supported version.
 test: models system-browser system-redis
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) $(PYTEST) -m "not slow" $(PYTEST_ARGS)
+
+test-slow: models system-browser system-redis
+	$(PY) $(PYTEST) -m slow $(PYTEST_ARGS)
 
 # The prepared model this device computes with (f32 on a CPU: the last line `models path` prints).
 SERVE_MODEL ?= smollm2-135m
@@ -114,7 +123,7 @@ $(COMPAT_STAMP): pyproject.toml
 
 test-compat: system-blas system-browser system-redis $(COMPAT_STAMP) models
 	$(COMPAT_PY) -c "import mlx_lm, importlib.metadata as m; v = m.version('mlx-lm'); assert v == '0.30.4', v; print('mlx-lm', v, 'mlx', m.version('mlx'))"
-	$(COMPAT_PY) -m pytest $(PYTEST_ARGS)
+	$(COMPAT_PY) $(PYTEST) -m compat $(PYTEST_ARGS)
 
 # `pip install .` into a clean venv (no editable checkout): the engine alone runs
 # agent turns without the harness's packages; then `.[harness]`, from an empty

@@ -28,7 +28,7 @@ import pytest
 import harness
 from semantic import BlockPool, BlockPoolBatchEngine, ModelCacheSpec, Request, compat
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = [pytest.mark.integration, pytest.mark.compat]
 
 LOGPROB_TOL = 1e-3
 STEPS = 32

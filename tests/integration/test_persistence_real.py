@@ -31,7 +31,7 @@ import harness
 from semantic import BlockPool, BlockPoolBatchEngine, ModelCacheSpec, Request, cachefile
 from tests.persistence_e2e_child import digest
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = [pytest.mark.integration, pytest.mark.compat]
 
 ROOT = Path(__file__).resolve().parents[2]
 HISTORY = (Path(harness.__file__).parent / "data" / "history.txt").read_text()

@@ -23,6 +23,7 @@ from harness import baseline, models
 
 pytestmark = [
     pytest.mark.integration,
+    pytest.mark.compat,
     # these pin our GGUF conversion; hub weights are mlx-community's own quantization
     pytest.mark.skipif(
         models.hub_mode() and not all(map(models.gguf_prepared, models.REGISTRY)),

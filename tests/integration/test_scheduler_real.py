@@ -19,7 +19,7 @@ from harness.prompts import system_prompt, text_of_tokens
 from semantic import Request, encode, render_chat
 from semantic.reuse import common_prefix
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = [pytest.mark.integration, pytest.mark.compat]
 
 LOGPROB_TOL = 1e-3
 STEPS = 8

@@ -22,10 +22,7 @@ from tests.fs_helpers import fill, tmpfs
 from tests.serve_helpers import Server
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(CHROMIUM is None, reason="no chromium: `make system-browser` (apt-get install chromium)"),
-]
+pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no chromium: `make system-browser` (apt-get install chromium)")
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--virtual-time-budget=5000"]
 
 

@@ -20,7 +20,6 @@ from hypothesis import strategies as st
 from harness.models.tiny import write_tiny_llama
 from tests.serve_helpers import Server
 
-pytestmark = pytest.mark.slow
 
 EXAMPLES = 150  # per endpoint and shape; 7 * 150 requests in all
 COUNTS: collections.Counter = collections.Counter()

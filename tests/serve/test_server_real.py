@@ -14,7 +14,7 @@ import pytest
 
 from tests.serve_helpers import Server
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = pytest.mark.integration
 
 SYSTEM = ("You are a coding agent working in a Python repository. You read files, run tests and "
           "propose small patches. Answer briefly. ") * 6

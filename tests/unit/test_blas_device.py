@@ -18,6 +18,8 @@ import pytest
 from harness import device
 from semantic import blas
 
+pytestmark = pytest.mark.compat
+
 linux_only = pytest.mark.skipif(platform.system() != "Linux", reason="the preload is Linux-only")
 needs_openblas = pytest.mark.skipif(platform.system() != "Linux" or not blas._candidates(),
                                     reason="no system OpenBLAS here (make venv installs it where it can)")

@@ -10,6 +10,8 @@ from semantic.budget import FLOOR, StepBudget
 from semantic.steploop import StepLoop
 from tests.unit.test_steploop import _spec
 
+pytestmark = pytest.mark.compat
+
 
 def test_a_prompt_with_nobody_decoding_gets_the_largest_chunk_and_otherwise_the_device_chunk():
     b = StepBudget(64, solo=2048)

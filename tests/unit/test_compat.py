@@ -11,6 +11,8 @@ from harness.baseline import HAS_NEXT_GENERATED
 from semantic import compat
 from tests.tiny_models import tiny_gemma3
 
+pytestmark = pytest.mark.compat
+
 
 def _prefill(model, cache, tokens):
     logits = model(mx.array([tokens]), cache=cache)

@@ -19,6 +19,8 @@ from semantic.constraint import Grammar, check
 from semantic.sampling import SamplingParams
 from tests.tiny_models import byte_tokenizer
 
+pytestmark = pytest.mark.compat
+
 SCHEMA = {
     "type": "object",
     "properties": {"city": {"type": "string", "maxLength": 8}, "days": {"type": "integer", "minimum": 1, "maximum": 9}},

@@ -17,6 +17,8 @@ from semantic.serve.conversation import (
 )
 from semantic.serve.errors import ApiError
 
+pytestmark = pytest.mark.compat
+
 FN = {"type": "function", "function": {"name": "get_weather", "description": "the weather",
                                        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
 

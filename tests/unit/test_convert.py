@@ -21,6 +21,8 @@ from semantic.convert import extract, reconstruct
 from semantic.spec import held_ranges
 from tests.tiny_models import tiny_gemma3
 
+pytestmark = pytest.mark.compat
+
 
 def _run(model, caches, tokens):
     out = model(mx.array([tokens]), cache=caches)

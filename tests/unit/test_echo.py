@@ -16,6 +16,8 @@ from harness.models.tiny import write_tiny_tool_llama
 from semantic.service import SamplingParams, Service, Tools
 from semantic.serve.toolstream import CallSplitter
 
+pytestmark = pytest.mark.compat
+
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string", "maxLength": 6}}, "required": ["city"],
     "additionalProperties": False}}}

@@ -26,6 +26,8 @@ from semantic import (
 )
 from tests.tiny_models import byte_tokenizer, tiny_gemma3
 
+pytestmark = pytest.mark.compat
+
 LOGPROB_TOL = 1e-4
 STEPS = 32
 

@@ -16,6 +16,8 @@ from harness.models.gguf.convert import (
     repack_affine,
 )
 
+pytestmark = pytest.mark.compat
+
 
 def _random_blocks(qtype: QT, rows: int, cols: int, seed: int = 0) -> np.ndarray:
     """Random but valid raw blocks: random quants, finite f16 d / dmin."""

@@ -7,6 +7,8 @@ import pytest
 
 from harness.models.gguf.tokenizer import CONTROL, NORMAL, USER_DEFINED, build_tokenizer, spm_merges
 
+pytestmark = pytest.mark.compat
+
 BYTE = 6
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import nbformat
-import pytest
 from nbclient import NotebookClient
 
 NOTEBOOK = Path(__file__).parents[2] / "notebooks" / "analysis.ipynb"
@@ -17,7 +16,6 @@ def test_the_analysis_notebook_is_committed_without_outputs():
     assert code and all(not c.outputs and c.execution_count is None for c in code)
 
 
-@pytest.mark.slow
 def test_the_analysis_notebook_executes_against_the_committed_results():
     nb = nbformat.read(NOTEBOOK, as_version=4)
     NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(NOTEBOOK.parent)}}).execute()

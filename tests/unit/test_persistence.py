@@ -36,6 +36,8 @@ from tests.cache_helpers import (
 )
 from tests.tiny_models import tiny_gemma3
 
+pytestmark = pytest.mark.compat
+
 STEPS = 16
 
 

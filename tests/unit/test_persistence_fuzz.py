@@ -22,6 +22,8 @@ from semantic import BlockPool, CacheError, cachefile
 from semantic.cachefile import DOC_HASH_KEY, DOC_KEY
 from tests.cache_helpers import assert_identical, engine, generate, history
 
+pytestmark = pytest.mark.compat
+
 CASES = 4000  # per base file; a few seconds each
 
 

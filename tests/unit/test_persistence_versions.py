@@ -15,6 +15,8 @@ from semantic import Request, cachefile
 from tests.cache_helpers import LOGPROB_TOL, engine, run, weights_fingerprint
 from tests.persistence_fixtures import DATA, FIXTURES, expected, model_for
 
+pytestmark = pytest.mark.compat
+
 FILES = sorted(DATA.glob("cache-v*-*.safetensors"))
 STEPS = 16
 

@@ -8,6 +8,8 @@ import pytest
 from semantic import BlockPool, LayerSpec, ModelCacheSpec, PoolExhaustedError
 from semantic.pool import chain_hash
 
+pytestmark = pytest.mark.compat
+
 SPEC = ModelCacheSpec((LayerSpec("global", 1, 32, 32, "float32"),))
 
 

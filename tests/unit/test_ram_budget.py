@@ -18,6 +18,8 @@ from semantic import AgentCacheStore, BlockPool, ConcurrentScheduler, ModelCache
 from tests.tiny_models import byte_tokenizer
 from tests.unit.test_scheduler import _assert_same, _ids, reference
 
+pytestmark = pytest.mark.compat
+
 BT = 4  # tokens per block
 
 

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from importlib import resources
 
+import pytest
 from hypothesis import given, settings, strategies as st
 
 from harness.models.tiny import CHAT_TEMPLATE, byte_tokenizer
 from semantic.request import render_text
 from semantic.roles import fit, renders_mid_system
+
+pytestmark = pytest.mark.compat
 
 
 def _tokenizer(template: str):

@@ -30,6 +30,8 @@ from semantic import (
 )
 from tests.tiny_models import byte_tokenizer
 
+pytestmark = pytest.mark.compat
+
 TOL = 1e-4
 
 

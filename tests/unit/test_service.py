@@ -17,6 +17,8 @@ from semantic import ContextLengthError, InvalidRequestError
 from semantic.blockplan import salt_root_of
 from semantic.service import ANON, Service, output_budget
 
+pytestmark = pytest.mark.compat
+
 
 def _prepare(service, **kw):
     """The turn's Request (the reading plan beside it is for tools, tested elsewhere)."""

@@ -7,6 +7,8 @@ import pytest
 from semantic import CacheMismatchError, LayerSpec, ModelCacheSpec, UnsupportedCacheError
 from semantic.spec import GLOBAL, SLIDING
 
+pytestmark = pytest.mark.compat
+
 GEMMA3_12B = {
     "model_type": "gemma3",
     "text_config": {

@@ -20,6 +20,8 @@ from semantic.sampling import SamplingParams
 from tests.tiny_models import byte_tokenizer
 from tests.unit.test_steploop import TOL, TOL_QUANTIZED, generate_step_reference
 
+pytestmark = pytest.mark.compat
+
 # repeated 5-token phrases: the tiny models' replies soon repeat too, so real drafts are accepted
 PROMPTS = {"a": 9, "b": 23, "c": 38}
 

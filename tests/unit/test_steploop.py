@@ -21,6 +21,8 @@ from semantic import BlockPool, BlockPoolBatchEngine, ModelCacheSpec, Request, c
 from semantic.batchquant import BatchQuantizedKVCache
 from tests.tiny_models import byte_tokenizer
 
+pytestmark = pytest.mark.compat
+
 TOL = 1e-4
 TOL_QUANTIZED = 1e-3
 # prompt lengths around the tiny models' 4-token blocks and gemma's 8-token window

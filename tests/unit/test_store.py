@@ -21,6 +21,8 @@ from semantic import cachefile
 from semantic.store import QUARANTINE_DIR, file_name
 from tests.cache_helpers import LOGPROB_TOL, assert_identical, engine, generate, history, run
 
+pytestmark = pytest.mark.compat
+
 FP = "tiny-model"
 
 

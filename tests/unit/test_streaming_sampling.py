@@ -20,6 +20,8 @@ from semantic.sampling import SamplingParams
 from tests.tiny_models import byte_tokenizer
 from tests.unit.test_scheduler import _assert_same, _ids, reference
 
+pytestmark = pytest.mark.compat
+
 
 def _engine(model, kv_bits=None, blocks=256, block_tokens=4):
     spec = ModelCacheSpec.from_model(model, kv_bits=kv_bits, kv_group_size=32)

@@ -7,10 +7,13 @@ several tokens and a two-byte character arrives in halves.
 from __future__ import annotations
 
 import mlx.core as mx
+import pytest
 
 from semantic.serve.textstream import TextStream, stop_cut
 from semantic.serve.toolstream import held_back
 from tests.tiny_models import byte_tokenizer
+
+pytestmark = pytest.mark.compat
 
 EOS = 255
 

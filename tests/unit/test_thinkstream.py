@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings, strategies as st
 
 from semantic.serve.thinkstream import ThinkSplitter, opens_in_reasoning
+
+pytestmark = pytest.mark.compat
 
 
 def _split(text: str, cuts: list[int], reasoning: bool = False) -> tuple[str, str]:

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
+
 from semantic.constraint import Constraint
 from semantic.toolformat import GENERIC, ToolFormat, Tools, generic_messages, plan
 from tests.tiny_models import byte_tokenizer
+
+pytestmark = pytest.mark.compat
 
 SPECS = ({"type": "function", "function": {"name": "lookup", "description": "Look it up.",
                                            "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}},)

@@ -17,6 +17,8 @@ from semantic.service import ToolPlan, Tools
 from semantic.serve.toolstream import CallSplitter
 from semantic.toolformat import GENERIC, ToolFormat, sniff
 
+pytestmark = pytest.mark.compat
+
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 MULTIPLY = {"type": "function", "function": {"name": "multiply", "parameters": {

@@ -17,6 +17,8 @@ import pytest
 from semantic import Request, cachefile, convert
 from tests.cache_helpers import LOGPROB_TOL, assert_identical, engine, history, run
 
+pytestmark = pytest.mark.compat
+
 STEPS = 8
 
 
