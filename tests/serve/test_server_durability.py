@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import signal
 import threading
-import time
 
 import anthropic
 import httpx
@@ -19,6 +18,7 @@ import pytest
 
 from harness.models.tiny import write_tiny_llama
 from tests.serve_helpers import Server
+from tests.waits import wait_for
 
 SYSTEM = "You are a careful coding agent. " * 20  # 640 one-token characters: two whole 256-token blocks
 HEADER = "x-semantic-cache-save"
@@ -128,6 +128,12 @@ def test_the_x_cache_salt_header_keeps_anthropic_requests_from_sharing_blocks(sy
     assert cached("second") == 0    # another salt: nothing is
 
 
+def _open(server) -> tuple[int, int]:
+    """(turns running, turns queued) on the server now."""
+    r = server.stats()["requests"]
+    return r["in_flight"], r["queued"]
+
+
 def test_turns_still_open_when_the_graceful_timeout_runs_out_are_answered_503_never_500(tiny_dir, tmp_path):
     server = Server(tiny_dir, tmp_path / "agents",
                     ["--pool-mb", "64", "--max-batch", "1", "--graceful-timeout", "1"]).start()
@@ -147,7 +153,7 @@ def test_turns_still_open_when_the_graceful_timeout_runs_out_are_answered_503_ne
     threads = [threading.Thread(target=turn, args=(i,)) for i in range(4)]
     for t in threads:
         t.start()
-    time.sleep(1.0)  # one turn runs, three wait
+    wait_for(lambda: _open(server) == (1, 3), lambda: server.stats()["requests"])  # one turn runs, three wait
     server.stop(signal.SIGTERM)
     for t in threads:
         t.join(60)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import signal
 import threading
-import time
 import uuid
 
 import httpx
@@ -15,6 +14,7 @@ import pytest
 from harness.models.tiny import write_tiny_llama
 from tests.redis_helpers import RedisServer
 from tests.serve_helpers import Server
+from tests.waits import wait_for
 
 SYSTEM = "You are a careful coding agent. " * 20  # 640 one-token characters: two whole 256-token blocks
 
@@ -32,16 +32,8 @@ def cluster(tmp_path_factory):
     redis.stop()
 
 
-def _until(cond, what, timeout: float = 60.0) -> None:
-    """Poll ``cond`` until it holds; fail with ``what()`` past the ceiling."""
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, what()
-        time.sleep(0.02)
-
-
 def _published(server, count: int) -> None:
-    _until(lambda: server.stats()["remote"]["published"] >= count, lambda: server.stats()["remote"])
+    wait_for(lambda: server.stats()["remote"]["published"] >= count, lambda: server.stats()["remote"])
 
 
 def _sent(server) -> int:
@@ -111,7 +103,7 @@ def test_two_servers_answering_one_agent_at_once_leave_one_whole_cache_and_the_n
         t.join(60)
     assert replies[0].choices[0].message.content == replies[1].choices[0].message.content  # greedy, same history
     for s, n in zip(servers, sent):  # both publishes ran: the newer version stands, an older one lost cleanly
-        _until(lambda: _sent(s) > n, lambda: s.stats()["remote"])
+        wait_for(lambda: _sent(s) > n, lambda: s.stats()["remote"])
     assert [s.stats()["remote"]["errors"] for s in servers] == errors
     follow = messages + [{"role": "assistant", "content": replies[0].choices[0].message.content},
                          {"role": "user", "content": "Go on."}]
@@ -173,7 +165,7 @@ def test_agents_of_a_server_killed_mid_burst_continue_on_the_other_from_their_la
         for t in burst:
             t.start()
         # mid-burst: once one of the second turns is in, whether or not any has finished
-        _until(lambda: one.stats()["requests"] != served, lambda: one.stats()["requests"])
+        wait_for(lambda: one.stats()["requests"] != served, lambda: one.stats()["requests"])
         one.stop(signal.SIGKILL)
         for t in burst:
             t.join(60)
@@ -250,12 +242,12 @@ def test_redis_killed_and_restarted_under_load_costs_no_request_and_no_wrong_rep
         t.start()
     remote = lambda: ([s.stats()["remote"] for s in servers], errors, turns)  # noqa: E731
     try:
-        _until(lambda: min(turns) >= 1 or errors, remote)  # the load runs
+        wait_for(lambda: min(turns) >= 1 or errors, remote)  # the load runs
         redis_server.stop()
-        _until(lambda: not any(s.stats()["remote"]["up"] for s in servers) or errors, remote)  # both saw it
+        wait_for(lambda: not any(s.stats()["remote"]["up"] for s in servers) or errors, remote)  # both saw it
         redis_server.start()  # empty: nothing was persisted
         published = [s.stats()["remote"]["published"] for s in servers]
-        _until(lambda: errors or (min(turns) >= 3 and all(
+        wait_for(lambda: errors or (min(turns) >= 3 and all(
             s.stats()["remote"]["published"] > p for s, p in zip(servers, published))), remote)
     finally:
         stop.set()

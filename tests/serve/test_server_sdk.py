@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import signal
 import threading
-import time
 
 import anthropic
 import httpx
@@ -19,6 +18,7 @@ import pytest
 
 from harness.models.tiny import write_tiny_llama
 from tests.serve_helpers import Server
+from tests.waits import wait_for
 
 SYSTEM = "You are a careful coding agent. " * 20  # 640 characters: two whole blocks and a bit
 
@@ -151,12 +151,9 @@ def test_a_cancelled_stream_frees_its_sequence_and_the_agent_goes_on(server):
         if i == 3:
             break
     stream.close()  # the client hangs up mid-reply
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        s = server.stats()
-        if s["requests"]["cancelled"] > before and s["requests"]["in_flight"] == 0:
-            break
-        time.sleep(0.05)
+    wait_for(lambda: (server.stats()["requests"]["cancelled"] > before
+                      and server.stats()["requests"]["in_flight"] == 0), lambda: server.stats()["requests"])
+    s = server.stats()
     assert s["requests"]["cancelled"] == before + 1 and s["requests"]["in_flight"] == 0
     after = _chat(client, "quitter", [{"role": "user", "content": "Talk."}])
     assert after.choices[0].finish_reason == "length"
@@ -293,6 +290,14 @@ def test_a_restarted_server_answers_every_agents_next_turn_from_disk(tiny_dir, t
         assert s2.stop_cleanly(), s2.log()
 
 
+def _health(server) -> int:
+    """``GET /health``'s status, or 0 once nothing listens."""
+    try:
+        return httpx.get(server.url + "/health", timeout=10).status_code
+    except httpx.HTTPError:
+        return 0
+
+
 def test_sigterm_finishes_a_turn_in_flight_and_refuses_new_ones(tiny_dir, tmp_path):
     s = Server(tiny_dir, tmp_path / "agents", ["--pool-mb", "64"]).start()
     got = {}
@@ -304,11 +309,9 @@ def test_sigterm_finishes_a_turn_in_flight_and_refuses_new_ones(tiny_dir, tmp_pa
 
     t = threading.Thread(target=long_turn)
     t.start()
-    deadline = time.monotonic() + 30
-    while s.stats()["requests"]["in_flight"] == 0 and time.monotonic() < deadline:
-        time.sleep(0.02)
+    wait_for(lambda: s.stats()["requests"]["in_flight"] > 0, s.log)
     s.proc.send_signal(signal.SIGTERM)
-    time.sleep(0.3)
+    wait_for(lambda: _health(s) != 200, s.log)  # shutdown began: /health says 503, or the listener closed
     try:
         late = httpx.post(s.url + "/v1/chat/completions", timeout=10, json={
             "model": "tiny", "messages": [{"role": "user", "content": "late"}], "max_tokens": 4})

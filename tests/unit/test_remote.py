@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import logging
-import time
 
 import pytest
 
 from semantic.remote import RemoteTier
 from tests.redis_helpers import RedisServer
+from tests.waits import until
 
 
 @pytest.fixture
@@ -72,16 +72,6 @@ def test_a_value_that_failed_verification_is_dropped_unless_a_newer_one_replaced
     tier.close()
 
 
-def _until(cond, timeout_s: float = 30.0) -> bool:
-    """Poll ``cond`` until it holds (True) or the ceiling passes (False)."""
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
-
-
 def test_redis_down_is_a_miss_logged_once_then_skipped_until_a_probe_finds_it_again(redis_server, tmp_path, caplog):
     tier = _tier(redis_server)
     tier.publish("public/a", _file(tmp_path, "a", b"bytes"), 1)
@@ -96,7 +86,7 @@ def test_redis_down_is_a_miss_logged_once_then_skipped_until_a_probe_finds_it_ag
         assert not tier.stats()["up"]
         redis_server.start()                            # the same port, empty (no persistence)
         skipped = tier.stats()["skipped"]
-        assert _until(lambda: tier.stats()["up"])       # the prober found it: no caller had to try
+        assert until(lambda: tier.stats()["up"])       # the prober found it: no caller had to try
         assert tier.stats()["skipped"] == skipped
         tier.publish("public/a", _file(tmp_path, "a", b"bytes"), 2)
         assert tier.flush(10)
@@ -113,10 +103,10 @@ def test_a_paused_redis_is_found_again_once_it_resumes(redis_server, tmp_path):
     redis_server.pause()                                # SIGSTOP: every call times out
     try:
         assert tier.version("public/a") is None and not tier.stats()["up"]
-        assert _until(lambda: tier.stats()["probes_failed"] > 0)  # still paused: the probes time out
+        assert until(lambda: tier.stats()["probes_failed"] > 0)  # still paused: the probes time out
     finally:
         redis_server.resume()
-    assert _until(lambda: tier.stats()["up"])
+    assert until(lambda: tier.stats()["up"])
     tier.publish("public/a", _file(tmp_path, "a", b"bytes"), 1)
     assert tier.flush(10) and tier.fetch("public/a").version == 1
     tier.close()

@@ -29,6 +29,7 @@ from semantic import (
     render_chat,
 )
 from tests.tiny_models import byte_tokenizer
+from tests.waits import until
 
 pytestmark = pytest.mark.compat
 
@@ -133,7 +134,7 @@ def test_a_full_queue_rejects_at_once_or_waits_with_a_timeout(llama_tiny, cache_
     real_step = sched.engine.step_once
     sched.engine.step_once = lambda: (gate.wait(30), real_step())[1]  # holds the batch so the queue fills
     futures = [sched.submit(Request("a", _ids(1, 6), 2))]
-    time.sleep(0.2)  # admitted: in flight, not queued
+    assert until(lambda: sched.stats().in_flight == 1)  # admitted: in flight, not queued
     futures += [sched.submit(Request("a", _ids(2, 6), 2)), sched.submit(Request("b", _ids(3, 6), 2))]
     with pytest.raises(QueueFullError, match="max_queued=2"):
         sched.submit(Request("c", _ids(4, 6), 2))

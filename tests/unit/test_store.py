@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -238,6 +237,7 @@ def test_threads_on_different_agents_overlap_and_on_the_same_agent_serialize(eng
     in_flight: dict[str, int] = {}
     peak = {"same": 0, "all": 0}
     guard = threading.Lock()
+    overlapped = threading.Event()
     real_save = cachefile.save
 
     def slow_save(path, blocks, **kw):
@@ -246,7 +246,11 @@ def test_threads_on_different_agents_overlap_and_on_the_same_agent_serialize(eng
             in_flight[agent] = in_flight.get(agent, 0) + 1
             peak["same"] = max(peak["same"], in_flight[agent])
             peak["all"] = max(peak["all"], sum(in_flight.values()))
-        time.sleep(0.01)
+            if peak["all"] >= 2:
+                overlapped.set()
+        # held until another agent's save runs beside it, however the threads are scheduled (if saves of
+        # different agents were serialized, that never happens: each save gives up after the ceiling)
+        overlapped.wait(10)
         try:
             return real_save(path, blocks, **kw)
         finally:
