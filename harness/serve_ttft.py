@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -31,6 +30,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+from harness.serving.processes import free_port
 
 SYSTEM = (
     "You are a coding agent in a Python repository. Tools: read_file(path), run_tests(pattern), "
@@ -46,12 +47,6 @@ USER_TURNS = [
     "What would break if block_tokens were 128?",
     "Summarize this session in three bullet points.",
 ]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _first_token_s(client, model: str, messages: list[dict], max_tokens: int, **extra) -> tuple[float, str, dict]:
@@ -73,7 +68,7 @@ def _first_token_s(client, model: str, messages: list[dict], max_tokens: int, **
 def run(model_dir: Path, model_id: str, turns: int, system_repeats: int, max_tokens: int) -> list[dict]:
     import openai
 
-    port = _free_port()
+    port = free_port()
     cache = Path(tempfile.mkdtemp(prefix="serve-ttft-"))
     env = {**os.environ}
     proc = subprocess.Popen([sys.executable, "-m", "semantic.serve", "--model", str(model_dir), "--model-id", model_id,

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,13 +18,9 @@ from pathlib import Path
 
 import httpx
 
+from harness.serving.processes import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -88,7 +83,7 @@ class Server:
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         return httpx.get(self.url + "/v1/cache/stats", headers=headers, timeout=10).json()
 
-    def wait_saved(self, key: str | None = None, timeout: float = 30.0) -> None:
+    def wait_saved(self, key: str | None = None, timeout: float = 60.0) -> None:
         """Until no save is pending (every finished turn's cache is on disk)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import random
 import signal
 import socket
 import subprocess
@@ -30,10 +31,32 @@ class NotRunnableHere(ServingError):
 
 
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now."""
-    with socket.socket() as s:
+    """A TCP port free on 127.0.0.1 now, below the kernel's ephemeral range where it can: a server killed
+    and started again on it (a restart, Redis's outage) finds it still free, since no outgoing connection
+    is ever given a port there. Random, so that processes picking at once rarely try the same one."""
+    low = _ephemeral_low()
+    if low > PORTS_FROM + 1024:
+        for port in random.SystemRandom().sample(range(PORTS_FROM, low), 64):
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
+    with socket.socket() as s:  # nothing below the range (or no room): any port the kernel gives
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+PORTS_FROM = 20000  # the ports free_port picks from, up to the ephemeral range (Linux: 32768)
+
+
+def _ephemeral_low() -> int:
+    """The first port of the range outgoing connections take theirs from (Linux's default where unknown)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def _get(url: str, timeout_s: float) -> tuple[int, bytes]:
