@@ -215,6 +215,11 @@ class BlockPoolBatchEngine:
         return loop.spec_steps, loop.drafted, loop.accepted
 
     @property
+    def prefill_chunk(self) -> int:
+        """Prompt tokens a step feeds while nothing decodes: what a lone turn's prefill steps by."""
+        return self._loop.budget.tokens(False)
+
+    @property
     def in_flight(self) -> int:
         return len(self._seqs)
 

@@ -202,3 +202,16 @@ def test_batch_quantized_cache_rows_hold_the_solo_caches_bytes_through_merge_ext
     assert mx.array_equal(kept.keys[0][..., :3, :], solos[2].keys[0][..., :3, :])
     mask = batch.make_mask(1)
     assert mask.shape[-1] == batch._idx + 1 and not mask[1, 0, 0, 0].item() and mask[0, 0, 0, 0].item()
+
+
+def test_the_engine_says_what_a_lone_turns_prefill_steps_by(llama_tiny):
+    from semantic.budget import SOLO_CHUNK
+
+    spec = _spec(llama_tiny, 8)
+
+    def engine(**kw):
+        return BlockPoolBatchEngine(llama_tiny, byte_tokenizer(), BlockPool(spec, 16, block_tokens=4), spec,
+                                    stop_tokens=[], **kw)
+
+    assert engine(prefill_chunk=64).prefill_chunk == 64  # a fixed chunk, decoding or not
+    assert engine().prefill_chunk == SOLO_CHUNK           # the step budget's, with nothing decoding
