@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import harness  # noqa: F401  first: points MLX at an optimized BLAS before mlx.core loads (semantic.blas)
 import pytest
+from hypothesis import HealthCheck, settings
+
+# a busy machine makes examples slower, never a test red: no per-example deadline, no "too slow" check
+settings.register_profile("suite", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("suite")
 
 from tests.tiny_models import tiny_gemma3, tiny_llama
 
