@@ -153,6 +153,17 @@ class ClientGone(Exception):
     """The client disconnected before its answer was sent; nothing is left to answer."""
 
 
+class Watched:
+    """An ASGI ``send`` that remembers whether the response began: a middleware may still answer until then."""
+
+    def __init__(self, send: Send):
+        self.send, self.started = send, False
+
+    async def __call__(self, message: Message) -> None:
+        self.started = self.started or message["type"] == "http.response.start"
+        await self.send(message)
+
+
 class CatchAll:
     """ASGI middleware: whatever escapes the app is logged and answered with a generic 500."""
 
@@ -162,19 +173,13 @@ class CatchAll:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        started = False
-
-        async def tracking(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
+        watched = Watched(send)
         try:
-            await self.app(scope, receive, tracking)
+            await self.app(scope, receive, watched)
         except ClientGone:
             return
         except Exception:
             log.exception("unhandled error on %s %s", scope.get("method"), scope.get("path"))
-            if not started:  # else the stream already said 200; the connection just ends
+            if not watched.started:  # else the stream already said 200; the connection just ends
                 err = ApiError(SERVER, "internal server error")
                 await error_response(scope.get("path", ""), err)(scope, receive, send)

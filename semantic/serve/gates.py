@@ -8,7 +8,7 @@ from typing import Callable
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from semantic.serve.errors import INVALID, TOO_LARGE, UNAVAILABLE, ApiError, error_response
+from semantic.serve.errors import INVALID, TOO_LARGE, UNAVAILABLE, ApiError, Watched, error_response
 
 # Still answered while shutting down: stats and scrapes show the drain; /health says 503 itself.
 DRAIN_OPEN = frozenset({"/v1/cache/stats"})
@@ -64,17 +64,11 @@ class ClosingGate:
         if path.startswith("/v1/") and path not in DRAIN_OPEN and self.closing():
             err = ApiError(UNAVAILABLE, "the server is shutting down", code="shutting_down")
             return await error_response(path, err)(scope, receive, send)
-        started = False
-
-        async def tracking(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
+        watched = Watched(send)
         try:
-            await self.app(scope, receive, tracking)
+            await self.app(scope, receive, watched)
         except asyncio.CancelledError:
-            if started or not self.closing():
+            if watched.started or not self.closing():
                 raise
             # the task was cancelled to end it: it ends here, answered
             err = ApiError(UNAVAILABLE, "the server is shutting down and its --graceful-timeout ran out before "
