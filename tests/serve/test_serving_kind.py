@@ -30,7 +30,7 @@ def test_every_phase_measures_both_servers_and_records_the_ones_not_run(tmp_path
         f"params.model_dir={model}", "params.system_tokens=300", "params.agents=4", "params.restart_users=3",
         "params.shared_users=3", "params.concurrency=[1, 2]", "params.kill_after_s=0.2",
         "params.five_turns_repeats=1", "params.five_turns_system_tokens=120",
-        # mlx-lm 0.30.4's server has no cache-size flags: the matched pass needs 0.32 (test-compat skips it)
+        # mlx-lm 0.30.4's server has no cache-size flags: the matched pass needs 0.32 (skipped under it)
         f"params.phases={json.dumps(PHASES)}",
     ])
     (path,) = run(config, tmp_path / "results")

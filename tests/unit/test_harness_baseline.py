@@ -9,6 +9,8 @@ from mlx_lm.models import cache as mlx_cache
 from harness import baseline
 from semantic import compat
 
+pytestmark = pytest.mark.compat
+
 
 def _prefill(model, cache, tokens):
     logits = model(mx.array([tokens]), cache=cache)

@@ -1,4 +1,4 @@
-"""The reduced EXP-008 stress run, in `make test`: the same kind and criteria as `make exp-008`.
+"""The reduced EXP-008 stress run, in `make test-slow`: the same kind and criteria as `make exp-008`.
 
 Tiny random-weight models (the engine's bookkeeping is what is stressed):
 150 requests from 16 agents, with edits and evictions made frequent so a
