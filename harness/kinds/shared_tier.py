@@ -325,7 +325,8 @@ Remote / local {c['remote_over_local']:.2f}x, remote / cold {c['remote_over_cold
 local / cold {c['local_over_cold']:.3f}x. A new agent on a {ctx.params['system_tokens']}-token system prompt
 first seen on the other server: {c['shared_prompt_cached']} tokens cached ({c['shared_prompt_full_blocks']} in
 full blocks). Under Redis faults: {c['fault_turns']} turns, {c['fault_failed_requests']} failed,
-{c['fault_wrong_replies']} wrong.
+{c['fault_wrong_replies']} wrong; after each return of Redis, both servers used it again within
+{c['fault_remote_recovery_s']:.1f} s (their probers ping a down tier once a second).
 
 | goal | level | measured | verdict |
 |---|---|---|---|
