@@ -199,7 +199,8 @@ def _faults(servers, redis, p, tok, system_prompt, question) -> dict:
         stop.set()
         for t in threads:
             t.join(p["request_timeout_s"] * 2 + 10)
-    up_wait_s = tier.wait(lambda ups: all(ups), UP_CEILING_S)  # the tier's own recovery, not the schedule's
+    # the tier's own recovery, not the schedule's
+    up_wait_s = tier.wait(lambda ups: all(u is True for u in ups), UP_CEILING_S)
     tier.close()
     remote = [(s.stats() or {}).get("remote", {}) for s in servers]
     return {"events": events, "turns": turns, "failures": failures, "wrong": wrong, "checked": checked[0],
@@ -225,7 +226,8 @@ def _fault_schedule(redis, tier: "_TierWatch", hold_s: float, t0: float) -> list
         events.append({"t": round(time.monotonic() - t0, 3), "fault": name})
         time.sleep(holds * hold_s)  # the fault's length is the experiment's design, not a wait for a condition
         if felt:
-            waited = tier.wait(lambda ups: not any(ups), UP_CEILING_S)
+            # felt: every server says its tier is down (one whose stats did not answer is no proof)
+            waited = tier.wait(lambda ups: all(u is False for u in ups), UP_CEILING_S)
             events[-1]["felt_after_s"] = None if waited is None else round(holds * hold_s + waited, 3)
     return events
 

@@ -30,6 +30,9 @@ class NotRunnableHere(ServingError):
     """The target is a record only on this platform (see its ``reason``)."""
 
 
+PORTS_FROM = 20000  # the ports free_port picks from, up to the ephemeral range (Linux: 32768)
+
+
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 now, below the kernel's ephemeral range where it can: a server killed
     and started again on it (a restart, Redis's outage) finds it still free, since no outgoing connection
@@ -46,9 +49,6 @@ def free_port() -> int:
     with socket.socket() as s:  # nothing below the range (or no room): any port the kernel gives
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-PORTS_FROM = 20000  # the ports free_port picks from, up to the ephemeral range (Linux: 32768)
 
 
 def _ephemeral_low() -> int:
