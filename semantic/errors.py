@@ -51,6 +51,11 @@ class CacheCorruptError(CacheError):
         return type(self), (self.path, self.reason)
 
 
+class CacheFormatError(CacheError):
+    """A cache written by a newer build of semantic, in a format this build does not read (it is left
+    alone: run the newer build, or give this one another cache directory)."""
+
+
 class InvalidAgentIdError(InvalidRequestError):
     """An agent id the cache store cannot accept (not a usable string)."""
 

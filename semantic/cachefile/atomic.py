@@ -87,12 +87,14 @@ def write(
     chunks: list[list[memoryview]],
     header: Callable[[list[str]], bytes],
     durable: bool,
+    sync_dir: bool = True,
 ) -> tuple[os.stat_result, int]:
     """Write ``placeholder`` then ``chunks`` to ``path`` atomically.
 
     Each chunk is checksummed (:func:`digest`) on the hashing threads while
     it is written; ``header(digests)`` then replaces the placeholder, which
     it must match in length. Returns the new file's stat and header length.
+    ``sync_dir=False`` leaves the directory's fsync to a caller that writes several files.
     """
     tmp = temp_name(path)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
@@ -115,7 +117,7 @@ def write(
     except BaseException:
         unlink_quietly(tmp)
         raise
-    if durable:
+    if durable and sync_dir:
         fsync_path(os.path.dirname(os.path.abspath(path)))
     if old is not None:
         # freeing the old file's blocks (a discard on some disks) is slow: not on the caller's time

@@ -50,10 +50,13 @@ from semantic.request import validate_agent_id
 from semantic.spec import ModelCacheSpec
 from semantic.store.disk import DiskBudget
 from semantic.store.fetch import RemoteFetch
+from semantic.store.blockfiles import BlockFiles, manifest_name
 from semantic.store.files import EXTRA_SUFFIX, AgentFiles, file_name
 from semantic.store.quarantine import QUARANTINE_DIR, Quarantine, Quarantined
 
-__all__ = ["EXTRA_SUFFIX", "QUARANTINE_DIR", "AgentCacheStore", "Quarantined", "StoreStats", "file_name"]
+LAYOUTS = ("blocks", "file")
+
+__all__ = ["EXTRA_SUFFIX", "LAYOUTS", "manifest_name", "QUARANTINE_DIR", "AgentCacheStore", "Quarantined", "StoreStats", "file_name"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +70,13 @@ class StoreStats:
     disk_bytes: int
     quarantined: int
     disk: dict | None = None  # the directory's state for saves (``DiskHealth.snapshot``) and the effective budget
+    layout: str = "blocks"
+    disk_shared_bytes: int = 0   # block files two agents or more use
+    disk_unique_bytes: int = 0   # what only one agent uses (its block files, manifest, or cache file)
+    disk_block_files: int = 0
+    written_bytes: int = 0       # bytes saves wrote since the store opened
+    collected: int = 0           # block files deleted once no manifest named them
+    newer: int = 0               # manifests of a newer build, left alone
 
 
 class AgentCacheStore:
@@ -84,6 +94,8 @@ class AgentCacheStore:
         durable: fsync each file and the directory on save.
         remote: a tier shared with other servers of the model: a ``redis://`` URL, or a
             :class:`semantic.remote.RemoteTier` (for its options, such as a budget); None: this machine only.
+        layout: "blocks" (block files written once, a manifest per agent: ``blockfiles``) or "file"
+            (one file per agent, rewritten by every save: ``files``, kept to measure against).
     """
 
     def __init__(
@@ -96,6 +108,7 @@ class AgentCacheStore:
         pool: BlockPool,
         durable: bool = True,
         remote=None,
+        layout: str = "blocks",
     ):
         if not isinstance(model_fingerprint, str) or not model_fingerprint:
             raise ValueError(f"model_fingerprint must be a non-empty string, got {model_fingerprint!r}")
@@ -107,8 +120,16 @@ class AgentCacheStore:
         self.pool_lock = threading.RLock()
         self._lock = threading.Lock()  # the index and counters, the health, the refused; never held during file I/O
         self._quarantine = Quarantine(self.dir, self._lock)
-        self._files = AgentFiles(self.dir, spec, model_fingerprint, durable=durable, lock=self._lock,
-                                 quarantine=self._quarantine)
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+        self.layout = layout
+        if layout == "blocks":
+            self._files = BlockFiles(self.dir, spec, model_fingerprint, durable=durable, lock=self._lock,
+                                     quarantine=self._quarantine, block_tokens=pool.block_tokens)
+        else:
+            self._files = AgentFiles(self.dir, spec, model_fingerprint, durable=durable, lock=self._lock,
+                                     quarantine=self._quarantine)
+        self.written_bytes = 0
         self._budget = DiskBudget(self.dir, disk_budget_bytes, files=self._files, lock=self._lock)
         self._fetch = RemoteFetch(remote, self._files, pool=pool, pool_lock=self.pool_lock, lock=self._lock)
         try:
@@ -137,7 +158,7 @@ class AgentCacheStore:
             try:
                 if not self._files.scanned:
                     self._scan()  # the directory is usable again (or for the first time): index what it holds
-                path, nbytes = self._files.write(agent_id, blocks, prepared)
+                entry = self._files.write(agent_id, blocks, prepared)
             except OSError as exc:
                 with self._lock:
                     err = self.health.failed(exc)
@@ -146,8 +167,10 @@ class AgentCacheStore:
                 raise err from None
             with self._lock:
                 self.health.ok()
-                version = self._files.put(agent_id, path, nbytes)
-            self._fetch.publish(agent_id, path, version, blocks)
+                version = self._files.put(agent_id, entry)
+                self.written_bytes += entry.written
+            self._files.collect()
+            self._fetch.publish(agent_id, entry.path, version, blocks)
         self._budget.trim(keep=agent_id)
 
     def load(self, agent_id: str) -> AgentBlocks | None:
@@ -184,11 +207,7 @@ class AgentCacheStore:
         """Forget ``agent_id`` and delete its file; True if it was stored."""
         validate_agent_id(agent_id)
         with self._files.agent_lock(agent_id):
-            with self._lock:
-                entry = self._files.pop(agent_id)
-            if entry is not None:
-                self._files.remove(entry.path)
-            return entry is not None
+            return self._files.evict(agent_id)
 
     def save_extra(self, agent_id: str, doc: dict) -> bool:
         """Keep a small JSON document beside the agent's cache file (deleted with it); False if it could not
@@ -199,6 +218,15 @@ class AgentCacheStore:
     def load_extra(self, agent_id: str) -> dict | None:
         """The document :meth:`save_extra` kept for the agent, or None (none, unreadable, not a JSON object)."""
         return self._files.load_extra(agent_id)
+
+    def has(self, agent_id: str) -> bool:
+        """Whether the agent's cache is on disk (indexed)."""
+        with self._lock:
+            return self._files.get(agent_id) is not None
+
+    def tokens_on_disk(self, agent_id: str) -> int | None:
+        """How many tokens the agent's cache on disk holds, or None (none, unreadable)."""
+        return self._files.tokens(agent_id)
 
     def agents(self) -> list[str]:
         """Ids of the stored agents, sorted."""
@@ -213,6 +241,8 @@ class AgentCacheStore:
     def stats(self) -> StoreStats:
         with self._lock:
             ours = self._files.total_bytes()
+            shared, unique = self._files.shared_bytes()
+            blocks = getattr(self._files, "index", None)
             return StoreStats(
                 disk_hits=self._files.hits,
                 misses=self._files.misses,
@@ -221,6 +251,13 @@ class AgentCacheStore:
                 disk_bytes=ours,
                 quarantined=len(self.quarantined),
                 disk=self._budget.snapshot(ours),
+                layout=self.layout,
+                disk_shared_bytes=shared,
+                disk_unique_bytes=unique,
+                disk_block_files=len(blocks.infos) if blocks is not None else 0,
+                written_bytes=self.written_bytes,
+                collected=getattr(self._files, "collected", 0),
+                newer=len(getattr(self._files, "newer", ())),
             )
 
     @property

@@ -75,15 +75,12 @@ class DiskBudget:
             else:
                 return  # every other agent is busy: try again on the next save
             try:
+                try:
+                    evicted = self.files.evict(victim)
+                except OSError as exc:  # a read-only directory: the file stays, and so does its entry
+                    log.warning("cannot delete %r's cache to hold the disk budget: %s", victim, exc)
+                    return
                 with self.lock:
-                    entry = self.files.get(victim)
-                if entry is not None:
-                    try:
-                        self.files.remove(entry.path)
-                    except OSError as exc:  # a read-only directory: the file stays, and so does its entry
-                        log.warning("cannot delete %s to hold the disk budget: %s", entry.path, exc)
-                        return
-                    with self.lock:
-                        self.evictions += self.files.pop(victim) is not None
+                    self.evictions += evicted
             finally:
                 lock.release()

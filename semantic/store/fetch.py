@@ -26,7 +26,7 @@ from semantic.blocks import AgentBlocks
 from semantic.errors import CacheCorruptError, CacheMismatchError, InvalidAgentIdError, PoolExhaustedError
 from semantic.pool import BlockPool
 from semantic.request import validate_agent_id
-from semantic.store.files import AgentFiles
+from semantic.store.files import AgentFiles, OnDisk
 
 log = logging.getLogger(__package__)  # the store's one logger: its lines keep the name they had
 
@@ -90,7 +90,7 @@ class RemoteFetch:
             log.warning("agent %r: cannot keep the remote cache here: %s", agent_id, exc)
             return None
         with self.lock:
-            self.files.put(agent_id, path, path.stat().st_size, got.version)
+            self.files.put(agent_id, OnDisk(path, path.stat().st_size), got.version)
         return got.version
 
     def refused(self, agent_id: str, version: int) -> None:

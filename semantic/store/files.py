@@ -65,6 +65,11 @@ class OnDisk:
     path: Path
     nbytes: int
 
+    @property
+    def written(self) -> int:
+        """Bytes the save that made it wrote: all of it."""
+        return self.nbytes
+
 
 class AgentFiles:
     """One cache file per agent in ``directory``, indexed least recently used first, for one model and spec.
@@ -102,8 +107,8 @@ class AgentFiles:
         with self.lock:
             return self._agent_locks.setdefault(agent_id, threading.Lock())
 
-    def put(self, agent_id: str, path: Path, nbytes: int, version: int | None = None) -> int:
-        """Index ``path`` as the agent's file, most recently used (under the lock).
+    def put(self, agent_id: str, entry: OnDisk, version: int | None = None) -> int:
+        """Index ``entry`` as the agent's file, most recently used (under the lock).
 
         Args:
             version: the file's version; None: now (``time.time_ns``), for a file just saved.
@@ -111,7 +116,7 @@ class AgentFiles:
         Returns:
             The version recorded.
         """
-        self.entries[agent_id] = OnDisk(path, nbytes)
+        self.entries[agent_id] = entry
         self.entries.move_to_end(agent_id)
         version = self.versions[agent_id] = time.time_ns() if version is None else version
         return version
@@ -146,11 +151,11 @@ class AgentFiles:
 
     # ------------------------------------------------------------ the files
 
-    def write(self, agent_id: str, blocks: AgentBlocks, prepared: cachefile.PreparedSave) -> tuple[Path, int]:
+    def write(self, agent_id: str, blocks: AgentBlocks, prepared: cachefile.PreparedSave) -> OnDisk:
         """Write the agent's cache file (crash-safe; durable if the store is); not indexed yet.
 
         Returns:
-            The file's path and size.
+            The file (its size is also what the save wrote).
 
         Raises:
             OSError: the directory did not take it (nothing written).
@@ -160,7 +165,39 @@ class AgentFiles:
             path, blocks, model_fingerprint=self.fingerprint, agent_id=agent_id, durable=self.durable,
             prepared=prepared,
         )
-        return path, info.nbytes
+        return OnDisk(path, info.nbytes)
+
+    def collect(self) -> int:
+        """Nothing to collect: each file is one agent's."""
+        return 0
+
+    def evict(self, agent_id: str) -> bool:
+        """Delete the agent's file and forget it; False when it was not indexed.
+
+        Raises:
+            OSError: the file could not be deleted (it stays indexed).
+        """
+        with self.lock:
+            entry = self.entries.get(agent_id)
+        if entry is None:
+            return False
+        self.remove(entry.path)
+        with self.lock:
+            self.entries.pop(agent_id, None)
+        return True
+
+    def shared_bytes(self) -> tuple[int, int]:
+        """Bytes shared between agents (none: one file each) and bytes of one agent only (under the lock)."""
+        return 0, self.total_bytes()
+
+    def tokens(self, agent_id: str) -> int | None:
+        """How many tokens the agent's file holds, or None (not indexed, unreadable)."""
+        with self.lock:
+            entry = self.entries.get(agent_id)
+        try:
+            return None if entry is None else cachefile.read_header(entry.path).total_tokens
+        except (OSError, CacheCorruptError):
+            return None
 
     def adopt(self, agent_id: str, data: bytes) -> Path:
         """Make ``data`` (a cache file from elsewhere) the agent's file: written aside, its header checked,

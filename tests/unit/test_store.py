@@ -1,4 +1,8 @@
-"""AgentCacheStore: files, the disk budget, restarts, quarantine, agent ids, threads."""
+"""AgentCacheStore: files, the disk budget, restarts, quarantine, agent ids, threads.
+
+The tests that name files pin down the single-file layout (``layout="file"``); those parametrized over
+``LAYOUTS`` hold for both. The block layout's own tests are in test_store_blocks.py.
+"""
 
 from __future__ import annotations
 
@@ -17,7 +21,7 @@ from semantic import (
     Request,
 )
 from semantic import cachefile
-from semantic.store import QUARANTINE_DIR, file_name
+from semantic.store import LAYOUTS, QUARANTINE_DIR, file_name
 from tests.cache_helpers import LOGPROB_TOL, assert_identical, engine, generate, history, run
 
 pytestmark = pytest.mark.compat
@@ -25,8 +29,8 @@ pytestmark = pytest.mark.compat
 FP = "tiny-model"
 
 
-def _store(eng, path, disk=10**9, **kw):
-    return AgentCacheStore(path, eng.spec, FP, disk, pool=eng.pool, durable=False, **kw)
+def _store(eng, path, disk=10**9, layout="file", **kw):
+    return AgentCacheStore(path, eng.spec, FP, disk, pool=eng.pool, durable=False, layout=layout, **kw)
 
 
 def _files(path):
@@ -44,17 +48,18 @@ def caches(eng):
     return {a: generate(eng, a, history(n, seed=i), 4).blocks for i, (a, n) in enumerate((("a", 16), ("b", 20), ("c", 24)))}
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("which,kv_bits", [("gemma", None), ("llama", 8)], ids=["gemma-window-wrapped", "quantized-8bit"])
 def test_a_saved_cache_survives_a_restart_and_continues_like_a_fresh_prefill(
-    llama_tiny, gemma_tiny, tmp_path, which, kv_bits
+    llama_tiny, gemma_tiny, tmp_path, which, kv_bits, layout
 ):
     model = gemma_tiny if which == "gemma" else llama_tiny
     first = engine(model, kv_bits)
     done = generate(first, "agent-1", history(29), 5)
-    _store(first, tmp_path).save("agent-1", done.blocks)
+    _store(first, tmp_path, layout=layout).save("agent-1", done.blocks)
 
     after = engine(model, kv_bits)  # a new process: new pool, new store over the same directory
-    store = _store(after, tmp_path)
+    store = _store(after, tmp_path, layout=layout)
     assert store.agents() == ["agent-1"]
     loaded = store.load("agent-1")
     assert_identical(loaded, done.blocks)
@@ -66,8 +71,9 @@ def test_a_saved_cache_survives_a_restart_and_continues_like_a_fresh_prefill(
     np.testing.assert_allclose(out[cont].logprobs, out[ref].logprobs, atol=LOGPROB_TOL, rtol=0)
 
 
-def test_the_store_takes_no_reference_and_every_load_is_a_new_one_the_caller_owns(eng, caches, tmp_path):
-    store = _store(eng, tmp_path)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_the_store_takes_no_reference_and_every_load_is_a_new_one_the_caller_owns(eng, caches, tmp_path, layout):
+    store = _store(eng, tmp_path, layout=layout)
     store.save("a", caches["a"])
     refs = [eng.pool.refcount(b) for b in caches["a"].unique_blocks()]
     assert refs == [1] * len(refs)  # the caller's reference alone: the RAM tier is the scheduler's

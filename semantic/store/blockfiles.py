@@ -1,0 +1,507 @@
+"""The agents' caches as block files written once and a small manifest per agent (the default layout).
+
+::
+
+    <cache dir>/
+        <slug>-<digest>.kvm          one manifest per agent (``manifest``): its tokens and extents
+        blocks-<model digest>/
+            <key>.kvb                block files (``blockfile``), shared by every manifest that names them
+        quarantine/                  files that failed their checks
+        <slug>-<digest>.safetensors  a cache file of the single-file layout: converted on its first load
+
+A save writes the block files its history lacks (``blockindex``: usually the
+turn's new tokens and nothing else), fsyncs them and their directory, then
+writes the manifest atomically; a crash anywhere leaves the old manifest or
+the new one, and the files no manifest names are deleted. Evicting an agent
+deletes its manifest and the files no other manifest names. A block file that
+fails its checks is quarantined: every agent that uses it resumes from the
+blocks before it.
+
+Same interface as :class:`semantic.store.files.AgentFiles` (the single-file
+layout, kept for comparison): the store holds one or the other.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import xxhash
+
+from semantic import cachefile
+from semantic.blockplan import chain_keys
+from semantic.blocks import AgentBlocks
+from semantic.cachefile import atomic
+from semantic.cachefile.fileformat import ST_DTYPES
+from semantic.errors import CacheCorruptError, CacheFormatError, CacheMismatchError, InvalidAgentIdError
+from semantic.pool import BlockPool
+from semantic.spec import ModelCacheSpec
+from semantic.store import blockfile, blockload, manifest
+from semantic.store.blockfile import BLOCK_SUFFIX, BlockInfo
+from semantic.store.blockindex import BlockIndex, NewBlock
+from semantic.store.files import EXTRA_SUFFIX, file_name
+from semantic.store.manifest import MANIFEST_SUFFIX, Manifest
+from semantic.store.quarantine import Quarantine
+
+log = logging.getLogger(__package__)
+
+
+def manifest_name(agent_id: str) -> str:
+    """The manifest's file name for ``agent_id`` (the cache file's name, another suffix)."""
+    return file_name(agent_id)[: -len(cachefile.SUFFIX)] + MANIFEST_SUFFIX
+
+
+@dataclass(slots=True)
+class Held:
+    """One indexed agent: its manifest (or, until converted, its single cache file)."""
+
+    path: Path
+    nbytes: int
+    keys: frozenset[int] = frozenset()
+    legacy: bool = False
+    written: int = 0                                # bytes the save that made it wrote
+    pins: frozenset[int] = field(default=frozenset(), repr=False)  # held until put
+
+
+class BlockFiles:
+    """Manifests and block files in ``directory``, for one model, spec and block size.
+
+    Args: as :class:`AgentFiles`, and ``block_tokens``, the pool's block size.
+    """
+
+    def __init__(self, directory: Path, spec: ModelCacheSpec, fingerprint: str, *, durable: bool,
+                 lock: threading.Lock, quarantine: Quarantine, block_tokens: int):
+        self.dir, self.spec, self.fingerprint, self.durable = directory, spec, fingerprint, durable
+        self.lock, self.quarantine, self.bt = lock, quarantine, block_tokens
+        digest = xxhash.xxh3_64(f"{fingerprint}|{spec.fingerprint()}|{block_tokens}".encode()).hexdigest()[:12]
+        self.blocks_dir = directory / f"blocks-{digest}"
+        self.index = BlockIndex()
+        self.entries: OrderedDict[str, Held] = OrderedDict()
+        self.versions: dict[str, int] = {}
+        self.hits = self.misses = 0
+        self.foreign: list[str] = []
+        self.newer: list[str] = []    # manifests of a newer build: left alone
+        self.cleaned: list[str] = []
+        self.collected = 0            # block files deleted once no manifest used them
+        self.scanned = False
+        self._agent_locks: dict[str, threading.Lock] = {}
+        self._extras: dict[str, dict] = {}
+        self._extra_stale: set[str] = set()
+
+    # ------------------------------------------------------------ the index (as AgentFiles)
+
+    def agent_lock(self, agent_id: str) -> threading.Lock:
+        with self.lock:
+            return self._agent_locks.setdefault(agent_id, threading.Lock())
+
+    def put(self, agent_id: str, held: Held, version: int | None = None) -> int:
+        """Index ``held`` as the agent's, most recently used; its block files' references move from the
+        agent's old manifest to it (under the lock). Returns the version recorded."""
+        old = self.entries.get(agent_id)
+        self.index.reference(set(held.keys), set(old.keys) if old is not None else set())
+        self.index.unpin(held.pins)
+        held.pins = frozenset()
+        self.entries[agent_id] = held
+        self.entries.move_to_end(agent_id)
+        version = self.versions[agent_id] = time.time_ns() if version is None else version
+        return version
+
+    def pop(self, agent_id: str) -> Held | None:
+        held = self.entries.pop(agent_id, None)
+        if held is not None:
+            self.index.reference(set(), set(held.keys))
+        return held
+
+    def get(self, agent_id: str) -> Held | None:
+        return self.entries.get(agent_id)
+
+    def version(self, agent_id: str) -> int | None:
+        return self.versions.get(agent_id)
+
+    def agents(self) -> list[str]:
+        return sorted(self.entries)
+
+    def count(self) -> int:
+        return len(self.entries)
+
+    def total_bytes(self) -> int:
+        return self.index.total_bytes() + sum(h.nbytes for h in self.entries.values())
+
+    def shared_bytes(self) -> tuple[int, int]:
+        """Bytes of block files two agents or more use, and bytes only one agent uses (manifests and
+        unconverted files included)."""
+        shared, unique = self.index.shared_bytes()
+        return shared, unique + sum(h.nbytes for h in self.entries.values())
+
+    def least_recent(self, keep: str) -> list[str]:
+        return [a for a in self.entries if a != keep]
+
+    def tokens(self, agent_id: str) -> int | None:
+        """How many tokens the agent's cache on disk holds, or None (not indexed, unreadable)."""
+        with self.lock:
+            held = self.entries.get(agent_id)
+        if held is None:
+            return None
+        try:
+            if held.legacy:
+                return cachefile.read_header(held.path).total_tokens
+            return manifest.read(str(held.path), self.spec, self.fingerprint, self.bt).total_tokens
+        except (OSError, CacheCorruptError, CacheMismatchError, CacheFormatError):
+            return None
+
+    # ------------------------------------------------------------ writing
+
+    def write(self, agent_id: str, blocks: AgentBlocks, prepared: cachefile.PreparedSave) -> Held:
+        """Write the block files ``blocks`` lacks on disk, then the agent's manifest; not indexed yet
+        (the caller's :meth:`put` does, then :meth:`collect`).
+
+        Raises:
+            OSError: the directory did not take it (what was written is collected).
+        """
+        tokens = blocks.token_ids
+        chain = chain_keys(tokens, self.bt, blocks.salt_root)
+        with self.lock:
+            plan = self.index.plan(self.spec, tokens, chain, blocks.salt_root, prepared.stored_from, self.bt)
+            self.index.pin(plan.reused)
+        pins, written = set(plan.reused), 0
+        try:
+            if plan.new:
+                self.blocks_dir.mkdir(exist_ok=True)
+            for nb in plan.new:
+                info = self._write_block(nb, tokens, prepared)
+                written += info.nbytes
+                with self.lock:
+                    self.index.add(info)
+                    self.index.pin([info.key])
+                pins.add(info.key)
+            if plan.new and self.durable:
+                atomic.fsync_path(str(self.blocks_dir))
+            path = self.dir / manifest_name(agent_id)
+            with self.lock:
+                extra = self._extras.get(agent_id)
+                self._extra_stale.discard(agent_id)
+            m = Manifest(agent_id, self.fingerprint, self.spec, self.bt, tokens, blocks.salt_root,
+                         dict(prepared.stored_from), plan.extents, extra)
+            n = manifest.write(str(path), m, self.durable)
+        except BaseException:
+            with self.lock:
+                self.index.unpin(pins)
+            self.collect()
+            raise
+        return Held(path, n, frozenset(m.keys()), written=written + n, pins=frozenset(pins))
+
+    def _write_block(self, nb: NewBlock, tokens, prepared: cachefile.PreparedSave) -> BlockInfo:
+        path = str(self.blocks_dir / blockfile.key_name(nb.key))
+        slots = blockfile.block_slots(self.spec, nb.group, nb.end - nb.start)
+        by_name = {s.name: k for k, s in enumerate(prepared.slots)}
+        chunks = [_slice(prepared.chunks[by_name[s.name]], prepared.slots[by_name[s.name]], nb.buffer, nb.end - nb.start)
+                  for s in slots]
+        return blockfile.write(path, self.spec, self.fingerprint, nb.group, nb.parent, nb.block_start, nb.start,
+                               tuple(tokens[nb.block_start:nb.end]), chunks, self.durable)
+
+    def collect(self) -> int:
+        """Delete the block files no manifest names and no save holds; the bytes freed."""
+        with self.lock:
+            dead = self.index.take_garbage()
+            self.collected += len(dead)
+        freed = 0
+        for info in dead:
+            try:
+                atomic.unlink_quietly(info.path)
+                freed += info.nbytes
+            except OSError as exc:  # a read-only directory: the next startup collects it
+                log.warning("cannot delete unused block file %s: %s", info.path, exc)
+        return freed
+
+    def evict(self, agent_id: str) -> bool:
+        """Delete the agent's manifest (or cache file) and the block files only it used; False when it
+        was not indexed.
+
+        Raises:
+            OSError: the manifest could not be deleted (it stays indexed).
+        """
+        with self.lock:
+            held = self.entries.get(agent_id)
+        if held is None:
+            return False
+        atomic.unlink_quietly(held.path)
+        if held.legacy:
+            atomic.unlink_quietly(str(held.path) + EXTRA_SUFFIX)
+        with self.lock:
+            self.pop(agent_id)
+            self._extras.pop(agent_id, None)
+        self.collect()
+        return True
+
+    # ------------------------------------------------------------ loading
+
+    def load(self, agent_id: str, pool: BlockPool, pool_lock: threading.RLock) -> AgentBlocks | None:
+        """The agent's cache read into ``pool`` (the caller holds the agent's lock), or None; a cache
+        file of the single-file layout is converted on the way.
+
+        Raises:
+            PoolExhaustedError: the pool has no room for the blocks it lacks.
+        """
+        with self.lock:
+            held = self.entries.get(agent_id)
+            if held is None:
+                self.misses += 1
+                return None
+        if held.legacy:
+            return self._convert(agent_id, held, pool, pool_lock)
+        try:
+            m = manifest.read(str(held.path), self.spec, self.fingerprint, self.bt)
+        except CacheCorruptError as exc:
+            self._forget(agent_id)
+            self.quarantine.set_aside(held.path, exc.reason)
+            return None
+        except (CacheMismatchError, CacheFormatError, FileNotFoundError) as exc:
+            log.warning("agent %r: cannot load %s: %s", agent_id, held.path, exc)
+            self._forget(agent_id)
+            return None
+        except OSError as exc:
+            log.warning("agent %r: cannot read %s: %s", agent_id, held.path, exc)
+            with self.lock:
+                self.misses += 1
+            return None
+
+        def infos():
+            with self.lock:
+                return dict(self.index.infos)
+
+        release = lambda bl: _locked_release(pool, pool_lock, bl)  # noqa: E731
+        blocks = blockload.load(m, infos, pool, pool_lock, self._bad_block, release)
+        with self.lock:
+            if blocks is None:
+                self.misses += 1
+                return None
+            self.hits += 1
+            if agent_id in self.entries:
+                self.entries.move_to_end(agent_id)
+            if m.extra is not None:
+                self._extras.setdefault(agent_id, m.extra)
+        with contextlib.suppress(OSError):
+            os.utime(held.path)  # recency survives a restart
+        return blocks
+
+    def _bad_block(self, info: BlockInfo, reason: str) -> None:
+        with self.lock:
+            self.index.drop(info.key)
+        self.quarantine.set_aside(Path(info.path), reason)
+
+    def _forget(self, agent_id: str) -> None:
+        with self.lock:
+            self.pop(agent_id)
+            self.misses += 1
+        self.collect()
+
+    def _convert(self, agent_id: str, held: Held, pool: BlockPool, pool_lock) -> AgentBlocks | None:
+        """Load a single-file cache, then save it as block files and a manifest and delete the file."""
+        try:
+            blocks = cachefile.load(held.path, pool, model_fingerprint=self.fingerprint, lock=pool_lock)
+        except CacheCorruptError as exc:
+            self._forget(agent_id)
+            self.quarantine.set_aside(held.path, exc.reason)
+            return None
+        except (CacheMismatchError, OSError) as exc:
+            log.warning("agent %r: cannot load %s: %s", agent_id, held.path, exc)
+            self._forget(agent_id)
+            return None
+        extra = _read_json(str(held.path) + EXTRA_SUFFIX)
+        with self.lock:
+            self.hits += 1
+            if extra is not None:
+                self._extras.setdefault(agent_id, extra)
+        try:
+            with pool_lock:
+                prepared = cachefile.prepare_save(blocks)
+            new = self.write(agent_id, blocks, prepared)
+        except (OSError, CacheMismatchError) as exc:  # a full or read-only disk: converted on a later save
+            log.warning("agent %r: its cache file stays in the single-file layout for now: %s", agent_id, exc)
+            return blocks
+        with self.lock:
+            self.put(agent_id, new, self.versions.get(agent_id))
+        with contextlib.suppress(OSError):
+            atomic.unlink_quietly(held.path)
+            atomic.unlink_quietly(str(held.path) + EXTRA_SUFFIX)
+        log.info("agent %r: converted %s to block files", agent_id, held.path.name)
+        return blocks
+
+    # ------------------------------------------------------------ extra documents (the echo note)
+
+    def save_extra(self, agent_id: str, doc: dict) -> bool:
+        """Keep a small JSON document in the agent's manifest (rewritten now unless a save of the agent is
+        under way: that save, or the next, writes it). Not fsynced: a hint, never what makes a reply right."""
+        try:
+            json.dumps(doc)
+        except (TypeError, ValueError):
+            return False
+        with self.lock:
+            self._extras[agent_id] = doc
+            held = self.entries.get(agent_id)
+        lock = self.agent_lock(agent_id)
+        if held is None or held.legacy or not lock.acquire(blocking=False):
+            return True
+        try:
+            m = manifest.read(str(held.path), self.spec, self.fingerprint, self.bt)
+            n = manifest.write(str(held.path), _with_extra(m, doc), durable=False)
+            with self.lock:
+                if self.entries.get(agent_id) is held:
+                    held.nbytes = n
+            return True
+        except (OSError, CacheCorruptError, CacheMismatchError, CacheFormatError) as exc:
+            log.debug("agent %r: extra document not written: %s", agent_id, exc)
+            return False
+        finally:
+            lock.release()
+
+    def load_extra(self, agent_id: str) -> dict | None:
+        with self.lock:
+            doc = self._extras.get(agent_id)
+            held = self.entries.get(agent_id)
+        if doc is not None or held is None:
+            return doc
+        if held.legacy:
+            return _read_json(str(held.path) + EXTRA_SUFFIX)
+        try:
+            return manifest.read(str(held.path), self.spec, self.fingerprint, self.bt).extra
+        except (OSError, CacheCorruptError, CacheMismatchError, CacheFormatError):
+            return None
+
+    # ------------------------------------------------------------ startup
+
+    def scan(self) -> None:
+        """Index the block files and manifests (and cache files still to convert), delete the block files
+        no manifest names; raises OSError when the directory cannot be created or listed."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.cleaned.extend(atomic.remove_abandoned(self.dir))
+        if self.blocks_dir.is_dir():
+            self.cleaned.extend(atomic.remove_abandoned(self.blocks_dir))
+            self._scan_blocks()
+        found = self._scan_manifests() + self._scan_cache_files()
+        with self.lock:
+            for mtime_ns, agent_id, held in sorted(found, key=lambda x: (x[0], x[1]), reverse=True):
+                if agent_id in self.entries:
+                    continue
+                self.entries[agent_id] = held
+                self.entries.move_to_end(agent_id, last=False)
+                self.index.reference(set(held.keys), set())
+                self.versions.setdefault(agent_id, mtime_ns)
+        self.collect()
+        self.scanned = True
+
+    def _scan_blocks(self) -> None:
+        for path in sorted(self.blocks_dir.iterdir()):
+            if not path.name.endswith(BLOCK_SUFFIX):
+                continue
+            try:
+                info = blockfile.read_header(str(path), self.spec, self.fingerprint)
+            except CacheCorruptError as exc:
+                self.quarantine.set_aside(path, exc.reason)
+                continue
+            except OSError as exc:
+                log.warning("skipping unreadable block file %s: %s", path, exc)
+                continue
+            with self.lock:
+                self.index.add(info)
+
+    def _scan_manifests(self) -> list[tuple[int, str, Held]]:
+        found = []
+        for path in sorted(self.dir.glob("*" + MANIFEST_SUFFIX)):
+            try:
+                m = manifest.read(str(path), self.spec, self.fingerprint, self.bt)
+            except CacheCorruptError as exc:
+                self.quarantine.set_aside(path, exc.reason)
+                continue
+            except CacheFormatError as exc:
+                log.error("%s", exc)
+                self.newer.append(str(path))
+                continue
+            except CacheMismatchError:
+                self.foreign.append(str(path))
+                continue
+            except OSError as exc:
+                log.warning("skipping unreadable manifest %s: %s", path, exc)
+                continue
+            if not _named_for(path.name, m.agent_id, manifest_name):
+                self.quarantine.set_aside(path, f"file name does not match its agent id {m.agent_id!r}")
+                continue
+            if m.extra is not None:
+                self._extras.setdefault(m.agent_id, m.extra)
+            found.append((path.stat().st_mtime_ns, m.agent_id, Held(path, m.nbytes, frozenset(m.keys()))))
+        return found
+
+    def _scan_cache_files(self) -> list[tuple[int, str, Held]]:
+        """Cache files of the single-file layout: indexed until their first load converts them (one whose
+        agent already has a manifest was converted by a process that died before deleting it)."""
+        found = []
+        for path in sorted(self.dir.glob("*" + cachefile.SUFFIX)):
+            try:
+                info = cachefile.read_header(path)
+            except CacheCorruptError as exc:
+                self.quarantine.set_aside(path, exc.reason)
+                continue
+            except OSError:
+                continue
+            if info.model_fingerprint != self.fingerprint or info.spec != self.spec:
+                self.foreign.append(str(path))
+                continue
+            if not _named_for(path.name, info.agent_id, file_name):
+                self.quarantine.set_aside(path, f"file name does not match its agent id {info.agent_id!r}")
+                continue
+            if (self.dir / manifest_name(info.agent_id)).exists():
+                with contextlib.suppress(OSError):
+                    atomic.unlink_quietly(path)
+                continue
+            found.append((path.stat().st_mtime_ns, info.agent_id, Held(path, info.nbytes, legacy=True)))
+        return found
+
+
+def _named_for(name: str, agent_id, namer) -> bool:
+    try:
+        return namer(agent_id) == name
+    except InvalidAgentIdError:
+        return False
+
+
+def _with_extra(m: Manifest, doc: dict) -> Manifest:
+    return Manifest(m.agent_id, m.model_fingerprint, m.spec, m.block_tokens, m.token_ids, m.hash_root, m.stored_from,
+                    m.extents, doc)
+
+
+def _read_json(path: str) -> dict | None:
+    try:
+        doc = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def _slice(chunks: list[memoryview], slot, first: int, n: int) -> list[memoryview]:
+    """File-order bytes of rows ``[first, first + n)`` of a saved tensor given as :func:`cachefile.prepare_save`
+    chunks (per head, the runs of arrays that hold its rows)."""
+    heads = slot.shape[1]
+    row = slot.shape[3] * ST_DTYPES[slot.dtype][1]
+    per_head = len(chunks) // heads
+    rows = [chunks[j].nbytes // row for j in range(per_head)]
+    out = []
+    for h in range(heads):
+        at = 0
+        for j, r in enumerate(rows):
+            lo, hi = max(at, first), min(at + r, first + n)
+            if lo < hi:
+                out.append(chunks[h * per_head + j][(lo - at) * row:(hi - at) * row])
+            at += r
+    return out
+
+
+def _locked_release(pool: BlockPool, pool_lock, blocks) -> None:
+    with pool_lock:
+        pool.release(blocks)

@@ -1,0 +1,186 @@
+"""Loading an agent's cache from its manifest: the pool first, then only the block files it lacks.
+
+::
+
+    manifest ─► extents per group ─► which prefix is whole on disk (files indexed, each fitting the history)
+             ─► plan against the pool (``blockplan``): pooled blocks are shared, never read
+             ─► read the files of the missed blocks (``mx.load``, one eval), verify every checksum
+             ─► commit: a missed block made of one whole file holds its arrays (no copy)
+
+A block file that fails its checksum is handed to ``on_bad`` (the store
+quarantines it) and the load starts again without it: the agent resumes
+from the blocks before it, and the turn prefills the rest. A history cut
+short must still hold every group's window at the cut, else the load misses.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from contextlib import AbstractContextManager
+from typing import Callable
+
+import mlx.core as mx
+
+from semantic.blockplan import chain_keys, commit, plan_blocks
+from semantic.blocks import AgentBlocks, LayerKV
+from semantic.cachefile.atomic import hasher
+from semantic.cachefile.loading import _digest_arrays
+from semantic.errors import CacheCorruptError
+from semantic.pool import BlockPool
+from semantic.store import blockfile
+from semantic.store.blockfile import BlockInfo
+from semantic.store.manifest import Extent, Manifest
+
+
+def whole_prefix(m: Manifest, infos: dict[int, BlockInfo]) -> int:
+    """The longest history prefix (the whole history, or a block boundary) every group can load
+    from the files indexed now; 0 when none."""
+    bt, chain = m.block_tokens, chain_keys(m.token_ids, m.block_tokens, m.hash_root)
+    good: dict[str, list[tuple[int, int]]] = {}
+    bad = m.total_tokens
+    for g, extents in m.extents.items():
+        cover = good[g] = []
+        for e in extents:
+            if not _fits(e, infos.get(e.key), m, chain):
+                bad = min(bad, e.start)
+                break
+            if cover and cover[-1][1] == e.start:
+                cover[-1] = (cover[-1][0], e.end)
+            else:
+                cover.append((e.start, e.end))
+    if bad == m.total_tokens:
+        return bad
+    for total in range(bad - bad % bt, 0, -bt):
+        if all(_covered(m.spec.layers[layers[0]].held_ranges(total), good[g]) for g, layers in m.spec.groups().items()):
+            return total
+    return 0
+
+
+def _fits(e: Extent, info: BlockInfo | None, m: Manifest, chain: list[int]) -> bool:
+    if info is None or not info.start <= e.start < e.end <= info.end:
+        return False
+    bs = info.block_start
+    parent = chain[bs // m.block_tokens - 1] if bs else m.hash_root
+    return info.usable_end(m.token_ids[bs:e.end], parent, e.end) >= e.end
+
+
+def _covered(ranges, cover) -> bool:
+    return all(any(a <= x and y <= b for a, b in cover) for x, y in ranges if y > x)
+
+
+def load(m: Manifest, infos: Callable[[], dict[int, BlockInfo]], pool: BlockPool, pool_lock: AbstractContextManager,
+         on_bad: Callable[[BlockInfo, str], None], release) -> AgentBlocks | None:
+    """``m``'s cache (or its longest whole prefix) in ``pool``; None when nothing of it loads.
+
+    Args:
+        infos: the indexed block files now (a fresh view each try).
+        on_bad: called with a file that failed its checks, and why.
+        release: what the returned blocks call to go back to the pool (under ``pool_lock``).
+
+    Raises:
+        PoolExhaustedError: the pool cannot hold the blocks that missed (nothing taken).
+    """
+    for _ in range(8):
+        files = infos()
+        total = whole_prefix(m, files)
+        if total == 0:
+            return None
+        try:
+            return _load_prefix(m, total, files, pool, pool_lock, release)
+        except _Bad as bad:
+            on_bad(bad.info, bad.reason)
+    return None
+
+
+class _Bad(Exception):
+    def __init__(self, info: BlockInfo, reason: str):
+        self.info, self.reason = info, reason
+
+
+def _load_prefix(m: Manifest, total: int, files, pool, pool_lock, release) -> AgentBlocks:
+    tokens = m.token_ids[:total]
+    stored_from = m.stored_from if total == m.total_tokens else {}
+    chain = chain_keys(tokens, m.block_tokens, m.hash_root)
+    with pool_lock:
+        planned = plan_blocks(pool, m.spec, tokens, chain, m.hash_root, stored_from)
+    arrays: dict[int, dict[str, mx.array]] = {}
+    _read(_needed(m, planned, arrays), files, arrays)  # the slow part, outside the lock
+    with pool_lock:
+        planned = plan_blocks(pool, m.spec, tokens, chain, m.hash_root, stored_from)
+        _read(_needed(m, planned, arrays), files, arrays)  # hits recycled meanwhile
+        data = {id(p): _block_data(m, p, files, arrays) for p in planned.blocks if p.hit is None}
+        made = [x for layers in data.values() for kv in layers.values() for side in kv
+                for x in (side if isinstance(side, tuple) else (side,))]
+        mx.eval(made)
+        return commit(pool, m.spec, tokens, planned, lambda p: (data[id(p)], None), release=release,
+                      salt_root=m.hash_root)
+
+
+def _overlapping(m: Manifest, group: str, a: int, b: int) -> list[Extent]:
+    return [e for e in m.extents[group] if e.start < b and a < e.end]
+
+
+def _needed(m: Manifest, planned, arrays) -> set[int]:
+    return {e.key for p in planned.blocks if p.hit is None for e in _overlapping(m, p.group, p.start, p.end)
+            if e.key not in arrays}
+
+
+def _read(keys: set[int], files: dict[int, BlockInfo], arrays: dict) -> None:
+    """The files' tensors, evaluated together and verified (raises :class:`_Bad` for the first that fails)."""
+    if not keys:
+        return
+    loaded = {}
+    for k in keys:
+        try:
+            loaded[k] = blockfile.load_arrays(files[k])
+        except CacheCorruptError as exc:
+            raise _Bad(files[k], exc.reason) from None
+        except OSError as exc:
+            raise _Bad(files[k], f"unreadable: {exc}") from None
+    flat = [(k, name, a) for k, t in loaded.items() for name, a in t.items()]
+    try:
+        mx.eval([a for _, _, a in flat])
+    except (RuntimeError, ValueError) as exc:  # a file that shrank under us: blame the first
+        k = flat[0][0]
+        raise _Bad(files[k], f"reading tensors failed: {exc}") from None
+    shares = 1 + min(hasher()._max_workers, max(1, (os.cpu_count() or 2) - 1))
+    arrs = [a for _, _, a in flat]
+    pending = [hasher().submit(_digest_arrays, arrs[i::shares]) for i in range(1, shares)]
+    digests = [_digest_arrays(arrs[0::shares])] + [f.result() for f in pending]
+    for i, got in enumerate(digests):
+        for (k, name, _), d in zip(flat[i::shares], got):
+            if d != files[k].digests[name]:
+                raise _Bad(files[k], f"tensor {name}: checksum mismatch")
+    arrays.update(loaded)
+
+
+def _block_data(m: Manifest, p, files, arrays) -> dict[int, LayerKV]:
+    """A missed planned block's K/V per layer, from the files its extents name."""
+    parts = []
+    for e in _overlapping(m, p.group, p.start, p.end):
+        info = files[e.key]
+        lo, hi = max(e.start, p.start) - info.start, min(e.end, p.end) - info.start
+        parts.append((arrays[e.key], lo, hi, hi - lo == info.end - info.start))
+    assert sum(hi - lo for _, lo, hi, _ in parts) == p.end - p.start, (p.start, p.end)
+    direct = len(parts) == 1 and parts[0][3]  # one whole file: its arrays are the block's, no copy
+    out = {}
+    for i in p.layers:
+        sides = []
+        for side in ("keys", "values"):
+            names = [n for n in (f"layer.{i}.{side}",) if n in parts[0][0]] or [
+                f"layer.{i}.{side}.{q}" for q in ("packed", "scales", "biases")]
+            pieces = [_join([_cut(t[n], lo, hi, whole) for t, lo, hi, whole in parts], direct) for n in names]
+            sides.append(pieces[0] if len(names) == 1 else tuple(pieces))
+        out[i] = tuple(sides)
+    return out
+
+
+def _cut(x: mx.array, lo: int, hi: int, whole: bool) -> mx.array:
+    return x if whole else x[..., lo:hi, :]
+
+
+def _join(xs: list[mx.array], direct: bool) -> mx.array:
+    if direct:
+        return xs[0]
+    return mx.contiguous(xs[0] if len(xs) == 1 else mx.concatenate(xs, axis=2))
