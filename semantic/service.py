@@ -46,7 +46,7 @@ from semantic.diskhealth import KINDS as SAVE_FAILURES
 from semantic.saves import FAILED, PENDING, SAVED
 from semantic.scheduler import ConcurrentScheduler, TurnFuture
 from semantic.spec import ModelCacheSpec
-from semantic.store import AgentCacheStore, StoreStats, file_name
+from semantic.store import AgentCacheStore, StoreStats
 from semantic.toolformat import ToolCall, ToolPlan, Tools, read_calls
 
 log = logging.getLogger(__name__)
@@ -190,7 +190,7 @@ class Service:
     @classmethod
     def open(cls, model: str, *, cache_dir: str | None = None, pool_bytes: int, disk_budget_bytes: int,
              block_tokens: int = defaults.BLOCK_TOKENS, remote: str | None = None, remote_budget_bytes: int = 0,
-             **scheduling) -> "Service":
+             cache_layout: str = "blocks", **scheduling) -> "Service":
         """Load ``model`` (a directory or hub id, whatever ``mlx_lm.load`` takes) and open its cache store.
 
         Caches live under ``cache_dir``, by default
@@ -198,7 +198,8 @@ class Service:
         model's files never mix with this one's. ``remote``: a Redis URL whose
         tier other servers of this model share (agents resume on any of them), holding at most
         ``remote_budget_bytes`` of this model's caches (0: Redis's own ``maxmemory`` only). ``scheduling``: the
-        constructor's keywords (``ram_budget_bytes`` and the rest).
+        constructor's keywords (``ram_budget_bytes`` and the rest). ``cache_layout``: the store's
+        (``AgentCacheStore``'s ``layout``).
         """
         import mlx_lm
 
@@ -217,7 +218,7 @@ class Service:
 
             tier = RemoteTier(remote, fingerprint, budget_bytes=remote_budget_bytes)
         store = AgentCacheStore(where, spec, fingerprint, disk_budget_bytes, pool=BlockPool(spec, total, block_tokens),
-                                remote=tier)
+                                remote=tier, layout=cache_layout)
         if store.quarantined or store.foreign:
             log.warning("cache dir %s: %d files quarantined, %d of another model left alone",
                         where, len(store.quarantined), len(store.foreign))
@@ -338,7 +339,7 @@ class Service:
         (a turn answered whose cache is still being kept)."""
         agent_id = self.agent_id(tenant, agent)
         return (agent_id in set(self.scheduler.resident_agents()) or self.scheduler.holds(agent_id)
-                or (self.store.dir / file_name(agent_id)).exists())
+                or self.store.has(agent_id))
 
     def echo_state(self, tenant: str, agent: str) -> dict | None:
         """The agent's last turn as generated (``semantic.echo``), as JSON, for a record kept across restarts."""
@@ -424,12 +425,7 @@ class Service:
 
     def _from_disk(self, agent_id: str) -> tuple[int, float | None]:
         """Cached tokens and mtime of an agent known only from its file (a restart)."""
-        path = self.store.dir / file_name(agent_id)
-        try:
-            info = cachefile.read_header(path)
-            value = (info.total_tokens, path.stat().st_mtime)
-        except Exception:  # a file being replaced or quarantined right now: shown without numbers
-            value = (0, None)
+        value = self.store.on_disk(agent_id) or (0, None)  # None: being replaced or quarantined right now
         with self._lock:
             self._seen[agent_id] = value
         return value

@@ -214,8 +214,12 @@ class Backend:
                     "budget_waits": s.budget_waits, "over_budget_steps": s.over_budget_steps,
                     "over_budget_reason": s.over_budget_reason},
             # state: "ok", or why saves fail now ("disk_full", "read_only", "missing", "io"): caches stay in RAM
+            # layout "blocks": block files written once and shared (shared_bytes: used by two agents or more)
             "disk": {"agents": store.disk_agents, "bytes": store.disk_bytes, "budget_bytes": st.disk_budget_bytes,
-                     "dir": st.cache_dir, **_disk_state(store.disk)},
+                     "dir": st.cache_dir, "layout": store.layout, "shared_bytes": store.disk_shared_bytes,
+                     "unique_bytes": store.disk_unique_bytes, "block_files": store.disk_block_files,
+                     "written_bytes": store.written_bytes, "collected_files": store.collected,
+                     "newer_format_files": store.newer, **_disk_state(store.disk)},
             # lost: caches dropped from RAM unsaved (their saves failed) to hold the memory bounds
             "saves": {"done": s.saves, "errors": s.save_errors, "pending": s.pending_saves,
                       "skipped": (store.disk or {}).get("skipped", 0), "lost": s.lost_caches,

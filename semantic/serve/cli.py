@@ -46,6 +46,10 @@ def _server_flags(p: argparse.ArgumentParser, d: ServeConfig) -> None:
     p.add_argument("--host", default=d.host, help=f"address to bind (default {d.host})")
     p.add_argument("--port", type=int, default=d.port, help=f"port (default {d.port})")
     p.add_argument("--cache-dir", default=None, help="where agent caches are saved (default: the backend's)")
+    p.add_argument("--cache-layout", choices=("blocks", "file"), default=d.cache_layout,
+                   help="blocks: each 256-token block written once under its content key, shared by every agent "
+                        "that holds it, and a small manifest per agent (default); file: one file per agent, "
+                        "rewritten by every save (the old layout, kept to measure against)")
     p.add_argument("--api-key", action="append", default=[], metavar="KEY",
                    help=f"accept this key (repeatable; also ${KEYS_ENV}, comma-separated); none: no auth")
 
@@ -148,6 +152,7 @@ def parse_config(argv: list[str]) -> ServeConfig:
     try:
         return ServeConfig(
             model=a.model, model_id=a.model_id, host=a.host, port=a.port, cache_dir=a.cache_dir,
+            cache_layout=a.cache_layout,
             api_keys=tuple(dict.fromkeys([*a.api_key, *env_keys])), pool_mb=a.pool_mb, ram_mb=a.ram_mb,
             disk_mb=a.disk_mb, max_batch=a.max_batch, max_queued=a.max_queued, max_context=a.max_context,
             prefill_chunk=a.prefill_chunk, itl_target_ms=a.itl_target_ms, max_body_mb=a.max_body_mb, graceful_s=a.graceful_timeout, log_level=a.log_level,
@@ -185,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         backend = Backend.from_model(
             config.model, model_id=config.model_id, sync_saves=config.sync_saves, cache_dir=config.cache_dir,
+            cache_layout=config.cache_layout,
             pool_bytes=config.pool_bytes, disk_budget_bytes=config.disk_budget_bytes,
             ram_budget_bytes=config.ram_budget_bytes, max_batch=config.max_batch, max_queued=config.max_queued,
             max_context=config.max_context, prefill_chunk=config.prefill_chunk, tool_parser=config.tool_parser,

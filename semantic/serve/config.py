@@ -26,6 +26,7 @@ class ServeConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     cache_dir: str | None = None
+    cache_layout: str = "blocks"       # blocks: each block written once, a manifest per agent; file: one file per agent
     api_keys: tuple[str, ...] = field(default=(), repr=False)  # never in logs
     pool_mb: int = defaults.POOL_MB
     ram_mb: int | None = None  # None: a share of the pool (defaults.RAM_SHARE), so the budget binds
@@ -52,6 +53,8 @@ class ServeConfig:
     def __post_init__(self):
         if not isinstance(self.model, str) or not self.model.strip():
             raise ValueError("model must name a model directory or hub id")
+        if self.cache_layout not in ("blocks", "file"):
+            raise ValueError(f"cache_layout must be 'blocks' or 'file', got {self.cache_layout!r}")
         if not isinstance(self.host, str) or not self.host.strip() or any(c.isspace() for c in self.host):
             raise ValueError(f"host must be a host name or address, got {self.host!r}")
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 1 <= self.port <= 65535:

@@ -105,6 +105,8 @@ def _state_gauges(s: dict):
         "disk_bytes": ("Agent cache files on disk", s["disk"]["bytes"]),
         "disk_budget_bytes": ("Disk budget for agent caches", s["disk"]["budget_bytes"]),
         "disk_agents": ("Agents saved on disk", s["disk"]["agents"]),
+        "disk_shared_bytes": ("Block files on disk that two agents or more use", s["disk"]["shared_bytes"]),
+        "disk_unique_bytes": ("Cache bytes on disk that one agent alone uses", s["disk"]["unique_bytes"]),
         "quarantined_files": ("Damaged cache files set aside", s["quarantined"]),
         "cached_token_ratio": ("Prompt tokens served from a cache / all prompt tokens", s["tokens"]["hit_rate"]),
         "saves_pending": ("Cache saves not yet on disk", s["saves"]["pending"]),
@@ -114,7 +116,9 @@ def _state_gauges(s: dict):
 
 
 def _eviction_counters(s: dict):
-    """Caches evicted from RAM, and how the RAM budget held."""
+    """Caches evicted from RAM, how the RAM budget held, and the bytes saves wrote."""
+    yield CounterMetricFamily("semantic_disk_written_bytes", "Bytes cache saves wrote to disk",
+                              value=float(s["disk"]["written_bytes"]))
     yield CounterMetricFamily("semantic_evictions", "Agent caches evicted from RAM", value=float(s["evictions"]))
     yield CounterMetricFamily("semantic_ram_budget_evictions", "Saved agent caches evicted to hold the RAM budget",
                               value=float(s["ram"]["budget_evictions"]))

@@ -224,9 +224,16 @@ class AgentCacheStore:
         with self._lock:
             return self._files.get(agent_id) is not None
 
-    def tokens_on_disk(self, agent_id: str) -> int | None:
-        """How many tokens the agent's cache on disk holds, or None (none, unreadable)."""
-        return self._files.tokens(agent_id)
+    def on_disk(self, agent_id: str) -> tuple[int, float] | None:
+        """How many tokens the agent's cache on disk holds and when it was saved (mtime), or None (none,
+        unreadable)."""
+        with self._lock:
+            entry = self._files.get(agent_id)
+        tokens = None if entry is None else self._files.tokens(agent_id)
+        try:
+            return None if tokens is None else (tokens, entry.path.stat().st_mtime)
+        except OSError:
+            return None
 
     def agents(self) -> list[str]:
         """Ids of the stored agents, sorted."""

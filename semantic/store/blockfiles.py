@@ -382,6 +382,9 @@ class BlockFiles:
         no manifest names; raises OSError when the directory cannot be created or listed."""
         self.dir.mkdir(parents=True, exist_ok=True)
         self.cleaned.extend(atomic.remove_abandoned(self.dir))
+        with self.lock:  # a directory made again: the files it lost are no longer there to share
+            for info in [i for i in self.index.infos.values() if not os.path.exists(i.path)]:
+                self.index.drop(info.key)
         if self.blocks_dir.is_dir():
             self.cleaned.extend(atomic.remove_abandoned(self.blocks_dir))
             self._scan_blocks()

@@ -13,7 +13,6 @@ import threading
 import numpy as np
 import pytest
 
-from semantic import cachefile
 from semantic import AgentCacheStore, BlockPool, ConcurrentScheduler, ModelCacheSpec, Request
 from tests.tiny_models import byte_tokenizer
 from tests.unit.test_scheduler import _assert_same, _ids, reference
@@ -110,7 +109,7 @@ def test_when_no_save_succeeds_the_budget_drops_unsaved_caches_as_lost_and_the_n
     def disk_full(*a, **kw):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(cachefile, "save", disk_full)
+    monkeypatch.setattr(sched.store._files, "write", disk_full)  # the layout's writer: nothing reaches the disk
     history = _ids(1, 14)
     with sched:
         r = sched.submit(Request("a", history, 2)).result(60)
