@@ -1,37 +1,42 @@
-"""A cache tier on Redis that several servers share: each agent's newest cache file, versioned.
+"""A cache tier on Redis that several servers share: block files once each, and each agent's manifest, versioned.
 
 ::
 
-    publish(agent, path, version, chain) ─► queue ─► publisher thread ─► Lua: replace only if newer,
-                                                                         then each full block ─► that agent
-    fetch(agent)                  ─► (version, file bytes) | None  (the store verifies them as any file)
-    holder(chain)                 ─► (blocks, agent): the agent whose file holds the most leading blocks
-    version(agent)                ─► the newest version any server published (one small read)
-    drop(agent, version)          ─► delete a value that failed verification, unless replaced meanwhile
+    publish(agent, manifest, version, blocks, chain) ─► queue ─► publisher thread ─► which blocks Redis lacks (one
+                              EXISTS round trip) ─► Lua: only if newer, the missing blocks, then the manifest
+    fetch(agent)              ─► (version, manifest bytes) | None   (the store verifies them as any manifest)
+    fetch_blocks(keys)        ─► {key: block file bytes}: only the blocks the caller's pool and disk lack
+    holder(chain)             ─► (blocks, agent): the agent whose cache holds the most leading blocks
+    version(agent)            ─► the newest version any server published (one small read)
+    drop(agent, version)      ─► delete a manifest that failed verification, unless replaced meanwhile
+    drop_block(key)           ─► delete a block value that failed verification
 
-Keys carry the model fingerprint, so another model's caches never match, and the agent id, which the
-service already namespaces by tenant: ``<prefix>:<fingerprint>:agent:<sha256(agent id)>`` holds a hash
-``{v: version, data: the cache file's bytes}``. Full blocks are shared by pointer:
-``<prefix>:<fingerprint>:block:<chain key>`` names an agent whose file holds that block. A chain key
-hashes every token before it under the tenant's salt root, so another tenant's prompt never matches; a
-server that misses a prefix fetches the holder's file and loads its blocks into its pool. The bytes keep the file's checksums: a value damaged in
-Redis (or written by anything else) fails the store's checks and is dropped, never used.
+The layout is the disk's (``semantic.store.blockfiles``), so no value is larger than a block::
+
+    <prefix>:<fingerprint>:kvb:<key>              a block file's bytes, by its content key (written once)
+    <prefix>:<fingerprint>:manifest:<sha256(id)>  hash {v: version, data: the manifest's bytes}
+    <prefix>:<fingerprint>:block:<chain key>      an agent whose cache holds that full block (for prefetch)
+
+Keys carry the model fingerprint, so another model's caches never match; the agent id is the service's,
+already namespaced by tenant, and block keys hash every token before them under the tenant's salt root,
+so another tenant's prompt never matches. The bytes keep their checksums: a value damaged in Redis (or
+written by anything else) fails the store's checks and is dropped, never used.
 
 Redis down, slow or full costs the caller nothing but a miss: every call has a socket timeout (1 s;
-30 s for moving a value, on connections of its own; a fetch follows a version read that answered), a
+30 s for moving values, on connections of their own; a fetch follows a version read that answered), a
 failure is counted and logged once per streak, and from then on calls are skipped while the tier's
 own prober thread pings Redis once a second (one try, the small timeout): the first answer ends the
 streak, so a returned Redis is used again within about a second and no request ever waits for a
 probe. A Redis that answers but refuses a write (``maxmemory`` with ``noeviction``) is counted as
 ``refused``, logged once, and not treated as down: reads still work.
 
-The remote budget (``budget_bytes``, ``--remote-mb``) bounds the agents' values of one model: a
-publish that takes the total past it deletes the values least recently published or fetched, oldest
-first, in the same script (so two servers never both evict for one overflow); the value just written
-always stays. Servers sharing a tier should pass the same budget: each publish applies its own.
-Block pointers to a deleted value are left to miss (a lookup finds no file and counts a miss). A
-Redis ``maxmemory`` with an evicting policy (``allkeys-lru``) is a second, coarser bound beneath it.
-Publishing never blocks: a full queue drops the oldest entry (counted).
+The remote budget (``budget_bytes``, ``--remote-mb``) bounds the values of one model, blocks and
+manifests alike: a publish that takes the total past it deletes the values least recently published,
+used by a publish, or fetched, oldest first, in the same script (so two servers never both evict for
+one overflow); what the publish just wrote or used always stays. A manifest whose blocks went loads the
+prefix before them (or misses). Servers sharing a tier should pass the same budget: each publish
+applies its own. A Redis ``maxmemory`` with an evicting policy (``allkeys-lru``) is a second, coarser
+bound beneath it. Publishing never blocks: a full queue drops the oldest entry (counted).
 """
 
 from __future__ import annotations
@@ -52,40 +57,54 @@ PREFIX = "semkv"
 PROBE_S = 1.0  # while the tier is down, one ping this often (on the prober thread, never a caller's)
 QUEUE_LIMIT = 256
 
-# replace the agent's value only with a newer version: the older writer loses cleanly. A winner is
-# indexed by publish time (KEYS[2], a sorted set) and size (KEYS[3]); past the budget ARGV[3] (0: none)
-# the least recently published or fetched agents' values go, oldest first, never the one just written
+# replace the agent's manifest only with a newer version: the older writer loses cleanly. KEYS[4..] are the
+# manifest's blocks, ARGV[4..] their bytes ('' where Redis held them already: only touched). Every value
+# is indexed by last use (KEYS[2], a sorted set) and size (KEYS[3]); past the budget ARGV[3] (0: none)
+# the least recently used values go, oldest first, never one this publish wrote or touched
 _PUT_IF_NEWER = """
 local v = tonumber(redis.call('HGET', KEYS[1], 'v') or '-1')
-if tonumber(ARGV[1]) <= v then return {0, 0} end
-redis.call('HSET', KEYS[1], 'v', ARGV[1], 'data', ARGV[2])
+if tonumber(ARGV[1]) <= v then return {0, 0, 0} end
 local t = redis.call('TIME')
-redis.call('ZADD', KEYS[2], tonumber(t[1]) * 1000000 + tonumber(t[2]), KEYS[1])
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local sent = 0
+for i = 4, #KEYS do
+  if ARGV[i] ~= '' then
+    if redis.call('SET', KEYS[i], ARGV[i], 'NX') then
+      redis.call('HSET', KEYS[3], KEYS[i], string.len(ARGV[i]))
+      sent = sent + string.len(ARGV[i])
+    end
+  end
+  if redis.call('EXISTS', KEYS[i]) == 1 then redis.call('ZADD', KEYS[2], now, KEYS[i]) end
+end
+redis.call('HSET', KEYS[1], 'v', ARGV[1], 'data', ARGV[2])
+redis.call('ZADD', KEYS[2], now, KEYS[1])
 redis.call('HSET', KEYS[3], KEYS[1], string.len(ARGV[2]))
 local budget, evicted = tonumber(ARGV[3]), 0
 if budget > 0 then
   local total = 0
   for _, n in ipairs(redis.call('HVALS', KEYS[3])) do total = total + tonumber(n) end
   while total > budget do
-    local oldest = redis.call('ZRANGE', KEYS[2], 0, 0)[1]
-    if not oldest or oldest == KEYS[1] then break end
-    total = total - tonumber(redis.call('HGET', KEYS[3], oldest) or '0')
-    evicted = evicted + redis.call('DEL', oldest)
-    redis.call('ZREM', KEYS[2], oldest)
-    redis.call('HDEL', KEYS[3], oldest)
+    local oldest = redis.call('ZRANGE', KEYS[2], 0, 0, 'WITHSCORES')
+    if not oldest[1] or tonumber(oldest[2]) >= now then break end
+    total = total - tonumber(redis.call('HGET', KEYS[3], oldest[1]) or '0')
+    evicted = evicted + redis.call('DEL', oldest[1])
+    redis.call('ZREM', KEYS[2], oldest[1])
+    redis.call('HDEL', KEYS[3], oldest[1])
   end
 end
-return {1, evicted}
+return {1, evicted, sent}
 """
 # a fetched value counts as recently used, on Redis's clock (servers' clocks may differ)
 _TOUCH = """
-if redis.call('ZSCORE', KEYS[1], ARGV[1]) then
-  local t = redis.call('TIME')
-  redis.call('ZADD', KEYS[1], tonumber(t[1]) * 1000000 + tonumber(t[2]), ARGV[1])
+local t = redis.call('TIME')
+for _, k in ipairs(ARGV) do
+  if redis.call('ZSCORE', KEYS[1], k) then
+    redis.call('ZADD', KEYS[1], tonumber(t[1]) * 1000000 + tonumber(t[2]), k)
+  end
 end
 return 0
 """
-# delete a value that failed verification, unless a newer one replaced it meanwhile
+# delete a manifest that failed verification, unless a newer one replaced it meanwhile
 _DROP_IF_SAME = """
 if redis.call('HGET', KEYS[1], 'v') == ARGV[1] then
   redis.call('ZREM', KEYS[2], KEYS[1])
@@ -107,7 +126,7 @@ class Fetched:
 
 
 class RemoteTier:
-    """Agents' cache files on a Redis (or Valkey) server at ``url``, for one model.
+    """Agents' block files and manifests on a Redis (or Valkey) server at ``url``, for one model.
 
     Args:
         url: ``redis://host:port/db`` (``rediss://`` for TLS).
@@ -153,7 +172,12 @@ class RemoteTier:
     # ------------------------------------------------------------ reads
 
     def key(self, agent_id: str) -> str:
-        return f"{self.prefix}:{self.fingerprint}:agent:{hashlib.sha256(agent_id.encode()).hexdigest()}"
+        """The key of the agent's manifest."""
+        return f"{self.prefix}:{self.fingerprint}:manifest:{hashlib.sha256(agent_id.encode()).hexdigest()}"
+
+    def data_key(self, block: int) -> str:
+        """The key of a block file's bytes (``block``: its content key)."""
+        return f"{self.prefix}:{self.fingerprint}:kvb:{block & 0xFFFFFFFFFFFFFFFF:016x}"
 
     def _index(self) -> list[str]:
         """The keys of the budget's index: publish (or fetch) times, and sizes, of the agents' values."""
@@ -168,7 +192,7 @@ class RemoteTier:
         return int(v) if v is not None else None
 
     def fetch(self, agent_id: str) -> Fetched | None:
-        """The agent's newest published cache file (unverified: the caller checks it), or None."""
+        """The agent's newest published manifest (unverified: the caller checks it), or None."""
         try:
             got = self._call("fetch", lambda: self._bulk.hmget(self.key(agent_id), ["v", "data"]))
         except RemoteUnavailable:
@@ -184,6 +208,35 @@ class RemoteTier:
         except RemoteUnavailable:
             pass
         return Fetched(int(v), bytes(data))
+
+    def fetch_blocks(self, keys: list[int]) -> dict[int, bytes]:
+        """The bytes of the block files ``keys`` that the tier holds (unverified: the caller checks them)."""
+        if not keys:
+            return {}
+        try:
+            got = self._call("fetch_blocks", lambda: self._bulk.mget([self.data_key(k) for k in keys]))
+        except RemoteUnavailable:
+            return {}
+        out = {k: bytes(v) for k, v in zip(keys, got) if v is not None}
+        self._count("block_hits", len(out))
+        self._count("block_misses", len(keys) - len(out))
+        self._count("bytes_in", sum(map(len, out.values())))
+        if out:
+            try:  # fetched blocks are recently used: the budget deletes them last
+                self._call("touch", lambda: self._touch(keys=self._index()[:1], args=[self.data_key(k) for k in out]))
+            except RemoteUnavailable:
+                pass
+        return out
+
+    def drop_block(self, key: int) -> None:
+        """Delete a block value that failed verification (its content key names one content only)."""
+        self._count("verify_failures")
+        name = self.data_key(key)
+        try:
+            self._call("drop", lambda: self._client.pipeline().delete(name).zrem(self._index()[0], name)
+                       .hdel(self._index()[1], name).execute())
+        except RemoteUnavailable:
+            pass
 
     def block_key(self, chain_key: int) -> str:
         return f"{self.prefix}:{self.fingerprint}:block:{chain_key:x}"
@@ -211,16 +264,18 @@ class RemoteTier:
 
     # ------------------------------------------------------------ writes, behind the caller
 
-    def publish(self, agent_id: str, path: Path, version: int, chain: list[int] = ()) -> None:
-        """Queue the agent's cache file at ``path`` for publishing as ``version`` (read when it is sent), and
-        its full blocks' ``chain`` keys as pointers to it."""
+    def publish(self, agent_id: str, path: Path, version: int, chain: list[int] = (),
+                blocks: list[tuple[int, Path]] = ()) -> None:
+        """Queue the agent's manifest at ``path`` for publishing as ``version`` (read when it is sent), with the
+        block files it names (``(key, path)``: those Redis lacks are sent with it) and its full blocks'
+        ``chain`` keys as pointers to the agent."""
         if self._queue.qsize() >= QUEUE_LIMIT:
             try:
                 self._queue.get_nowait()
                 self._count("publish_dropped")
             except queue.Empty:
                 pass
-        self._queue.put((agent_id, Path(path), version, tuple(chain)))
+        self._queue.put((agent_id, Path(path), version, tuple(chain), tuple(blocks)))
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued publish was sent or given up (False: timed out)."""
@@ -253,7 +308,8 @@ class RemoteTier:
             "published": c["published"], "publish_lost_race": c["publish_lost_race"],
             "publish_dropped": c["publish_dropped"], "verify_failures": c["verify_failures"],
             "errors": c["errors"], "refused": c["refused"], "skipped": c["skipped"],
-            "probes_failed": c["probes_failed"],
+            "probes_failed": c["probes_failed"], "blocks_sent": c["blocks_sent"], "block_hits": c["block_hits"],
+            "block_misses": c["block_misses"],
             "mean_latency_ms": {k: round(1000 * lat[k] / n, 3) for k, n in calls.items() if n},
         }
 
@@ -263,28 +319,38 @@ class RemoteTier:
             try:
                 if job is None:
                     return
-                agent_id, path, version, chain = job
-                try:
-                    data = path.read_bytes()
-                except OSError:  # replaced or trimmed meanwhile: a newer save publishes its own
-                    continue
-                try:
-                    won, evicted = self._call("publish", lambda: self._put(
-                        keys=[self.key(agent_id), *self._index()], args=[str(version), data, str(self.budget_bytes)]))
-                except RemoteUnavailable:
-                    continue
-                self._count("published" if won else "publish_lost_race")
-                self._count("evicted", evicted)
-                if won:
-                    self._count("bytes_out", len(data))
-                    if chain:
-                        pointers = {self.block_key(k): agent_id for k in chain}
-                        try:
-                            self._call("pointers", lambda: self._client.mset(pointers))
-                        except RemoteUnavailable:
-                            pass
+                self._send(*job)
             finally:
                 self._queue.task_done()
+
+    def _send(self, agent_id: str, path: Path, version: int, chain: tuple, blocks: tuple) -> None:
+        """One publish: the blocks Redis lacks and the manifest, in one script, if the version is newer."""
+        names = [self.data_key(k) for k, _ in blocks]
+        try:
+            there = self._call("exists", lambda: _exists(self._client, names)) if names else []
+            data = path.read_bytes()
+            values = [b"" if held else p.read_bytes() for held, (_, p) in zip(there, blocks)]
+        except RemoteUnavailable:
+            return
+        except OSError:  # replaced or collected meanwhile: a newer save publishes its own
+            return
+        try:
+            won, evicted, sent = self._call("publish", lambda: self._put(
+                keys=[self.key(agent_id), *self._index(), *names],
+                args=[str(version), data, str(self.budget_bytes), *values]))
+        except RemoteUnavailable:
+            return
+        self._count("published" if won else "publish_lost_race")
+        self._count("evicted", evicted)
+        if won:
+            self._count("bytes_out", len(data) + sent)
+            self._count("blocks_sent", sum(1 for v in values if v))
+            if chain:
+                pointers = {self.block_key(k): agent_id for k in chain}
+                try:
+                    self._call("pointers", lambda: self._client.mset(pointers))
+                except RemoteUnavailable:
+                    pass
 
     # ------------------------------------------------------------ faults
 
@@ -348,3 +414,11 @@ class RemoteTier:
     def _count(self, name: str, n: int = 1) -> None:
         with self._lock:
             self.counts[name] += n
+
+
+def _exists(client, names: list[str]) -> list[bool]:
+    """Which of the keys ``names`` Redis holds (one round trip)."""
+    pipe = client.pipeline(transaction=False)
+    for n in names:
+        pipe.exists(n)
+    return [bool(x) for x in pipe.execute()]

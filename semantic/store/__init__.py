@@ -131,7 +131,11 @@ class AgentCacheStore:
                                      quarantine=self._quarantine)
         self.written_bytes = 0
         self._budget = DiskBudget(self.dir, disk_budget_bytes, files=self._files, lock=self._lock)
+        if remote is not None and layout != "blocks":
+            raise ValueError("the shared tier keeps the blocks layout: use layout='blocks' with a remote tier")
         self._fetch = RemoteFetch(remote, self._files, pool=pool, pool_lock=self.pool_lock, lock=self._lock)
+        if self._fetch.remote is not None:
+            self._files.on_remote_bad = self._fetch.remote.drop_block
         try:
             self._scan()
         except OSError as exc:  # served from RAM until the directory can be used (the next save tries again)
@@ -170,7 +174,7 @@ class AgentCacheStore:
                 version = self._files.put(agent_id, entry)
                 self.written_bytes += entry.written
             self._files.collect()
-            self._fetch.publish(agent_id, entry.path, version, blocks)
+            self._fetch.publish(agent_id, entry, version, blocks)
         self._budget.trim(keep=agent_id)
 
     def load(self, agent_id: str) -> AgentBlocks | None:

@@ -94,6 +94,8 @@ class BlockFiles:
         self._agent_locks: dict[str, threading.Lock] = {}
         self._extras: dict[str, dict] = {}
         self._extra_stale: set[str] = set()
+        self._from_remote: set[int] = set()  # block files fetched from the shared tier
+        self.on_remote_bad = None             # drop_block of the shared tier: a fetched block failed its checks
 
     # ------------------------------------------------------------ the index (as AgentFiles)
 
@@ -184,12 +186,16 @@ class BlockFiles:
             if plan.new and self.durable:
                 atomic.fsync_path(str(self.blocks_dir))
             path = self.dir / manifest_name(agent_id)
-            with self.lock:
-                extra = self._extras.get(agent_id)
-                self._extra_stale.discard(agent_id)
-            m = Manifest(agent_id, self.fingerprint, self.spec, self.bt, tokens, blocks.salt_root,
-                         dict(prepared.stored_from), plan.extents, extra)
-            n = manifest.write(str(path), m, self.durable)
+            while True:  # again if save_extra came while this save held the agent: its note goes in too
+                with self.lock:
+                    extra = self._extras.get(agent_id)
+                    self._extra_stale.discard(agent_id)
+                m = Manifest(agent_id, self.fingerprint, self.spec, self.bt, tokens, blocks.salt_root,
+                             dict(prepared.stored_from), plan.extents, extra)
+                n = manifest.write(str(path), m, self.durable)
+                with self.lock:
+                    if agent_id not in self._extra_stale:
+                        break
         except BaseException:
             with self.lock:
                 self.index.unpin(pins)
@@ -294,7 +300,10 @@ class BlockFiles:
     def _bad_block(self, info: BlockInfo, reason: str) -> None:
         with self.lock:
             self.index.drop(info.key)
+            fetched = info.key in self._from_remote
         self.quarantine.set_aside(Path(info.path), reason)
+        if fetched and self.on_remote_bad is not None:  # the tier's copy is the same bytes: drop it too
+            self.on_remote_bad(info.key)
 
     def _forget(self, agent_id: str) -> None:
         with self.lock:
@@ -334,6 +343,77 @@ class BlockFiles:
         log.info("agent %r: converted %s to block files", agent_id, held.path.name)
         return blocks
 
+    # ------------------------------------------------------------ from another server
+
+    def block_paths(self, keys) -> list[tuple[int, Path]]:
+        """``(key, path)`` of the indexed block files among ``keys``."""
+        with self.lock:
+            return [(k, Path(self.index.infos[k].path)) for k in sorted(keys) if k in self.index.infos]
+
+    def adopt(self, agent_id: str, data: bytes, fetch_blocks, drop_block) -> Held:
+        """Make ``data`` (a manifest from another server) the agent's, with the block files it names that
+        this disk lacks (``fetch_blocks(keys) -> {key: bytes}``; one that fails its header check goes to
+        ``drop_block(key)``); not indexed yet (the caller's :meth:`put` does). A block the tier no longer
+        holds is simply absent: the agent loads the prefix before it.
+
+        Raises:
+            CacheCorruptError, CacheMismatchError, CacheFormatError: ``data`` is no manifest of this model,
+                spec and agent.
+            OSError: the directory did not take them.
+        """
+        path = self.dir / manifest_name(agent_id)
+        m = manifest.parse(f"the remote manifest of {agent_id!r}", data, self.spec, self.fingerprint, self.bt)
+        if m.agent_id != agent_id:
+            raise CacheMismatchError(f"the remote manifest of {agent_id!r} is another agent's")
+        with self.lock:
+            missing = sorted(k for k in m.keys() if k not in self.index.infos)
+        pins = set()
+        try:
+            got = fetch_blocks(missing)
+            if got:
+                self.blocks_dir.mkdir(exist_ok=True)
+            for key, raw in got.items():
+                info = self._keep_block(key, raw, drop_block)
+                if info is not None:
+                    with self.lock:
+                        self.index.add(info)
+                        self.index.pin([info.key])
+                        self._from_remote.add(info.key)
+                    pins.add(info.key)
+            if got and self.durable:
+                atomic.fsync_path(str(self.blocks_dir))
+            n = manifest.write(str(path), m, self.durable)
+        except BaseException:
+            with self.lock:
+                self.index.unpin(pins)
+            self.collect()
+            raise
+        if m.extra is not None:
+            with self.lock:
+                self._extras[agent_id] = m.extra
+        return Held(path, n, frozenset(m.keys()), written=n, pins=frozenset(pins))
+
+    def _keep_block(self, key: int, raw: bytes, drop_block) -> BlockInfo | None:
+        """A fetched block written to its file once its header checks (else dropped from the tier)."""
+        path = self.blocks_dir / blockfile.key_name(key)
+        tmp = atomic.temp_name(path)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(raw)
+                if self.durable:
+                    os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            atomic.unlink_quietly(tmp)
+            raise
+        try:
+            return blockfile.read_header(str(path), self.spec, self.fingerprint)
+        except CacheCorruptError as exc:
+            log.warning("a block fetched from the shared tier is refused: %s", exc.reason)
+            atomic.unlink_quietly(path)
+            drop_block(key)
+            return None
+
     # ------------------------------------------------------------ extra documents (the echo note)
 
     def save_extra(self, agent_id: str, doc: dict) -> bool:
@@ -347,7 +427,14 @@ class BlockFiles:
             self._extras[agent_id] = doc
             held = self.entries.get(agent_id)
         lock = self.agent_lock(agent_id)
-        if held is None or held.legacy or not lock.acquire(blocking=False):
+        if held is not None and held.legacy:
+            return True
+        if not lock.acquire(blocking=False):  # a save of the agent holds it: that save writes the note
+            with self.lock:
+                self._extra_stale.add(agent_id)
+            return True
+        if held is None:  # no manifest yet: the agent's first save writes the note
+            lock.release()
             return True
         try:
             m = manifest.read(str(held.path), self.spec, self.fingerprint, self.bt)

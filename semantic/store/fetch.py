@@ -2,15 +2,16 @@
 
 ::
 
-    save(a)        ─► publish(a, file, version, chain keys)    sent behind the call by the tier's thread
-    load(a)        ─► newer elsewhere? ─► fetch ─► a's local file (header checked) ─► loaded as any file
+    save(a)        ─► publish(a, manifest, version, its block files, chain keys)   sent behind the call
+    load(a)        ─► newer elsewhere? ─► its manifest ─► only the block files this disk lacks
+                      ─► kept on local disk (headers checked) ─► loaded as any manifest
     prefetch(ids)  ─► leading full blocks the pool lacks ─► the agent holding them ─► load(that agent)
 
-Each local file has a version (the index's: the ``time_ns`` of its save, a
+Each local manifest has a version (the index's: the ``time_ns`` of its save, a
 fetched copy's own, or after a restart its mtime); another server's copy is
 fetched only when its version is newer. Bytes from elsewhere are trusted no
-more than a file on disk: a header of another model, spec or agent, or a
-file that later fails its checks, is refused and dropped from the tier.
+more than files on disk: a manifest of another model, spec or agent, or a
+block that fails its checks, is refused and dropped from the tier.
 Without a tier (``remote=None``) every call here is a no-op.
 """
 
@@ -18,15 +19,15 @@ from __future__ import annotations
 
 import logging
 import threading
-from pathlib import Path
 from typing import Callable
 
 from semantic import blockplan
 from semantic.blocks import AgentBlocks
-from semantic.errors import CacheCorruptError, CacheMismatchError, InvalidAgentIdError, PoolExhaustedError
+from semantic.errors import (CacheCorruptError, CacheFormatError, CacheMismatchError, InvalidAgentIdError,
+                             PoolExhaustedError)
 from semantic.pool import BlockPool
 from semantic.request import validate_agent_id
-from semantic.store.files import AgentFiles, OnDisk
+from semantic.store.blockfiles import BlockFiles
 
 log = logging.getLogger(__package__)  # the store's one logger: its lines keep the name they had
 
@@ -42,7 +43,7 @@ class RemoteFetch:
         lock: the store's lock, which guards the index's versions.
     """
 
-    def __init__(self, remote, files: AgentFiles, *, pool: BlockPool, pool_lock: threading.RLock,
+    def __init__(self, remote, files: BlockFiles, *, pool: BlockPool, pool_lock: threading.RLock,
                  lock: threading.Lock):
         if isinstance(remote, str):
             from semantic.remote import RemoteTier
@@ -51,16 +52,17 @@ class RemoteFetch:
         self.remote = remote  # a RemoteTier shared with other servers (``semantic.remote``), or None
         self.files, self.pool, self.pool_lock, self.lock = files, pool, pool_lock, lock
 
-    def publish(self, agent_id: str, path: Path, version: int, blocks: AgentBlocks) -> None:
-        """Offer the file just saved to the other servers (the tier reads and sends it on its thread).
+    def publish(self, agent_id: str, held, version: int, blocks: AgentBlocks) -> None:
+        """Offer the manifest just saved, and its block files, to the other servers (the tier reads and
+        sends them on its thread, only the blocks it lacks).
 
         Args:
-            path, version: the saved file and its version.
+            held, version: the saved manifest (``blockfiles.Held``) and its version.
             blocks: the cache saved (its chain keys let others find its blocks).
         """
         if self.remote is not None:  # behind this call: read and sent by its thread
             chain = blockplan.chain_keys(blocks.token_ids, self.pool.block_tokens, blocks.salt_root)
-            self.remote.publish(agent_id, path, version, chain)
+            self.remote.publish(agent_id, held.path, version, chain, self.files.block_paths(held.keys))
 
     def newer_elsewhere(self, agent_id: str) -> bool:
         """Whether another server published a newer cache of the agent than the one here (False without a
@@ -73,16 +75,17 @@ class RemoteFetch:
         return theirs is not None and (ours is None or theirs > ours)
 
     def fetch_newer(self, agent_id: str) -> int | None:
-        """Bring the agent's remote cache file here when it is newer than the local one (called under the
-        agent's lock); the version fetched, or None. The bytes become the local file, checked on load."""
+        """Bring the agent's remote manifest here, with the block files this disk lacks, when it is newer
+        than the local one (called under the agent's lock); the version fetched, or None. Block headers are
+        checked as they arrive, their tensors on load."""
         if not self.newer_elsewhere(agent_id):
             return None
         got = self.remote.fetch(agent_id)
         if got is None:
             return None
         try:
-            path = self.files.adopt(agent_id, got.data)
-        except (CacheCorruptError, CacheMismatchError) as exc:
+            held = self.files.adopt(agent_id, got.data, self.remote.fetch_blocks, self.remote.drop_block)
+        except (CacheCorruptError, CacheMismatchError, CacheFormatError) as exc:
             log.warning("agent %r: the remote cache (version %d) is refused: %s", agent_id, got.version, exc)
             self.remote.drop(agent_id, got.version)
             return None
@@ -90,7 +93,8 @@ class RemoteFetch:
             log.warning("agent %r: cannot keep the remote cache here: %s", agent_id, exc)
             return None
         with self.lock:
-            self.files.put(agent_id, OnDisk(path, path.stat().st_size), got.version)
+            self.files.put(agent_id, held, got.version)
+        self.files.collect()
         return got.version
 
     def refused(self, agent_id: str, version: int) -> None:

@@ -50,7 +50,7 @@ def test_a_damaged_or_foreign_remote_value_is_refused_dropped_and_the_local_file
     assert_identical(s1.load("public/a"), mine)
     assert client.exists(key) == 0 and s1.remote.stats()["verify_failures"] == 1
     other = _store(engine(llama_tiny, blocks=256), tmp_path / "other", redis_server, fingerprint="another-model")
-    other.remote.publish("public/b", next((tmp_path / "one").glob("*.safetensors")), 1)
+    other.remote.publish("public/b", next((tmp_path / "one").glob("*.kvm")), 1)
     assert other.remote.flush(10)
     assert s1.load("public/b") is None  # another model's key space: never even fetched
 
@@ -75,8 +75,33 @@ def test_a_file_fetched_from_elsewhere_keeps_the_local_disk_within_its_budget(ll
     for agent, blocks in caches.items():
         s1.save(agent, blocks)
     assert s1.remote.flush(10)
-    size = max(p.stat().st_size for p in (tmp_path / "one").glob("*.safetensors"))
-    s2 = _store(e2, tmp_path / "two", redis_server, disk_budget=size + size // 2)  # room for one file
+    size = s1.stats().disk_bytes // 2  # the two agents share no block: half each
+    s2 = _store(e2, tmp_path / "two", redis_server, disk_budget=size + size // 2)  # room for one agent
     assert_identical(s2.load("public/a"), caches["public/a"])
     assert_identical(s2.load("public/b"), caches["public/b"])
     assert s2.agents() == ["public/b"] and s2.stats().disk_bytes <= s2.disk_budget
+    assert s2.remote.stats()["block_hits"] == s2.stats().disk_block_files + len(caches["public/a"].unique_blocks())
+
+
+def test_another_server_fetches_only_the_blocks_its_disk_lacks_and_no_value_exceeds_a_block(
+        llama_tiny, tmp_path, redis_server):
+    e1, e2 = engine(llama_tiny, blocks=256), engine(llama_tiny, blocks=256)
+    s1, s2 = _store(e1, tmp_path / "one", redis_server), _store(e2, tmp_path / "two", redis_server)
+    shared = history(24)  # six full 4-token blocks every agent below starts with
+    a = generate(e1, "public/a", shared + [5, 6], 4).blocks
+    s1.save("public/a", a)
+    assert s1.remote.flush(10)
+    assert_identical(s2.load("public/a"), a)
+    fetched = s2.remote.stats()["block_hits"]
+    assert fetched == s1.stats().disk_block_files  # every block, once
+    b = generate(e1, "public/b", shared + [7, 8, 9], 4).blocks
+    s1.save("public/b", b)
+    assert s1.remote.flush(10)
+    assert s1.remote.stats()["blocks_sent"] == s1.stats().disk_block_files  # each block sent once, shared or not
+    assert_identical(s2.load("public/b"), b)
+    new = s2.remote.stats()["block_hits"] - fetched
+    assert 0 < new < fetched  # only b's own blocks: the shared ones were on s2's disk already
+    client = s1.remote._client
+    biggest = max(client.strlen(k) for k in client.scan_iter(f"{s1.remote.prefix}:*:kvb:*"))
+    block = 4 * int(e1.spec.token_bytes())
+    assert biggest < block + 64 * 1024  # a block's K/V and its header, never a whole cache
