@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from semantic import cachefile, compat, constraint, defaults, errors, roles, toolformat
+from semantic import compat, constraint, defaults, errors, roles, toolformat
 from semantic.blockplan import salt_root_of
 from semantic.engine import vocab_size
 from semantic.errors import CacheError, ContextLengthError, InvalidRequestError, SchedulerClosedError

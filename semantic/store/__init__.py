@@ -50,7 +50,8 @@ from semantic.request import validate_agent_id
 from semantic.spec import ModelCacheSpec
 from semantic.store.disk import DiskBudget
 from semantic.store.fetch import RemoteFetch
-from semantic.store.blockfiles import BlockFiles, manifest_name
+from semantic.store.blockfiles import BlockFiles
+from semantic.store.manifest import manifest_name
 from semantic.store.files import EXTRA_SUFFIX, AgentFiles, file_name
 from semantic.store.quarantine import QUARANTINE_DIR, Quarantine, Quarantined
 

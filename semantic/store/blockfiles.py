@@ -30,7 +30,6 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import xxhash
@@ -40,34 +39,17 @@ from semantic.blockplan import chain_keys
 from semantic.blocks import AgentBlocks
 from semantic.cachefile import atomic
 from semantic.cachefile.fileformat import ST_DTYPES
-from semantic.errors import CacheCorruptError, CacheFormatError, CacheMismatchError, InvalidAgentIdError
+from semantic.errors import CacheCorruptError, CacheFormatError, CacheMismatchError
 from semantic.pool import BlockPool
 from semantic.spec import ModelCacheSpec
-from semantic.store import blockfile, blockload, manifest
-from semantic.store.blockfile import BLOCK_SUFFIX, BlockInfo
-from semantic.store.blockindex import BlockIndex, NewBlock
-from semantic.store.files import EXTRA_SUFFIX, file_name
-from semantic.store.manifest import MANIFEST_SUFFIX, Manifest
+from semantic.store import blockfile, blockload, blockscan, manifest
+from semantic.store.blockfile import BlockInfo
+from semantic.store.blockindex import BlockIndex, Held, NewBlock
+from semantic.store.files import EXTRA_SUFFIX
+from semantic.store.manifest import Manifest, manifest_name
 from semantic.store.quarantine import Quarantine
 
 log = logging.getLogger(__package__)
-
-
-def manifest_name(agent_id: str) -> str:
-    """The manifest's file name for ``agent_id`` (the cache file's name, another suffix)."""
-    return file_name(agent_id)[: -len(cachefile.SUFFIX)] + MANIFEST_SUFFIX
-
-
-@dataclass(slots=True)
-class Held:
-    """One indexed agent: its manifest (or, until converted, its single cache file)."""
-
-    path: Path
-    nbytes: int
-    keys: frozenset[int] = frozenset()
-    legacy: bool = False
-    written: int = 0                                # bytes the save that made it wrote
-    pins: frozenset[int] = field(default=frozenset(), repr=False)  # held until put
 
 
 class BlockFiles:
@@ -92,9 +74,9 @@ class BlockFiles:
         self.collected = 0            # block files deleted once no manifest used them
         self.scanned = False
         self._agent_locks: dict[str, threading.Lock] = {}
-        self._extras: dict[str, dict] = {}
+        self.extras: dict[str, dict] = {}
         self._extra_stale: set[str] = set()
-        self._from_remote: set[int] = set()  # block files fetched from the shared tier
+        self.from_remote: set[int] = set()  # block files fetched from the shared tier
         self.on_remote_bad = None             # drop_block of the shared tier: a fetched block failed its checks
 
     # ------------------------------------------------------------ the index (as AgentFiles)
@@ -188,7 +170,7 @@ class BlockFiles:
             path = self.dir / manifest_name(agent_id)
             while True:  # again if save_extra came while this save held the agent: its note goes in too
                 with self.lock:
-                    extra = self._extras.get(agent_id)
+                    extra = self.extras.get(agent_id)
                     self._extra_stale.discard(agent_id)
                 m = Manifest(agent_id, self.fingerprint, self.spec, self.bt, tokens, blocks.salt_root,
                              dict(prepared.stored_from), plan.extents, extra)
@@ -242,7 +224,7 @@ class BlockFiles:
             atomic.unlink_quietly(str(held.path) + EXTRA_SUFFIX)
         with self.lock:
             self.pop(agent_id)
-            self._extras.pop(agent_id, None)
+            self.extras.pop(agent_id, None)
         self.collect()
         return True
 
@@ -261,16 +243,16 @@ class BlockFiles:
                 self.misses += 1
                 return None
         if held.legacy:
-            return self._convert(agent_id, held, pool, pool_lock)
+            return blockscan.convert(self, agent_id, held, pool, pool_lock)
         try:
             m = manifest.read(str(held.path), self.spec, self.fingerprint, self.bt)
         except CacheCorruptError as exc:
-            self._forget(agent_id)
+            self.forget(agent_id)
             self.quarantine.set_aside(held.path, exc.reason)
             return None
         except (CacheMismatchError, CacheFormatError, FileNotFoundError) as exc:
             log.warning("agent %r: cannot load %s: %s", agent_id, held.path, exc)
-            self._forget(agent_id)
+            self.forget(agent_id)
             return None
         except OSError as exc:
             log.warning("agent %r: cannot read %s: %s", agent_id, held.path, exc)
@@ -292,7 +274,7 @@ class BlockFiles:
             if agent_id in self.entries:
                 self.entries.move_to_end(agent_id)
             if m.extra is not None:
-                self._extras.setdefault(agent_id, m.extra)
+                self.extras.setdefault(agent_id, m.extra)
         with contextlib.suppress(OSError):
             os.utime(held.path)  # recency survives a restart
         return blocks
@@ -300,119 +282,28 @@ class BlockFiles:
     def _bad_block(self, info: BlockInfo, reason: str) -> None:
         with self.lock:
             self.index.drop(info.key)
-            fetched = info.key in self._from_remote
+            fetched = info.key in self.from_remote
         self.quarantine.set_aside(Path(info.path), reason)
         if fetched and self.on_remote_bad is not None:  # the tier's copy is the same bytes: drop it too
             self.on_remote_bad(info.key)
 
-    def _forget(self, agent_id: str) -> None:
+    def forget(self, agent_id: str) -> None:
+        """Drop the agent from the index (its manifest is gone or refused), counting a miss."""
         with self.lock:
             self.pop(agent_id)
             self.misses += 1
         self.collect()
 
-    def _convert(self, agent_id: str, held: Held, pool: BlockPool, pool_lock) -> AgentBlocks | None:
-        """Load a single-file cache, then save it as block files and a manifest and delete the file."""
-        try:
-            blocks = cachefile.load(held.path, pool, model_fingerprint=self.fingerprint, lock=pool_lock)
-        except CacheCorruptError as exc:
-            self._forget(agent_id)
-            self.quarantine.set_aside(held.path, exc.reason)
-            return None
-        except (CacheMismatchError, OSError) as exc:
-            log.warning("agent %r: cannot load %s: %s", agent_id, held.path, exc)
-            self._forget(agent_id)
-            return None
-        extra = _read_json(str(held.path) + EXTRA_SUFFIX)
-        with self.lock:
-            self.hits += 1
-            if extra is not None:
-                self._extras.setdefault(agent_id, extra)
-        try:
-            with pool_lock:
-                prepared = cachefile.prepare_save(blocks)
-            new = self.write(agent_id, blocks, prepared)
-        except (OSError, CacheMismatchError) as exc:  # a full or read-only disk: converted on a later save
-            log.warning("agent %r: its cache file stays in the single-file layout for now: %s", agent_id, exc)
-            return blocks
-        with self.lock:
-            self.put(agent_id, new, self.versions.get(agent_id))
-        with contextlib.suppress(OSError):
-            atomic.unlink_quietly(held.path)
-            atomic.unlink_quietly(str(held.path) + EXTRA_SUFFIX)
-        log.info("agent %r: converted %s to block files", agent_id, held.path.name)
-        return blocks
-
     # ------------------------------------------------------------ from another server
+
+    def scan(self) -> None:
+        """Index what the directory holds (``blockscan``); raises OSError when it cannot be created or listed."""
+        blockscan.scan(self)
 
     def block_paths(self, keys) -> list[tuple[int, Path]]:
         """``(key, path)`` of the indexed block files among ``keys``."""
         with self.lock:
             return [(k, Path(self.index.infos[k].path)) for k in sorted(keys) if k in self.index.infos]
-
-    def adopt(self, agent_id: str, data: bytes, fetch_blocks, drop_block) -> Held:
-        """Make ``data`` (a manifest from another server) the agent's, with the block files it names that
-        this disk lacks (``fetch_blocks(keys) -> {key: bytes}``; one that fails its header check goes to
-        ``drop_block(key)``); not indexed yet (the caller's :meth:`put` does). A block the tier no longer
-        holds is simply absent: the agent loads the prefix before it.
-
-        Raises:
-            CacheCorruptError, CacheMismatchError, CacheFormatError: ``data`` is no manifest of this model,
-                spec and agent.
-            OSError: the directory did not take them.
-        """
-        path = self.dir / manifest_name(agent_id)
-        m = manifest.parse(f"the remote manifest of {agent_id!r}", data, self.spec, self.fingerprint, self.bt)
-        if m.agent_id != agent_id:
-            raise CacheMismatchError(f"the remote manifest of {agent_id!r} is another agent's")
-        with self.lock:
-            missing = sorted(k for k in m.keys() if k not in self.index.infos)
-        pins = set()
-        try:
-            got = fetch_blocks(missing)
-            if got:
-                self.blocks_dir.mkdir(exist_ok=True)
-            for key, raw in got.items():
-                info = self._keep_block(key, raw, drop_block)
-                if info is not None:
-                    with self.lock:
-                        self.index.add(info)
-                        self.index.pin([info.key])
-                        self._from_remote.add(info.key)
-                    pins.add(info.key)
-            if got and self.durable:
-                atomic.fsync_path(str(self.blocks_dir))
-            n = manifest.write(str(path), m, self.durable)
-        except BaseException:
-            with self.lock:
-                self.index.unpin(pins)
-            self.collect()
-            raise
-        if m.extra is not None:
-            with self.lock:
-                self._extras[agent_id] = m.extra
-        return Held(path, n, frozenset(m.keys()), written=n, pins=frozenset(pins))
-
-    def _keep_block(self, key: int, raw: bytes, drop_block) -> BlockInfo | None:
-        """A fetched block written to its file once its header checks (else dropped from the tier)."""
-        path = self.blocks_dir / blockfile.key_name(key)
-        tmp = atomic.temp_name(path)
-        try:
-            with open(tmp, "wb") as f:
-                f.write(raw)
-                if self.durable:
-                    os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            atomic.unlink_quietly(tmp)
-            raise
-        try:
-            return blockfile.read_header(str(path), self.spec, self.fingerprint)
-        except CacheCorruptError as exc:
-            log.warning("a block fetched from the shared tier is refused: %s", exc.reason)
-            atomic.unlink_quietly(path)
-            drop_block(key)
-            return None
 
     # ------------------------------------------------------------ extra documents (the echo note)
 
@@ -424,7 +315,7 @@ class BlockFiles:
         except (TypeError, ValueError):
             return False
         with self.lock:
-            self._extras[agent_id] = doc
+            self.extras[agent_id] = doc
             held = self.entries.get(agent_id)
         lock = self.agent_lock(agent_id)
         if held is not None and held.legacy:
@@ -451,12 +342,12 @@ class BlockFiles:
 
     def load_extra(self, agent_id: str) -> dict | None:
         with self.lock:
-            doc = self._extras.get(agent_id)
+            doc = self.extras.get(agent_id)
             held = self.entries.get(agent_id)
         if doc is not None or held is None:
             return doc
         if held.legacy:
-            return _read_json(str(held.path) + EXTRA_SUFFIX)
+            return blockscan.read_json(str(held.path) + EXTRA_SUFFIX)
         try:
             return manifest.read(str(held.path), self.spec, self.fingerprint, self.bt).extra
         except (OSError, CacheCorruptError, CacheMismatchError, CacheFormatError):
@@ -464,114 +355,9 @@ class BlockFiles:
 
     # ------------------------------------------------------------ startup
 
-    def scan(self) -> None:
-        """Index the block files and manifests (and cache files still to convert), delete the block files
-        no manifest names; raises OSError when the directory cannot be created or listed."""
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self.cleaned.extend(atomic.remove_abandoned(self.dir))
-        with self.lock:  # a directory made again: the files it lost are no longer there to share
-            for info in [i for i in self.index.infos.values() if not os.path.exists(i.path)]:
-                self.index.drop(info.key)
-        if self.blocks_dir.is_dir():
-            self.cleaned.extend(atomic.remove_abandoned(self.blocks_dir))
-            self._scan_blocks()
-        found = self._scan_manifests() + self._scan_cache_files()
-        with self.lock:
-            for mtime_ns, agent_id, held in sorted(found, key=lambda x: (x[0], x[1]), reverse=True):
-                if agent_id in self.entries:
-                    continue
-                self.entries[agent_id] = held
-                self.entries.move_to_end(agent_id, last=False)
-                self.index.reference(set(held.keys), set())
-                self.versions.setdefault(agent_id, mtime_ns)
-        self.collect()
-        self.scanned = True
-
-    def _scan_blocks(self) -> None:
-        for path in sorted(self.blocks_dir.iterdir()):
-            if not path.name.endswith(BLOCK_SUFFIX):
-                continue
-            try:
-                info = blockfile.read_header(str(path), self.spec, self.fingerprint)
-            except CacheCorruptError as exc:
-                self.quarantine.set_aside(path, exc.reason)
-                continue
-            except OSError as exc:
-                log.warning("skipping unreadable block file %s: %s", path, exc)
-                continue
-            with self.lock:
-                self.index.add(info)
-
-    def _scan_manifests(self) -> list[tuple[int, str, Held]]:
-        found = []
-        for path in sorted(self.dir.glob("*" + MANIFEST_SUFFIX)):
-            try:
-                m = manifest.read(str(path), self.spec, self.fingerprint, self.bt)
-            except CacheCorruptError as exc:
-                self.quarantine.set_aside(path, exc.reason)
-                continue
-            except CacheFormatError as exc:
-                log.error("%s", exc)
-                self.newer.append(str(path))
-                continue
-            except CacheMismatchError:
-                self.foreign.append(str(path))
-                continue
-            except OSError as exc:
-                log.warning("skipping unreadable manifest %s: %s", path, exc)
-                continue
-            if not _named_for(path.name, m.agent_id, manifest_name):
-                self.quarantine.set_aside(path, f"file name does not match its agent id {m.agent_id!r}")
-                continue
-            if m.extra is not None:
-                self._extras.setdefault(m.agent_id, m.extra)
-            found.append((path.stat().st_mtime_ns, m.agent_id, Held(path, m.nbytes, frozenset(m.keys()))))
-        return found
-
-    def _scan_cache_files(self) -> list[tuple[int, str, Held]]:
-        """Cache files of the single-file layout: indexed until their first load converts them (one whose
-        agent already has a manifest was converted by a process that died before deleting it)."""
-        found = []
-        for path in sorted(self.dir.glob("*" + cachefile.SUFFIX)):
-            try:
-                info = cachefile.read_header(path)
-            except CacheCorruptError as exc:
-                self.quarantine.set_aside(path, exc.reason)
-                continue
-            except OSError:
-                continue
-            if info.model_fingerprint != self.fingerprint or info.spec != self.spec:
-                self.foreign.append(str(path))
-                continue
-            if not _named_for(path.name, info.agent_id, file_name):
-                self.quarantine.set_aside(path, f"file name does not match its agent id {info.agent_id!r}")
-                continue
-            if (self.dir / manifest_name(info.agent_id)).exists():
-                with contextlib.suppress(OSError):
-                    atomic.unlink_quietly(path)
-                continue
-            found.append((path.stat().st_mtime_ns, info.agent_id, Held(path, info.nbytes, legacy=True)))
-        return found
-
-
-def _named_for(name: str, agent_id, namer) -> bool:
-    try:
-        return namer(agent_id) == name
-    except InvalidAgentIdError:
-        return False
-
-
 def _with_extra(m: Manifest, doc: dict) -> Manifest:
     return Manifest(m.agent_id, m.model_fingerprint, m.spec, m.block_tokens, m.token_ids, m.hash_root, m.stored_from,
                     m.extents, doc)
-
-
-def _read_json(path: str) -> dict | None:
-    try:
-        doc = json.loads(Path(path).read_text())
-    except (OSError, ValueError):
-        return None
-    return doc if isinstance(doc, dict) else None
 
 
 def _slice(chunks: list[memoryview], slot, first: int, n: int) -> list[memoryview]:

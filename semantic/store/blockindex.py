@@ -18,7 +18,8 @@ file neither referenced nor pinned is garbage: the store deletes it.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Sequence
 
 from semantic.blockplan import stored_ranges
@@ -46,6 +47,18 @@ class SavePlan:
     extents: dict[str, tuple[Extent, ...]]
     new: tuple[NewBlock, ...]
     reused: frozenset[int]
+
+
+@dataclass(slots=True)
+class Held:
+    """One indexed agent: its manifest (or, until converted, its single cache file)."""
+
+    path: Path
+    nbytes: int
+    keys: frozenset[int] = frozenset()
+    legacy: bool = False
+    written: int = 0                                # bytes the save that made it wrote
+    pins: frozenset[int] = field(default=frozenset(), repr=False)  # held until put
 
 
 class BlockIndex:

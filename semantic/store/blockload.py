@@ -16,7 +16,6 @@ short must still hold every group's window at the cut, else the load misses.
 from __future__ import annotations
 
 import os
-import threading
 from contextlib import AbstractContextManager
 from typing import Callable
 

@@ -18,6 +18,7 @@ Without a tier (``remote=None``) every call here is a no-op.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from typing import Callable
 
@@ -27,7 +28,12 @@ from semantic.errors import (CacheCorruptError, CacheFormatError, CacheMismatchE
                              PoolExhaustedError)
 from semantic.pool import BlockPool
 from semantic.request import validate_agent_id
+from semantic.cachefile import atomic
+from semantic.store import blockfile, manifest
+from semantic.store.blockfile import BlockInfo
 from semantic.store.blockfiles import BlockFiles
+from semantic.store.blockindex import Held
+from semantic.store.manifest import manifest_name
 
 log = logging.getLogger(__package__)  # the store's one logger: its lines keep the name they had
 
@@ -84,7 +90,7 @@ class RemoteFetch:
         if got is None:
             return None
         try:
-            held = self.files.adopt(agent_id, got.data, self.remote.fetch_blocks, self.remote.drop_block)
+            held = adopt(self.files, agent_id, got.data, self.remote.fetch_blocks, self.remote.drop_block)
         except (CacheCorruptError, CacheMismatchError, CacheFormatError) as exc:
             log.warning("agent %r: the remote cache (version %d) is refused: %s", agent_id, got.version, exc)
             self.remote.drop(agent_id, got.version)
@@ -150,3 +156,69 @@ class RemoteFetch:
                     hits += 1
                 have = min(have, hits)
         return have
+
+
+def adopt(files, agent_id: str, data: bytes, fetch_blocks, drop_block) -> Held:
+    """Make ``data`` (a manifest from another server) the agent's, with the block files it names that
+    this disk lacks (``fetch_blocks(keys) -> {key: bytes}``; one that fails its header check goes to
+    ``drop_block(key)``); not indexed yet (the caller's :meth:`put` does). A block the tier no longer
+    holds is simply absent: the agent loads the prefix before it.
+
+    Raises:
+        CacheCorruptError, CacheMismatchError, CacheFormatError: ``data`` is no manifest of this model,
+            spec and agent.
+        OSError: the directory did not take them.
+    """
+    path = files.dir / manifest_name(agent_id)
+    m = manifest.parse(f"the remote manifest of {agent_id!r}", data, files.spec, files.fingerprint, files.bt)
+    if m.agent_id != agent_id:
+        raise CacheMismatchError(f"the remote manifest of {agent_id!r} is another agent's")
+    with files.lock:
+        missing = sorted(k for k in m.keys() if k not in files.index.infos)
+    pins = set()
+    try:
+        got = fetch_blocks(missing)
+        if got:
+            files.blocks_dir.mkdir(exist_ok=True)
+        for key, raw in got.items():
+            info = _keep_block(files, key, raw, drop_block)
+            if info is not None:
+                with files.lock:
+                    files.index.add(info)
+                    files.index.pin([info.key])
+                    files.from_remote.add(info.key)
+                pins.add(info.key)
+        if got and files.durable:
+            atomic.fsync_path(str(files.blocks_dir))
+        n = manifest.write(str(path), m, files.durable)
+    except BaseException:
+        with files.lock:
+            files.index.unpin(pins)
+        files.collect()
+        raise
+    if m.extra is not None:
+        with files.lock:
+            files.extras[agent_id] = m.extra
+    return Held(path, n, frozenset(m.keys()), written=n, pins=frozenset(pins))
+
+
+def _keep_block(files, key: int, raw: bytes, drop_block) -> BlockInfo | None:
+    """A fetched block written to its file once its header checks (else dropped from the tier)."""
+    path = files.blocks_dir / blockfile.key_name(key)
+    tmp = atomic.temp_name(path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(raw)
+            if files.durable:
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        atomic.unlink_quietly(tmp)
+        raise
+    try:
+        return blockfile.read_header(str(path), files.spec, files.fingerprint)
+    except CacheCorruptError as exc:
+        log.warning("a block fetched from the shared tier is refused: %s", exc.reason)
+        atomic.unlink_quietly(path)
+        drop_block(key)
+        return None

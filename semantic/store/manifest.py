@@ -29,11 +29,12 @@ from dataclasses import dataclass, field
 
 import xxhash
 
-from semantic import compat
+from semantic import cachefile, compat
 from semantic.blockplan import stored_ranges
 from semantic.cachefile import atomic
 from semantic.errors import CacheCorruptError, CacheFormatError, CacheMismatchError
 from semantic.spec import ModelCacheSpec
+from semantic.store.files import file_name
 
 MANIFEST_SUFFIX = ".kvm"
 MANIFEST_VERSION = 3  # cache files were versions 1 and 2: one number line for the store's layouts
@@ -71,6 +72,11 @@ class Manifest:
     def keys(self) -> set[int]:
         """The block files this manifest uses."""
         return {e.key for extents in self.extents.values() for e in extents}
+
+
+def manifest_name(agent_id: str) -> str:
+    """The manifest's file name for ``agent_id`` (the cache file's name, another suffix)."""
+    return file_name(agent_id)[: -len(cachefile.SUFFIX)] + MANIFEST_SUFFIX
 
 
 def _hex(key: int) -> str:
