@@ -158,8 +158,9 @@ class AgentCacheStore:
         if prepared is None:
             prepared = cachefile.prepare_save(blocks)
         with self._files.agent_lock(agent_id):
+            need = self._files.bytes_to_write(blocks, prepared)
             with self._lock:
-                self.health.check(prepared.nbytes)  # raises while backing off or when the disk has no room
+                self.health.check(need)  # raises while backing off or when the disk has no room
             try:
                 if not self._files.scanned:
                     self._scan()  # the directory is usable again (or for the first time): index what it holds

@@ -142,6 +142,15 @@ class BlockFiles:
 
     # ------------------------------------------------------------ writing
 
+    def bytes_to_write(self, blocks: AgentBlocks, prepared: cachefile.PreparedSave) -> int:
+        """About how many bytes a save of ``blocks`` writes now: the K/V of the positions no block file
+        holds, and the manifest (headers add a few KiB per file)."""
+        chain = chain_keys(blocks.token_ids, self.bt, blocks.salt_root)
+        with self.lock:
+            plan = self.index.plan(self.spec, blocks.token_ids, chain, blocks.salt_root, prepared.stored_from, self.bt)
+        per_group = {g: sum(self.spec.layers[i].token_bytes() for i in layers) for g, layers in self.spec.groups().items()}
+        return int(sum((nb.end - nb.start) * per_group[nb.group] for nb in plan.new)) + 8 * len(blocks.token_ids)
+
     def write(self, agent_id: str, blocks: AgentBlocks, prepared: cachefile.PreparedSave) -> Held:
         """Write the block files ``blocks`` lacks on disk, then the agent's manifest; not indexed yet
         (the caller's :meth:`put` does, then :meth:`collect`).

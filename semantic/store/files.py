@@ -167,6 +167,10 @@ class AgentFiles:
         )
         return OnDisk(path, info.nbytes)
 
+    def bytes_to_write(self, blocks: AgentBlocks, prepared: cachefile.PreparedSave) -> int:
+        """About how many bytes a save of ``blocks`` writes: the whole file (its header adds a few KiB)."""
+        return prepared.nbytes
+
     def collect(self) -> int:
         """Nothing to collect: each file is one agent's."""
         return 0
