@@ -3,6 +3,7 @@ resumes any agent (``--remote``)."""
 
 from __future__ import annotations
 
+import json
 import signal
 import threading
 import uuid
@@ -124,15 +125,20 @@ def test_a_damaged_remote_value_is_never_used_dropped_and_counted(cluster, damag
     first = _chat(servers[0], agent, messages)
     _published(servers[0], before + 1)
     client = redis.Redis.from_url(redis_server.url)
-    key = next(k for k in client.scan_iter(match="semkv:*:agent:*")
-               if agent.encode() in client.hget(k, "data")[:4096])  # the header names its agent
-    data = bytearray(client.hget(key, "data"))
-    if damage == "truncate":
-        data = data[: len(data) // 2]
-    else:  # past the header: only the tensors' checksums can tell
+    key = next(k for k in client.scan_iter(match="semkv:*:manifest:*")
+               if agent.encode() in client.hget(k, "data"))  # the manifest names its agent
+    if damage == "truncate":  # the manifest: refused whole
+        data = client.hget(key, "data")
+        client.hset(key, mapping={"v": str(2**62), "data": data[: len(data) // 2]})
+        damaged = key
+    else:  # its last block, past the header: only the tensors' checksums can tell
+        doc = json.loads(json.loads(client.hget(key, "data"))["semantic_kv_manifest"])
+        last = doc["extents"]["global"][-1][0]
+        damaged = next(client.scan_iter(match=f"semkv:*:kvb:{last}"))
+        data = bytearray(client.get(damaged))
         for at in range(len(data) - 4096, len(data) - 8, 997):
             data[at] ^= 0xFF
-    client.hset(key, mapping={"v": str(2**62), "data": bytes(data)})
+        client.set(damaged, bytes(data))
     failures = servers[1].stats()["remote"]["verify_failures"]
     follow = messages + [{"role": "assistant", "content": first.choices[0].message.content},
                          {"role": "user", "content": "Now?"}]
@@ -140,7 +146,11 @@ def test_a_damaged_remote_value_is_never_used_dropped_and_counted(cluster, damag
     fresh = _chat(servers[1], None, follow)
     assert reply.choices[0].message.content == fresh.choices[0].message.content
     assert servers[1].stats()["remote"]["verify_failures"] == failures + 1
-    assert client.hget(key, "v") != str(2**62).encode()  # dropped (or already replaced by server two's turn)
+    if damage == "truncate":
+        assert client.hget(key, "v") != str(2**62).encode()  # dropped (or already replaced by server two's turn)
+    else:
+        assert client.get(damaged) != bytes(data)  # dropped (or written again, whole, by server two's turn)
+        assert servers[1].stats()["quarantined"] == 1  # and set aside on server two's disk
 
 
 def test_agents_of_a_server_killed_mid_burst_continue_on_the_other_from_their_last_published_turn(tmp_path):
@@ -198,15 +208,15 @@ def test_another_tenants_salt_or_another_agents_value_is_never_used_and_is_count
     assert other.usage.prompt_tokens_details.cached_tokens < 256
     same = _chat(servers[1], "triage-3", system + [{"role": "user", "content": "Incident 3."}], salt="tenant-a")
     assert same.usage.prompt_tokens_details.cached_tokens >= 512
-    # triage-1's file written under triage-4's key (a foreign or confused writer): refused, dropped, counted
+    # triage-1's manifest written under triage-4's key (a foreign or confused writer): refused, dropped, counted
     client = redis.Redis.from_url(redis_server.url)
-    keys = {k: client.hget(k, "data") for k in client.scan_iter(match="semkv:*:agent:*")}
-    theirs = next(v for v in keys.values() if b"triage-1" in v[:4096])
+    keys = {k: client.hget(k, "data") for k in client.scan_iter(match="semkv:*:manifest:*")}
+    theirs = next(v for v in keys.values() if b"triage-1" in v)
     messages = system + [{"role": "user", "content": "Incident 4."}]
     _chat(servers[0], "triage-4", messages, salt="tenant-a")  # makes triage-4's key
     _published(servers[0], before + 2)
-    mine = next(k for k, v in ((k, client.hget(k, "data")) for k in client.scan_iter(match="semkv:*:agent:*"))
-                if b"triage-4" in v[:4096])
+    mine = next(k for k, v in ((k, client.hget(k, "data")) for k in client.scan_iter(match="semkv:*:manifest:*"))
+                if b"triage-4" in v)
     client.hset(mine, mapping={"v": str(2**62), "data": theirs})
     failures = servers[1].stats()["remote"]["verify_failures"]
     reply = _chat(servers[1], "triage-4", messages + [{"role": "assistant", "content": "Noted."},
