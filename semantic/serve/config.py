@@ -55,6 +55,8 @@ class ServeConfig:
             raise ValueError("model must name a model directory or hub id")
         if self.cache_layout not in ("blocks", "file"):
             raise ValueError(f"cache_layout must be 'blocks' or 'file', got {self.cache_layout!r}")
+        if self.cache_layout == "file" and self.remote:
+            raise ValueError("--remote shares caches in the blocks layout: drop --cache-layout file")
         if not isinstance(self.host, str) or not self.host.strip() or any(c.isspace() for c in self.host):
             raise ValueError(f"host must be a host name or address, got {self.host!r}")
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 1 <= self.port <= 65535:

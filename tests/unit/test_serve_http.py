@@ -659,6 +659,14 @@ def test_cli_reads_keys_from_flags_and_environment(monkeypatch):
         parse_config(["--model", "m", "--prefill-chunk", "0"])
 
 
+def test_cli_picks_the_cache_layout_and_refuses_the_old_one_with_a_shared_tier():
+    assert parse_config(["--model", "m"]).cache_layout == "blocks"
+    assert parse_config(["--model", "m", "--cache-layout", "file"]).cache_layout == "file"
+    for bad in (["--cache-layout", "segments"], ["--cache-layout", "file", "--remote", "redis://127.0.0.1:1/0"]):
+        with pytest.raises(SystemExit):
+            parse_config(["--model", "m", *bad])
+
+
 def test_cli_turns_speculation_off_and_sets_the_step_budget():
     from semantic import defaults
     from semantic.lookup import SpecConfig
