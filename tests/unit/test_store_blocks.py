@@ -296,6 +296,23 @@ def test_a_damaged_block_before_the_window_a_sliding_layer_needs_is_a_miss(gemma
     assert again.load("a") is None and again.stats().quarantined == 1  # no prefix holds the window
 
 
+def test_a_manifest_naming_another_groups_block_file_is_refused_not_loaded(gemma_tiny, tmp_path):
+    eng = engine(gemma_tiny)
+    c = generate(eng, "a", history(29), 1).blocks
+    _store(eng, tmp_path).save("a", c)
+
+    def swap(doc):  # same positions, same tokens, another group: only the group tells the files apart
+        ex = doc["extents"]
+        mine = ex[next(g for g in ex if g != "global")][0]
+        theirs = next(r for r in ex["global"] if r[1:] == mine[1:])
+        mine[0], theirs[0] = theirs[0], mine[0]
+
+    _rechecksum(tmp_path / manifest_name("a"), swap)
+    again = _store(engine(gemma_tiny), tmp_path)
+    assert again.load("a") is None  # the sliding window's first block is gone: no prefix holds the window
+    assert again.stats().misses == 1 and again.pool.stats().used == 0
+
+
 # ---------------------------------------------------------------- old cache files
 
 
