@@ -2,7 +2,8 @@
 
 Two agents share a prompt on disk (block layout, gemma's sliding window wrapped, and a quantized
 llama). Each case restores the directory, damages it once, and opens a store over it with a fresh
-pool, as a restart would, then loads both agents in a random order. The damage, as
+pool, as a restart would (or opens the store first, so that only the load's checks stand), then
+loads both agents in a random order. The damage, as
 test_persistence_fuzz.py does for cache files: bit flips, truncations, insertions, deletions,
 duplicated, swapped and zeroed byte ranges, header lengths; JSON edits of a block file's header or
 a manifest's document, checksummed again (a buggy writer) or not (bit rot); manifests whose extents
@@ -119,8 +120,9 @@ def _edit_manifest(raw: bytes, rng: np.random.Generator, swap_keys: bool) -> byt
     return json.dumps(outer).encode()
 
 
-def _damage(d: Path, rng: np.random.Generator) -> str:
-    """Damage the directory once; what was done."""
+def _damage(d: Path, rng: np.random.Generator, after_startup: bool) -> str:
+    """Damage the directory once; what was done. After startup, no manifest is swapped or copied over
+    another: a load would serve the other agent's cache (see the xfail test in test_store_blocks.py)."""
     blocks = sorted(d.glob("blocks-*/*.kvb"))
     manifests = sorted(d.glob("*.kvm"))
     kind = int(rng.integers(0, 8))
@@ -141,7 +143,7 @@ def _damage(d: Path, rng: np.random.Generator) -> str:
         p.write_bytes(_edit_manifest(p.read_bytes(), rng, swap_keys=kind == 5))
         return "manifest keys swapped" if kind == 5 else "manifest document"
     if kind == 6:
-        pool = blocks if rng.random() < 0.7 else manifests
+        pool = blocks if after_startup or rng.random() < 0.7 else manifests
         i, j = rng.choice(len(pool), 2, replace=False)
         x, y = pool[i].read_bytes(), pool[j].read_bytes()
         pool[j].write_bytes(x)
@@ -170,10 +172,14 @@ def fuzz(model, kv_bits, cases: int, seed: int, workdir: Path) -> Counter:
     seen = Counter()
     for case in range(cases):
         _restore(d, files)
-        what = _damage(d, rng)
         pool = BlockPool(eng.spec, 64, block_tokens=4)
+        after_startup, what = rng.random() < 0.4, "startup"  # after startup: only the load's checks stand
         try:
-            store = AgentCacheStore(d, eng.spec, FP, 10**9, pool=pool, durable=False)
+            if after_startup:
+                store = AgentCacheStore(d, eng.spec, FP, 10**9, pool=pool, durable=False)
+            what = _damage(d, rng, after_startup) + (" after startup" if after_startup else "")
+            if not after_startup:
+                store = AgentCacheStore(d, eng.spec, FP, 10**9, pool=pool, durable=False)
             got = {a: store.load(a) for a in (("a", "b") if rng.random() < 0.5 else ("b", "a"))}
         except Exception as exc:  # noqa: BLE001 - the point of the test
             raise AssertionError(f"case {case} ({what}): {type(exc).__name__}: {exc}") from exc
