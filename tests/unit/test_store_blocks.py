@@ -293,7 +293,8 @@ def test_a_damaged_block_before_the_window_a_sliding_layer_needs_is_a_miss(gemma
     _store(eng, tmp_path).save("a", c)
     m = _manifest(tmp_path, eng.spec, "a")
     first = next(i for i in _infos(tmp_path, eng.spec).values() if i.key == m.extents["global"][0].key)
-    Path(first.path).write_bytes(Path(first.path).read_bytes()[:-1] + b"\0")
+    raw = Path(first.path).read_bytes()
+    Path(first.path).write_bytes(raw[:-1] + bytes([raw[-1] ^ 0xFF]))
     again = _store(engine(gemma_tiny), tmp_path)
     assert again.load("a") is None and again.stats().quarantined == 1  # no prefix holds the window
 
