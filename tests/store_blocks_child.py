@@ -1,4 +1,4 @@
-"""The writer side of the block layout's crash tests (tests/unit/test_store_blocks.py).
+"""The writer side of the block layout's crash tests (tests/unit/test_store_blocks_crash.py).
 
 ``python -m tests.store_blocks_child DIR POINT`` saves agent "a"'s old history durably in the block
 layout, then saves its new one and dies (``os._exit(CRASHED)``: no cleanup, no flush) at ``POINT``:
@@ -9,6 +9,11 @@ layout, then saves its new one and dies (``os._exit(CRASHED)``: no cleanup, no f
     after-manifest-rename   the manifest renamed over the old one, before its directory's fsync and
                             before the old history's unused block files are collected
 
+``python -m tests.store_blocks_child DIR soak`` prints ``ready``, then for each ``kill <ms>`` line
+forks a writer that saves the two histories in turn, forever, SIGKILLs it after that many
+milliseconds and prints ``killed`` (as tests/persistence_child.py does for cache files: the
+caches' bytes are made ready before forking, since MLX cannot compute in a forked child).
+
 The new history is an edited conversation: it keeps the old one's first 22 tokens and goes on
 differently, so the old history's tail files become garbage once the new manifest is in place.
 """
@@ -16,12 +21,14 @@ differently, so the old history's tail files become garbage once the new manifes
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import time
 
 import mlx.core as mx
 from mlx_lm.models import cache as mlx_cache
 
-from semantic import AgentCacheStore, BlockPool, LayerSpec, ModelCacheSpec
+from semantic import AgentCacheStore, BlockPool, LayerSpec, ModelCacheSpec, cachefile
 from semantic.convert import extract
 from semantic.store import blockfile
 
@@ -76,7 +83,44 @@ def _crash_at(point: str) -> None:
     blockfile.write, os.replace = write, replace
 
 
+def soak(directory: str) -> None:
+    pool = BlockPool(SPEC, 64, block_tokens=BLOCK_TOKENS)
+    versions = versions_ready(pool)
+    prepared = [cachefile.prepare_save(v) for v in versions]
+    print("ready", flush=True)
+    for line in sys.stdin:
+        cmd, *arg = line.split()
+        if cmd != "kill":
+            break
+        pid = os.fork()
+        if pid == 0:
+            try:
+                store = AgentCacheStore(directory, SPEC, FINGERPRINT, 10**9, pool=pool, durable=True)
+                while True:
+                    for v, p in zip(versions, prepared):
+                        store.save("a", v, p)
+            finally:
+                os._exit(1)
+        time.sleep(int(arg[0]) / 1000)
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        print("killed", flush=True)
+
+
+def versions_ready(pool: BlockPool):
+    """:func:`versions`, each block's bytes contiguous and evaluated (nothing left for MLX to compute)."""
+    out = versions(pool)
+    for v in out:
+        for b in v.unique_blocks():
+            b.layer_data = {i: (mx.contiguous(k), mx.contiguous(vv)) for i, (k, vv) in b.layer_data.items()}
+            b.segment_view = None
+    mx.eval([b.layer_data for v in out for b in v.unique_blocks()])
+    return out
+
+
 def main(directory: str, point: str) -> None:
+    if point == "soak":
+        return soak(directory)
     assert point in POINTS, point
     pool = BlockPool(SPEC, 64, block_tokens=BLOCK_TOKENS)
     old, new = versions(pool)

@@ -1,15 +1,14 @@
 """The block layout (``AgentCacheStore(..., layout="blocks")``): block files written once, a manifest per agent.
 
-What a turn writes, sharing a prompt on disk, collection, crash points between the block files and the
-manifest, quarantine of one shared block, old cache files converted, newer and foreign manifests,
-loads served from the pool, and the extra note. Mutated files are in test_store_blocks_fuzz.py.
+What a turn writes, sharing a prompt on disk, collection, quarantine of one shared block, old cache
+files converted, newer and foreign manifests, loads served from the pool, and the extra note. Crashes
+are in test_store_blocks_crash.py, threads in test_store_blocks_threads.py, and mutated files in
+test_store_blocks_fuzz.py.
 """
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -19,13 +18,11 @@ import xxhash
 from semantic import AgentCacheStore, BlockPool, Request
 from semantic.cachefile import DOC_HASH_KEY, DOC_KEY
 from semantic.store import blockfile, blockfiles, blockload, file_name, manifest, manifest_name
-from tests import store_blocks_child as child
 from tests.cache_helpers import LOGPROB_TOL, assert_identical, engine, generate, history, run
 
 pytestmark = pytest.mark.compat
 
 FP = "tiny-model"
-ROOT = Path(__file__).resolve().parents[2]
 SYSTEM = history(12, seed=5)  # three full blocks of 4 tokens
 
 
@@ -226,27 +223,6 @@ def test_block_files_no_manifest_names_are_collected_at_startup(llama_tiny, tmp_
     s = again.stats()
     assert (s.collected, s.quarantined) == (len(orphans), 0) and again.agents() == ["a"]
     assert_identical(again.load("a"), caches["a"])
-
-
-# ---------------------------------------------------------------- crash points
-
-
-@pytest.mark.parametrize("point", child.POINTS)
-def test_a_save_killed_between_its_block_files_and_its_manifest_leaves_the_old_history_or_the_new_one(tmp_path, point):
-    done = subprocess.run([sys.executable, "-m", "tests.store_blocks_child", str(tmp_path), point],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert done.returncode == child.CRASHED, done.stdout + done.stderr
-    left = {p.name for p in tmp_path.rglob("*.tmp")}
-    assert bool(left) == (point in ("mid-block", "before-manifest-rename")), left
-
-    pool = BlockPool(child.SPEC, 64, block_tokens=child.BLOCK_TOKENS)
-    old, new = child.versions(pool)
-    store = AgentCacheStore(tmp_path, child.SPEC, child.FINGERPRINT, 10**9, pool=pool, durable=True)
-    assert list(tmp_path.rglob("*.tmp")) == [] and sorted(Path(p).name for p in store.cleaned) == sorted(left)
-    m = manifest.read(str(tmp_path / manifest_name("a")), child.SPEC, child.FINGERPRINT, child.BLOCK_TOKENS)
-    assert {p.name for p in tmp_path.glob("blocks-*/*.kvb")} == _names(m)  # no block file nothing names
-    assert store.stats().collected > 0 and store.stats().quarantined == 0
-    assert_identical(store.load("a"), new if point == "after-manifest-rename" else old)
 
 
 # ---------------------------------------------------------------- quarantine of one shared block
