@@ -25,7 +25,8 @@ pytestmark = pytest.mark.compat
 
 ROOT = Path(__file__).resolve().parents[2]
 KILLS = 40
-MAX_DELAY_MS = 120  # a durable save of either history takes some 5 to 40 ms here: kills land in every phase
+MAX_DELAY_MS = 120
+SEED = 38  # a durable save of either history takes some 5 to 40 ms here: kills land in every phase
 
 
 def _restart(directory: Path):
@@ -58,7 +59,7 @@ def test_a_writer_killed_at_random_moments_leaves_the_old_history_or_the_new_one
                               cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert writer.stdout.readline().strip() == "ready"
-        rng = random.Random(38)
+        rng = random.Random(SEED)
         seen = {"none": 0, "old": 0, "new": 0, "interrupted": 0}
         for _ in range(KILLS):
             writer.stdin.write(f"kill {rng.randint(0, MAX_DELAY_MS)}\n")
