@@ -32,6 +32,7 @@ it; a file that fails is :class:`CacheCorruptError`.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import struct
@@ -51,8 +52,8 @@ from semantic.cachefile.fileformat import (
     _entry,
     _parts,
     QPARTS,
+    canon,
     header_bytes,
-    same_json,
 )
 from semantic.errors import CacheCorruptError
 from semantic.pool import chain_hash
@@ -222,26 +223,35 @@ def _check(path: str, doc: dict, table: dict, spec: ModelCacheSpec, fingerprint:
         raise CacheCorruptError(path, f"a block of model {fp!r}, not {fingerprint!r}")
     if not isinstance(group, str) or group not in spec.groups():
         raise CacheCorruptError(path, f"group {group!r} is not one of this spec's")
-    if not same_json(layers, [_layer_dict(spec, i) for i in spec.groups()[group]]):
+    if canon(layers) != _expected(spec, group, 0)[0]:
         raise CacheCorruptError(path, "the block's layer specs are not this model's")
     ints = (bs, start, end)
     if not all(type(v) is int for v in ints) or not 0 <= bs <= start < end or parent is not None and type(parent) is not int:
         raise CacheCorruptError(path, f"bad positions {ints} or parent {parent!r}")
     if not (isinstance(tokens, list) and len(tokens) == end - bs and all(type(t) is int and t >= 0 for t in tokens)):
         raise CacheCorruptError(path, "token_ids must be the block's non-negative ids from its start to its end")
-    slots = block_slots(spec, group, end - start)
-    expected, offset = {}, 0
-    for s in slots:
-        expected[s.name] = _entry(s, offset)
-        offset += s.nbytes
-    if not same_json(table, expected) or data_offset + offset != size:
+    _, expected, offset, slots, names = _expected(spec, group, end - start)
+    if canon(table) != expected or data_offset + offset != size:
         raise CacheCorruptError(path, f"tensor table or size ({size} bytes) does not match the block's layout")
-    if not isinstance(digests, dict) or sorted(digests) != sorted(expected):
+    if not isinstance(digests, dict) or sorted(digests) != names:
         raise CacheCorruptError(path, "the document's checksums do not name the layout's tensors")
     key = key_of_name(os.path.basename(path))
     if key is None or key != block_key(parent, tokens, start - bs, group):
         raise CacheCorruptError(path, "the file's name is not the key of what it holds")
-    return BlockInfo(key, path, group, parent, bs, start, end, tuple(tokens), size, tuple(slots), dict(digests))
+    return BlockInfo(key, path, group, parent, bs, start, end, tuple(tokens), size, slots, dict(digests))
+
+
+@functools.lru_cache(maxsize=1024)
+def _expected(spec: ModelCacheSpec, group: str, n: int) -> tuple[str, str, int, tuple[TensorSlot, ...], list[str]]:
+    """What a block file of ``n`` tokens of ``group`` must say, computed once per shape (a startup scan
+    reads every block file's header): its layer specs and tensor table as canonical JSON (``canon``: 1,
+    1.0 and true differ), its tensors' bytes, slots and sorted names."""
+    slots = tuple(block_slots(spec, group, n))
+    table, offset = {}, 0
+    for s in slots:
+        table[s.name] = _entry(s, offset)
+        offset += s.nbytes
+    return canon([_layer_dict(spec, i) for i in spec.groups()[group]]), canon(table), offset, slots, sorted(table)
 
 
 def load_arrays(info: BlockInfo) -> dict[str, mx.array]:

@@ -41,7 +41,7 @@ def whole_prefix(m: Manifest, infos: dict[int, BlockInfo]) -> int:
     for g, extents in m.extents.items():
         cover = good[g] = []
         for e in extents:
-            if not _fits(e, infos.get(e.key), m, chain):
+            if not _fits(e, infos.get(e.key), g, m, chain):
                 bad = min(bad, e.start)
                 break
             if cover and cover[-1][1] == e.start:
@@ -56,8 +56,8 @@ def whole_prefix(m: Manifest, infos: dict[int, BlockInfo]) -> int:
     return 0
 
 
-def _fits(e: Extent, info: BlockInfo | None, m: Manifest, chain: list[int]) -> bool:
-    if info is None or not info.start <= e.start < e.end <= info.end:
+def _fits(e: Extent, info: BlockInfo | None, group: str, m: Manifest, chain: list[int]) -> bool:
+    if info is None or info.group != group or not info.start <= e.start < e.end <= info.end:
         return False
     bs = info.block_start
     parent = chain[bs // m.block_tokens - 1] if bs else m.hash_root
