@@ -55,7 +55,7 @@ from semantic.cachefile.fileformat import (
     canon,
     header_bytes,
 )
-from semantic.errors import CacheCorruptError
+from semantic.errors import CacheCorruptError, CacheFormatError
 from semantic.pool import chain_hash
 from semantic.spec import ModelCacheSpec
 
@@ -208,7 +208,11 @@ def _parse(path: str, raw: bytes) -> tuple[dict, dict]:
         raise CacheCorruptError(path, "document is not JSON") from None
     if not isinstance(doc, dict) or doc.get("format") != BLOCK_FORMAT:
         raise CacheCorruptError(path, "not a semantic-kv block file")
-    if doc.get("format_version") != BLOCK_VERSION or type(doc.get("format_version")) is not int:
+    version = doc.get("format_version")
+    if type(version) is int and version > BLOCK_VERSION:
+        raise CacheFormatError(f"{path} is a version {version} block file, written by a newer semantic; this build "
+                               f"reads version {BLOCK_VERSION}: left alone")
+    if version != BLOCK_VERSION or type(version) is not int:
         raise CacheCorruptError(path, f"block format version {doc.get('format_version')!r}; this build reads {BLOCK_VERSION}")
     return doc, table
 

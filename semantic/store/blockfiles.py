@@ -62,18 +62,22 @@ class BlockFiles:
                  lock: threading.Lock, quarantine: Quarantine, block_tokens: int):
         self.dir, self.spec, self.fingerprint, self.durable = directory, spec, fingerprint, durable
         self.lock, self.quarantine, self.bt = lock, quarantine, block_tokens
-        digest = xxhash.xxh3_64(f"{fingerprint}|{spec.fingerprint()}|{block_tokens}".encode()).hexdigest()[:12]
+        # a newer block format (or another model, spec, block size) gets a folder of its own
+        key = f"{fingerprint}|{spec.fingerprint()}|{block_tokens}|{blockfile.BLOCK_VERSION}"
+        digest = xxhash.xxh3_64(key.encode()).hexdigest()[:12]
         self.blocks_dir = directory / f"blocks-{digest}"
         self.index = BlockIndex()
         self.entries: OrderedDict[str, Held] = OrderedDict()
         self.versions: dict[str, int] = {}
         self.hits = self.misses = 0
         self.foreign: list[str] = []
-        self.newer: list[str] = []    # manifests of a newer build: left alone
+        self.newer: list[str] = []    # manifests and block files of a newer build: left alone
+        self.hold_all = False         # a newer manifest named blocks this build cannot list: collect nothing
         self.cleaned: list[str] = []
         self.collected = 0            # block files deleted once no manifest used them
         self.scanned = False
         self._agent_locks: dict[str, threading.Lock] = {}
+        self.files_lock = threading.Lock()  # a block file's writing and indexing, or its deletion: one at a time
         self.extras: dict[str, dict] = {}
         self._extra_stale: set[str] = set()
         self.from_remote: set[int] = set()  # block files fetched from the shared tier
@@ -168,11 +172,12 @@ class BlockFiles:
             if plan.new:
                 self.blocks_dir.mkdir(exist_ok=True)
             for nb in plan.new:
-                info = self._write_block(nb, tokens, prepared)
+                with self.files_lock:  # not while a collector deletes an old copy of it
+                    info = self._write_block(nb, tokens, prepared)
+                    with self.lock:
+                        self.index.add(info)
+                        self.index.pin([info.key])
                 written += info.nbytes
-                with self.lock:
-                    self.index.add(info)
-                    self.index.pin([info.key])
                 pins.add(info.key)
             if plan.new and self.durable:
                 atomic.fsync_path(str(self.blocks_dir))
@@ -205,16 +210,22 @@ class BlockFiles:
 
     def collect(self) -> int:
         """Delete the block files no manifest names and no save holds; the bytes freed."""
+        if self.hold_all:
+            return 0
         with self.lock:
             dead = self.index.take_garbage()
-            self.collected += len(dead)
         freed = 0
-        for info in dead:
-            try:
-                atomic.unlink_quietly(info.path)
-                freed += info.nbytes
-            except OSError as exc:  # a read-only directory: the next startup collects it
-                log.warning("cannot delete unused block file %s: %s", info.path, exc)
+        with self.files_lock:
+            for info in dead:
+                with self.lock:
+                    if info.key in self.index.infos:  # written again since: live
+                        continue
+                    self.collected += 1
+                try:
+                    atomic.unlink_quietly(info.path)
+                    freed += info.nbytes
+                except OSError as exc:  # a read-only directory: the next startup collects it
+                    log.warning("cannot delete unused block file %s: %s", info.path, exc)
         return freed
 
     def evict(self, agent_id: str) -> bool:
@@ -267,6 +278,10 @@ class BlockFiles:
             log.warning("agent %r: cannot read %s: %s", agent_id, held.path, exc)
             with self.lock:
                 self.misses += 1
+            return None
+        if m.agent_id != agent_id:  # replaced behind our back by another agent's manifest
+            self.forget(agent_id)
+            self.quarantine.set_aside(held.path, f"file name does not match its agent id {m.agent_id!r}")
             return None
 
         def infos():

@@ -51,6 +51,7 @@ def scan(files) -> None:
     files.collect()
     files.scanned = True
 
+
 def _scan_blocks(files) -> None:
     for path in sorted(files.blocks_dir.iterdir()):
         if not path.name.endswith(BLOCK_SUFFIX):
@@ -60,11 +61,16 @@ def _scan_blocks(files) -> None:
         except CacheCorruptError as exc:
             files.quarantine.set_aside(path, exc.reason)
             continue
+        except CacheFormatError as exc:
+            log.error("%s", exc)
+            files.newer.append(str(path))
+            continue
         except OSError as exc:
             log.warning("skipping unreadable block file %s: %s", path, exc)
             continue
         with files.lock:
             files.index.add(info)
+
 
 def _scan_manifests(files) -> list[tuple[int, str, Held]]:
     found = []
@@ -77,6 +83,7 @@ def _scan_manifests(files) -> list[tuple[int, str, Held]]:
         except CacheFormatError as exc:
             log.error("%s", exc)
             files.newer.append(str(path))
+            _hold_newer(files, path)
             continue
         except CacheMismatchError:
             files.foreign.append(str(path))
@@ -91,6 +98,7 @@ def _scan_manifests(files) -> list[tuple[int, str, Held]]:
             files.extras.setdefault(m.agent_id, m.extra)
         found.append((path.stat().st_mtime_ns, m.agent_id, Held(path, m.nbytes, frozenset(m.keys()))))
     return found
+
 
 def _scan_cache_files(files) -> list[tuple[int, str, Held]]:
     """Cache files of the single-file layout: indexed until their first load converts them (one whose
@@ -149,6 +157,19 @@ def convert(files, agent_id: str, held: Held, pool: BlockPool, pool_lock) -> Age
         atomic.unlink_quietly(str(held.path) + EXTRA_SUFFIX)
     log.info("agent %r: converted %s to block files", agent_id, held.path.name)
     return blocks
+
+
+def _hold_newer(files, path: Path) -> None:
+    """Keep the block files a newer build's manifest names (its extents, if it still lists them as this
+    build does; else no block file is collected while it is here)."""
+    try:
+        doc = json.loads(json.loads(path.read_bytes())[manifest.DOC_KEY])
+        keys = {manifest.unhex(row[0]) for rows in doc["extents"].values() for row in rows}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError):
+        files.hold_all = True
+        return
+    with files.lock:
+        files.index.reference(keys, set())
 
 
 def _named_for(name: str, agent_id, namer) -> bool:

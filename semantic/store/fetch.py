@@ -181,12 +181,14 @@ def adopt(files, agent_id: str, data: bytes, fetch_blocks, drop_block) -> Held:
         if got:
             files.blocks_dir.mkdir(exist_ok=True)
         for key, raw in got.items():
-            info = _keep_block(files, key, raw, drop_block)
+            with files.files_lock:  # not while a collector deletes an old copy of it
+                info = _keep_block(files, key, raw, drop_block)
+                if info is not None:
+                    with files.lock:
+                        files.index.add(info)
+                        files.index.pin([info.key])
+                        files.from_remote.add(info.key)
             if info is not None:
-                with files.lock:
-                    files.index.add(info)
-                    files.index.pin([info.key])
-                    files.from_remote.add(info.key)
                 pins.add(info.key)
         if got and files.durable:
             atomic.fsync_path(str(files.blocks_dir))

@@ -335,6 +335,9 @@ class AgentFiles:
 
     def _read(self, agent_id: str, entry: OnDisk, pool: BlockPool, pool_lock: threading.RLock) -> AgentBlocks | None:
         try:
+            owner = cachefile.read_header(entry.path).agent_id
+            if owner != agent_id:  # replaced behind our back by another agent's file
+                raise CacheCorruptError(entry.path, f"file name does not match its agent id {owner!r}")
             return cachefile.load(entry.path, pool, model_fingerprint=self.fingerprint, lock=pool_lock)
         except CacheCorruptError as exc:
             self._forget(agent_id)

@@ -83,7 +83,7 @@ def _hex(key: int) -> str:
     return f"{key & 0xFFFFFFFFFFFFFFFF:016x}"
 
 
-def _unhex(text: str) -> int:
+def unhex(text: str) -> int:
     u = int(text, 16)
     if len(text) != 16 or not 0 <= u < 1 << 64:
         raise ValueError("a key is 16 hex digits")
@@ -179,7 +179,7 @@ def _fields(path, doc, spec, fingerprint, block_tokens, nbytes) -> Manifest:
     extents = {}
     for g, layers in spec.groups().items():
         rows = doc["extents"].get(g, [])
-        extents[g] = tuple(Extent(_unhex(k), a, b) for k, a, b in rows)
+        extents[g] = tuple(Extent(unhex(k), a, b) for k, a, b in rows)
         _check_cover(path, spec.layers[layers[0]], len(tokens), stored_from.get(g), extents[g], block_tokens)
     extra = doc.get("extra")
     return Manifest(agent_id, fingerprint, spec, block_tokens, tuple(tokens), root, dict(stored_from), extents,

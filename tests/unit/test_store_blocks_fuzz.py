@@ -229,8 +229,6 @@ def test_a_manifest_naming_another_groups_block_file_is_refused_not_loaded(gemma
     assert again.stats().misses == 1 and again.pool.stats().used == 0
 
 
-@pytest.mark.xfail(strict=True, reason="BlockFiles.load checks the manifest it reads against the model, not against the "
-                   "agent it loads for (only the startup scan does): a manifest swapped after startup serves another agent's cache")
 def test_a_manifest_replaced_by_another_agents_after_startup_is_refused_not_served(llama_tiny, tmp_path):
     eng = engine(llama_tiny)
     caches = _shared(eng, 2)

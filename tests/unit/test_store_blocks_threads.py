@@ -46,9 +46,6 @@ def test_threads_saving_agents_on_one_prompt_leave_every_manifest_whole_and_noth
         assert_identical(again.load(a), next(c for c in turns[a] if c.token_ids == tokens))
 
 
-@pytest.mark.xfail(strict=True, reason="BlockFiles.collect drops dead files from the index under the lock but deletes them "
-                   "after it: a save that plans the same key meanwhile writes it anew, and the collector then deletes "
-                   "the new file (or the save's os.stat fails: a CacheSaveError 'the cache directory is gone')")
 def test_a_block_file_written_again_while_the_collector_deletes_its_old_copy_survives(llama_tiny, tmp_path, monkeypatch):
     eng = engine(llama_tiny)
     c = generate(eng, "x", [*SYSTEM, *history(5)], 2).blocks
