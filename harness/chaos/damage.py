@@ -2,7 +2,7 @@
 
 In the block layout an agent's cache is its manifest and the block files the manifest names; a block
 file may be named by several manifests (a shared system prompt, a shared first turn). The injector
-damages, in turn (:data:`KINDS`):
+damages, in turn, the kind of :data:`KINDS` damaged least so far that has a file:
 
     shared_block   a block file two manifests or more name: every agent whose manifest names it loses
                    the tokens from that block on (at most: once an agent has written the block again,
@@ -45,6 +45,7 @@ class Damage:
     detail: dict = field(default_factory=dict)
     ident: tuple | None = None     # (inode, size, mtime) right after the damage
     row: dict = field(default_factory=dict)  # its "corrupt" event in the ledger
+    pick: str = ""                 # which of KINDS (or "file") it was chosen as
 
     def seal(self) -> None:
         st = self.path.stat()
@@ -110,14 +111,17 @@ def candidates(cache_dir: Path, fleet_agents: list[str]) -> dict[str, list[Damag
     return out
 
 
-def choose(cache_dir: Path, fleet_agents: list[str], live: set[str], nth: int,
+def choose(cache_dir: Path, fleet_agents: list[str], live: set[str], done: list[str],
            rng: np.random.Generator) -> Damage | None:
-    """The ``nth`` damage's file: of kind ``KINDS[nth % 3]`` when there is one (else the next kind that
-    has one; single-file caches when there are no manifests), a live agent's where possible."""
+    """The next file to damage: of the kind of :data:`KINDS` damaged least so far (``done``: the kinds
+    damaged, in order; ties in :data:`KINDS` order) that has a file now (single-file caches when there are
+    no manifests), a live agent's where possible."""
     found = candidates(cache_dir, fleet_agents)
-    order = [KINDS[(nth + i) % len(KINDS)] for i in range(len(KINDS))] + ["file"]
-    pool = next((found[k] for k in order if found[k]), [])
-    if not pool:
+    order = sorted(KINDS, key=lambda k: (done.count(k), KINDS.index(k))) + ["file"]
+    kind = next((k for k in order if found[k]), None)
+    if kind is None:
         return None
-    preferred = [d for d in pool if d.agents & live] or pool
-    return preferred[int(rng.integers(len(preferred)))]
+    pool = [d for d in found[kind] if d.agents & live] or found[kind]
+    d = pool[int(rng.integers(len(pool)))]
+    d.pick = kind
+    return d

@@ -140,7 +140,7 @@ class Injector:
         """Damage one cache file (a shared block file, a manifest, one agent's block file, in turn), a live
         agent's when there is one: every agent that uses it is excused for its next resumption."""
         d = damage.choose(self.cache_dir, list(self.fleet.agent_ids), set(self.fleet.live.values()),
-                          len(self.damages), self.rng)
+                          [d.pick for d in self.damages], self.rng)
         if d is None:
             self.ledger.event("corrupt", skipped="no cache file")
             return None

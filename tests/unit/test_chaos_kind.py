@@ -216,9 +216,24 @@ def test_damage_tells_shared_block_files_from_one_agents_and_takes_each_kind_in_
         ("00000000000000bb.kvb", ("a",)), ("00000000000000cc.kvb", ("b",))]   # dd: no manifest names it
     assert sorted(tuple(d.agents) for d in found["manifest"]) == [("a",), ("b",)]
     rng = np.random.default_rng(0)
-    picked = [damage.choose(tmp_path, ["a", "b"], {"b"}, n, rng) for n in range(3)]
-    assert [(d.kind, d.shared) for d in picked] == [("block", True), ("manifest", False), ("block", False)]
+    picked = []
+    for _ in range(4):
+        picked.append(damage.choose(tmp_path, ["a", "b"], {"b"}, [d.pick for d in picked], rng))
+    assert [d.pick for d in picked] == ["shared_block", "manifest", "block", "shared_block"]
+    assert [(d.kind, d.shared) for d in picked[:3]] == [("block", True), ("manifest", False), ("block", False)]
     assert picked[1].agents == {"b"} and picked[2].path.name == "00000000000000cc.kvb"   # the live agent's
+
+
+def test_with_no_shared_block_file_yet_the_next_damage_takes_the_kind_still_missing(tmp_path):
+    from harness.chaos import damage
+
+    _block_dir(tmp_path, ["00000000000000aa"])
+    _manifest(tmp_path, "public-a-1.kvm", "public/a", [1] * 4, ["00000000000000aa"])
+    rng = np.random.default_rng(0)
+    first = damage.choose(tmp_path, ["a"], {"a"}, [], rng)
+    assert first.pick == "manifest"                    # no block file two manifests name
+    assert damage.choose(tmp_path, ["a"], {"a"}, [first.pick], rng).pick == "block"
+    assert damage.choose(tmp_path / "nothing", ["a"], set(), [], rng) is None
 
 
 def test_a_damaged_block_file_excuses_its_agents_until_it_is_written_again(tmp_path):
@@ -227,7 +242,7 @@ def test_a_damaged_block_file_excuses_its_agents_until_it_is_written_again(tmp_p
     blocks = _block_dir(tmp_path, ["00000000000000aa"])
     _manifest(tmp_path, "public-a-1.kvm", "public/a", [1] * 4, ["00000000000000aa"])
     _manifest(tmp_path, "public-b-1.kvm", "public/b", [1] * 4, ["00000000000000aa"])
-    d = damage.choose(tmp_path, ["a", "b"], set(), 0, np.random.default_rng(0))
+    d = damage.choose(tmp_path, ["a", "b"], set(), [], np.random.default_rng(0))
     d.detail = fs.corrupt(d.path, np.random.default_rng(0))
     d.seal()
     assert d.state() == "damaged" and d.excuses_now(tmp_path) == {"a", "b"}
