@@ -46,7 +46,7 @@ def _quarantine(ledger: Ledger, out: dict) -> tuple[dict, list[str]]:
     events = ledger.events
     corrupt = [e for e in events if e["kind"] == "corrupt" and e.get("file")]
     qdir = out.get("quarantine_dir", [])
-    came_back = {r["agent"] for r in ledger.resumptions if r["verdict"] in COME_BACK}
+    came_back = [(r["agent"], r["t"]) for r in ledger.resumptions if r["verdict"] in COME_BACK]
     refused = {f for e in events if e["kind"] in ("sigkill", "sigterm") for f in e.get("refused_files") or []}
     refused |= set(quarantined_names(out.get("final_stats")))
     set_aside = [e for e in corrupt if e["file"] in refused or any(q.startswith(e["file"] + ".") for q in qdir)]
@@ -66,13 +66,14 @@ def _quarantine(ledger: Ledger, out: dict) -> tuple[dict, list[str]]:
 COME_BACK = ("excused_corrupt", "excused_shared", "corrupt_served")
 
 
-def must_be_found(e: dict, came_back: set[str]) -> bool:
+def must_be_found(e: dict, came_back: list[tuple[str, float]]) -> bool:
     """Whether the server must have set the damaged file of corrupt event ``e`` aside by the end.
 
     The next start scans every manifest and every block file's header: a damaged manifest, a truncated
     block file, or one whose header was hit is found then. A block file whose tensors alone were hit is
-    found when a load reads it: surely when the one agent that uses it came back (nothing else can hold
-    its blocks), not when it is shared (a load takes no block the pool holds from disk). A cache file of
+    found when a load reads it: surely when the one agent that uses it came back after the damage
+    (``came_back``: (agent, time) of the resumptions a damage excused; nothing else can hold its
+    blocks), not when it is shared (a load takes no block the pool holds from disk). A cache file of
     the single-file layout is found when its agent comes back.
     """
     kind = e.get("kind_of_file", "file")
@@ -80,7 +81,8 @@ def must_be_found(e: dict, came_back: set[str]) -> bool:
         return True
     if kind == "block" and e.get("shared"):
         return False
-    return any(a in came_back for a in e.get("agents") or [e.get("agent")])
+    agents = set(e.get("agents") or [e.get("agent")])
+    return any(a in agents and t > e["t"] for a, t in came_back)
 
 
 def _cache_reports(ledger: Ledger) -> dict:

@@ -273,12 +273,14 @@ def test_which_damaged_files_the_server_must_have_set_aside():
     from harness.chaos.checks import must_be_found
 
     def ev(**kw):
-        return {"kind": "corrupt", "file": "x", "agents": ["a"], "shared": False, **kw}
+        return {"t": 10.0, "kind": "corrupt", "file": "x", "agents": ["a"], "shared": False, **kw}
 
-    assert must_be_found(ev(kind_of_file="manifest", mode="flip"), set())            # every start reads manifests
-    assert must_be_found(ev(kind_of_file="block", mode="truncate", shared=True), set())  # and block headers
-    assert must_be_found(ev(kind_of_file="block", mode="flip", region="header", shared=True), set())
-    assert not must_be_found(ev(kind_of_file="block", mode="flip", region="data", shared=True), {"a"})  # the pool
-    assert not must_be_found(ev(kind_of_file="block", mode="flip", region="data"), set())   # never read yet
-    assert must_be_found(ev(kind_of_file="block", mode="flip", region="data"), {"a"})       # its one agent loaded it
-    assert must_be_found(ev(mode="flip"), {"a"}) and not must_be_found(ev(mode="flip"), {"b"})  # single-file layout
+    a_back, a_before, b_back = [("a", 12.0)], [("a", 8.0)], [("b", 12.0)]
+    assert must_be_found(ev(kind_of_file="manifest", mode="flip"), [])            # every start reads manifests
+    assert must_be_found(ev(kind_of_file="block", mode="truncate", shared=True), [])  # and block headers
+    assert must_be_found(ev(kind_of_file="block", mode="flip", region="header", shared=True), [])
+    assert not must_be_found(ev(kind_of_file="block", mode="flip", region="data", shared=True), a_back)  # the pool
+    assert not must_be_found(ev(kind_of_file="block", mode="flip", region="data"), [])        # never read yet
+    assert not must_be_found(ev(kind_of_file="block", mode="flip", region="data"), a_before)  # back before it
+    assert must_be_found(ev(kind_of_file="block", mode="flip", region="data"), a_back)        # its one agent loaded it
+    assert must_be_found(ev(mode="flip"), a_back) and not must_be_found(ev(mode="flip"), b_back)  # single-file layout
