@@ -56,7 +56,8 @@ def _quarantine(ledger: Ledger, out: dict) -> tuple[dict, list[str]]:
     kinds = [e.get("kind_of_file", "file") for e in corrupt]
     return {"corrupted_files": len(corrupt), "corrupted_manifests": kinds.count("manifest"),
             "corrupted_block_files": kinds.count("block"),
-            "corrupted_shared_block_files": sum(1 for e in corrupt if e.get("kind_of_file") == "block" and e.get("shared")),
+            "corrupted_shared_block_files": sum(1 for e in corrupt if e.get("kind_of_file") == "block"
+                                                and e.get("shared")),
             "quarantined_files": len(qdir), "corruptions_quarantined": len(set_aside),
             "corruptions_not_quarantined": len(not_quarantined),
             "corruptions_unread": sum(1 for e in corrupt if e not in set_aside and e not in due),

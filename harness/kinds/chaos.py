@@ -8,15 +8,17 @@ talk through the official SDKs (:mod:`harness.chaos.agents`) while the injector
 (:mod:`harness.chaos.injector`) kills it (SIGKILL, SIGTERM) and starts it again, fills its disk,
 makes it read-only, hangs up streams, floods it past its queue, and damages files while it is down:
 a block file several agents share, an agent's manifest, a block file only one agent uses
-(:mod:`harness.chaos.damage`). Then a last, crash-free life of ``calm_turns`` turns measures RSS, and a SIGTERM ends the run.
+(:mod:`harness.chaos.damage`). Then a last, crash-free life of ``calm_turns`` turns measures RSS,
+and a SIGTERM ends the run.
 
 What must hold (:mod:`harness.chaos.ledger`; :mod:`harness.chaos.checks` judges it): no 5xx, no
 hang (every request answered or refused within the client timeout), no durable turn lost (a reply
 that said ``cache_save: saved`` is found cached after every restart, unless a file of its cache was
-damaged: then that file is quarantined, and the agent resumes from the blocks before it), sampled replies equal to the same request sent anonymously under a fresh
-salt, RSS at the end within 1.2x the last life's after its first ``rss_baseline_turns`` turns, no
-writer's temporary file left after a start or the shutdown, and while the disk is full: 200s,
-resident bytes within the budget, and every cache saved before it still loads afterwards.
+damaged: then that file is quarantined, and the agent resumes from the blocks before it), sampled
+replies equal to the same request sent anonymously under a fresh salt, RSS at the end within 1.2x
+the last life's after its first ``rss_baseline_turns`` turns, no writer's temporary file left (in
+the cache folder or its block folders) after a start or the shutdown, and while the disk is full:
+200s, resident bytes within the budget, and every cache saved before it still loads afterwards.
 
 The run writes its results document, a timeline plot, and ``README.md`` beside them with the verdicts.
 """
@@ -115,7 +117,8 @@ def _rig(ctx) -> _Rig:
     system = system_prompt(load_tokenizer(model_dir), p["system_tokens"])["content"]
     size = sizes(p, model_dir, variant)
     work, mount, cache_dir, skipped = _cache_fs(p, size["tmpfs_mb"])
-    args = ["--sync-saves", "--cache-layout", p["cache_layout"], "--ram-mb", str(size["ram_mb"]), "--disk-mb", str(size["disk_mb"]),
+    args = ["--sync-saves", "--cache-layout", p["cache_layout"],
+            "--ram-mb", str(size["ram_mb"]), "--disk-mb", str(size["disk_mb"]),
             "--max-queued", str(p["max_queued"]), "--max-batch", str(p["max_batch"])]
     server = ChaosServer(model_dir, ctx.model_name, cache_dir, work / "server.log", args)
     ledger = Ledger()
