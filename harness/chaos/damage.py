@@ -111,14 +111,18 @@ def candidates(cache_dir: Path, fleet_agents: list[str]) -> dict[str, list[Damag
     return out
 
 
+def wanted(done: list[str]) -> list[str]:
+    """The kinds in the order the next damage tries them: of :data:`KINDS` the one damaged least so far
+    first (``done``: the kinds damaged, in order; ties in :data:`KINDS` order), single-file caches last."""
+    return sorted(KINDS, key=lambda k: (done.count(k), KINDS.index(k))) + ["file"]
+
+
 def choose(cache_dir: Path, fleet_agents: list[str], live: set[str], done: list[str],
            rng: np.random.Generator) -> Damage | None:
-    """The next file to damage: of the kind of :data:`KINDS` damaged least so far (``done``: the kinds
-    damaged, in order; ties in :data:`KINDS` order) that has a file now (single-file caches when there are
-    no manifests), a live agent's where possible."""
+    """The next file to damage: of the first kind of :func:`wanted` that has a file now, a live agent's
+    where possible."""
     found = candidates(cache_dir, fleet_agents)
-    order = sorted(KINDS, key=lambda k: (done.count(k), KINDS.index(k))) + ["file"]
-    kind = next((k for k in order if found[k]), None)
+    kind = next((k for k in wanted(done) if found[k]), None)
     if kind is None:
         return None
     pool = [d for d in found[kind] if d.agents & live] or found[kind]

@@ -109,6 +109,7 @@ class Injector:
     def crash(self, sig: int, corrupt: bool = False, cause: str = "") -> None:
         """Stop the server with ``sig``; maybe damage a file while it is down; start it again (the agents of
         a damaged file still in place excused for their next resumption)."""
+        waited = self._await_damageable() if corrupt else None
         before = self.server.stats(timeout_s=5)
         name = signal.Signals(sig).name
         ev = self.ledger.event(name.lower(), life=self.server.life, cause=cause,
@@ -116,6 +117,8 @@ class Injector:
                                refused_files=quarantined_names(before),
                                saves=before.get("saves") if before else None)
         t0 = time.perf_counter()
+        if waited is not None:
+            ev["waited_for_files_s"] = waited
         ev["exit"] = self.server.stop(sig)
         ev["stop_s"] = round(time.perf_counter() - t0, 3)
         fresh = self._corrupt() if corrupt else None
@@ -135,6 +138,18 @@ class Injector:
 
     def _sigterm(self, corrupt: bool = False) -> None:
         self.crash(signal.SIGTERM, corrupt)
+
+    def _await_damageable(self, timeout_s: float = 120.0) -> float:
+        """Before a crash that damages a file: wait (at most ``timeout_s``) until the cache folder holds a
+        file of the kind the damage wants first (early in a run no agent may have saved yet; a block file
+        two agents share takes two saves). Returns the seconds waited."""
+        t0 = time.monotonic()
+        want = damage.wanted([d.pick for d in self.damages])[0]
+        while time.monotonic() - t0 < timeout_s:
+            if damage.candidates(self.cache_dir, list(self.fleet.agent_ids))[want]:
+                break
+            time.sleep(0.5)
+        return round(time.monotonic() - t0, 3)
 
     def _corrupt(self) -> Damage | None:
         """Damage one cache file (a shared block file, a manifest, one agent's block file, in turn), a live
