@@ -64,7 +64,7 @@ def _quarantine(ledger: Ledger, out: dict) -> tuple[dict, list[str]]:
             "quarantined_reported": reported + (quarantined_count(out.get("final_stats")) or 0)}, not_quarantined
 
 
-COME_BACK = ("excused_corrupt", "excused_shared", "corrupt_served")
+COME_BACK = ("excused_corrupt", "excused_rebuilt", "corrupt_served")
 
 
 def must_be_found(e: dict, came_back: list[tuple[str, float]]) -> bool:

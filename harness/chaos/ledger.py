@@ -20,7 +20,9 @@ cache is durable (the turn's new block files, their folder and its manifest fsyn
 first answered turn in a later server life must then find at least that turn's prompt tokens
 cached, unless the injector damaged a file of its cache while the server was down: its manifest
 or a block file only it uses (then it must miss: the file is quarantined), or a block file other
-agents use too (then it may miss or not: another agent may have written the block again).
+agents use too (then it may miss or not: another agent may have written the block again). A hit
+after the damage is excused too when the agent sent a turn since that was not answered: the server
+may have computed and saved its cache anew (a SIGTERM saves what its cancelled turns computed).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from dataclasses import dataclass, field
 
 EXPECTED = ("server_down", "interrupted", "refused_429", "refused_shutting_down")
 FAILURES = ("http_5xx", "http_4xx", "hang", "disconnect", "stream_error")
+UNSEEN = ("ok", "server_down", "refused_429")   # answered, or never worked on by the server
 OUTCOMES = ("ok", *EXPECTED, *FAILURES)
 SAVE_STATES = ("saved", "pending", "failed")
 
@@ -61,6 +64,8 @@ class _Durable:
     saved_life: int | None = None
     corrupted: bool = False            # a file of its cache was damaged since its last answered turn
     strict: bool = False               # ... one no other agent uses (its manifest, a block file only it names)
+    damaged_t: float | None = None     # when (the first such damage since its last answered turn)
+    rebuilt: bool = False              # a turn of it the server may have worked on was sent since (not answered)
 
 
 @dataclass
@@ -94,6 +99,11 @@ class Ledger:
         with self._lock:
             self.requests.append(row)
             self.counts[row["outcome"]] += 1
+            s = self._agents.get(row.get("agent")) if row.get("kind") == "turn" else None
+            if s is not None and s.corrupted and row["outcome"] not in UNSEEN and row["t0"] >= s.damaged_t:
+                # sent after the damage and not answered: the server may have prefilled it and saved a new
+                # cache (a SIGTERM saves what its cancelled turns computed): a hit later is no damage served
+                s.rebuilt = True
 
     def corrupted(self, agent: str, shared: bool = False) -> None:
         """The injector damaged a file of ``agent``'s cache: its next resumption is excused. Unless the file
@@ -102,6 +112,8 @@ class Ledger:
         with self._lock:
             if agent in self._agents:
                 s = self._agents[agent]
+                if not s.corrupted:
+                    s.damaged_t = self.now()
                 s.corrupted = True
                 s.strict = s.strict or not shared
 
@@ -121,7 +133,8 @@ class Ledger:
                 cached = reply.cached_tokens
                 if s.corrupted:
                     hit = cached is not None and cached >= s.prompt_tokens
-                    verdict = ("corrupt_served" if s.strict else "excused_shared") if hit else "excused_corrupt"
+                    served = s.strict and not s.rebuilt
+                    verdict = ("corrupt_served" if served else "excused_rebuilt") if hit else "excused_corrupt"
                 elif cached is None:
                     verdict = "unknown"     # a reply without usage: nothing to check
                 else:
@@ -139,7 +152,8 @@ class Ledger:
             if life != s.last_life:
                 # the damaged file was met at this life's start (quarantined), whether or not a saved turn
                 # made it a durable bar: a file this agent saves from now on is a new one
-                s.corrupted = s.strict = False
+                s.corrupted = s.strict = s.rebuilt = False
+                s.damaged_t = None
             s.last_life = life
             if reply.save_state == "saved":
                 s.prompt_tokens, s.saved_life = reply.prompt_tokens, life
@@ -158,8 +172,8 @@ class Ledger:
             "failures": sum(c[o] for o in FAILURES),
             "resumptions_checked": sum(res[v] for v in ("kept", "lost")),
             "lost_durable_turns": res["lost"],
-            "resumptions_excused_corrupt": res["excused_corrupt"] + res["excused_shared"],
-            "resumptions_excused_shared_hit": res["excused_shared"],
+            "resumptions_excused_corrupt": res["excused_corrupt"] + res["excused_rebuilt"],
+            "resumptions_excused_rebuilt": res["excused_rebuilt"],
             "corrupt_served": res["corrupt_served"],
             "resumptions_without_usage": res["unknown"],
             "correctness_checked": sum(checks.values()) - checks["unfinished"],

@@ -264,7 +264,7 @@ results `{run_id}.json`, timeline `{run_id}-timeline.png`.
 | skipped faults | {c['skipped_faults'] or 'none'} |
 | server down / interrupted / 429 / 503 while shutting down | {c['server_down']} / {c['interrupted']} / {c['refused_429']} / {c['refused_shutting_down']} |
 | 5xx / 4xx / hangs / disconnects / stream errors | {c['http_5xx']} / {c['http_4xx']} / {c['hang']} / {c['disconnect']} / {c['stream_error']} |
-| resumptions checked / lost durable turns / excused (damaged; of them hits on a shared block) | {c['resumptions_checked']} / {c['lost_durable_turns']} / {c['resumptions_excused_corrupt']} ({c['resumptions_excused_shared_hit']}) |
+| resumptions checked / lost durable turns / excused (damaged; of them hits on a cache written again) | {c['resumptions_checked']} / {c['lost_durable_turns']} / {c['resumptions_excused_corrupt']} ({c['resumptions_excused_rebuilt']}) |
 | replies re-checked / wrong | {c['correctness_checked']} / {c['wrong_replies']} |
 | cache_save states of named replies | {c['cache_save_states']} |
 | RSS after {c['rss_baseline_turns']} turns of the last life / at its end / max | {_mb(c['rss_baseline_bytes'])} / {_mb(c['rss_end_bytes'])} / {_mb(c['rss_max_bytes'])} |

@@ -263,10 +263,25 @@ def test_a_hit_after_a_shared_block_was_damaged_is_excused_and_after_an_agents_o
     led.corrupted("c", shared=True)
     led.corrupted("c")                                        # and its own manifest
     assert led.answered("a", 2, reply(120, 60), 2.0)["verdict"] == "excused_corrupt"
-    assert led.answered("b", 2, reply(120, 110), 2.0)["verdict"] == "excused_shared"   # another agent wrote it again
+    assert led.answered("b", 2, reply(120, 110), 2.0)["verdict"] == "excused_rebuilt"   # another agent wrote it again
     assert led.answered("c", 2, reply(120, 110), 2.0)["verdict"] == "corrupt_served"
     s = led.summary()
-    assert (s["resumptions_excused_corrupt"], s["resumptions_excused_shared_hit"], s["corrupt_served"]) == (2, 1, 1)
+    assert (s["resumptions_excused_corrupt"], s["resumptions_excused_rebuilt"], s["corrupt_served"]) == (2, 1, 1)
+
+
+def test_a_hit_after_a_damage_is_excused_when_a_turn_sent_since_may_have_saved_a_new_cache():
+    led = Ledger()
+    for agent in ("a", "b", "c"):
+        led.answered(agent, 1, reply(100, 0), 1.0)
+    led.request({"kind": "turn", "agent": "a", "t0": led.now() - 5, "outcome": "interrupted"})  # before the damage
+    for agent in ("a", "b", "c"):
+        led.corrupted(agent)                                     # their manifests
+    t = led.now()
+    led.request({"kind": "turn", "agent": "b", "t0": t, "outcome": "refused_shutting_down"})   # a SIGTERM's 503
+    led.request({"kind": "turn", "agent": "c", "t0": t, "outcome": "server_down"})             # never reached it
+    assert led.answered("a", 3, reply(120, 110), 3.0)["verdict"] == "corrupt_served"
+    assert led.answered("b", 3, reply(120, 110), 3.0)["verdict"] == "excused_rebuilt"
+    assert led.answered("c", 3, reply(120, 110), 3.0)["verdict"] == "corrupt_served"
 
 
 def test_which_damaged_files_the_server_must_have_set_aside():
@@ -284,3 +299,18 @@ def test_which_damaged_files_the_server_must_have_set_aside():
     assert not must_be_found(ev(kind_of_file="block", mode="flip", region="data"), a_before)  # back before it
     assert must_be_found(ev(kind_of_file="block", mode="flip", region="data"), a_back)        # its one agent loaded it
     assert must_be_found(ev(mode="flip"), a_back) and not must_be_found(ev(mode="flip"), b_back)  # single-file layout
+
+
+def test_a_corrupting_crash_waits_for_a_file_of_the_kind_it_wants(tmp_path):
+    from types import SimpleNamespace
+
+    from harness.chaos.injector import Injector
+
+    inj = Injector(SimpleNamespace(), SimpleNamespace(agent_ids=["a", "b"], live={}), Ledger(), FaultPlan(), None,
+                   tmp_path, 0, 4)
+    assert inj._await_damageable(timeout_s=0.3) >= 0.3          # nothing saved yet: it waits, then goes on
+    _block_dir(tmp_path, ["00000000000000aa"])
+    _manifest(tmp_path, "public-a-1.kvm", "public/a", [1] * 4, ["00000000000000aa"])
+    assert inj._await_damageable(timeout_s=0.3) >= 0.3          # a shared block file is wanted first
+    _manifest(tmp_path, "public-b-1.kvm", "public/b", [1] * 4, ["00000000000000aa"])
+    assert inj._await_damageable(timeout_s=5) < 1
