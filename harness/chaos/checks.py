@@ -46,18 +46,44 @@ def _quarantine(ledger: Ledger, out: dict) -> tuple[dict, list[str]]:
     events = ledger.events
     corrupt = [e for e in events if e["kind"] == "corrupt" and e.get("file")]
     qdir = out.get("quarantine_dir", [])
-    # a damaged file is found when it is scanned (a bad header) or loaded (its agent's next turn): every
-    # one whose agent came back must be in quarantine/, or (a read-only directory then) reported refused
-    # in place; others may still sit unread
-    came_back = {r["agent"] for r in ledger.resumptions if r["verdict"] in ("excused_corrupt", "corrupt_served")}
+    came_back = [(r["agent"], r["t"]) for r in ledger.resumptions if r["verdict"] in COME_BACK]
     refused = {f for e in events if e["kind"] in ("sigkill", "sigterm") for f in e.get("refused_files") or []}
     refused |= set(quarantined_names(out.get("final_stats")))
-    not_quarantined = [e["file"] for e in corrupt if e.get("agent") in came_back and e["file"] not in refused
-                       and not any(q.startswith(e["file"] + ".") for q in qdir)]
+    set_aside = [e for e in corrupt if e["file"] in refused or any(q.startswith(e["file"] + ".") for q in qdir)]
+    due = [e for e in corrupt if must_be_found(e, came_back)]
+    not_quarantined = [e["file"] for e in due if e not in set_aside]
     reported = sum(e.get("quarantined_this_life") or 0 for e in events if e["kind"] in ("sigkill", "sigterm"))
-    return {"corrupted_files": len(corrupt), "quarantined_files": len(qdir),
+    kinds = [e.get("kind_of_file", "file") for e in corrupt]
+    return {"corrupted_files": len(corrupt), "corrupted_manifests": kinds.count("manifest"),
+            "corrupted_block_files": kinds.count("block"),
+            "corrupted_shared_block_files": sum(1 for e in corrupt if e.get("kind_of_file") == "block"
+                                                and e.get("shared")),
+            "quarantined_files": len(qdir), "corruptions_quarantined": len(set_aside),
             "corruptions_not_quarantined": len(not_quarantined),
+            "corruptions_unread": sum(1 for e in corrupt if e not in set_aside and e not in due),
             "quarantined_reported": reported + (quarantined_count(out.get("final_stats")) or 0)}, not_quarantined
+
+
+COME_BACK = ("excused_corrupt", "excused_rebuilt", "corrupt_served")
+
+
+def must_be_found(e: dict, came_back: list[tuple[str, float]]) -> bool:
+    """Whether the server must have set the damaged file of corrupt event ``e`` aside by the end.
+
+    The next start scans every manifest and every block file's header: a damaged manifest, a truncated
+    block file, or one whose header was hit is found then. A block file whose tensors alone were hit is
+    found when a load reads it: surely when the one agent that uses it came back after the damage
+    (``came_back``: (agent, time) of the resumptions a damage excused; nothing else can hold its
+    blocks), not when it is shared (a load takes no block the pool holds from disk). A cache file of
+    the single-file layout is found when its agent comes back.
+    """
+    kind = e.get("kind_of_file", "file")
+    if kind == "manifest" or kind == "block" and (e.get("mode") == "truncate" or e.get("region") == "header"):
+        return True
+    if kind == "block" and e.get("shared"):
+        return False
+    agents = set(e.get("agents") or [e.get("agent")])
+    return any(a in agents and t > e["t"] for a, t in came_back)
 
 
 def _cache_reports(ledger: Ledger) -> dict:

@@ -2,7 +2,8 @@
 
 Mounting needs root (``mount -t tmpfs``); without it :func:`mount_tmpfs` returns the reason and the
 run keeps a plain folder, skipping the faults that need the mount (disk full, read-only). Corrupting
-a file needs nothing but the folder.
+a file (a manifest, a block file, or a single-file cache: :mod:`harness.storefiles`) needs nothing but
+the folder.
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+from harness import storefiles
+from semantic.store.manifest import MANIFEST_SUFFIX
 
 FILLER = "filler.bin"
 CHUNK = 1 << 20
@@ -93,13 +97,16 @@ def free(where: Path) -> None:
 
 
 def cache_files(cache_dir: Path) -> list[Path]:
-    """The agents' cache files (not the quarantined ones, not temporaries)."""
-    return sorted(p for p in cache_dir.glob("*.safetensors") if p.is_file())
+    """The agents' cache files: manifests, block files, single-file caches (not the quarantined ones, not
+    temporaries)."""
+    return storefiles.manifests(cache_dir) + storefiles.block_files(cache_dir) + storefiles.single_files(cache_dir)
 
 
 def temp_files(cache_dir: Path) -> list[str]:
-    """Writers' temporary files left in the cache folder (``.<name>.<pid>.<hex>.tmp``)."""
-    return sorted(p.name for p in cache_dir.glob(".*.tmp"))
+    """Writers' temporary files left in the cache folder or its block folders (``.<name>.<pid>.<hex>.tmp``),
+    as paths relative to the cache folder."""
+    found = [p for d in (cache_dir, *storefiles.block_dirs(cache_dir)) for p in d.glob(".*.tmp")]
+    return sorted(str(p.relative_to(cache_dir)) for p in found)
 
 
 def quarantined_files(cache_dir: Path) -> list[str]:
@@ -111,9 +118,12 @@ def corrupt(path: Path, rng: np.random.Generator) -> dict:
     """Damage a cache file: truncate it to a random share, or overwrite random bytes past its first KiB.
 
     Returns:
-        What was done: ``{"file", "mode", "size", ...}``.
+        What was done: ``{"file", "mode", "size", ...}``; a flip in a block or single-file cache also says
+        whether it hit the header (``region``: "header", found by any scan) or only tensor bytes ("data",
+        found when the file is read).
     """
     size = path.stat().st_size
+    header_end = storefiles.header_end(path) if path.suffix != MANIFEST_SUFFIX else None
     if rng.random() < 0.5 or size < 8192:
         keep = int(size * rng.uniform(0.1, 0.9))
         os.truncate(path, keep)
@@ -127,4 +137,7 @@ def corrupt(path: Path, rng: np.random.Generator) -> dict:
             f.write(bytes(b ^ 0x5A for b in old))
         f.flush()
         os.fsync(f.fileno())
-    return {"file": path.name, "mode": "flip", "size": size, "offsets": offsets}
+    done = {"file": path.name, "mode": "flip", "size": size, "offsets": offsets}
+    if header_end is not None:
+        done["region"] = "header" if offsets[0] < header_end else "data"
+    return done

@@ -2,7 +2,9 @@
 
 Faults (each logged in the ledger with its wall time and what it found)::
 
-    sigkill     SIGKILL, then a restart (maybe a corrupted or truncated cache file in between)
+    sigkill     SIGKILL, then a restart (maybe a damaged file in between: a block file several agents
+                share, a manifest, or one agent's block file, truncated or with bytes overwritten;
+                :mod:`harness.chaos.damage`)
     sigterm     SIGTERM (graceful: pending saves land), then a restart
     disk_full   a filler file written until ENOSPC, held, freed; then a SIGKILL and a restart, whose
                 resumptions show that every cache saved before the disk filled still loads
@@ -10,8 +12,8 @@ Faults (each logged in the ledger with its wall time and what it found)::
     hangup      streams opened, a chunk or two read, closed
     flood       many requests at once, past the queue: 429s expected, never a 5xx
 
-After every start: no writer's temporary file may be left in the cache folder (the server deletes
-dead writers' temporaries at startup).
+After every start: no writer's temporary file may be left in the cache folder or its block folders
+(the server deletes dead writers' temporaries at startup).
 """
 
 from __future__ import annotations
@@ -25,11 +27,11 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from harness.chaos import fs
+from harness.chaos import damage, fs
 from harness.chaos.agents import Fleet, anthropic_turn, classify, openai_turn
+from harness.chaos.damage import Damage
 from harness.chaos.ledger import Ledger
 from harness.chaos.server import ChaosServer
-from semantic.store import file_name
 
 FS_FAULTS = ("disk_full", "read_only")
 
@@ -51,7 +53,7 @@ class FaultPlan:
 
     sigkill: int = 14
     sigterm: int = 6
-    corrupt: int = 5          # of the SIGKILLs, how many damage a cache file while the server is down
+    corrupt: int = 5          # of the SIGKILLs, how many damage a file while the server is down
     disk_full: int = 1
     read_only: int = 1
     hangup: int = 4
@@ -83,6 +85,7 @@ class Injector:
         self.mount, self.cache_dir, self.max_queued = mount, cache_dir, max_queued
         self.rng = np.random.default_rng([seed, 15])
         self.phases: list[dict] = []     # disk_full / read_only: what the server did during each
+        self.damages: list[Damage] = []  # the files damaged so far
 
     # ------------------------------------------------------------ the plan
 
@@ -104,7 +107,9 @@ class Injector:
     # ------------------------------------------------------------ crashes
 
     def crash(self, sig: int, corrupt: bool = False, cause: str = "") -> None:
-        """Stop the server with ``sig``; maybe damage a cache file while it is down; start it again."""
+        """Stop the server with ``sig``; maybe damage a file while it is down; start it again (the agents of
+        a damaged file still in place excused for their next resumption)."""
+        waited = self._await_damageable() if corrupt else None
         before = self.server.stats(timeout_s=5)
         name = signal.Signals(sig).name
         ev = self.ledger.event(name.lower(), life=self.server.life, cause=cause,
@@ -112,10 +117,12 @@ class Injector:
                                refused_files=quarantined_names(before),
                                saves=before.get("saves") if before else None)
         t0 = time.perf_counter()
+        if waited is not None:
+            ev["waited_for_files_s"] = waited
         ev["exit"] = self.server.stop(sig)
         ev["stop_s"] = round(time.perf_counter() - t0, 3)
-        if corrupt:
-            self._corrupt()
+        fresh = self._corrupt() if corrupt else None
+        self._excuse_lingering(fresh)
         self.restart()
 
     def restart(self) -> dict:
@@ -132,22 +139,46 @@ class Injector:
     def _sigterm(self, corrupt: bool = False) -> None:
         self.crash(signal.SIGTERM, corrupt)
 
-    def _corrupt(self) -> None:
-        """Damage one cache file, a live agent's when there is one (its next turn must find it quarantined)."""
-        # the server stores an agent under "<tenant>/<agent id>" (no API key: the tenant "public")
-        by_file = {file_name(f"public/{a}"): a for a in list(self.fleet.agent_ids)}
-        live = {file_name(f"public/{a}") for a in list(self.fleet.live.values())}
-        files = fs.cache_files(self.cache_dir)
-        if not files:
+    def _await_damageable(self, timeout_s: float = 120.0) -> float:
+        """Before a crash that damages a file: wait (at most ``timeout_s``) until the cache folder holds a
+        file of the kind the damage wants first (early in a run no agent may have saved yet; a block file
+        two agents share takes two saves). Returns the seconds waited."""
+        t0 = time.monotonic()
+        want = damage.wanted([d.pick for d in self.damages])[0]
+        while time.monotonic() - t0 < timeout_s:
+            if damage.candidates(self.cache_dir, list(self.fleet.agent_ids))[want]:
+                break
+            time.sleep(0.5)
+        return round(time.monotonic() - t0, 3)
+
+    def _corrupt(self) -> Damage | None:
+        """Damage one cache file (a shared block file, a manifest, one agent's block file, in turn), a live
+        agent's when there is one: every agent that uses it is excused for its next resumption."""
+        d = damage.choose(self.cache_dir, list(self.fleet.agent_ids), set(self.fleet.live.values()),
+                          [d.pick for d in self.damages], self.rng)
+        if d is None:
             self.ledger.event("corrupt", skipped="no cache file")
-            return
-        preferred = [f for f in files if f.name in live] or files
-        path = preferred[int(self.rng.integers(len(preferred)))]
-        done = fs.corrupt(path, self.rng)
-        agent = by_file.get(path.name)
-        if agent:
-            self.ledger.corrupted(agent)
-        self.ledger.event("corrupt", agent=agent, **done)
+            return None
+        d.detail = fs.corrupt(d.path, self.rng)
+        d.seal()
+        self.damages.append(d)
+        for agent in d.agents:
+            self.ledger.corrupted(agent, shared=d.shared)
+        d.row = self.ledger.event("corrupt", **d.event())
+        return d
+
+    def _excuse_lingering(self, fresh: Damage | None) -> None:
+        """A damaged file earlier lives left (:meth:`Damage.excuses_now`): its agents excused again."""
+        for d in self.damages:
+            agents = set() if d is fresh else d.excuses_now(self.cache_dir)
+            if not agents:
+                continue
+            d.shared = d.shared or len(agents) > 1
+            d.row["shared"] = d.shared   # the checks read it: a shared file need not be read again
+            for agent in agents:
+                self.ledger.corrupted(agent, shared=d.shared)
+            self.ledger.event("damage_lingers", file=d.path.name, state=d.state(), agents=sorted(agents),
+                              shared=d.shared)
 
     # ------------------------------------------------------------ the filesystem
 

@@ -16,9 +16,13 @@ Outcomes of a request, and which of them are failures::
     stream_error            an error event inside a stream, no fault near it      failure
 
 Durability: with ``--sync-saves`` a named agent's reply says ``cache_save: saved`` once its
-cache file is written and fsynced. The agent's first answered turn in a later server life
-must then find at least that turn's prompt tokens cached, unless the injector corrupted the
-agent's file while the server was down (then it must be quarantined instead).
+cache is durable (the turn's new block files, their folder and its manifest fsynced). The agent's
+first answered turn in a later server life must then find at least that turn's prompt tokens
+cached, unless the injector damaged a file of its cache while the server was down: its manifest
+or a block file only it uses (then it must miss: the file is quarantined), or a block file other
+agents use too (then it may miss or not: another agent may have written the block again). A hit
+after the damage is excused too when the agent sent a turn since that was not answered: the server
+may have computed and saved its cache anew (a SIGTERM saves what its cancelled turns computed).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from dataclasses import dataclass, field
 
 EXPECTED = ("server_down", "interrupted", "refused_429", "refused_shutting_down")
 FAILURES = ("http_5xx", "http_4xx", "hang", "disconnect", "stream_error")
+UNSEEN = ("ok", "server_down", "refused_429")   # answered, or never worked on by the server
 OUTCOMES = ("ok", *EXPECTED, *FAILURES)
 SAVE_STATES = ("saved", "pending", "failed")
 
@@ -57,7 +62,10 @@ class _Durable:
     last_life: int
     prompt_tokens: int | None = None   # of the agent's latest turn that came back "saved"
     saved_life: int | None = None
-    corrupted: bool = False            # its file was corrupted since its last answered turn
+    corrupted: bool = False            # a file of its cache was damaged since its last answered turn
+    strict: bool = False               # ... one no other agent uses (its manifest, a block file only it names)
+    damaged_t: float | None = None     # when (the first such damage since its last answered turn)
+    rebuilt: bool = False              # a turn of it the server may have worked on was sent since (not answered)
 
 
 @dataclass
@@ -91,12 +99,23 @@ class Ledger:
         with self._lock:
             self.requests.append(row)
             self.counts[row["outcome"]] += 1
+            s = self._agents.get(row.get("agent")) if row.get("kind") == "turn" else None
+            if s is not None and s.corrupted and row["outcome"] not in UNSEEN and row["t0"] >= s.damaged_t:
+                # sent after the damage and not answered: the server may have prefilled it and saved a new
+                # cache (a SIGTERM saves what its cancelled turns computed): a hit later is no damage served
+                s.rebuilt = True
 
-    def corrupted(self, agent: str) -> None:
-        """The injector damaged ``agent``'s file: its next resumption is excused (and must be quarantined)."""
+    def corrupted(self, agent: str, shared: bool = False) -> None:
+        """The injector damaged a file of ``agent``'s cache: its next resumption is excused. Unless the file
+        is ``shared`` (a block file other agents use: any of them may have written it again, or the pool may
+        hold its blocks), that resumption must miss its durable turn: a hit is a damaged file served."""
         with self._lock:
             if agent in self._agents:
-                self._agents[agent].corrupted = True
+                s = self._agents[agent]
+                if not s.corrupted:
+                    s.damaged_t = self.now()
+                s.corrupted = True
+                s.strict = s.strict or not shared
 
     def last_life(self, agent: str) -> int | None:
         """The server life of the agent's last answered turn (None before its first)."""
@@ -113,7 +132,9 @@ class Ledger:
             if life != s.last_life and s.prompt_tokens is not None:
                 cached = reply.cached_tokens
                 if s.corrupted:
-                    verdict = "corrupt_served" if cached is not None and cached >= s.prompt_tokens else "excused_corrupt"
+                    hit = cached is not None and cached >= s.prompt_tokens
+                    served = s.strict and not s.rebuilt
+                    verdict = ("corrupt_served" if served else "excused_rebuilt") if hit else "excused_corrupt"
                 elif cached is None:
                     verdict = "unknown"     # a reply without usage: nothing to check
                 else:
@@ -131,7 +152,8 @@ class Ledger:
             if life != s.last_life:
                 # the damaged file was met at this life's start (quarantined), whether or not a saved turn
                 # made it a durable bar: a file this agent saves from now on is a new one
-                s.corrupted = False
+                s.corrupted = s.strict = s.rebuilt = False
+                s.damaged_t = None
             s.last_life = life
             if reply.save_state == "saved":
                 s.prompt_tokens, s.saved_life = reply.prompt_tokens, life
@@ -150,7 +172,8 @@ class Ledger:
             "failures": sum(c[o] for o in FAILURES),
             "resumptions_checked": sum(res[v] for v in ("kept", "lost")),
             "lost_durable_turns": res["lost"],
-            "resumptions_excused_corrupt": res["excused_corrupt"],
+            "resumptions_excused_corrupt": res["excused_corrupt"] + res["excused_rebuilt"],
+            "resumptions_excused_rebuilt": res["excused_rebuilt"],
             "corrupt_served": res["corrupt_served"],
             "resumptions_without_usage": res["unknown"],
             "correctness_checked": sum(checks.values()) - checks["unfinished"],

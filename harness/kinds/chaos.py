@@ -1,20 +1,24 @@
 """EXP-015: nothing lost under chaos. One ``semantic serve`` under injected faults, agents talking throughout.
 
-The server runs with ``--sync-saves`` on a size-limited tmpfs this run mounts (and unmounts),
+The server runs with ``--sync-saves`` (and ``--cache-layout``: block files and a manifest per agent
+by default) on a size-limited tmpfs this run mounts (and unmounts),
 a RAM budget of about a quarter of the agents' working set (KV bytes per token × their history
 tokens), a small ``--max-queued``, and a disk budget ample for the live agents. ``agents`` agents
 talk through the official SDKs (:mod:`harness.chaos.agents`) while the injector
 (:mod:`harness.chaos.injector`) kills it (SIGKILL, SIGTERM) and starts it again, fills its disk,
-makes it read-only, hangs up streams, floods it past its queue, and damages cache files while it is
-down. Then a last, crash-free life of ``calm_turns`` turns measures RSS, and a SIGTERM ends the run.
+makes it read-only, hangs up streams, floods it past its queue, and damages files while it is down:
+a block file several agents share, an agent's manifest, a block file only one agent uses
+(:mod:`harness.chaos.damage`). Then a last, crash-free life of ``calm_turns`` turns measures RSS,
+and a SIGTERM ends the run.
 
 What must hold (:mod:`harness.chaos.ledger`; :mod:`harness.chaos.checks` judges it): no 5xx, no
 hang (every request answered or refused within the client timeout), no durable turn lost (a reply
-that said ``cache_save: saved`` is found cached after every restart, unless its file was damaged:
-then it is quarantined), sampled replies equal to the same request sent anonymously under a fresh
-salt, RSS at the end within 1.2x the last life's after its first ``rss_baseline_turns`` turns, no
-writer's temporary file left after a start or the shutdown, and while the disk is full: 200s,
-resident bytes within the budget, and every cache saved before it still loads afterwards.
+that said ``cache_save: saved`` is found cached after every restart, unless a file of its cache was
+damaged: then that file is quarantined, and the agent resumes from the blocks before it), sampled
+replies equal to the same request sent anonymously under a fresh salt, RSS at the end within 1.2x
+the last life's after its first ``rss_baseline_turns`` turns, no writer's temporary file left (in
+the cache folder or its block folders) after a start or the shutdown, and while the disk is full:
+200s, resident bytes within the budget, and every cache saved before it still loads afterwards.
 
 The run writes its results document, a timeline plot, and ``README.md`` beside them with the verdicts.
 """
@@ -30,6 +34,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from harness import storefiles
 from harness.chaos import fs
 from harness.chaos.agents import AgentParams, Fleet
 from harness.chaos.checks import answered_turns, checks, rss_checks
@@ -112,7 +117,8 @@ def _rig(ctx) -> _Rig:
     system = system_prompt(load_tokenizer(model_dir), p["system_tokens"])["content"]
     size = sizes(p, model_dir, variant)
     work, mount, cache_dir, skipped = _cache_fs(p, size["tmpfs_mb"])
-    args = ["--sync-saves", "--ram-mb", str(size["ram_mb"]), "--disk-mb", str(size["disk_mb"]),
+    args = ["--sync-saves", "--cache-layout", p["cache_layout"],
+            "--ram-mb", str(size["ram_mb"]), "--disk-mb", str(size["disk_mb"]),
             "--max-queued", str(p["max_queued"]), "--max-batch", str(p["max_batch"])]
     server = ChaosServer(model_dir, ctx.model_name, cache_dir, work / "server.log", args)
     ledger = Ledger()
@@ -168,7 +174,9 @@ def _shutdown(rig: _Rig, last: int) -> dict:
     ev["clean"] = ev["exit"] in (0, -signal.SIGTERM) and "Application shutdown complete" in rig.server.log_tail(20000)
     ev["temp_files"] = fs.temp_files(rig.cache_dir)
     return {"final_stats": final_stats, "quarantine_dir": fs.quarantined_files(rig.cache_dir),
-            "cache_files_at_end": len(fs.cache_files(rig.cache_dir))}
+            "cache_files_at_end": len(fs.cache_files(rig.cache_dir)),
+            "manifests_at_end": len(storefiles.manifests(rig.cache_dir)),
+            "block_files_at_end": len(storefiles.block_files(rig.cache_dir))}
 
 
 def _teardown(rig: _Rig, out: dict) -> None:
@@ -237,7 +245,9 @@ def _readme(ctx, c: dict) -> None:
 `make exp-015` (`harness run experiments/exp_015_chaos.toml`) runs one `semantic serve` on
 {ctx.model_name} with `--sync-saves` on a size-limited tmpfs, {ctx.params['agents']} agents talking
 through the `openai` and `anthropic` SDKs, and a seeded fault injector: SIGKILL and SIGTERM then a
-restart, a cache file corrupted or truncated while the server is down, the disk filled until ENOSPC,
+restart, a file truncated or overwritten while the server is down (in turn a block file several agents
+share, an agent's manifest, a block file one agent uses; `--cache-layout {ctx.params['cache_layout']}`),
+the disk filled until ENOSPC,
 the cache filesystem made read-only, streams cut by their clients, and floods past the queue. A last,
 crash-free life measures RSS. See `harness/kinds/chaos.py` for what each goal means.
 
@@ -248,12 +258,13 @@ results `{run_id}.json`, timeline `{run_id}-timeline.png`.
 |---|---|
 | requests / agent turns answered | {c['requests']} / {c['turns']} |
 | crashes (SIGKILL / SIGTERM) | {c['crashes']} ({c['faults_sigkill']} / {c['faults_sigterm']}) |
-| files corrupted / quarantined | {c['corrupted_files']} / {c['quarantined_files']} |
+| files corrupted (manifests / block files, shared) / set aside / unread | {c['corrupted_files']} ({c['corrupted_manifests']} / {c['corrupted_block_files']}, {c['corrupted_shared_block_files']}) / {c['corruptions_quarantined']} / {c['corruptions_unread']} |
+| files in quarantine/ | {c['quarantined_files']} |
 | disk full / read-only / hang-ups / floods | {c['faults_disk_full_start']} / {c['faults_read_only_start']} / {c['faults_hangup']} / {c['faults_flood']} |
 | skipped faults | {c['skipped_faults'] or 'none'} |
 | server down / interrupted / 429 / 503 while shutting down | {c['server_down']} / {c['interrupted']} / {c['refused_429']} / {c['refused_shutting_down']} |
 | 5xx / 4xx / hangs / disconnects / stream errors | {c['http_5xx']} / {c['http_4xx']} / {c['hang']} / {c['disconnect']} / {c['stream_error']} |
-| resumptions checked / lost durable turns / excused (corrupted) | {c['resumptions_checked']} / {c['lost_durable_turns']} / {c['resumptions_excused_corrupt']} |
+| resumptions checked / lost durable turns / excused (damaged; of them hits on a cache written again) | {c['resumptions_checked']} / {c['lost_durable_turns']} / {c['resumptions_excused_corrupt']} ({c['resumptions_excused_rebuilt']}) |
 | replies re-checked / wrong | {c['correctness_checked']} / {c['wrong_replies']} |
 | cache_save states of named replies | {c['cache_save_states']} |
 | RSS after {c['rss_baseline_turns']} turns of the last life / at its end / max | {_mb(c['rss_baseline_bytes'])} / {_mb(c['rss_end_bytes'])} / {_mb(c['rss_max_bytes'])} |
@@ -282,6 +293,8 @@ def _validate(p: dict) -> None:
         raise ValueError("turns_per_session must be [low, high] with 1 <= low <= high")
     if p["agents"] < 1 or p["calm_turns"] < 1 or p["chaos_s"] <= 0:
         raise ValueError("agents >= 1, calm_turns >= 1, chaos_s > 0")
+    if p["cache_layout"] not in ("blocks", "file"):
+        raise ValueError("cache_layout is blocks or file")
     if p["corrupt"] > p["sigkill"]:
         raise ValueError("corrupt counts SIGKILLs that also damage a file: at most sigkill")
 
@@ -302,7 +315,9 @@ KIND = register(Kind(
         "chaos_s": Param(float, 480.0, "seconds the faults are spread over"),
         "sigkill": Param(int, 14, "SIGKILLs and restarts (besides the one after each disk-full phase)"),
         "sigterm": Param(int, 6, "SIGTERMs and restarts (besides the one before the last life)"),
-        "corrupt": Param(int, 5, "of the SIGKILLs, those that damage a cache file while the server is down"),
+        "corrupt": Param(int, 5, "of the SIGKILLs, those that damage a file while the server is down (a shared "
+                               "block file, a manifest, one agent's block file, in turn)"),
+        "cache_layout": Param(str, "blocks", "--cache-layout: blocks (block files and manifests) or file"),
         "disk_full": Param(int, 1, "disk-full phases (each then a SIGKILL and a restart)"),
         "read_only": Param(int, 1, "read-only phases"),
         "hangup": Param(int, 4, "rounds of streams cut by their clients"),

@@ -13,7 +13,8 @@ Checked on every turn:
 - stale reuses: the agent's new cache does not hold exactly its history plus
   its reply, or a block of it holds other tokens than the history has at its
   positions (a reused block from a diverged or foreign history);
-- leaks: another agent's canary inside the agent's cache, in RAM or in its file;
+- leaks: another agent's canary inside the agent's cache, in RAM or in its manifest (its cache file in
+  the single-file layout);
 - hit rate: history tokens served from caches, after each agent's first turn.
 
 With ``ram_budget`` > 0 the scheduler holds its resident caches to that
@@ -21,7 +22,7 @@ share of the working set (``working_set_bytes``: every agent's cache at the
 length the workload takes it to), evicting saved caches least recently used
 first; it samples resident bytes after every step of its worker, and the run
 checks the largest sample against the budget. A turn whose cache the budget
-already evicted is checked in its file (token ids and canaries) instead.
+already evicted is checked on disk (its manifest's token ids and canaries) instead.
 
 A sample of ``parity_samples`` turns that reused a cache is re-run as a
 fresh prefill in an engine of its own: the same greedy tokens and logprobs
@@ -43,7 +44,7 @@ from pathlib import Path
 
 import numpy as np
 
-from harness import plots
+from harness import plots, storefiles
 from harness.engines import logprob_diff, make_engine as fresh_engine, open_scheduler
 from harness.kinds.base import Kind, Param, register
 from semantic import ModelCacheSpec, Request, cachefile, store as store_mod
@@ -167,7 +168,11 @@ class _Workload:
 
 
     def _file_tokens(self, a: str) -> tuple[int, ...] | None:
-        """The token ids of the agent's cache file, None without one."""
+        """The token ids of the agent's cache on disk (its manifest; a cache file in the single-file layout),
+        None without one."""
+        m = storefiles.read_manifest(self.cache_dir / store_mod.manifest_name(a))
+        if m is not None:
+            return m.token_ids
         try:
             return tuple(cachefile.read_header(self.cache_dir / store_mod.file_name(a)).token_ids)
         except FileNotFoundError:
@@ -316,13 +321,18 @@ def _parity(engine, h: list[int], r, tol: float) -> tuple[bool, float]:
 
 
 def _file_leaks(cache_dir: Path, canaries: dict) -> int:
-    """Cache files whose token ids hold another agent's canary (or that name the wrong agent)."""
+    """Manifests (cache files, in the single-file layout) whose token ids hold another agent's canary, or
+    that name the wrong agent; a manifest that does not parse counts too."""
+    owned = [(path, storefiles.read_manifest(path), store_mod.manifest_name) for path in storefiles.manifests(cache_dir)]
+    owned += [(path, cachefile.read_header(path), store_mod.file_name) for path in storefiles.single_files(cache_dir)]
     leaks = 0
-    for path in cache_dir.glob(f"*{cachefile.SUFFIX}"):
-        info = cachefile.read_header(path)
-        own = info.agent_id
-        leaks += path.name != store_mod.file_name(own)
-        leaks += any(_contains(tuple(info.token_ids), c) for a, c in canaries.items() if a != own)
+    for path, doc, name_of in owned:
+        if doc is None:
+            leaks += 1
+            continue
+        own = doc.agent_id
+        leaks += path.name != name_of(own)
+        leaks += any(_contains(tuple(doc.token_ids), c) for a, c in canaries.items() if a != own)
     return leaks
 
 

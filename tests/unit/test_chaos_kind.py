@@ -157,3 +157,160 @@ def test_a_corrupted_file_of_an_agent_with_no_saved_turn_yet_is_forgotten_at_the
     assert led.answered("a", 2, reply(515, 422), 2.0) is None
     assert led.answered("a", 3, reply(582, 555), 3.0)["verdict"] == "kept"
     assert led.summary()["corrupt_served"] == 0
+
+
+# ------------------------------------------------------------------ the block layout's files
+
+
+def _manifest(cache_dir, name: str, agent: str, tokens: list[int], keys: list[str]) -> None:
+    """A manifest as the store writes it (outer JSON around the document's text; the checksum unchecked here)."""
+    doc = {"format_version": 3, "agent_id": agent, "token_ids": tokens,
+           "extents": {"global": [[k, 4 * i, 4 * i + 4] for i, k in enumerate(keys)]}}
+    (cache_dir / name).write_text(json.dumps({"semantic_kv_manifest": json.dumps(doc), "semantic_kv_xxh3_128": "0"}))
+
+
+def _block_dir(tmp_path, keys):
+    blocks = tmp_path / "blocks-0123456789ab"
+    blocks.mkdir()
+    for k in keys:
+        (blocks / f"{k}.kvb").write_bytes(b"\x10" + bytes(7) + b" " * 16 + bytes(20000))
+    return blocks
+
+
+def test_temp_and_cache_files_of_the_block_layout_are_told_apart(tmp_path):
+    blocks = _block_dir(tmp_path, ["00000000000000aa"])
+    _manifest(tmp_path, "public-a-1.kvm", "public/a", [1, 2, 3, 4], ["00000000000000aa"])
+    (blocks / ".00000000000000bb.kvb.77.deadbeef.tmp").write_bytes(b"x")
+    (tmp_path / ".public-a-1.kvm.78.cafebabe.tmp").write_bytes(b"x")
+    assert [p.name for p in fs.cache_files(tmp_path)] == ["public-a-1.kvm", "00000000000000aa.kvb"]
+    assert fs.temp_files(tmp_path) == [".public-a-1.kvm.78.cafebabe.tmp",
+                                       "blocks-0123456789ab/.00000000000000bb.kvb.77.deadbeef.tmp"]
+
+
+def test_a_flip_says_whether_it_hit_a_block_files_header_or_only_its_tensors(tmp_path):
+    rng = np.random.default_rng(3)
+    regions = set()
+    for i in range(12):
+        path = tmp_path / f"{i:016x}.kvb"
+        header = (1030, 40000)[i % 2]
+        path.write_bytes(header.to_bytes(8, "little") + b" " * header + bytes(20000))
+        done = fs.corrupt(path, rng)
+        if done["mode"] == "flip":
+            regions.add(done["region"])
+            assert done["region"] == ("header" if done["offsets"][0] < 8 + header else "data")
+    assert regions == {"header", "data"}
+
+
+def test_damage_tells_shared_block_files_from_one_agents_and_takes_each_kind_in_turn(tmp_path):
+    from harness import storefiles
+    from harness.chaos import damage
+
+    _block_dir(tmp_path, ["00000000000000aa", "00000000000000bb", "00000000000000cc", "00000000000000dd"])
+    _manifest(tmp_path, "public-a-1.kvm", "public/a", [1] * 8, ["00000000000000aa", "00000000000000bb"])
+    _manifest(tmp_path, "public-b-1.kvm", "public/b", [1] * 8, ["00000000000000aa", "00000000000000cc"])
+    m = storefiles.read_manifest(tmp_path / "public-a-1.kvm")
+    assert (m.agent_id, m.token_ids, m.blocks) == ("public/a", (1,) * 8, {"00000000000000aa.kvb", "00000000000000bb.kvb"})
+    found = damage.candidates(tmp_path, ["a", "b"])
+    assert [(d.path.name, d.agents) for d in found["shared_block"]] == [("00000000000000aa.kvb", {"a", "b"})]
+    assert sorted((d.path.name, tuple(d.agents)) for d in found["block"]) == [
+        ("00000000000000bb.kvb", ("a",)), ("00000000000000cc.kvb", ("b",))]   # dd: no manifest names it
+    assert sorted(tuple(d.agents) for d in found["manifest"]) == [("a",), ("b",)]
+    rng = np.random.default_rng(0)
+    picked = []
+    for _ in range(4):
+        picked.append(damage.choose(tmp_path, ["a", "b"], {"b"}, [d.pick for d in picked], rng))
+    assert [d.pick for d in picked] == ["shared_block", "manifest", "block", "shared_block"]
+    assert [(d.kind, d.shared) for d in picked[:3]] == [("block", True), ("manifest", False), ("block", False)]
+    assert picked[1].agents == {"b"} and picked[2].path.name == "00000000000000cc.kvb"   # the live agent's
+
+
+def test_with_no_shared_block_file_yet_the_next_damage_takes_the_kind_still_missing(tmp_path):
+    from harness.chaos import damage
+
+    _block_dir(tmp_path, ["00000000000000aa"])
+    _manifest(tmp_path, "public-a-1.kvm", "public/a", [1] * 4, ["00000000000000aa"])
+    rng = np.random.default_rng(0)
+    first = damage.choose(tmp_path, ["a"], {"a"}, [], rng)
+    assert first.pick == "manifest"                    # no block file two manifests name
+    assert damage.choose(tmp_path, ["a"], {"a"}, [first.pick], rng).pick == "block"
+    assert damage.choose(tmp_path / "nothing", ["a"], set(), [], rng) is None
+
+
+def test_a_damaged_block_file_excuses_its_agents_until_it_is_written_again(tmp_path):
+    from harness.chaos import damage
+
+    blocks = _block_dir(tmp_path, ["00000000000000aa"])
+    _manifest(tmp_path, "public-a-1.kvm", "public/a", [1] * 4, ["00000000000000aa"])
+    _manifest(tmp_path, "public-b-1.kvm", "public/b", [1] * 4, ["00000000000000aa"])
+    d = damage.choose(tmp_path, ["a", "b"], set(), [], np.random.default_rng(0))
+    d.detail = fs.corrupt(d.path, np.random.default_rng(0))
+    d.seal()
+    assert d.state() == "damaged" and d.excuses_now(tmp_path) == {"a", "b"}
+    _manifest(tmp_path, "public-c-1.kvm", "public/c", [1] * 4, ["00000000000000aa"])   # a save named it since
+    assert d.excuses_now(tmp_path) == {"a", "b", "c"}
+    (blocks / "00000000000000aa.kvb").rename(tmp_path / "elsewhere")                      # quarantined
+    assert d.state() == "gone" and d.excuses_now(tmp_path) == {"a", "b", "c"}
+    (blocks / "00000000000000aa.kvb").write_bytes(b"written again")
+    assert d.state() == "rewritten" and d.excuses_now(tmp_path) == set()
+
+
+def test_a_hit_after_a_shared_block_was_damaged_is_excused_and_after_an_agents_own_file_a_served_corruption():
+    led = Ledger()
+    for agent in ("a", "b", "c"):
+        led.answered(agent, 1, reply(100, 0), 1.0)
+    led.corrupted("a", shared=True)
+    led.corrupted("b", shared=True)
+    led.corrupted("c", shared=True)
+    led.corrupted("c")                                        # and its own manifest
+    assert led.answered("a", 2, reply(120, 60), 2.0)["verdict"] == "excused_corrupt"
+    assert led.answered("b", 2, reply(120, 110), 2.0)["verdict"] == "excused_rebuilt"   # another agent wrote it again
+    assert led.answered("c", 2, reply(120, 110), 2.0)["verdict"] == "corrupt_served"
+    s = led.summary()
+    assert (s["resumptions_excused_corrupt"], s["resumptions_excused_rebuilt"], s["corrupt_served"]) == (2, 1, 1)
+
+
+def test_a_hit_after_a_damage_is_excused_when_a_turn_sent_since_may_have_saved_a_new_cache():
+    led = Ledger()
+    for agent in ("a", "b", "c"):
+        led.answered(agent, 1, reply(100, 0), 1.0)
+    led.request({"kind": "turn", "agent": "a", "t0": led.now() - 5, "outcome": "interrupted"})  # before the damage
+    for agent in ("a", "b", "c"):
+        led.corrupted(agent)                                     # their manifests
+    t = led.now()
+    led.request({"kind": "turn", "agent": "b", "t0": t, "outcome": "refused_shutting_down"})   # a SIGTERM's 503
+    led.request({"kind": "turn", "agent": "c", "t0": t, "outcome": "server_down"})             # never reached it
+    assert led.answered("a", 3, reply(120, 110), 3.0)["verdict"] == "corrupt_served"
+    assert led.answered("b", 3, reply(120, 110), 3.0)["verdict"] == "excused_rebuilt"
+    assert led.answered("c", 3, reply(120, 110), 3.0)["verdict"] == "corrupt_served"
+
+
+def test_which_damaged_files_the_server_must_have_set_aside():
+    from harness.chaos.checks import must_be_found
+
+    def ev(**kw):
+        return {"t": 10.0, "kind": "corrupt", "file": "x", "agents": ["a"], "shared": False, **kw}
+
+    a_back, a_before, b_back = [("a", 12.0)], [("a", 8.0)], [("b", 12.0)]
+    assert must_be_found(ev(kind_of_file="manifest", mode="flip"), [])            # every start reads manifests
+    assert must_be_found(ev(kind_of_file="block", mode="truncate", shared=True), [])  # and block headers
+    assert must_be_found(ev(kind_of_file="block", mode="flip", region="header", shared=True), [])
+    assert not must_be_found(ev(kind_of_file="block", mode="flip", region="data", shared=True), a_back)  # the pool
+    assert not must_be_found(ev(kind_of_file="block", mode="flip", region="data"), [])        # never read yet
+    assert not must_be_found(ev(kind_of_file="block", mode="flip", region="data"), a_before)  # back before it
+    assert must_be_found(ev(kind_of_file="block", mode="flip", region="data"), a_back)        # its one agent loaded it
+    assert must_be_found(ev(mode="flip"), a_back) and not must_be_found(ev(mode="flip"), b_back)  # single-file layout
+
+
+def test_a_corrupting_crash_waits_for_a_file_of_the_kind_it_wants(tmp_path):
+    from types import SimpleNamespace
+
+    from harness.chaos.injector import Injector
+
+    inj = Injector(SimpleNamespace(), SimpleNamespace(agent_ids=["a", "b"], live={}), Ledger(), FaultPlan(), None,
+                   tmp_path, 0, 4)
+    assert inj._await_damageable(timeout_s=0.3) >= 0.3          # nothing saved yet: it waits, then goes on
+    _block_dir(tmp_path, ["00000000000000aa"])
+    _manifest(tmp_path, "public-a-1.kvm", "public/a", [1] * 4, ["00000000000000aa"])
+    assert inj._await_damageable(timeout_s=0.3) >= 0.3          # a shared block file is wanted first
+    _manifest(tmp_path, "public-b-1.kvm", "public/b", [1] * 4, ["00000000000000aa"])
+    assert inj._await_damageable(timeout_s=5) < 1

@@ -71,3 +71,21 @@ def test_the_agent_experiment_configs_load_with_and_without_quick():
             assert cfg.criteria and cfg.plots
     with pytest.raises(config.ConfigError, match="reference_turns"):
         config.load("experiments/exp_007_multiturn.toml", overrides=["params.reference_turns=[9]"])
+
+
+def test_leaks_are_read_from_the_manifests_of_the_block_layout(tmp_path):
+    from harness.kinds.stress import _file_leaks
+    from semantic.store import manifest_name
+
+    def manifest(name, agent, tokens):
+        doc = {"agent_id": agent, "token_ids": tokens, "extents": {"global": [["00000000000000aa", 0, len(tokens)]]}}
+        (tmp_path / name).write_text(json.dumps({"semantic_kv_manifest": json.dumps(doc), "semantic_kv_xxh3_128": "0"}))
+
+    canaries = {"a": (7, 8, 9, 10), "b": (11, 12, 13, 14)}
+    manifest(manifest_name("a"), "a", [1, 2, 7, 8, 9, 10, 3])
+    manifest(manifest_name("b"), "b", [1, 2, 11, 12, 13, 14])
+    assert _file_leaks(tmp_path, canaries) == 0
+    manifest(manifest_name("b"), "b", [1, 2, 11, 12, 13, 14, 7, 8, 9, 10])   # a's canary in b's cache
+    assert _file_leaks(tmp_path, canaries) == 1
+    manifest(manifest_name("c"), "a", [1, 2, 7, 8, 9, 10])                    # a's cache under c's name
+    assert _file_leaks(tmp_path, canaries) == 2
