@@ -264,7 +264,9 @@ def load_arrays(info: BlockInfo) -> dict[str, mx.array]:
 
     Raises:
         CacheCorruptError: the file does not load as its header says.
+        OSError: the file is gone or cannot be opened.
     """
+    os.stat(info.path)  # raises OSError when the file is gone or unreadable: no verdict on its bytes
     try:
         loaded = mx.load(info.path, format="safetensors")
     except (RuntimeError, ValueError, OSError) as exc:

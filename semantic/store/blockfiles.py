@@ -333,7 +333,8 @@ class BlockFiles:
 
     def save_extra(self, agent_id: str, doc: dict) -> bool:
         """Keep a small JSON document in the agent's manifest (rewritten now unless a save of the agent is
-        under way: that save, or the next, writes it). Not fsynced: a hint, never what makes a reply right."""
+        under way: that save, or the next, writes it). The note is a hint, never what makes a reply right, but
+        the manifest it rides in is what makes a turn durable: rewritten as durably as a save writes it."""
         try:
             json.dumps(doc)
         except (TypeError, ValueError):
@@ -353,7 +354,8 @@ class BlockFiles:
             return True
         try:
             m = manifest.read(str(held.path), self.spec, self.fingerprint, self.bt)
-            n = manifest.write(str(held.path), _with_extra(m, doc), durable=False)
+            # durable as a save is: the manifest is what makes a turn durable, and the note rides in it
+            n = manifest.write(str(held.path), _with_extra(m, doc), durable=self.durable)
             with self.lock:
                 if self.entries.get(agent_id) is held:
                     held.nbytes = n

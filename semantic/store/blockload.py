@@ -15,6 +15,7 @@ short must still hold every group's window at the cut, else the load misses.
 
 from __future__ import annotations
 
+import logging
 import os
 from contextlib import AbstractContextManager
 from typing import Callable
@@ -30,6 +31,8 @@ from semantic.pool import BlockPool
 from semantic.store import blockfile
 from semantic.store.blockfile import BlockInfo
 from semantic.store.manifest import Extent, Manifest
+
+log = logging.getLogger(__package__)
 
 
 def whole_prefix(m: Manifest, infos: dict[int, BlockInfo]) -> int:
@@ -89,7 +92,14 @@ def load(m: Manifest, infos: Callable[[], dict[int, BlockInfo]], pool: BlockPool
             return _load_prefix(m, total, files, pool, pool_lock, release)
         except _Bad as bad:
             on_bad(bad.info, bad.reason)
+        except _Unreadable as exc:  # a miss this time; the files stay
+            log.warning("agent %r: a block file could not be read: %s", m.agent_id, exc)
+            return None
     return None
+
+
+class _Unreadable(Exception):
+    """A block file could not be read now; nothing is known to be wrong with it."""
 
 
 class _Bad(Exception):
@@ -135,14 +145,18 @@ def _read(keys: set[int], files: dict[int, BlockInfo], arrays: dict) -> None:
             loaded[k] = blockfile.load_arrays(files[k])
         except CacheCorruptError as exc:
             raise _Bad(files[k], exc.reason) from None
-        except OSError as exc:
-            raise _Bad(files[k], f"unreadable: {exc}") from None
+        except OSError as exc:  # gone or unreadable now (permissions, too many open files): no verdict on it
+            raise _Unreadable(f"{files[k].path}: {exc}") from None
     flat = [(k, name, a) for k, t in loaded.items() for name, a in t.items()]
     try:
         mx.eval([a for _, _, a in flat])
-    except (RuntimeError, ValueError) as exc:  # a file that shrank under us: blame the first
-        k = flat[0][0]
-        raise _Bad(files[k], f"reading tensors failed: {exc}") from None
+    except (RuntimeError, ValueError):  # one file read short (shrank under us): find which, one by one
+        for k, t in loaded.items():
+            try:
+                mx.eval(list(t.values()))
+            except (RuntimeError, ValueError) as exc:
+                raise _Bad(files[k], f"reading tensors failed: {exc}") from None
+        raise _Unreadable("reading block files failed, and each alone read") from None
     shares = 1 + min(hasher()._max_workers, max(1, (os.cpu_count() or 2) - 1))
     arrs = [a for _, _, a in flat]
     pending = [hasher().submit(_digest_arrays, arrs[i::shares]) for i in range(1, shares)]

@@ -118,11 +118,16 @@ def _scan_cache_files(files) -> list[tuple[int, str, Held]]:
         if not _named_for(path.name, info.agent_id, file_name):
             files.quarantine.set_aside(path, f"file name does not match its agent id {info.agent_id!r}")
             continue
-        if (files.dir / manifest_name(info.agent_id)).exists():
+        mtime = path.stat().st_mtime_ns
+        try:  # converted already (the converter died before deleting it), unless saved since by the file layout
+            converted = (files.dir / manifest_name(info.agent_id)).stat().st_mtime_ns >= mtime
+        except OSError:
+            converted = False
+        if converted:
             with contextlib.suppress(OSError):
                 atomic.unlink_quietly(path)
             continue
-        found.append((path.stat().st_mtime_ns, info.agent_id, Held(path, info.nbytes, legacy=True)))
+        found.append((mtime, info.agent_id, Held(path, info.nbytes, legacy=True)))
     return found
 
 
