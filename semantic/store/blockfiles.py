@@ -28,8 +28,6 @@ import json
 import logging
 import os
 import threading
-import time
-from collections import OrderedDict
 from pathlib import Path
 
 import xxhash
@@ -44,6 +42,7 @@ from semantic.pool import BlockPool
 from semantic.spec import ModelCacheSpec
 from semantic.store import blockfile, blockload, blockscan, manifest
 from semantic.store.blockfile import BlockInfo
+from semantic.store.agentindex import AgentIndex
 from semantic.store.blockindex import BlockIndex, Held, NewBlock
 from semantic.store.files import EXTRA_SUFFIX
 from semantic.store.manifest import Manifest, manifest_name
@@ -52,7 +51,7 @@ from semantic.store.quarantine import Quarantine
 log = logging.getLogger(__package__)
 
 
-class BlockFiles:
+class BlockFiles(AgentIndex):
     """Manifests and block files in ``directory``, for one model, spec and block size.
 
     Args: as :class:`AgentFiles`, and ``block_tokens``, the pool's block size.
@@ -60,34 +59,23 @@ class BlockFiles:
 
     def __init__(self, directory: Path, spec: ModelCacheSpec, fingerprint: str, *, durable: bool,
                  lock: threading.Lock, quarantine: Quarantine, block_tokens: int):
-        self.dir, self.spec, self.fingerprint, self.durable = directory, spec, fingerprint, durable
-        self.lock, self.quarantine, self.bt = lock, quarantine, block_tokens
+        super().__init__(directory, spec, fingerprint, durable=durable, lock=lock, quarantine=quarantine)
+        self.bt = block_tokens
         # a newer block format (or another model, spec, block size) gets a folder of its own
         key = f"{fingerprint}|{spec.fingerprint()}|{block_tokens}|{blockfile.BLOCK_VERSION}"
         digest = xxhash.xxh3_64(key.encode()).hexdigest()[:12]
         self.blocks_dir = directory / f"blocks-{digest}"
         self.index = BlockIndex()
-        self.entries: OrderedDict[str, Held] = OrderedDict()
-        self.versions: dict[str, int] = {}
-        self.hits = self.misses = 0
-        self.foreign: list[str] = []
         self.newer: list[str] = []    # manifests and block files of a newer build: left alone
         self.hold_all = False         # a newer manifest named blocks this build cannot list: collect nothing
-        self.cleaned: list[str] = []
         self.collected = 0            # block files deleted once no manifest used them
-        self.scanned = False
-        self._agent_locks: dict[str, threading.Lock] = {}
         self.files_lock = threading.Lock()  # a block file's writing and indexing, or its deletion: one at a time
         self.extras: dict[str, dict] = {}
         self._extra_stale: set[str] = set()
         self.from_remote: set[int] = set()  # block files fetched from the shared tier
         self.on_remote_bad = None             # drop_block of the shared tier: a fetched block failed its checks
 
-    # ------------------------------------------------------------ the index (as AgentFiles)
-
-    def agent_lock(self, agent_id: str) -> threading.Lock:
-        with self.lock:
-            return self._agent_locks.setdefault(agent_id, threading.Lock())
+    # ------------------------------------------------------------ the index (and AgentIndex's)
 
     def put(self, agent_id: str, held: Held, version: int | None = None) -> int:
         """Index ``held`` as the agent's, most recently used; its block files' references move from the
@@ -96,28 +84,13 @@ class BlockFiles:
         self.index.reference(set(held.keys), set(old.keys) if old is not None else set())
         self.index.unpin(held.pins)
         held.pins = frozenset()
-        self.entries[agent_id] = held
-        self.entries.move_to_end(agent_id)
-        version = self.versions[agent_id] = time.time_ns() if version is None else version
-        return version
+        return self.stamp(agent_id, held, version)
 
     def pop(self, agent_id: str) -> Held | None:
         held = self.entries.pop(agent_id, None)
         if held is not None:
             self.index.reference(set(), set(held.keys))
         return held
-
-    def get(self, agent_id: str) -> Held | None:
-        return self.entries.get(agent_id)
-
-    def version(self, agent_id: str) -> int | None:
-        return self.versions.get(agent_id)
-
-    def agents(self) -> list[str]:
-        return sorted(self.entries)
-
-    def count(self) -> int:
-        return len(self.entries)
 
     def total_bytes(self) -> int:
         return self.index.total_bytes() + sum(h.nbytes for h in self.entries.values())
@@ -127,9 +100,6 @@ class BlockFiles:
         unconverted files included)."""
         shared, unique = self.index.shared_bytes()
         return shared, unique + sum(h.nbytes for h in self.entries.values())
-
-    def least_recent(self, keep: str) -> list[str]:
-        return [a for a in self.entries if a != keep]
 
     def tokens(self, agent_id: str) -> int | None:
         """How many tokens the agent's cache on disk holds, or None (not indexed, unreadable)."""
@@ -290,14 +260,13 @@ class BlockFiles:
 
         release = lambda bl: _locked_release(pool, pool_lock, bl)  # noqa: E731
         blocks = blockload.load(m, infos, pool, pool_lock, self._bad_block, release)
-        with self.lock:
-            if blocks is None:
+        if blocks is None:
+            with self.lock:
                 self.misses += 1
-                return None
-            self.hits += 1
-            if agent_id in self.entries:
-                self.entries.move_to_end(agent_id)
-            if m.extra is not None:
+            return None
+        self.touched(agent_id)
+        if m.extra is not None:
+            with self.lock:
                 self.extras.setdefault(agent_id, m.extra)
         with contextlib.suppress(OSError):
             os.utime(held.path)  # recency survives a restart

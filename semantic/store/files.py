@@ -27,8 +27,6 @@ import logging
 import os
 import re
 import threading
-import time
-from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,8 +36,7 @@ from semantic.cachefile import atomic
 from semantic.errors import CacheCorruptError, CacheMismatchError, InvalidAgentIdError
 from semantic.pool import BlockPool
 from semantic.request import validate_agent_id
-from semantic.spec import ModelCacheSpec
-from semantic.store.quarantine import Quarantine
+from semantic.store.agentindex import AgentIndex
 
 log = logging.getLogger(__package__)  # the store's one logger: its lines keep the name they had
 
@@ -71,41 +68,11 @@ class OnDisk:
         return self.nbytes
 
 
-class AgentFiles:
+class AgentFiles(AgentIndex):
     """One cache file per agent in ``directory``, indexed least recently used first, for one model and spec.
 
-    Methods marked *(under the lock)* expect the caller to hold ``lock``; the others take it themselves,
-    never during file I/O. Calls for one agent are serialized by :meth:`agent_lock`, which the caller takes.
-
-    Args:
-        directory: holds one file per agent (created by :meth:`scan`).
-        spec: the cache spec of every file indexed, saved and loaded.
-        fingerprint: the model's, written into each file; files of other models are not indexed.
-        durable: fsync each file and the directory on save.
-        lock: the store's lock: it guards the index, the versions and the counters.
-        quarantine: where files that fail their checks go.
+    Args: as :class:`AgentIndex` (``directory`` holds one file per agent).
     """
-
-    def __init__(self, directory: Path, spec: ModelCacheSpec, fingerprint: str, *, durable: bool,
-                 lock: threading.Lock, quarantine: Quarantine):
-        self.dir, self.spec, self.fingerprint, self.durable = directory, spec, fingerprint, durable
-        self.lock = lock
-        self.quarantine = quarantine
-        self.entries: OrderedDict[str, OnDisk] = OrderedDict()  # least recently used first
-        self.versions: dict[str, int] = {}  # agent -> version of its local file (time_ns of its save)
-        self.hits = 0
-        self.misses = 0
-        self.foreign: list[str] = []   # files of another model or spec, left in place
-        self.cleaned: list[str] = []   # leftover temporary files deleted on startup
-        self.scanned = False
-        self._agent_locks: dict[str, threading.Lock] = {}
-
-    # ------------------------------------------------------------ the index
-
-    def agent_lock(self, agent_id: str) -> threading.Lock:
-        """The lock that serializes calls for ``agent_id`` (held around its file I/O)."""
-        with self.lock:
-            return self._agent_locks.setdefault(agent_id, threading.Lock())
 
     def put(self, agent_id: str, entry: OnDisk, version: int | None = None) -> int:
         """Index ``entry`` as the agent's file, most recently used (under the lock).
@@ -116,38 +83,15 @@ class AgentFiles:
         Returns:
             The version recorded.
         """
-        self.entries[agent_id] = entry
-        self.entries.move_to_end(agent_id)
-        version = self.versions[agent_id] = time.time_ns() if version is None else version
-        return version
+        return self.stamp(agent_id, entry, version)
 
     def pop(self, agent_id: str) -> OnDisk | None:
         """Forget the agent's file, if indexed; its version stays (under the lock)."""
         return self.entries.pop(agent_id, None)
 
-    def get(self, agent_id: str) -> OnDisk | None:
-        """The agent's indexed file, or None (under the lock)."""
-        return self.entries.get(agent_id)
-
-    def version(self, agent_id: str) -> int | None:
-        """The version of the agent's local file, or None if it never had one (under the lock)."""
-        return self.versions.get(agent_id)
-
-    def agents(self) -> list[str]:
-        """Ids of the indexed agents, sorted (under the lock)."""
-        return sorted(self.entries)
-
-    def count(self) -> int:
-        """How many agents are indexed (under the lock)."""
-        return len(self.entries)
-
     def total_bytes(self) -> int:
         """Bytes of the indexed files (under the lock)."""
         return sum(e.nbytes for e in self.entries.values())
-
-    def least_recent(self, keep: str) -> list[str]:
-        """The indexed agents but ``keep``, least recently used first (under the lock)."""
-        return [a for a in self.entries if a != keep]
 
     # ------------------------------------------------------------ the files
 
@@ -248,10 +192,7 @@ class AgentFiles:
         blocks = self._read(agent_id, entry, pool, pool_lock)
         if blocks is None:
             return None
-        with self.lock:
-            self.hits += 1
-            if agent_id in self.entries:
-                self.entries.move_to_end(agent_id)
+        self.touched(agent_id)
         try:
             os.utime(entry.path)  # recency survives a restart
         except OSError:
