@@ -4,8 +4,8 @@ agents sharing a system prompt. Every server runs with ``--sync-saves``: a reply
 from __future__ import annotations
 
 from harness.blockstore.client import stream_turn
-from harness.blockstore.measure import (added_tokens, common_prefix, disk_usage, ideal_shared_bytes, io_delta,
-                                        write_amplification)
+from harness.blockstore.measure import added_tokens, common_prefix, disk_usage, ideal_shared_bytes, io_delta
+from harness.blockstore.measure import write_amplification as amplification
 from harness.blockstore.servers import LayoutServer, wait_idle
 from harness.prompts import question, system_prompt, user_history
 
@@ -49,14 +49,14 @@ def _measured_turn(s: LayoutServer, servers, history: list[dict], n: int, p: dic
     history.append(question(tok, WRITER_USER, n, p["wa_turn_tokens"]))
     before = s.io()
     t = stream_turn(s.client, s.model_id, history, p["max_tokens"], agent="writer")
-    wait_idle([s], p["settle_s"], p["settle_max_s"])  # --sync-saves: done at the reply; polled for safety
-    delta = io_delta(before, s.io())
+    (after,) = wait_idle([s], p["settle_s"], p["settle_max_s"])  # --sync-saves: saved at the reply; polled
+    delta = io_delta(before, after)
     history.append({"role": "assistant", "content": t.text})
     added = added_tokens(t.prompt_tokens, t.cached_tokens, t.completion_tokens)
     return t.row(layout=s.layout, turn=n, measured=True, written_bytes=delta["write_bytes"], io=delta,
                  added_tokens=added, added_bytes=added * bpt, prev_prompt_tokens=prev.prompt_tokens,
                  prev_total_tokens=prev.prompt_tokens + prev.completion_tokens,
-                 amplification=write_amplification(delta["write_bytes"], added, bpt)), t
+                 amplification=amplification(delta["write_bytes"], added, bpt)), t
 
 
 def shared_prompt(servers: list[LayoutServer], p: dict, tok) -> dict:

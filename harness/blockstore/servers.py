@@ -76,6 +76,7 @@ class LayoutServer:
 def start_servers(layouts: list[str], flag: str, base: list[str], model_dir: Path, model_id: str, work: Path,
                   timeout_s: float) -> list[LayoutServer]:
     """Start one server per layout (one after the other, so their model loads do not contend)."""
+    work.mkdir(parents=True, exist_ok=True)
     servers = []
     try:
         for layout in layouts:
@@ -119,21 +120,41 @@ def evict_page_cache(root: Path) -> int:
     return n
 
 
-def wait_idle(servers: list[LayoutServer], settle_s: float, max_s: float) -> float:
-    """Poll until every server has no save pending and its ``write_bytes`` stayed the same for ``settle_s``;
-    returns the seconds waited. Raises past ``max_s``: a measurement beside an unfinished save is no
-    measurement of a quiet server."""
+def wait_idle(servers: list[LayoutServer], settle_s: float, max_s: float) -> list[dict[str, int]]:
+    """Poll until every server's ``write_bytes`` stayed the same for ``settle_s`` and none has a save pending;
+    returns each server's I/O counters as read once they stood still (before the stats request, whose
+    access-log line is no part of a save). Raises past ``max_s``: a measurement beside an unfinished save
+    is no measurement of a quiet server."""
     t0 = time.monotonic()
-    last = [s.io()["write_bytes"] for s in servers]
-    still_since = time.monotonic()
     while True:
-        time.sleep(0.05)
-        now = [s.io()["write_bytes"] for s in servers]
-        if now != last:
-            last, still_since = now, time.monotonic()
-        elif time.monotonic() - still_since >= settle_s and all(
-                s.stats()["saves"]["pending"] == 0 for s in servers):
-            return time.monotonic() - t0
+        ios = _still(servers, settle_s, t0 + max_s)
+        pending = [s.stats()["saves"]["pending"] for s in servers]
+        if not any(pending):
+            return ios
         if time.monotonic() - t0 > max_s:
-            raise RuntimeError(f"servers not idle within {max_s:.0f} s: write_bytes {now}, "
-                               f"pending {[s.stats()['saves']['pending'] for s in servers]}")
+            raise RuntimeError(f"servers still saving after {max_s:.0f} s: pending {pending}")
+        time.sleep(0.05)
+
+
+def _still(servers: list[LayoutServer], settle_s: float, deadline: float) -> list[dict[str, int]]:
+    """The servers' counters once no ``write_bytes`` changed for ``settle_s`` (polled every 50 ms)."""
+    ios = [s.io() for s in servers]
+    still_since = time.monotonic()
+    while time.monotonic() - still_since < settle_s:
+        time.sleep(0.05)
+        now = [s.io() for s in servers]
+        if [i["write_bytes"] for i in now] != [i["write_bytes"] for i in ios]:
+            still_since = time.monotonic()
+        ios = now
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"servers' write_bytes still changing at the deadline: {[i['write_bytes'] for i in ios]}")
+    return ios
+
+
+def server_accepts(flag: str) -> bool:
+    """Whether this checkout's ``semantic serve`` knows ``flag`` (an empty flag is always accepted)."""
+    if not flag:
+        return True
+    from semantic.serve.cli import build_parser
+
+    return flag in build_parser()._option_string_actions

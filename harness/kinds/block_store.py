@@ -27,6 +27,7 @@ from __future__ import annotations
 import shutil
 import signal
 import tempfile
+import traceback
 from pathlib import Path
 
 from harness.blockstore import disk_phases, time_phases
@@ -88,7 +89,8 @@ def _phase(name: str, p: dict, tok, model_dir: Path, model_id: str, work: Path) 
         return result
     except BaseException as exc:
         tails = "\n".join(f"--- {s.layout} server log ---\n{s.server.log_tail(2000)}" for s in servers)
-        raise RuntimeError(f"EXP-017 phase {name} failed: {exc!r}\n{tails}") from exc
+        where = "".join(traceback.format_exception(exc)[-6:])
+        raise RuntimeError(f"EXP-017 phase {name} failed: {exc!r}\n{where}\n{tails}") from exc
     finally:
         stop_all(servers, signal.SIGTERM)
 
