@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from harness.blockstore.measure import median_ratio, summary
+from harness.blockstore.measure import median_ratio, paired_ratio, summary
 
 
 def write_amp_checks(out: dict, layouts: list[str]) -> dict:
@@ -39,11 +39,14 @@ def restart_checks(out: dict, layouts: list[str]) -> dict:
                and bool(rows)}
     ratios = []
     for size in out["sizes"]:
-        ttft = {lay: [r["ttft_s"] for r in rows if r["layout"] == lay and r["size"] == size] for lay in layouts}
+        # each layout's turns in rep order: rep i of one layout beside rep i of the other
+        ttft = {lay: [r["ttft_s"] for r in sorted(rows, key=lambda r: r["rep"]) if r["layout"] == lay
+                      and r["size"] == size] for lay in layouts}
         for lay in layouts:
             c[f"restart_ttft_{lay}_{size}_s"] = summary(ttft[lay])["median"]
-        ratio = median_ratio(ttft[cand], ttft[base])
+        ratio = paired_ratio(ttft[cand], ttft[base])
         c[f"restart_{cand}_over_{base}_{size}"] = ratio
+        c[f"restart_{cand}_over_{base}_{size}_of_medians"] = median_ratio(ttft[cand], ttft[base])
         ratios.append(ratio)
         c[f"restart_{size}_tokens"] = max(r["prompt_tokens"] for r in rows if r["size"] == size)
     c[f"restart_{cand}_over_{base}"] = max(ratios)
@@ -57,8 +60,8 @@ def beside_checks(out: dict, layouts: list[str]) -> dict:
                "foreground_tokens": max(t["prompt_tokens"] for t in a_turns)}
     for lay in layouts:
         mine = [r for r in rows if r["layout"] == lay]
-        for what, key in (("total_s", ""), ("ttft_s", "_ttft")):
-            c[f"beside_over_quiet_{lay}{key}"] = median_ratio([r["beside"][what] for r in mine],
+        for what, key in (("total_s", ""), ("ttft_s", "_ttft")):   # each rep's beside turn over its quiet twin
+            c[f"beside_over_quiet_{lay}{key}"] = paired_ratio([r["beside"][what] for r in mine],
                                                                [r["quiet"][what] for r in mine])
         c[f"beside_overlapped_{lay}"] = sum(r["written_during_beside"] > 0 for r in mine) / len(mine)
         c[f"quiet_turn_{lay}_s"] = summary([r["quiet"]["total_s"] for r in mine])["median"]

@@ -68,6 +68,14 @@ def summary(values: list[float]) -> dict:
             "n": len(values)}
 
 
+def paired_ratio(a: list[float], b: list[float]) -> float:
+    """The median of a[i] / b[i]: pairs measured next to each other (one rep of two layouts, a turn and its
+    quiet twin), so that a machine whose load drifts over the run moves both sides of each pair alike."""
+    if not a or len(a) != len(b):
+        raise ValueError(f"paired ratios need pairs: {len(a)} against {len(b)} samples")
+    return statistics.median(x / y for x, y in zip(a, b))
+
+
 def median_ratio(a: list[float], b: list[float]) -> float:
     """median(a) / median(b): a layout against the other over interleaved repetitions."""
     if not a or not b:

@@ -14,7 +14,7 @@ measured at the client (``harness.blockstore``). Four phases, each on a fresh pa
    of the prompt plus every agent's own tokens.
 3. **Restart TTFT** (``--sync-saves``). A short and a long agent saved; per rep each server is SIGTERMed,
    its files dropped from the page cache, started again, and each agent's next turn (resumed from disk)
-   timed: the first layout's median TTFT over the second's.
+   timed: the median over reps of the first layout's TTFT over the second's in the same rep.
 4. **A cached turn beside a save** (no ``--sync-saves``). A's fully cached ``fg_tokens`` turn right after
    B's turn (B's save running) against the same turn on an idle server.
 
@@ -150,7 +150,7 @@ run. Latest run: `{run_id}` ({ctx.results.doc['created_at'][:19]} UTC), results 
 |---|---|---|
 {table}
 
-{cand} / {base} restart TTFT (median): {_fmt(c.get(f'restart_{cand}_over_{base}_short'))} short
+{cand} / {base} restart TTFT (median over reps of each rep's pair): {_fmt(c.get(f'restart_{cand}_over_{base}_short'))} short
 ({c.get('restart_short_tokens')} tokens), {_fmt(c.get(f'restart_{cand}_over_{base}_long'))} long
 ({c.get('restart_long_tokens')} tokens). Replies differing between the layouts: {c.get('replies_differing')}.
 
@@ -167,8 +167,8 @@ _TABLE = (("bytes written per turn / KV added, max", "write_amp_{}_max"),
           ("disk MB, shared system prompt", "disk_mb_{}"),
           ("restart TTFT, short agent (s, median)", "restart_ttft_{}_short_s"),
           ("restart TTFT, long agent (s, median)", "restart_ttft_{}_long_s"),
-          ("cached turn beside a save / quiet (whole turn, median)", "beside_over_quiet_{}"),
-          ("cached turn beside a save / quiet (TTFT, median)", "beside_over_quiet_{}_ttft"),
+          ("cached turn beside a save / quiet (whole turn, median of reps)", "beside_over_quiet_{}"),
+          ("cached turn beside a save / quiet (TTFT, median of reps)", "beside_over_quiet_{}_ttft"),
           ("reps whose cached turn overlapped a save's writes", "beside_overlapped_{}"))
 
 

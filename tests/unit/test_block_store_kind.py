@@ -76,6 +76,10 @@ def test_summaries_and_ratios_of_medians():
     assert measure.median_ratio([1.0, 2.0, 9.0], [2.0, 4.0, 4.0]) == 0.5
     with pytest.raises(ValueError):
         measure.median_ratio([], [1.0])
+    # pairs: a load that doubles both sides of the last pair does not move the median
+    assert measure.paired_ratio([1.0, 1.1, 2.0], [1.0, 1.0, 4.0]) == 1.0
+    with pytest.raises(ValueError):
+        measure.paired_ratio([1.0], [1.0, 2.0])
 
 
 def test_disk_usage_sums_files_and_names_the_quarantined_ones(tmp_path):
