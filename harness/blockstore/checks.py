@@ -22,10 +22,11 @@ def write_amp_checks(out: dict, layouts: list[str]) -> dict:
 
 
 def shared_prompt_checks(out: dict, layouts: list[str]) -> dict:
-    c = {"shared_tokens": out["shared_tokens"]}
+    c = {"shared_tokens": out["shared_tokens"], "shared_full_block_tokens": out.get("shared_full_block_tokens")}
     for lay in layouts:
         d = out["disk"][lay]
         c[f"disk_over_ideal_{lay}"] = d["over_ideal"]
+        c[f"disk_over_full_block_ideal_{lay}"] = d.get("over_full_block_ideal")
         c[f"disk_mb_{lay}"] = d["bytes"] / 1e6
         c[f"disk_quarantine_bytes_{lay}"] = d["quarantine_bytes"]
     c["disk_ideal_mb"] = out["disk"][layouts[0]]["ideal_bytes"] / 1e6

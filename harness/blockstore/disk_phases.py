@@ -73,11 +73,17 @@ def shared_prompt(servers: list[LayoutServer], p: dict, tok) -> dict:
             rows.append(t.row(layout=s.layout, agent=i, own_tokens=t.prompt_tokens - shared + t.completion_tokens))
     wait_idle(servers, p["settle_s"], p["settle_max_s"])
     bpt = _per_token(servers)
+    block = servers[0].stats()["pool"]["block_tokens"]
+    full = shared // block * block   # the shared prompt's tokens in full blocks; the rest is in each agent's tail
     disk = {}
     for s in servers:
         own = [r["own_tokens"] for r in rows if r["layout"] == s.layout]
         usage = disk_usage(s.cache_dir)
         ideal = ideal_shared_bytes(bpt, shared, own)
+        # what a layout sharing full blocks only can reach: each agent also keeps the prompt's partial block
+        block_ideal = ideal_shared_bytes(bpt, full, [n + shared - full for n in own])
         disk[s.layout] = {**usage.as_dict(), "ideal_bytes": ideal, "over_ideal": usage.bytes / ideal,
+                          "full_block_ideal_bytes": block_ideal, "over_full_block_ideal": usage.bytes / block_ideal,
                           "server_disk": s.stats()["disk"]}
-    return {"bytes_per_token": bpt, "shared_tokens": shared, "rows": rows, "disk": disk}
+    return {"bytes_per_token": bpt, "shared_tokens": shared, "shared_full_block_tokens": full, "rows": rows,
+            "disk": disk}

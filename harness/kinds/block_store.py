@@ -152,7 +152,9 @@ run. Latest run: `{run_id}` ({ctx.results.doc['created_at'][:19]} UTC), results 
 
 {cand} / {base} restart TTFT (median over reps of each rep's pair): {_fmt(c.get(f'restart_{cand}_over_{base}_short'))} short
 ({c.get('restart_short_tokens')} tokens), {_fmt(c.get(f'restart_{cand}_over_{base}_long'))} long
-({c.get('restart_long_tokens')} tokens). Replies differing between the layouts: {c.get('replies_differing')}.
+({c.get('restart_long_tokens')} tokens). The agents' shared prompt: {c.get('shared_tokens')} tokens, of them
+{c.get('shared_full_block_tokens')} in full blocks (the rest sits in each agent's partial block). Replies
+differing between the layouts: {c.get('replies_differing')}.
 
 | goal | level | measured | verdict |
 |---|---|---|---|
@@ -164,6 +166,7 @@ _TABLE = (("bytes written per turn / KV added, max", "write_amp_{}_max"),
           ("bytes written per turn / KV added, mean", "write_amp_{}_mean"),
           ("MB written per turn", "write_mb_per_turn_{}"),
           ("disk bytes / ideal, shared system prompt", "disk_over_ideal_{}"),
+          ("disk bytes / what sharing full blocks only can reach", "disk_over_full_block_ideal_{}"),
           ("disk MB, shared system prompt", "disk_mb_{}"),
           ("restart TTFT, short agent (s, median)", "restart_ttft_{}_short_s"),
           ("restart TTFT, long agent (s, median)", "restart_ttft_{}_long_s"),
