@@ -98,4 +98,5 @@ def all_checks(out: dict, layouts: list[str]) -> dict:
         if out.get(phase):
             c.update(fn(out[phase], layouts))
     c["replies_differing"], _ = replies_differing(out, layouts)
+    c["phases_failed"] = len(out.get("failed", []))
     return c

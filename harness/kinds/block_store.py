@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import shutil
 import signal
+import sys
 import tempfile
 import traceback
 from pathlib import Path
@@ -64,9 +65,14 @@ def run(ctx) -> None:
     work = Path(tempfile.mkdtemp(prefix="exp017-", dir=p["work_dir"] or None))
     out: dict = {"layouts": p["layouts"], "layout_flag": p["layout_flag"], "work_dir": str(work)}
     ctx.progress.total = len(p["phases"])
+    out["failed"] = []
     try:
         for name in (n for n in PHASES if n in p["phases"]):
-            out[name] = _phase(name, p, tok, model_dir, ctx.model_name, work)
+            try:
+                out[name] = _phase(name, p, tok, model_dir, ctx.model_name, work)
+            except Exception as exc:  # recorded (a P0 fails), and the other phases still run
+                out["failed"].append({"phase": name, "error": str(exc)[-8000:]})
+                print(f"EXP-017 phase {name} failed: {exc}", file=sys.stderr)
             ctx.progress.update(1)
     finally:
         if not p["keep_work_dir"]:
@@ -79,15 +85,16 @@ def _phase(name: str, p: dict, tok, model_dir: Path, model_id: str, work: Path) 
     fn, sync = PHASES[name]
     base = [*(["--sync-saves"] if sync else []), "--pool-mb", str(p["pool_mb"]), "--disk-mb", str(p["disk_mb"]),
             *p["server_args"]]
-    servers = start_servers(p["layouts"], p["layout_flag"], base, model_dir, model_id, work / name,
-                            p["request_timeout_s"])
+    servers = []
     try:
+        servers = start_servers(p["layouts"], p["layout_flag"], base, model_dir, model_id, work / name,
+                                p["request_timeout_s"])
         result = fn(servers, p, tok)
         result["server_args"] = {s.layout: s.server.args for s in servers}
         result["stats"] = {s.layout: _trim(s.stats()) for s in servers}
         result["starts_s"] = {s.layout: s.server.starts for s in servers}
         return result
-    except BaseException as exc:
+    except Exception as exc:
         tails = "\n".join(f"--- {s.layout} server log ---\n{s.server.log_tail(2000)}" for s in servers)
         where = "".join(traceback.format_exception(exc)[-6:])
         raise RuntimeError(f"EXP-017 phase {name} failed: {exc!r}\n{where}\n{tails}") from exc
@@ -106,7 +113,7 @@ def _record(ctx, out: dict) -> None:
     for k, v in checks.items():
         res.check(k, v)
     _metrics(res, out, layouts)
-    for k in ("layouts", "layout_flag", *PHASES):
+    for k in ("layouts", "layout_flag", "failed", *PHASES):
         res.output(k, out.get(k))
     res.output("replies_differing", replies_differing(out, layouts)[1])
     _readme(ctx, checks)

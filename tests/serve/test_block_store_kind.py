@@ -30,6 +30,7 @@ def test_both_layouts_are_measured_in_one_run_and_the_measurements_are_sane(smol
     (path,) = run(config, tmp_path / "results")
     doc = json.loads(path.read_text())
     c, out = doc["checks"], doc["outputs"]
+    assert c["phases_failed"] == 0, out["failed"]
     assert c["write_turns_cached"] and c["restart_resumes_from_disk"], (out["write_amp"]["rows"], out["restart"]["rows"])
     assert c["foreground_cached_share"] >= 0.95 and c["replies_differing"] == 0, out["replies_differing"]
     for lay in ("blocks", "file"):

@@ -140,7 +140,7 @@ def _out() -> dict:
                         "written_during_beside": w}
                        for rep in range(3) for lay, q, w in (("blocks", 1.05, 0), ("file", 1.4, 7_000_000))]}
     return {"write_amp": {"bytes_per_token": bpt, "rows": wa}, "shared_prompt": shared, "restart": restart,
-            "beside_save": beside}
+            "beside_save": beside, "failed": []}
 
 
 def test_the_checks_of_each_phase():
@@ -184,3 +184,11 @@ def test_the_layouts_must_be_two_distinct_names():
         load("exp_017_block_store", overrides=['params.layouts=["blocks"]'])
     with pytest.raises(ConfigError, match="phases"):
         load("exp_017_block_store", overrides=['params.phases=["nope"]'])
+
+
+def test_a_failed_phase_is_counted_and_the_others_still_give_their_checks():
+    out = _out()
+    del out["restart"]
+    out["failed"] = [{"phase": "restart", "error": "server exited 2 at start: unrecognized arguments"}]
+    c = all_checks(out, ["blocks", "file"])
+    assert c["phases_failed"] == 1 and "restart_blocks_over_file" not in c and "write_amp_blocks_max" in c
