@@ -18,11 +18,11 @@ AIPERF_ARGS ?=
 # extra requirements for .venv, e.g. PINS="mlx==0.30.3 mlx-lm==0.30.4" (the macOS workflow's matrix)
 PINS ?=
 
-.PHONY: help system-blas system-browser system-redis venv models serve serve-ttft append-profile dashboard-screenshot test test-slow test-compat exp-003 exp-004 exp-005 exp-006 exp-006-full exp-007 exp-007-full exp-008 exp-008-full exp-008-spec exp-009 exp-009-full exp-009-aiperf exp-010 exp-010-full exp-011 exp-011-full exp-012 exp-013 exp-014 exp-014-full exp-015 exp-016 chunk-cost exp-throughput exp-throughput-full bench compare-versions test-install clean
+.PHONY: help system-blas system-browser system-redis venv models serve serve-ttft append-profile dashboard-screenshot test test-slow test-compat exp-003 exp-004 exp-005 exp-006 exp-006-full exp-007 exp-007-full exp-008 exp-008-full exp-008-spec exp-009 exp-009-full exp-009-aiperf exp-010 exp-010-full exp-011 exp-011-full exp-012 exp-013 exp-014 exp-014-full exp-015 exp-016 exp-017 chunk-cost exp-throughput exp-throughput-full bench compare-versions test-install clean
 
 help:
 	@echo "make test         run the test suite (creates .venv, prepares models; about 9 min on 2 cores)"
-	@echo "make test-slow    the long soaks and experiments' quick runs (chaos, shared tier, serving, stress)"
+	@echo "make test-slow    the long soaks and experiments' quick runs (chaos, shared tier, block store, serving, stress)"
 	@echo "make exp-006      run the EXP-006 measurement"
 	@echo "make exp-007      multi-turn agents: cached vs re-prefill TTFT, sharing, restart"
 	@echo "make exp-008      1000-request stress run (errors, stale reuses, leaks, hit rate)"
@@ -32,6 +32,7 @@ help:
 	@echo "make exp-013      Responses API chains vs the chat path, after a restart vs cold; a thinking model's history"
 	@echo "make exp-015      chaos soak: crashes, full/read-only disk, corruption, floods; nothing lost"
 	@echo "make exp-016      two servers on one Redis: resume elsewhere vs local and cold, Redis faults"
+	@echo "make exp-017      write each block once: bytes per turn, shared prompt on disk, restart, saves beside a turn"
 	@echo "make chunk-cost   what a decode step and a prefill chunk cost at 0/4K/8K context"
 	@echo "make exp-009      our server vs mlx_lm.server, mlx-vlm and vllm-mlx over one HTTP workload"
 	@echo "make exp-009-aiperf  ours, mlx_lm.server and vllm-mlx measured by NVIDIA's AIPerf instead of our client"
@@ -237,6 +238,12 @@ exp-015: models
 # disk and a cold prefill, a shared system prompt, Redis killed / paused / full under load.
 exp-016: models system-redis
 	$(PY) -m harness run experiments/exp_016_shared_tier.toml
+
+# Write each block once (issue 38): `semantic serve --cache-layout blocks` against `--cache-layout file`, one
+# server each, interleaved in one run: bytes written per turn / KV added, a shared system prompt's bytes on
+# disk, restart TTFT at 2K and 8K tokens, a cached turn beside another agent's save (about 15 min on 2 cores).
+exp-017: models
+	$(PY) -m harness run experiments/exp_017_block_store.toml
 
 # What a decode step and a prefill chunk cost at 0, 4K and 8K tokens of context: why the
 # decoders' latency and the prefill's time trade against each other (about 6 min).
