@@ -242,7 +242,7 @@ exp-016: models system-redis
 
 # Write each block once (issue 38): `semantic serve --cache-layout blocks` against `--cache-layout file`, one
 # server each, interleaved in one run: bytes written per turn / KV added, a shared system prompt's bytes on
-# disk, restart TTFT at 2K and 8K tokens, a cached turn beside another agent's save (about 15 min on 2 cores).
+# disk, restart TTFT at 2K and 8K tokens, a cached turn beside another agent's save (about 40 min on 2 cores).
 exp-017: models
 	$(PY) -m harness run experiments/exp_017_block_store.toml
 
