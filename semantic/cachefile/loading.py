@@ -46,7 +46,7 @@ def _read_tensors(info: CacheFileInfo, slots: list[TensorSlot]) -> dict[str, mx.
         return {}
     try:
         loaded = mx.load(info.path)
-    except (RuntimeError, ValueError, OSError) as exc:
+    except (RuntimeError, ValueError, OSError, IndexError) as exc:  # mlx 0.30 raises IndexError on some headers
         raise CacheCorruptError(info.path, f"mx.load failed: {exc}") from None
     st = os.stat(info.path)
     if (st.st_dev, st.st_ino) != info.inode:

@@ -269,7 +269,7 @@ def load_arrays(info: BlockInfo) -> dict[str, mx.array]:
     os.stat(info.path)  # raises OSError when the file is gone or unreadable: no verdict on its bytes
     try:
         loaded = mx.load(info.path, format="safetensors")
-    except (RuntimeError, ValueError, OSError) as exc:
+    except (RuntimeError, ValueError, OSError, IndexError) as exc:  # mlx 0.30 raises IndexError on some headers
         raise CacheCorruptError(info.path, f"mx.load failed: {exc}") from None
     out = {}
     for s in info.slots:

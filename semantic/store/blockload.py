@@ -150,11 +150,11 @@ def _read(keys: set[int], files: dict[int, BlockInfo], arrays: dict) -> None:
     flat = [(k, name, a) for k, t in loaded.items() for name, a in t.items()]
     try:
         mx.eval([a for _, _, a in flat])
-    except (RuntimeError, ValueError):  # one file read short (shrank under us): find which, one by one
+    except (RuntimeError, ValueError, IndexError):  # one file read short (shrank under us): find which, one by one
         for k, t in loaded.items():
             try:
                 mx.eval(list(t.values()))
-            except (RuntimeError, ValueError) as exc:
+            except (RuntimeError, ValueError, IndexError) as exc:
                 raise _Bad(files[k], f"reading tensors failed: {exc}") from None
         raise _Unreadable("reading block files failed, and each alone read") from None
     shares = 1 + min(hasher()._max_workers, max(1, (os.cpu_count() or 2) - 1))
