@@ -57,6 +57,7 @@ class PlannedBlock:
     key: int | None
     hit: KVBlock | None
     parent: int | None = None
+    snapshot: bool = False  # the group's whole cache at ``end`` (``snapshot_span``), not positions [start, end)
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +111,19 @@ def window_edge(layer: LayerSpec, total: int, block_tokens: int) -> int | None:
     return first
 
 
+def snapshot_span(total: int, block_tokens: int) -> tuple[int, int]:
+    """The token span a snapshot after ``total`` tokens is keyed by: from the last block
+    boundary before ``total`` to it, so it is keyed and indexed exactly like the tail (or
+    the full block) ending there, and a history finds it as a child of its prefix::
+
+        tokens      0 ...... 255 | 256 ..... 511 | 512 .. 600
+        snapshot at 600                           [512 .. 600)   key of the tail
+        snapshot at 512          [256 ..... 512)                 key of the full block
+    """
+    assert total > 0, total
+    return (total - 1) // block_tokens * block_tokens, total
+
+
 def chain_keys(token_ids: Sequence[int], block_tokens: int, salt_root: int | None = None) -> list[int]:
     """One chained key per full block of ``token_ids`` (group-independent).
 
@@ -151,6 +165,16 @@ def plan_blocks(
     out, need = [], 0
     for group, layers in spec.groups().items():
         layer = spec.layers[layers[0]]
+        if layer.snapshot_only(bt):
+            if total:
+                a, b = snapshot_span(total, bt)
+                parent = chain[a // bt - 1] if a else salt_root
+                link = chain[a // bt] if b - a == bt else chain_hash(parent, tokens[a:b])
+                key = chain_hash(link, (), group)
+                hit = pool.lookup(key, tokens[a:b], count=False)
+                need += hit is None or pool.is_free(hit)
+                out.append(PlannedBlock(group, layers, a, b, 0, key, hit, parent, snapshot=True))
+            continue
         spans = block_spans(layer, total, bt, stored_from.get(group))
         edge = window_edge(layer, total, bt)
         for a, b, shift in spans:
@@ -188,7 +212,7 @@ def miss_runs(planned: Sequence[PlannedBlock]) -> list[list[int]]:
     for idx, p in enumerate(planned):
         if p.hit is not None:
             continue
-        if runs and runs[-1][-1] == idx - 1 and planned[idx - 1].group == p.group:
+        if runs and runs[-1][-1] == idx - 1 and planned[idx - 1].group == p.group and not p.snapshot:
             runs[-1].append(idx)
         else:
             runs.append([idx])

@@ -34,6 +34,7 @@ MLX_LM_VERSION = _dist_version("mlx-lm")
 HAS_META_STATE = hasattr(C._BaseCache, "meta_state")
 
 KV, ROTATING, QUANTIZED = "KVCache", "RotatingKVCache", "QuantizedKVCache"
+ARRAYS = "ArraysCache"  # recurrent state: n arrays, no token axis (read_arrays / build_arrays)
 
 
 @dataclass(slots=True)
@@ -93,6 +94,35 @@ def read_layer(cache: Any) -> LayerState:
         int(cache.offset),
         **_meta(cache, kind, idx=int(getattr(cache, "_idx", 0))),
     )
+
+
+def read_arrays(cache: Any) -> tuple:
+    """A live ``ArraysCache``'s arrays, each a new array object: a layer that later
+    writes into its cache's arrays in place never changes what was read. Only the
+    arrays are read: ``left_padding``/``lengths`` are a batch's bookkeeping, and the
+    ``state`` property's layout differs between versions."""
+    if type(cache).__name__ != ARRAYS:
+        raise UnsupportedCacheError(f"not an {ARRAYS}: {type(cache).__name__}")
+    if any(a is None for a in cache.cache):
+        missing = [i for i, a in enumerate(cache.cache) if a is None]
+        raise UnsupportedCacheError(f"{ARRAYS} arrays {missing} are unset after a prompt: no state to keep")
+    return tuple(mx.contiguous(a[...]) for a in cache.cache)
+
+
+def build_arrays(arrays: Sequence) -> Any:
+    """A fresh ``ArraysCache`` holding new array objects over ``arrays`` (never the
+    caller's own: a stored snapshot stays as it was while the cache runs on)."""
+    cache = C.ArraysCache(len(arrays))
+    cache.cache = [a[...] for a in arrays]
+    return cache
+
+
+def cache_offset(caches: Sequence) -> int | None:
+    """How many tokens a model's caches hold, from its first positional layer (None: all are recurrent)."""
+    for c in caches:
+        if type(c).__name__ != ARRAYS:
+            return int(c.offset) if not isinstance(c.offset, mx.array) else int(c.offset.item())
+    return None
 
 
 def _meta(cache, kind: str, idx: int) -> dict:
@@ -205,6 +235,8 @@ if HAS_META_STATE and hasattr(C, "BatchRotatingKVCache"):
 
 def cache_arrays(cache: Any) -> list:
     """The arrays a live cache holds (what to ``mx.eval`` after a forward pass)."""
+    if type(cache).__name__ == ARRAYS:
+        return [a for a in cache.cache if a is not None]
     out = []
     for x in (cache.keys, cache.values):
         if x is not None:
@@ -231,6 +263,9 @@ def merge_caches(per_sequence: Sequence[list]) -> list:
             merged.append(BatchQuantizedKVCache.merge(list(layer)))
         elif kind == KV:
             merged.append(C.BatchKVCache.merge(list(layer)))
+        elif kind == ARRAYS:
+            # one decode token per row and no padding: the state needs no mask
+            merged.append(C.ArraysCache.merge(list(layer)))
         else:
             raise UnsupportedCacheError(f"cannot batch a {kind}")
     return merged

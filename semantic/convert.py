@@ -32,7 +32,7 @@ from semantic.blocks import AgentBlocks, Segment, SegmentView, segment_runs
 from semantic.errors import CacheMismatchError, CacheShapeError
 from semantic.blockplan import PlannedBlock
 from semantic.pool import BlockPool
-from semantic.spec import LayerSpec, ModelCacheSpec
+from semantic.spec import RECURRENT, LayerSpec, ModelCacheSpec, spec_dtype
 
 
 def _slice(x, a: int, b: int, copy: bool):
@@ -71,11 +71,28 @@ def _check_shape(i: int, layer: LayerSpec, x, n: int, what: str) -> None:
         )
 
 
-def _read(spec: ModelCacheSpec, caches: Sequence, total: int) -> list[compat.LayerState]:
+def _check_arrays(i: int, layer: LayerSpec, arrays) -> None:
+    """A recurrent layer's arrays against the spec (one batch row)."""
+    got = [(tuple(a.shape), a.dtype) for a in arrays] if isinstance(arrays, tuple) else arrays
+    want = [((1, *shape), spec_dtype(dt)) for shape, dt in layer.arrays]
+    if got != want:
+        raise CacheShapeError(f"layer {i} state: got {got}, spec needs {want}")
+
+
+def _read(spec: ModelCacheSpec, caches: Sequence, total: int) -> list:
+    """Each layer's :class:`compat.LayerState`, or a recurrent layer's arrays."""
     if len(caches) != spec.n_layers:
         raise CacheMismatchError(f"{len(caches)} layer caches for a spec of {spec.n_layers} layers")
     states = []
     for i, (c, layer) in enumerate(zip(caches, spec.layers)):
+        if layer.kind == RECURRENT:
+            if type(c).__name__ != compat.ARRAYS:
+                raise CacheMismatchError(f"layer {i} is a {type(c).__name__}; the spec says {compat.ARRAYS}")
+            arrays = compat.read_arrays(c) if total else ()
+            if total:
+                _check_arrays(i, layer, arrays)
+            states.append(arrays)
+            continue
         st = compat.read_layer(c)
         if st.kind != layer.cache_kind:
             raise CacheMismatchError(f"layer {i} is a {st.kind}; the spec says {layer.cache_kind}")
@@ -116,6 +133,12 @@ def extract(pool: BlockPool, caches: Sequence, token_ids: Sequence[int], release
     fresh = []
     for run in blockplan.miss_runs(planned.blocks):
         first, last = planned.blocks[run[0]], planned.blocks[run[-1]]
+        if first.snapshot:  # the group's whole cache at its end: a copy of every layer, no segment
+            assert len(run) == 1 and first.end == len(tokens), (run, first)
+            data = {i: _snapshot_data(states[i]) for i in first.layers}
+            fresh.extend(data.values())
+            views[run[0]] = (data, None)
+            continue
         lo, hi = first.start - first.shift, last.end - last.shift  # held-buffer indices
         seg = Segment({}, hi - lo)
         for i in first.layers:
@@ -131,6 +154,18 @@ def extract(pool: BlockPool, caches: Sequence, token_ids: Sequence[int], release
     mx.eval(fresh, [d for d, _ in views.values()])  # slices evaluate to views: no copy
     index = {id(p): i for i, p in enumerate(planned.blocks)}
     return blockplan.commit(pool, spec, tokens, planned, lambda p: views[index[id(p)]], release, salt_root)
+
+
+def _snapshot_data(state) -> tuple:
+    """A snapshot's layer data, copied: a recurrent layer's ``(arrays, ())`` (already
+    copies), a short window's whole temporal buffer as ``(keys, values)``."""
+    if isinstance(state, tuple):
+        return (state, ())
+    return _copy(state.keys), _copy(state.values)
+
+
+def _copy(x):
+    return tuple(mx.contiguous(p[...]) for p in x) if isinstance(x, tuple) else mx.contiguous(x[...])
 
 
 def _one_segment(pieces: list, layer: int):
@@ -157,7 +192,13 @@ def _pieces(blocks: AgentBlocks, layer: int, total: int) -> tuple[list, int, int
         blocks        [256 ...... 512)[512 ......... 606)
         pieces              [388  512)[512 ...... 597)
     """
-    ranges = blocks.spec.layers[layer].held_ranges(total)
+    spec_layer = blocks.spec.layers[layer]
+    if spec_layer.snapshot_only(blocks.block_tokens):
+        # one block serves: the snapshot taken after exactly ``total`` tokens
+        snap = [b for b in blocks.blocks_for_layer(layer) if b.end == total]
+        n = spec_layer.tokens_held(total) if spec_layer.kind != RECURRENT else 1
+        return ([(snap[-1], 0, snap[-1].n_tokens)], n, n) if snap and total else ([], n if total else 0, 0)
+    ranges = spec_layer.held_ranges(total)
     pieces = []  # (block, first, end) in the block's own token indices
     for a, b in ranges:
         for blk in blocks.blocks_for_layer(layer):
@@ -212,6 +253,9 @@ def reconstruct(blocks: AgentBlocks, materialize: bool = True, upto: int | None 
         if not held:
             caches.append(layer.make_cache())
             continue
+        if layer.snapshot_only(blocks.block_tokens):
+            caches.append(_from_snapshot(i, layer, pieces[0][0].layer_data[i], total, held))
+            continue
         run = _one_segment(pieces, i)
         if run is not None:
             k, v = run
@@ -229,5 +273,16 @@ def reconstruct(blocks: AgentBlocks, materialize: bool = True, upto: int | None 
             k, v = _cat(keys), _cat(values)
         caches.append(compat.build_layer(layer.cache_state(k, v, total, held)))
     if materialize:
-        mx.eval([(c.keys, c.values) for c in caches if not c.empty()])
+        mx.eval([compat.cache_arrays(c) for c in caches if not c.empty()])
     return caches
+
+
+def _from_snapshot(i: int, layer: LayerSpec, data, total: int, held: int):
+    """A layer's cache rebuilt from its snapshot after ``total`` tokens."""
+    first, second = data
+    if layer.kind == RECURRENT:
+        _check_arrays(i, layer, first)
+        return compat.build_arrays(first)
+    _check_shape(i, layer, first, held, "keys")
+    _check_shape(i, layer, second, held, "values")
+    return compat.build_layer(layer.cache_state(first, second, total, held))

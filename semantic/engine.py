@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
 import mlx.core as mx
-from semantic import compat, convert, defaults, reuse
+from semantic import compat, convert, defaults, reuse, snapshot
 from semantic.blocks import AgentBlocks
 from semantic.budget import StepBudget
 from semantic.constraint import Constraint
@@ -105,6 +105,12 @@ class BlockPoolBatchEngine:
         self.lock = lock if lock is not None else threading.RLock()
         # sliding layers lose the window of a prefix once prefill moves past it: see _checkpoint
         self._sliding = any(l.windowed for l in spec.layers)
+        self._snapshots = snapshot.Points(spec, pool.block_tokens)
+        if speculation is not None and spec.recurrent:
+            # a recurrent state cannot take rejected drafts back out (no rewind): decode one token a step
+            log.info("speculation is off: this model has recurrent layers")
+            speculation = None
+        self.speculation_off = "recurrent layers cannot rewind rejected drafts" if spec.recurrent else None
         self.vocab_size = vocab_size(model)
         self.stop_tokens = frozenset(int(t) for t in (tokenizer.eos_token_ids if stop_tokens is None else stop_tokens))
         budget = StepBudget(defaults.prefill_chunk(), itl_target_s=itl_target_s, fixed=prefill_chunk)
@@ -162,8 +168,7 @@ class BlockPoolBatchEngine:
                     start.blocks.release()
         fed = start.cached
         seq = _InFlight(next(self._uids), request, start.cached, start.source, admitted)
-        bt = self.pool.block_tokens
-        stops = [b - fed for b in range(fed // bt * bt + bt, len(ids), bt)] if self._sliding else []
+        stops = [p - fed for p in self._snapshots.stops(fed, len(ids), request.boundaries)]
         self._loop.add(
             seq.uid, request, fed, caches if caches is not None else self.spec.make_cache(), stops=stops,
             on_stop=lambda uid, live, n: self._checkpoint(live, ids[: fed + n], request.salt_root),
@@ -288,9 +293,10 @@ class BlockPoolBatchEngine:
     def _end_early(self, seq: _InFlight, reason: str) -> Completion:
         """Take a sequence out of its lane before it finished on its own."""
         # only past prefill is there an exact cache of its tokens (None before)
-        return self._finish(seq, reason, self._loop.remove(seq.uid))
+        held = self._loop.held(seq.uid)
+        return self._finish(seq, reason, self._loop.remove(seq.uid), held)
 
-    def _finish(self, seq: _InFlight, reason: str, caches: list | None) -> Completion:
+    def _finish(self, seq: _InFlight, reason: str, caches: list | None, held: int | None = None) -> Completion:
         del self._seqs[seq.uid]
         self._by_agent.pop(seq.request.agent_id, None)
         blocks, error = None, None
@@ -298,7 +304,8 @@ class BlockPoolBatchEngine:
             if caches is None:
                 raise CacheError("ended before its first token: no exact cache to keep")
             with self.lock:
-                blocks = convert.extract(self.pool, caches, self._held(seq, caches), self._release, seq.request.salt_root)
+                blocks = convert.extract(self.pool, caches, self._held(seq, caches, held), self._release,
+                                         seq.request.salt_root)
             self._finished[seq.uid] = blocks
         except CacheError as exc:
             error = f"{type(exc).__name__}: {exc}"
@@ -314,9 +321,12 @@ class BlockPoolBatchEngine:
         )
 
     @staticmethod
-    def _held(seq: _InFlight, caches: list) -> list[int]:
-        """The tokens ``caches`` hold: the history and every generated token but the newest, unless it was fed too."""
-        return [*seq.request.ids, *seq.generated][: compat.read_layer(caches[0]).offset]
+    def _held(seq: _InFlight, caches: list, held: int | None = None) -> list[int]:
+        """The tokens ``caches`` hold: the history and every generated token but the newest, unless it was fed
+        too (``held``: how many, when the loop said; else a positional layer's offset, else all of them)."""
+        n = compat.cache_offset(caches) if held is None else held
+        tokens = [*seq.request.ids, *seq.generated]
+        return tokens if n is None else tokens[:n]
 
     # ------------------------------------------------------------ caches
 
@@ -339,7 +349,8 @@ class BlockPoolBatchEngine:
             return blocks
         caches = self._loop.caches(uid)
         with self.lock:
-            return convert.extract(self.pool, caches, self._held(seq, caches), self._release, seq.request.salt_root)
+            return convert.extract(self.pool, caches, self._held(seq, caches, self._loop.held(uid)), self._release,
+                                   seq.request.salt_root)
 
 
 def vocab_size(model) -> int:

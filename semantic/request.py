@@ -143,6 +143,9 @@ class Request:
         on_token: sees each generated token (:data:`OnToken`).
         on_admit: called once when the turn starts, with the history tokens
             a cache covers. Both run on the engine's thread: keep them quick.
+        boundaries: positions in ``ids`` where a later turn may start over
+            (message ends: the system prompt's, the last message's start);
+            models that resume only from a snapshot take one there.
         arrived_at: ``time.perf_counter()`` when the request was built: its
             queueing, time to first token and latency count from here.
 
@@ -160,6 +163,7 @@ class Request:
     grammar: Grammar | None = None
     on_token: OnToken | None = field(default=None, repr=False)
     on_admit: Callable[[int], None] | None = field(default=None, repr=False)
+    boundaries: tuple[int, ...] = ()
     arrived_at: float = field(default_factory=time.perf_counter, repr=False)
 
     def __post_init__(self):
@@ -173,6 +177,13 @@ class Request:
             raise InvalidRequestError(f"salt_root must be an integer (blockplan.salt_root_of) or None, got {self.salt_root!r}")
         if self.grammar is not None and not isinstance(self.grammar, Grammar):
             raise InvalidRequestError(f"grammar must be a semantic.constraint.Grammar, got {type(self.grammar).__name__}")
+        try:
+            marks = tuple(sorted(set(map(operator.index, self.boundaries))))
+        except TypeError:
+            raise InvalidRequestError(f"boundaries must be token positions, got {self.boundaries!r}") from None
+        if marks and not (0 < marks[0] and marks[-1] < len(self.ids)):
+            raise InvalidRequestError(f"boundaries must lie inside the history (0, {len(self.ids)}), got {marks}")
+        object.__setattr__(self, "boundaries", marks)
         for name in ("on_token", "on_admit"):
             if getattr(self, name) is not None and not callable(getattr(self, name)):
                 raise InvalidRequestError(f"{name} must be callable or None")

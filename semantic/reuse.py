@@ -92,11 +92,12 @@ def _candidates(pool: BlockPool, ids: tuple[int, ...], own: AgentBlocks | None, 
     ``same`` (its common prefix with ``ids``), and the pool's (see the module doc)."""
     bt = pool.block_tokens
     out: dict[str, list[_Candidate]] = {g: [] for g in pool.spec.groups()}
+    whole = _snapshot_groups(pool)  # a snapshot serves only where it was taken: all its tokens must match
     seen: set[int] = set()
     if own is not None and same:
         for g, blocks in own.groups.items():
             for blk in blocks:
-                if blk.start < same:
+                if blk.start < same and (g not in whole or blk.end <= same):
                     out[g].append(_Candidate(blk, min(blk.end, same), True))
                     seen.add(id(blk))
     chain = blockplan.chain_keys(ids, bt, salt_root)
@@ -108,10 +109,16 @@ def _candidates(pool: BlockPool, ids: tuple[int, ...], own: AgentBlocks | None, 
                 if id(blk) in seen or blk.start != k * bt:
                     continue
                 m = common_prefix(blk.token_ids, ids[k * bt : k * bt + blk.n_tokens])
-                if m:
+                if m and (g not in whole or m == blk.n_tokens):
                     out[g].append(_Candidate(blk, k * bt + m, False))
                     seen.add(id(blk))
     return out
+
+
+def _snapshot_groups(pool: BlockPool) -> set[str]:
+    """The groups that resume only from a snapshot (``LayerSpec.snapshot_only``)."""
+    spec = pool.spec
+    return {g for g, ix in spec.groups().items() if spec.layers[ix[0]].snapshot_only(pool.block_tokens)}
 
 
 def _cover(cands: list[_Candidate], ranges: list[tuple[int, int]], t: int) -> list[_Candidate] | None:
@@ -138,10 +145,16 @@ def _cover(cands: list[_Candidate], ranges: list[tuple[int, int]], t: int) -> li
     return unique
 
 
-def _plan(spec, cands: dict[str, list[_Candidate]], t: int) -> dict[str, list[_Candidate]] | None:
+def _plan(pool: BlockPool, cands: dict[str, list[_Candidate]], t: int) -> dict[str, list[_Candidate]] | None:
     """Every group's cover for a start at ``t``, or None when some group has none."""
-    out = {}
+    out, spec, whole = {}, pool.spec, _snapshot_groups(pool)
     for g, layers in spec.groups().items():
+        if g in whole:  # the snapshot taken after exactly t tokens
+            snap = [c for c in cands[g] if c.complete and c.valid == t]
+            if not snap:
+                return None
+            out[g] = [max(snap, key=lambda c: c.own)]
+            continue
         cover = _cover(cands[g], spec.layers[layers[0]].held_ranges(t), t)
         if cover is None:
             return None
@@ -173,7 +186,7 @@ def choose_start(
     cands = _candidates(pool, ids, own, same, salt_root)
     ends = {c.valid for cs in cands.values() for c in cs if own_len < c.valid}
     for t in sorted({min(e, limit) for e in ends}, reverse=True):
-        plan = _plan(pool.spec, cands, t)
+        plan = _plan(pool, cands, t)
         if plan is None:
             continue
         used = [c for cover in plan.values() for c in cover]

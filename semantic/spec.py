@@ -5,15 +5,21 @@ cache class holds it, which token positions it holds after ``T`` tokens,
 and how a rebuilt cache of it is described to ``compat``. A new cache type
 is added here (and in ``compat``, which builds it)::
 
-    kind      cache class                         holds after T tokens
-    global    KVCache (QuantizedKVCache: kv_bits)  [0, T)
-    sliding   RotatingKVCache(window, keep)        [0, keep) + [T - (window - keep), T), all while T <= window
+    kind       cache class                         holds after T tokens
+    global     KVCache (QuantizedKVCache: kv_bits)  [0, T)
+    sliding    RotatingKVCache(window, keep)        [0, keep) + [T - (window - keep), T), all while T <= window
+    recurrent  ArraysCache(n)                       n fixed-size arrays that summarise [0, T)
+
+A recurrent layer, and a sliding one whose window is shorter than a block,
+can resume only where its cache was snapshotted (:meth:`LayerSpec.snapshot_only`):
+nothing in a later cache tells what it held at an earlier position.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -23,7 +29,7 @@ from mlx_lm.models import cache as C
 from semantic import compat
 from semantic.errors import CacheMismatchError, UnsupportedCacheError
 
-GLOBAL, SLIDING = "global", "sliding"
+GLOBAL, SLIDING, RECURRENT = "global", "sliding", "recurrent"
 _DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
 
@@ -42,10 +48,16 @@ class LayerSpec:
     keep: int = 0
     kv_bits: int | None = None
     kv_group_size: int | None = None
+    arrays: tuple[tuple[tuple[int, ...], str], ...] = ()  # recurrent: each array's (shape without batch, dtype)
 
     def __post_init__(self):
-        if self.kind not in (GLOBAL, SLIDING):
-            raise ValueError(f"layer kind must be {GLOBAL!r} or {SLIDING!r}, got {self.kind!r}")
+        if self.kind not in (GLOBAL, SLIDING, RECURRENT):
+            raise ValueError(f"layer kind must be {GLOBAL!r}, {SLIDING!r} or {RECURRENT!r}, got {self.kind!r}")
+        if self.kind == RECURRENT:
+            self._check_recurrent()
+            return
+        if self.arrays:
+            raise ValueError("only a recurrent layer has state arrays")
         if min(self.n_kv_heads, self.head_dim, self.v_head_dim) <= 0:
             raise ValueError(f"heads and head dims must be positive: {self}")
         if self.dtype not in _DTYPES:
@@ -67,9 +79,30 @@ class LayerSpec:
             if self.head_dim % self.kv_group_size or self.v_head_dim % self.kv_group_size:
                 raise ValueError(f"head_dim {self.head_dim} is not a multiple of group {self.kv_group_size}")
 
+    def _check_recurrent(self) -> None:
+        try:
+            arrays = tuple((tuple(int(d) for d in shape), str(dtype)) for shape, dtype in self.arrays)
+        except (TypeError, ValueError):
+            raise ValueError(f"a recurrent layer's arrays are (shape, dtype) pairs, got {self.arrays!r}") from None
+        object.__setattr__(self, "arrays", arrays)
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if not arrays or any(min(shape, default=1) <= 0 or dt not in _DTYPES for shape, dt in arrays):
+            raise ValueError(f"a recurrent layer needs arrays of positive shape and known dtype, got {arrays}")
+        if self.window is not None or self.keep or self.kv_bits is not None or self.kv_group_size is not None:
+            raise ValueError("a recurrent layer has no window, keep or KV quantization")
+
+    def snapshot_only(self, block_tokens: int) -> bool:
+        """Whether this layer resumes only at positions where its whole cache was kept (a
+        snapshot): a recurrent layer, or a window shorter than a block, which no stored
+        block of other positions can rebuild."""
+        return self.kind == RECURRENT or (self.kind == SLIDING and self.window - self.keep < block_tokens)
+
     @property
     def cache_kind(self) -> str:
         """The mlx-lm class name of this layer's cache."""
+        if self.kind == RECURRENT:
+            return compat.ARRAYS
         if self.kind == SLIDING:
             return compat.ROTATING
         return compat.QUANTIZED if self.kv_bits else compat.KV
@@ -80,7 +113,10 @@ class LayerSpec:
         return self.kind == SLIDING
 
     def held_ranges(self, total: int) -> list[tuple[int, int]]:
-        """Token positions this layer's cache holds after ``total`` tokens."""
+        """Token positions this layer's cache holds after ``total`` tokens (a recurrent
+        layer: the last one, where its state stands)."""
+        if self.kind == RECURRENT:
+            return [(total - 1, total)] if total else []
         if self.kind == GLOBAL or total <= self.window:
             return [(0, total)] if total else []
         keep = [(0, self.keep)] if self.keep else []
@@ -108,6 +144,8 @@ class LayerSpec:
     @property
     def group(self) -> str:
         """Layers with the same group share block boundaries and token coverage."""
+        if self.kind == RECURRENT:
+            return RECURRENT
         if self.kind == SLIDING:
             return f"sliding-w{self.window}-k{self.keep}"
         return f"global-q{self.kv_bits}g{self.kv_group_size}" if self.kv_bits else "global"
@@ -116,8 +154,14 @@ class LayerSpec:
     def mx_dtype(self):
         return _DTYPES[self.dtype]
 
+    def state_bytes(self) -> int:
+        """Bytes of a recurrent layer's arrays (0 for the others: they grow per token)."""
+        return sum(math.prod(shape) * _DTYPES[dt].size for shape, dt in self.arrays)
+
     def token_bytes(self) -> float:
-        """Bytes of K plus V per cached token (quantized: packed + scales + biases)."""
+        """Bytes of K plus V per cached token (quantized: packed + scales + biases; recurrent: 0)."""
+        if self.kind == RECURRENT:
+            return 0.0
         width = self.mx_dtype.size
         if not self.kv_bits:
             return self.n_kv_heads * (self.head_dim + self.v_head_dim) * width
@@ -125,6 +169,8 @@ class LayerSpec:
         return self.n_kv_heads * (per(self.head_dim) + per(self.v_head_dim))
 
     def make_cache(self):
+        if self.kind == RECURRENT:
+            return C.ArraysCache(len(self.arrays))
         if self.kind == SLIDING:
             return C.RotatingKVCache(max_size=self.window, keep=self.keep)
         if self.kv_bits:
@@ -183,6 +229,14 @@ class ModelCacheSpec:
     def token_bytes(self) -> float:
         return sum(l.token_bytes() for l in self.layers)
 
+    def state_bytes(self) -> int:
+        """Bytes of one snapshot of every recurrent layer."""
+        return sum(l.state_bytes() for l in self.layers)
+
+    @property
+    def recurrent(self) -> bool:
+        return any(l.kind == RECURRENT for l in self.layers)
+
     def to_dict(self) -> dict:
         return {"layers": [asdict(l) for l in self.layers]}
 
@@ -217,6 +271,11 @@ class ModelCacheSpec:
         mx.eval(model(mx.array([[0]]), cache=caches))
         layers = []
         for c in caches:
+            if type(c).__name__ == compat.ARRAYS:
+                arrays = compat.read_arrays(c)
+                dims = tuple((tuple(a.shape[1:]), _dtype_name(a.dtype)) for a in arrays)
+                layers.append(LayerSpec(RECURRENT, 0, 0, 0, _dtype_name(arrays[0].dtype), arrays=dims))
+                continue
             st = compat.read_layer(c)
             _, heads, _, dim = st.keys.shape
             common = dict(n_kv_heads=heads, head_dim=dim, v_head_dim=st.values.shape[-1], dtype=_dtype_name(st.keys.dtype))
@@ -261,6 +320,11 @@ class ModelCacheSpec:
 
 # the same as LayerSpec.held_ranges, for callers that pass the layer as data
 held_ranges = LayerSpec.held_ranges
+
+
+def spec_dtype(name: str):
+    """The mx dtype a spec names."""
+    return _DTYPES[name]
 
 
 def _dtype_name(dt) -> str:

@@ -179,6 +179,13 @@ class StepLoop:
         row = self._rows.index(seq)
         return [c.extract(row) for c in self._batch]
 
+    def held(self, uid: int) -> int:
+        """How many tokens of ``uid``'s history and output its caches hold now."""
+        seq = self._seqs[uid]
+        if not seq.generated:
+            return len(seq.ids) - len(seq.prompt) + seq.fed
+        return len(seq.ids) + seq.generated - 1  # the newest token is fed by the next step
+
     def close(self, uid: int, generated: int | None = None) -> None:
         """Finish ``uid`` after its newest token (a stop string), or after its ``generated``-th when a
         speculative step read more: that token is fed at the next step, and its caches come back

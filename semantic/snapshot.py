@@ -1,0 +1,64 @@
+"""Where a prompt's prefill stops so its cache can be kept: the positions a later turn starts from.
+
+A global layer's cache after ``T`` tokens holds every earlier position, so
+any prefix of it can serve. Two kinds cannot be cut back:
+
+- a recurrent layer (``ArraysCache``) holds one state that summarises
+  ``[0, T)``; it resumes only at a position where that state was copied;
+- a sliding window shorter than a block holds ``[T - W, T)``; no pooled block
+  of other positions rebuilds an earlier window.
+
+So the step loop ends a prefill chunk at the positions where agents resume,
+and the engine pools the whole cache there (``engine._checkpoint``)::
+
+    history   [ system | tools | q1 a1 | q2 a2 | q3 ]
+    stops              ^ boundary      ^ boundary ^ last token - 1
+              ^ ... every ``interval`` tokens (a long prefill) ...
+
+- a boundary the service found (the system prompt's end: a second agent; the
+  last message's start: an edit of it), from ``Request.boundaries``;
+- the prompt's last token but one: a regenerate prefills only the last token;
+- a grid: every ``interval`` tokens, spaced by what a snapshot costs against
+  a block of KV (an LFM2 state is a few KiB: every block; a Qwen3.5 state is
+  ~12 blocks of KV: every 12 blocks);
+- the turn's end is kept by the finished cache itself.
+
+A sliding window of a block or more keeps the old rule: a stop at every block
+boundary, whose full blocks then serve any later position.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+from semantic.spec import ModelCacheSpec
+
+# the sparsest grid, in blocks: a long prefill still leaves a snapshot every 16 blocks
+MAX_GRID_BLOCKS = 16
+
+
+class Points:
+    """The stop positions of one model's prompts (see the module doc)."""
+
+    def __init__(self, spec: ModelCacheSpec, block_tokens: int):
+        self.block_tokens = block_tokens
+        self.exact = any(l.snapshot_only(block_tokens) for l in spec.layers)
+        self.sliding_grid = any(l.windowed and not l.snapshot_only(block_tokens) for l in spec.layers)
+        block_bytes = spec.token_bytes() * block_tokens
+        state = spec.state_bytes()
+        blocks = math.ceil(state / block_bytes) if block_bytes else MAX_GRID_BLOCKS
+        self.interval = block_tokens * min(max(blocks, 1), MAX_GRID_BLOCKS)
+
+    def stops(self, fed: int, total: int, boundaries: Sequence[int] = ()) -> list[int]:
+        """Positions ``p`` with ``fed < p < total`` where a prompt of ``total`` tokens,
+        ``fed`` of them cached, stops to keep its cache."""
+        bt = self.block_tokens
+        out: set[int] = set()
+        if self.sliding_grid:
+            out.update(range(fed // bt * bt + bt, total, bt))
+        if self.exact:
+            out.update(boundaries)
+            out.add(total - 1)
+            out.update(range(fed // self.interval * self.interval + self.interval, total, self.interval))
+        return sorted(p for p in out if fed < p < total)
