@@ -58,6 +58,7 @@ class LayerSpec:
             return
         if self.arrays:
             raise ValueError("only a recurrent layer has state arrays")
+        object.__setattr__(self, "arrays", ())  # a list from JSON compares unequal to ()
         if min(self.n_kv_heads, self.head_dim, self.v_head_dim) <= 0:
             raise ValueError(f"heads and head dims must be positive: {self}")
         if self.dtype not in _DTYPES:
@@ -91,6 +92,14 @@ class LayerSpec:
             raise ValueError(f"a recurrent layer needs arrays of positive shape and known dtype, got {arrays}")
         if self.window is not None or self.keep or self.kv_bits is not None or self.kv_group_size is not None:
             raise ValueError("a recurrent layer has no window, keep or KV quantization")
+
+    def to_dict(self) -> dict:
+        """The layer as JSON data; ``arrays`` only for a recurrent layer, so the files and
+        fingerprints of the other kinds read as they did before it existed."""
+        out = asdict(self)
+        if not self.arrays:
+            del out["arrays"]
+        return out
 
     def snapshot_only(self, block_tokens: int) -> bool:
         """Whether this layer resumes only at positions where its whole cache was kept (a
@@ -238,7 +247,7 @@ class ModelCacheSpec:
         return any(l.kind == RECURRENT for l in self.layers)
 
     def to_dict(self) -> dict:
-        return {"layers": [asdict(l) for l in self.layers]}
+        return {"layers": [l.to_dict() for l in self.layers]}
 
     @classmethod
     def from_dict(cls, data: dict) -> "ModelCacheSpec":

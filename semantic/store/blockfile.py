@@ -36,7 +36,7 @@ import functools
 import json
 import os
 import struct
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 import xxhash
@@ -144,7 +144,7 @@ def _document(spec: ModelCacheSpec, fingerprint: str, group: str, parent, block_
 
 
 def _layer_dict(spec: ModelCacheSpec, i: int) -> dict:
-    return {"index": i, **asdict(spec.layers[i])}
+    return {"index": i, **spec.layers[i].to_dict()}
 
 
 def write(
