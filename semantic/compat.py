@@ -142,7 +142,9 @@ def build_layer(state: LayerState) -> Any:
         if state.kind == QUANTIZED:
             return cls(group_size=state.group_size, bits=state.bits)
         return cls()
-    k, v = state.keys, state.values
+    # new array objects over the same data: a cache writes into its buffers in place (a full
+    # rotating window, from its first decode), which must never reach the arrays a block holds
+    k, v = _new_object(state.keys), _new_object(state.values)
     if state.kind == QUANTIZED:
         k, v = tuple(k), tuple(v)
     if HAS_META_STATE:
@@ -162,6 +164,10 @@ def build_layer(state: LayerState) -> Any:
     if state.kind == KV:
         obj.offset = state.offset  # 0.30.4's setter derives it from the shape
     return obj
+
+
+def _new_object(x):
+    return tuple(p[...] for p in x) if isinstance(x, (tuple, list)) else x[...]
 
 
 def temporal_rotating(state: LayerState) -> LayerState:

@@ -106,6 +106,7 @@ class BlockPoolBatchEngine:
         # sliding layers lose the window of a prefix once prefill moves past it: see _checkpoint
         self._sliding = any(l.windowed for l in spec.layers)
         self._snapshots = snapshot.Points(spec, pool.block_tokens)
+        self.snapshots = self._snapshots.exact  # whether requests should bring their message boundaries
         if speculation is not None and spec.recurrent:
             # a recurrent state cannot take rejected drafts back out (no rewind): decode one token a step
             log.info("speculation is off: this model has recurrent layers")

@@ -32,6 +32,7 @@ from typing import Sequence
 
 from semantic import compat, constraint, defaults, errors, roles, toolformat
 from semantic.blockplan import salt_root_of
+from semantic.boundaries import message_boundaries
 from semantic.engine import vocab_size
 from semantic.errors import CacheError, ContextLengthError, InvalidRequestError, SchedulerClosedError
 from semantic.fingerprint import weights_fingerprint
@@ -265,9 +266,12 @@ class Service:
             agent_id, persist = self.agent_id(tenant, agent), True
         else:
             agent_id, persist = ANON + uuid.uuid4().hex, False
-        text = None
+        text, marks = None, ()
         if messages is not None:
             ids, text = self._render(agent_id if persist else None, messages, tools)
+            if self.scheduler.engine.snapshots:  # a model that resumes only where its prefill stopped
+                marks = message_boundaries(ids, messages, text, lambda m: self._template(m, tools, False),
+                                           self._tokens)
         else:
             ids = encode(self.tokenizer, prompt)
         max_tokens = output_budget(len(ids), max_tokens, context_length=self.context_length,
@@ -275,23 +279,15 @@ class Service:
                                    default=None if until_context else defaults.MAX_TOKENS)
         salt = f"{tenant}\0{cache_salt}" if tenant or cache_salt else None
         request = Request(agent_id, ids, max_tokens, sampling=sampling, persist=persist, salt_root=salt_root_of(salt),
-                          grammar=grammar, on_token=on_token, on_admit=on_admit)
+                          grammar=grammar, on_token=on_token, on_admit=on_admit, boundaries=marks)
         return TurnPlan(request, plan, text)
 
     def _render(self, agent_id: str | None, messages: list[dict], tools: Tools | None) -> tuple[Sequence[int], str]:
         """The conversation's token ids and template text; the agent's own reply as generated when echoed."""
         def render(msgs, generation_prompt: bool) -> str:
-            # a native tool format's template gets the tools and the calls as they are; another, the generic form
-            uses_tools = tools is not None or any(m.get("tool_calls") or m["role"] == "tool" for m in msgs)
-            if uses_tools and not self.tool_format.native:
-                return render_text(self.tokenizer, roles.fit(toolformat.generic_messages(msgs, tools), self.free_system),
-                                   generation_prompt=generation_prompt)
-            return render_text(self.tokenizer, roles.fit(msgs, self.free_system),
-                               tools.listed() if tools is not None else None, generation_prompt=generation_prompt)
+            return self._template(msgs, tools, generation_prompt)
 
-        def tokens(text: str) -> list[int]:
-            return self.tokenizer.encode(text, add_special_tokens=False)
-
+        tokens = self._tokens
         if agent_id is not None and self.echo.limit:
             if self.echo.said(agent_id) is None:  # a restart, or a book that forgot it: the note on disk
                 self._recall(agent_id)
@@ -300,6 +296,18 @@ class Service:
                 return spliced
         text = render(messages, True)
         return tokens(text), text
+
+    def _template(self, msgs: list[dict], tools: Tools | None, generation_prompt: bool) -> str:
+        # a native tool format's template gets the tools and the calls as they are; another, the generic form
+        uses_tools = tools is not None or any(m.get("tool_calls") or m["role"] == "tool" for m in msgs)
+        if uses_tools and not self.tool_format.native:
+            return render_text(self.tokenizer, roles.fit(toolformat.generic_messages(msgs, tools), self.free_system),
+                               generation_prompt=generation_prompt)
+        return render_text(self.tokenizer, roles.fit(msgs, self.free_system),
+                           tools.listed() if tools is not None else None, generation_prompt=generation_prompt)
+
+    def _tokens(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def remember(self, plan: TurnPlan, completion: Completion, text: str, calls: Sequence[ToolCall],
                  stop_sequence: str | None = None) -> None:

@@ -8,7 +8,7 @@ Seeded, so the same name gives the same weights in every process.
 from __future__ import annotations
 
 import mlx.core as mx
-from mlx_lm.models import gemma3_text, llama
+from mlx_lm.models import gemma3_text, gpt_oss, lfm2, llama, qwen3_next
 
 VOCAB = 256
 
@@ -64,6 +64,48 @@ def tiny_gemma3(seed: int = 0, layers: int = 4, window: int = 8):
     )
     model = gemma3_text.Model(args)
     model.sanitize({})  # no lm_head weight: tie the output to the embedding
+    mx.eval(model.parameters())
+    return model
+
+
+def tiny_qwen3_next(seed: int = 0, layers: int = 4):
+    """A qwen3_next model (Qwen3-Next / Qwen3-Coder-Next's hybrid): Gated-DeltaNet layers
+    (``ArraysCache`` of conv and SSM state) alternating with attention ones, MoE MLPs."""
+    mx.random.seed(seed)
+    args = qwen3_next.ModelArgs.from_dict(dict(
+        model_type="qwen3_next", hidden_size=64, num_hidden_layers=layers, intermediate_size=128,
+        num_attention_heads=4, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
+        linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
+        decoder_sparse_step=1, shared_expert_intermediate_size=64, mlp_only_layers=[], moe_intermediate_size=32,
+        rms_norm_eps=1e-6, vocab_size=VOCAB, num_key_value_heads=2, rope_theta=10000.0, partial_rotary_factor=0.5,
+        max_position_embeddings=4096, head_dim=16, full_attention_interval=2))
+    model = qwen3_next.Model(args)
+    mx.eval(model.parameters())
+    return model
+
+
+def tiny_lfm2(seed: int = 0):
+    """An lfm2 model: short-convolution layers (``ArraysCache`` of one array) beside attention ones."""
+    mx.random.seed(seed)
+    args = lfm2.ModelArgs.from_dict(dict(
+        model_type="lfm2", vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=4096, norm_eps=1e-5, conv_bias=False, conv_L_cache=3,
+        block_dim=64, block_ff_dim=128, block_multiple_of=16, block_ffn_dim_multiplier=1.0,
+        block_auto_adjust_ff_dim=False, full_attn_idxs=[1, 3], rope_theta=10000.0))
+    model = lfm2.Model(args)
+    mx.eval(model.parameters())
+    return model
+
+
+def tiny_gpt_oss(seed: int = 0, window: int = 8):
+    """A gpt_oss model: sliding layers (``RotatingKVCache(window)``, attention sinks) alternating with
+    global ones; a window under the pool's block is what real gpt-oss (128 under 256) has."""
+    mx.random.seed(seed)
+    args = gpt_oss.ModelArgs.from_dict(dict(
+        model_type="gpt_oss", num_hidden_layers=4, num_local_experts=4, num_experts_per_tok=2, vocab_size=VOCAB,
+        hidden_size=64, intermediate_size=64, head_dim=16, num_attention_heads=4, num_key_value_heads=2,
+        sliding_window=window, layer_types=["sliding_attention", "full_attention"] * 2))
+    model = gpt_oss.Model(args)
     mx.eval(model.parameters())
     return model
 

@@ -1,0 +1,175 @@
+"""Models that resume only from snapshots: recurrent layers (qwen3_next's Gated DeltaNet, lfm2's short
+convolutions) and a sliding window shorter than a block (gpt_oss). Every turn type an agent makes
+starts from a cache and must equal a fresh prefill of the same ids: the same greedy tokens, and
+logprobs within 1e-4 (float32 on this CPU; only the chunking of the attention matmuls differs, the
+recurrent state is carried token by token and comes out bit-equal)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.generate import generate_step
+
+from semantic import BlockPool, BlockPoolBatchEngine, ModelCacheSpec, Request
+from semantic.lookup import SpecConfig
+from semantic.snapshot import Points
+from tests.tiny_models import byte_tokenizer, tiny_gpt_oss, tiny_lfm2, tiny_qwen3_next
+
+TOL = 1e-4
+BT = 16
+MODELS = {"qwen3_next": tiny_qwen3_next, "lfm2": tiny_lfm2, "gpt_oss": tiny_gpt_oss}
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def model(request):
+    return request.param, MODELS[request.param]()
+
+
+def _engine(model, blocks=400, **kw):
+    spec = ModelCacheSpec.from_model(model)
+    return BlockPoolBatchEngine(model, byte_tokenizer(), BlockPool(spec, blocks, block_tokens=BT), spec,
+                                stop_tokens=[], **kw)
+
+
+def _fresh(model, ids, n):
+    toks, lps = [], []
+    for tok, lp in generate_step(mx.array(ids), model, max_tokens=n):
+        toks.append(int(tok))
+        lps.append(float(lp[int(tok)]))
+    return toks, lps
+
+
+def _ids(n, seed):
+    return [int(x) for x in np.random.default_rng(seed).integers(1, 250, n)]
+
+
+def _turn(eng, model, agent, ids, own=None, n=6, boundaries=()):
+    eng.submit(Request(agent, ids, n, boundaries=boundaries), own)
+    (done,) = list(eng.step())
+    _assert_fresh(model, done)
+    return done
+
+
+def _assert_fresh(model, done):
+    ref, ref_lps = _fresh(model, list(done.request.ids), len(done.token_ids))
+    assert done.token_ids == ref
+    assert np.max(np.abs(np.array(done.logprobs) - ref_lps)) < TOL
+
+
+def test_every_turn_type_resumes_from_a_snapshot_and_equals_a_fresh_prefill(model):
+    _, m = model
+    eng = _engine(m)
+    system = _ids(40, 1)
+    first = _turn(eng, m, "a", system + _ids(15, 2), boundaries=(40,))
+    assert first.cached_tokens == 0
+    append = first.request.ids + tuple(first.token_ids) + tuple(_ids(9, 3))
+    second = _turn(eng, m, "a", append, first.blocks)
+    assert second.cached_tokens == len(first.request.ids) + len(first.token_ids)  # the whole previous turn
+    regen = _turn(eng, m, "a", append, second.blocks)
+    assert regen.cached_tokens == len(append) - 1  # the whole prompt but the token that gives the logits
+    edited = append[:-9] + tuple(_ids(7, 4))
+    edit = _turn(eng, m, "a", edited, regen.blocks, boundaries=(len(append) - 9,))
+    assert edit.cached_tokens == len(append) - 9  # everything before the edited message
+    other = _turn(eng, m, "b", system + _ids(12, 5))
+    assert other.cached_tokens == 40  # the shared system prompt
+
+
+def test_a_batch_of_agents_of_different_lengths_each_equals_its_fresh_prefill(model):
+    _, m = model
+    eng = _engine(m)
+    prompts = {f"r{i}": _ids(n, 10 + i) for i, n in enumerate((9, 37, 70))}
+    for agent, ids in prompts.items():
+        eng.submit(Request(agent, ids, 5 + len(ids) % 4), None)
+    done = list(eng.step())
+    assert len(done) == 3
+    for d in done:
+        _assert_fresh(m, d)
+    # again, each from its own snapshot, all three in one batch
+    for d in done:
+        eng.submit(Request(d.agent_id, d.request.ids + tuple(d.token_ids) + (7, 8, 9), 6), d.blocks)
+    again = list(eng.step())
+    for d in again:
+        assert d.cached_tokens == d.history_tokens - 3
+        _assert_fresh(m, d)
+
+
+def test_a_sampled_neighbour_changes_nothing_for_a_greedy_sequence(model):
+    from semantic.sampling import SamplingParams
+
+    _, m = model
+    eng = _engine(m)
+    greedy = _ids(30, 20)
+    eng.submit(Request("g", greedy, 8), None)
+    eng.submit(Request("s", _ids(21, 21), 8, sampling=SamplingParams(temperature=1.0, seed=3)), None)
+    done = {d.agent_id: d for d in eng.step()}
+    _assert_fresh(m, done["g"])
+
+
+def test_a_stored_snapshot_is_a_copy_that_later_decoding_never_changes(model):
+    _, m = model
+    eng = _engine(m)
+    first = _turn(eng, m, "a", _ids(30, 30), n=4)
+    before = {b.block_id: [np.array(x) for kv in b.layer_data.values() for side in kv
+                           for x in (side if isinstance(side, tuple) else (side,))]
+              for blocks in first.blocks.groups.values() for b in blocks}
+    for _ in range(2):  # two more turns decode from (rebuilt copies of) it
+        _turn(eng, m, "a", first.request.ids + tuple(first.token_ids) + (3, 4), first.blocks, n=8)
+    for blocks in first.blocks.groups.values():
+        for b in blocks:
+            after = [np.array(x) for kv in b.layer_data.values() for side in kv
+                     for x in (side if isinstance(side, tuple) else (side,))]
+            assert all(np.array_equal(x, y) for x, y in zip(before[b.block_id], after))
+
+
+def test_a_cancelled_turn_keeps_a_cache_that_continues_exactly(model):
+    _, m = model
+    eng = _engine(m)
+    ids = _ids(25, 40)
+    uid = eng.submit(Request("a", ids, 50), None)
+    for _ in range(4):
+        eng.step_once()
+    cut = eng.cancel(uid)
+    assert cut.finish_reason == "cancelled" and cut.blocks is not None
+    held = cut.blocks.total_tokens
+    assert held == len(ids) + len(cut.token_ids) - 1  # the newest token was never fed
+    nxt = tuple(ids) + tuple(cut.token_ids) + (5,)
+    done = _turn(eng, m, "a", nxt, cut.blocks)
+    assert done.cached_tokens == held
+
+
+def test_speculation_is_off_for_recurrent_models_and_on_for_windows():
+    on = SpecConfig()
+    assert _engine(tiny_lfm2(), speculation=on).speculation_off is not None
+    eng = _engine(tiny_gpt_oss(), speculation=on)
+    assert eng.speculation_off is None and eng._loop.speculation is on
+
+
+def test_snapshot_points_stop_at_boundaries_the_last_token_but_one_and_a_grid():
+    spec = ModelCacheSpec.from_model(tiny_lfm2())
+    pts = Points(spec, BT)
+    assert pts.exact and pts.interval == BT  # a state smaller than a block of KV: every block
+    assert pts.stops(0, 40, (21,)) == [16, 21, 32, 39]
+    assert pts.stops(20, 40, (21,)) == [21, 32, 39]
+    glob = Points(ModelCacheSpec.from_model(tiny_qwen3_next()), 4)
+    assert glob.interval > 4  # a state bigger than a block of KV: a sparser grid
+
+
+def test_a_rebuilt_full_window_never_writes_into_the_pooled_blocks_it_came_from():
+    # a rotating cache at its full window writes its first decoded token into its buffer in place:
+    # the buffer must be a new object, never the array a pooled block holds
+    from tests.tiny_models import tiny_gemma3
+
+    m = tiny_gemma3(window=8)
+    spec = ModelCacheSpec.from_model(m)
+    eng = BlockPoolBatchEngine(m, byte_tokenizer(), BlockPool(spec, 400, block_tokens=8), spec, stop_tokens=[])
+    ids = _ids(24, 50)
+    first = _turn(eng, m, "a", ids, n=1)
+    snap = {b.block_id: [np.array(x) for kv in b.layer_data.values() for x in kv]
+            for blocks in first.blocks.groups.values() for b in blocks}
+    for extra in ((3, 4), (5, 6)):
+        _turn(eng, m, "a", tuple(ids) + tuple(first.token_ids) + extra, first.blocks, n=6)
+    for blocks in first.blocks.groups.values():
+        for b in blocks:
+            assert all(np.array_equal(x, np.array(y)) for x, y in
+                       zip(snap[b.block_id], [y for kv in b.layer_data.values() for y in kv]))
