@@ -221,6 +221,11 @@ class BlockPoolBatchEngine:
         return loop.spec_steps, loop.drafted, loop.accepted
 
     @property
+    def speculating(self) -> bool:
+        """Whether greedy sequences may draft (on, and no recurrent layer: see ``speculation_off``)."""
+        return self._loop.speculation is not None
+
+    @property
     def prefill_chunk(self) -> int:
         """Prompt tokens a step feeds while nothing decodes: what a lone turn's prefill steps by."""
         return self._loop.budget.tokens(False)

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from semantic import compat, constraint, defaults, errors, roles, toolformat
+from semantic import compat, constraint, defaults, errors, roles, snapshot, toolformat
 from semantic.blockplan import salt_root_of
 from semantic.boundaries import message_boundaries
 from semantic.engine import vocab_size
@@ -141,6 +141,8 @@ class ServiceStats:
     spec_drafted: int = 0    # ... the tokens drafted in them ...
     spec_accepted: int = 0   # ... and those the model agreed with: each saved one decode step
     remote: dict | None = None  # the shared tier's counters (``RemoteTier.stats``), when there is one
+    spec_off: str | None = None  # why speculation cannot run on this model (recurrent layers), None: it can
+    cache_kinds: tuple[str, ...] = ()  # the model's layer kinds (global, sliding, recurrent)
 
 
 class Service:
@@ -208,7 +210,10 @@ class Service:
         fingerprint = model_fingerprint(path)
         loaded, tokenizer = mlx_lm.load(str(path))
         spec = ModelCacheSpec.from_model(loaded)
-        block_bytes = spec.token_bytes() * block_tokens
+        # a recurrent state is one pool slot but many blocks' bytes: charge each block its share of the
+        # snapshots a prefill leaves (one per grid interval), so the pool stays within pool_bytes
+        grid = snapshot.Points(spec, block_tokens).interval // block_tokens
+        block_bytes = spec.token_bytes() * block_tokens + spec.state_bytes() / grid
         total = int(pool_bytes // block_bytes)
         if total < 4:
             raise ValueError(f"a pool of {pool_bytes} bytes holds {total} blocks of {block_bytes:.0f} bytes: raise it")
@@ -413,7 +418,14 @@ class Service:
             cache_dir=str(self.store.dir), echo_spliced=self.echo.spliced, echo_rendered=self.echo.rendered,
             spec_steps=steps, spec_drafted=drafted, spec_accepted=accepted,
             remote=self.store.remote.stats() if self.store.remote is not None else None,
+            spec_off=self.scheduler.engine.speculation_off,
+            cache_kinds=tuple(sorted({l.kind for l in self.store.spec.layers})),
         )
+
+    @property
+    def speculating(self) -> bool:
+        """Whether greedy turns may draft tokens (on, and the model can take rejected drafts back)."""
+        return self.scheduler.engine.speculating
 
     def agents(self, tenant: str | None = None, limit: int = 200) -> list[AgentInfo]:
         """Named agents on disk or in RAM (of ``tenant`` only, when given), most recently used first."""

@@ -78,6 +78,10 @@ class Backend:
         self._generated = 0
 
     @classmethod
+
+    def model_info(self) -> tuple[list[str], bool]:
+        """The model's layer kinds (global, sliding, recurrent) and whether greedy turns may draft."""
+        return sorted({l.kind for l in self.service.store.spec.layers}), self.service.speculating
     def from_model(cls, model: str, *, model_id: str | None = None, sync_saves: bool = False, **opening) -> "Backend":
         """Open ``model`` (``Service.open`` with ``opening``: cache_dir, the budgets, the scheduler's knobs)."""
         service = Service.open(model, **opening)
@@ -227,7 +231,10 @@ class Backend:
             # an agent's echoed reply: its generated ids, or rendered again (an edit, a restart, another client)
             "echo": {"spliced": st.echo_spliced, "rendered": st.echo_rendered},
             # prompt-lookup drafts: each accepted token is one decode step saved
-            "speculation": {"steps": st.spec_steps, "drafted": st.spec_drafted, "accepted": st.spec_accepted},
+            # off_reason: why this model never drafts (recurrent layers cannot take rejected drafts back)
+            "speculation": {"steps": st.spec_steps, "drafted": st.spec_drafted, "accepted": st.spec_accepted,
+                            "off_reason": st.spec_off},
+            "cache_kinds": list(st.cache_kinds),
             # the tier shared with other servers (--remote): hits, misses, bytes, verification failures, latency
             "remote": st.remote,
             "evictions": s.evictions + store.disk_evictions,

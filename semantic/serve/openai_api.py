@@ -284,13 +284,18 @@ async def list_models(request: Request, state: ServeState = Depends(serve_state)
         mid = state.backend.model_id
         return JSONResponse({"data": [{"type": "model", "id": mid, "display_name": mid, "created_at": created}],
                              "has_more": False, "first_id": mid, "last_id": mid})
-    return _json(oa.ModelList(data=[oa.Model(id=state.backend.model_id, created=state.started)]))
+    return _json(oa.ModelList(data=[_model(state, state.backend.model_id)]))
 
 
 @router.get("/v1/models/{model:path}")
 async def get_model(model: str, state: ServeState = Depends(serve_state)) -> Response:
     check_model(state, model)
-    return _json(oa.Model(id=model, created=state.started))
+    return _json(_model(state, model))
+
+
+def _model(state: ServeState, model_id: str) -> oa.Model:
+    kinds, speculating = state.backend.model_info()
+    return oa.Model(id=model_id, created=state.started, cache_kinds=kinds, speculation=speculating)
 
 
 @router.get("/health")

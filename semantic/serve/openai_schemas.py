@@ -252,6 +252,8 @@ class Model(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "semantic"
+    cache_kinds: list[str] | None = None  # the model's layer kinds: global, sliding, recurrent
+    speculation: bool | None = None       # whether greedy turns may draft (off for recurrent layers)
 
 
 class ModelList(BaseModel):
