@@ -9,6 +9,7 @@ detected by feature, not by version string:
     | meta_state / from_state  | strings / (state, meta)      | none / (state)                 |
     | presence/frequency pen.  | not in make_logits_processors| make_logits_processors         |
     | model path of a hub id   | utils._download              | utils._download                |
+    | recurrent state          | ArraysCache, MambaCache(2)   | ArraysCache (state + padding)  |
 
 Everything above this module speaks :class:`LayerState`, which is the same
 under both versions.
@@ -101,7 +102,7 @@ def read_arrays(cache: Any) -> tuple:
     writes into its cache's arrays in place never changes what was read. Only the
     arrays are read: ``left_padding``/``lengths`` are a batch's bookkeeping, and the
     ``state`` property's layout differs between versions."""
-    if type(cache).__name__ != ARRAYS:
+    if not is_arrays(cache):
         raise UnsupportedCacheError(f"not an {ARRAYS}: {type(cache).__name__}")
     if any(a is None for a in cache.cache):
         missing = [i for i, a in enumerate(cache.cache) if a is None]
@@ -109,10 +110,22 @@ def read_arrays(cache: Any) -> tuple:
     return tuple(mx.contiguous(a[...]) for a in cache.cache)
 
 
+def is_arrays(cache: Any) -> bool:
+    """Whether ``cache`` is a recurrent state (0.30.4's ``MambaCache`` is an ``ArraysCache`` too)."""
+    return isinstance(cache, C.ArraysCache)
+
+
+def new_arrays(n: int) -> Any:
+    """An empty recurrent cache of ``n`` arrays, of the class the models of this mlx-lm make:
+    0.30.4's Mamba-style layers test for ``MambaCache`` (two arrays), 0.32 has only ``ArraysCache``."""
+    mamba = getattr(C, "MambaCache", None)
+    return mamba() if mamba is not None and n == 2 else C.ArraysCache(n)
+
+
 def build_arrays(arrays: Sequence) -> Any:
-    """A fresh ``ArraysCache`` holding new array objects over ``arrays`` (never the
+    """A fresh recurrent cache holding new array objects over ``arrays`` (never the
     caller's own: a stored snapshot stays as it was while the cache runs on)."""
-    cache = C.ArraysCache(len(arrays))
+    cache = new_arrays(len(arrays))
     cache.cache = [a[...] for a in arrays]
     return cache
 
@@ -120,7 +133,7 @@ def build_arrays(arrays: Sequence) -> Any:
 def cache_offset(caches: Sequence) -> int | None:
     """How many tokens a model's caches hold, from its first positional layer (None: all are recurrent)."""
     for c in caches:
-        if type(c).__name__ != ARRAYS:
+        if not is_arrays(c):
             return int(c.offset) if not isinstance(c.offset, mx.array) else int(c.offset.item())
     return None
 
@@ -241,7 +254,7 @@ if HAS_META_STATE and hasattr(C, "BatchRotatingKVCache"):
 
 def cache_arrays(cache: Any) -> list:
     """The arrays a live cache holds (what to ``mx.eval`` after a forward pass)."""
-    if type(cache).__name__ == ARRAYS:
+    if is_arrays(cache):
         return [a for a in cache.cache if a is not None]
     out = []
     for x in (cache.keys, cache.values):
@@ -262,7 +275,7 @@ def merge_caches(per_sequence: Sequence[list]) -> list:
 
     merged = []
     for layer in zip(*per_sequence):
-        kind = type(layer[0]).__name__
+        kind = ARRAYS if is_arrays(layer[0]) else type(layer[0]).__name__
         if kind == ROTATING:
             merged.append(C.BatchRotatingKVCache.merge([build_layer(temporal_rotating(read_layer(c))) for c in layer]))
         elif kind == QUANTIZED:
@@ -271,7 +284,8 @@ def merge_caches(per_sequence: Sequence[list]) -> list:
             merged.append(C.BatchKVCache.merge(list(layer)))
         elif kind == ARRAYS:
             # one decode token per row and no padding: the state needs no mask
-            merged.append(C.ArraysCache.merge(list(layer)))
+            batch = C.ArraysCache.merge(list(layer))
+            merged.append(build_arrays(batch.cache) if len(batch.cache) == 2 else batch)
         else:
             raise UnsupportedCacheError(f"cannot batch a {kind}")
     return merged

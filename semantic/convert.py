@@ -86,7 +86,7 @@ def _read(spec: ModelCacheSpec, caches: Sequence, total: int) -> list:
     states = []
     for i, (c, layer) in enumerate(zip(caches, spec.layers)):
         if layer.kind == RECURRENT:
-            if type(c).__name__ != compat.ARRAYS:
+            if not compat.is_arrays(c):
                 raise CacheMismatchError(f"layer {i} is a {type(c).__name__}; the spec says {compat.ARRAYS}")
             arrays = compat.read_arrays(c) if total else ()
             if total:

@@ -179,7 +179,7 @@ class LayerSpec:
 
     def make_cache(self):
         if self.kind == RECURRENT:
-            return C.ArraysCache(len(self.arrays))
+            return compat.new_arrays(len(self.arrays))
         if self.kind == SLIDING:
             return C.RotatingKVCache(max_size=self.window, keep=self.keep)
         if self.kv_bits:
@@ -280,7 +280,7 @@ class ModelCacheSpec:
         mx.eval(model(mx.array([[0]]), cache=caches))
         layers = []
         for c in caches:
-            if type(c).__name__ == compat.ARRAYS:
+            if compat.is_arrays(c):
                 arrays = compat.read_arrays(c)
                 dims = tuple((tuple(a.shape[1:]), _dtype_name(a.dtype)) for a in arrays)
                 layers.append(LayerSpec(RECURRENT, 0, 0, 0, _dtype_name(arrays[0].dtype), arrays=dims))
