@@ -130,9 +130,37 @@ def build_arrays(arrays: Sequence) -> Any:
     return cache
 
 
+def flatten(caches: Sequence) -> tuple[list, tuple[int, ...]]:
+    """A model's caches as leaves, and their nesting (``ModelCacheSpec.nesting``: () when flat)."""
+    leaves, nesting = [], []
+    for c in caches:
+        if isinstance(c, C.CacheList):
+            kids, inner = flatten(c.caches)
+            if any(inner):
+                raise UnsupportedCacheError("a CacheList inside a CacheList")
+            leaves.extend(kids)
+            nesting.append(len(kids))
+        else:
+            leaves.append(c)
+            nesting.append(0)
+    return leaves, tuple(nesting) if any(nesting) else ()
+
+
+def nest(leaves: Sequence, nesting: Sequence[int]) -> list:
+    """The model's cache list from its leaves (the inverse of :func:`flatten`)."""
+    if not nesting:
+        return list(leaves)
+    out, i = [], 0
+    for k in nesting:
+        out.append(C.CacheList(*leaves[i : i + k]) if k else leaves[i])
+        i += max(k, 1)
+    assert i == len(leaves), (i, len(leaves))
+    return out
+
+
 def cache_offset(caches: Sequence) -> int | None:
     """How many tokens a model's caches hold, from its first positional layer (None: all are recurrent)."""
-    for c in caches:
+    for c in flatten(caches)[0]:
         if not is_arrays(c):
             return int(c.offset) if not isinstance(c.offset, mx.array) else int(c.offset.item())
     return None
@@ -254,6 +282,8 @@ if HAS_META_STATE and hasattr(C, "BatchRotatingKVCache"):
 
 def cache_arrays(cache: Any) -> list:
     """The arrays a live cache holds (what to ``mx.eval`` after a forward pass)."""
+    if isinstance(cache, C.CacheList):
+        return [a for c in cache.caches for a in cache_arrays(c)]
     if is_arrays(cache):
         return [a for a in cache.cache if a is not None]
     out = []
@@ -275,6 +305,10 @@ def merge_caches(per_sequence: Sequence[list]) -> list:
 
     merged = []
     for layer in zip(*per_sequence):
+        if isinstance(layer[0], C.CacheList):  # each child batched as a layer of its own
+            kids = merge_caches([c.caches for c in layer])
+            merged.append(C.CacheList(*kids))
+            continue
         kind = ARRAYS if is_arrays(layer[0]) else type(layer[0]).__name__
         if kind == ROTATING:
             merged.append(C.BatchRotatingKVCache.merge([build_layer(temporal_rotating(read_layer(c))) for c in layer]))

@@ -81,6 +81,9 @@ def _check_arrays(i: int, layer: LayerSpec, arrays) -> None:
 
 def _read(spec: ModelCacheSpec, caches: Sequence, total: int) -> list:
     """Each layer's :class:`compat.LayerState`, or a recurrent layer's arrays."""
+    caches, nesting = compat.flatten(caches)
+    if nesting != spec.nesting:
+        raise CacheMismatchError(f"caches nest as {nesting}; the spec says {spec.nesting}")
     if len(caches) != spec.n_layers:
         raise CacheMismatchError(f"{len(caches)} layer caches for a spec of {spec.n_layers} layers")
     states = []
@@ -274,7 +277,7 @@ def reconstruct(blocks: AgentBlocks, materialize: bool = True, upto: int | None 
         caches.append(compat.build_layer(layer.cache_state(k, v, total, held)))
     if materialize:
         mx.eval([compat.cache_arrays(c) for c in caches if not c.empty()])
-    return caches
+    return compat.nest(caches, spec.nesting)
 
 
 def _from_snapshot(i: int, layer: LayerSpec, data, total: int, held: int):

@@ -360,8 +360,11 @@ class BlockPoolBatchEngine:
 
 
 def vocab_size(model) -> int:
-    """The model's vocabulary size (its config's, else its embedding's rows)."""
+    """The model's vocabulary size: its config's (a multimodal wrapper's text config's), else the
+    width of its logits for one token."""
     args = getattr(model, "args", None)
-    if args is not None and getattr(args, "vocab_size", None):
-        return int(args.vocab_size)
-    return int(model.model.embed_tokens.weight.shape[0])
+    for where in (args, getattr(args, "text_config", None)):
+        n = where.get("vocab_size") if isinstance(where, dict) else getattr(where, "vocab_size", None)
+        if n:
+            return int(n)
+    return int(model(mx.array([[0]])).shape[-1])

@@ -36,7 +36,7 @@ from semantic.batchquant import BatchQuantizedKVCache
 
 def prepare(batch: list) -> None:
     """Ready the caches for a step of several tokens per row: rotating rings in temporal order."""
-    for c in batch:
+    for c in _leaves(batch):
         if isinstance(c, C.BatchRotatingKVCache) and c.keys is not None:
             c._temporal_order()
 
@@ -47,11 +47,16 @@ def rewind(batch: list, drop: Sequence[int]) -> None:
         return
     common = min(drop)
     extra = [d - common for d in drop]
-    for c in batch:
+    for c in _leaves(batch):
         if common:
             _trim_all(c, common)
         if any(extra):
             _shift_rows(c, extra)
+
+
+def _leaves(batch: list) -> list:
+    """The batch caches, a ``CacheList``'s children in its place."""
+    return [leaf for c in batch for leaf in (c.caches if isinstance(c, C.CacheList) else (c,))]
 
 
 def _trim_all(c, n: int) -> None:

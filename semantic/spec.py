@@ -59,7 +59,8 @@ class LayerSpec:
         if self.arrays:
             raise ValueError("only a recurrent layer has state arrays")
         object.__setattr__(self, "arrays", ())  # a list from JSON compares unequal to ()
-        if min(self.n_kv_heads, self.head_dim, self.v_head_dim) <= 0:
+        # values may be zero-wide (deepseek_v32's indexer cache keeps keys only)
+        if min(self.n_kv_heads, self.head_dim) <= 0 or self.v_head_dim < 0:
             raise ValueError(f"heads and head dims must be positive: {self}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
@@ -189,14 +190,28 @@ class LayerSpec:
 
 @dataclass(frozen=True, slots=True)
 class ModelCacheSpec:
-    """The per-layer cache geometry of one model (see :class:`LayerSpec`)."""
+    """The per-layer cache geometry of one model (see :class:`LayerSpec`).
+
+    ``layers`` are the leaf caches. A model whose cache list nests (mlx-lm's
+    ``CacheList``: falcon_h1's recurrent state beside its attention in one
+    layer, deepseek_v32's latent and indexer caches) says how in ``nesting``,
+    one entry per model cache: 0 a leaf, ``k`` a ``CacheList`` of the next ``k``::
+
+        model caches   [ CacheList(Arrays, KV), CacheList(Arrays, KV) ]
+        nesting        (2, 2)
+        layers         [ recurrent, global, recurrent, global ]
+    """
 
     layers: tuple[LayerSpec, ...]
+    nesting: tuple[int, ...] = ()  # () : every model cache is one leaf
 
     def __post_init__(self):
         if not self.layers:
             raise ValueError("a cache spec needs at least one layer")
         object.__setattr__(self, "layers", tuple(self.layers))
+        object.__setattr__(self, "nesting", tuple(int(k) for k in self.nesting))
+        if self.nesting and (sum(max(k, 1) for k in self.nesting) != len(self.layers) or min(self.nesting) < 0):
+            raise ValueError(f"nesting {self.nesting} does not cover {len(self.layers)} layers")
 
     @property
     def n_layers(self) -> int:
@@ -233,7 +248,7 @@ class ModelCacheSpec:
 
     def make_cache(self) -> list:
         """Fresh, empty mlx-lm cache objects, one per layer."""
-        return [l.make_cache() for l in self.layers]
+        return compat.nest([l.make_cache() for l in self.layers], self.nesting)
 
     def token_bytes(self) -> float:
         return sum(l.token_bytes() for l in self.layers)
@@ -247,12 +262,15 @@ class ModelCacheSpec:
         return any(l.kind == RECURRENT for l in self.layers)
 
     def to_dict(self) -> dict:
-        return {"layers": [l.to_dict() for l in self.layers]}
+        out = {"layers": [l.to_dict() for l in self.layers]}
+        if self.nesting:  # only when there is any, so flat specs read and hash as before
+            out["nesting"] = list(self.nesting)
+        return out
 
     @classmethod
     def from_dict(cls, data: dict) -> "ModelCacheSpec":
         try:
-            return cls(tuple(LayerSpec(**l) for l in data["layers"]))
+            return cls(tuple(LayerSpec(**l) for l in data["layers"]), tuple(data.get("nesting", ())))
         except (KeyError, TypeError) as exc:
             raise CacheMismatchError(f"not a cache spec: {exc}") from exc
 
@@ -278,6 +296,7 @@ class ModelCacheSpec:
         """
         caches = model.make_cache() if hasattr(model, "make_cache") else [C.KVCache() for _ in model.layers]
         mx.eval(model(mx.array([[0]]), cache=caches))
+        caches, nesting = compat.flatten(caches)
         layers = []
         for c in caches:
             if compat.is_arrays(c):
@@ -295,7 +314,7 @@ class ModelCacheSpec:
                 layers.append(LayerSpec(GLOBAL, **common, **q))
             else:
                 raise UnsupportedCacheError(f"unexpected {st.kind} from make_cache")
-        return cls(tuple(layers))
+        return cls(tuple(layers), nesting)
 
     @classmethod
     def from_config(cls, config: dict[str, Any], dtype: str | None = None) -> "ModelCacheSpec":
