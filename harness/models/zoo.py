@@ -35,6 +35,12 @@ HYBRIDS = ["qwen3_next", "qwen3_5", "qwen3_5_moe", "lfm2", "lfm2_moe", "nemotron
            "baichuan_m1", "bailing_moe_linear", "bailing_hybrid", "olmo_hybrid", "kimi_k3"]
 
 
+# non-hybrid types whose caches are worth spelling out: sliding/chunked/shared KV, MLA, CacheList, loops
+OTHER_DETAIL = ["gpt_oss", "gemma4_text", "gemma3n", "gemma3_text", "llama4", "deepseek_v3", "kimi_k25",
+                "glm4_moe_lite", "deepseek_v32", "glm_moe_dsa", "longcat_flash", "longcat_flash_ngram",
+                "minimax_m3_vl", "iquestloopcoder", "nemotron-nas", "afm7", "minimax", "glm4_moe"]
+
+
 def model_types() -> list[str]:
     """Every model module mlx-lm ships (its file names), helpers left out."""
     import mlx_lm.models as models
@@ -179,6 +185,9 @@ def describe_cache(c) -> dict:
         d["arrays"] = [None if a is None else f"{tuple(a.shape)}:{str(a.dtype).split('.')[-1]}" for a in c.cache]
     if getattr(c, "max_size", None) is not None:
         d["max_size"] = c.max_size
+    if getattr(c, "keys", None) is not None and hasattr(c.keys, "shape"):  # KV buffers (MLA: latent dims)
+        d["kv"] = [f"{tuple(a.shape)}:{str(a.dtype).split('.')[-1]}" for a in (c.keys, c.values) if a is not None]
+        d["offset"] = getattr(c, "offset", None)
     return d
 
 
@@ -294,8 +303,37 @@ def main(argv=None) -> int:
             print(f"{mt:24s} {'ok' if p['ok'] else 'FAIL':4s} {cache_summary(p)[:70]:70s} "
                   f"{p.get('n_caches', '-')}/{p.get('n_layers', '-')} {p.get('err', '')[:100]}", flush=True)
     if md:
-        Path(md).write_text(summary(rows) + "\n\n" + table(rows) + "\n")
+        Path(md).write_text(summary(rows) + "\n\n" + table(rows) + "\n\n" + hybrid_details(rows) + "\n")
     return 0
+
+
+def hybrid_details(rows: list[dict]) -> str:
+    """Per-cache detail for the hybrid / recurrent types: class, ArraysCache array shapes after the prompt."""
+    out = ["## Cache detail (hybrids first): after a 20-token prompt and 3 decode steps", "",
+           "ArraysCache arrays are listed as shape:dtype (batch 1); `None` = an entry never written.", ""]
+    by = {p["type"]: p for p in rows}
+    for mt in HYBRIDS + OTHER_DETAIL:
+        p = by.get(mt)
+        if p is None:
+            continue
+        out.append(f"- **{mt}** ({p.get('n_caches', '-')} caches / {p.get('n_layers', '-')} layers)"
+                   + ("" if p["ok"] else f": FAIL {p.get('err')}"))
+        for i, c in enumerate(p.get("caches", [])):
+            out.append(f"  - [{i}] {_detail(c)}")
+    return "\n".join(out)
+
+
+def _detail(d: dict) -> str:
+    s = d["kind"]
+    if "children" in d:
+        s += "(" + ", ".join(_detail(x) for x in d["children"]) + ")"
+    if "arrays" in d:
+        s += "[" + ", ".join(str(a) for a in d["arrays"]) + "]"
+    if "max_size" in d:
+        s += f" max_size={d['max_size']}"
+    if "kv" in d:
+        s += f" keys/values {' '.join(d['kv'])} offset={d['offset']}"
+    return s
 
 
 def summary(rows: list[dict]) -> str:

@@ -139,6 +139,8 @@ OVERRIDES: dict[str, dict] = {
                                "no_rope_layers": [1, 1, 1, 0], "rope_scaling": None}},
     "llama4_text": {**L4, "intermediate_size_mlp": 128, "no_rope_layers": [1, 1, 1, 0], "use_qk_norm": True,
                     "attention_chunk_size": 8, "num_local_experts": 4, "num_experts_per_tok": 1},
+    "plamo3": {**L4, "sliding_window": 8, "sliding_window_pattern": 2},
+    "muse_glimmer": {**L4, "sliding_window": 8},
     "cohere2": {**L4, "sliding_window": 8, "sliding_window_pattern": 2},
     "exaone4": {**L4, "sliding_window": 8, "sliding_window_pattern": "LLLG", "rope_scaling": None,
                 "layer_types": [SW, SW, SW, FA]},  # transformers' Exaone4Config reads the pattern as int
