@@ -38,7 +38,7 @@ HYBRIDS = ["qwen3_next", "qwen3_5", "qwen3_5_moe", "lfm2", "lfm2_moe", "nemotron
 # non-hybrid types whose caches are worth spelling out: sliding/chunked/shared KV, MLA, CacheList, loops
 OTHER_DETAIL = ["gpt_oss", "gemma4_text", "gemma3n", "gemma3_text", "llama4", "deepseek_v3", "kimi_k25",
                 "glm4_moe_lite", "deepseek_v32", "glm_moe_dsa", "longcat_flash", "longcat_flash_ngram",
-                "minimax_m3_vl", "iquestloopcoder", "nemotron-nas", "afm7", "minimax", "glm4_moe"]
+                "minimax_m3_vl", "deepseek_v41", "iquestloopcoder", "nemotron-nas", "afm7", "minimax", "glm4_moe"]
 
 
 def model_types() -> list[str]:
@@ -140,23 +140,12 @@ def _same(a: dict, b: dict) -> bool:
         for k in a)
 
 
-def saved_weights(model, model_type: str) -> dict:
-    """The weights to save: the model's own parameters when its ``sanitize`` passes them through
-    unchanged (checked here); else what :data:`UNSANITIZE` maps them to for ``sanitize`` to undo."""
-    weights = dict(tree_flatten(model.parameters()))
-    if model_type in UNSANITIZE:
-        weights = UNSANITIZE[model_type](dict(weights))
-    return weights
-
-
-def _unshift_norms(suffixes):
-    """For a ``sanitize`` that adds 1 to norm weights of HF checkpoints: save ``w - 1``."""
-    def fn(w):
-        return {k: (v - 1 if any(k.endswith(s) for s in suffixes) and v.ndim == 1 else v) for k, v in w.items()}
-    return fn
-
-
-UNSANITIZE: dict = {}
+def saved_weights(model) -> dict:
+    """The weights to save: the model's own parameters, in the layout ``mlx_lm.load`` expects after
+    ``sanitize``. Every type here passes them through its ``sanitize`` unchanged (``probe`` checks it
+    as ``weights_roundtrip``); baichuan_m1, whose ``sanitize`` renormalizes ``lm_head``, draws them
+    normalized (:data:`PREPARE`)."""
+    return dict(tree_flatten(model.parameters()))
 
 
 def write_tiny(model_type: str, path, seed: int = 0) -> Path:
@@ -167,12 +156,15 @@ def write_tiny(model_type: str, path, seed: int = 0) -> Path:
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     model, config = build(model_type, seed)
-    mx.save_safetensors(str(path / "model.safetensors"), saved_weights(model, model_type))
+    mx.save_safetensors(str(path / "model.safetensors"), saved_weights(model))
     (path / "config.json").write_text(json.dumps(config, indent=1))
     hf = byte_tokenizer()._tokenizer
     hf.chat_template = CHAT_TEMPLATE
     hf.save_pretrained(str(path))
     return path
+
+
+_KNOWN = {"KVCache", "RotatingKVCache", "ChunkedKVCache", "QuantizedKVCache", "ArraysCache", "CacheList"}
 
 
 def describe_cache(c) -> dict:
@@ -185,6 +177,12 @@ def describe_cache(c) -> dict:
         d["arrays"] = [None if a is None else f"{tuple(a.shape)}:{str(a.dtype).split('.')[-1]}" for a in c.cache]
     if getattr(c, "max_size", None) is not None:
         d["max_size"] = c.max_size
+    if name not in _KNOWN:  # a model's own cache class (deepseek_v41's LayerCache): its state's shapes
+        try:
+            d["state"] = [None if a is None else (f"{tuple(a.shape)}:{str(a.dtype).split('.')[-1]}"
+                                                  if hasattr(a, "shape") else repr(a)) for a in c.state]
+        except Exception:  # noqa: BLE001
+            pass
     if getattr(c, "keys", None) is not None and hasattr(c.keys, "shape"):  # KV buffers (MLA: latent dims)
         d["kv"] = [f"{tuple(a.shape)}:{str(a.dtype).split('.')[-1]}" for a in (c.keys, c.values) if a is not None]
         d["offset"] = getattr(c, "offset", None)
@@ -221,10 +219,8 @@ def probe(model_type: str, seed: int = 0, prompt_len: int = 20, decode: int = 3)
     try:
         with tempfile.TemporaryDirectory() as tmp:
             write_tiny(model_type, tmp, seed)
-            saved = dict(mx.load(str(Path(tmp) / "model.safetensors")))
             model, tok = mlx_lm.load(tmp)
         out["loads"] = True
-        model_cls, _ = type(model), None
         built, _ = build(model_type, seed)
         out["weights_roundtrip"] = _same(dict(tree_flatten(built.parameters())),
                                          dict(tree_flatten(model.parameters())))
@@ -331,6 +327,8 @@ def _detail(d: dict) -> str:
         s += "[" + ", ".join(str(a) for a in d["arrays"]) + "]"
     if "max_size" in d:
         s += f" max_size={d['max_size']}"
+    if "state" in d:
+        s += " state " + str(d["state"])
     if "kv" in d:
         s += f" keys/values {' '.join(d['kv'])} offset={d['offset']}"
     return s
