@@ -207,6 +207,22 @@ def _finite(logits) -> bool:
     return bool(mx.all(~mx.isnan(logits) & (logits < mx.inf))) and bool(mx.all(mx.isfinite(logits.max(-1))))
 
 
+def _persist_check(model, cache, logits) -> str:
+    """``save_prompt_cache`` then ``load_prompt_cache``: does the reloaded cache give the same next logits?"""
+    from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
+
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            f = str(Path(tmp) / "c.safetensors")
+            save_prompt_cache(f, cache)
+            loaded = load_prompt_cache(f)
+        nxt = mx.argmax(logits[:, -1:, :], axis=-1)
+        a, b = model(nxt, cache=cache), model(nxt, cache=loaded)
+        return "ok" if bool(mx.allclose(a, b, atol=1e-4, rtol=1e-4)) else "logits differ after reload"
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {str(e)[:100]}"
+
+
 def probe(model_type: str, seed: int = 0, prompt_len: int = 20, decode: int = 3) -> dict:
     """Load through ``mlx_lm.load``, run a ``prompt_len``-token prompt and ``decode`` steps with
     ``make_prompt_cache``, then ``stream_generate`` (what ``mlx_lm.server`` runs)."""
@@ -240,6 +256,7 @@ def probe(model_type: str, seed: int = 0, prompt_len: int = 20, decode: int = 3)
         out["n_caches"] = len(cache)
         out["caches"] = [describe_cache(c) for c in cache]
         out["offset"] = [getattr(c, "offset", None) for c in cache]
+        out["persist"] = _persist_check(model, cache, logits)
         try:
             toks = [r.token for r in stream_generate(model, tok, prompt[0].tolist(), max_tokens=4)]
             out["generate"] = f"ok {len(toks)} tok"
@@ -263,15 +280,15 @@ def cache_summary(p: dict) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| model type | loads+runs | caches | n caches / n layers | generate | note |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| model type | loads+runs | caches | n caches / n layers | generate | save/load_prompt_cache | note |",
+             "|---|---|---|---|---|---|---|"]
     for p in rows:
         note = p.get("err", "")
         if p.get("loads") and not p.get("weights_roundtrip", True):
             note = (note + "; " if note else "") + "weights changed by load"
         lines.append(f"| {p['type']} | {'yes' if p['ok'] else 'NO'} | {cache_summary(p)} | "
                      f"{p.get('n_caches', '-')}/{p.get('n_layers', '-')} | {p.get('generate', '-')} | "
-                     f"{note.replace('|', '/')} |")
+                     f"{p.get('persist', '-').replace('|', '/')} | {note.replace('|', '/')} |")
     return "\n".join(lines)
 
 
@@ -338,13 +355,17 @@ def summary(rows: list[dict]) -> str:
     ok = [p for p in rows if p["ok"]]
     bad = [p for p in rows if not p["ok"]]
     gen_bad = [p for p in ok if not p.get("generate", "").startswith("ok")]
+    persist_bad = [p for p in ok if p.get("persist") != "ok"]
     out = [f"# mlx-lm model zoo probe (mlx-lm {_mlx_lm_version()})", "",
            f"- types: {len(rows)}", f"- load and run with finite logits: {len(ok)}",
-           f"- fail: {len(bad)}", f"- run but stream_generate fails: {len(gen_bad)}", ""]
+           f"- fail: {len(bad)}", f"- run but stream_generate fails: {len(gen_bad)}",
+           f"- run but save_prompt_cache/load_prompt_cache round trip fails: {len(persist_bad)}", ""]
     for p in bad:
         out.append(f"- FAIL {p['type']}: {p.get('err', '?')}")
     for p in gen_bad:
         out.append(f"- GENERATE {p['type']}: {p.get('generate')}")
+    for p in persist_bad:
+        out.append(f"- PERSIST {p['type']}: {p.get('persist')}")
     return "\n".join(out)
 
 

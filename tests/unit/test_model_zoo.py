@@ -47,6 +47,7 @@ def test_hybrid_loads_through_mlx_lm_load_and_gives_finite_logits(probes, model_
     assert p["loads"] and p["finite"]
     assert p["weights_roundtrip"], "mlx_lm.load changed the weights write_tiny saved"
     assert p["generate"].startswith("ok"), p["generate"]
+    assert p["persist"] == "ok", p["persist"]  # save_prompt_cache + load_prompt_cache give the same next logits
     kinds = [k for c in p["caches"] for k in _kinds(c)]
     assert kinds.count("ArraysCache") >= 2, kinds
     if model_type not in RECURRENT_ONLY:
