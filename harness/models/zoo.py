@@ -366,6 +366,16 @@ def summary(rows: list[dict]) -> str:
         out.append(f"- GENERATE {p['type']}: {p.get('generate')}")
     for p in persist_bad:
         out.append(f"- PERSIST {p['type']}: {p.get('persist')}")
+    out += ["", "Cache-layout traps (found by this probe):", ""]
+    mismatch = [f"{p['type']} {p['n_caches']}/{p['n_layers']}" for p in ok
+                if p.get("n_layers") is not None and p["n_caches"] != p["n_layers"]]
+    out.append("- caches != layers: " + ", ".join(mismatch))
+    no_off = [p["type"] for p in ok if p.get("offset") and p["offset"][0] is None]
+    out.append("- cache[0] has no `offset` (ArraysCache / CacheList first): " + ", ".join(no_off))
+    own = sorted({f"{p['type']} ({c['kind']})" for p in ok for c in p["caches"] if c["kind"] not in _KNOWN})
+    out.append("- a model-own cache class, not from mlx_lm.models.cache: " + ", ".join(own))
+    neg = [p["type"] for p in ok if p.get("masked_neg_inf")]
+    out.append("- logits with -inf entries (masked ids): " + ", ".join(neg))
     return "\n".join(out)
 
 
