@@ -18,6 +18,7 @@ from tests.tiny_models import byte_tokenizer, tiny_gpt_oss, tiny_lfm2, tiny_qwen
 
 TOL = 1e-4
 BT = 16
+pytestmark = pytest.mark.compat
 MODELS = {"qwen3_next": tiny_qwen3_next, "lfm2": tiny_lfm2, "gpt_oss": tiny_gpt_oss}
 
 

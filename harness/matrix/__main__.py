@@ -1,0 +1,3 @@
+from harness.matrix.run import main
+
+main()

@@ -1,0 +1,88 @@
+"""``python -m harness.matrix [--short] [--types a,b] [--out DIR]``: the support matrix.
+
+Every model type ``harness.models.zoo`` builds is checked twice (``check.check``:
+with the echo, and with ``--no-echo-history``); the results go to
+``results/model-matrix/<mlx-lm version>.json`` and a markdown table that the
+README quotes. A type that cannot be served is a row with its reason, never a pass.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from importlib.metadata import version
+from pathlib import Path
+
+from harness.matrix.check import REUSE_TURNS, ModelResult, check
+
+# the short run in ``make test``: one of each cache kind that needs a snapshot, or shares KV
+SHORT = ("qwen3_next", "lfm2", "gpt_oss", "gemma4_text", "falcon_h1")
+
+
+def run(types: list[str], out: Path, workers: int = 1) -> list[ModelResult]:
+    results = []
+    for t in types:
+        with tempfile.TemporaryDirectory(prefix=f"matrix-{t}-") as tmp:
+            for echo in (True, False):
+                r = check(t, Path(tmp), echo=echo)
+                results.append(r)
+                print(_line(r), flush=True)
+    out.mkdir(parents=True, exist_ok=True)
+    doc = {"mlx_lm": version("mlx-lm"), "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+           "results": [r.to_json() for r in results]}
+    path = out / f"mlx-lm-{version('mlx-lm')}.json"
+    path.write_text(json.dumps(doc, indent=1))
+    (out / f"mlx-lm-{version('mlx-lm')}.md").write_text(table(results))
+    return results
+
+
+def _line(r: ModelResult) -> str:
+    if r.error:
+        return f"{r.model_type:26s} {'echo' if r.echo else 'no-echo':8s} NOT SUPPORTED: {r.error}"
+    cached = " ".join(f"{t.turn}={t.cached}/{t.history}{'' if t.exact and t.reused else '!'}" for t in r.turns)
+    return f"{r.model_type:26s} {'echo' if r.echo else 'no-echo':8s} {'PASS' if r.passed else 'FAIL'} {cached} ({r.seconds}s)"
+
+
+def table(results: list[ModelResult]) -> str:
+    """One row per model type: kinds, a verdict per check (echo / no echo), cached share per turn."""
+    by_type: dict[str, dict[bool, ModelResult]] = {}
+    for r in results:
+        by_type.setdefault(r.model_type, {})[r.echo] = r
+    passed = sum(all(r.passed for r in rs.values()) for rs in by_type.values())
+    head = ["model type", "cache kinds", "exact", *REUSE_TURNS, "batch", "no-echo"]
+    lines = [f"{passed} of {len(by_type)} model types pass every check (mlx-lm {version('mlx-lm')}).", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for t, rs in sorted(by_type.items()):
+        r = rs.get(True) or next(iter(rs.values()))
+        if r.error:
+            lines.append(f"| {t} | {', '.join(r.cache_kinds) or '-'} | not supported: {r.error} |" + " |" * (len(head) - 3))
+            continue
+        turns = {x.turn: x for x in r.turns}
+        cells = [t, ", ".join(r.cache_kinds), "yes" if all(x.exact for x in r.turns) else "**no**"]
+        for name in REUSE_TURNS:
+            x = turns.get(name)
+            cells.append("-" if x is None else f"{'' if x.reused else '**'}{x.cached / max(x.history, 1):.0%}"
+                                                f"{'' if x.reused else '**'}")
+        batch = [x for x in r.turns if x.turn.startswith("batch_")]
+        cells.append("yes" if batch and all(x.exact for x in batch) else "**no**")
+        ne = rs.get(False)
+        cells.append("-" if ne is None else "pass" if ne.passed else f"**fail**")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    from harness.models import zoo
+
+    p = argparse.ArgumentParser(prog="python -m harness.matrix")
+    p.add_argument("--short", action="store_true", help=f"only {', '.join(SHORT)}")
+    p.add_argument("--types", default="", help="comma-separated model types (default: all the zoo builds)")
+    p.add_argument("--out", default="results/model-matrix")
+    a = p.parse_args(argv)
+    types = [t for t in a.types.split(",") if t] or (list(SHORT) if a.short else zoo.model_types())
+    results = run(types, Path(a.out))
+    failed = [r for r in results if not r.passed and r.error is None]
+    print(f"{sum(r.passed for r in results)} of {len(results)} runs pass; {len(failed)} fail; "
+          f"{sum(r.error is not None for r in results)} not supported")
