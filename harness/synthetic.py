@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from semantic import BlockPool, ModelCacheSpec, compat, convert
+from semantic import BlockPool, ModelCacheSpec, convert, kinds
 
 SMOLLM2_135M = {
     "model_type": "llama",
@@ -41,7 +41,7 @@ def live_caches(spec: ModelCacheSpec, tokens: int, seed: int = 0) -> list:
         shape = (1, layer.n_kv_heads, held, layer.head_dim)
         k = mx.random.normal(shape, key=k1).astype(layer.mx_dtype)
         v = mx.random.normal(shape, key=k2).astype(layer.mx_dtype)
-        out.append(compat.build_layer(layer.cache_state(k, v, tokens, held)))
+        out.append(kinds.of(layer).build(i, layer, k, v, tokens, held))
         mx.eval(k, v)
     return out
 

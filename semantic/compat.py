@@ -36,6 +36,7 @@ HAS_META_STATE = hasattr(C._BaseCache, "meta_state")
 
 KV, ROTATING, QUANTIZED = "KVCache", "RotatingKVCache", "QuantizedKVCache"
 ARRAYS = "ArraysCache"  # recurrent state: n arrays, no token axis (read_arrays / build_arrays)
+CHUNKED = "ChunkedKVCache"  # llama4's chunked attention: ``idx`` is its start_position
 
 
 @dataclass(slots=True)
@@ -59,7 +60,7 @@ class LayerState:
     bits: int | None = None
 
     def __post_init__(self):
-        if self.kind not in (KV, ROTATING, QUANTIZED):
+        if self.kind not in (KV, ROTATING, QUANTIZED, CHUNKED):
             raise UnsupportedCacheError(f"unknown cache kind {self.kind!r}")
         if self.offset < 0:
             raise ValueError(f"offset must be >= 0, got {self.offset}")
@@ -82,10 +83,14 @@ def _buffer_len(x) -> int:
 def read_layer(cache: Any) -> LayerState:
     """Read a live mlx-lm cache object without copying its arrays."""
     kind = type(cache).__name__
-    if kind not in (KV, ROTATING, QUANTIZED):
-        raise UnsupportedCacheError(f"cannot extract a {kind}; supported: {KV}, {ROTATING}, {QUANTIZED}")
+    if kind not in (KV, ROTATING, QUANTIZED, CHUNKED):
+        raise UnsupportedCacheError(f"cannot extract a {kind}; supported: {KV}, {ROTATING}, {QUANTIZED}, {CHUNKED}")
     if cache.keys is None:
         return LayerState(kind, None, None, 0, **_meta(cache, kind, idx=0))
+    if kind == CHUNKED:  # the buffer holds [start_position, offset) from its front
+        valid = cache.offset - cache.start_position
+        return LayerState(kind, _trim(cache.keys, valid), _trim(cache.values, valid), int(cache.offset),
+                          max_size=int(cache.chunk_size), idx=int(cache.start_position))
     # Attributes are named alike in both versions; state differs, so read attributes.
     valid = cache.offset if kind != ROTATING else min(_buffer_len(cache.keys), cache.offset)
     return LayerState(
@@ -167,6 +172,8 @@ def cache_offset(caches: Sequence) -> int | None:
 
 
 def _meta(cache, kind: str, idx: int) -> dict:
+    if kind == CHUNKED:
+        return {"max_size": int(cache.chunk_size), "idx": idx}
     if kind == ROTATING:
         return {"keep": int(cache.keep), "max_size": int(cache.max_size), "idx": idx}
     if kind == QUANTIZED:
@@ -177,6 +184,12 @@ def _meta(cache, kind: str, idx: int) -> dict:
 def build_layer(state: LayerState) -> Any:
     """Rebuild the real mlx-lm cache object through its ``from_state``."""
     cls = getattr(C, state.kind)
+    if state.kind == CHUNKED:
+        obj = cls(state.max_size)
+        if state.keys is not None:  # attributes alike in both versions; the state tuple is not
+            obj.keys, obj.values = _new_object(state.keys), _new_object(state.values)
+            obj.offset, obj.start_position = state.offset, state.idx
+        return obj
     if state.keys is None:
         if state.kind == ROTATING:
             return cls(max_size=state.max_size, keep=state.keep)
@@ -276,7 +289,6 @@ def _rotating_extract_clamped(self, idx):
 if HAS_META_STATE and hasattr(C, "BatchRotatingKVCache"):
     C.BatchRotatingKVCache.extract = _rotating_extract_clamped
 
-
 # ---------------------------------------------------------------- batching (semantic.steploop)
 
 
@@ -291,38 +303,6 @@ def cache_arrays(cache: Any) -> list:
         if x is not None:
             out.extend(x if isinstance(x, (tuple, list)) else [x])
     return out
-
-
-def merge_caches(per_sequence: Sequence[list]) -> list:
-    """Per-layer batch caches from each sequence's single caches (left-padded rows).
-
-    Rotating caches are unrolled into temporal order first: 0.30.4's
-    ``BatchRotatingKVCache.merge`` fails on a ring longer than its window,
-    which a multi-token prefill leaves behind. Quantized layers use our
-    ``BatchQuantizedKVCache`` (mlx-lm has none).
-    """
-    from semantic.batchquant import BatchQuantizedKVCache
-
-    merged = []
-    for layer in zip(*per_sequence):
-        if isinstance(layer[0], C.CacheList):  # each child batched as a layer of its own
-            kids = merge_caches([c.caches for c in layer])
-            merged.append(C.CacheList(*kids))
-            continue
-        kind = ARRAYS if is_arrays(layer[0]) else type(layer[0]).__name__
-        if kind == ROTATING:
-            merged.append(C.BatchRotatingKVCache.merge([build_layer(temporal_rotating(read_layer(c))) for c in layer]))
-        elif kind == QUANTIZED:
-            merged.append(BatchQuantizedKVCache.merge(list(layer)))
-        elif kind == KV:
-            merged.append(C.BatchKVCache.merge(list(layer)))
-        elif kind == ARRAYS:
-            # one decode token per row and no padding: the state needs no mask
-            batch = C.ArraysCache.merge(list(layer))
-            merged.append(build_arrays(batch.cache) if len(batch.cache) == 2 else batch)
-        else:
-            raise UnsupportedCacheError(f"cannot batch a {kind}")
-    return merged
 
 
 def _quantized_sdpa_batched_mask(queries, q_keys, q_values, scale, mask, group_size=64, bits=8):

@@ -27,12 +27,12 @@ from typing import Sequence
 
 import mlx.core as mx
 
-from semantic import blockplan, compat
+from semantic import blockplan, compat, kinds
 from semantic.blocks import AgentBlocks, Segment, SegmentView, segment_runs
-from semantic.errors import CacheMismatchError, CacheShapeError
+from semantic.errors import CacheMismatchError
 from semantic.blockplan import PlannedBlock
 from semantic.pool import BlockPool
-from semantic.spec import RECURRENT, LayerSpec, ModelCacheSpec, spec_dtype
+from semantic.spec import RECURRENT, LayerSpec, ModelCacheSpec
 
 
 def _slice(x, a: int, b: int, copy: bool):
@@ -53,66 +53,19 @@ def _cat(parts: list):
 
 
 def _check_shape(i: int, layer: LayerSpec, x, n: int, what: str) -> None:
-    """Shape and dtype of K or V holding ``n`` tokens against the spec."""
-    dim = layer.head_dim if what == "keys" else layer.v_head_dim
-    if layer.kv_bits:
-        if not (isinstance(x, tuple) and len(x) == 3):
-            raise CacheShapeError(f"layer {i} {what}: a quantized layer needs (packed, scales, biases)")
-        side = (1, layer.n_kv_heads, n, dim // layer.kv_group_size)
-        want = [(1, layer.n_kv_heads, n, dim * layer.kv_bits // 32), side, side]
-        shapes = [tuple(p.shape) for p in x]
-        if shapes != want or x[1].dtype != layer.mx_dtype:
-            raise CacheShapeError(f"layer {i} {what}: shapes {shapes} / {x[1].dtype}, spec needs {want} / {layer.dtype}")
-        return
-    if isinstance(x, tuple) or tuple(x.shape) != (1, layer.n_kv_heads, n, dim) or x.dtype != layer.mx_dtype:
-        got = [p.shape for p in x] if isinstance(x, tuple) else (tuple(x.shape), x.dtype)
-        raise CacheShapeError(
-            f"layer {i} {what}: got {got}, spec needs {(1, layer.n_kv_heads, n, dim)} {layer.dtype}"
-        )
-
-
-def _check_arrays(i: int, layer: LayerSpec, arrays) -> None:
-    """A recurrent layer's arrays against the spec (one batch row)."""
-    got = [(tuple(a.shape), a.dtype) for a in arrays] if isinstance(arrays, tuple) else arrays
-    want = [((1, *shape), spec_dtype(dt)) for shape, dt in layer.arrays]
-    if got != want:
-        raise CacheShapeError(f"layer {i} state: got {got}, spec needs {want}")
+    """Shape and dtype of K or V holding ``n`` tokens against the spec (a positional kind)."""
+    kinds.of(layer).check_kv(i, layer, x, n, what)
 
 
 def _read(spec: ModelCacheSpec, caches: Sequence, total: int) -> list:
-    """Each layer's :class:`compat.LayerState`, or a recurrent layer's arrays."""
+    """Each leaf cache's held data, read and checked by its kind (``semantic.kinds``): a
+    :class:`compat.LayerState` in temporal order, or a recurrent layer's arrays."""
     caches, nesting = compat.flatten(caches)
     if nesting != spec.nesting:
         raise CacheMismatchError(f"caches nest as {nesting}; the spec says {spec.nesting}")
     if len(caches) != spec.n_layers:
         raise CacheMismatchError(f"{len(caches)} layer caches for a spec of {spec.n_layers} layers")
-    states = []
-    for i, (c, layer) in enumerate(zip(caches, spec.layers)):
-        if layer.kind == RECURRENT:
-            if not compat.is_arrays(c):
-                raise CacheMismatchError(f"layer {i} is a {type(c).__name__}; the spec says {compat.ARRAYS}")
-            arrays = compat.read_arrays(c) if total else ()
-            if total:
-                _check_arrays(i, layer, arrays)
-            states.append(arrays)
-            continue
-        st = compat.read_layer(c)
-        if st.kind != layer.cache_kind:
-            raise CacheMismatchError(f"layer {i} is a {st.kind}; the spec says {layer.cache_kind}")
-        if st.kind == compat.ROTATING:
-            if (st.max_size, st.keep) != (layer.window, layer.keep):
-                raise CacheMismatchError(
-                    f"layer {i} window/keep {st.max_size}/{st.keep} != spec {layer.window}/{layer.keep}"
-                )
-            st = compat.temporal_rotating(st)
-        if st.offset != total:
-            raise CacheMismatchError(f"layer {i} holds {st.offset} tokens but {total} token ids were given")
-        if total:
-            n = layer.tokens_held(total)
-            _check_shape(i, layer, st.keys, n, "keys")
-            _check_shape(i, layer, st.values, n, "values")
-        states.append(st)
-    return states
+    return [kinds.of(layer).read(i, layer, c, total) for i, (c, layer) in enumerate(zip(caches, spec.layers))]
 
 
 def extract(pool: BlockPool, caches: Sequence, token_ids: Sequence[int], release=None, salt_root: int | None = None) -> AgentBlocks:
@@ -138,7 +91,7 @@ def extract(pool: BlockPool, caches: Sequence, token_ids: Sequence[int], release
         first, last = planned.blocks[run[0]], planned.blocks[run[-1]]
         if first.snapshot:  # the group's whole cache at its end: a copy of every layer, no segment
             assert len(run) == 1 and first.end == len(tokens), (run, first)
-            data = {i: _snapshot_data(states[i]) for i in first.layers}
+            data = {i: kinds.of(spec.layers[i]).snapshot(states[i]) for i in first.layers}
             fresh.extend(data.values())
             views[run[0]] = (data, None)
             continue
@@ -157,18 +110,6 @@ def extract(pool: BlockPool, caches: Sequence, token_ids: Sequence[int], release
     mx.eval(fresh, [d for d, _ in views.values()])  # slices evaluate to views: no copy
     index = {id(p): i for i, p in enumerate(planned.blocks)}
     return blockplan.commit(pool, spec, tokens, planned, lambda p: views[index[id(p)]], release, salt_root)
-
-
-def _snapshot_data(state) -> tuple:
-    """A snapshot's layer data, copied: a recurrent layer's ``(arrays, ())`` (already
-    copies), a short window's whole temporal buffer as ``(keys, values)``."""
-    if isinstance(state, tuple):
-        return (state, ())
-    return _copy(state.keys), _copy(state.values)
-
-
-def _copy(x):
-    return tuple(mx.contiguous(p[...]) for p in x) if isinstance(x, tuple) else mx.contiguous(x[...])
 
 
 def _one_segment(pieces: list, layer: int):
@@ -256,14 +197,13 @@ def reconstruct(blocks: AgentBlocks, materialize: bool = True, upto: int | None 
         if not held:
             caches.append(layer.make_cache())
             continue
+        kind = kinds.of(layer)
         if layer.snapshot_only(blocks.block_tokens):
-            caches.append(_from_snapshot(i, layer, pieces[0][0].layer_data[i], total, held))
+            caches.append(kind.build(i, layer, *pieces[0][0].layer_data[i], total, held))
             continue
         run = _one_segment(pieces, i)
         if run is not None:
             k, v = run
-            _check_shape(i, layer, k, held, "keys")
-            _check_shape(i, layer, v, held, "values")
         else:
             keys, values = [], []
             for blk, s, e in pieces:
@@ -274,18 +214,7 @@ def reconstruct(blocks: AgentBlocks, materialize: bool = True, upto: int | None 
                 keys.append(_slice(bk, s, e, False))
                 values.append(_slice(bv, s, e, False))
             k, v = _cat(keys), _cat(values)
-        caches.append(compat.build_layer(layer.cache_state(k, v, total, held)))
+        caches.append(kind.build(i, layer, k, v, total, held))
     if materialize:
         mx.eval([compat.cache_arrays(c) for c in caches if not c.empty()])
     return compat.nest(caches, spec.nesting)
-
-
-def _from_snapshot(i: int, layer: LayerSpec, data, total: int, held: int):
-    """A layer's cache rebuilt from its snapshot after ``total`` tokens."""
-    first, second = data
-    if layer.kind == RECURRENT:
-        _check_arrays(i, layer, first)
-        return compat.build_arrays(first)
-    _check_shape(i, layer, first, held, "keys")
-    _check_shape(i, layer, second, held, "values")
-    return compat.build_layer(layer.cache_state(first, second, total, held))

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
 import mlx.core as mx
-from semantic import compat, convert, defaults, reuse, snapshot
+from semantic import compat, convert, defaults, kinds, reuse, snapshot
 from semantic.blocks import AgentBlocks
 from semantic.budget import StepBudget
 from semantic.constraint import Constraint
@@ -107,11 +107,16 @@ class BlockPoolBatchEngine:
         self._sliding = any(l.windowed for l in spec.layers)
         self._snapshots = snapshot.Points(spec, pool.block_tokens)
         self.snapshots = self._snapshots.exact  # whether requests should bring their message boundaries
-        if speculation is not None and spec.recurrent:
-            # a recurrent state cannot take rejected drafts back out (no rewind): decode one token a step
-            log.info("speculation is off: this model has recurrent layers")
+        used = {kinds.of(l) for l in spec.layers}
+        stuck = sorted(k.name for k in used if not k.rewinds)
+        # a recurrent state (or a chunked cache) cannot take rejected drafts back out: one token a step
+        self.speculation_off = f"{' and '.join(stuck)} layers cannot take rejected drafts back" if stuck else None
+        if speculation is not None and stuck:
+            log.info("speculation is off: %s", self.speculation_off)
             speculation = None
-        self.speculation_off = "recurrent layers cannot rewind rejected drafts" if spec.recurrent else None
+        if any(not k.batches for k in used):  # mlx-lm has no batched form of these caches
+            log.info("one sequence at a time: %s layers do not batch", [k.name for k in used if not k.batches])
+            max_batch = 1
         self.vocab_size = vocab_size(model)
         self.stop_tokens = frozenset(int(t) for t in (tokenizer.eos_token_ids if stop_tokens is None else stop_tokens))
         budget = StepBudget(defaults.prefill_chunk(), itl_target_s=itl_target_s, fixed=prefill_chunk)

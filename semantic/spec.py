@@ -1,43 +1,34 @@
 """What a model's KV cache looks like, layer by layer, with or without its weights.
 
-:class:`LayerSpec` is the one home of what a layer kind means: which mlx-lm
-cache class holds it, which token positions it holds after ``T`` tokens,
-and how a rebuilt cache of it is described to ``compat``. A new cache type
-is added here (and in ``compat``, which builds it)::
-
-    kind       cache class                         holds after T tokens
-    global     KVCache (QuantizedKVCache: kv_bits)  [0, T)
-    sliding    RotatingKVCache(window, keep)        [0, keep) + [T - (window - keep), T), all while T <= window
-    recurrent  ArraysCache(n)                       n fixed-size arrays that summarise [0, T)
-
-A recurrent layer, and a sliding one whose window is shorter than a block,
-can resume only where its cache was snapshotted (:meth:`LayerSpec.snapshot_only`):
-nothing in a later cache tells what it held at an earlier position.
+A :class:`LayerSpec` is one leaf cache's geometry as data (JSON in every file,
+hashed into the fingerprint); what its kind means, how it is held, made, read,
+rebuilt and batched, lives in that kind's class (``semantic.kinds``): a new
+cache type is a new kind there. A recurrent layer, and a window shorter than a
+block, resume only where their cache was snapshotted
+(:meth:`LayerSpec.snapshot_only`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models import cache as C
 
-from semantic import compat
+from semantic import compat, kinds
 from semantic.errors import CacheMismatchError, UnsupportedCacheError
-
-GLOBAL, SLIDING, RECURRENT = "global", "sliding", "recurrent"
-_DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+from semantic.kinds import CHUNKED, GLOBAL, RECURRENT, SLIDING  # noqa: F401
+from semantic.kinds.base import DTYPES as _DTYPES
 
 
 @dataclass(frozen=True, slots=True)
 class LayerSpec:
-    """One layer's cache: global (``KVCache``, or ``QuantizedKVCache`` when
-    ``kv_bits`` is set) or sliding (``RotatingKVCache`` of ``window`` tokens,
-    the first ``keep`` pinned)."""
+    """One leaf cache: its kind (``semantic.kinds``: global, sliding, chunked, recurrent), K/V heads
+    and dims and dtype; a window (sliding: ``window`` tokens, the first ``keep`` pinned; chunked:
+    the chunk), KV quantization (global), or a recurrent layer's ``arrays``."""
 
     kind: str
     n_kv_heads: int
@@ -51,48 +42,15 @@ class LayerSpec:
     arrays: tuple[tuple[tuple[int, ...], str], ...] = ()  # recurrent: each array's (shape without batch, dtype)
 
     def __post_init__(self):
-        if self.kind not in (GLOBAL, SLIDING, RECURRENT):
-            raise ValueError(f"layer kind must be {GLOBAL!r}, {SLIDING!r} or {RECURRENT!r}, got {self.kind!r}")
-        if self.kind == RECURRENT:
-            self._check_recurrent()
-            return
-        if self.arrays:
-            raise ValueError("only a recurrent layer has state arrays")
-        object.__setattr__(self, "arrays", ())  # a list from JSON compares unequal to ()
-        # values may be zero-wide (deepseek_v32's indexer cache keeps keys only)
-        if min(self.n_kv_heads, self.head_dim) <= 0 or self.v_head_dim < 0:
-            raise ValueError(f"heads and head dims must be positive: {self}")
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
-        if self.kind == SLIDING:
-            if not self.window or self.window <= 0:
-                raise ValueError("a sliding layer needs a positive window")
-            if not 0 <= self.keep < self.window:
-                raise ValueError(f"keep must be in [0, window), got {self.keep}")
-            if self.kv_bits is not None:
-                raise UnsupportedCacheError("mlx-lm cannot quantize a RotatingKVCache (sliding layer)")
-        elif self.window is not None or self.keep:
-            raise ValueError("a global layer has no window or keep")
-        if (self.kv_bits is None) != (self.kv_group_size is None):
-            raise ValueError("kv_bits and kv_group_size go together")
-        if self.kv_bits is not None:
-            if self.kv_bits not in (2, 3, 4, 5, 6, 8) or self.kv_group_size not in (32, 64, 128):
-                raise ValueError(f"unsupported KV quantization {self.kv_bits} bits / group {self.kv_group_size}")
-            if self.head_dim % self.kv_group_size or self.v_head_dim % self.kv_group_size:
-                raise ValueError(f"head_dim {self.head_dim} is not a multiple of group {self.kv_group_size}")
+        if self.kind not in kinds.KINDS:
+            raise ValueError(f"layer kind must be one of {sorted(kinds.KINDS)}, got {self.kind!r}")
+        if self.kind != RECURRENT:
+            object.__setattr__(self, "arrays", tuple(self.arrays))  # a list from JSON compares unequal to ()
+        self._kind.check(self)
 
-    def _check_recurrent(self) -> None:
-        try:
-            arrays = tuple((tuple(int(d) for d in shape), str(dtype)) for shape, dtype in self.arrays)
-        except (TypeError, ValueError):
-            raise ValueError(f"a recurrent layer's arrays are (shape, dtype) pairs, got {self.arrays!r}") from None
-        object.__setattr__(self, "arrays", arrays)
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
-        if not arrays or any(min(shape, default=1) <= 0 or dt not in _DTYPES for shape, dt in arrays):
-            raise ValueError(f"a recurrent layer needs arrays of positive shape and known dtype, got {arrays}")
-        if self.window is not None or self.keep or self.kv_bits is not None or self.kv_group_size is not None:
-            raise ValueError("a recurrent layer has no window, keep or KV quantization")
+    @property
+    def _kind(self) -> kinds.Kind:
+        return kinds.KINDS[self.kind]
 
     def to_dict(self) -> dict:
         """The layer as JSON data; ``arrays`` only for a recurrent layer, so the files and
@@ -106,59 +64,36 @@ class LayerSpec:
         """Whether this layer resumes only at positions where its whole cache was kept (a
         snapshot): a recurrent layer, or a window shorter than a block, which no stored
         block of other positions can rebuild."""
-        return self.kind == RECURRENT or (self.kind == SLIDING and self.window - self.keep < block_tokens)
+        return self._kind.snapshot_only(self, block_tokens)
 
     @property
     def cache_kind(self) -> str:
         """The mlx-lm class name of this layer's cache."""
-        if self.kind == RECURRENT:
-            return compat.ARRAYS
-        if self.kind == SLIDING:
-            return compat.ROTATING
-        return compat.QUANTIZED if self.kv_bits else compat.KV
+        return self._kind.cache_class(self)
 
     @property
     def windowed(self) -> bool:
-        """Whether the cache forgets old tokens (a sliding window)."""
-        return self.kind == SLIDING
+        """Whether the cache forgets old tokens (a sliding window, a chunk)."""
+        return self._kind.windowed
 
     def held_ranges(self, total: int) -> list[tuple[int, int]]:
         """Token positions this layer's cache holds after ``total`` tokens (a recurrent
         layer: the last one, where its state stands)."""
-        if self.kind == RECURRENT:
-            return [(total - 1, total)] if total else []
-        if self.kind == GLOBAL or total <= self.window:
-            return [(0, total)] if total else []
-        keep = [(0, self.keep)] if self.keep else []
-        return keep + [(total - (self.window - self.keep), total)]
+        return self._kind.held_ranges(self, total)
 
     def tokens_held(self, total: int) -> int:
         """How many tokens this layer's cache holds after ``total`` tokens."""
         return sum(b - a for a, b in self.held_ranges(total))
 
     def ring_index(self, held: int) -> int | None:
-        """The write index of a rebuilt rotating cache holding ``held`` tokens (None for others).
-
-        Rebuilt rings are unrolled into temporal order, so the next write goes after the newest token.
-        """
+        """The write index of a rebuilt rotating cache holding ``held`` tokens (None for others):
+        rebuilt rings are unrolled into temporal order, so the next write goes after the newest token."""
         return held if self.kind == SLIDING else None
-
-    def cache_state(self, keys, values, total: int, held: int) -> compat.LayerState:
-        """What ``compat.build_layer`` needs to rebuild this layer's cache after ``total``
-        tokens from its ``held`` tokens (``keys``/``values`` in temporal order)."""
-        if self.kind == SLIDING:
-            return compat.LayerState(compat.ROTATING, keys, values, total, self.keep, self.window, idx=held)
-        kind = compat.QUANTIZED if self.kv_bits else compat.KV
-        return compat.LayerState(kind, keys, values, total, group_size=self.kv_group_size, bits=self.kv_bits)
 
     @property
     def group(self) -> str:
         """Layers with the same group share block boundaries and token coverage."""
-        if self.kind == RECURRENT:
-            return RECURRENT
-        if self.kind == SLIDING:
-            return f"sliding-w{self.window}-k{self.keep}"
-        return f"global-q{self.kv_bits}g{self.kv_group_size}" if self.kv_bits else "global"
+        return self._kind.group(self)
 
     @property
     def mx_dtype(self):
@@ -166,26 +101,14 @@ class LayerSpec:
 
     def state_bytes(self) -> int:
         """Bytes of a recurrent layer's arrays (0 for the others: they grow per token)."""
-        return sum(math.prod(shape) * _DTYPES[dt].size for shape, dt in self.arrays)
+        return self._kind.state_bytes(self)
 
     def token_bytes(self) -> float:
         """Bytes of K plus V per cached token (quantized: packed + scales + biases; recurrent: 0)."""
-        if self.kind == RECURRENT:
-            return 0.0
-        width = self.mx_dtype.size
-        if not self.kv_bits:
-            return self.n_kv_heads * (self.head_dim + self.v_head_dim) * width
-        per = lambda d: d * self.kv_bits / 8 + 2 * (d // self.kv_group_size) * width  # noqa: E731
-        return self.n_kv_heads * (per(self.head_dim) + per(self.v_head_dim))
+        return self._kind.token_bytes(self)
 
     def make_cache(self):
-        if self.kind == RECURRENT:
-            return compat.new_arrays(len(self.arrays))
-        if self.kind == SLIDING:
-            return C.RotatingKVCache(max_size=self.window, keep=self.keep)
-        if self.kv_bits:
-            return C.QuantizedKVCache(group_size=self.kv_group_size, bits=self.kv_bits)
-        return C.KVCache()
+        return self._kind.make(self)
 
 
 @dataclass(frozen=True, slots=True)
@@ -298,22 +221,14 @@ class ModelCacheSpec:
         mx.eval(model(mx.array([[0]]), cache=caches))
         caches, nesting = compat.flatten(caches)
         layers = []
-        for c in caches:
-            if compat.is_arrays(c):
-                arrays = compat.read_arrays(c)
-                dims = tuple((tuple(a.shape[1:]), _dtype_name(a.dtype)) for a in arrays)
-                layers.append(LayerSpec(RECURRENT, 0, 0, 0, _dtype_name(arrays[0].dtype), arrays=dims))
-                continue
-            st = compat.read_layer(c)
-            _, heads, _, dim = st.keys.shape
-            common = dict(n_kv_heads=heads, head_dim=dim, v_head_dim=st.values.shape[-1], dtype=_dtype_name(st.keys.dtype))
-            if st.kind == compat.ROTATING:
-                layers.append(LayerSpec(SLIDING, window=st.max_size, keep=st.keep, **common))
-            elif st.kind == compat.KV:
-                q = dict(kv_bits=kv_bits, kv_group_size=kv_group_size) if kv_bits else {}
-                layers.append(LayerSpec(GLOBAL, **common, **q))
-            else:
-                raise UnsupportedCacheError(f"unexpected {st.kind} from make_cache")
+        for i, c in enumerate(caches):
+            kind = kinds.for_cache(c)
+            if kind is None:
+                raise UnsupportedCacheError(
+                    f"layer cache {i} is mlx-lm's {type(c).__name__}, which no kind here holds (kinds: "
+                    f"{', '.join(sorted(k for kd in kinds.KINDS.values() for k in kd.cache_classes))}, CacheList of "
+                    f"those): its state has no layout this server can store and rebuild exactly")
+            layers.append(LayerSpec(**kind.spec_fields(c, kv_bits, kv_group_size)))
         return cls(tuple(layers), nesting)
 
     @classmethod
@@ -348,15 +263,3 @@ class ModelCacheSpec:
 
 # the same as LayerSpec.held_ranges, for callers that pass the layer as data
 held_ranges = LayerSpec.held_ranges
-
-
-def spec_dtype(name: str):
-    """The mx dtype a spec names."""
-    return _DTYPES[name]
-
-
-def _dtype_name(dt) -> str:
-    for name, value in _DTYPES.items():
-        if value == dt:
-            return name
-    raise UnsupportedCacheError(f"unsupported cache dtype {dt}")

@@ -62,7 +62,7 @@ from typing import Callable, Sequence
 import mlx.core as mx
 import numpy as np
 
-from semantic import compat
+from semantic import compat, kinds
 from semantic import rewind
 from semantic.budget import StepBudget
 from semantic.constraint import Constraint
@@ -177,7 +177,7 @@ class StepLoop:
         if seq.caches is not None:
             return seq.caches
         row = self._rows.index(seq)
-        return [c.extract(row) for c in self._batch]
+        return self._row(row)
 
     def held(self, uid: int) -> int:
         """How many tokens of ``uid``'s history and output its caches hold now."""
@@ -348,7 +348,7 @@ class StepLoop:
         closed, gone = [], []
         for row, seq in enumerate(self._rows):
             if closing[row]:
-                closed.append(Closed(seq.uid, [c.extract(row) for c in self._batch]))
+                closed.append(Closed(seq.uid, self._row(row)))
                 del self._seqs[seq.uid]
                 gone.append(row)
         if gone:
@@ -396,7 +396,12 @@ class StepLoop:
         if not self._ready:
             return
         joining, self._ready = self._ready, []
-        merged = compat.merge_caches([s.caches for s in joining])
+        if self.max_batch == 1:  # a batch of one is the sequence's own caches (some kinds have no batch form)
+            assert self._batch is None and len(joining) == 1
+            self._batch, joining[0].caches = joining[0].caches, None
+            self._rows += joining
+            return
+        merged = kinds.merge([s.caches for s in joining])
         for s in joining:
             s.caches = None
         if self._batch is None:
@@ -405,6 +410,10 @@ class StepLoop:
             for mine, theirs in zip(self._batch, merged):
                 mine.extend(theirs)
         self._rows += joining
+
+    def _row(self, row: int) -> list:
+        """Row ``row``'s caches, copied out of the batch (a batch of one: the caches themselves)."""
+        return list(self._batch) if self.max_batch == 1 else [c.extract(row) for c in self._batch]
 
     def _drop_rows(self, rows: list[int]) -> None:
         gone = set(rows)

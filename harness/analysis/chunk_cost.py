@@ -74,7 +74,7 @@ def _decode_step_s(model, decoders: int, rounds: int) -> float:
         cache = make_prompt_cache(model)
         mx.eval(model(mx.array([list(range(100 + i, 164 + i))]), cache=cache))
         rows.append(cache)
-    batch = compat.merge_caches(rows)
+    batch = kinds.merge(rows)
 
     def decode():
         mx.eval(model(mx.array([[5]] * decoders), cache=batch)[:, -1, :])

@@ -68,7 +68,7 @@ def table(results: list[ModelResult]) -> str:
         batch = [x for x in r.turns if x.turn.startswith("batch_")]
         cells.append("yes" if batch and all(x.exact for x in batch) else "**no**")
         ne = rs.get(False)
-        cells.append("-" if ne is None else "pass" if ne.passed else f"**fail**")
+        cells.append("-" if ne is None else "pass" if ne.passed else "**fail**")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
 
-from semantic import BlockPool, BlockPoolBatchEngine, ModelCacheSpec, Request, compat
+from semantic import BlockPool, BlockPoolBatchEngine, ModelCacheSpec, Request, compat, kinds
 from semantic.batchquant import BatchQuantizedKVCache
 from tests.tiny_models import byte_tokenizer
 
@@ -168,7 +168,7 @@ def test_quantized_sequences_share_one_forward_pass_per_step(llama_tiny):
     decode = [s for s in calls if s[1] == 1]
     # 4 prompts prefilled in one step (4 forwards of their own), then 7 + 1 closing steps of one forward each
     assert [s[0] for s in decode] == [4] * 8
-    assert any(isinstance(c, BatchQuantizedKVCache) for c in compat.merge_caches([_spec(llama_tiny, 8).make_cache()]))
+    assert any(isinstance(c, BatchQuantizedKVCache) for c in kinds.merge([_spec(llama_tiny, 8).make_cache()]))
 
 
 def _quantized(n: int, seed: int, bits: int = 8) -> object:
