@@ -29,8 +29,9 @@ def history(n: int, seed: int | None = None) -> list[int]:
     return [int(t) for t in np.random.default_rng(n if seed is None else seed).integers(1, 250, n)]
 
 
-def generate(eng: BlockPoolBatchEngine, agent: str, prompt, max_tokens: int):
-    uid = eng.submit(Request(agent, prompt, max_tokens), share=False)
+def generate(eng: BlockPoolBatchEngine, agent: str, prompt, max_tokens: int, *, share: bool = False):
+    """``share``: start from what the pool holds of ``prompt`` (as the engine serves), not a full prefill."""
+    uid = eng.submit(Request(agent, prompt, max_tokens), share=share)
     return run(eng)[uid]
 
 

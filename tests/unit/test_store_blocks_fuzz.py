@@ -160,16 +160,47 @@ def _damage(d: Path, rng: np.random.Generator, after_startup: bool) -> str:
     return "file deleted"
 
 
+def _originals(eng, seed: int) -> dict:
+    """Agents "a" and "b" on a shared prompt of 14 tokens: b's third block holds two of a's tokens.
+
+    b starts from the pool, as the engine serves, so its K/V at the shared positions are a's bit for
+    bit. Recomputed instead (``share=False``), they may differ from a's in the last bit (a BLAS rounds
+    a row differently as the rows of a matmul change: OpenBLAS's Haswell kernels for 23 and 24 rows),
+    while b's save names a's block file for those positions (their tokens are the same): a load then
+    rightly returns a's K/V there, and no exact comparison with b's own could hold."""
+    prompt = history(14, seed=seed)
+    return {a: generate(eng, a, [*prompt, *history(9 + i, seed=seed + i)], 4, share=True).blocks
+            for i, a in enumerate("ab")}
+
+
+def test_the_second_agent_holds_the_first_agents_kv_where_their_histories_agree(llama_tiny):
+    eng = engine(llama_tiny, 8)
+    o = _originals(eng, 2026_11_25)
+    for group, blocks in o["b"].groups.items():
+        theirs = {x.start: x for x in o["a"].groups[group]}
+        b = next(x for x in blocks if x.start == 12)  # tokens 12 and 13 shared, 14 and 15 not
+        assert theirs[12].token_ids[:2] == b.token_ids[:2] and theirs[12].token_ids[2:] != b.token_ids[2:4]
+        for layer, (k, v) in b.layer_data.items():
+            ak, av = theirs[12].layer_data[layer]
+            for x, y in zip(_flat(k) + _flat(v), _flat(ak) + _flat(av)):
+                assert np.array_equal(np.array(x[..., :2, :]), np.array(y[..., :2, :]))
+
+
 def fuzz(model, kv_bits, cases: int, seed: int, workdir: Path) -> Counter:
     """Save two agents on a shared prompt, then damage and load ``cases`` times; outcome counts
     (raises AssertionError at the first load that is neither exact, an exact prefix, nor a miss)."""
     eng = engine(model, kv_bits)
-    prompt = history(14, seed=seed)
-    originals = {a: generate(eng, a, [*prompt, *history(9 + i, seed=seed + i)], 4).blocks for i, a in enumerate("ab")}
+    originals = _originals(eng, seed)
     pristine = workdir / "pristine"
     store = AgentCacheStore(pristine, eng.spec, FP, 10**9, pool=eng.pool, durable=False)
     for a, c in originals.items():
         store.save(a, c)
+    undamaged = AgentCacheStore(pristine, eng.spec, FP, 10**9, pool=BlockPool(eng.spec, 64, block_tokens=4),
+                                durable=False)
+    for a, c in originals.items():  # the oracle: without damage, every load is exact
+        loaded = undamaged.load(a)
+        assert_identical(loaded, c)
+        loaded.release()
     files = _snapshot(pristine)
     d = workdir / "cache"
     rng = np.random.default_rng(seed)
