@@ -10,6 +10,7 @@ detected by feature, not by version string:
     | presence/frequency pen.  | not in make_logits_processors| make_logits_processors         |
     | model path of a hub id   | utils._download              | utils._download                |
     | recurrent state          | ArraysCache, MambaCache(2)   | ArraysCache (state + padding)  |
+    | ChunkedKVCache trim      | by buffer size (broken)      | by tokens held                 |
 
 Everything above this module speaks :class:`LayerState`, which is the same
 under both versions.
@@ -37,6 +38,9 @@ HAS_META_STATE = hasattr(C._BaseCache, "meta_state")
 KV, ROTATING, QUANTIZED = "KVCache", "RotatingKVCache", "QuantizedKVCache"
 ARRAYS = "ArraysCache"  # recurrent state: n arrays, no token axis (read_arrays / build_arrays)
 CHUNKED = "ChunkedKVCache"  # llama4's chunked attention: ``idx`` is its start_position
+# 0.30.4's ChunkedKVCache trims by its buffer's size, zero padding included, and breaks on a chunked
+# prefill (its own generate_step too); the fix trims by the tokens it holds
+CHUNKED_TRIMS_TOKENS = "self.offset - self.start_position" in inspect.getsource(C.ChunkedKVCache.maybe_trim_front)
 
 
 @dataclass(slots=True)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from mlx_lm.models import cache as C
 
 from semantic import compat
-from semantic.errors import CacheMismatchError
+from semantic.errors import CacheMismatchError, UnsupportedCacheError
 from semantic.kinds.base import Positional
 
 
@@ -25,6 +25,9 @@ class Chunked(Positional):
     batches = False
 
     def check(self, layer) -> None:
+        if not compat.CHUNKED_TRIMS_TOKENS:
+            raise UnsupportedCacheError(f"this mlx-lm's {compat.CHUNKED} trims by its buffer size, not its tokens, "
+                                        f"and breaks on a chunked prefill: upgrade mlx-lm (0.32 has the fix)")
         super().check(layer)
         if not layer.window or layer.window <= 0 or layer.keep or layer.kv_bits is not None:
             raise ValueError("a chunked layer needs a positive chunk (window), no keep and no quantization")

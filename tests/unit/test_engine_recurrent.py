@@ -20,11 +20,26 @@ TOL = 1e-4
 BT = 16
 pytestmark = pytest.mark.compat
 MODELS = {"qwen3_next": tiny_qwen3_next, "lfm2": tiny_lfm2, "gpt_oss": tiny_gpt_oss}
+# from the zoo: nested caches (falcon_h1's recurrent state beside attention; deepseek_v32's MLA latent and
+# indexer caches), chunked attention (llama4), KV-shared layers that own no cache (gemma4_text)
+ZOO = ("falcon_h1", "deepseek_v32", "llama4", "gemma4_text")
 
 
-@pytest.fixture(scope="module", params=sorted(MODELS))
+@pytest.fixture(scope="module", params=sorted(MODELS) + list(ZOO))
 def model(request):
-    return request.param, MODELS[request.param]()
+    if request.param in MODELS:
+        return request.param, MODELS[request.param]()
+    from harness.models import zoo
+
+    from semantic import compat
+
+    if request.param not in zoo.model_types():
+        pytest.skip(f"this mlx-lm has no {request.param}")
+    if request.param == "llama4" and not compat.CHUNKED_TRIMS_TOKENS:
+        pytest.skip("this mlx-lm's ChunkedKVCache breaks on a chunked prefill: refused at load")
+    if request.param == "deepseek_v32" and compat.MLX_LM_VERSION.startswith("0.30"):
+        pytest.skip("mlx-lm 0.30.4's deepseek_v32 indexer fails on batch caches (BatchKVCache)")
+    return request.param, zoo.build(request.param)[0]
 
 
 def _engine(model, blocks=400, **kw):
