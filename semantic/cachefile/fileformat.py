@@ -34,6 +34,13 @@ One tensor per layer, like mlx-lm's own files, keeps allocations the size
 mlx-lm's loads make (stacking layers measured slower: big buffers are
 fresh memory, page-faulted on every load).
 
+A window shorter than a pool's block resumes only from a snapshot
+(``LayerSpec.snapshot_only``): its tensors, minus any ``stored_from`` part,
+are that snapshot, so such files load as before (``loading``). Recurrent
+layers have no positions: :func:`layout` gives their state tensors
+(``layer.<i>.state.<j>``) for the block layout's snapshot files, but this
+layout refuses to write them (:func:`refuse_recurrent`) or read them.
+
 Checksums are xxh3-128 (python-xxhash, which releases the GIL): measured
 here at 8.8 GB/s on a 64 MiB buffer and 26 GB/s on a cache-hot one, against
 1.4 GB/s for sha256 and 0.5 GB/s for blake2b; xxh3-64 runs at the same speed,

@@ -5,7 +5,8 @@
     <cache dir>/
         <slug>-<digest>.kvm          one manifest per agent (``manifest``): its tokens and extents
         blocks-<model digest>/
-            <key>.kvb                block files (``blockfile``), shared by every manifest that names them
+            <key>.kvb                block files (``blockfile``), shared by every manifest that names them:
+                                     positions of a group, or a snapshot of a group that resumes only from one
         quarantine/                  files that failed their checks
         <slug>-<digest>.safetensors  a cache file of the single-file layout: converted on its first load
 
