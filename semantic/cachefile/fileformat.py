@@ -34,6 +34,13 @@ One tensor per layer, like mlx-lm's own files, keeps allocations the size
 mlx-lm's loads make (stacking layers measured slower: big buffers are
 fresh memory, page-faulted on every load).
 
+A window shorter than a pool's block resumes only from a snapshot
+(``LayerSpec.snapshot_only``): its tensors, minus any ``stored_from`` part,
+are that snapshot, so such files load as before (``loading``). Recurrent
+layers have no positions: :func:`layout` gives their state tensors
+(``layer.<i>.state.<j>``) for the block layout's snapshot files, but this
+layout refuses to write them (:func:`refuse_recurrent`) or read them.
+
 Checksums are xxh3-128 (python-xxhash, which releases the GIL): measured
 here at 8.8 GB/s on a 64 MiB buffer and 26 GB/s on a cache-hot one, against
 1.4 GB/s for sha256 and 0.5 GB/s for blake2b; xxh3-64 runs at the same speed,
@@ -54,8 +61,8 @@ import xxhash
 
 from semantic import compat
 from semantic.blockplan import stored_ranges
-from semantic.errors import CacheCorruptError, CacheError
-from semantic.spec import LayerSpec, ModelCacheSpec
+from semantic.errors import CacheCorruptError, CacheError, UnsupportedCacheError
+from semantic.spec import RECURRENT, LayerSpec, ModelCacheSpec
 
 FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)  # 1: no stored_from (every tensor starts at the held window)
@@ -107,6 +114,23 @@ def _parts(layer: LayerSpec, n: int) -> list[tuple[str, int | None, str, tuple[i
     return out
 
 
+def state_slots(layer: LayerSpec, i: int) -> list[TensorSlot]:
+    """A recurrent layer's arrays as tensors ``layer.<i>.state.<j>``, each ``(1, *shape)`` in the spec's
+    dtype (its snapshot: block files of the block layout; the single-file layout refuses them)."""
+    return [TensorSlot(f"layer.{i}.state.{j}", layer.group, i, "state", j, dtype, (1, *shape))
+            for j, (shape, dtype) in enumerate(layer.arrays)]
+
+
+def refuse_recurrent(spec: ModelCacheSpec) -> None:
+    """Raise :class:`UnsupportedCacheError` when ``spec`` has a recurrent layer: the single-file layout
+    holds positions, and a recurrent layer's state has none."""
+    kinds = [i for i, l in enumerate(spec.layers) if l.kind == RECURRENT]
+    if kinds:
+        raise UnsupportedCacheError(
+            f"the single-file cache layout (layout='file') cannot hold recurrent layers (layers {kinds[:8]} are "
+            f"{RECURRENT!r}, mlx-lm ArraysCache): use the blocks layout (layout='blocks'), which keeps their snapshots")
+
+
 def stored_tokens(layer: LayerSpec, total: int, stored_from: int | None = None) -> int:
     """Tokens a file holds for ``layer``: what it holds after ``total``, plus the
     positions from ``stored_from`` up to its window (see ``stored_from``)."""
@@ -119,6 +143,9 @@ def layout(spec: ModelCacheSpec, total: int, stored_from: dict[str, int] | None 
     stored_from = stored_from or {}
     per_group: dict[str, int] = {}  # every layer of a group holds the same tokens: count them once
     for i, layer in enumerate(spec.layers):
+        if layer.kind == RECURRENT:  # its state after ``total`` tokens (prepare_save for the block layout)
+            slots.extend(state_slots(layer, i) if total else [])
+            continue
         held = per_group.get(layer.group)
         if held is None:
             held = per_group[layer.group] = stored_tokens(layer, total, stored_from.get(layer.group))
@@ -279,6 +306,8 @@ def _verify_layout(path: str, doc: dict, table: dict, st: os.stat_result, data_o
         layers = doc["layers"]
     except (KeyError, TypeError, ValueError, CacheError) as exc:
         raise CacheCorruptError(path, f"malformed document ({type(exc).__name__}: {exc})") from None
+    if spec.recurrent:  # never written: save refuses them (refuse_recurrent)
+        raise CacheCorruptError(path, "a cache file of recurrent layers: the single-file layout never holds one")
     if not (isinstance(tokens, list) and set(map(type, tokens)) <= {int} and min(tokens, default=0) >= 0):
         raise CacheCorruptError(path, "token_ids must be a list of non-negative integers")
     if not isinstance(fingerprint, str) or not (agent_id is None or isinstance(agent_id, str)):

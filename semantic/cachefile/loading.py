@@ -20,7 +20,7 @@ from typing import Iterable
 import mlx.core as mx
 import xxhash
 
-from semantic.blockplan import BlockPlan, PlannedBlock, chain_keys, commit, miss_runs, plan_blocks
+from semantic.blockplan import BlockPlan, PlannedBlock, chain_keys, commit, miss_runs, plan_blocks, stored_ranges
 from semantic.blocks import AgentBlocks, KVBlock, LayerKV, Segment, SegmentView
 from semantic.cachefile.atomic import hasher
 from semantic.cachefile.fileformat import HASH, MX_DTYPES, CacheFileInfo, TensorSlot, read_header
@@ -117,12 +117,32 @@ class _FileBlocks:
             return a[names[("keys", None)]], a[names[("values", None)]]
         return tuple(tuple(a[names[(side, k)]] for k in range(3)) for side in ("keys", "values"))
 
+    def snapshot(self, i: int, total: int) -> LayerKV:
+        """Layer ``i``'s snapshot after ``total`` tokens (the file's): the positions it holds then, cut out
+        of the buffer, which may start earlier (``stored_from``: a window edge stored with its block)."""
+        layer = self.info.spec.layers[i]
+        held = layer.held_ranges(total)
+        stored = stored_ranges(layer, total, self.info.stored_from.get(layer.group))
+        kv, cuts, at = self.layer(i), [], 0
+        for (a, b), (sa, sb) in zip(held, stored):
+            cuts.append((at + a - sa, at + b - sa))
+            at += sb - sa
+        if cuts == [(0, at)]:
+            return kv  # the buffer is the window: no copy
+        return _map(kv, lambda x: mx.contiguous(mx.concatenate([x[..., p:q, :] for p, q in cuts], axis=2)))
+
     def block_data(self, planned: BlockPlan) -> dict[int, tuple[dict[int, LayerKV], SegmentView]]:
-        """For each missed planned block (by index): its layer views and where they sit in their segment."""
+        """For each missed planned block (by index): its layer views and where they sit in their segment
+        (a snapshot: its layers' whole window, no segment)."""
         out, made = {}, []
         per_group = Counter(p.group for p in planned.blocks)
         for run in miss_runs(planned.blocks):
             first, last = planned.blocks[run[0]], planned.blocks[run[-1]]
+            if first.snapshot:  # a window shorter than a block: the file's window after its last token
+                data = {i: self.snapshot(i, first.end) for i in first.layers}
+                made.extend(_leaves(list(data.values())))
+                out[run[0]] = (data, None)
+                continue
             lo, hi = first.start - first.shift, last.end - last.shift
             n = next(s.shape[2] for s in self.by_group[first.group])
             whole = len(run) == per_group[first.group] and lo == 0 and hi == n

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from semantic.blockplan import block_spans
+from semantic.blockplan import block_spans, snapshot_span
 from semantic.blocks import AgentBlocks, KVBlock, segment_runs
 from semantic.cachefile import atomic
 from semantic.cachefile.fileformat import (
@@ -24,6 +24,7 @@ from semantic.cachefile.fileformat import (
     file_info,
     header_bytes,
     layout,
+    refuse_recurrent,
 )
 from semantic.errors import CacheMismatchError, CacheShapeError, InvalidRequestError
 from semantic.spec import ModelCacheSpec
@@ -34,8 +35,9 @@ def stored_from(blocks: AgentBlocks) -> dict[str, int]:
     edge block, see ``blockplan``), where that block starts: the file stores it whole."""
     out = {}
     for group, layers in blocks.spec.groups().items():
-        ranges = blocks.spec.layers[layers[0]].held_ranges(blocks.total_tokens)
-        if not blocks.spec.layers[layers[0]].windowed or not ranges:
+        layer = blocks.spec.layers[layers[0]]
+        ranges = layer.held_ranges(blocks.total_tokens)
+        if not layer.windowed or not ranges or layer.snapshot_only(blocks.block_tokens):
             continue
         first = next((b for b in blocks.groups.get(group, []) if b.end > ranges[-1][0]), None)
         if first is not None and first.start < ranges[-1][0]:
@@ -51,8 +53,16 @@ def _sources(blocks: AgentBlocks, slots: list[TensorSlot], edges: dict[str, int]
     become one slice of it, so a fresh extraction is one array per layer.
     """
     spec, total, bt = blocks.spec, blocks.total_tokens, blocks.block_tokens
+    snapshots = set()
     for group, layers in spec.groups().items():
         layer = spec.layers[layers[0]]
+        if layer.snapshot_only(bt):  # one block: the group's snapshot after exactly ``total`` tokens
+            have = [(blk.start, blk.end) for blk in blocks.groups.get(group, [])]
+            if have != ([snapshot_span(total, bt)] if total else []):
+                raise CacheShapeError(f"group {group}: blocks hold {have[:4]}..., a snapshot after {total} tokens needs "
+                                      f"{[snapshot_span(total, bt)] if total else []}")
+            snapshots.add(group)
+            continue
         want = [(a, b) for a, b, _ in block_spans(layer, total, bt)]
         if group in edges:  # the window's first block is the shared block from the edge's block start
             window = layer.held_ranges(total)[-1][0]
@@ -63,11 +73,30 @@ def _sources(blocks: AgentBlocks, slots: list[TensorSlot], edges: dict[str, int]
     out = []
     for s in slots:
         group = blocks.groups[s.group]
-        for blk in group:
-            _check_block(blk, s)
-        out.append([a.view(mx.uint16) if a.dtype == mx.bfloat16 else a for a in _runs(group, s)])
+        if s.group in snapshots:
+            arrays = [_snapshot_part(group[0], s)]
+        else:
+            for blk in group:
+                _check_block(blk, s)
+            arrays = _runs(group, s)
+        out.append([a.view(mx.uint16) if a.dtype == mx.bfloat16 else a for a in arrays])
     mx.eval(out)  # slices and reinterpretations: views, no copies
     return out
+
+
+def _snapshot_part(blk: KVBlock, s: TensorSlot):
+    """The array of slot ``s`` in a snapshot block (``convert``: a recurrent layer's ``(arrays, ())``, a
+    short window's ``(keys, values)`` of every token it holds), checked against the slot."""
+    first, second = blk.layer_data[s.layer]
+    if s.side == "state":
+        a = first[s.part] if isinstance(first, tuple) and s.part < len(first) else None
+    else:
+        a = _part((first, second), s)
+    if a is None or tuple(a.shape) != s.shape or a.dtype != MX_DTYPES[s.dtype]:
+        got = None if a is None else (tuple(a.shape), a.dtype)
+        raise CacheShapeError(f"layer {s.layer} {s.side} snapshot [{blk.start}, {blk.end}): {got}, the spec needs "
+                              f"{s.shape} {s.dtype}")
+    return a
 
 
 def _check_block(blk: KVBlock, s: TensorSlot) -> None:
@@ -100,6 +129,8 @@ def _chunks(arrays: list[mx.array]) -> list[memoryview]:
     of a segment), but each head's tokens are contiguous: no copy."""
     out = []
     nps = [np.asarray(memoryview(a)) for a in arrays]
+    if nps[0].ndim != 4:  # a recurrent layer's state array: one piece
+        return [memoryview(np.ascontiguousarray(x)).cast("B") for x in nps]
     for h in range(nps[0].shape[1]):
         for x in nps:
             piece = x[0, h]
@@ -175,6 +206,7 @@ def save(
         raise InvalidRequestError(f"model_fingerprint must be a non-empty string, got {model_fingerprint!r}")
     if agent_id is not None and not isinstance(agent_id, str):
         raise InvalidRequestError(f"agent_id must be a string or None, got {agent_id!r}")
+    refuse_recurrent(blocks.spec)
     path = os.fspath(path)
     if prepared is None:
         prepared = prepare_save(blocks)

@@ -128,6 +128,7 @@ class AgentCacheStore:
             self._files = BlockFiles(self.dir, spec, model_fingerprint, durable=durable, lock=self._lock,
                                      quarantine=self._quarantine, block_tokens=pool.block_tokens)
         else:
+            cachefile.fileformat.refuse_recurrent(spec)  # UnsupportedCacheError: its state has no positions
             self._files = AgentFiles(self.dir, spec, model_fingerprint, durable=durable, lock=self._lock,
                                      quarantine=self._quarantine)
         self.written_bytes = 0

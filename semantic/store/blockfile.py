@@ -28,6 +28,20 @@ The document holds the format, model fingerprint, the group's layer specs,
 ``parent``, the block start, ``start``, ``end``, the token ids from the
 block start to ``end``, and an xxh3-128 per tensor. Reading checks all of
 it; a file that fails is :class:`CacheCorruptError`.
+
+A *snapshot* file (format version 2, ``"snapshot": true``) holds a group that
+resumes only from a snapshot (``LayerSpec.snapshot_only``: a recurrent group,
+a window shorter than a block) as its whole cache after ``end`` tokens, not
+positions: ``start`` is the block start (``blockplan.snapshot_span``) and its
+tokens run from there to ``end``, but only a history whose tokens match all
+of them serves from it (never a prefix)::
+
+    key = hash(hash(parent, tokens[block start : end]), (), "snapshot:" + group)
+    "layer.<i>.state.<j>"                 a recurrent layer's arrays: (1, *shape), the spec's dtypes
+    "layer.<i>.keys" / "layer.<i>.values" a short window: (1, heads, tokens_held(end), dim), temporal order
+
+Positional files are still written as version 1, so builds from before
+snapshots read them; those builds leave snapshot files alone (a newer format).
 """
 
 from __future__ import annotations
@@ -54,13 +68,17 @@ from semantic.cachefile.fileformat import (
     QPARTS,
     canon,
     header_bytes,
+    state_slots,
 )
 from semantic.errors import CacheCorruptError, CacheFormatError
 from semantic.pool import chain_hash
-from semantic.spec import ModelCacheSpec
+from semantic.spec import RECURRENT, ModelCacheSpec
 
 BLOCK_FORMAT = "semantic-kv-block"
-BLOCK_VERSION = 1
+BLOCK_VERSION = 2        # the newest format this build reads: 2 is a snapshot file
+POSITIONAL_VERSION = 1   # what a positional block file is written as (readable by builds before snapshots)
+SNAPSHOT_VERSION = 2
+DIR_VERSION = 1          # the block folder's name: snapshot files live beside the positional files of version 1
 BLOCK_SUFFIX = ".kvb"
 
 
@@ -68,6 +86,12 @@ def block_key(parent: int | None, block_tokens_to_end, offset: int, group: str) 
     """The content key of a block file: tokens from its block's start to its end under ``parent``,
     its first position's offset in the block, and the group."""
     return chain_hash(chain_hash(parent, block_tokens_to_end), (offset,), group)
+
+
+def snapshot_key(parent: int | None, block_tokens_to_end, group: str) -> int:
+    """The content key of a snapshot file: the group's cache after the tokens from its block's start to
+    its end under ``parent`` (never the key of a positional file of the same tokens)."""
+    return chain_hash(chain_hash(parent, block_tokens_to_end), (), "snapshot:" + group)
 
 
 def key_name(key: int) -> str:
@@ -96,6 +120,21 @@ def block_slots(spec: ModelCacheSpec, group: str, n: int) -> list[TensorSlot]:
     return slots
 
 
+def snapshot_slots(spec: ModelCacheSpec, group: str, end: int) -> list[TensorSlot]:
+    """The tensors of a snapshot file of ``group`` after ``end`` tokens, in file order: a recurrent
+    layer's arrays, or a short window's ``tokens_held(end)`` tokens."""
+    slots = []
+    for i in spec.groups()[group]:
+        layer = spec.layers[i]
+        if layer.kind == RECURRENT:
+            slots.extend(state_slots(layer, i))
+            continue
+        for side, part, dtype, shape in _parts(layer, layer.tokens_held(end)):
+            suffix = side if part is None else f"{side}.{QPARTS[part]}"
+            slots.append(TensorSlot(f"layer.{i}.{suffix}", group, i, side, part, dtype, shape))
+    return slots
+
+
 @dataclass(frozen=True, slots=True)
 class BlockInfo:
     """What a block file's header says (checked against its layout and size; ``read`` checks the tensors)."""
@@ -111,12 +150,18 @@ class BlockInfo:
     nbytes: int
     slots: tuple[TensorSlot, ...] = field(repr=False)
     digests: dict[str, str] = field(repr=False)
+    snapshot: bool = False       # the group's whole cache after ``end`` tokens (see the module doc)
 
     def usable_end(self, tokens, parent: int | None, upto: int) -> int:
         """How far (at most ``upto``) a history whose block starting here holds ``tokens``
-        (from the block start) under ``parent`` may use this file: ``start`` when not at all."""
+        (from the block start) under ``parent`` may use this file: ``start`` when not at all.
+        A snapshot serves all its tokens or none."""
         if parent != self.parent:
             return self.start
+        if self.snapshot:
+            n = self.end - self.block_start
+            ok = upto >= self.end and len(tokens) >= n and tuple(tokens[:n]) == self.token_ids
+            return self.end if ok else self.start
         n = min(upto, self.end) - self.block_start
         mine = self.token_ids
         k = 0
@@ -125,10 +170,11 @@ class BlockInfo:
         return max(self.start, min(self.block_start + k, upto, self.end))
 
 
-def _document(spec: ModelCacheSpec, fingerprint: str, group: str, parent, block_start, start, end, tokens, digests):
-    return {
+def _document(spec: ModelCacheSpec, fingerprint: str, group: str, parent, block_start, start, end, tokens, digests,
+              snapshot: bool = False):
+    doc = {
         "format": BLOCK_FORMAT,
-        "format_version": BLOCK_VERSION,
+        "format_version": SNAPSHOT_VERSION if snapshot else POSITIONAL_VERSION,
         "model_fingerprint": fingerprint,
         "group": group,
         "layers": [_layer_dict(spec, i) for i in spec.groups()[group]],
@@ -141,6 +187,9 @@ def _document(spec: ModelCacheSpec, fingerprint: str, group: str, parent, block_
         "mlx": compat.MLX_VERSION,
         "mlx_lm": compat.MLX_LM_VERSION,
     }
+    if snapshot:
+        doc["snapshot"] = True
+    return doc
 
 
 def _layer_dict(spec: ModelCacheSpec, i: int) -> dict:
@@ -149,17 +198,22 @@ def _layer_dict(spec: ModelCacheSpec, i: int) -> dict:
 
 def write(
     path: str, spec: ModelCacheSpec, fingerprint: str, group: str, parent: int | None, block_start: int,
-    start: int, tokens: tuple[int, ...], chunks: list[list[memoryview]], durable: bool,
+    start: int, tokens: tuple[int, ...], chunks: list[list[memoryview]], durable: bool, snapshot: bool = False,
 ) -> BlockInfo:
-    """Write a block file of ``tokens`` (from ``block_start``; the file holds ``[start, end)``) with the
-    tensors' bytes ``chunks`` (file order, one list per slot); crash-safe, not yet durable in its
-    directory (the caller fsyncs the directory once for all its files)."""
+    """Write a block file of ``tokens`` (from ``block_start``; the file holds ``[start, end)``, or with
+    ``snapshot`` the group's cache after ``end``, ``start`` the block start) with the tensors' bytes
+    ``chunks`` (file order, one list per slot); crash-safe, not yet durable in its directory (the
+    caller fsyncs the directory once for all its files)."""
     end = block_start + len(tokens)
-    key = block_key(parent, tokens, start - block_start, group)
+    if snapshot:
+        assert start == block_start, (start, block_start)
+        key, slots = snapshot_key(parent, tokens, group), snapshot_slots(spec, group, end)
+    else:
+        key, slots = block_key(parent, tokens, start - block_start, group), block_slots(spec, group, end - start)
     assert os.path.basename(path) == key_name(key), (path, key)
-    slots = block_slots(spec, group, end - start)
     assert len(chunks) == len(slots)
-    doc = _document(spec, fingerprint, group, parent, block_start, start, end, tokens, {s.name: "0" * 32 for s in slots})
+    doc = _document(spec, fingerprint, group, parent, block_start, start, end, tokens, {s.name: "0" * 32 for s in slots},
+                    snapshot)
 
     def header(digests: list[str]) -> bytes:
         doc["tensors"] = {s.name: d for s, d in zip(slots, digests)}
@@ -167,7 +221,7 @@ def write(
 
     st, _ = atomic.write(path, header_bytes(doc, slots), chunks, header, durable, sync_dir=False)
     return BlockInfo(key, path, group, parent, block_start, start, end, tuple(tokens), st.st_size, tuple(slots),
-                     dict(doc["tensors"]))
+                     dict(doc["tensors"]), snapshot)
 
 
 def read_header(path: str, spec: ModelCacheSpec, fingerprint: str) -> BlockInfo:
@@ -212,8 +266,12 @@ def _parse(path: str, raw: bytes) -> tuple[dict, dict]:
     if type(version) is int and version > BLOCK_VERSION:
         raise CacheFormatError(f"{path} is a version {version} block file, written by a newer semantic; this build "
                                f"reads version {BLOCK_VERSION}: left alone")
-    if version != BLOCK_VERSION or type(version) is not int:
-        raise CacheCorruptError(path, f"block format version {doc.get('format_version')!r}; this build reads {BLOCK_VERSION}")
+    if version not in (POSITIONAL_VERSION, SNAPSHOT_VERSION) or type(version) is not int:
+        raise CacheCorruptError(path, f"block format version {doc.get('format_version')!r}; this build reads "
+                                      f"{POSITIONAL_VERSION} and {SNAPSHOT_VERSION}")
+    # version 1 is positional (no "snapshot"); version 2 says it is a snapshot
+    if doc.get("snapshot", None) is not (True if version == SNAPSHOT_VERSION else None):
+        raise CacheCorruptError(path, f"a version {version} block file with snapshot {doc.get('snapshot')!r}")
     return doc, table
 
 
@@ -234,23 +292,28 @@ def _check(path: str, doc: dict, table: dict, spec: ModelCacheSpec, fingerprint:
         raise CacheCorruptError(path, f"bad positions {ints} or parent {parent!r}")
     if not (isinstance(tokens, list) and len(tokens) == end - bs and all(type(t) is int and t >= 0 for t in tokens)):
         raise CacheCorruptError(path, "token_ids must be the block's non-negative ids from its start to its end")
-    _, expected, offset, slots, names = _expected(spec, group, end - start)
+    snapshot = doc.get("snapshot") is True
+    if snapshot and start != bs:
+        raise CacheCorruptError(path, f"a snapshot starts at its block start {bs}, not {start}")
+    _, expected, offset, slots, names = _expected(spec, group, end if snapshot else end - start, snapshot)
     if canon(table) != expected or data_offset + offset != size:
         raise CacheCorruptError(path, f"tensor table or size ({size} bytes) does not match the block's layout")
     if not isinstance(digests, dict) or sorted(digests) != names:
         raise CacheCorruptError(path, "the document's checksums do not name the layout's tensors")
     key = key_of_name(os.path.basename(path))
-    if key is None or key != block_key(parent, tokens, start - bs, group):
+    want = snapshot_key(parent, tokens, group) if snapshot else block_key(parent, tokens, start - bs, group)
+    if key is None or key != want:
         raise CacheCorruptError(path, "the file's name is not the key of what it holds")
-    return BlockInfo(key, path, group, parent, bs, start, end, tuple(tokens), size, slots, dict(digests))
+    return BlockInfo(key, path, group, parent, bs, start, end, tuple(tokens), size, slots, dict(digests), snapshot)
 
 
 @functools.lru_cache(maxsize=1024)
-def _expected(spec: ModelCacheSpec, group: str, n: int) -> tuple[str, str, int, tuple[TensorSlot, ...], list[str]]:
-    """What a block file of ``n`` tokens of ``group`` must say, computed once per shape (a startup scan
-    reads every block file's header): its layer specs and tensor table as canonical JSON (``canon``: 1,
-    1.0 and true differ), its tensors' bytes, slots and sorted names."""
-    slots = tuple(block_slots(spec, group, n))
+def _expected(spec: ModelCacheSpec, group: str, n: int, snapshot: bool = False
+              ) -> tuple[str, str, int, tuple[TensorSlot, ...], list[str]]:
+    """What a block file of ``n`` tokens of ``group`` (a snapshot: after ``n`` tokens) must say, computed
+    once per shape (a startup scan reads every block file's header): its layer specs and tensor table as
+    canonical JSON (``canon``: 1, 1.0 and true differ), its tensors' bytes, slots and sorted names."""
+    slots = tuple(snapshot_slots(spec, group, n) if snapshot else block_slots(spec, group, n))
     table, offset = {}, 0
     for s in slots:
         table[s.name] = _entry(s, offset)

@@ -5,7 +5,8 @@
     <cache dir>/
         <slug>-<digest>.kvm          one manifest per agent (``manifest``): its tokens and extents
         blocks-<model digest>/
-            <key>.kvb                block files (``blockfile``), shared by every manifest that names them
+            <key>.kvb                block files (``blockfile``), shared by every manifest that names them:
+                                     positions of a group, or a snapshot of a group that resumes only from one
         quarantine/                  files that failed their checks
         <slug>-<digest>.safetensors  a cache file of the single-file layout: converted on its first load
 
@@ -62,7 +63,7 @@ class BlockFiles(AgentIndex):
         super().__init__(directory, spec, fingerprint, durable=durable, lock=lock, quarantine=quarantine)
         self.bt = block_tokens
         # a newer block format (or another model, spec, block size) gets a folder of its own
-        key = f"{fingerprint}|{spec.fingerprint()}|{block_tokens}|{blockfile.BLOCK_VERSION}"
+        key = f"{fingerprint}|{spec.fingerprint()}|{block_tokens}|{blockfile.DIR_VERSION}"
         digest = xxhash.xxh3_64(key.encode()).hexdigest()[:12]
         self.blocks_dir = directory / f"blocks-{digest}"
         self.index = BlockIndex()
@@ -123,7 +124,8 @@ class BlockFiles(AgentIndex):
         with self.lock:
             plan = self.index.plan(self.spec, blocks.token_ids, chain, blocks.salt_root, prepared.stored_from, self.bt)
         per_group = {g: sum(self.spec.layers[i].token_bytes() for i in layers) for g, layers in self.spec.groups().items()}
-        return int(sum((nb.end - nb.start) * per_group[nb.group] for nb in plan.new)) + 8 * len(blocks.token_ids)
+        return int(sum(_snapshot_bytes(self.spec, nb) if nb.snapshot else (nb.end - nb.start) * per_group[nb.group]
+                       for nb in plan.new)) + 8 * len(blocks.token_ids)
 
     def write(self, agent_id: str, blocks: AgentBlocks, prepared: cachefile.PreparedSave) -> Held:
         """Write the block files ``blocks`` lacks on disk, then the agent's manifest; not indexed yet
@@ -157,7 +159,7 @@ class BlockFiles(AgentIndex):
                     extra = self.extras.get(agent_id)
                     self._extra_stale.discard(agent_id)
                 m = Manifest(agent_id, self.fingerprint, self.spec, self.bt, tokens, blocks.salt_root,
-                             dict(prepared.stored_from), plan.extents, extra)
+                             dict(prepared.stored_from), plan.extents, extra, snapshots=plan.snapshots)
                 n = manifest.write(str(path), m, self.durable)
                 with self.lock:
                     if agent_id not in self._extra_stale:
@@ -171,6 +173,13 @@ class BlockFiles(AgentIndex):
 
     def _write_block(self, nb: NewBlock, tokens, prepared: cachefile.PreparedSave) -> BlockInfo:
         path = str(self.blocks_dir / blockfile.key_name(nb.key))
+        if nb.snapshot:  # the saved buffer of a snapshot group is its snapshot: every tensor whole
+            slots = blockfile.snapshot_slots(self.spec, nb.group, nb.end)
+            by_name = {s.name: k for k, s in enumerate(prepared.slots)}
+            assert all(prepared.slots[by_name[s.name]].shape == s.shape for s in slots), nb
+            chunks = [prepared.chunks[by_name[s.name]] for s in slots]
+            return blockfile.write(path, self.spec, self.fingerprint, nb.group, nb.parent, nb.block_start, nb.start,
+                                   tuple(tokens[nb.block_start:nb.end]), chunks, self.durable, snapshot=True)
         slots = blockfile.block_slots(self.spec, nb.group, nb.end - nb.start)
         by_name = {s.name: k for k, s in enumerate(prepared.slots)}
         chunks = [_slice(prepared.chunks[by_name[s.name]], prepared.slots[by_name[s.name]], nb.buffer, nb.end - nb.start)
@@ -352,7 +361,12 @@ class BlockFiles(AgentIndex):
 
 def _with_extra(m: Manifest, doc: dict) -> Manifest:
     return Manifest(m.agent_id, m.model_fingerprint, m.spec, m.block_tokens, m.token_ids, m.hash_root, m.stored_from,
-                    m.extents, doc)
+                    m.extents, doc, snapshots=m.snapshots)
+
+
+def _snapshot_bytes(spec: ModelCacheSpec, nb: NewBlock) -> int:
+    """The tensor bytes of a snapshot file."""
+    return sum(s.nbytes for s in blockfile.snapshot_slots(spec, nb.group, nb.end))
 
 
 def _slice(chunks: list[memoryview], slot, first: int, n: int) -> list[memoryview]:

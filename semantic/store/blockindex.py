@@ -10,6 +10,10 @@ holds for this history; what none holds becomes a new block file::
     on disk        [ A       ][ B       ][ C: 512..612   ]
     extents        A 0..256    B 256..512  C 512..612       new: 612..700
 
+A group that resumes only from a snapshot has one extent: the snapshot file
+of its cache after the whole history (``blockfile.snapshot_key``), written
+unless some save of the same history wrote it already.
+
 A file is referenced by every manifest whose extents name it, and pinned
 while a save that plans to use it is between planning and its manifest. A
 file neither referenced nor pinned is garbage: the store deletes it.
@@ -22,9 +26,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from semantic.blockplan import stored_ranges
+from semantic.blockplan import snapshot_span, stored_ranges
 from semantic.spec import ModelCacheSpec
-from semantic.store.blockfile import BlockInfo, block_key
+from semantic.store.blockfile import BlockInfo, block_key, snapshot_key
 from semantic.store.manifest import Extent
 
 
@@ -40,6 +44,7 @@ class NewBlock:
     start: int
     end: int
     buffer: int
+    snapshot: bool = False  # the group's whole cache after ``end`` (``start``: the block start)
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +52,7 @@ class SavePlan:
     extents: dict[str, tuple[Extent, ...]]
     new: tuple[NewBlock, ...]
     reused: frozenset[int]
+    snapshots: frozenset[str] = frozenset()  # the groups whose extent is a snapshot file
 
 
 @dataclass(slots=True)
@@ -125,8 +131,12 @@ class BlockIndex:
     def plan(self, spec: ModelCacheSpec, tokens: Sequence[int], chain: Sequence[int], salt_root: int | None,
              stored_from: dict[str, int], bt: int) -> SavePlan:
         """The extents of a history and the block files it lacks (nothing changes; the caller pins)."""
-        extents, new, reused = {}, [], set()
+        extents, new, reused, snapshots = {}, [], set(), set()
         for group, layers in spec.groups().items():
+            if spec.layers[layers[0]].snapshot_only(bt):
+                snapshots.add(group)
+                extents[group] = self._snapshot(group, tokens, chain, salt_root, bt, new, reused)
+                continue
             out: list[Extent] = []
             buffered = 0
             for a, b in stored_ranges(spec.layers[layers[0]], len(tokens), stored_from.get(group)):
@@ -150,14 +160,27 @@ class BlockIndex:
                     p = u
                 buffered += b - a
             extents[group] = tuple(out)
-        return SavePlan(extents, tuple(new), frozenset(reused))
+        return SavePlan(extents, tuple(new), frozenset(reused), frozenset(snapshots))
+
+    def _snapshot(self, group, tokens, chain, salt_root, bt, new: list, reused: set) -> tuple[Extent, ...]:
+        """A snapshot group's extent: the file of its cache after all of ``tokens`` (reused when indexed)."""
+        if not tokens:
+            return ()
+        s, t = snapshot_span(len(tokens), bt)
+        parent = chain[s // bt - 1] if s else salt_root
+        key = snapshot_key(parent, tokens[s:t], group)
+        if key in self.infos:
+            reused.add(key)
+        else:
+            new.append(NewBlock(key, group, parent, s, s, t, 0, snapshot=True))
+        return (Extent(key, s, t),)
 
     def _best(self, parent, group, tokens, bs, p, q) -> tuple[int | None, int]:
         """The file holding the most of ``[p, q)`` for this history from ``p`` on, and how far it goes."""
         best, far = None, p
         for k in self.children.get((parent, group), ()):
             info = self.infos[k]
-            if info.start <= p < info.end:
+            if info.start <= p < info.end and not info.snapshot:
                 u = info.usable_end(tokens, parent, q)
                 if u > far:
                     best, far = k, u
@@ -168,6 +191,6 @@ class BlockIndex:
         out = q
         for k in self.children.get((parent, group), ()):
             info = self.infos[k]
-            if p < info.start < out and info.usable_end(tokens, parent, q) > info.start:
+            if p < info.start < out and not info.snapshot and info.usable_end(tokens, parent, q) > info.start:
                 out = info.start
         return out

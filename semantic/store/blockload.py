@@ -11,6 +11,20 @@ A block file that fails its checksum is handed to ``on_bad`` (the store
 quarantines it) and the load starts again without it: the agent resumes
 from the blocks before it, and the turn prefills the rest. A history cut
 short must still hold every group's window at the cut, else the load misses.
+
+A group that resumes only from a snapshot (``manifest``: ``snapshots``) loads
+from its snapshot file after the whole history, and from nothing else of the
+manifest. When that file, or a positional block before the end, is lost, the
+history resumes where every such group finds a snapshot file on disk of a
+prefix of it (another agent's: a shared system prompt's, an earlier branch's)
+that the other groups' extents also cover; else it misses::
+
+    history           [ sys ........ | q1 a1 ............ | q2 ..... ]
+    snapshot files           ^ agent b's (its history ends there)      ^ ours: damaged
+    resumes from             ^ (global blocks cover [0, sys))
+
+A manifest written before snapshots holds a short window's positions; its
+snapshot is assembled from them (``_block_data``), at any prefix they cover.
 """
 
 from __future__ import annotations
@@ -18,11 +32,12 @@ from __future__ import annotations
 import logging
 import os
 from contextlib import AbstractContextManager
+from dataclasses import replace
 from typing import Callable
 
 import mlx.core as mx
 
-from semantic.blockplan import chain_keys, commit, plan_blocks
+from semantic.blockplan import chain_keys, commit, plan_blocks, snapshot_span
 from semantic.blocks import AgentBlocks, LayerKV
 from semantic.cachefile.atomic import hasher
 from semantic.cachefile.loading import _digest_arrays
@@ -30,6 +45,7 @@ from semantic.errors import CacheCorruptError
 from semantic.pool import BlockPool
 from semantic.store import blockfile
 from semantic.store.blockfile import BlockInfo
+from semantic.spec import RECURRENT
 from semantic.store.manifest import Extent, Manifest
 
 log = logging.getLogger(__package__)
@@ -37,11 +53,22 @@ log = logging.getLogger(__package__)
 
 def whole_prefix(m: Manifest, infos: dict[int, BlockInfo]) -> int:
     """The longest history prefix (the whole history, or a block boundary) every group can load
-    from the files indexed now; 0 when none."""
+    from the files indexed now; 0 when none (see the module doc for snapshot groups)."""
+    return _prefix(m, infos)[0]
+
+
+def _prefix(m: Manifest, infos: dict[int, BlockInfo]) -> tuple[int, Manifest]:
+    """:func:`whole_prefix`, and the manifest to load it with: ``m``, or ``m`` with each snapshot group's
+    extent naming the snapshot file found at that prefix."""
     bt, chain = m.block_tokens, chain_keys(m.token_ids, m.block_tokens, m.hash_root)
     good: dict[str, list[tuple[int, int]]] = {}
     bad = m.total_tokens
+    lost = False  # a snapshot file of the whole history
     for g, extents in m.extents.items():
+        if g in m.snapshots:
+            lost = lost or not all(_fits_snapshot(infos.get(e.key), g, m, chain) and e.end == m.total_tokens
+                                   for e in extents)
+            continue
         cover = good[g] = []
         for e in extents:
             if not _fits(e, infos.get(e.key), g, m, chain):
@@ -51,16 +78,45 @@ def whole_prefix(m: Manifest, infos: dict[int, BlockInfo]) -> int:
                 cover[-1] = (cover[-1][0], e.end)
             else:
                 cover.append((e.start, e.end))
-    if bad == m.total_tokens:
-        return bad
+    if bad == m.total_tokens and not lost:
+        return bad, m
+    positional = [(g, m.spec.layers[layers[0]]) for g, layers in m.spec.groups().items() if g not in m.snapshots]
+    if m.snapshots:
+        at = _snapshots_on_disk(m, infos, chain, bad if not lost else min(bad, m.total_tokens - 1))
+        for total in sorted(at, reverse=True):
+            if all(_covered(layer.held_ranges(total), good[g]) for g, layer in positional):
+                return total, replace(m, extents={**m.extents, **{
+                    g: (Extent(key, info_start, total),) for g, (key, info_start) in at[total].items()}})
+        return 0, m
     for total in range(bad - bad % bt, 0, -bt):
-        if all(_covered(m.spec.layers[layers[0]].held_ranges(total), good[g]) for g, layers in m.spec.groups().items()):
-            return total
-    return 0
+        if all(_covered(layer.held_ranges(total), good[g]) for g, layer in positional):
+            return total, m
+    return 0, m
+
+
+def _snapshots_on_disk(m: Manifest, infos: dict[int, BlockInfo], chain: list[int], upto: int) -> dict:
+    """Per prefix length ``t <= upto``, the snapshot file of each snapshot group after the history's
+    first ``t`` tokens, ``{t: {group: (key, block start)}}``, for the ``t`` where every group has one."""
+    at: dict[int, dict[str, tuple[int, int]]] = {}
+    for info in infos.values():
+        if info.snapshot and info.group in m.snapshots and info.end <= upto and _fits_snapshot(info, info.group, m, chain):
+            at.setdefault(info.end, {})[info.group] = (info.key, info.start)
+    return {t: got for t, got in at.items() if len(got) == len(m.snapshots)}
+
+
+def _fits_snapshot(info: BlockInfo | None, group: str, m: Manifest, chain: list[int]) -> bool:
+    """Whether ``info`` is a snapshot of ``group`` after a prefix of ``m``'s history (all its tokens match)."""
+    if info is None or not info.snapshot or info.group != group or info.end > m.total_tokens:
+        return False
+    bs = info.block_start
+    if (bs, info.end) != snapshot_span(info.end, m.block_tokens):
+        return False
+    parent = chain[bs // m.block_tokens - 1] if bs else m.hash_root
+    return info.usable_end(m.token_ids[bs:info.end], parent, info.end) == info.end
 
 
 def _fits(e: Extent, info: BlockInfo | None, group: str, m: Manifest, chain: list[int]) -> bool:
-    if info is None or info.group != group or not info.start <= e.start < e.end <= info.end:
+    if info is None or info.snapshot or info.group != group or not info.start <= e.start < e.end <= info.end:
         return False
     bs = info.block_start
     parent = chain[bs // m.block_tokens - 1] if bs else m.hash_root
@@ -85,11 +141,11 @@ def load(m: Manifest, infos: Callable[[], dict[int, BlockInfo]], pool: BlockPool
     """
     for _ in range(8):
         files = infos()
-        total = whole_prefix(m, files)
+        total, at = _prefix(m, files)
         if total == 0:
             return None
         try:
-            return _load_prefix(m, total, files, pool, pool_lock, release)
+            return _load_prefix(at, total, files, pool, pool_lock, release)
         except _Bad as bad:
             on_bad(bad.info, bad.reason)
         except _Unreadable as exc:  # a miss this time; the files stay
@@ -130,9 +186,17 @@ def _overlapping(m: Manifest, group: str, a: int, b: int) -> list[Extent]:
     return [e for e in m.extents[group] if e.start < b and a < e.end]
 
 
+def _extents(m: Manifest, p) -> list[Extent]:
+    """The extents a missed planned block reads: its positions' (a snapshot of a manifest written before
+    snapshots: the positions its window holds then; of a later one: its snapshot file)."""
+    if p.snapshot and p.group not in m.snapshots:
+        layer = m.spec.layers[p.layers[0]]
+        return [e for a, b in layer.held_ranges(p.end) for e in _overlapping(m, p.group, a, b)]
+    return _overlapping(m, p.group, p.start, p.end)
+
+
 def _needed(m: Manifest, planned, arrays) -> set[int]:
-    return {e.key for p in planned.blocks if p.hit is None for e in _overlapping(m, p.group, p.start, p.end)
-            if e.key not in arrays}
+    return {e.key for p in planned.blocks if p.hit is None for e in _extents(m, p) if e.key not in arrays}
 
 
 def _read(keys: set[int], files: dict[int, BlockInfo], arrays: dict) -> None:
@@ -170,6 +234,8 @@ def _read(keys: set[int], files: dict[int, BlockInfo], arrays: dict) -> None:
 
 def _block_data(m: Manifest, p, files, arrays) -> dict[int, LayerKV]:
     """A missed planned block's K/V per layer, from the files its extents name."""
+    if p.snapshot:
+        return _snapshot_data(m, p, files, arrays)
     parts = []
     for e in _overlapping(m, p.group, p.start, p.end):
         info = files[e.key]
@@ -187,6 +253,34 @@ def _block_data(m: Manifest, p, files, arrays) -> dict[int, LayerKV]:
             sides.append(pieces[0] if len(names) == 1 else tuple(pieces))
         out[i] = tuple(sides)
     return out
+
+
+def _snapshot_data(m: Manifest, p, files, arrays) -> dict[int, LayerKV]:
+    """A snapshot block's layers in the pool's format (``convert``): a recurrent layer's ``(arrays, ())``,
+    a short window's ``(keys, values)`` of the tokens it holds after ``p.end``, in temporal order."""
+    if p.group in m.snapshots:
+        (e,) = _overlapping(m, p.group, p.start, p.end)
+        info, t = files[e.key], arrays[e.key]
+        assert info.snapshot and (info.start, info.end) == (p.start, p.end), (info, p)
+        out = {}
+        for i in p.layers:
+            layer = m.spec.layers[i]
+            if layer.kind == RECURRENT:
+                out[i] = (tuple(t[f"layer.{i}.state.{j}"] for j in range(len(layer.arrays))), ())
+            else:
+                out[i] = (t[f"layer.{i}.keys"], t[f"layer.{i}.values"])
+        return out
+    # a manifest written before snapshots: the window's positions, cut out of its positional files
+    layer = m.spec.layers[p.layers[0]]
+    parts = []
+    for a, b in layer.held_ranges(p.end):
+        for e in _overlapping(m, p.group, a, b):
+            info = files[e.key]
+            lo, hi = max(e.start, a) - info.start, min(e.end, b) - info.start
+            parts.append((arrays[e.key], lo, hi))
+    assert sum(hi - lo for _, lo, hi in parts) == layer.tokens_held(p.end), (p.start, p.end)
+    return {i: tuple(_join([t[f"layer.{i}.{side}"][..., lo:hi, :] for t, lo, hi in parts], False)
+                     for side in ("keys", "values")) for i in p.layers}
 
 
 def _cut(x: mx.array, lo: int, hi: int, whole: bool) -> mx.array:

@@ -146,7 +146,7 @@ class RemoteFetch:
         with self.pool_lock:
             plan = blockplan.plan_blocks(self.pool, self.files.spec, token_ids, chain, salt_root=salt_root)
         have = len(chain)
-        for group in {p.group for p in plan.blocks}:
+        for group in {p.group for p in plan.blocks if not p.snapshot}:  # a snapshot is no leading block
             spans = [p for p in plan.blocks if p.group == group]
             if spans and spans[0].start == 0:
                 hits = 0

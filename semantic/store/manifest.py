@@ -13,7 +13,18 @@
                  block file      block file      turn 1's part    turn 2's part
 
 An extent ``[key, a, b)`` uses positions ``a..b`` of the block file ``key``
-(any part of it: a history may use a prefix of another's block). The
+(any part of it: a history may use a prefix of another's block). A group that
+resumes only from a snapshot (``LayerSpec.snapshot_only``) has one extent,
+``[key, s, T]``: the snapshot file of its cache after all ``T`` tokens, ``s``
+the block start before ``T`` (``blockplan.snapshot_span``); such groups are
+listed in ``"snapshots"``. A manifest without that list was written before
+snapshots: a short window's extents there are positional, and its window is
+assembled from them on load::
+
+    "snapshots": ["sliding-w128-k0"]
+    "sliding-w128-k0": [[key, 512, 600]]      the window after 600 tokens, one snapshot file
+
+The
 manifest is written after its block files are durable, atomically (temp,
 fsync, rename, fsync the directory), so a crash leaves the old manifest or
 the new one. A manifest of a newer format is refused with
@@ -30,10 +41,10 @@ from dataclasses import dataclass, field
 import xxhash
 
 from semantic import cachefile, compat
-from semantic.blockplan import stored_ranges
+from semantic.blockplan import snapshot_span, stored_ranges
 from semantic.cachefile import atomic
 from semantic.errors import CacheCorruptError, CacheFormatError, CacheMismatchError
-from semantic.spec import ModelCacheSpec
+from semantic.spec import RECURRENT, ModelCacheSpec
 from semantic.store.files import file_name
 
 MANIFEST_SUFFIX = ".kvm"
@@ -64,6 +75,8 @@ class Manifest:
     extents: dict[str, tuple[Extent, ...]]
     extra: dict | None = None
     nbytes: int = field(default=0, compare=False)
+    snapshots: frozenset[str] = frozenset()  # groups whose one extent is a snapshot file
+
 
     @property
     def total_tokens(self) -> int:
@@ -105,6 +118,8 @@ def encode(m: Manifest) -> bytes:
         "mlx": compat.MLX_VERSION,
         "mlx_lm": compat.MLX_LM_VERSION,
     }
+    if m.snapshots:
+        doc["snapshots"] = sorted(m.snapshots)
     text = json.dumps(doc, separators=(",", ":"))
     return json.dumps({DOC_KEY: text, HASH_KEY: xxhash.xxh3_128(text.encode()).hexdigest()}).encode()
 
@@ -176,14 +191,48 @@ def _fields(path, doc, spec, fingerprint, block_tokens, nbytes) -> Manifest:
     stored_from = doc["stored_from"]
     if not isinstance(stored_from, dict) or not all(type(v) is int for v in stored_from.values()):
         raise ValueError("stored_from must map groups to positions")
+    snapshots = _snapshots(path, doc, spec, block_tokens)
     extents = {}
     for g, layers in spec.groups().items():
         rows = doc["extents"].get(g, [])
         extents[g] = tuple(Extent(unhex(k), a, b) for k, a, b in rows)
-        _check_cover(path, spec.layers[layers[0]], len(tokens), stored_from.get(g), extents[g], block_tokens)
+        if g in snapshots:
+            if g in stored_from:
+                raise CacheCorruptError(path, f"stored_from names the snapshot group {g!r}")
+            _check_snapshot(path, len(tokens), extents[g], block_tokens)
+        else:
+            _check_cover(path, spec.layers[layers[0]], len(tokens), stored_from.get(g), extents[g], block_tokens)
     extra = doc.get("extra")
     return Manifest(agent_id, fingerprint, spec, block_tokens, tuple(tokens), root, dict(stored_from), extents,
-                    extra if isinstance(extra, dict) else None, nbytes)
+                    extra if isinstance(extra, dict) else None, nbytes, snapshots)
+
+
+def snapshot_groups(spec: ModelCacheSpec, block_tokens: int) -> frozenset[str]:
+    """The groups of ``spec`` that resume only from a snapshot under ``block_tokens`` (``LayerSpec.snapshot_only``)."""
+    return frozenset(g for g, ix in spec.groups().items() if spec.layers[ix[0]].snapshot_only(block_tokens))
+
+
+def _snapshots(path, doc, spec: ModelCacheSpec, block_tokens: int) -> frozenset[str]:
+    """The document's snapshot groups: every snapshot-only group, or (a manifest written before snapshots)
+    none, which only a short window's positional extents can be."""
+    raw = doc.get("snapshots")
+    want = snapshot_groups(spec, block_tokens)
+    if raw is None:
+        recurrent = [g for g in want if spec.layers[spec.groups()[g][0]].kind == RECURRENT]
+        if recurrent:
+            raise CacheCorruptError(path, f"the recurrent group {recurrent[0]!r} has no snapshot")
+        return frozenset()
+    if not isinstance(raw, list) or not all(isinstance(g, str) for g in raw) or set(raw) != want or len(raw) != len(want):
+        raise CacheCorruptError(path, f"snapshots {raw!r}: this spec's snapshot groups are {sorted(want)}")
+    return want
+
+
+def _check_snapshot(path, total: int, extents, bt: int) -> None:
+    """A snapshot group's extents: one, spanning the last block start before ``total`` to it (none when empty)."""
+    want = [snapshot_span(total, bt)] if total else []
+    if [(e.start, e.end) for e in extents] != want:
+        raise CacheCorruptError(path, f"a snapshot group's extents are {[(e.start, e.end) for e in extents][:3]}, "
+                                      f"a snapshot after {total} tokens is {want}")
 
 
 def _check_cover(path, layer, total, stored_from, extents, bt) -> None:

@@ -1,0 +1,444 @@
+"""The block layout keeps snapshots: groups that resume only from their whole cache (``LayerSpec.snapshot_only``).
+
+Tiny random-weight models, 16-token blocks: LFM2 and Qwen3-Next (recurrent layers beside global ones) and
+gpt-oss with a window of 8 (a sliding window shorter than a block). A saved agent, loaded by a new store
+over the same directory into a fresh pool, continues exactly like a fresh prefill; a system prompt's
+snapshot is one file for every agent that ends there; a damaged snapshot is quarantined and the agent
+resumes from less; unused snapshot files are collected; files written before snapshots (positional
+extents of a short window, and the single-file layout) still load; the shared tier carries snapshot files.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models import gpt_oss, lfm2, qwen3_next
+
+from semantic import AgentCacheStore, Request
+from semantic.cachefile import DOC_KEY
+from semantic.errors import UnsupportedCacheError
+from semantic.remote import Fetched
+from semantic.spec import RECURRENT, LayerSpec
+from semantic.store import blockfile, blockload, manifest, manifest_name
+from tests.cache_helpers import LOGPROB_TOL, arrays, engine, generate, history, run
+from tests.redis_helpers import RedisServer
+
+pytestmark = pytest.mark.compat
+
+FP = "tiny-snapshots"
+BT = 16
+SYSTEM = history(37, seed=11)  # two full blocks and 5 tokens
+
+
+# ---------------------------------------------------------------- tiny models (random weights)
+
+
+def _tiny_lfm2():
+    mx.random.seed(0)
+    args = lfm2.ModelArgs.from_dict({
+        "model_type": "lfm2", "vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "max_position_embeddings": 4096, "norm_eps": 1e-5, "conv_bias": False,
+        "conv_L_cache": 3, "block_dim": 64, "block_ff_dim": 128, "block_multiple_of": 16,
+        "block_ffn_dim_multiplier": 1.0, "block_auto_adjust_ff_dim": False, "full_attn_idxs": [1, 3],
+        "rope_theta": 10000.0})
+    model = lfm2.Model(args)
+    mx.eval(model.parameters())
+    return model
+
+
+def _tiny_qwen3_next():
+    mx.random.seed(0)
+    args = qwen3_next.ModelArgs.from_dict(dict(
+        model_type="qwen3_next", hidden_size=64, num_hidden_layers=4, intermediate_size=128, num_attention_heads=4,
+        linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+        linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1,
+        shared_expert_intermediate_size=64, mlp_only_layers=[], moe_intermediate_size=32, rms_norm_eps=1e-6,
+        vocab_size=256, num_key_value_heads=2, rope_theta=10000.0, partial_rotary_factor=0.5,
+        max_position_embeddings=4096, head_dim=16, full_attention_interval=2))
+    model = qwen3_next.Model(args)
+    mx.eval(model.parameters())
+    return model
+
+
+def _tiny_gpt_oss(window=8):
+    mx.random.seed(0)
+    args = gpt_oss.ModelArgs.from_dict(dict(
+        model_type="gpt_oss", num_hidden_layers=4, num_local_experts=4, num_experts_per_tok=2, vocab_size=256,
+        hidden_size=64, intermediate_size=64, head_dim=16, num_attention_heads=4, num_key_value_heads=2,
+        sliding_window=window, layer_types=["sliding_attention", "full_attention"] * 2))
+    model = gpt_oss.Model(args)
+    mx.eval(model.parameters())
+    return model
+
+
+_MAKERS = {"lfm2": _tiny_lfm2, "qwen3_next": _tiny_qwen3_next, "gpt_oss": _tiny_gpt_oss}
+_BUILT: dict[str, object] = {}
+
+
+def _model(name):
+    if name not in _BUILT:
+        _BUILT[name] = _MAKERS[name]()
+    return _BUILT[name]
+
+
+@pytest.fixture(params=list(_MAKERS))
+def model(request):
+    return _model(request.param)
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def _engine(model, blocks=256):
+    return engine(model, blocks=blocks, block_tokens=BT)
+
+
+def _store(eng, path, layout="blocks", remote=None):
+    return AgentCacheStore(path, eng.spec, FP, 10**9, pool=eng.pool, durable=False, layout=layout, remote=remote)
+
+
+def _snapshot_group(spec) -> str:
+    (group,) = [g for g, ix in spec.groups().items() if spec.layers[ix[0]].snapshot_only(BT)]
+    return group
+
+
+def _infos(path: Path, spec) -> list[blockfile.BlockInfo]:
+    return [blockfile.read_header(str(p), spec, FP) for p in sorted(path.glob("blocks-*/*.kvb"))]
+
+
+def _snapshot_files(path: Path, spec) -> list[blockfile.BlockInfo]:
+    return [i for i in _infos(path, spec) if i.snapshot]
+
+
+def _manifest(path: Path, spec, agent: str) -> manifest.Manifest:
+    return manifest.read(str(path / manifest_name(agent)), spec, FP, BT)
+
+
+def _continues_like_a_fresh_prefill(eng, loaded, tokens):
+    """A turn on ``tokens`` + 2 from ``loaded`` (all of them, or a prefix: the rest is prefilled) against one
+    from nothing: the same greedy tokens, logprobs within LOGPROB_TOL."""
+    assert tuple(tokens[: loaded.total_tokens]) == loaded.token_ids
+    cont = eng.submit(Request("cont", [*tokens, 3, 4], 6), loaded, share=False)
+    ref = eng.submit(Request("ref", [*tokens, 3, 4], 6), share=False)
+    out = run(eng)
+    assert out[cont].cached_tokens == loaded.total_tokens
+    assert out[cont].token_ids == out[ref].token_ids
+    np.testing.assert_allclose(out[cont].logprobs, out[ref].logprobs, atol=LOGPROB_TOL, rtol=0)
+    return out[cont].blocks
+
+
+def _damage_tensors(path: str) -> None:
+    raw = bytearray(Path(path).read_bytes())
+    raw[-3] ^= 0xFF  # the last tensor's bytes: the header still checks, the checksum does not
+    Path(path).write_bytes(bytes(raw))
+
+
+# ---------------------------------------------------------------- save, restart, load
+
+
+def test_a_saved_agent_reloads_after_a_restart_and_continues_like_a_fresh_prefill(model, tmp_path):
+    eng = _engine(model)
+    done = generate(eng, "a", history(45, seed=1), 4)
+    store = _store(eng, tmp_path)
+    store.save("a", done.blocks)
+    spec, total = eng.spec, done.blocks.total_tokens
+    group = _snapshot_group(spec)
+
+    (snap,) = _snapshot_files(tmp_path, spec)
+    assert (snap.group, snap.block_start, snap.start, snap.end) == (group, (total - 1) // BT * BT, (total - 1) // BT * BT, total)
+    assert snap.token_ids == done.blocks.token_ids[snap.start:]
+    for s in snap.slots:
+        layer = spec.layers[s.layer]
+        if layer.kind == RECURRENT:
+            assert s.name.startswith(f"layer.{s.layer}.state.") and s.shape == (1, *layer.arrays[s.part][0])
+            assert s.dtype == layer.arrays[s.part][1]
+        else:
+            assert s.shape == (1, layer.n_kv_heads, layer.tokens_held(total), layer.head_dim)
+    m = _manifest(tmp_path, spec, "a")
+    assert m.snapshots == {group} and m.extents[group] == (manifest.Extent(snap.key, snap.start, total),)
+    on_disk = sum(p.stat().st_size for p in tmp_path.rglob("*") if p.is_file())
+    assert store.stats().disk_bytes == on_disk  # the snapshot file counts in the budget
+
+    fresh = _engine(model)  # a restart: a new pool, a new store over the same directory
+    loaded = _store(fresh, tmp_path).load("a")
+    assert loaded is not None and loaded.total_tokens == total
+    assert_identical_snapshot(loaded, done.blocks)
+    _continues_like_a_fresh_prefill(fresh, loaded, list(loaded.token_ids) + history(7, seed=2))
+
+
+def assert_identical_snapshot(a, b) -> None:
+    """Every layer's cache rebuilt from ``a`` equals ``b``'s (recurrent states included)."""
+    from semantic import convert, compat
+
+    assert a.token_ids == b.token_ids
+    for x, y in zip(convert.reconstruct(a), convert.reconstruct(b)):
+        xs = compat.cache_arrays(x) if not x.empty() else []
+        ys = compat.cache_arrays(y) if not y.empty() else []
+        assert len(xs) == len(ys)
+        for p, q in zip(xs, ys):
+            assert p.shape == q.shape and p.dtype == q.dtype
+            assert np.array_equal(np.array(p), np.array(q))
+
+
+def test_a_turn_after_a_load_writes_a_new_snapshot_and_collects_the_one_no_manifest_names(model, tmp_path):
+    eng = _engine(model)
+    store = _store(eng, tmp_path)
+    first = generate(eng, "a", history(30, seed=3), 2).blocks
+    store.save("a", first)
+    (old,) = _snapshot_files(tmp_path, eng.spec)
+    uid = eng.submit(Request("a", [*first.token_ids, 9, 8, 7], 2), first, share=False)
+    second = run(eng)[uid].blocks
+    store.save("a", second)
+    (new,) = _snapshot_files(tmp_path, eng.spec)
+    assert new.end == second.total_tokens and not Path(old.path).exists() and store.stats().collected >= 1
+    fresh = _engine(model)
+    _continues_like_a_fresh_prefill(fresh, _store(fresh, tmp_path).load("a"), list(second.token_ids))
+    assert store.delete("a") and not list(tmp_path.glob("blocks-*/*.kvb"))  # every file goes with its agent
+
+
+# ---------------------------------------------------------------- sharing and damage
+
+
+def test_a_system_prompt_snapshot_is_one_file_for_every_agent_that_ends_there(tmp_path):
+    model = _model("lfm2")
+    eng = _engine(model)
+    store = _store(eng, tmp_path)
+    a = generate(eng, "a", SYSTEM, 1).blocks  # a cache of the system prompt alone
+    store.save("a", a)
+    files, written = {p.name for p in tmp_path.glob("blocks-*/*.kvb")}, store.stats().written_bytes
+    b = generate(eng, "b", SYSTEM, 1).blocks
+    store.save("b", b)
+    assert {p.name for p in tmp_path.glob("blocks-*/*.kvb")} == files  # nothing written twice
+    assert store.stats().written_bytes - written == (tmp_path / manifest_name("b")).stat().st_size
+    (snap,) = _snapshot_files(tmp_path, eng.spec)
+    assert _manifest(tmp_path, eng.spec, "a").keys() == _manifest(tmp_path, eng.spec, "b").keys()
+    assert store.stats().disk_shared_bytes >= snap.nbytes
+    store.delete("a")
+    assert Path(snap.path).exists()  # b still names it
+    fresh = _engine(model)
+    loaded = _store(fresh, tmp_path).load("b")
+    assert loaded.token_ids == b.token_ids == a.token_ids  # the prompt and the greedy token it fed
+    _continues_like_a_fresh_prefill(fresh, loaded, list(loaded.token_ids))
+
+
+@pytest.mark.parametrize("which", ["snapshot", "positional"])
+def test_a_damaged_file_is_quarantined_and_the_agent_resumes_exactly_from_the_system_prompts_snapshot(tmp_path, which):
+    model = _model("qwen3_next")
+    eng = _engine(model)
+    store = _store(eng, tmp_path)
+    sys = generate(eng, "sys", SYSTEM, 1).blocks  # the system prompt and the token it fed: 38
+    store.save("sys", sys)
+    mine = generate(eng, "a", [*sys.token_ids, *history(40, seed=4)], 3).blocks
+    store.save("a", mine)
+    m = _manifest(tmp_path, eng.spec, "a")
+    group = _snapshot_group(eng.spec)
+    infos = {i.key: i for i in _infos(tmp_path, eng.spec)}
+    if which == "snapshot":
+        (e,) = m.extents[group]
+    else:  # the global block right after the system prompt's snapshot: the prefix before it stays whole
+        e = next(e for g, ex in m.extents.items() if g != group for e in ex if e.start == 48)
+    _damage_tensors(infos[e.key].path)
+
+    fresh = _engine(model)
+    again = _store(fresh, tmp_path)
+    loaded = again.load("a")
+    assert again.stats().quarantined == 1 and not Path(infos[e.key].path).exists()
+    assert loaded is not None and loaded.total_tokens == sys.total_tokens
+    _continues_like_a_fresh_prefill(fresh, loaded, list(mine.token_ids))
+
+
+def test_a_damaged_snapshot_with_no_other_to_fall_back_on_is_a_miss(tmp_path):
+    model = _model("gpt_oss")
+    eng = _engine(model)
+    store = _store(eng, tmp_path)
+    mine = generate(eng, "a", history(50, seed=5), 2).blocks
+    store.save("a", mine)
+    (snap,) = _snapshot_files(tmp_path, eng.spec)
+    _damage_tensors(snap.path)
+    again = _store(_engine(model), tmp_path)
+    assert again.load("a") is None and again.stats().quarantined == 1
+    m = _manifest(tmp_path, eng.spec, "a")
+    assert blockload.whole_prefix(m, {i.key: i for i in _infos(tmp_path, eng.spec)}) == 0
+
+
+def test_a_snapshot_file_serves_only_a_history_that_matches_all_its_tokens(tmp_path):
+    model = _model("lfm2")
+    eng = _engine(model)
+    a = generate(eng, "a", SYSTEM, 1).blocks
+    _store(eng, tmp_path).save("a", a)
+    (snap,) = _snapshot_files(tmp_path, eng.spec)
+    tokens, end = list(a.token_ids[snap.block_start:]), a.total_tokens
+    assert snap.usable_end(tokens, snap.parent, end) == end
+    assert snap.usable_end(tokens[:-1] + [tokens[-1] ^ 1], snap.parent, end) == snap.start  # never a prefix
+    assert snap.usable_end(tokens, snap.parent, end - 1) == snap.start
+    assert snap.usable_end(tokens, (snap.parent or 0) ^ 1, end) == snap.start
+    positional = blockfile.block_key(snap.parent, tuple(tokens), 0, snap.group)
+    assert snap.key == blockfile.snapshot_key(snap.parent, tuple(tokens), snap.group) != positional
+
+
+# ---------------------------------------------------------------- files written before snapshots
+
+
+def _same_arrays(xs, ys) -> None:
+    assert len(xs) == len(ys)
+    for x, y in zip(xs, ys):
+        assert x.dtype == y.dtype and x.shape == y.shape and np.array_equal(x, y)
+
+
+def _positional_short_window(monkeypatch):
+    """Make a window shorter than a block positional again, as builds before snapshots had it."""
+    monkeypatch.setattr(LayerSpec, "snapshot_only", lambda self, block_tokens: self.kind == RECURRENT)
+
+
+def test_a_manifest_with_a_short_windows_positional_extents_still_loads_and_its_next_save_is_a_snapshot(
+        tmp_path, monkeypatch):
+    model = _model("gpt_oss")
+    tokens = history(50, seed=6)
+    with monkeypatch.context() as patch:
+        _positional_short_window(patch)
+        old = _engine(model)
+        done = generate(old, "a", tokens, 3).blocks
+        want = arrays(done)  # its caches, rebuilt as that build did
+        _store(old, tmp_path).save("a", done)
+        group = next(g for g in old.spec.groups() if g.startswith("sliding"))
+        doc = json.loads(json.loads((tmp_path / manifest_name("a")).read_bytes())[manifest.DOC_KEY])
+        assert "snapshots" not in doc and len(doc["extents"][group]) >= 1
+        assert [row[1:] for row in doc["extents"][group]] == [[45, 48], [48, 53]]  # the window, in two files
+        assert not any(i.snapshot for i in _infos(tmp_path, old.spec))
+        old_files = {p.name for p in tmp_path.glob("blocks-*/*.kvb")}
+
+    fresh = _engine(model)
+    store = _store(fresh, tmp_path)
+    m = _manifest(tmp_path, fresh.spec, "a")
+    assert m.snapshots == frozenset()
+    loaded = store.load("a")
+    assert loaded is not None and loaded.token_ids == done.token_ids
+    _same_arrays(arrays(loaded), want)  # the window, assembled from its positional pieces
+    after = _continues_like_a_fresh_prefill(fresh, loaded, list(done.token_ids) + [5, 6])
+    store.save("a", after)
+    sliding = [i for i in _infos(tmp_path, fresh.spec) if i.group == group]
+    assert len(sliding) == 1 and sliding[0].snapshot and sliding[0].end == after.total_tokens
+    assert _manifest(tmp_path, fresh.spec, "a").snapshots == {group}
+    assert old_files - {p.name for p in tmp_path.glob("blocks-*/*.kvb")}  # the old window's files, collected
+
+
+def test_a_short_window_cache_file_of_the_single_file_layout_still_loads_in_both_layouts(tmp_path, monkeypatch):
+    model = _model("gpt_oss")
+    tokens = history(50, seed=7)
+    with monkeypatch.context() as patch:
+        _positional_short_window(patch)
+        old = _engine(model)
+        done = generate(old, "a", tokens, 3).blocks
+        want = arrays(done)
+        for d in ("file", "blocks"):
+            _store(old, tmp_path / d, layout="file").save("a", done)
+    for d in ("file", "blocks"):  # the block layout converts it on its first load
+        fresh = _engine(model)
+        loaded = _store(fresh, tmp_path / d, layout=d).load("a")
+        assert loaded is not None and loaded.token_ids == done.token_ids
+        _same_arrays(arrays(loaded), want)
+        _continues_like_a_fresh_prefill(fresh, loaded, list(done.token_ids))
+    assert _manifest(tmp_path / "blocks", fresh.spec, "a").snapshots
+
+
+def test_the_single_file_layout_refuses_recurrent_layers_naming_them_and_the_blocks_layout(tmp_path):
+    from semantic import cachefile
+
+    eng = _engine(_model("lfm2"))
+    with pytest.raises(UnsupportedCacheError, match=r"recurrent.*layout='blocks'"):
+        _store(eng, tmp_path, layout="file")
+    blocks = generate(eng, "a", SYSTEM, 1).blocks
+    with pytest.raises(UnsupportedCacheError, match="recurrent"):
+        cachefile.save(tmp_path / "a.safetensors", blocks, model_fingerprint=FP)
+    assert not list(tmp_path.iterdir())
+
+
+# ---------------------------------------------------------------- the shared tier
+
+
+class _MemoryTier:
+    """What the store uses of ``semantic.remote.RemoteTier``, in memory and synchronous (the bytes as the
+    real tier keeps them: a manifest per agent, block files by key)."""
+
+    def __init__(self):
+        self.manifests: dict[str, tuple[int, bytes]] = {}
+        self.blocks: dict[int, bytes] = {}
+        self.pointers: dict[int, str] = {}
+        self.lock = threading.Lock()
+
+    def version(self, agent_id):
+        got = self.manifests.get(agent_id)
+        return None if got is None else got[0]
+
+    def fetch(self, agent_id):
+        got = self.manifests.get(agent_id)
+        return None if got is None else Fetched(*got)
+
+    def fetch_blocks(self, keys):
+        return {k: self.blocks[k] for k in keys if k in self.blocks}
+
+    def drop_block(self, key):
+        self.blocks.pop(key, None)
+
+    def drop(self, agent_id, version):
+        if self.version(agent_id) == version:
+            del self.manifests[agent_id]
+
+    def holder(self, chain):
+        n = next((i for i in range(len(chain), 0, -1) if chain[i - 1] in self.pointers), 0)
+        return (n, self.pointers[chain[n - 1]]) if n else None
+
+    def publish(self, agent_id, path, version, chain=(), blocks=()):
+        with self.lock:
+            for key, p in blocks:
+                self.blocks.setdefault(key, Path(p).read_bytes())
+            if version > (self.version(agent_id) or -1):
+                self.manifests[agent_id] = (version, Path(path).read_bytes())
+                self.pointers.update({k: agent_id for k in chain})
+
+    def flush(self, timeout=None):
+        return True
+
+
+def _through_the_tier(model, tmp_path, tier_for):
+    e1, e2 = _engine(model), _engine(model)
+    s1, s2 = _store(e1, tmp_path / "one", remote=tier_for()), _store(e2, tmp_path / "two", remote=tier_for())
+    done = generate(e1, "public/a", [*SYSTEM, *history(20, seed=8)], 3).blocks
+    s1.save("public/a", done)
+    assert s1.remote.flush(10)
+    loaded = s2.load("public/a")  # server two never saw it: manifest and block files, snapshot included
+    assert loaded is not None and loaded.total_tokens == done.total_tokens
+    assert {i.name for i in (tmp_path / "two").glob("blocks-*/*.kvb")} == {
+        i.name for i in (tmp_path / "one").glob("blocks-*/*.kvb")}
+    assert _snapshot_files(tmp_path / "two", e2.spec)
+    assert_identical_snapshot(loaded, done)
+    _continues_like_a_fresh_prefill(e2, loaded, list(done.token_ids))
+    return s1, s2
+
+
+def test_snapshot_files_travel_through_the_shared_tier_like_other_block_files(tmp_path):
+    tier = _MemoryTier()
+    _through_the_tier(_model("qwen3_next"), tmp_path, lambda: tier)
+    assert any(_is_snapshot(raw) for raw in tier.blocks.values())
+
+
+def _is_snapshot(raw: bytes) -> bool:
+    n = int.from_bytes(raw[:8], "little")
+    doc = json.loads(json.loads(raw[8:8 + n])["__metadata__"][DOC_KEY])
+    return doc.get("snapshot") is True and doc["format_version"] == blockfile.SNAPSHOT_VERSION
+
+
+def test_snapshot_files_travel_through_a_real_redis_server(tmp_path):
+    from semantic.remote import RemoteTier
+
+    (tmp_path / "redis").mkdir()
+    server = RedisServer(tmp_path / "redis").start()
+    try:
+        _through_the_tier(_model("lfm2"), tmp_path, lambda: RemoteTier(server.url, FP, timeout_s=0.5))
+    finally:
+        server.stop()
