@@ -227,8 +227,13 @@ def commit(
     data: Callable[[PlannedBlock], tuple[dict[int, LayerKV], SegmentView | None]],
     release: Callable[[list[KVBlock]], None] | None = None,
     salt_root: int | None = None,
+    earlier: Sequence[KVBlock] = (),
 ) -> AgentBlocks:
     """Take ``planned`` from ``pool`` as one agent's blocks.
+
+    ``earlier`` are snapshot blocks of the same history at earlier positions (live: their holder
+    keeps a reference until this returns), which the agent carries too, before its own snapshot
+    in their group: where a regenerate, or a client that re-renders the reply, resumes.
 
     ``data(p)`` gives each missed block's K/V per layer and, when those are
     views into a segment, the block's :class:`blocks.SegmentView`, else None. It is called for every miss before anything is taken, so
@@ -245,6 +250,11 @@ def commit(
     keyed = [p for p in planned.blocks if p.key is not None]
     pool.record_lookups(hits=sum(p.hit is not None for p in keyed), misses=sum(p.hit is None for p in keyed))
     groups: dict[str, list[KVBlock]] = {g: [] for g in spec.groups()}
+    ends = {p.group: p.end for p in planned.blocks if p.snapshot}
+    for b in sorted(earlier, key=lambda b: b.end):
+        assert b.group in ends and b.token_ids == tokens[b.start : b.end], (b.group, b.start, b.end)
+        if b.end < ends[b.group] and all(o.end != b.end for o in groups[b.group]):
+            groups[b.group].append(pool.acquire(b))
     for i, p in enumerate(planned.blocks):
         if p.hit is not None:
             groups[p.group].append(pool.acquire(p.hit))

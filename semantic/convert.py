@@ -68,14 +68,16 @@ def _read(spec: ModelCacheSpec, caches: Sequence, total: int) -> list:
     return [kinds.of(layer).read(i, layer, c, total) for i, (c, layer) in enumerate(zip(caches, spec.layers))]
 
 
-def extract(pool: BlockPool, caches: Sequence, token_ids: Sequence[int], release=None, salt_root: int | None = None) -> AgentBlocks:
+def extract(pool: BlockPool, caches: Sequence, token_ids: Sequence[int], release=None, salt_root: int | None = None,
+            earlier: Sequence = ()) -> AgentBlocks:
     """Store live caches covering ``token_ids`` as pooled blocks.
 
     All-or-nothing: when the pool cannot hold the new blocks it raises
     :class:`PoolExhaustedError` before taking any block or copying anything.
     ``release`` is what the returned AgentBlocks calls to give its blocks
     back (default ``pool.release``; a locked one when threads share the pool).
-    ``salt_root`` salts the block keys (``blockplan.chain_keys``).
+    ``salt_root`` salts the block keys (``blockplan.chain_keys``). ``earlier``: snapshot blocks of
+    this history at earlier positions to carry as well (``blockplan.commit``).
     """
     spec = pool.spec
     tokens = tuple(map(int, token_ids))
@@ -109,7 +111,7 @@ def extract(pool: BlockPool, caches: Sequence, token_ids: Sequence[int], release
             views[idx] = (data, SegmentView(seg, s0, dict(data)))
     mx.eval(fresh, [d for d, _ in views.values()])  # slices evaluate to views: no copy
     index = {id(p): i for i, p in enumerate(planned.blocks)}
-    return blockplan.commit(pool, spec, tokens, planned, lambda p: views[index[id(p)]], release, salt_root)
+    return blockplan.commit(pool, spec, tokens, planned, lambda p: views[index[id(p)]], release, salt_root, earlier)
 
 
 def _one_segment(pieces: list, layer: int):

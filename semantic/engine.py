@@ -75,6 +75,7 @@ class _InFlight:
     logprobs: list[float] = field(default_factory=list)
     first_token_at: float = 0.0
     finish_reason: str | None = None     # set with the last token; the Completion follows when the cache is complete
+    kept: list = field(default_factory=list)  # AgentBlocks of earlier snapshots its finished cache carries
 
 
 class BlockPoolBatchEngine:
@@ -107,6 +108,7 @@ class BlockPoolBatchEngine:
         self._sliding = any(l.windowed for l in spec.layers)
         self._snapshots = snapshot.Points(spec, pool.block_tokens)
         self.snapshots = self._snapshots.exact  # whether requests should bring their message boundaries
+        self._snapshot_groups = [g for g, ix in spec.groups().items() if spec.layers[ix[0]].snapshot_only(pool.block_tokens)]
         used = {kinds.of(l) for l in spec.layers}
         stuck = sorted(k.name for k in used if not k.rewinds)
         # a recurrent state (or a chunked cache) cannot take rejected drafts back out: one token a step
@@ -177,14 +179,15 @@ class BlockPoolBatchEngine:
         stops = [p - fed for p in self._snapshots.stops(fed, len(ids), request.boundaries)]
         self._loop.add(
             seq.uid, request, fed, caches if caches is not None else self.spec.make_cache(), stops=stops,
-            on_stop=lambda uid, live, n: self._checkpoint(live, ids[: fed + n], request.salt_root),
+            on_stop=lambda uid, live, n: self._checkpoint(live, ids[: fed + n], request.salt_root,
+                                                          seq if fed + n == len(ids) - 1 else None),
             constraint=constraint,
         )
         self._seqs[seq.uid] = seq
         self._by_agent[request.agent_id] = seq.uid
         return seq.uid
 
-    def _checkpoint(self, caches: list, ids: list[int], salt_root: int | None) -> None:
+    def _checkpoint(self, caches: list, ids: list[int], salt_root: int | None, keep: _InFlight | None = None) -> None:
         """Pool the cache of a prompt cut at a block boundary (``ids`` ends there).
 
         A sliding layer keeps only its window, so a finished cache no longer
@@ -198,11 +201,17 @@ class BlockPoolBatchEngine:
             sliding          [0, 256)       [0, 512)        [256, 768)   window 512, pooled
 
         The blocks are released at once: they stay hittable in the pool's
-        free queue until it recycles them. A full pool skips the checkpoint.
+        free queue until it recycles them; with ``keep``, that sequence holds them
+        until its finished cache takes their snapshots (``_finish``). A full pool
+        skips the checkpoint.
         """
         try:
             with self.lock:
-                convert.extract(self.pool, caches, ids, self._release, salt_root).release()
+                blocks = convert.extract(self.pool, caches, ids, self._release, salt_root)
+            if keep is not None and self.snapshots:
+                keep.kept.append(blocks)
+            else:
+                blocks.release()
         except PoolExhaustedError:
             log.debug("pool full: no checkpoint at %d tokens", len(ids))
 
@@ -263,6 +272,12 @@ class BlockPoolBatchEngine:
                 cut.add(e.uid)
             if seq.finish_reason is not None:
                 finished.append(seq)
+        for seq in finished:
+            if self.snapshots and seq.generated[-1] in self.stop_tokens:
+                # a template may render the history without the stop token: keep the state before it too
+                n = self._loop.held(seq.uid)
+                self._checkpoint(self._loop.caches(seq.uid), [*seq.request.ids, *seq.generated][:n],
+                                 seq.request.salt_root, seq)
         if self.on_ended is not None:
             for seq in finished:
                 self._announce(seq, now)
@@ -314,12 +329,16 @@ class BlockPoolBatchEngine:
         try:
             if caches is None:
                 raise CacheError("ended before its first token: no exact cache to keep")
+            earlier = [b for kept in seq.kept for g in self._snapshot_groups for b in kept.groups[g]]
             with self.lock:
                 blocks = convert.extract(self.pool, caches, self._held(seq, caches, held), self._release,
-                                         seq.request.salt_root)
+                                         seq.request.salt_root, earlier)
             self._finished[seq.uid] = blocks
         except CacheError as exc:
             error = f"{type(exc).__name__}: {exc}"
+        finally:
+            for kept in seq.kept:
+                kept.release()
         return self._completion(seq, reason, blocks, error, time.perf_counter())
 
     def _completion(self, seq: _InFlight, reason: str, blocks: AgentBlocks | None, error: str | None,

@@ -221,3 +221,24 @@ def test_8_bit_kv_on_a_hybrids_attention_layers_resumes_exactly_like_its_own_fre
     assert resumed.cached_tokens == len(first_ids) + len(first.token_ids) and fresh.cached_tokens == 0
     assert resumed.token_ids == fresh.token_ids
     assert np.max(np.abs(np.array(resumed.logprobs) - fresh.logprobs)) < 1e-2  # 8-bit K/V rounding, in both
+
+
+def test_a_finished_cache_carries_the_prompts_and_the_pre_stop_snapshots_so_a_re_rendered_reply_resumes():
+    m = tiny_qwen3_next()
+    ids = _ids(40, 70)
+    probe = _engine(m)
+    probe.submit(Request("p", ids, 6), None)
+    (dry,) = list(probe.step())
+    stop = dry.token_ids[2]
+    eng = _engine(m)
+    eng.stop_tokens = eng._loop.stop_tokens = frozenset([stop])
+    eng.submit(Request("a", ids, 20), None)
+    (first,) = list(eng.step())
+    assert first.token_ids[-1] == stop and first.finish_reason == "stop"
+    snaps = [b.end for b in first.blocks.groups["recurrent"]]
+    total = len(ids) + len(first.token_ids)
+    assert snaps == [len(ids) - 1, total - 1, total]  # a regenerate, a reply without its stop token, the whole turn
+    # the client sends the reply back without the stop token (its template renders its own end)
+    again = tuple(ids) + tuple(first.token_ids[:-1]) + (10, 11, 12)
+    done = _turn(eng, m, "a", again, first.blocks)
+    assert done.cached_tokens == total - 1 and done.reuse == "own-cut"
