@@ -18,6 +18,8 @@ The template's own rendering of the reply is dropped whatever it is, so a
 thinking model's reply stays a hit even under a template that strips old
 reasoning from history (the cache keeps the reasoning as generated).
 
+The book keeps each agent's last few turns (:data:`TURNS`), newest first: a client that
+regenerates, or goes back to an earlier branch, echoes a reply older than the last one.
 The service keeps each agent's last :class:`Said` beside its cache file too
 (``AgentCacheStore.save_extra``), so a restart's first turn splices as the
 next turn would have. Anything else (an edit, another client's history)
@@ -69,36 +71,45 @@ class Said:
         return cls(str(doc["prompt_text"]), tuple(int(i) for i in doc["ids"]), reply, bool(doc["closed"]))
 
 
+# turns remembered per agent: the last, and a few before it (a regenerate, a branch)
+TURNS = 4
+
+
 class EchoBook:
-    """Each named agent's last turn (at most ``limit`` agents, least recently used go first); thread-safe."""
+    """Each named agent's last :data:`TURNS` turns (at most ``limit`` agents, least recently used go
+    first); thread-safe."""
 
     def __init__(self, limit: int = 4096):
         self.limit = limit
-        self._said: OrderedDict[str, Said] = OrderedDict()
+        self._said: OrderedDict[str, tuple[Said, ...]] = OrderedDict()
         self._lock = threading.Lock()
         self.spliced = 0   # prompts built from the generated ids
         self.rendered = 0  # prompts of agents this book knew, rendered because the echo did not match
 
     def remember(self, agent_id: str, said: Said) -> None:
         with self._lock:
-            self._said[agent_id] = said
+            older = tuple(s for s in self._said.get(agent_id, ()) if s != said)
+            self._said[agent_id] = (said, *older)[:TURNS]
             self._said.move_to_end(agent_id)
             while len(self._said) > self.limit:
                 self._said.popitem(last=False)
 
     def said(self, agent_id: str) -> Said | None:
+        """The agent's last turn."""
         with self._lock:
-            return self._said.get(agent_id)
+            turns = self._said.get(agent_id)
+        return turns[0] if turns else None
 
     def splice(self, agent_id: str, messages: Sequence[dict], render: Callable[[Sequence[dict], bool], str],
                encode: Callable[[str], list[int]], end_texts: Sequence[str]) -> tuple[tuple[int, ...], str] | None:
         """The prompt ids (and the prompt's template text) of ``messages`` with the agent's last reply
         as generated, or None when the messages do not echo it (see the module doc)."""
         with self._lock:
-            said = self._said.get(agent_id)
-        if said is None:
+            turns = self._said.get(agent_id, ())
+        if not turns:
             return None
-        out = self._splice(said, messages, render, encode, end_texts)
+        out = next((o for o in (self._splice(s, messages, render, encode, end_texts) for s in turns)
+                    if o is not None), None)
         with self._lock:
             self.spliced += out is not None
             self.rendered += out is None

@@ -133,3 +133,23 @@ def test_after_a_restart_the_echoed_reply_is_still_the_generated_ids_and_the_who
     assert "\ufffd" in text
     assert done2.cached_tokens == len(plan1.request.ids) + len(done1.token_ids)
     assert (restarted.echo.spliced, restarted.echo.rendered) == (1, 0)
+
+
+def test_a_regenerate_after_a_later_turn_still_splices_the_earlier_reply_as_generated(model_dir, tmp_path):
+    # the book keeps a few turns per agent: regenerating turn 2 echoes turn 1's reply, not the last one
+    service = _service(model_dir, tmp_path, echo=True)
+    try:
+        ask = [{"role": "user", "content": "Say something."}]
+        plan1 = service.prepare(messages=ask, agent="a", max_tokens=24, sampling=SamplingParams(temperature=1.0, seed=5))
+        done1 = service.submit(plan1.request).result(60)
+        text = service.tokenizer.decode([t for t in done1.token_ids if t not in service.eos])
+        service.remember(plan1, done1, text, [])
+        ask2 = ask + [{"role": "assistant", "content": text}, {"role": "user", "content": "And?"}]
+        plan2 = service.prepare(messages=ask2, agent="a", max_tokens=6)
+        done2 = service.submit(plan2.request).result(60)
+        service.remember(plan2, done2, service.tokenizer.decode([t for t in done2.token_ids if t not in service.eos]), [])
+        regen = service.prepare(messages=ask2, agent="a", max_tokens=6)  # the same turn 2 again
+        assert regen.request.ids == plan2.request.ids  # turn 1's reply spliced as generated, like the first time
+    finally:
+        service.close(30)
+    assert "\ufffd" in text
