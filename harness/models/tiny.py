@@ -128,6 +128,17 @@ def byte_tokenizer():
     return TokenizerWrapper(hf, eos_token_ids=[255])
 
 
+def _byte_to_char(b: int) -> str:
+    """The byte-level alphabet's character for byte ``b`` (GPT-2's bytes_to_unicode)."""
+    return next(ch for ch in pre_tokenizers_alphabet() if _byte_of(ch) == b)
+
+
+def pre_tokenizers_alphabet() -> list[str]:
+    from tokenizers import pre_tokenizers
+
+    return pre_tokenizers.ByteLevel.alphabet()
+
+
 def _byte_of(ch: str) -> int:
     """Inverse of GPT-2's bytes_to_unicode for one character."""
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))

@@ -150,15 +150,21 @@ def saved_weights(model) -> dict:
 
 def write_tiny(model_type: str, path, seed: int = 0) -> Path:
     """A directory the real ``mlx_lm.load`` reads: ``config.json``, ``model.safetensors`` and
-    the byte tokenizer with :data:`~harness.models.tiny.CHAT_TEMPLATE`."""
-    from harness.models.tiny import CHAT_TEMPLATE, byte_tokenizer
+    the byte tokenizer with :data:`~harness.models.tiny.CHAT_TEMPLATE`.
+
+    Its end-of-turn token is the newline the template closes every message with (byte 10),
+    as a real template renders its model's end-of-turn token (ChatML's ``<|im_end|>``): a
+    reply that stops there reads back as generated. Byte 255, the in-process models' stop,
+    decodes to a replacement character that a reply's own bytes can hold too."""
+    from harness.models.tiny import CHAT_TEMPLATE, _byte_to_char, byte_tokenizer
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     model, config = build(model_type, seed)
     mx.save_safetensors(str(path / "model.safetensors"), saved_weights(model))
-    (path / "config.json").write_text(json.dumps(config, indent=1))
+    (path / "config.json").write_text(json.dumps({**config, "eos_token_id": 10}, indent=1))
     hf = byte_tokenizer()._tokenizer
+    hf.eos_token = _byte_to_char(10)
     hf.chat_template = CHAT_TEMPLATE
     hf.save_pretrained(str(path))
     return path
