@@ -82,9 +82,9 @@ class StubBackend:
             else:
                 self.closed_early += 1
 
-
     def model_info(self) -> tuple[list[str], bool]:
         return ["global"], True
+
     def echo_state(self, tenant: str, agent: str | None) -> dict | None:
         return None
 
