@@ -77,11 +77,11 @@ class Backend:
         self._recent: deque[dict] = deque(maxlen=64)
         self._generated = 0
 
-    @classmethod
-
     def model_info(self) -> tuple[list[str], bool]:
         """The model's layer kinds (global, sliding, recurrent) and whether greedy turns may draft."""
         return sorted({l.kind for l in self.service.store.spec.layers}), self.service.speculating
+
+    @classmethod
     def from_model(cls, model: str, *, model_id: str | None = None, sync_saves: bool = False, **opening) -> "Backend":
         """Open ``model`` (``Service.open`` with ``opening``: cache_dir, the budgets, the scheduler's knobs)."""
         service = Service.open(model, **opening)
