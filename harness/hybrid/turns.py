@@ -133,7 +133,7 @@ class Workload:
     # ------------------------------------------------------------ phases
 
     def warm(self, rounds: int, user: int = 0) -> None:
-        self.turn("warm", user, 1, "first", goal_kind="first_shared")
+        self.turn("warm", user, 1, "first")   # the first turn of the run: nothing to reuse yet
         for r in range(2, rounds + 1):
             self.turn("warm", user, r, "append")
             self.step("warm", user, r, "regenerate", lambda s: s.histories[user][:-1])
