@@ -18,6 +18,7 @@ from harness.kinds.base import KINDS, Kind, Param, register
 # Importing a kind module registers it.
 from harness.kinds import (  # noqa: E402,F401
     block_store,
+    hybrid_reuse,
     cache_injection,
     chaos,
     claude_code,
