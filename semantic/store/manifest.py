@@ -14,15 +14,21 @@
 
 An extent ``[key, a, b)`` uses positions ``a..b`` of the block file ``key``
 (any part of it: a history may use a prefix of another's block). A group that
-resumes only from a snapshot (``LayerSpec.snapshot_only``) has one extent,
-``[key, s, T]``: the snapshot file of its cache after all ``T`` tokens, ``s``
-the block start before ``T`` (``blockplan.snapshot_span``); such groups are
+resumes only from a snapshot (``LayerSpec.snapshot_only``) has one extent per
+snapshot the cache carries, ``[key, s, t]``: the snapshot file of its cache
+after ``t`` tokens, ``s`` the block start before ``t`` (``blockplan.snapshot_span``),
+ends ascending, the last after all ``T`` tokens (the earlier ones: where a
+regenerate, or a client that re-renders the reply, resumes); such groups are
 listed in ``"snapshots"``. A manifest without that list was written before
 snapshots: a short window's extents there are positional, and its window is
 assembled from them on load::
 
     "snapshots": ["sliding-w128-k0"]
-    "sliding-w128-k0": [[key, 512, 600]]      the window after 600 tokens, one snapshot file
+    "sliding-w128-k0": [[key, 512, 597], [key, 512, 600]]   the window after 597 and after 600 tokens
+
+A manifest with more than one snapshot in a group is written as version 4 (a
+build that reads only version 3 leaves it alone, and keeps the files it
+names); every other manifest is still written as version 3.
 
 The
 manifest is written after its block files are durable, atomically (temp,
@@ -48,7 +54,8 @@ from semantic.spec import RECURRENT, ModelCacheSpec
 from semantic.store.files import file_name
 
 MANIFEST_SUFFIX = ".kvm"
-MANIFEST_VERSION = 3  # cache files were versions 1 and 2: one number line for the store's layouts
+MANIFEST_VERSION = 4  # the newest this build reads (cache files were versions 1 and 2: one number line)
+SINGLE_SNAPSHOT_VERSION = 3  # what a manifest with at most one snapshot per group is written as
 DOC_KEY = "semantic_kv_manifest"
 HASH_KEY = "semantic_kv_xxh3_128"
 MAX_MANIFEST_BYTES = 256 * 1024 * 1024
@@ -75,7 +82,7 @@ class Manifest:
     extents: dict[str, tuple[Extent, ...]]
     extra: dict | None = None
     nbytes: int = field(default=0, compare=False)
-    snapshots: frozenset[str] = frozenset()  # groups whose one extent is a snapshot file
+    snapshots: frozenset[str] = frozenset()  # groups whose extents are snapshot files (the last: after T)
 
 
     @property
@@ -104,8 +111,9 @@ def unhex(text: str) -> int:
 
 
 def encode(m: Manifest) -> bytes:
+    several = any(len(m.extents.get(g, ())) > 1 for g in m.snapshots)
     doc = {
-        "format_version": MANIFEST_VERSION,
+        "format_version": MANIFEST_VERSION if several else SINGLE_SNAPSHOT_VERSION,
         "model_fingerprint": m.model_fingerprint,
         "agent_id": m.agent_id,
         "spec": m.spec.to_dict(),
@@ -171,7 +179,7 @@ def parse(path: str, data: bytes, spec: ModelCacheSpec, fingerprint: str, block_
         raise CacheFormatError(
             f"{path} is a version {version} manifest, written by a newer semantic; this build reads version "
             f"{MANIFEST_VERSION}: run the newer build, or give this one another --cache-dir")
-    if version != MANIFEST_VERSION or type(version) is not int:
+    if version not in (SINGLE_SNAPSHOT_VERSION, MANIFEST_VERSION) or type(version) is not int:
         raise CacheCorruptError(path, f"unknown manifest version {version!r}")
     try:
         return _fields(path, doc, spec, fingerprint, block_tokens, len(data))
@@ -200,6 +208,8 @@ def _fields(path, doc, spec, fingerprint, block_tokens, nbytes) -> Manifest:
             if g in stored_from:
                 raise CacheCorruptError(path, f"stored_from names the snapshot group {g!r}")
             _check_snapshot(path, len(tokens), extents[g], block_tokens)
+            if len(extents[g]) > 1 and doc["format_version"] < MANIFEST_VERSION:
+                raise CacheCorruptError(path, f"a version {doc['format_version']} manifest with several snapshots")
         else:
             _check_cover(path, spec.layers[layers[0]], len(tokens), stored_from.get(g), extents[g], block_tokens)
     extra = doc.get("extra")
@@ -228,11 +238,15 @@ def _snapshots(path, doc, spec: ModelCacheSpec, block_tokens: int) -> frozenset[
 
 
 def _check_snapshot(path, total: int, extents, bt: int) -> None:
-    """A snapshot group's extents: one, spanning the last block start before ``total`` to it (none when empty)."""
-    want = [snapshot_span(total, bt)] if total else []
-    if [(e.start, e.end) for e in extents] != want:
-        raise CacheCorruptError(path, f"a snapshot group's extents are {[(e.start, e.end) for e in extents][:3]}, "
-                                      f"a snapshot after {total} tokens is {want}")
+    """A snapshot group's extents: one per snapshot, each spanning the last block start before its end to it,
+    ends ascending, the last after all ``total`` tokens (none when empty)."""
+    have = [(e.start, e.end) for e in extents]
+    ends = [b for _, b in have]
+    ok = (all(type(a) is int and type(b) is int and 0 < b <= total for a, b in have) and ends == sorted(set(ends))
+          and all(span == snapshot_span(b, bt) for span, b in zip(have, ends)))
+    if not (ok and ends[-1:] == ([total] if total else [])):
+        raise CacheCorruptError(path, f"a snapshot group's extents are {have[:3]}, a snapshot after {total} tokens "
+                                      f"is {[snapshot_span(total, bt)] if total else []} (after earlier ones)")
 
 
 def _check_cover(path, layer, total, stored_from, extents, bt) -> None:
