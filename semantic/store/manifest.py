@@ -26,10 +26,6 @@ assembled from them on load::
     "snapshots": ["sliding-w128-k0"]
     "sliding-w128-k0": [[key, 512, 597], [key, 512, 600]]   the window after 597 and after 600 tokens
 
-A manifest with more than one snapshot in a group is written as version 4 (a
-build that reads only version 3 leaves it alone, and keeps the files it
-names); every other manifest is still written as version 3.
-
 The
 manifest is written after its block files are durable, atomically (temp,
 fsync, rename, fsync the directory), so a crash leaves the old manifest or
@@ -54,8 +50,7 @@ from semantic.spec import RECURRENT, ModelCacheSpec
 from semantic.store.files import file_name
 
 MANIFEST_SUFFIX = ".kvm"
-MANIFEST_VERSION = 4  # the newest this build reads (cache files were versions 1 and 2: one number line)
-SINGLE_SNAPSHOT_VERSION = 3  # what a manifest with at most one snapshot per group is written as
+MANIFEST_VERSION = 3  # cache files were versions 1 and 2: one number line for the store's layouts
 DOC_KEY = "semantic_kv_manifest"
 HASH_KEY = "semantic_kv_xxh3_128"
 MAX_MANIFEST_BYTES = 256 * 1024 * 1024
@@ -111,9 +106,8 @@ def unhex(text: str) -> int:
 
 
 def encode(m: Manifest) -> bytes:
-    several = any(len(m.extents.get(g, ())) > 1 for g in m.snapshots)
     doc = {
-        "format_version": MANIFEST_VERSION if several else SINGLE_SNAPSHOT_VERSION,
+        "format_version": MANIFEST_VERSION,
         "model_fingerprint": m.model_fingerprint,
         "agent_id": m.agent_id,
         "spec": m.spec.to_dict(),
@@ -179,7 +173,7 @@ def parse(path: str, data: bytes, spec: ModelCacheSpec, fingerprint: str, block_
         raise CacheFormatError(
             f"{path} is a version {version} manifest, written by a newer semantic; this build reads version "
             f"{MANIFEST_VERSION}: run the newer build, or give this one another --cache-dir")
-    if version not in (SINGLE_SNAPSHOT_VERSION, MANIFEST_VERSION) or type(version) is not int:
+    if version != MANIFEST_VERSION or type(version) is not int:
         raise CacheCorruptError(path, f"unknown manifest version {version!r}")
     try:
         return _fields(path, doc, spec, fingerprint, block_tokens, len(data))
@@ -208,8 +202,6 @@ def _fields(path, doc, spec, fingerprint, block_tokens, nbytes) -> Manifest:
             if g in stored_from:
                 raise CacheCorruptError(path, f"stored_from names the snapshot group {g!r}")
             _check_snapshot(path, len(tokens), extents[g], block_tokens)
-            if len(extents[g]) > 1 and doc["format_version"] < MANIFEST_VERSION:
-                raise CacheCorruptError(path, f"a version {doc['format_version']} manifest with several snapshots")
         else:
             _check_cover(path, spec.layers[layers[0]], len(tokens), stored_from.get(g), extents[g], block_tokens)
     extra = doc.get("extra")
