@@ -56,9 +56,9 @@ def _sources(blocks: AgentBlocks, slots: list[TensorSlot], edges: dict[str, int]
     snapshots = set()
     for group, layers in spec.groups().items():
         layer = spec.layers[layers[0]]
-        if layer.snapshot_only(bt):  # one block: the group's snapshot after exactly ``total`` tokens
+        if layer.snapshot_only(bt):  # the group's snapshot after exactly ``total`` tokens, last
             have = [(blk.start, blk.end) for blk in blocks.groups.get(group, [])]
-            if have != ([snapshot_span(total, bt)] if total else []):
+            if have[-1:] != ([snapshot_span(total, bt)] if total else []):
                 raise CacheShapeError(f"group {group}: blocks hold {have[:4]}..., a snapshot after {total} tokens needs "
                                       f"{[snapshot_span(total, bt)] if total else []}")
             snapshots.add(group)
@@ -74,7 +74,7 @@ def _sources(blocks: AgentBlocks, slots: list[TensorSlot], edges: dict[str, int]
     for s in slots:
         group = blocks.groups[s.group]
         if s.group in snapshots:
-            arrays = [_snapshot_part(group[0], s)]
+            arrays = [_snapshot_part(group[-1], s)]
         else:
             for blk in group:
                 _check_block(blk, s)
@@ -82,6 +82,51 @@ def _sources(blocks: AgentBlocks, slots: list[TensorSlot], edges: dict[str, int]
         out.append([a.view(mx.uint16) if a.dtype == mx.bfloat16 else a for a in arrays])
     mx.eval(out)  # slices and reinterpretations: views, no copies
     return out
+
+
+def earlier_snapshots(blocks: AgentBlocks) -> list[KVBlock]:
+    """The snapshot blocks ``blocks`` carries before each snapshot group's last one (its snapshots at earlier
+    positions of the same history: where a regenerate, or a client that re-renders the reply, resumes),
+    checked: each a snapshot span (``blockplan.snapshot_span``) of the history's tokens, ends ascending."""
+    out = []
+    spec, total, bt = blocks.spec, blocks.total_tokens, blocks.block_tokens
+    for group, layers in spec.groups().items():
+        if not spec.layers[layers[0]].snapshot_only(bt):
+            continue
+        before, prev = blocks.groups.get(group, [])[:-1], 0
+        for blk in before:
+            if not (prev < blk.end < total and (blk.start, blk.end) == snapshot_span(blk.end, bt)
+                    and blk.token_ids == blocks.token_ids[blk.start:blk.end]):
+                raise CacheShapeError(f"group {group}: an earlier snapshot [{blk.start}, {blk.end}) after {prev} is no "
+                                      f"snapshot of this history of {total} tokens")
+            prev = blk.end
+        out.extend(before)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedSnapshot:
+    """An earlier snapshot block's tensors as file-ordered byte views (``slots``: as a file after ``end``
+    tokens holds that group, ``fileformat.layout``)."""
+
+    group: str
+    start: int
+    end: int
+    slots: list[TensorSlot]
+    chunks: list[list[memoryview]]
+
+
+def _prepare_earlier(blocks: AgentBlocks) -> tuple[PreparedSnapshot, ...]:
+    out, arrays = [], []
+    for blk in earlier_snapshots(blocks):
+        slots = [s for s in layout(blocks.spec, blk.end) if s.group == blk.group]
+        parts = [_snapshot_part(blk, s) for s in slots]
+        parts = [a.view(mx.uint16) if a.dtype == mx.bfloat16 else a for a in parts]
+        arrays.extend(parts)
+        out.append((blk, slots, parts))
+    mx.eval(arrays)
+    return tuple(PreparedSnapshot(blk.group, blk.start, blk.end, slots, [_chunks([a]) for a in parts])
+                 for blk, slots, parts in out)
 
 
 def _snapshot_part(blk: KVBlock, s: TensorSlot):
@@ -153,10 +198,12 @@ class PreparedSave:
     slots: list[TensorSlot]
     chunks: list[list[memoryview]]
     stored_from: dict[str, int]
+    # the snapshots before each snapshot group's last (``earlier_snapshots``): the block layout keeps them too
+    earlier: tuple[PreparedSnapshot, ...] = ()
 
     @property
     def nbytes(self) -> int:
-        """The tensor bytes the file will hold (its header adds a few KiB)."""
+        """The tensor bytes the file will hold (its header adds a few KiB; earlier snapshots not counted)."""
         return sum(v.nbytes for views in self.chunks for v in views)
 
 
@@ -167,7 +214,7 @@ def prepare_save(blocks: AgentBlocks) -> PreparedSave:
     edges = stored_from(blocks)
     slots = layout(blocks.spec, blocks.total_tokens, edges)
     chunks = [_chunks(arrays) for arrays in _sources(blocks, slots, edges)]
-    return PreparedSave(blocks.spec, blocks.token_ids, slots, chunks, edges)
+    return PreparedSave(blocks.spec, blocks.token_ids, slots, chunks, edges, _prepare_earlier(blocks))
 
 
 def save(

@@ -7,6 +7,7 @@
         blocks-<model digest>/
             <key>.kvb                block files (``blockfile``), shared by every manifest that names them:
                                      positions of a group, or a snapshot of a group that resumes only from one
+                                     (one file per snapshot the agent's cache carries)
         quarantine/                  files that failed their checks
         <slug>-<digest>.safetensors  a cache file of the single-file layout: converted on its first load
 
@@ -122,7 +123,8 @@ class BlockFiles(AgentIndex):
         holds, and the manifest (headers add a few KiB per file)."""
         chain = chain_keys(blocks.token_ids, self.bt, blocks.salt_root)
         with self.lock:
-            plan = self.index.plan(self.spec, blocks.token_ids, chain, blocks.salt_root, prepared.stored_from, self.bt)
+            plan = self.index.plan(self.spec, blocks.token_ids, chain, blocks.salt_root, prepared.stored_from, self.bt,
+                                   _earlier_ends(prepared))
         per_group = {g: sum(self.spec.layers[i].token_bytes() for i in layers) for g, layers in self.spec.groups().items()}
         return int(sum(_snapshot_bytes(self.spec, nb) if nb.snapshot else (nb.end - nb.start) * per_group[nb.group]
                        for nb in plan.new)) + 8 * len(blocks.token_ids)
@@ -137,7 +139,8 @@ class BlockFiles(AgentIndex):
         tokens = blocks.token_ids
         chain = chain_keys(tokens, self.bt, blocks.salt_root)
         with self.lock:
-            plan = self.index.plan(self.spec, tokens, chain, blocks.salt_root, prepared.stored_from, self.bt)
+            plan = self.index.plan(self.spec, tokens, chain, blocks.salt_root, prepared.stored_from, self.bt,
+                                   _earlier_ends(prepared))
             self.index.pin(plan.reused)
         pins, written = set(plan.reused), 0
         try:
@@ -175,9 +178,14 @@ class BlockFiles(AgentIndex):
         path = str(self.blocks_dir / blockfile.key_name(nb.key))
         if nb.snapshot:  # the saved buffer of a snapshot group is its snapshot: every tensor whole
             slots = blockfile.snapshot_slots(self.spec, nb.group, nb.end)
-            by_name = {s.name: k for k, s in enumerate(prepared.slots)}
-            assert all(prepared.slots[by_name[s.name]].shape == s.shape for s in slots), nb
-            chunks = [prepared.chunks[by_name[s.name]] for s in slots]
+            if nb.end == len(tokens):
+                have_slots, have_chunks = prepared.slots, prepared.chunks
+            else:  # an earlier snapshot of the history
+                (snap,) = [p for p in prepared.earlier if (p.group, p.end) == (nb.group, nb.end)]
+                have_slots, have_chunks = snap.slots, snap.chunks
+            by_name = {s.name: k for k, s in enumerate(have_slots)}
+            assert all(have_slots[by_name[s.name]].shape == s.shape for s in slots), nb
+            chunks = [have_chunks[by_name[s.name]] for s in slots]
             return blockfile.write(path, self.spec, self.fingerprint, nb.group, nb.parent, nb.block_start, nb.start,
                                    tuple(tokens[nb.block_start:nb.end]), chunks, self.durable, snapshot=True)
         slots = blockfile.block_slots(self.spec, nb.group, nb.end - nb.start)
@@ -362,6 +370,14 @@ class BlockFiles(AgentIndex):
 def _with_extra(m: Manifest, doc: dict) -> Manifest:
     return Manifest(m.agent_id, m.model_fingerprint, m.spec, m.block_tokens, m.token_ids, m.hash_root, m.stored_from,
                     m.extents, doc, snapshots=m.snapshots)
+
+
+def _earlier_ends(prepared: cachefile.PreparedSave) -> dict[str, list[int]]:
+    """Per snapshot group, the ends of the snapshots a save carries before its last (ascending)."""
+    out: dict[str, list[int]] = {}
+    for p in prepared.earlier:
+        out.setdefault(p.group, []).append(p.end)
+    return out
 
 
 def _snapshot_bytes(spec: ModelCacheSpec, nb: NewBlock) -> int:

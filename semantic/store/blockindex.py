@@ -10,9 +10,11 @@ holds for this history; what none holds becomes a new block file::
     on disk        [ A       ][ B       ][ C: 512..612   ]
     extents        A 0..256    B 256..512  C 512..612       new: 612..700
 
-A group that resumes only from a snapshot has one extent: the snapshot file
-of its cache after the whole history (``blockfile.snapshot_key``), written
-unless some save of the same history wrote it already.
+A group that resumes only from a snapshot has one extent per snapshot the
+cache carries: the snapshot files of its cache after earlier positions of the
+history (where a regenerate resumes), then after the whole history
+(``blockfile.snapshot_key``), each written unless some save of the same
+history wrote it already.
 
 A file is referenced by every manifest whose extents name it, and pinned
 while a save that plans to use it is between planning and its manifest. A
@@ -129,13 +131,17 @@ class BlockIndex:
     # ------------------------------------------------------------ planning a save
 
     def plan(self, spec: ModelCacheSpec, tokens: Sequence[int], chain: Sequence[int], salt_root: int | None,
-             stored_from: dict[str, int], bt: int) -> SavePlan:
-        """The extents of a history and the block files it lacks (nothing changes; the caller pins)."""
+             stored_from: dict[str, int], bt: int, earlier: dict[str, Sequence[int]] | None = None) -> SavePlan:
+        """The extents of a history and the block files it lacks (nothing changes; the caller pins).
+        ``earlier``: per snapshot group, the ends of its snapshots before the history's end, ascending."""
         extents, new, reused, snapshots = {}, [], set(), set()
+        earlier = earlier or {}
         for group, layers in spec.groups().items():
             if spec.layers[layers[0]].snapshot_only(bt):
                 snapshots.add(group)
-                extents[group] = self._snapshot(group, tokens, chain, salt_root, bt, new, reused)
+                extents[group] = tuple(
+                    e for end in [*earlier.get(group, ()), len(tokens)]
+                    for e in self._snapshot(group, tokens[:end], chain, salt_root, bt, new, reused))
                 continue
             out: list[Extent] = []
             buffered = 0
@@ -163,7 +169,7 @@ class BlockIndex:
         return SavePlan(extents, tuple(new), frozenset(reused), frozenset(snapshots))
 
     def _snapshot(self, group, tokens, chain, salt_root, bt, new: list, reused: set) -> tuple[Extent, ...]:
-        """A snapshot group's extent: the file of its cache after all of ``tokens`` (reused when indexed)."""
+        """A snapshot group's extent after all of ``tokens``: the file of its cache then (reused when indexed)."""
         if not tokens:
             return ()
         s, t = snapshot_span(len(tokens), bt)

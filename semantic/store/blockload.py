@@ -14,10 +14,14 @@ short must still hold every group's window at the cut, else the load misses.
 
 A group that resumes only from a snapshot (``manifest``: ``snapshots``) loads
 from its snapshot file after the whole history, and from nothing else of the
-manifest. When that file, or a positional block before the end, is lost, the
-history resumes where every such group finds a snapshot file on disk of a
-prefix of it (another agent's: a shared system prompt's, an earlier branch's)
-that the other groups' extents also cover; else it misses::
+manifest; the snapshots it lists before that (where a regenerate resumes) are
+loaded too, as earlier snapshot blocks of the same group (``blockplan.commit``'s
+``earlier``), each from the pool when it holds it, else from its file; one whose
+file is damaged or lost is left out, and only it. When the last snapshot file,
+or a positional block before the end, is lost, the history resumes where every
+such group finds a snapshot file on disk of a prefix of it (the agent's own
+earlier snapshots; another agent's: a shared system prompt's, an earlier
+branch's) that the other groups' extents also cover; else it misses::
 
     history           [ sys ........ | q1 a1 ............ | q2 ..... ]
     snapshot files           ^ agent b's (its history ends there)      ^ ours: damaged
@@ -37,7 +41,7 @@ from typing import Callable
 
 import mlx.core as mx
 
-from semantic.blockplan import chain_keys, commit, plan_blocks, snapshot_span
+from semantic.blockplan import PlannedBlock, chain_keys, commit, plan_blocks, snapshot_span
 from semantic.blocks import AgentBlocks, LayerKV
 from semantic.cachefile.atomic import hasher
 from semantic.cachefile.loading import _digest_arrays
@@ -58,16 +62,19 @@ def whole_prefix(m: Manifest, infos: dict[int, BlockInfo]) -> int:
 
 
 def _prefix(m: Manifest, infos: dict[int, BlockInfo]) -> tuple[int, Manifest]:
-    """:func:`whole_prefix`, and the manifest to load it with: ``m``, or ``m`` with each snapshot group's
-    extent naming the snapshot file found at that prefix."""
+    """:func:`whole_prefix`, and the manifest to load it with: ``m`` less the earlier snapshots whose files
+    are not whole, or (a prefix) that with each snapshot group's last extent naming the snapshot file
+    found at that prefix, after the group's earlier snapshots before it."""
     bt, chain = m.block_tokens, chain_keys(m.token_ids, m.block_tokens, m.hash_root)
     good: dict[str, list[tuple[int, int]]] = {}
     bad = m.total_tokens
     lost = False  # a snapshot file of the whole history
+    whole: dict[str, tuple[Extent, ...]] = {}  # per snapshot group, its extents whose files are whole
     for g, extents in m.extents.items():
         if g in m.snapshots:
-            lost = lost or not all(_fits_snapshot(infos.get(e.key), g, m, chain) and e.end == m.total_tokens
-                                   for e in extents)
+            whole[g] = tuple(e for e in extents if _fits_snapshot(infos.get(e.key), g, m, chain)
+                             and e.end == infos[e.key].end)
+            lost = lost or not (whole[g] and whole[g][-1].end == m.total_tokens)
             continue
         cover = good[g] = []
         for e in extents:
@@ -79,14 +86,17 @@ def _prefix(m: Manifest, infos: dict[int, BlockInfo]) -> tuple[int, Manifest]:
             else:
                 cover.append((e.start, e.end))
     if bad == m.total_tokens and not lost:
-        return bad, m
+        return bad, replace(m, extents={**m.extents, **whole}) if whole else m
     positional = [(g, m.spec.layers[layers[0]]) for g, layers in m.spec.groups().items() if g not in m.snapshots]
     if m.snapshots:
+        # the latest prefix where every snapshot group finds a whole file (the agent's own earlier snapshots
+        # first among equals: they are indexed like any other) and the positional extents cover it
         at = _snapshots_on_disk(m, infos, chain, bad if not lost else min(bad, m.total_tokens - 1))
         for total in sorted(at, reverse=True):
             if all(_covered(layer.held_ranges(total), good[g]) for g, layer in positional):
                 return total, replace(m, extents={**m.extents, **{
-                    g: (Extent(key, info_start, total),) for g, (key, info_start) in at[total].items()}})
+                    g: (*(e for e in whole[g] if e.end < total), Extent(key, info_start, total))
+                    for g, (key, info_start) in at[total].items()}})
         return 0, m
     for total in range(bad - bad % bt, 0, -bt):
         if all(_covered(layer.held_ranges(total), good[g]) for g, layer in positional):
@@ -167,23 +177,68 @@ def _load_prefix(m: Manifest, total: int, files, pool, pool_lock, release) -> Ag
     tokens = m.token_ids[:total]
     stored_from = m.stored_from if total == m.total_tokens else {}
     chain = chain_keys(tokens, m.block_tokens, m.hash_root)
-    with pool_lock:
+
+    def plans():
         planned = plan_blocks(pool, m.spec, tokens, chain, m.hash_root, stored_from)
+        return planned, _earlier_plans(m, total, pool, chain)
+
+    with pool_lock:
+        planned, earlier = plans()
     arrays: dict[int, dict[str, mx.array]] = {}
-    _read(_needed(m, planned, arrays), files, arrays)  # the slow part, outside the lock
+    _read(_needed(m, [*planned.blocks, *earlier], arrays), files, arrays)  # the slow part, outside the lock
     with pool_lock:
-        planned = plan_blocks(pool, m.spec, tokens, chain, m.hash_root, stored_from)
-        _read(_needed(m, planned, arrays), files, arrays)  # hits recycled meanwhile
-        data = {id(p): _block_data(m, p, files, arrays) for p in planned.blocks if p.hit is None}
+        planned, earlier = plans()
+        _read(_needed(m, [*planned.blocks, *earlier], arrays), files, arrays)  # hits recycled meanwhile
+        data = {_where(p): _block_data(m, p, files, arrays) for p in (*planned.blocks, *earlier) if p.hit is None}
         made = [x for layers in data.values() for kv in layers.values() for side in kv
                 for x in (side if isinstance(side, tuple) else (side,))]
         mx.eval(made)
-        return commit(pool, m.spec, tokens, planned, lambda p: (data[id(p)], None), release=release,
-                      salt_root=m.hash_root)
+        if not earlier:
+            return commit(pool, m.spec, tokens, planned, lambda p: (data[_where(p)], None), release=release,
+                          salt_root=m.hash_root)
+        # room for all first (nothing taken when there is none); then every hit is held here, so making the
+        # earlier snapshots' blocks recycles none of them, and commit takes the earlier ones with the rest
+        pool.require_free(planned.need + sum(p.hit is None or pool.is_free(p.hit) for p in earlier))
+        held = [pool.acquire(p.hit) for p in (*planned.blocks, *earlier) if p.hit is not None]
+        try:
+            mine = [p.hit if p.hit is not None else pool.allocate(
+                p.group, p.start, tokens[p.start:p.end], data[_where(p)], p.key, parent=p.parent) for p in earlier]
+            held += [b for b, p in zip(mine, earlier) if p.hit is None]
+            planned = plan_blocks(pool, m.spec, tokens, chain, m.hash_root, stored_from)  # fresh: the hits held
+            return commit(pool, m.spec, tokens, planned, lambda p: (data[_where(p)], None), release=release,
+                          salt_root=m.hash_root, earlier=mine)
+        finally:
+            pool.release(held)
+
+
+def _where(p: PlannedBlock) -> tuple:
+    """A planned block's place, the same in a fresh plan of the same history."""
+    return p.group, p.start, p.end, p.snapshot
+
+
+def _earlier_plans(m: Manifest, total: int, pool: BlockPool, chain) -> list[PlannedBlock]:
+    """The snapshot blocks of the manifest's snapshots before ``total`` (``m``'s snapshot groups' earlier
+    extents), planned as ``plan_blocks`` plans a snapshot after their end: pooled ones hit, never read."""
+    bt, out = m.block_tokens, []
+    by_end: dict[int, set[str]] = {}
+    for g in m.snapshots:
+        for e in m.extents[g]:
+            if e.end < total:
+                by_end.setdefault(e.end, set()).add(g)
+    for end, groups in sorted(by_end.items()):
+        planned = plan_blocks(pool, m.spec, m.token_ids[:end], chain[: end // bt], m.hash_root)
+        out.extend(p for p in planned.blocks if p.snapshot and p.group in groups)
+    return out
 
 
 def _overlapping(m: Manifest, group: str, a: int, b: int) -> list[Extent]:
     return [e for e in m.extents[group] if e.start < b and a < e.end]
+
+
+def _snapshot_extent(m: Manifest, p) -> Extent:
+    """The extent of the snapshot file after ``p.end`` tokens, of ``p``'s group."""
+    (e,) = [e for e in m.extents[p.group] if e.end == p.end]
+    return e
 
 
 def _extents(m: Manifest, p) -> list[Extent]:
@@ -192,11 +247,13 @@ def _extents(m: Manifest, p) -> list[Extent]:
     if p.snapshot and p.group not in m.snapshots:
         layer = m.spec.layers[p.layers[0]]
         return [e for a, b in layer.held_ranges(p.end) for e in _overlapping(m, p.group, a, b)]
+    if p.snapshot:
+        return [_snapshot_extent(m, p)]
     return _overlapping(m, p.group, p.start, p.end)
 
 
 def _needed(m: Manifest, planned, arrays) -> set[int]:
-    return {e.key for p in planned.blocks if p.hit is None for e in _extents(m, p) if e.key not in arrays}
+    return {e.key for p in planned if p.hit is None for e in _extents(m, p) if e.key not in arrays}
 
 
 def _read(keys: set[int], files: dict[int, BlockInfo], arrays: dict) -> None:
@@ -259,7 +316,7 @@ def _snapshot_data(m: Manifest, p, files, arrays) -> dict[int, LayerKV]:
     """A snapshot block's layers in the pool's format (``convert``): a recurrent layer's ``(arrays, ())``,
     a short window's ``(keys, values)`` of the tokens it holds after ``p.end``, in temporal order."""
     if p.group in m.snapshots:
-        (e,) = _overlapping(m, p.group, p.start, p.end)
+        e = _snapshot_extent(m, p)
         info, t = files[e.key], arrays[e.key]
         assert info.snapshot and (info.start, info.end) == (p.start, p.end), (info, p)
         out = {}

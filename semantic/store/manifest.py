@@ -14,15 +14,17 @@
 
 An extent ``[key, a, b)`` uses positions ``a..b`` of the block file ``key``
 (any part of it: a history may use a prefix of another's block). A group that
-resumes only from a snapshot (``LayerSpec.snapshot_only``) has one extent,
-``[key, s, T]``: the snapshot file of its cache after all ``T`` tokens, ``s``
-the block start before ``T`` (``blockplan.snapshot_span``); such groups are
+resumes only from a snapshot (``LayerSpec.snapshot_only``) has one extent per
+snapshot the cache carries, ``[key, s, t]``: the snapshot file of its cache
+after ``t`` tokens, ``s`` the block start before ``t`` (``blockplan.snapshot_span``),
+ends ascending, the last after all ``T`` tokens (the earlier ones: where a
+regenerate, or a client that re-renders the reply, resumes); such groups are
 listed in ``"snapshots"``. A manifest without that list was written before
 snapshots: a short window's extents there are positional, and its window is
 assembled from them on load::
 
     "snapshots": ["sliding-w128-k0"]
-    "sliding-w128-k0": [[key, 512, 600]]      the window after 600 tokens, one snapshot file
+    "sliding-w128-k0": [[key, 512, 597], [key, 512, 600]]   the window after 597 and after 600 tokens
 
 The
 manifest is written after its block files are durable, atomically (temp,
@@ -75,7 +77,7 @@ class Manifest:
     extents: dict[str, tuple[Extent, ...]]
     extra: dict | None = None
     nbytes: int = field(default=0, compare=False)
-    snapshots: frozenset[str] = frozenset()  # groups whose one extent is a snapshot file
+    snapshots: frozenset[str] = frozenset()  # groups whose extents are snapshot files (the last: after T)
 
 
     @property
@@ -228,11 +230,15 @@ def _snapshots(path, doc, spec: ModelCacheSpec, block_tokens: int) -> frozenset[
 
 
 def _check_snapshot(path, total: int, extents, bt: int) -> None:
-    """A snapshot group's extents: one, spanning the last block start before ``total`` to it (none when empty)."""
-    want = [snapshot_span(total, bt)] if total else []
-    if [(e.start, e.end) for e in extents] != want:
-        raise CacheCorruptError(path, f"a snapshot group's extents are {[(e.start, e.end) for e in extents][:3]}, "
-                                      f"a snapshot after {total} tokens is {want}")
+    """A snapshot group's extents: one per snapshot, each spanning the last block start before its end to it,
+    ends ascending, the last after all ``total`` tokens (none when empty)."""
+    have = [(e.start, e.end) for e in extents]
+    ends = [b for _, b in have]
+    ok = (all(type(a) is int and type(b) is int and 0 < b <= total for a, b in have) and ends == sorted(set(ends))
+          and all(span == snapshot_span(b, bt) for span, b in zip(have, ends)))
+    if not (ok and ends[-1:] == ([total] if total else [])):
+        raise CacheCorruptError(path, f"a snapshot group's extents are {have[:3]}, a snapshot after {total} tokens "
+                                      f"is {[snapshot_span(total, bt)] if total else []} (after earlier ones)")
 
 
 def _check_cover(path, layer, total, stored_from, extents, bt) -> None:

@@ -6,6 +6,11 @@ over the same directory into a fresh pool, continues exactly like a fresh prefil
 snapshot is one file for every agent that ends there; a damaged snapshot is quarantined and the agent
 resumes from less; unused snapshot files are collected; files written before snapshots (positional
 extents of a short window, and the single-file layout) still load; the shared tier carries snapshot files.
+
+A finished cache carries several snapshots per snapshot group (the engine keeps the prompt's last token but
+one, where a regenerate resumes, beside the turn's end): each is a file of its own, listed in the manifest,
+and comes back on load; a continuation from any of them equals a fresh prefill; a damaged last one resumes
+from the latest earlier one, a damaged earlier one drops only itself.
 """
 
 from __future__ import annotations
@@ -17,11 +22,12 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
+import xxhash
 from mlx_lm.models import gpt_oss, lfm2, qwen3_next
 
 from semantic import AgentCacheStore, Request
 from semantic.cachefile import DOC_KEY
-from semantic.errors import UnsupportedCacheError
+from semantic.errors import CacheCorruptError, PoolExhaustedError, UnsupportedCacheError
 from semantic.remote import Fetched
 from semantic.spec import RECURRENT, LayerSpec
 from semantic.store import blockfile, blockload, manifest, manifest_name
@@ -112,21 +118,28 @@ def _infos(path: Path, spec) -> list[blockfile.BlockInfo]:
 
 
 def _snapshot_files(path: Path, spec) -> list[blockfile.BlockInfo]:
-    return [i for i in _infos(path, spec) if i.snapshot]
+    """The snapshot files on disk, by end."""
+    return sorted((i for i in _infos(path, spec) if i.snapshot), key=lambda i: i.end)
+
+
+def _ends(blocks, group) -> list[int]:
+    return [b.end for b in blocks.groups[group]]
 
 
 def _manifest(path: Path, spec, agent: str) -> manifest.Manifest:
     return manifest.read(str(path / manifest_name(agent)), spec, FP, BT)
 
 
-def _continues_like_a_fresh_prefill(eng, loaded, tokens):
-    """A turn on ``tokens`` + 2 from ``loaded`` (all of them, or a prefix: the rest is prefilled) against one
-    from nothing: the same greedy tokens, logprobs within LOGPROB_TOL."""
-    assert tuple(tokens[: loaded.total_tokens]) == loaded.token_ids
-    cont = eng.submit(Request("cont", [*tokens, 3, 4], 6), loaded, share=False)
-    ref = eng.submit(Request("ref", [*tokens, 3, 4], 6), share=False)
+def _continues_like_a_fresh_prefill(eng, loaded, tokens, cached=None, tail=(3, 4)):
+    """A turn on ``tokens`` + ``tail`` from ``loaded`` (all of it, or a prefix: the rest is prefilled) against one
+    from nothing: the same greedy tokens, logprobs within LOGPROB_TOL. ``cached``: where it must start (default:
+    all of ``loaded``; an earlier snapshot of it when ``tokens`` leave its history there)."""
+    cached = loaded.total_tokens if cached is None else cached
+    assert tuple(tokens[:cached]) == loaded.token_ids[:cached]
+    cont = eng.submit(Request("cont", [*tokens, *tail], 6), loaded, share=False)
+    ref = eng.submit(Request("ref", [*tokens, *tail], 6), share=False)
     out = run(eng)
-    assert out[cont].cached_tokens == loaded.total_tokens
+    assert out[cont].cached_tokens == cached
     assert out[cont].token_ids == out[ref].token_ids
     np.testing.assert_allclose(out[cont].logprobs, out[ref].logprobs, atol=LOGPROB_TOL, rtol=0)
     return out[cont].blocks
@@ -141,42 +154,54 @@ def _damage_tensors(path: str) -> None:
 # ---------------------------------------------------------------- save, restart, load
 
 
-def test_a_saved_agent_reloads_after_a_restart_and_continues_like_a_fresh_prefill(model, tmp_path):
+def test_a_saved_agent_reloads_after_a_restart_with_every_snapshot_and_continues_like_a_fresh_prefill(model, tmp_path):
     eng = _engine(model)
-    done = generate(eng, "a", history(45, seed=1), 4)
+    prompt = history(45, seed=1)
+    done = generate(eng, "a", prompt, 4)
     store = _store(eng, tmp_path)
     store.save("a", done.blocks)
     spec, total = eng.spec, done.blocks.total_tokens
     group = _snapshot_group(spec)
+    assert _ends(done.blocks, group) == [len(prompt) - 1, total]  # the engine keeps where a regenerate resumes
 
-    (snap,) = _snapshot_files(tmp_path, spec)
-    assert (snap.group, snap.block_start, snap.start, snap.end) == (group, (total - 1) // BT * BT, (total - 1) // BT * BT, total)
-    assert snap.token_ids == done.blocks.token_ids[snap.start:]
-    for s in snap.slots:
-        layer = spec.layers[s.layer]
-        if layer.kind == RECURRENT:
-            assert s.name.startswith(f"layer.{s.layer}.state.") and s.shape == (1, *layer.arrays[s.part][0])
-            assert s.dtype == layer.arrays[s.part][1]
-        else:
-            assert s.shape == (1, layer.n_kv_heads, layer.tokens_held(total), layer.head_dim)
+    snaps = _snapshot_files(tmp_path, spec)
+    assert [s.end for s in snaps] == [len(prompt) - 1, total]  # one file per snapshot
+    for snap in snaps:
+        start = (snap.end - 1) // BT * BT
+        assert (snap.group, snap.block_start, snap.start) == (group, start, start)
+        assert snap.token_ids == done.blocks.token_ids[snap.start:snap.end]
+        for s in snap.slots:
+            layer = spec.layers[s.layer]
+            if layer.kind == RECURRENT:
+                assert s.name.startswith(f"layer.{s.layer}.state.") and s.shape == (1, *layer.arrays[s.part][0])
+                assert s.dtype == layer.arrays[s.part][1]
+            else:
+                assert s.shape == (1, layer.n_kv_heads, layer.tokens_held(snap.end), layer.head_dim)
     m = _manifest(tmp_path, spec, "a")
-    assert m.snapshots == {group} and m.extents[group] == (manifest.Extent(snap.key, snap.start, total),)
+    assert m.snapshots == {group}
+    assert m.extents[group] == tuple(manifest.Extent(s.key, s.start, s.end) for s in snaps)
     on_disk = sum(p.stat().st_size for p in tmp_path.rglob("*") if p.is_file())
-    assert store.stats().disk_bytes == on_disk  # the snapshot file counts in the budget
+    assert store.stats().disk_bytes == on_disk  # the snapshot files count in the budget
 
     fresh = _engine(model)  # a restart: a new pool, a new store over the same directory
     loaded = _store(fresh, tmp_path).load("a")
     assert loaded is not None and loaded.total_tokens == total
+    assert _ends(loaded, group) == [len(prompt) - 1, total]
     assert_identical_snapshot(loaded, done.blocks)
+    assert_identical_snapshot(loaded, done.blocks, upto=len(prompt) - 1)
+    # a regenerate (the same prompt again) starts from the earlier snapshot, a next turn from the end
+    _continues_like_a_fresh_prefill(fresh, loaded, prompt, cached=len(prompt) - 1, tail=())
     _continues_like_a_fresh_prefill(fresh, loaded, list(loaded.token_ids) + history(7, seed=2))
 
 
-def assert_identical_snapshot(a, b) -> None:
-    """Every layer's cache rebuilt from ``a`` equals ``b``'s (recurrent states included)."""
+def assert_identical_snapshot(a, b, upto=None, group=None) -> None:
+    """Every layer's cache rebuilt from ``a`` equals ``b``'s (recurrent states included), after all their tokens
+    or their first ``upto`` (of ``group``'s layers only, when given)."""
     from semantic import convert, compat
 
-    assert a.token_ids == b.token_ids
-    for x, y in zip(convert.reconstruct(a), convert.reconstruct(b)):
+    assert a.token_ids[:upto] == b.token_ids[:upto]
+    pairs = zip(a.spec.layers, convert.reconstruct(a, upto=upto), convert.reconstruct(b, upto=upto))
+    for x, y in ((x, y) for layer, x, y in pairs if group is None or layer.group == group):
         xs = compat.cache_arrays(x) if not x.empty() else []
         ys = compat.cache_arrays(y) if not y.empty() else []
         assert len(xs) == len(ys)
@@ -190,15 +215,126 @@ def test_a_turn_after_a_load_writes_a_new_snapshot_and_collects_the_one_no_manif
     store = _store(eng, tmp_path)
     first = generate(eng, "a", history(30, seed=3), 2).blocks
     store.save("a", first)
-    (old,) = _snapshot_files(tmp_path, eng.spec)
+    old = _snapshot_files(tmp_path, eng.spec)
+    assert [o.end for o in old] == [29, first.total_tokens]
     uid = eng.submit(Request("a", [*first.token_ids, 9, 8, 7], 2), first, share=False)
     second = run(eng)[uid].blocks
     store.save("a", second)
-    (new,) = _snapshot_files(tmp_path, eng.spec)
-    assert new.end == second.total_tokens and not Path(old.path).exists() and store.stats().collected >= 1
+    new = _snapshot_files(tmp_path, eng.spec)
+    assert [n.end for n in new] == [first.total_tokens + 2, second.total_tokens]
+    assert not any(Path(o.path).exists() for o in old) and store.stats().collected >= 2
     fresh = _engine(model)
     _continues_like_a_fresh_prefill(fresh, _store(fresh, tmp_path).load("a"), list(second.token_ids))
     assert store.delete("a") and not list(tmp_path.glob("blocks-*/*.kvb"))  # every file goes with its agent
+
+
+def _only_last(eng, blocks):
+    """``blocks`` with each snapshot group's last snapshot only (a cache as builds before several snapshots had)."""
+    from semantic.blocks import AgentBlocks
+
+    snap = {_snapshot_group(eng.spec)}
+    groups = {g: [eng.pool.acquire(b) for b in (bl[-1:] if g in snap else bl)] for g, bl in blocks.groups.items()}
+    return AgentBlocks(eng.spec, blocks.token_ids, groups, BT, _release=eng.pool.release, salt_root=blocks.salt_root)
+
+
+def _carrying(eng, model, blocks, end):
+    """``blocks`` carrying a snapshot after its first ``end`` tokens too (the model run on them, extracted)."""
+    from semantic import convert
+
+    caches = eng.spec.make_cache()
+    model(mx.array([list(blocks.token_ids[:end])]), cache=caches)
+    at = convert.extract(eng.pool, caches, blocks.token_ids[:end])
+    group = _snapshot_group(eng.spec)
+    out = convert.extract(eng.pool, convert.reconstruct(blocks), blocks.token_ids,
+                          earlier=[*blocks.groups[group][:-1], *at.groups[group]])
+    at.release()
+    return out
+
+
+def test_a_manifest_with_one_snapshot_per_group_still_loads(tmp_path):
+    model = _model("qwen3_next")
+    eng = _engine(model)
+    done = generate(eng, "a", history(45, seed=13), 3).blocks
+    one = _only_last(eng, done)
+    store = _store(eng, tmp_path)
+    store.save("a", one)
+    group = _snapshot_group(eng.spec)
+    doc = json.loads(json.loads((tmp_path / manifest_name("a")).read_bytes())[manifest.DOC_KEY])
+    assert doc["format_version"] == 3 and [row[2] for row in doc["extents"][group]] == [done.total_tokens]
+    assert "a" in _store(eng, tmp_path).agents()  # indexed at startup, as before
+    fresh = _engine(model)
+    loaded = _store(fresh, tmp_path).load("a")
+    assert loaded is not None and _ends(loaded, group) == [done.total_tokens]
+    assert_identical_snapshot(loaded, done)
+    _continues_like_a_fresh_prefill(fresh, loaded, list(done.token_ids))
+
+
+@pytest.mark.parametrize("extents", [
+    lambda ex: ex[::-1],                 # not ascending
+    lambda ex: [ex[0], ex[0], ex[1]],    # an end twice
+    lambda ex: ex[:1],                   # the last is not the turn's end
+    lambda ex: [[ex[0][0], ex[0][1] + 1, ex[0][2]], ex[1]],  # not the span a snapshot at its end has
+])
+def test_a_manifest_whose_snapshot_extents_are_out_of_order_or_misplaced_is_refused(tmp_path, extents):
+    eng = _engine(_model("lfm2"))
+    _store(eng, tmp_path).save("a", generate(eng, "a", history(45, seed=14), 3).blocks)
+    group = _snapshot_group(eng.spec)
+    doc = json.loads(json.loads((tmp_path / manifest_name("a")).read_bytes())[manifest.DOC_KEY])
+    doc["extents"][group] = extents(doc["extents"][group])
+    text = json.dumps(doc)
+    raw = json.dumps({manifest.DOC_KEY: text, manifest.HASH_KEY: xxhash.xxh3_128(text.encode()).hexdigest()})
+    with pytest.raises(CacheCorruptError, match="snapshot"):
+        manifest.parse("m", raw.encode(), eng.spec, FP, BT)
+
+
+def test_a_snapshot_at_another_agents_end_is_that_agents_file_and_each_snapshot_resumes_exactly(model, tmp_path):
+    eng = _engine(model)
+    store = _store(eng, tmp_path)
+    sys = generate(eng, "sys", SYSTEM, 1).blocks
+    store.save("sys", sys)
+    before = {p.name for p in tmp_path.glob("blocks-*/*.kvb")}
+    prompt = [*sys.token_ids, *history(30, seed=15)]
+    mine = _carrying(eng, model, generate(eng, "a", prompt, 3).blocks, sys.total_tokens)
+    group = _snapshot_group(eng.spec)
+    ends = [sys.total_tokens, len(prompt) - 1, mine.total_tokens]
+    assert _ends(mine, group) == ends
+    store.save("a", mine)
+    m = _manifest(tmp_path, eng.spec, "a")
+    assert [e.end for e in m.extents[group]] == ends
+    assert m.extents[group][0] == _manifest(tmp_path, eng.spec, "sys").extents[group][-1]  # sys's file, not a copy
+    assert len({p.name for p in tmp_path.glob("blocks-*/*.kvb")} - before) == len(m.keys() - set(
+        _manifest(tmp_path, eng.spec, "sys").keys()))
+
+    fresh = _engine(model)
+    loaded = _store(fresh, tmp_path).load("a")
+    assert loaded is not None and _ends(loaded, group) == ends
+    other = mine.token_ids[sys.total_tokens] ^ 1
+    _continues_like_a_fresh_prefill(fresh, loaded, list(sys.token_ids), cached=sys.total_tokens, tail=(other, 4))
+    _continues_like_a_fresh_prefill(fresh, loaded, prompt, cached=len(prompt) - 1, tail=())
+    _continues_like_a_fresh_prefill(fresh, loaded, list(mine.token_ids))
+
+
+def test_a_load_that_the_pool_cannot_hold_with_its_earlier_snapshots_takes_nothing(tmp_path, monkeypatch):
+    model = _model("lfm2")
+    eng = _engine(model)
+    done = generate(eng, "a", history(45, seed=16), 3).blocks
+    _store(eng, tmp_path).save("a", done)
+    n = len(done.unique_blocks())
+    group = _snapshot_group(eng.spec)
+    assert len(done.groups[group]) == 2
+    small = _engine(model, blocks=n - 1)  # room for all but one of them: the final plan alone would fit
+    before = small.pool.free_count
+    with pytest.raises(PoolExhaustedError):
+        _store(small, tmp_path).load("a")
+    assert small.pool.free_count == before and small.pool.stats().used == 0
+    enough = _engine(model, blocks=n)
+    loaded = _store(enough, tmp_path).load("a")
+    assert loaded is not None and _ends(loaded, group) == _ends(done, group) and enough.pool.free_count == 0
+    loaded.release()
+    monkeypatch.setattr(blockfile, "load_arrays", lambda info: pytest.fail(f"read {info.path}"))
+    again = _store(enough, tmp_path).load("a")  # every block a pool hit now, the earlier snapshot too: nothing read
+    assert again is not None and _ends(again, group) == _ends(done, group)
+    assert enough.pool.stats().used == n
 
 
 # ---------------------------------------------------------------- sharing and damage
@@ -215,18 +351,19 @@ def test_a_system_prompt_snapshot_is_one_file_for_every_agent_that_ends_there(tm
     store.save("b", b)
     assert {p.name for p in tmp_path.glob("blocks-*/*.kvb")} == files  # nothing written twice
     assert store.stats().written_bytes - written == (tmp_path / manifest_name("b")).stat().st_size
-    (snap,) = _snapshot_files(tmp_path, eng.spec)
+    snaps = _snapshot_files(tmp_path, eng.spec)
+    assert [s.end for s in snaps] == [len(SYSTEM) - 1, a.total_tokens]
     assert _manifest(tmp_path, eng.spec, "a").keys() == _manifest(tmp_path, eng.spec, "b").keys()
-    assert store.stats().disk_shared_bytes >= snap.nbytes
+    assert store.stats().disk_shared_bytes >= sum(s.nbytes for s in snaps)
     store.delete("a")
-    assert Path(snap.path).exists()  # b still names it
+    assert all(Path(s.path).exists() for s in snaps)  # b still names them
     fresh = _engine(model)
     loaded = _store(fresh, tmp_path).load("b")
     assert loaded.token_ids == b.token_ids == a.token_ids  # the prompt and the greedy token it fed
     _continues_like_a_fresh_prefill(fresh, loaded, list(loaded.token_ids))
 
 
-@pytest.mark.parametrize("which", ["snapshot", "positional"])
+@pytest.mark.parametrize("which", ["snapshots", "positional"])
 def test_a_damaged_file_is_quarantined_and_the_agent_resumes_exactly_from_the_system_prompts_snapshot(tmp_path, which):
     model = _model("qwen3_next")
     eng = _engine(model)
@@ -238,18 +375,73 @@ def test_a_damaged_file_is_quarantined_and_the_agent_resumes_exactly_from_the_sy
     m = _manifest(tmp_path, eng.spec, "a")
     group = _snapshot_group(eng.spec)
     infos = {i.key: i for i in _infos(tmp_path, eng.spec)}
-    if which == "snapshot":
-        (e,) = m.extents[group]
+    if which == "snapshots":  # both of the agent's own: the prompt's, and the turn's end
+        damaged = list(m.extents[group])
+        assert [e.end for e in damaged] == [sys.total_tokens + 40 - 1, mine.total_tokens]
     else:  # the global block right after the system prompt's snapshot: the prefix before it stays whole
-        e = next(e for g, ex in m.extents.items() if g != group for e in ex if e.start == 48)
-    _damage_tensors(infos[e.key].path)
+        damaged = [next(e for g, ex in m.extents.items() if g != group for e in ex if e.start == 48)]
+    for e in damaged:
+        _damage_tensors(infos[e.key].path)
 
     fresh = _engine(model)
     again = _store(fresh, tmp_path)
     loaded = again.load("a")
-    assert again.stats().quarantined == 1 and not Path(infos[e.key].path).exists()
+    assert again.stats().quarantined == len(damaged) and not any(Path(infos[e.key].path).exists() for e in damaged)
     assert loaded is not None and loaded.total_tokens == sys.total_tokens
     _continues_like_a_fresh_prefill(fresh, loaded, list(mine.token_ids))
+
+
+def test_a_damaged_last_snapshot_resumes_exactly_from_the_agents_earlier_one(tmp_path):
+    model = _model("qwen3_next")
+    eng = _engine(model)
+    store = _store(eng, tmp_path)
+    store.save("sys", generate(eng, "sys", SYSTEM, 1).blocks)  # another snapshot to fall back on, further back
+    prompt = [*SYSTEM, *history(40, seed=4)]
+    mine = generate(eng, "a", prompt, 3).blocks
+    store.save("a", mine)
+    group = _snapshot_group(eng.spec)
+    last = _manifest(tmp_path, eng.spec, "a").extents[group][-1]
+    path = next(i.path for i in _infos(tmp_path, eng.spec) if i.key == last.key)
+    _damage_tensors(path)
+
+    fresh = _engine(model)
+    again = _store(fresh, tmp_path)
+    m = _manifest(tmp_path, eng.spec, "a")
+    assert blockload.whole_prefix(m, {i.key: i for i in _infos(tmp_path, eng.spec)}) == mine.total_tokens  # not yet known
+    loaded = again.load("a")
+    assert again.stats().quarantined == 1 and not Path(path).exists()
+    assert loaded is not None and loaded.total_tokens == len(prompt) - 1 and _ends(loaded, group) == [len(prompt) - 1]
+    # its state is the agent's own snapshot, bit for bit (the positional blocks before it: the system prompt's
+    # files, which a prefill of another length computed)
+    assert_identical_snapshot(loaded, mine, upto=len(prompt) - 1, group=group)
+    _continues_like_a_fresh_prefill(fresh, loaded, list(mine.token_ids))
+    assert blockload.whole_prefix(m, {i.key: i for i in _infos(tmp_path, eng.spec)}) == len(prompt) - 1
+
+
+def test_a_damaged_earlier_snapshot_drops_only_itself(tmp_path):
+    model = _model("lfm2")
+    eng = _engine(model)
+    store = _store(eng, tmp_path)
+    prompt = history(45, seed=12)
+    mine = generate(eng, "a", prompt, 3).blocks
+    store.save("a", mine)
+    group = _snapshot_group(eng.spec)
+    first = _manifest(tmp_path, eng.spec, "a").extents[group][0]
+    path = next(i.path for i in _infos(tmp_path, eng.spec) if i.key == first.key)
+    _damage_tensors(path)
+
+    fresh = _engine(model)
+    again = _store(fresh, tmp_path)
+    loaded = again.load("a")
+    assert again.stats().quarantined == 1 and not Path(path).exists()
+    assert loaded is not None and loaded.total_tokens == mine.total_tokens
+    assert _ends(loaded, group) == [mine.total_tokens]
+    assert_identical_snapshot(loaded, mine)
+    _continues_like_a_fresh_prefill(fresh, loaded, list(mine.token_ids))
+    # its next save lists only what it carries: a manifest of whole files again
+    again.save("a", loaded)
+    assert [e.end for e in _manifest(tmp_path, eng.spec, "a").extents[group]] == [mine.total_tokens]
+
 
 
 def test_a_damaged_snapshot_with_no_other_to_fall_back_on_is_a_miss(tmp_path):
@@ -258,10 +450,12 @@ def test_a_damaged_snapshot_with_no_other_to_fall_back_on_is_a_miss(tmp_path):
     store = _store(eng, tmp_path)
     mine = generate(eng, "a", history(50, seed=5), 2).blocks
     store.save("a", mine)
-    (snap,) = _snapshot_files(tmp_path, eng.spec)
-    _damage_tensors(snap.path)
+    snaps = _snapshot_files(tmp_path, eng.spec)
+    assert len(snaps) == 2
+    for snap in snaps:  # the prompt's and the turn's: one after the other, each quarantined
+        _damage_tensors(snap.path)
     again = _store(_engine(model), tmp_path)
-    assert again.load("a") is None and again.stats().quarantined == 1
+    assert again.load("a") is None and again.stats().quarantined == 2
     m = _manifest(tmp_path, eng.spec, "a")
     assert blockload.whole_prefix(m, {i.key: i for i in _infos(tmp_path, eng.spec)}) == 0
 
@@ -271,7 +465,7 @@ def test_a_snapshot_file_serves_only_a_history_that_matches_all_its_tokens(tmp_p
     eng = _engine(model)
     a = generate(eng, "a", SYSTEM, 1).blocks
     _store(eng, tmp_path).save("a", a)
-    (snap,) = _snapshot_files(tmp_path, eng.spec)
+    snap = _snapshot_files(tmp_path, eng.spec)[-1]
     tokens, end = list(a.token_ids[snap.block_start:]), a.total_tokens
     assert snap.usable_end(tokens, snap.parent, end) == end
     assert snap.usable_end(tokens[:-1] + [tokens[-1] ^ 1], snap.parent, end) == snap.start  # never a prefix
@@ -321,8 +515,9 @@ def test_a_manifest_with_a_short_windows_positional_extents_still_loads_and_its_
     _same_arrays(arrays(loaded), want)  # the window, assembled from its positional pieces
     after = _continues_like_a_fresh_prefill(fresh, loaded, list(done.token_ids) + [5, 6])
     store.save("a", after)
-    sliding = [i for i in _infos(tmp_path, fresh.spec) if i.group == group]
-    assert len(sliding) == 1 and sliding[0].snapshot and sliding[0].end == after.total_tokens
+    sliding = sorted((i for i in _infos(tmp_path, fresh.spec) if i.group == group), key=lambda i: i.end)
+    assert all(i.snapshot for i in sliding) and [i.end for i in sliding] == _ends(after, group)
+    assert sliding[-1].end == after.total_tokens
     assert _manifest(tmp_path, fresh.spec, "a").snapshots == {group}
     assert old_files - {p.name for p in tmp_path.glob("blocks-*/*.kvb")}  # the old window's files, collected
 
@@ -411,12 +606,15 @@ def _through_the_tier(model, tmp_path, tier_for):
     done = generate(e1, "public/a", [*SYSTEM, *history(20, seed=8)], 3).blocks
     s1.save("public/a", done)
     assert s1.remote.flush(10)
-    loaded = s2.load("public/a")  # server two never saw it: manifest and block files, snapshot included
+    loaded = s2.load("public/a")  # server two never saw it: manifest and block files, snapshots included
     assert loaded is not None and loaded.total_tokens == done.total_tokens
     assert {i.name for i in (tmp_path / "two").glob("blocks-*/*.kvb")} == {
         i.name for i in (tmp_path / "one").glob("blocks-*/*.kvb")}
-    assert _snapshot_files(tmp_path / "two", e2.spec)
+    group = _snapshot_group(e2.spec)
+    assert [i.end for i in _snapshot_files(tmp_path / "two", e2.spec)] == _ends(done, group) == _ends(loaded, group)
+    assert len(_ends(loaded, group)) == 2  # the prompt's snapshot and the turn's
     assert_identical_snapshot(loaded, done)
+    assert_identical_snapshot(loaded, done, upto=_ends(done, group)[0])
     _continues_like_a_fresh_prefill(e2, loaded, list(done.token_ids))
     return s1, s2
 
