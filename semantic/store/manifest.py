@@ -50,7 +50,10 @@ from semantic.spec import RECURRENT, ModelCacheSpec
 from semantic.store.files import file_name
 
 MANIFEST_SUFFIX = ".kvm"
-MANIFEST_VERSION = 3  # cache files were versions 1 and 2: one number line for the store's layouts
+MANIFEST_VERSION = 4  # cache files were versions 1 and 2: one number line for the store's layouts
+# a manifest without snapshot groups is still written as version 3, which builds before snapshots read;
+# one with them is 4, which those builds leave alone as newer instead of refusing its snapshot extents
+PLAIN_VERSION = 3
 DOC_KEY = "semantic_kv_manifest"
 HASH_KEY = "semantic_kv_xxh3_128"
 MAX_MANIFEST_BYTES = 256 * 1024 * 1024
@@ -107,7 +110,7 @@ def unhex(text: str) -> int:
 
 def encode(m: Manifest) -> bytes:
     doc = {
-        "format_version": MANIFEST_VERSION,
+        "format_version": MANIFEST_VERSION if m.snapshots else PLAIN_VERSION,
         "model_fingerprint": m.model_fingerprint,
         "agent_id": m.agent_id,
         "spec": m.spec.to_dict(),
@@ -173,7 +176,7 @@ def parse(path: str, data: bytes, spec: ModelCacheSpec, fingerprint: str, block_
         raise CacheFormatError(
             f"{path} is a version {version} manifest, written by a newer semantic; this build reads version "
             f"{MANIFEST_VERSION}: run the newer build, or give this one another --cache-dir")
-    if version != MANIFEST_VERSION or type(version) is not int:
+    if version not in (PLAIN_VERSION, MANIFEST_VERSION) or type(version) is not int:
         raise CacheCorruptError(path, f"unknown manifest version {version!r}")
     try:
         return _fields(path, doc, spec, fingerprint, block_tokens, len(data))

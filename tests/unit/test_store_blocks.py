@@ -321,7 +321,7 @@ def test_a_manifest_of_a_newer_format_is_left_alone_counted_and_a_miss(llama_tin
     for a, c in caches.items():
         store.save(a, c)
     path = tmp_path / manifest_name("a")
-    _rechecksum(path, lambda doc: doc.update(format_version=4))
+    _rechecksum(path, lambda doc: doc.update(format_version=manifest.MANIFEST_VERSION + 1))
     raw = path.read_bytes()
     again = _store(engine(llama_tiny), tmp_path)
     s = again.stats()
@@ -334,7 +334,7 @@ def test_the_block_files_a_newer_manifest_names_are_left_alone_too(llama_tiny, t
     eng = engine(llama_tiny)
     _store(eng, tmp_path).save("a", generate(eng, "a", history(20), 1).blocks)
     before = _kvbs(tmp_path)
-    _rechecksum(tmp_path / manifest_name("a"), lambda doc: doc.update(format_version=4))
+    _rechecksum(tmp_path / manifest_name("a"), lambda doc: doc.update(format_version=manifest.MANIFEST_VERSION + 1))
     again = _store(engine(llama_tiny), tmp_path)
     assert again.stats().newer == 1 and _kvbs(tmp_path) == before
 
