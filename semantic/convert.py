@@ -30,7 +30,6 @@ import mlx.core as mx
 from semantic import blockplan, compat, kinds
 from semantic.blocks import AgentBlocks, Segment, SegmentView, segment_runs
 from semantic.errors import CacheMismatchError
-from semantic.blockplan import PlannedBlock
 from semantic.pool import BlockPool
 from semantic.spec import RECURRENT, LayerSpec, ModelCacheSpec
 

@@ -13,7 +13,6 @@ it does not grow with the context, the attention layers' KV does::
 
 from __future__ import annotations
 
-import os
 import statistics
 import tempfile
 import time

@@ -68,17 +68,17 @@ def tiny_gemma3(seed: int = 0, layers: int = 4, window: int = 8):
     return model
 
 
-def tiny_qwen3_next(seed: int = 0, layers: int = 4):
+def tiny_qwen3_next(seed: int = 0, layers: int = 4, heads: int = 4, kv_heads: int = 2, head_dim: int = 16):
     """A qwen3_next model (Qwen3-Next / Qwen3-Coder-Next's hybrid): Gated-DeltaNet layers
     (``ArraysCache`` of conv and SSM state) alternating with attention ones, MoE MLPs."""
     mx.random.seed(seed)
     args = qwen3_next.ModelArgs.from_dict(dict(
         model_type="qwen3_next", hidden_size=64, num_hidden_layers=layers, intermediate_size=128,
-        num_attention_heads=4, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
+        num_attention_heads=heads, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
         linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
         decoder_sparse_step=1, shared_expert_intermediate_size=64, mlp_only_layers=[], moe_intermediate_size=32,
-        rms_norm_eps=1e-6, vocab_size=VOCAB, num_key_value_heads=2, rope_theta=10000.0, partial_rotary_factor=0.5,
-        max_position_embeddings=4096, head_dim=16, full_attention_interval=2))
+        rms_norm_eps=1e-6, vocab_size=VOCAB, num_key_value_heads=kv_heads, rope_theta=10000.0,
+        partial_rotary_factor=0.5, max_position_embeddings=4096, head_dim=head_dim, full_attention_interval=2))
     model = qwen3_next.Model(args)
     mx.eval(model.parameters())
     return model

@@ -193,20 +193,7 @@ def test_a_rebuilt_full_window_never_writes_into_the_pooled_blocks_it_came_from(
 
 def test_8_bit_kv_on_a_hybrids_attention_layers_resumes_exactly_like_its_own_fresh_turn():
     # a quantized cache is not mlx-lm's float prefill: compare a resumed turn with the same engine's fresh one
-    from mlx_lm.models import qwen3_next
-
-    import mlx.core as mx
-
-    mx.random.seed(0)
-    args = qwen3_next.ModelArgs.from_dict(dict(
-        model_type="qwen3_next", hidden_size=64, num_hidden_layers=4, intermediate_size=128, num_attention_heads=2,
-        linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
-        linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1,
-        shared_expert_intermediate_size=64, mlp_only_layers=[], moe_intermediate_size=32, rms_norm_eps=1e-6,
-        vocab_size=256, num_key_value_heads=1, rope_theta=10000.0, partial_rotary_factor=0.5,
-        max_position_embeddings=4096, head_dim=32, full_attention_interval=2))
-    m = qwen3_next.Model(args)
-    mx.eval(m.parameters())
+    m = tiny_qwen3_next(heads=2, kv_heads=1, head_dim=32)  # heads a group of 32 divides
     spec = ModelCacheSpec.from_model(m, kv_bits=8, kv_group_size=32)
     assert {l.kind for l in spec.layers} == {"recurrent", "global"} and spec.quantized
     eng = BlockPoolBatchEngine(m, byte_tokenizer(), BlockPool(spec, 400, block_tokens=BT), spec, stop_tokens=[])

@@ -23,7 +23,6 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import xxhash
-from mlx_lm.models import gpt_oss, lfm2, qwen3_next
 
 from semantic import AgentCacheStore, Request
 from semantic.cachefile import DOC_KEY
@@ -33,6 +32,7 @@ from semantic.spec import RECURRENT, LayerSpec
 from semantic.store import blockfile, blockload, manifest, manifest_name
 from tests.cache_helpers import LOGPROB_TOL, arrays, engine, generate, history, run
 from tests.redis_helpers import RedisServer
+from tests.tiny_models import tiny_gpt_oss, tiny_lfm2, tiny_qwen3_next
 
 pytestmark = pytest.mark.compat
 
@@ -44,45 +44,7 @@ SYSTEM = history(37, seed=11)  # two full blocks and 5 tokens
 # ---------------------------------------------------------------- tiny models (random weights)
 
 
-def _tiny_lfm2():
-    mx.random.seed(0)
-    args = lfm2.ModelArgs.from_dict({
-        "model_type": "lfm2", "vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "max_position_embeddings": 4096, "norm_eps": 1e-5, "conv_bias": False,
-        "conv_L_cache": 3, "block_dim": 64, "block_ff_dim": 128, "block_multiple_of": 16,
-        "block_ffn_dim_multiplier": 1.0, "block_auto_adjust_ff_dim": False, "full_attn_idxs": [1, 3],
-        "rope_theta": 10000.0})
-    model = lfm2.Model(args)
-    mx.eval(model.parameters())
-    return model
-
-
-def _tiny_qwen3_next():
-    mx.random.seed(0)
-    args = qwen3_next.ModelArgs.from_dict(dict(
-        model_type="qwen3_next", hidden_size=64, num_hidden_layers=4, intermediate_size=128, num_attention_heads=4,
-        linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
-        linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1,
-        shared_expert_intermediate_size=64, mlp_only_layers=[], moe_intermediate_size=32, rms_norm_eps=1e-6,
-        vocab_size=256, num_key_value_heads=2, rope_theta=10000.0, partial_rotary_factor=0.5,
-        max_position_embeddings=4096, head_dim=16, full_attention_interval=2))
-    model = qwen3_next.Model(args)
-    mx.eval(model.parameters())
-    return model
-
-
-def _tiny_gpt_oss(window=8):
-    mx.random.seed(0)
-    args = gpt_oss.ModelArgs.from_dict(dict(
-        model_type="gpt_oss", num_hidden_layers=4, num_local_experts=4, num_experts_per_tok=2, vocab_size=256,
-        hidden_size=64, intermediate_size=64, head_dim=16, num_attention_heads=4, num_key_value_heads=2,
-        sliding_window=window, layer_types=["sliding_attention", "full_attention"] * 2))
-    model = gpt_oss.Model(args)
-    mx.eval(model.parameters())
-    return model
-
-
-_MAKERS = {"lfm2": _tiny_lfm2, "qwen3_next": _tiny_qwen3_next, "gpt_oss": _tiny_gpt_oss}
+_MAKERS = {"lfm2": tiny_lfm2, "qwen3_next": tiny_qwen3_next, "gpt_oss": tiny_gpt_oss}
 _BUILT: dict[str, object] = {}
 
 
