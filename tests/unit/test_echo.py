@@ -69,6 +69,16 @@ def test_an_echoed_tool_call_is_the_generated_ids_and_the_whole_turn_is_reused(m
         service.close(30)
 
 
+def _sampled_first_turn(service: Service):
+    """A sampled first turn of agent a, remembered: a random byte-level reply that is not UTF-8."""
+    ask = [{"role": "user", "content": "Say something."}]
+    plan = service.prepare(messages=ask, agent="a", max_tokens=24, sampling=SamplingParams(temperature=1.0, seed=5))
+    done = service.submit(plan.request).result(60)
+    text = service.tokenizer.decode([t for t in done.token_ids if t not in service.eos])
+    service.remember(plan, done, text, [])
+    return ask, plan, done, text
+
+
 def test_a_reply_that_does_not_re_tokenize_the_same_is_reused_whole_only_with_echo(model_dir, tmp_path):
     # a random byte-level model writes bytes that are not UTF-8: the text the client gets back holds
     # replacement characters, so rendering it again can never give the generated ids
@@ -76,11 +86,7 @@ def test_a_reply_that_does_not_re_tokenize_the_same_is_reused_whole_only_with_ec
     for echo in (True, False):
         service = _service(model_dir, tmp_path, echo=echo)
         try:
-            ask = [{"role": "user", "content": "Say something."}]
-            plan1 = service.prepare(messages=ask, agent="a", max_tokens=24, sampling=SamplingParams(temperature=1.0, seed=5))
-            done1 = service.submit(plan1.request).result(60)
-            text = service.tokenizer.decode([t for t in done1.token_ids if t not in service.eos])
-            service.remember(plan1, done1, text, [])
+            ask, plan1, done1, text = _sampled_first_turn(service)
             plan2 = service.prepare(messages=ask + [{"role": "assistant", "content": text},
                                                     {"role": "user", "content": "And?"}], agent="a", max_tokens=4)
             cached[echo] = service.submit(plan2.request).result(60).cached_tokens
@@ -139,11 +145,7 @@ def test_a_regenerate_after_a_later_turn_still_splices_the_earlier_reply_as_gene
     # the book keeps a few turns per agent: regenerating turn 2 echoes turn 1's reply, not the last one
     service = _service(model_dir, tmp_path, echo=True)
     try:
-        ask = [{"role": "user", "content": "Say something."}]
-        plan1 = service.prepare(messages=ask, agent="a", max_tokens=24, sampling=SamplingParams(temperature=1.0, seed=5))
-        done1 = service.submit(plan1.request).result(60)
-        text = service.tokenizer.decode([t for t in done1.token_ids if t not in service.eos])
-        service.remember(plan1, done1, text, [])
+        ask, plan1, done1, text = _sampled_first_turn(service)
         ask2 = ask + [{"role": "assistant", "content": text}, {"role": "user", "content": "And?"}]
         plan2 = service.prepare(messages=ask2, agent="a", max_tokens=6)
         done2 = service.submit(plan2.request).result(60)
