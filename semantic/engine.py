@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
 import mlx.core as mx
-from semantic import compat, convert, defaults, kinds, reuse, snapshot
+from semantic import batchprobe, compat, convert, defaults, kinds, reuse, snapshot
 from semantic.blocks import AgentBlocks
 from semantic.budget import StepBudget
 from semantic.constraint import Constraint
@@ -117,7 +117,11 @@ class BlockPoolBatchEngine:
             log.info("speculation is off: %s", self.speculation_off)
             speculation = None
         if any(not k.batches for k in used):  # mlx-lm has no batched form of these caches
-            log.info("one sequence at a time: %s layers do not batch", [k.name for k in used if not k.batches])
+            self.batch_off = f"{' and '.join(sorted(k.name for k in used if not k.batches))} layers have no batch form"
+        else:
+            self.batch_off = batchprobe.batch_problem(model, spec) if max_batch > 1 else None
+        if self.batch_off is not None:
+            log.info("one sequence at a time: %s", self.batch_off)
             max_batch = 1
         self.vocab_size = vocab_size(model)
         self.stop_tokens = frozenset(int(t) for t in (tokenizer.eos_token_ids if stop_tokens is None else stop_tokens))

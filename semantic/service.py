@@ -111,6 +111,7 @@ class ServiceStats:
     spec_accepted: int = 0   # ... and those the model agreed with: each saved one decode step
     remote: dict | None = None  # the shared tier's counters (``RemoteTier.stats``), when there is one
     spec_off: str | None = None  # why speculation cannot run on this model (recurrent layers), None: it can
+    batch_off: str | None = None  # why this model decodes one sequence at a time, None: it batches
     cache_kinds: tuple[str, ...] = ()  # the model's layer kinds (global, sliding, recurrent)
 
 
@@ -387,7 +388,7 @@ class Service:
             cache_dir=str(self.store.dir), echo_spliced=self.echo.spliced, echo_rendered=self.echo.rendered,
             spec_steps=steps, spec_drafted=drafted, spec_accepted=accepted,
             remote=self.store.remote.stats() if self.store.remote is not None else None,
-            spec_off=self.scheduler.engine.speculation_off,
+            spec_off=self.scheduler.engine.speculation_off, batch_off=self.scheduler.engine.batch_off,
             cache_kinds=tuple(sorted({l.kind for l in self.store.spec.layers})),
         )
 

@@ -235,6 +235,8 @@ class Backend:
             "speculation": {"steps": st.spec_steps, "drafted": st.spec_drafted, "accepted": st.spec_accepted,
                             "off_reason": st.spec_off},
             "cache_kinds": list(st.cache_kinds),
+            # off_reason: why this model decodes one sequence at a time (its code or its caches do not batch)
+            "batch": {"off_reason": st.batch_off},
             # the tier shared with other servers (--remote): hits, misses, bytes, verification failures, latency
             "remote": st.remote,
             "evictions": s.evictions + store.disk_evictions,

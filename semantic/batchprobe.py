@@ -1,0 +1,55 @@
+"""Whether a model's own code decodes a batch of caches exactly as it decodes each row alone.
+
+The step loop batches rows of different lengths into left-padded batch caches
+(``kinds.merge``), whose offsets are arrays. Some mlx-lm model types read a
+cache's offset as one number (gpt_bigcode's position embeddings) or build a
+mask that does not broadcast over a batch (gemma2's soft-capped attention), so
+a batch fails or drifts there while one row at a time is exact. At load, two
+short prompts of different lengths are decoded both ways::
+
+    row 0   [t .. t] (9)     prefill, then one decode step alone   ─┐ same next-token logprobs,
+    row 1   [t ..... t] (60) prefill, then one decode step alone   ─┤ within TOLERANCE?
+    batch   both rows merged, one decode step                     ─┘ else: one sequence at a time
+
+The probe costs a few tokens' forward passes; its answer is the reason the
+engine runs such a model one sequence at a time (``BlockPoolBatchEngine``).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from semantic import kinds
+
+# logprobs of a batch row against the same row alone: float32 matmuls over other shapes differ by ~1e-6
+TOLERANCE = 1e-3
+_PROMPTS = (tuple(range(1, 10)), tuple(range(20, 80)))  # 9 and 60 tokens: a row padded by 51
+
+
+def batch_problem(model, spec) -> str | None:
+    """Why ``model`` cannot decode a batch exactly (an error, or rows that drift), or None when it can."""
+    try:
+        alone, caches = [], []
+        for prompt in _PROMPTS:
+            c = spec.make_cache()
+            model(mx.array([prompt]), cache=c)
+            single = spec.make_cache()
+            model(mx.array([prompt]), cache=single)
+            alone.append(_logprobs(model(mx.array([[11]]), cache=single)[0, -1]))
+            caches.append(c)
+        batch = kinds.merge(caches)
+        together = model(mx.array([[11], [11]]), cache=batch)[:, -1]
+        drift = max(float(mx.max(_gap(_logprobs(together[i]), alone[i]))) for i in range(len(_PROMPTS)))
+    except Exception as exc:  # the model's code refused batch caches
+        return f"its code fails on batch caches ({type(exc).__name__}: {str(exc)[:120]})"
+    if not drift <= TOLERANCE:
+        return f"its rows drift in a batch (logprobs {drift:.2g} from the same row alone)"
+    return None
+
+
+def _gap(a, b):
+    return mx.where(a == b, 0.0, mx.abs(a - b))  # equal where both are -inf (a model that masks ids out)
+
+
+def _logprobs(row):
+    return row - mx.logsumexp(row, axis=-1, keepdims=True)

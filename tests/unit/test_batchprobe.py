@@ -1,0 +1,36 @@
+"""Models whose own code cannot decode a batch exactly run one sequence at a time, and stay exact."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.generate import generate_step
+
+from harness.models import zoo
+from semantic import BlockPool, BlockPoolBatchEngine, ModelCacheSpec, Request
+from semantic.batchprobe import batch_problem
+from tests.tiny_models import byte_tokenizer, tiny_llama
+
+
+def test_a_model_that_batches_exactly_passes_the_probe():
+    m = tiny_llama()
+    assert batch_problem(m, ModelCacheSpec.from_model(m)) is None
+
+
+@pytest.mark.parametrize("model_type", ["gpt_bigcode", "gemma2"])
+def test_a_model_whose_code_fails_or_drifts_in_a_batch_decodes_one_sequence_at_a_time_exactly(model_type):
+    if model_type not in zoo.model_types():
+        pytest.skip(f"this mlx-lm has no {model_type}")
+    m, _ = zoo.build(model_type)
+    spec = ModelCacheSpec.from_model(m)
+    eng = BlockPoolBatchEngine(m, byte_tokenizer(), BlockPool(spec, 200, block_tokens=16), spec, stop_tokens=[])
+    assert eng.batch_off is not None
+    rng = np.random.default_rng(0)
+    for i, n in enumerate((9, 33, 70)):
+        eng.submit(Request(f"r{i}", [int(x) for x in rng.integers(1, 250, n)], 5), None)
+    done = list(eng.step())
+    assert len(done) == 3
+    for d in done:
+        ref = [int(t) for t, _ in generate_step(mx.array(list(d.request.ids)), m, max_tokens=len(d.token_ids))]
+        assert d.token_ids == ref
