@@ -15,13 +15,14 @@ import time
 from importlib.metadata import version
 from pathlib import Path
 
-from harness.matrix.check import REUSE_TURNS, ModelResult, check
+from harness.matrix.check import REUSE_TURNS, ModelResult, TurnResult, check
 
 # the short run in ``make test``: one of each cache kind that needs a snapshot, or shares KV
 SHORT = ("qwen3_next", "lfm2", "gpt_oss", "gemma4_text", "falcon_h1")
 
 
-def run(types: list[str], out: Path, workers: int = 1) -> list[ModelResult]:
+def run(types: list[str], out: Path, update: bool = False) -> list[ModelResult]:
+    """Check ``types``; with ``update``, the results file keeps its other types' rows (a rerun of a few)."""
     results = []
     for t in types:
         with tempfile.TemporaryDirectory(prefix=f"matrix-{t}-") as tmp:
@@ -30,12 +31,20 @@ def run(types: list[str], out: Path, workers: int = 1) -> list[ModelResult]:
                 results.append(r)
                 print(_line(r), flush=True)
     out.mkdir(parents=True, exist_ok=True)
-    doc = {"mlx_lm": version("mlx-lm"), "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-           "results": [r.to_json() for r in results]}
     path = out / f"mlx-lm-{version('mlx-lm')}.json"
+    rows = [r.to_json() for r in results]
+    if update and path.exists():
+        rows = [r for r in json.loads(path.read_text())["results"] if r["model_type"] not in types] + rows
+        rows.sort(key=lambda r: (r["model_type"], not r["echo"]))
+    doc = {"mlx_lm": version("mlx-lm"), "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "results": rows}
     path.write_text(json.dumps(doc, indent=1))
-    (out / f"mlx-lm-{version('mlx-lm')}.md").write_text(table(results))
+    (out / f"mlx-lm-{version('mlx-lm')}.md").write_text(table([_result(r) for r in rows]))
     return results
+
+
+def _result(row: dict) -> ModelResult:
+    turns = [TurnResult(**t) for t in row["turns"]]
+    return ModelResult(row["model_type"], row["echo"], row["cache_kinds"], turns, row["error"], row["seconds"])
 
 
 def _line(r: ModelResult) -> str:
@@ -80,9 +89,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--short", action="store_true", help=f"only {', '.join(SHORT)}")
     p.add_argument("--types", default="", help="comma-separated model types (default: all the zoo builds)")
     p.add_argument("--out", default="results/model-matrix")
+    p.add_argument("--update", action="store_true", help="keep the other types' rows of the results file")
     a = p.parse_args(argv)
     types = [t for t in a.types.split(",") if t] or (list(SHORT) if a.short else zoo.model_types())
-    results = run(types, Path(a.out))
+    results = run(types, Path(a.out), update=a.update)
     failed = [r for r in results if not r.passed and r.error is None]
     print(f"{sum(r.passed for r in results)} of {len(results)} runs pass; {len(failed)} fail; "
           f"{sum(r.error is not None for r in results)} not supported")
