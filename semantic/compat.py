@@ -116,6 +116,10 @@ def read_arrays(cache: Any) -> tuple:
     if any(a is None for a in cache.cache):
         missing = [i for i, a in enumerate(cache.cache) if a is None]
         raise UnsupportedCacheError(f"{ARRAYS} arrays {missing} are unset after a prompt: no state to keep")
+    if not all(isinstance(a, mx.array) for a in cache.cache):  # 0.30.4's kimi_linear nests tuples there
+        odd = [f"{i}: {type(a).__name__}" for i, a in enumerate(cache.cache) if not isinstance(a, mx.array)]
+        raise UnsupportedCacheError(f"{ARRAYS} entries {odd} are not arrays: this mlx-lm's layout of the state "
+                                    f"has no fixed form to store (mlx-lm 0.32 keeps arrays)")
     return tuple(mx.contiguous(a[...]) for a in cache.cache)
 
 
