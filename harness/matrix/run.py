@@ -27,7 +27,10 @@ def run(types: list[str], out: Path, update: bool = False) -> list[ModelResult]:
     for t in types:
         with tempfile.TemporaryDirectory(prefix=f"matrix-{t}-") as tmp:
             for echo in (True, False):
-                r = check(t, Path(tmp), echo=echo)
+                if not echo and results[-1].error and not (Path(tmp) / "model").exists():
+                    r = ModelResult(t, False, error=results[-1].error)  # no model to serve: the same reason
+                else:
+                    r = check(t, Path(tmp), echo=echo)
                 results.append(r)
                 print(_line(r), flush=True)
     out.mkdir(parents=True, exist_ok=True)
