@@ -82,7 +82,9 @@ OVERRIDES: dict[str, dict] = {
                                 "layer_types": ["conv", "conv", FA, "conv"]}},
     "lfm2_moe": {**L4, "use_expert_bias": True, "num_dense_layers": 1, "conv_bias": False, "conv_L_cache": 3,
                  "layer_types": ["conv", FA, "conv", "conv"]},
+    # time_step_limit: 0.30.4 requires it (0.32 defaults to no limit)
     "nemotron_h": {"mamba_num_heads": 4, "mamba_head_dim": 16, "mamba_proj_bias": False, "n_groups": 1,
+                   "time_step_limit": [0.0, 1e9],
                    "hybrid_override_pattern": list("M*M-"), "num_hidden_layers": 4},
     "granitemoehybrid": {**L4, "embedding_multiplier": 1.0, "attention_multiplier": 0.0625, "logits_scaling": 1.0,
                          "residual_multiplier": 1.0, "layer_types": ["mamba", "attention", "mamba", "mamba"],
