@@ -79,6 +79,8 @@ def _digest_arrays(arrays: list[mx.array]) -> list[str]:
 
 def _bytes(a: mx.array) -> memoryview:
     """The raw bytes of an evaluated, row-contiguous array, without a copy."""
+    if a.size == 0:  # a zero-wide tensor (deepseek_v32's indexer values) holds no bytes
+        return memoryview(b"")
     mv = memoryview(a)
     assert mv.c_contiguous, "only row-contiguous arrays have one byte view"
     return mv.cast("B") if mv.ndim != 1 or mv.format != "B" else mv

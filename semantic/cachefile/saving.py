@@ -173,6 +173,8 @@ def _chunks(arrays: list[mx.array]) -> list[memoryview]:
     contiguous piece per head and array. Arrays may be strided views (slices
     of a segment), but each head's tokens are contiguous: no copy."""
     out = []
+    if any(0 in a.shape for a in arrays):  # a zero-wide tensor (deepseek_v32's indexer values): no bytes
+        return []
     nps = [np.asarray(memoryview(a)) for a in arrays]
     if nps[0].ndim != 4:  # a recurrent layer's state array: one piece
         return [memoryview(np.ascontiguousarray(x)).cast("B") for x in nps]
