@@ -299,6 +299,9 @@ class ConcurrentScheduler(ResidentView):
         except PoolExhaustedError as exc:
             self._fail(ticket, exc)
             return False
+        except Exception:  # a store bug must not stop the worker: the turn prefills what no cache covers
+            log.exception("finding agent %r's cache failed; its turn starts without it", ticket.request.agent_id)
+            return None
 
     def _start(self, ticket: Ticket, own: AgentBlocks | None, need: int) -> None:
         try:

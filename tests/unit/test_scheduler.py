@@ -297,3 +297,19 @@ def test_a_queued_cancel_and_a_failed_turn_answer_both_futures(llama_tiny, cache
             too_big.tokens.result(30)
         with pytest.raises(PoolExhaustedError):
             too_big.result(30)
+
+
+def test_a_store_that_raises_while_loading_costs_the_turn_its_cache_not_the_worker(llama_tiny, cache_dir):
+    h = _ids(7, 20)
+    with _scheduler(llama_tiny, cache_dir) as sched:
+        r1 = sched.submit(Request("a", h, 4)).result(30)
+    h2 = h + list(r1.token_ids) + [9, 8]
+    with _scheduler(llama_tiny, cache_dir) as restarted:
+        def broken(agent_id):  # a bug in a load path, not a damaged file (those are quarantined)
+            raise TypeError("a load path's bug")
+
+        restarted.store.load = broken
+        r2 = restarted.submit(Request("a", h2, 5)).result(30)  # answered, not hung
+        assert r2.cached_tokens == 0
+        _assert_same(r2, reference(llama_tiny, h2, 5))
+        assert restarted.submit(Request("b", _ids(8, 9), 3)).result(30).token_ids  # the worker still serves
