@@ -123,11 +123,13 @@ class BlockPoolBatchEngine:
         if self.batch_off is not None:
             log.info("one sequence at a time: %s", self.batch_off)
             max_batch = 1
+            if speculation is not None:  # drafts are taken back out of batch caches only (rewind.py)
+                self.speculation_off, speculation = f"one sequence at a time: {self.batch_off}", None
         self.vocab_size = vocab_size(model)
         self.stop_tokens = frozenset(int(t) for t in (tokenizer.eos_token_ids if stop_tokens is None else stop_tokens))
         budget = StepBudget(defaults.prefill_chunk(), itl_target_s=itl_target_s, fixed=prefill_chunk)
         self._loop = StepLoop(model, stop_tokens=self.stop_tokens, max_batch=max_batch, prefill_chunk=budget,
-                              speculation=speculation)
+                              speculation=speculation, single=self.batch_off is not None)
         self._uids = itertools.count()
         self._seqs: dict[int, _InFlight] = {}
         self._by_agent: dict[str, int] = {}  # agent id -> its uid in flight

@@ -120,9 +120,12 @@ class StepLoop:
     """Chunked prefill between batched decode steps (see the module docstring)."""
 
     def __init__(self, model, *, stop_tokens: Sequence[int], max_batch: int, prefill_chunk: int | StepBudget,
-                 speculation: SpecConfig | None = None):
-        """``prefill_chunk``: a step budget, or a fixed number of prompt tokens per step."""
+                 speculation: SpecConfig | None = None, single: bool = False):
+        """``prefill_chunk``: a step budget, or a fixed number of prompt tokens per step. ``single``: one
+        sequence at a time, decoding on its own caches (a model whose caches or code do not batch)."""
         assert max_batch > 0, max_batch
+        assert not single or (max_batch == 1 and speculation is None), "one sequence, no drafts to rewind"
+        self.single = single
         self.budget = prefill_chunk if isinstance(prefill_chunk, StepBudget) else StepBudget(
             prefill_chunk, fixed=prefill_chunk)
         self.model = model
@@ -396,7 +399,7 @@ class StepLoop:
         if not self._ready:
             return
         joining, self._ready = self._ready, []
-        if self.max_batch == 1:  # a batch of one is the sequence's own caches (some kinds have no batch form)
+        if self.single:  # the batch is the sequence's own caches (some kinds, or some models' code, do not batch)
             assert self._batch is None and len(joining) == 1
             self._batch, joining[0].caches = joining[0].caches, None
             self._rows += joining
@@ -413,7 +416,7 @@ class StepLoop:
 
     def _row(self, row: int) -> list:
         """Row ``row``'s caches, copied out of the batch (a batch of one: the caches themselves)."""
-        return list(self._batch) if self.max_batch == 1 else [c.extract(row) for c in self._batch]
+        return list(self._batch) if self.single else [c.extract(row) for c in self._batch]
 
     def _drop_rows(self, rows: list[int]) -> None:
         gone = set(rows)
