@@ -27,7 +27,7 @@ def run(types: list[str], out: Path, update: bool = False) -> list[ModelResult]:
     for t in types:
         with tempfile.TemporaryDirectory(prefix=f"matrix-{t}-") as tmp:
             for echo in (True, False):
-                if not echo and results[-1].error and not (Path(tmp) / "model").exists():
+                if not echo and results[-1].error and not (Path(tmp) / "model" / "config.json").exists():
                     r = ModelResult(t, False, error=results[-1].error)  # no model to serve: the same reason
                 else:
                     r = check(t, Path(tmp), echo=echo)
