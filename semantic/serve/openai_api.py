@@ -219,8 +219,7 @@ async def _completion_events(turn: Turn, path: str, rid: str, created: int, mode
         while True:
             item = await turn.next()
             if isinstance(item, Delta):
-                if item.reasoning:
-                    yield chunk(oa.ChunkDelta(reasoning_content=item.reasoning))
+                # the legacy completion has no reasoning field: its text only, as the reply unstreamed
                 if item.text or item.logprobs:
                     lp = _legacy_logprobs(item.logprobs, offset) if want_logprobs else None
                     yield _sse(oa.Completion(id=rid, created=created, model=model, choices=[
