@@ -31,7 +31,7 @@ from semantic import blockplan, compat, kinds
 from semantic.blocks import AgentBlocks, Segment, SegmentView, segment_runs
 from semantic.errors import CacheMismatchError
 from semantic.pool import BlockPool
-from semantic.spec import RECURRENT, LayerSpec, ModelCacheSpec
+from semantic.spec import LayerSpec, ModelCacheSpec
 
 
 def _slice(x, a: int, b: int, copy: bool):
@@ -141,7 +141,7 @@ def _pieces(blocks: AgentBlocks, layer: int, total: int) -> tuple[list, int, int
     if spec_layer.snapshot_only(blocks.block_tokens):
         # one block serves: the snapshot taken after exactly ``total`` tokens
         snap = [b for b in blocks.blocks_for_layer(layer) if b.end == total]
-        n = spec_layer.tokens_held(total) if spec_layer.kind != RECURRENT else 1
+        n = spec_layer.tokens_held(total)  # a recurrent state stands at one position
         return ([(snap[-1], 0, snap[-1].n_tokens)], n, n) if snap and total else ([], n if total else 0, 0)
     ranges = spec_layer.held_ranges(total)
     pieces = []  # (block, first, end) in the block's own token indices

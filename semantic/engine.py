@@ -108,7 +108,7 @@ class BlockPoolBatchEngine:
         self._sliding = any(l.windowed for l in spec.layers)
         self._snapshots = snapshot.Points(spec, pool.block_tokens)
         self.snapshots = self._snapshots.exact  # whether requests should bring their message boundaries
-        self._snapshot_groups = [g for g, ix in spec.groups().items() if spec.layers[ix[0]].snapshot_only(pool.block_tokens)]
+        self._snapshot_groups = sorted(spec.snapshot_groups(pool.block_tokens))
         used = {kinds.of(l) for l in spec.layers}
         stuck = sorted(k.name for k in used if not k.rewinds)
         # a recurrent state (or a chunked cache) cannot take rejected drafts back out: one token a step

@@ -92,7 +92,7 @@ def _candidates(pool: BlockPool, ids: tuple[int, ...], own: AgentBlocks | None, 
     ``same`` (its common prefix with ``ids``), and the pool's (see the module doc)."""
     bt = pool.block_tokens
     out: dict[str, list[_Candidate]] = {g: [] for g in pool.spec.groups()}
-    whole = _snapshot_groups(pool)  # a snapshot serves only where it was taken: all its tokens must match
+    whole = pool.spec.snapshot_groups(pool.block_tokens)  # a snapshot serves only where it was taken: all its tokens must match
     seen: set[int] = set()
     if own is not None and same:
         for g, blocks in own.groups.items():
@@ -113,12 +113,6 @@ def _candidates(pool: BlockPool, ids: tuple[int, ...], own: AgentBlocks | None, 
                     out[g].append(_Candidate(blk, k * bt + m, False))
                     seen.add(id(blk))
     return out
-
-
-def _snapshot_groups(pool: BlockPool) -> set[str]:
-    """The groups that resume only from a snapshot (``LayerSpec.snapshot_only``)."""
-    spec = pool.spec
-    return {g for g, ix in spec.groups().items() if spec.layers[ix[0]].snapshot_only(pool.block_tokens)}
 
 
 def _cover(cands: list[_Candidate], ranges: list[tuple[int, int]], t: int) -> list[_Candidate] | None:
@@ -147,7 +141,8 @@ def _cover(cands: list[_Candidate], ranges: list[tuple[int, int]], t: int) -> li
 
 def _plan(pool: BlockPool, cands: dict[str, list[_Candidate]], t: int) -> dict[str, list[_Candidate]] | None:
     """Every group's cover for a start at ``t``, or None when some group has none."""
-    out, spec, whole = {}, pool.spec, _snapshot_groups(pool)
+    out, spec = {}, pool.spec
+    whole = spec.snapshot_groups(pool.block_tokens)
     for g, layers in spec.groups().items():
         if g in whole:  # the snapshot taken after exactly t tokens
             snap = [c for c in cands[g] if c.complete and c.valid == t]

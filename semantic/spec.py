@@ -180,6 +180,10 @@ class ModelCacheSpec:
         """Bytes of one snapshot of every recurrent layer."""
         return sum(l.state_bytes() for l in self.layers)
 
+    def snapshot_groups(self, block_tokens: int) -> frozenset[str]:
+        """The groups that resume only from a snapshot under ``block_tokens`` (``LayerSpec.snapshot_only``)."""
+        return frozenset(g for g, ix in self.groups().items() if self.layers[ix[0]].snapshot_only(block_tokens))
+
     @property
     def recurrent(self) -> bool:
         return any(l.kind == RECURRENT for l in self.layers)

@@ -212,16 +212,11 @@ def _fields(path, doc, spec, fingerprint, block_tokens, nbytes) -> Manifest:
                     extra if isinstance(extra, dict) else None, nbytes, snapshots)
 
 
-def snapshot_groups(spec: ModelCacheSpec, block_tokens: int) -> frozenset[str]:
-    """The groups of ``spec`` that resume only from a snapshot under ``block_tokens`` (``LayerSpec.snapshot_only``)."""
-    return frozenset(g for g, ix in spec.groups().items() if spec.layers[ix[0]].snapshot_only(block_tokens))
-
-
 def _snapshots(path, doc, spec: ModelCacheSpec, block_tokens: int) -> frozenset[str]:
     """The document's snapshot groups: every snapshot-only group, or (a manifest written before snapshots)
     none, which only a short window's positional extents can be."""
     raw = doc.get("snapshots")
-    want = snapshot_groups(spec, block_tokens)
+    want = spec.snapshot_groups(block_tokens)
     if raw is None:
         recurrent = [g for g in want if spec.layers[spec.groups()[g][0]].kind == RECURRENT]
         if recurrent:
