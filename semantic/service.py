@@ -157,13 +157,15 @@ class Service:
         self.context_length = int(min(max_context or native, native))
         self.pool_tokens = longest_cache(store.total_blocks, len(store.spec.groups()), store.block_tokens)
         self.model_path: Path | None = None  # set by open()
+        self.weights_bytes = 0  # the model's parameters, set by open()
         self._lock = threading.Lock()
         self._seen: dict[str, tuple[int, float | None]] = {}  # agent id -> (cached tokens, last used)
 
     @classmethod
     def open(cls, model: str, *, cache_dir: str | None = None, pool_bytes: int, disk_budget_bytes: int,
              block_tokens: int = defaults.BLOCK_TOKENS, remote: str | None = None, remote_budget_bytes: int = 0,
-             cache_layout: str = "blocks", **scheduling) -> "Service":
+             cache_layout: str = "blocks", cache_root: str | None = None, kv_bits: int | None = None,
+             **scheduling) -> "Service":
         """Load ``model`` (a directory or hub id, whatever ``mlx_lm.load`` takes) and open its cache store.
 
         Caches live under ``cache_dir``, by default
@@ -172,14 +174,16 @@ class Service:
         tier other servers of this model share (agents resume on any of them), holding at most
         ``remote_budget_bytes`` of this model's caches (0: Redis's own ``maxmemory`` only). ``scheduling``: the
         constructor's keywords (``ram_budget_bytes`` and the rest). ``cache_layout``: the store's
-        (``AgentCacheStore``'s ``layout``).
+        (``AgentCacheStore``'s ``layout``). ``cache_root``: caches under ``cache_root/<fingerprint>`` (a
+        server of several models keeps each one's apart). ``kv_bits``: quantized KV caches (global layers).
         """
         import mlx_lm
+        from mlx.utils import tree_flatten
 
         path = compat.model_path(model)
         fingerprint = model_fingerprint(path)
         loaded, tokenizer = mlx_lm.load(str(path))
-        spec = ModelCacheSpec.from_model(loaded)
+        spec = ModelCacheSpec.from_model(loaded, kv_bits=kv_bits)
         # a recurrent state is one pool slot but many blocks' bytes: charge each block its share of the
         # snapshots a prefill leaves (one per grid interval), so the pool stays within pool_bytes
         grid = snapshot.Points(spec, block_tokens).interval // block_tokens
@@ -187,7 +191,8 @@ class Service:
         total = int(pool_bytes // block_bytes)
         if total < 4:
             raise ValueError(f"a pool of {pool_bytes} bytes holds {total} blocks of {block_bytes:.0f} bytes: raise it")
-        where = Path(cache_dir).expanduser() if cache_dir else Path.home() / ".cache" / "semantic-kv" / "agents" / fingerprint
+        root = Path(cache_root).expanduser() if cache_root else Path.home() / ".cache" / "semantic-kv" / "agents"
+        where = Path(cache_dir).expanduser() if cache_dir else root / fingerprint
         tier = None
         if remote is not None:  # caches shared with other servers of the same model (``semantic.remote``)
             from semantic.remote import RemoteTier
@@ -202,6 +207,7 @@ class Service:
                  path, total, block_tokens, total * block_bytes / 1e6, where)
         service = cls(loaded, tokenizer, store, **scheduling)
         service.model_path = path
+        service.weights_bytes = sum(v.nbytes for _, v in tree_flatten(loaded.parameters()))
         return service
 
     # ------------------------------------------------------------ turns

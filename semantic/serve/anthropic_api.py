@@ -25,7 +25,7 @@ from semantic.serve.conversation import (
 from semantic.serve.errors import from_stream, invalid, sse_error
 from semantic.serve.state import ServeState, serve_state, tenant_of
 from semantic.serve.streaming import EventStream, event
-from semantic.serve.turns import Turn, agent_of, check_model, salt_of
+from semantic.serve.turns import Turn, agent_of, check_model, salt_of, use_model
 
 router = APIRouter()
 
@@ -109,8 +109,10 @@ def _content(final: Final, thinking: bool) -> list:
 @router.post("/v1/messages")
 async def messages(body: an.MessagesRequest, request: Request, state: ServeState = Depends(serve_state)) -> Response:
     check_model(state, body.model)
-    turn = Turn(state, await state.backend.prepare(_request(body, request, state)), "messages")
-    mid, model = f"msg_{secrets.token_hex(12)}", state.backend.model_id
+    req = _request(body, request, state)
+    backend = await use_model(state, request, body.model)
+    turn = Turn(state, await backend.prepare(req), "messages")
+    mid, model = f"msg_{secrets.token_hex(12)}", backend.model_id
     if not body.stream:
         final, _ = await turn.run(request)
         out = an.MessageOut(id=mid, model=model, content=_content(final, shows_thinking(body)), stop_reason=stop_reason(final),
@@ -212,5 +214,6 @@ async def count_tokens(body: an.CountTokensRequest, request: Request,
     messages, tools, schema = _conversation(body, state.config.keep_billing_header)
     req = GenerateRequest(max_tokens=1, messages=messages, tenant=tenant_of(request), tools=tools,
                           response_schema=schema)
-    out = an.CountTokens(input_tokens=len((await state.backend.prepare(req)).ids))
+    backend = await use_model(state, request, body.model)
+    out = an.CountTokens(input_tokens=len((await backend.prepare(req)).ids))
     return Response(out.model_dump_json(), media_type="application/json")

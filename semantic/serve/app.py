@@ -7,6 +7,7 @@ Middlewares, outermost first (each refuses before the next runs)::
     AuthMiddleware     401 without a key (when keys are set); sets the tenant
     ClosingGate        503 once shutdown began, and for a request cancelled by its end
     BodyLimit          413 over --max-body-mb
+    Leases             the models a request holds are released when its answer (a stream: its end) is sent
     (FastAPI)          exception handlers → errors.install
 """
 
@@ -24,7 +25,8 @@ from semantic.serve import anthropic_api, dashboard, errors, openai_api, respons
 from semantic.serve.responses_store import ResponseStore
 from semantic.serve.auth import AuthMiddleware, Keys
 from semantic.serve.config import ServeConfig
-from semantic.serve.gates import BodyLimit, ClosingGate
+from semantic.serve.fleet import Fleet
+from semantic.serve.gates import BodyLimit, ClosingGate, Leases
 from semantic.serve.metrics import CONTENT_TYPE, MetricsMiddleware, ServeMetrics
 from semantic.serve.state import ServeState, serve_state
 from semantic.service import SchedulerClosedError
@@ -45,31 +47,34 @@ def abort_turns(state: ServeState) -> int:
     return len(turns)
 
 
-def create_app(backend: "Backend", config: ServeConfig | None = None) -> FastAPI:
-    """The server's ASGI app over ``backend``.
+def create_app(models: "Fleet | Backend", config: ServeConfig | None = None) -> FastAPI:
+    """The server's ASGI app over ``models``.
 
     Args:
-        backend: the engine side (``semantic.serve.backend.Backend`` or a stand-in with its interface).
+        models: the served models (a ``semantic.serve.fleet.Fleet``), or one backend
+            (``semantic.serve.backend.Backend`` or a stand-in with its interface), served alone.
         config: keys, body limit and shutdown bounds; default: no keys, 4 MiB bodies.
 
     Returns:
-        A FastAPI app whose lifespan shutdown stops admitting (``begin_shutdown``)
-        and then awaits ``backend.aclose``.
+        A FastAPI app whose lifespan starts the fleet's TTL reaper and, at shutdown, stops admitting
+        (``begin_shutdown``) and then awaits ``aclose`` of every loaded model.
     """
-    config = config or ServeConfig(model=backend.model_id)
-    state = ServeState(backend=backend, config=config, metrics=ServeMetrics(backend),
-                       responses=ResponseStore(backend.responses_dir))
+    fleet = models if isinstance(models, Fleet) else Fleet.of(models)
+    config = config or ServeConfig(model=fleet.default)
+    responses = fleet.responses_dir or fleet.backend_of(None).responses_dir
+    state = ServeState(models=fleet, config=config, metrics=ServeMetrics(fleet), responses=ResponseStore(responses))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        fleet.start()
         yield
-        backend.begin_shutdown()
+        fleet.begin_shutdown()
         # uvicorn cancels the streams still running after its graceful timeout but does not
         # wait for them: let them close their backend streams before the backend closes
         deadline = time.monotonic() + CANCEL_WAIT_S
         while state.turns and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
-        await backend.aclose(timeout=config.shutdown_s)
+        await fleet.aclose(timeout=config.shutdown_s)
         state.closed = True
 
     app = FastAPI(title="semantic serve", lifespan=lifespan, docs_url=None, redoc_url=None)
@@ -83,8 +88,9 @@ def create_app(backend: "Backend", config: ServeConfig | None = None) -> FastAPI
         return Response(s.metrics.render(), media_type=CONTENT_TYPE)
 
     # add_middleware puts each one outside the ones added before it
+    app.add_middleware(Leases)
     app.add_middleware(BodyLimit, limit=config.max_body_bytes)
-    app.add_middleware(ClosingGate, closing=lambda: backend.closing)
+    app.add_middleware(ClosingGate, closing=lambda: fleet.closing)
     app.add_middleware(AuthMiddleware, keys=Keys(config.api_keys))
     app.add_middleware(errors.CatchAll)
     app.add_middleware(MetricsMiddleware, metrics=state.metrics)

@@ -107,7 +107,7 @@ class Backend:
         relay.text = TextStream(self.service.tokenizer, req.stop, req.logprobs,
                                 req.sampling.top_logprobs if req.logprobs else 0, self.service.eos, splitter, quiet,
                                 self._thinker(req, prepared.prompt_text))
-        return Prepared(req, prepared.request, relay, prepared)
+        return Prepared(req, prepared.request, relay, prepared, self)
 
     def _thinker(self, req: GenerateRequest, prompt_text: str | None) -> ThinkSplitter | None:
         """A chat reply of a model with think markers is split into reasoning and content."""

@@ -1,4 +1,4 @@
-"""``semantic serve --model DIR_OR_HUB_ID ...``: load the model and serve it over HTTP.
+"""``semantic serve --model DIR_OR_HUB_ID ...``: load the model (or several: ``--model ID=DIR``) and serve it over HTTP.
 
 Also ``python -m semantic.serve`` with the same flags (the word ``serve``
 may be given or left out). API keys come from ``--api-key`` (repeatable)
@@ -36,9 +36,30 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _model_flags(p: argparse.ArgumentParser, d: ServeConfig) -> None:
-    """The model and the name clients use for it."""
-    p.add_argument("--model", required=True, help="a model directory or Hugging Face hub id")
-    p.add_argument("--model-id", default=None, help="the name clients use (default: the model's)")
+    """The models, the names clients use for them, and the memory they share."""
+    p.add_argument("--model", action="append", default=[], metavar="[ID=]DIR_OR_HUB_ID",
+                   help="a model directory or Hugging Face hub id; repeatable as ID=DIR for several models, loaded "
+                        "when a request names them (one bare --model: loaded at start and kept, as always)")
+    p.add_argument("--model-id", default=None, help="the name clients use for a single --model (default: its folder's)")
+    p.add_argument("--models-file", default=None, metavar="FILE",
+                   help="a TOML file of models: [models.ID] path, aliases, pinned, idle_ttl_s, max_context, kv_bits, "
+                        "pool_mb, ram_mb, disk_mb, tool_parser; [defaults] for every model; [aliases] PATTERN = ID")
+    p.add_argument("--models-dir", default=None, metavar="DIR",
+                   help="serve every model directory under DIR (one with a config.json) by its folder name")
+    p.add_argument("--alias", action="append", default=[], metavar="PATTERN=ID",
+                   help="a name clients send, or a glob of them, for a served model (repeatable): 'claude-*haiku*=small' "
+                        "'claude-*=main'; the most specific pattern wins; a name nothing matches gets a 404 listing "
+                        "what is served")
+    p.add_argument("--pin", action="append", default=[], metavar="ID",
+                   help="load this model at start and never unload it (repeatable)")
+    p.add_argument("--models-mb", type=int, default=None, metavar="MB",
+                   help="the most memory the weights and KV pools of all loaded models take together: a load that "
+                        "needs room unloads the least recently used models that are not pinned and serve no request "
+                        "(their agents' caches are saved, and come back from disk) (default: no bound)")
+    p.add_argument("--idle-ttl", type=float, default=d.idle_ttl_s, metavar="S",
+                   help="unload a model no request used for S seconds (pinned ones stay; default 0: never)")
+    p.add_argument("--kv-bits", type=int, default=None, choices=(2, 3, 4, 5, 6, 8),
+                   help="quantize the KV caches to this many bits (default: the model's dtype)")
 
 
 def _server_flags(p: argparse.ArgumentParser, d: ServeConfig) -> None:
@@ -151,7 +172,9 @@ def parse_config(argv: list[str]) -> ServeConfig:
     env_keys = [k.strip() for k in os.environ.get(KEYS_ENV, "").split(",") if k.strip()]
     try:
         return ServeConfig(
-            model=a.model, model_id=a.model_id, host=a.host, port=a.port, cache_dir=a.cache_dir,
+            models=tuple(a.model), model_id=a.model_id, models_file=a.models_file, models_dir=a.models_dir,
+            aliases=tuple(a.alias), pins=tuple(a.pin), models_mb=a.models_mb, idle_ttl_s=a.idle_ttl,
+            kv_bits=a.kv_bits, host=a.host, port=a.port, cache_dir=a.cache_dir,
             cache_layout=a.cache_layout,
             api_keys=tuple(dict.fromkeys([*a.api_key, *env_keys])), pool_mb=a.pool_mb, ram_mb=a.ram_mb,
             disk_mb=a.disk_mb, max_batch=a.max_batch, max_queued=a.max_queued, max_context=a.max_context,
@@ -182,39 +205,39 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc.name} is missing; install the server's extra: pip install 'semantic-kv[serve]'",
               file=sys.stderr)
         return 2
-    from semantic.serve.backend import Backend
+    from semantic.serve.opening import fleet_of, pinned
+    from semantic.serve.registry import RegistryError
     from semantic.service import CacheError
 
     logging.basicConfig(level=config.log_level_number, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("semantic.serve")
     try:
-        backend = Backend.from_model(
-            config.model, model_id=config.model_id, sync_saves=config.sync_saves, cache_dir=config.cache_dir,
-            cache_layout=config.cache_layout,
-            pool_bytes=config.pool_bytes, disk_budget_bytes=config.disk_budget_bytes,
-            ram_budget_bytes=config.ram_budget_bytes, max_batch=config.max_batch, max_queued=config.max_queued,
-            max_context=config.max_context, prefill_chunk=config.prefill_chunk, tool_parser=config.tool_parser,
-            itl_target_s=config.itl_target_ms / 1000 if config.itl_target_ms else None,
-            echo_history=config.echo_history, strict_max_tokens=config.strict_max_tokens,
-            speculation=config.spec_config, remote=config.remote,
-            remote_budget_bytes=config.remote_mb * 2**20)
-    except (OSError, ValueError, LookupError, RuntimeError, CacheError) as exc:
-        print(f"error: cannot load {config.model!r}: {exc}", file=sys.stderr)
+        fleet = fleet_of(config)
+    except RegistryError as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 2
-    app = create_app(backend, config)
-    log.info("serving %s on http://%s:%d (%s)", backend.model_id, config.host, config.port,
+    try:
+        fleet.preload(pinned(fleet))
+    except (OSError, ValueError, LookupError, RuntimeError, CacheError) as exc:
+        source = next((s.entry.source for s in fleet.slots.values() if s.state != "loaded" and s.entry.options.pinned),
+                      config.model)
+        print(f"error: cannot load {source!r}: {exc}", file=sys.stderr)
+        asyncio.run(fleet.aclose(timeout=config.shutdown_s))
+        return 2
+    app = create_app(fleet, config)
+    log.info("serving %s on http://%s:%d (%s)", ", ".join(fleet.slots), config.host, config.port,
              f"{len(config.api_keys)} API key(s)" if config.api_keys else "no API keys: open to anyone who can connect")
     server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
                                            lifespan="on", timeout_graceful_shutdown=config.graceful_s))
-    _admit_nothing_on_signal(server, backend, app.state.serve, config.graceful_s)
+    _admit_nothing_on_signal(server, fleet, app.state.serve, config.graceful_s)
     try:
         server.run()
     except KeyboardInterrupt:
         return 130
     finally:
         if not app.state.serve.closed:  # uvicorn never reached the lifespan's shutdown (e.g. port in use)
-            backend.begin_shutdown()
-            asyncio.run(backend.aclose(timeout=config.shutdown_s))
+            fleet.begin_shutdown()
+            asyncio.run(fleet.aclose(timeout=config.shutdown_s))
     return 0 if server.started else 1
 
 

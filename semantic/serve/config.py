@@ -21,8 +21,16 @@ class ServeConfig:
     cancelling them; ``shutdown_s`` bounds the backend's own close (saves).
     """
 
-    model: str
+    model: str | None = None           # one model, today's server (the first of ``models`` when both)
     model_id: str | None = None
+    models: tuple[str, ...] = ()       # --model [ID=]DIR_OR_HUB_ID, repeatable
+    models_file: str | None = None     # a TOML of models, their options and aliases (semantic.serve.registry)
+    models_dir: str | None = None      # every model folder under it, by its folder name
+    aliases: tuple[str, ...] = ()      # PATTERN=ID
+    pins: tuple[str, ...] = ()         # loaded at start, never unloaded
+    models_mb: int | None = None       # weights and pools of all loaded models together (None: no bound)
+    idle_ttl_s: float = 0.0            # unload a model idle this long (0: never)
+    kv_bits: int | None = None         # quantized KV caches
     host: str = "127.0.0.1"
     port: int = 8000
     cache_dir: str | None = None
@@ -51,8 +59,22 @@ class ServeConfig:
     remote_mb: int = 0                 # the most MiB of this model's caches kept there (0: Redis's maxmemory only)
 
     def __post_init__(self):
-        if not isinstance(self.model, str) or not self.model.strip():
-            raise ValueError("model must name a model directory or hub id")
+        self.models = tuple(self.models)
+        if self.model is not None:
+            if not isinstance(self.model, str) or not self.model.strip():
+                raise ValueError("model must name a model directory or hub id")
+            self.models = (self.model, *[m for m in self.models if m != self.model])
+        if not self.models and self.models_file is None and self.models_dir is None:
+            raise ValueError("give a model: --model DIR_OR_HUB_ID (repeatable as ID=DIR), --models-file or --models-dir")
+        if any(not isinstance(m, str) or not m.strip() for m in self.models):
+            raise ValueError("every --model must name a model directory or hub id")
+        self.aliases, self.pins = tuple(self.aliases), tuple(self.pins)
+        if self.models_mb is not None:
+            _positive_int("models_mb", self.models_mb)
+        if isinstance(self.idle_ttl_s, bool) or not isinstance(self.idle_ttl_s, (int, float)) or self.idle_ttl_s < 0:
+            raise ValueError(f"idle_ttl_s must be a number of seconds >= 0 (0: never), got {self.idle_ttl_s!r}")
+        if self.kv_bits is not None and self.kv_bits not in (2, 3, 4, 5, 6, 8):
+            raise ValueError(f"kv_bits must be one of 2, 3, 4, 5, 6, 8, got {self.kv_bits!r}")
         if self.cache_layout not in ("blocks", "file"):
             raise ValueError(f"cache_layout must be 'blocks' or 'file', got {self.cache_layout!r}")
         if self.cache_layout == "file" and self.remote:

@@ -13,6 +13,8 @@ from importlib import resources
 from fastapi import APIRouter, Depends, Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 
+from semantic.serve.errors import NOT_FOUND, ApiError
+from semantic.serve.fleet import ModelNotFoundError
 from semantic.serve.state import ServeState, serve_state, tenant_of
 
 router = APIRouter()
@@ -30,10 +32,21 @@ async def dashboard() -> Response:
 
 
 @router.get("/v1/cache/stats")
-def cache_stats(request: Request, state: ServeState = Depends(serve_state)) -> Response:
-    """``backend.stats()`` for the caller's tenant (all of them without keys).
+def cache_stats(request: Request, model: str | None = None, state: ServeState = Depends(serve_state)) -> Response:
+    """``backend.stats()`` of ``model`` (default: the first served) for the caller's tenant (all of them without
+    keys), with every served model's row (``models``) and the memory they share (``fleet``). A model not loaded
+    now has its name and state only.
 
     A plain ``def``: FastAPI runs it on a worker thread, so stats() waiting on
     the engine's locks never stalls the event loop (and every stream with it).
     """
-    return JSONResponse(state.backend.stats(tenant_of(request) or None))
+    fleet = state.models
+    try:
+        slot = fleet.slot(model)
+    except ModelNotFoundError as exc:
+        raise ApiError(NOT_FOUND, str(exc), param="model", code="model_not_found") from None
+    backend = slot.backend  # read once: an unload may run meanwhile on the loop
+    backend = backend if slot.state == "loaded" else None
+    out = backend.stats(tenant_of(request) or None) if backend is not None else {"model": slot.id}
+    out.update(state=slot.state, models=fleet.rows(), fleet=fleet.summary())
+    return JSONResponse(out)

@@ -1,4 +1,4 @@
-"""ASGI middlewares that refuse a request before any route sees it: too large, or shutting down."""
+"""ASGI middlewares around every route: refuse a request too large or while shutting down; release its models."""
 
 from __future__ import annotations
 
@@ -75,3 +75,22 @@ class ClosingGate:
                                         "this request was answered; retry it once the server is back",
                            code="shutting_down")
             await error_response(path, err)(scope, receive, send)
+
+
+class Leases:
+    """Each request's model leases (``semantic.serve.fleet.Lease``), released once its answer is sent, a
+    stream's last byte included: until then its model is not unloaded."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        held: list = []
+        scope.setdefault("state", {})["leases"] = held
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            for lease in held:
+                lease.release()

@@ -3,7 +3,8 @@
 Each app has its own :class:`CollectorRegistry` (several apps in one test
 process never collide). Request counters and histograms are updated as
 requests run; the cache, pool and queue gauges are read from
-``backend.stats()`` at scrape time by :class:`BackendCollector`.
+``backend.stats()`` of every loaded model at scrape time by :class:`FleetCollector`,
+each series labelled with its ``model``.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from semantic.service import SAVE_FAILURES
@@ -40,53 +41,96 @@ def api_label(path: str) -> str:
 class ServeMetrics:
     """The counters and histograms the routes update."""
 
-    def __init__(self, backend):
+    def __init__(self, fleet):
         r = self.registry = CollectorRegistry(auto_describe=False)
         self.requests = Counter("semantic_requests", "HTTP requests by API and status", ["api", "status"], registry=r)
-        self.prompt_tokens = Counter("semantic_prompt_tokens", "Prompt tokens, cached ones included", ["api"], registry=r)
-        self.cached_tokens = Counter("semantic_cached_tokens", "Prompt tokens served from a cache", ["api"], registry=r)
-        self.completion_tokens = Counter("semantic_completion_tokens", "Generated tokens", ["api"], registry=r)
+        per_model = ["api", "model"]
+        self.prompt_tokens = Counter("semantic_prompt_tokens", "Prompt tokens, cached ones included", per_model,
+                                     registry=r)
+        self.cached_tokens = Counter("semantic_cached_tokens", "Prompt tokens served from a cache", per_model,
+                                     registry=r)
+        self.completion_tokens = Counter("semantic_completion_tokens", "Generated tokens", per_model, registry=r)
         self.ttft = Histogram("semantic_ttft_seconds", "Submit to first token, queueing included (server side)",
-                              ["api"], buckets=LATENCY_BUCKETS, registry=r)
+                              per_model, buckets=LATENCY_BUCKETS, registry=r)
         self.inter_token = Histogram("semantic_inter_token_seconds", "Time between streamed deltas",
-                                     ["api"], buckets=GAP_BUCKETS, registry=r)
+                                     per_model, buckets=GAP_BUCKETS, registry=r)
         self.request_seconds = Histogram("semantic_request_seconds", "Whole request, streams to their end",
                                          ["api"], buckets=LATENCY_BUCKETS, registry=r)
         self.turn_saves = Counter("semantic_turn_cache_saves", "Named agents' turns by what their reply said of "
-                                  "the cache save: saved, pending (behind the reply) or failed", ["api", "result"],
-                                  registry=r)
-        r.register(BackendCollector(backend))
+                                  "the cache save: saved, pending (behind the reply) or failed",
+                                  ["api", "model", "result"], registry=r)
+        r.register(FleetCollector(fleet))
 
-    def observe_final(self, api: str, final) -> None:
-        """Count one finished turn (a :class:`~semantic.serve.backend.Final`)."""
-        self.prompt_tokens.labels(api).inc(final.prompt_tokens)
-        self.cached_tokens.labels(api).inc(final.cached_tokens)
-        self.completion_tokens.labels(api).inc(final.completion_tokens)
-        self.ttft.labels(api).observe(final.ttft_s)
+    def observe_final(self, api: str, model: str, final) -> None:
+        """Count one finished turn (a :class:`~semantic.serve.backend.Final`) of ``model``."""
+        self.prompt_tokens.labels(api, model).inc(final.prompt_tokens)
+        self.cached_tokens.labels(api, model).inc(final.cached_tokens)
+        self.completion_tokens.labels(api, model).inc(final.completion_tokens)
+        self.ttft.labels(api, model).observe(final.ttft_s)
         if final.cache_save is not None:
-            self.turn_saves.labels(api, final.cache_save).inc()
+            self.turn_saves.labels(api, model, final.cache_save).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
 
-class BackendCollector:
-    """Gauges read from ``backend.stats()`` at each scrape."""
+class FleetCollector:
+    """Gauges read from every loaded model's ``backend.stats()`` at each scrape, labelled ``model``, and the
+    models' own: loaded or not, their memory, loads and unloads."""
 
-    def __init__(self, backend):
-        self.backend = backend
+    def __init__(self, fleet):
+        self.fleet = fleet
 
     def describe(self):
         return []  # no names at registration: collect() would call stats() on a backend still starting
 
     def collect(self):
-        try:
-            s = self.backend.stats()
-        except Exception:  # a scrape must not fail the whole exposition
-            log.exception("backend.stats() failed during a scrape")
-            return
-        for part in STATS_PARTS:
-            yield from part(s)
+        merged: dict[str, Metric] = {}
+        for model_id, backend in self.fleet.loaded():
+            try:
+                s = backend.stats()
+            except Exception:  # a scrape must not fail the whole exposition
+                log.exception("stats() of %s failed during a scrape", model_id)
+                continue
+            for part in STATS_PARTS:
+                for family in part(s):
+                    _merge(merged, family, model_id)
+        yield from merged.values()
+        yield from _fleet_metrics(self.fleet)
+
+
+def _merge(merged: dict, family, model_id: str) -> None:
+    """``family``'s samples into one family of its name across models, each with a ``model`` label."""
+    out = merged.get(family.name)
+    if out is None:
+        out = merged[family.name] = Metric(family.name, family.documentation, family.type)
+    for sample in family.samples:
+        out.add_sample(sample.name, {"model": model_id, **sample.labels}, sample.value)
+
+
+def _fleet_metrics(fleet):
+    """Each served model's state and memory, and the loads and unloads that changed them."""
+    rows = fleet.rows()
+    loaded = GaugeMetricFamily("semantic_model_loaded", "1 while the model is loaded", labels=["model"])
+    memory = GaugeMetricFamily("semantic_model_memory_bytes", "The model's weights and KV pool while loaded "
+                               "(estimated while it loads)", labels=["model"])
+    loads = CounterMetricFamily("semantic_model_loads", "Times the model was loaded", labels=["model"])
+    unloads = CounterMetricFamily("semantic_model_unloads", "Times the model was unloaded, by reason (lru: room "
+                                  "for another under --models-mb; idle: its TTL; shutdown)", labels=["model", "reason"])
+    seconds = GaugeMetricFamily("semantic_model_load_seconds", "The model's last load time", labels=["model"])
+    for r in rows:
+        loaded.add_metric([r["id"]], float(r["state"] == "loaded"))
+        memory.add_metric([r["id"]], float(r["memory_bytes"]))
+        loads.add_metric([r["id"]], float(r["loads"]))
+        for reason in ("lru", "idle", "shutdown"):
+            unloads.add_metric([r["id"], reason], float(r["unloads"].get(reason, 0)))
+        if r["load_s"] is not None:
+            seconds.add_metric([r["id"]], float(r["load_s"]))
+    yield from (loaded, memory, loads, unloads, seconds)
+    budget = fleet.summary()["budget_bytes"]
+    if budget is not None:
+        yield GaugeMetricFamily("semantic_models_budget_bytes", "--models-mb: weights and pools of all loaded "
+                                "models together", value=float(budget))
 
 
 def _state_gauges(s: dict):

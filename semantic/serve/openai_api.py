@@ -21,7 +21,7 @@ from semantic.serve.conversation import openai_call, openai_tools, response_sche
 from semantic.serve.errors import from_stream, invalid, sse_error
 from semantic.serve.state import ServeState, serve_state, tenant_of
 from semantic.serve.streaming import DONE, EventStream, data
-from semantic.serve.turns import Turn, agent_of, check_model, salt_of
+from semantic.serve.turns import Turn, agent_of, check_model, salt_of, use_model
 
 router = APIRouter()
 
@@ -126,8 +126,9 @@ async def chat_completions(body: oa.ChatCompletionRequest, request: Request,
         agent=agent_of(request, body.prompt_cache_key, body.user), cache_salt=salt_of(request, body.cache_salt),
         api="openai.chat", tools=openai_tools(body.tools, body.tool_choice, body.parallel_tool_calls),
         response_schema=response_schema(body.response_format))
-    turn = Turn(state, await state.backend.prepare(req), "chat")
-    rid, created, model = f"chatcmpl-{secrets.token_hex(12)}", int(time.time()), state.backend.model_id
+    backend = await use_model(state, request, body.model)
+    turn = Turn(state, await backend.prepare(req), "chat")
+    rid, created, model = f"chatcmpl-{secrets.token_hex(12)}", int(time.time()), backend.model_id
     if not body.stream:
         final, tokens = await turn.run(request)
         out = oa.ChatCompletion(
@@ -198,8 +199,9 @@ async def completions(body: oa.CompletionRequest, request: Request,
         sampling=sampling(body, body.logprobs or 0), stop=_stops(body.stop), logprobs=want_logprobs,
         tenant=tenant_of(request), agent=agent_of(request, body.prompt_cache_key, body.user),
         cache_salt=salt_of(request, body.cache_salt), api="openai.completions")
-    turn = Turn(state, await state.backend.prepare(req), "completions")
-    rid, created, model = f"cmpl-{secrets.token_hex(12)}", int(time.time()), state.backend.model_id
+    backend = await use_model(state, request, body.model)
+    turn = Turn(state, await backend.prepare(req), "completions")
+    rid, created, model = f"cmpl-{secrets.token_hex(12)}", int(time.time()), backend.model_id
     if not body.stream:
         final, tokens = await turn.run(request)
         out = oa.Completion(id=rid, created=created, model=model, usage=usage(final), choices=[
@@ -278,27 +280,34 @@ def _json(model, headers: dict[str, str] | None = None) -> Response:
 
 @router.get("/v1/models")
 async def list_models(request: Request, state: ServeState = Depends(serve_state)) -> Response:
+    rows = state.models.rows()
     if "anthropic-version" in request.headers:  # the Anthropic SDK's models.list() asks here too
         created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(state.started))
-        mid = state.backend.model_id
-        return JSONResponse({"data": [{"type": "model", "id": mid, "display_name": mid, "created_at": created}],
-                             "has_more": False, "first_id": mid, "last_id": mid})
-    return _json(oa.ModelList(data=[_model(state, state.backend.model_id)]))
+        ids = [r["id"] for r in rows]
+        return JSONResponse({"data": [{"type": "model", "id": i, "display_name": i, "created_at": created}
+                                      for i in ids], "has_more": False, "first_id": ids[0], "last_id": ids[-1]})
+    return _json(oa.ModelList(data=[_model(state, row) for row in rows]))
 
 
 @router.get("/v1/models/{model:path}")
 async def get_model(model: str, state: ServeState = Depends(serve_state)) -> Response:
     check_model(state, model)
-    return _json(_model(state, model))
+    model_id = state.models.slot(model).id
+    return _json(_model(state, next(r for r in state.models.rows() if r["id"] == model_id)))
 
 
-def _model(state: ServeState, model_id: str) -> oa.Model:
-    kinds, speculating = state.backend.model_info()
-    return oa.Model(id=model_id, created=state.started, cache_kinds=kinds, speculation=speculating)
+def _model(state: ServeState, row: dict) -> oa.Model:
+    """A served model, with what its backend says once it is loaded."""
+    backend = state.models.backend_of(row["id"])
+    kinds, speculating = backend.model_info() if backend is not None else (None, None)
+    return oa.Model(id=row["id"], created=state.started, cache_kinds=kinds, speculation=speculating,
+                    state=row["state"], aliases=row["aliases"], context_length=row["context_length"],
+                    memory_bytes=row["memory_bytes"] or None, pinned=row["pinned"], idle_ttl_s=row["idle_ttl_s"],
+                    error=row.get("error"))
 
 
 @router.get("/health")
 async def health(state: ServeState = Depends(serve_state)) -> Response:
-    if state.backend.closing:
+    if state.models.closing:
         return JSONResponse({"status": "closing"}, status_code=503)
     return JSONResponse({"status": "ok"})

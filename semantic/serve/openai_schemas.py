@@ -252,8 +252,17 @@ class Model(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "semantic"
-    cache_kinds: list[str] | None = None  # the model's layer kinds: global, sliding, recurrent
+    cache_kinds: list[str] | None = None  # the model's layer kinds: global, sliding, recurrent (once loaded)
     speculation: bool | None = None       # whether greedy turns may draft (off for recurrent layers)
+    # the server's own: loaded, loading, unloaded, unloading or failed (with its error); the names that
+    # reach it; weights + pool bytes (estimated until it loads)
+    state: str | None = None
+    aliases: list[str] | None = None
+    context_length: int | None = None
+    memory_bytes: int | None = None
+    pinned: bool | None = None
+    idle_ttl_s: float | None = None
+    error: str | None = None
 
 
 class ModelList(BaseModel):

@@ -136,6 +136,7 @@ class Prepared:
     turn: Request                 # token ids, the tenant-namespaced (or anonymous) agent id, the fitted max_tokens
     relay: object = None          # the backend's way back from the engine's thread (None in stand-ins)
     plan: TurnPlan | None = None  # how the reply is read, and the prompt's text for the next echo
+    backend: object = None        # the model's backend that prepared it (None in stand-ins: the default's)
 
     @property
     def ids(self) -> tuple[int, ...]:

@@ -36,7 +36,7 @@ from semantic.serve.errors import NOT_FOUND, ApiError, from_stream, invalid, sse
 from semantic.serve.protocol import Delta, Final, GenerateRequest
 from semantic.serve.state import ServeState, serve_state, tenant_of
 from semantic.serve.streaming import EventStream, event
-from semantic.serve.turns import Turn, check_model, salt_of
+from semantic.serve.turns import Turn, check_model, salt_of, use_model
 
 log = logging.getLogger(__name__)
 
@@ -71,19 +71,21 @@ async def create(body: rs.ResponsesRequest, request: Request, state: ServeState 
     check_model(state, body.model)
     _check(body)
     tenant = tenant_of(request)
+    backend = await use_model(state, request, body.model)
     before, agent = [], body.prompt_cache_key or body.user
     if body.previous_response_id is not None:
         stored = await asyncio.to_thread(state.responses.get, tenant, body.previous_response_id)
         if stored is None:
             raise _missing(body.previous_response_id)
-        if not await asyncio.to_thread(state.backend.knows_agent, tenant, stored["agent"]):
+        same_model = stored.get("model", backend.model_id) == backend.model_id
+        if same_model and not await asyncio.to_thread(backend.knows_agent, tenant, stored["agent"]):
             await asyncio.to_thread(state.responses.delete, tenant, body.previous_response_id)
             raise ApiError(NOT_FOUND, f"response {body.previous_response_id!r} was evicted: its cache left this "
                                       "server's disk budget; send the whole conversation as input instead",
                            param="previous_response_id", code="response_evicted")
         before, agent = stored["messages"], agent or stored["agent"]
-        if stored.get("echo") and agent == stored["agent"]:  # after a restart: the reply as it was generated
-            state.backend.restore_echo(tenant, agent, stored["echo"])
+        if same_model and stored.get("echo") and agent == stored["agent"]:  # after a restart: as generated
+            backend.restore_echo(tenant, agent, stored["echo"])
     rid = f"resp_{_hex()}"
     if agent is None and body.store:
         agent = f"responses-{rid}"  # the chain's own agent: its cache is saved, and follows the chain
@@ -97,12 +99,12 @@ async def create(body: rs.ResponsesRequest, request: Request, state: ServeState 
         tools=responses_tools(body.tools, body.tool_choice, body.parallel_tool_calls),
         response_schema=responses_format(body.text.format if body.text else None),
         until_context=True)  # OpenAI's meaning of no max_output_tokens: Codex never sends one
-    turn = Turn(state, await state.backend.prepare(req), "responses")
-    shell = _shell(body, rid, state.backend.model_id)
+    turn = Turn(state, await backend.prepare(req), "responses")
+    shell = _shell(body, rid, backend.model_id)
     ns = namespace_of(body.tools)
     hosted = hosted_tools(body.tools)
     headers = {**turn.headers, **({HOSTED_HEADER: ",".join(hosted)} if hosted else {})}
-    keep = _keeper(state, tenant, rid, agent, before + new) if body.store else None
+    keep = _keeper(state, backend, tenant, rid, agent, before + new) if body.store else None
     if not body.stream:
         final, _ = await turn.run(request)
         out = _finished(shell, final, _items(final, ns))
@@ -188,7 +190,7 @@ async def _store(keep, final: Final, response: dict) -> None:
             log.warning("response %s not stored: %s", response.get("id"), exc)
 
 
-def _keeper(state: ServeState, tenant: str, rid: str, agent: str, messages: list[dict]):
+def _keeper(state: ServeState, backend, tenant: str, rid: str, agent: str, messages: list[dict]):
     """What stores a finished response: its conversation (the reply as the message a client would echo),
     the agent that holds its cache, and the response object."""
     def keep(final: Final, response: dict) -> None:
@@ -197,7 +199,7 @@ def _keeper(state: ServeState, tenant: str, rid: str, agent: str, messages: list
             reply["tool_calls"] = [{"id": c.id, "type": "function",
                                     "function": {"name": c.name, "arguments": c.arguments}} for c in final.tool_calls]
         state.responses.put(tenant, rid, {"agent": agent, "messages": messages + [reply], "response": response,
-                                          "echo": state.backend.echo_state(tenant, agent)})
+                                          "model": backend.model_id, "echo": backend.echo_state(tenant, agent)})
     return keep
 
 

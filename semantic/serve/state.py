@@ -14,17 +14,23 @@ from semantic.serve.responses_store import ResponseStore
 
 if TYPE_CHECKING:
     from semantic.serve.backend import Backend
+    from semantic.serve.fleet import Fleet
 
 
 @dataclass(slots=True)
 class ServeState:
-    backend: "Backend"
+    models: "Fleet"
     config: ServeConfig
     metrics: ServeMetrics
     started: int = field(default_factory=lambda: int(time.time()))  # unix seconds, for /v1/models
     closed: bool = False  # the backend's aclose() finished
     turns: set = field(default_factory=set)  # Turns not yet closed: shutdown lets them close first
     responses: ResponseStore | None = None  # stored responses (previous_response_id), beside the caches
+
+    @property
+    def backend(self) -> "Backend | None":
+        """The default model's backend while it is loaded (one model: always)."""
+        return self.models.backend_of(None)
 
 
 def serve_state(request: Request) -> ServeState:

@@ -15,7 +15,8 @@ import time
 from starlette.requests import Request
 
 from semantic.serve.protocol import Delta, Final, Prepared, TokenLogprob
-from semantic.serve.errors import NOT_FOUND, ApiError
+from semantic.serve.errors import NOT_FOUND, UNAVAILABLE, ApiError
+from semantic.serve.fleet import ModelLoadError, ModelMemoryError, ModelNotFoundError
 from semantic.serve.state import ServeState
 from semantic.serve.streaming import until_disconnect
 
@@ -23,11 +24,35 @@ CLAMP_HEADER = "X-Max-Tokens-Clamped"  # a max_tokens the context could not hold
 SAVE_HEADER = "X-Semantic-Cache-Save"   # a named agent's cache: saved, pending (behind the reply) or failed
 
 
+async def use_model(state: ServeState, request: Request, model: str | None):
+    """The backend of the model ``model`` names (an id or an alias; None: the default), loaded first when it
+    is not; held for this request until its answer is sent (``gates.Leases``).
+
+    Raises:
+        ApiError: 404 for a name nothing serves (listing what is), 503 for a model that cannot load or fit.
+    """
+    try:
+        lease = await state.models.acquire(model)
+    except ModelNotFoundError as exc:
+        raise ApiError(NOT_FOUND, str(exc), param="model", code="model_not_found") from None
+    except ModelLoadError as exc:
+        raise ApiError(UNAVAILABLE, str(exc), param="model", code="model_load_failed") from None
+    except ModelMemoryError as exc:
+        raise ApiError(UNAVAILABLE, str(exc), param="model", code="insufficient_memory") from None
+    held = getattr(request.state, "leases", None)
+    if held is None:  # no Leases middleware (an app built without it): nothing would release it
+        lease.release()
+    else:
+        held.append(lease)
+    return lease.backend
+
+
 def check_model(state: ServeState, model: str | None) -> None:
-    """404 for a model this server does not serve (no model named: the served one)."""
-    if model is not None and model != state.backend.model_id:
-        raise ApiError(NOT_FOUND, f"the model {model!r} is not served here; this server serves "
-                                  f"{state.backend.model_id!r}", param="model", code="model_not_found")
+    """404 for a name no served model or alias matches (no name: the default model)."""
+    try:
+        state.models.slot(model)
+    except ModelNotFoundError as exc:
+        raise ApiError(NOT_FOUND, str(exc), param="model", code="model_not_found") from None
 
 
 def salt_of(request: Request, body_salt: str | None = None) -> str | None:
@@ -48,8 +73,8 @@ class Turn:
 
     def __init__(self, state: ServeState, prepared: Prepared, api: str):
         self.prepared, self.api, self.metrics = prepared, api, state.metrics
-        self.stream = state.backend.stream(prepared)
-        self._backend = state.backend
+        self._backend = prepared.backend or state.backend
+        self.stream = self._backend.stream(prepared)
         self._open = state.turns
         self._open.add(self)
         self._first: Delta | Final | None = None
@@ -147,9 +172,9 @@ class Turn:
         if isinstance(item, Delta):
             now = time.perf_counter()
             if self._last_delta is not None:
-                self.metrics.inter_token.labels(self.api).observe(now - self._last_delta)
+                self.metrics.inter_token.labels(self.api, self._backend.model_id).observe(now - self._last_delta)
             self._last_delta = now
         else:
             self.final = item
-            self.metrics.observe_final(self.api, item)
+            self.metrics.observe_final(self.api, self._backend.model_id, item)
         return item

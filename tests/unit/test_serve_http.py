@@ -612,13 +612,15 @@ def test_metrics_count_requests_tokens_and_read_the_backend():
     text = c.get("/metrics").text
     assert 'semantic_requests_total{api="chat",status="200"} 1.0' in text
     assert 'semantic_requests_total{api="chat",status="400"} 1.0' in text
-    assert 'semantic_cached_tokens_total{api="messages"} 3.0' in text
-    assert 'semantic_ttft_seconds_count{api="chat"} 1.0' in text
-    assert 'semantic_inter_token_seconds_count{api="messages"} 2.0' in text
-    assert "semantic_queue_depth 2.0" in text and "semantic_evictions_total 5.0" in text
-    assert "semantic_cached_token_ratio 0.4" in text
-    assert "semantic_ram_bytes 1024.0" in text and "semantic_ram_budget_bytes 4096.0" in text
-    assert "semantic_ram_peak_bytes 2048.0" in text and "semantic_ram_budget_evictions_total 3.0" in text
+    m = 'model="stub-model"'
+    assert f'semantic_cached_tokens_total{{api="messages",{m}}} 3.0' in text
+    assert f'semantic_ttft_seconds_count{{api="chat",{m}}} 1.0' in text
+    assert f'semantic_inter_token_seconds_count{{api="messages",{m}}} 2.0' in text
+    assert f"semantic_queue_depth{{{m}}} 2.0" in text and f"semantic_evictions_total{{{m}}} 5.0" in text
+    assert f"semantic_cached_token_ratio{{{m}}} 0.4" in text
+    assert f"semantic_ram_bytes{{{m}}} 1024.0" in text and f"semantic_ram_budget_bytes{{{m}}} 4096.0" in text
+    assert f"semantic_ram_peak_bytes{{{m}}} 2048.0" in text and f"semantic_ram_budget_evictions_total{{{m}}} 3.0" in text
+    assert f"semantic_model_loaded{{{m}}} 1.0" in text
 
 
 def test_the_openai_and_anthropic_sdks_parse_the_replies():

@@ -1,0 +1,440 @@
+"""The loaded models of one server: a request's model is loaded on demand, under one memory budget.
+
+Each model has its own :class:`~semantic.serve.backend.Backend` (service, scheduler, pool, cache
+directory). A model's life, one change at a time::
+
+    unloaded ──acquire──► loading ──► loaded ──(LRU for room, idle past its TTL)──► unloading ──► unloaded
+         ▲                   │                                                                        │
+         └── failed ◄────────┘ (bad path, foreign format: its requests get the reason)  ◄─────────────┘
+
+Loads run one at a time, off the event loop; requests for loaded models go on meanwhile. What to unload
+for room is decided first (:func:`plan_room`, plain data) and then run. A model is unloaded only with no
+request holding it (a :class:`Lease`); unloading closes its service, which writes its pending saves, so
+its agents' caches come back from disk when it loads again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from semantic.serve.registry import ModelEntry, Registry
+from semantic.service import SchedulerClosedError
+
+log = logging.getLogger("semantic.serve")
+
+UNLOADED, LOADING, LOADED, UNLOADING, FAILED = "unloaded", "loading", "loaded", "unloading", "failed"
+RETRY_FAILED_S = 30.0   # a model that failed to load is tried again by a request this much later
+ROOM_WAIT_S = 600.0     # a load waits this long at most for busy models to finish their turns
+REAP_EVERY_S = (0.2, 5.0)  # the TTL check's period: a quarter of the shortest TTL, within these bounds
+
+
+class ModelNotFoundError(LookupError):
+    """No served model and no alias matches the name."""
+
+
+class ModelLoadError(RuntimeError):
+    """The model cannot load (bad path, foreign format, its own error); other models are unaffected."""
+
+
+class ModelMemoryError(RuntimeError):
+    """The model does not fit ``--models-mb``, even after unloading every model that may go."""
+
+
+# ---------------------------------------------------------------- decide
+
+
+@dataclass(frozen=True, slots=True)
+class Resident:
+    """A model holding memory, as :func:`plan_room` sees it."""
+
+    id: str
+    bytes: int
+    pinned: bool
+    busy: bool        # a request holds it, or it is loading / unloading
+    last_used: float
+
+
+@dataclass(frozen=True, slots=True)
+class RoomPlan:
+    unload: tuple[str, ...] = ()  # least recently used first
+    wait: bool = False            # busy models hold the room: plan again once a request ends
+    refuse: str | None = None     # it can never fit: why
+
+
+def plan_room(resident: list[Resident], need: int, budget: int | None) -> RoomPlan:
+    """Which idle, unpinned models to unload, least recently used first, so ``need`` more bytes fit."""
+    used = sum(r.bytes for r in resident)
+    if budget is None or used + need <= budget:
+        return RoomPlan()
+    pinned = sum(r.bytes for r in resident if r.pinned)
+    if pinned + need > budget:
+        return RoomPlan(refuse=f"it needs {need / 2**20:.0f} MB and pinned models hold {pinned / 2**20:.0f} MB "
+                               f"of --models-mb {budget / 2**20:.0f}")
+    unload, freed = [], 0
+    for r in sorted((r for r in resident if not r.pinned and not r.busy), key=lambda r: r.last_used):
+        if used - freed + need <= budget:
+            break
+        unload.append(r.id)
+        freed += r.bytes
+    if used - freed + need <= budget:
+        return RoomPlan(unload=tuple(unload))
+    return RoomPlan(wait=True)
+
+
+def idle_past_ttl(slots: list["Slot"], now: float) -> list[str]:
+    """Loaded, unpinned models nobody used for their TTL (0 or None: never)."""
+    return [s.id for s in slots if s.state == LOADED and not s.entry.options.pinned and s.leases == 0
+            and s.entry.options.idle_ttl_s and now - s.last_used >= s.entry.options.idle_ttl_s]
+
+
+# ---------------------------------------------------------------- run
+
+
+@dataclass(eq=False, slots=True)
+class Slot:
+    """One served model's state now."""
+
+    entry: ModelEntry
+    state: str = UNLOADED
+    backend: object = None         # a Backend while loaded
+    leases: int = 0
+    last_used: float = 0.0         # monotonic
+    bytes: int = 0                 # weights + pool: estimated before a load, measured after
+    since: float = field(default_factory=time.monotonic)  # when the state began
+    change: asyncio.Future | None = None  # the load or unload running now
+    error: str | None = None
+    loads: int = 0
+    unloads: Counter = field(default_factory=Counter)  # by reason
+    load_s: float | None = None    # the last load's time
+    context_length: int | None = None
+
+    @property
+    def id(self) -> str:
+        return self.entry.id
+
+
+class Lease:
+    """A request's hold on a loaded model: it is not unloaded until every lease is released."""
+
+    def __init__(self, fleet: "Fleet", slot: Slot):
+        self._fleet, self._slot, self.backend = fleet, slot, slot.backend
+        self._held = True
+
+    def release(self) -> None:
+        if self._held:
+            self._held = False
+            self._fleet._release(self._slot)
+
+
+Opener = Callable[[ModelEntry], object]  # entry -> Backend, blocking (it loads the weights)
+
+
+class Fleet:
+    """Every served model and the loaded ones' backends.
+
+    Args:
+        registry: the served models and aliases.
+        opener: loads one model into a Backend (blocking; called off the event loop).
+        budget_bytes: ``--models-mb``: weights and pools of all loaded models together (None: no bound).
+        estimate: a model's bytes before it loads (weights on disk + its pool).
+        shutdown_s: how long an unload waits for its service's pending saves.
+    """
+
+    def __init__(self, registry: Registry, opener: Opener, *, budget_bytes: int | None = None,
+                 estimate: Callable[[ModelEntry], int] = lambda e: 0, shutdown_s: float = 30.0,
+                 responses_dir: Path | None = None):
+        self.registry, self.opener, self.budget, self.estimate = registry, opener, budget_bytes, estimate
+        self.shutdown_s, self.responses_dir = shutdown_s, responses_dir
+        self.slots: dict[str, Slot] = {i: Slot(e) for i, e in registry.entries.items()}
+        self._closing = False
+        self.load_failures = 0
+        self._load_lock: asyncio.Lock | None = None  # made on the serving loop, not where the fleet is built
+        self._released: asyncio.Event | None = None
+        self._reaper: asyncio.Task | None = None
+
+    @classmethod
+    def of(cls, backend, registry: Registry | None = None) -> "Fleet":
+        """A fleet of one loaded, pinned backend (one model, as a stand-in or ``create_app`` given a backend)."""
+        from semantic.serve.registry import ModelEntry, ModelOptions
+
+        registry = registry or Registry([ModelEntry(backend.model_id, backend.model_id, ModelOptions(pinned=True))],
+                                        single=True)
+        fleet = cls(registry, opener=lambda e: backend, responses_dir=getattr(backend, "responses_dir", None))
+        fleet._installed(fleet.slots[backend.model_id], backend, 0.0)
+        return fleet
+
+    @property
+    def closing(self) -> bool:
+        """Shutdown began (one model served alone: also when its backend began it)."""
+        if self._closing:
+            return True
+        return self.registry.single and bool(getattr(self.backend_of(None), "closing", False))
+
+    # ------------------------------------------------------------ names
+
+    @property
+    def default(self) -> str:
+        return self.registry.default
+
+    def slot(self, name: str | None) -> Slot:
+        """The slot ``name`` reaches; raises ModelNotFoundError naming what is served."""
+        model_id = self.registry.resolve(name)
+        if model_id is None:
+            raise ModelNotFoundError(f"the model {name!r} is not served here; this server serves "
+                                     f"{self.registry.served_names()}")
+        if model_id not in self.slots:  # a folder --models-dir found since the start
+            self.slots[model_id] = Slot(self.registry.entries[model_id])
+        return self.slots[model_id]
+
+    def loaded(self) -> list[tuple[str, object]]:
+        return [(s.id, s.backend) for s in self.slots.values() if s.state == LOADED]
+
+    def backend_of(self, name: str | None):
+        """The loaded backend ``name`` reaches, or None (not loaded); raises ModelNotFoundError."""
+        s = self.slot(name)
+        return s.backend if s.state == LOADED else None
+
+    # ------------------------------------------------------------ loading
+
+    def preload(self, ids: list[str]) -> None:
+        """Load ``ids`` now, before serving (no event loop yet): the pinned models. Raises what the load raises."""
+        for model_id in ids:
+            slot = self.slots[model_id]
+            t0 = time.monotonic()
+            log.info("loading %s from %s", model_id, slot.entry.source)
+            self._installed(slot, self.opener(slot.entry), time.monotonic() - t0)
+
+    async def acquire(self, name: str | None) -> Lease:
+        """A lease on the loaded model ``name`` reaches, loading it first when it is not.
+
+        Raises:
+            ModelNotFoundError, ModelLoadError, ModelMemoryError; SchedulerClosedError once shutdown began.
+        """
+        slot = self.slot(name)
+        while True:
+            if self.closing:
+                raise SchedulerClosedError("the server is shutting down")
+            if slot.state == LOADED:
+                slot.leases += 1
+                slot.last_used = time.monotonic()
+                return Lease(self, slot)
+            if slot.state == FAILED and time.monotonic() - slot.since < RETRY_FAILED_S:
+                raise ModelLoadError(f"the model {slot.id!r} failed to load: {slot.error}")
+            if slot.change is None:
+                slot.change = asyncio.ensure_future(self._load(slot))
+            await asyncio.shield(slot.change)  # a client leaving does not stop the load others wait for
+
+    def _release(self, slot: Slot) -> None:
+        slot.leases -= 1
+        slot.last_used = time.monotonic()
+        assert slot.leases >= 0
+        if self._released is not None:
+            self._released.set()
+
+    async def _load(self, slot: Slot) -> None:
+        try:
+            async with self._lock():
+                if slot.state == LOADED or self.closing:
+                    return
+                need = await asyncio.to_thread(self.estimate, slot.entry)
+                await self._make_room(slot, need)
+                self._set(slot, LOADING)
+                slot.bytes = need
+                log.info("loading %s from %s (about %.0f MB)", slot.id, slot.entry.source, need / 2**20)
+                t0 = time.monotonic()
+                try:
+                    backend = await asyncio.to_thread(self.opener, slot.entry)
+                except Exception as exc:  # the model's own loader: any error is this model's alone
+                    self._failed(slot, exc)
+                    raise ModelLoadError(f"the model {slot.id!r} failed to load: {slot.error}") from None
+                if self.closing:
+                    await self._close(backend)
+                    self._set(slot, UNLOADED)
+                    return
+                self._installed(slot, backend, time.monotonic() - t0)
+                await self._shrink(keep=slot)
+        finally:
+            slot.change = None
+
+    async def _make_room(self, slot: Slot, need: int) -> None:
+        deadline = time.monotonic() + ROOM_WAIT_S
+        while True:
+            plan = plan_room(self._resident(exclude=slot), need, self.budget)
+            if plan.refuse is not None:
+                raise ModelMemoryError(f"the model {slot.id!r} does not fit this server's memory budget: "
+                                       f"{plan.refuse}; raise --models-mb or unpin a model")
+            for victim in plan.unload:
+                await self._unload(self.slots[victim], "lru")
+            if not plan.wait:
+                return
+            if time.monotonic() >= deadline:
+                raise ModelMemoryError(f"the model {slot.id!r} waited {ROOM_WAIT_S:.0f} s for room under "
+                                       "--models-mb while other models' requests ran: retry later")
+            log.info("loading %s waits for other models' requests to end (--models-mb)", slot.id)
+            self._released = self._released or asyncio.Event()
+            self._released.clear()
+            try:
+                await asyncio.wait_for(self._released.wait(), timeout=max(0.1, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                pass
+
+    async def _shrink(self, keep: Slot) -> None:
+        """After a load measured more than estimated: unload idle models until the budget holds again."""
+        plan = plan_room(self._resident(exclude=keep), keep.bytes, self.budget)
+        for victim in plan.unload:
+            await self._unload(self.slots[victim], "lru")
+
+    def _resident(self, exclude: Slot) -> list[Resident]:
+        return [Resident(s.id, s.bytes, s.entry.options.pinned, s.leases > 0 or s.state != LOADED, s.last_used)
+                for s in self.slots.values() if s is not exclude and s.state in (LOADED, LOADING, UNLOADING)]
+
+    def _installed(self, slot: Slot, backend, seconds: float) -> None:
+        slot.backend, slot.error = backend, None
+        slot.context_length = getattr(backend, "context_length", None)
+        slot.bytes = _measured(backend) or slot.bytes
+        slot.loads += 1
+        slot.load_s = round(seconds, 3)
+        slot.last_used = time.monotonic()
+        self._set(slot, LOADED)
+        log.info("loaded %s in %.1f s (%.0f MB weights and pool)", slot.id, seconds, slot.bytes / 2**20)
+
+    def _failed(self, slot: Slot, exc: BaseException) -> None:
+        slot.error = f"{type(exc).__name__}: {exc}"[:500]
+        self.load_failures += 1
+        self._set(slot, FAILED)
+        log.error("the model %s failed to load from %s: %s", slot.id, slot.entry.source, slot.error)
+
+    def _set(self, slot: Slot, state: str) -> None:
+        slot.state, slot.since = state, time.monotonic()
+
+    # ------------------------------------------------------------ unloading
+
+    async def _unload(self, slot: Slot, reason: str) -> None:
+        """Close the model's service (its pending saves are written) and drop it."""
+        assert slot.state == LOADED and slot.leases == 0
+        backend = slot.backend
+        self._set(slot, UNLOADING)
+        agents = len(backend.service.agents()) if hasattr(backend, "service") else 0
+        log.info("unloading %s (%s): %d agents' caches stay on disk", slot.id, reason, agents)
+        await self._close(backend)
+        slot.backend = None
+        slot.unloads[reason] += 1
+        self._set(slot, UNLOADED)
+        await asyncio.to_thread(_free_memory)
+
+    async def _close(self, backend) -> None:
+        backend.begin_shutdown()
+        await backend.aclose(timeout=self.shutdown_s)
+
+    async def reap(self) -> None:
+        """Unload models idle past their TTL, until shutdown."""
+        ttls = [e.options.idle_ttl_s for e in self.registry.entries.values() if e.options.idle_ttl_s]
+        if not ttls:
+            return
+        period = min(max(min(ttls) / 4, REAP_EVERY_S[0]), REAP_EVERY_S[1])
+        while not self.closing:
+            await asyncio.sleep(period)
+            for model_id in idle_past_ttl(list(self.slots.values()), time.monotonic()):
+                slot = self.slots[model_id]
+                if slot.change is None and not _busy(slot.backend):
+                    slot.change = asyncio.ensure_future(self._unload_idle(slot))
+
+    async def _unload_idle(self, slot: Slot) -> None:
+        try:
+            async with self._lock():
+                if slot.state == LOADED and slot.leases == 0 and not self.closing:
+                    await self._unload(slot, "idle")
+        finally:
+            slot.change = None
+
+    def start(self) -> None:
+        """On the serving loop: the TTL reaper."""
+        if self._reaper is None:
+            self._reaper = asyncio.get_running_loop().create_task(self.reap())
+
+    def _lock(self) -> asyncio.Lock:
+        if self._load_lock is None:
+            self._load_lock = asyncio.Lock()
+        return self._load_lock
+
+    # ------------------------------------------------------------ shutdown
+
+    def begin_shutdown(self) -> None:
+        self._closing = True
+        for _, backend in self.loaded():
+            backend.begin_shutdown()
+
+    async def aclose(self, timeout: float = 30.0) -> None:
+        """Drain every loaded model together: queued and in-flight turns finish, pending saves are written."""
+        self._closing = True
+        if self._reaper is not None:
+            self._reaper.cancel()
+        pending = [s.change for s in self.slots.values() if s.change is not None]
+        if pending:  # a load finishing now closes what it loaded (it sees closing)
+            await asyncio.wait(pending, timeout=timeout)
+        loaded = [s for s in self.slots.values() if s.state == LOADED]
+        await asyncio.gather(*(s.backend.aclose(timeout=timeout) for s in loaded))
+        for s in loaded:
+            s.unloads["shutdown"] += 1
+
+    # ------------------------------------------------------------ state
+
+    def rows(self) -> list[dict]:
+        """Every served model as /v1/models and the stats list it."""
+        now = time.monotonic()
+        out = []
+        for s in list(self.slots.values()):  # also read from the stats' worker thread
+            o = s.entry.options
+            row = {"id": s.id, "state": s.state, "aliases": self.registry.aliases_of(s.id),
+                   "context_length": s.context_length, "memory_bytes": s.bytes if s.state != UNLOADED else 0,
+                   "pinned": o.pinned, "idle_ttl_s": o.idle_ttl_s or None, "loads": s.loads,
+                   "unloads": dict(s.unloads), "load_s": s.load_s, "state_s": round(now - s.since, 1),
+                   "idle_s": round(now - s.last_used, 1) if s.state == LOADED and not s.leases else None,
+                   "in_use": s.leases}
+            if s.state == FAILED:
+                row["error"] = s.error
+            out.append(row)
+        return out
+
+    def summary(self) -> dict:
+        loading = next((s for s in self.slots.values() if s.state == LOADING), None)
+        return {"budget_bytes": self.budget,
+                "resident_bytes": sum(s.bytes for s in self.slots.values() if s.state in (LOADED, LOADING, UNLOADING)),
+                "loads": sum(s.loads for s in self.slots.values()),
+                "unloads": sum(sum(s.unloads.values()) for s in self.slots.values()),
+                "load_failures": self.load_failures,
+                "loading": loading.id if loading else None,
+                "loading_s": round(time.monotonic() - loading.since, 1) if loading else None}
+
+
+def _measured(backend) -> int:
+    """A loaded backend's weights and pool (0 for a stand-in that says nothing)."""
+    service = getattr(backend, "service", None)
+    return int(getattr(service, "weights_bytes", 0) + getattr(backend, "pool_bytes", 0)) if service else 0
+
+
+def _busy(backend) -> bool:
+    """Whether a loaded backend still has turns queued or running (no lease, e.g. while a client left)."""
+    service = getattr(backend, "service", None)
+    if service is None:
+        return False
+    s = service.scheduler.stats()
+    return bool(s.queued or s.in_flight)
+
+
+def _free_memory() -> None:
+    """Give an unloaded model's arrays back: the collector first (cycles hold models), then MLX's buffer cache."""
+    gc.collect()
+    try:
+        import mlx.core as mx
+
+        mx.clear_cache()
+    except (ImportError, AttributeError):
+        pass

@@ -1,0 +1,78 @@
+"""From the checked command line to the fleet: the registry, how one model opens, what it costs before it does."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from semantic import defaults
+from semantic.serve.config import MB, ServeConfig
+from semantic.serve.fleet import Fleet
+from semantic.serve.registry import ModelEntry, ModelOptions, Registry, build
+
+WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".npz")
+
+
+def registry_of(config: ServeConfig) -> Registry:
+    """The served models the flags name; raises RegistryError (a ValueError) naming the flag to fix."""
+    flags = ModelOptions(idle_ttl_s=config.idle_ttl_s or None, max_context=config.max_context,
+                         kv_bits=config.kv_bits, tool_parser=config.tool_parser)
+    return build(list(config.models), model_id=config.model_id, models_file=config.models_file,
+                 models_dir=config.models_dir, aliases=list(config.aliases), pins=list(config.pins), defaults=flags)
+
+
+def pool_mb(entry: ModelEntry, config: ServeConfig) -> int:
+    return entry.options.pool_mb or config.pool_mb
+
+
+def ram_budget_bytes(entry: ModelEntry, config: ServeConfig) -> int:
+    """The model's own ram_mb, else the flag's when its pool can hold it, else a share of its pool."""
+    pool = pool_mb(entry, config)
+    ram = entry.options.ram_mb if entry.options.ram_mb is not None else config.ram_mb
+    return ram * MB if ram is not None and ram <= pool else int(pool * MB * defaults.RAM_SHARE)
+
+
+def estimate_bytes(entry: ModelEntry, config: ServeConfig) -> int:
+    """Before a load: the weight files on disk plus the model's pool (a hub id not on disk: its pool only)."""
+    where = Path(entry.source).expanduser()
+    weights = sum(f.stat().st_size for f in where.glob("*") if f.suffix in WEIGHT_SUFFIXES) if where.is_dir() else 0
+    return weights + pool_mb(entry, config) * MB
+
+
+def open_backend(entry: ModelEntry, config: ServeConfig, several: bool):
+    """Load one model as a Backend with its options over the server's flags. Blocking."""
+    from semantic.serve.backend import Backend
+
+    o = entry.options
+    backend = Backend.from_model(
+        entry.source, model_id=entry.id, sync_saves=config.sync_saves,
+        cache_dir=None if several else config.cache_dir, cache_root=config.cache_dir if several else None,
+        cache_layout=config.cache_layout, kv_bits=o.kv_bits,
+        pool_bytes=pool_mb(entry, config) * MB, disk_budget_bytes=(o.disk_mb or config.disk_mb) * MB,
+        ram_budget_bytes=ram_budget_bytes(entry, config), max_batch=config.max_batch,
+        max_queued=config.max_queued, max_context=o.max_context, prefill_chunk=config.prefill_chunk,
+        tool_parser=o.tool_parser, itl_target_s=config.itl_target_ms / 1000 if config.itl_target_ms else None,
+        echo_history=config.echo_history, strict_max_tokens=config.strict_max_tokens,
+        speculation=config.spec_config, remote=config.remote, remote_budget_bytes=config.remote_mb * MB)
+    backend.pool_bytes = pool_mb(entry, config) * MB
+    return backend
+
+
+def responses_dir(config: ServeConfig) -> Path:
+    """Where a server of several models keeps stored responses (one model: beside its caches, as before)."""
+    root = Path(config.cache_dir).expanduser() if config.cache_dir else Path.home() / ".cache" / "semantic-kv"
+    return root / "responses"
+
+
+def fleet_of(config: ServeConfig) -> Fleet:
+    """The fleet the flags ask for, nothing loaded yet (``Fleet.preload`` the pinned ones before serving)."""
+    registry = registry_of(config)
+    several = not registry.single
+    fleet = Fleet(registry, lambda e: open_backend(e, config, several),
+                  budget_bytes=config.models_mb * MB if config.models_mb else None,
+                  estimate=lambda e: estimate_bytes(e, config), shutdown_s=config.shutdown_s,
+                  responses_dir=responses_dir(config) if several else None)
+    return fleet
+
+
+def pinned(fleet: Fleet) -> list[str]:
+    return [i for i, e in fleet.registry.entries.items() if e.options.pinned]
