@@ -110,3 +110,18 @@ def test_the_proxy_records_the_replys_model_and_text_streamed_or_not(stub_server
     streamed, whole = proxy.exchanges
     assert (streamed.served_model, streamed.reply, streamed.asked) == ("stub-model", "Hello world", "hi there")
     assert (whole.served_model, whole.reply, whole.asked) == ("stub-model", "Hello world", "x")
+
+
+def test_our_target_starts_several_models_with_their_aliases_when_given_them(tmp_path):
+    from pathlib import Path
+
+    from harness.serving import targets as t
+
+    ours = t.TARGETS["semantic"]
+    launch = t.Launch(python=Path("/v/bin/python"), model_dir=Path("/m/gemma"), model_id="main", port=8123,
+                      workdir=tmp_path, settings=ours.settings(models={"main": "/m/gemma", "small": "/m/smol"},
+                                                               aliases=ALIASES))
+    cmd = ours.command(launch)
+    assert cmd[3:15] == ["--model", "main=/m/gemma", "--model", "small=/m/smol", "--alias", "claude-*haiku*=small",
+                         "--alias", "claude-*=main", "--alias", "gpt-*=main", "--host", "127.0.0.1"]
+    assert "--model-id" not in cmd
