@@ -28,7 +28,7 @@ from pathlib import Path
 
 from harness import plots
 from harness.kinds.base import Kind, Param, register
-from harness.kinds.claude_code import _trim, scratch_repo, transcript_text
+from harness.kinds.claude_code import _event_lines, _trim, scratch_repo
 from harness.serving import claude_code as cc
 from harness.serving import processes
 from harness.serving.model_routes import count_by_model, kind_of
@@ -189,18 +189,22 @@ def record(ctx, rows: list[dict], transcripts: dict, fleet: dict, settings: dict
     for k, v in checks.items():
         res.check(k, v)
     ctx.plot_path("transcript").with_suffix(".txt").write_text(
-        proxy_log_text(rows, settings) + "\n" + transcript_text(transcripts))
+        proxy_log_text(rows, settings) + "\n" + sessions_text(transcripts, ctx.params["small_agent"]["name"]))
     for mid in ids:
         ttfts = [r["ttft_s"] for r in rows if r.get("served_model") == mid and r["phase"] == "step" and r["ttft_s"]]
         if ttfts:
             res.metric(f"ttft_{mid}", ttfts, "s", "lower", f"{mid}: client-side TTFT of its step requests")
     if "cached_tokens" in ctx.config.plots:
-        panels = {mid: [(f"{r['session'][:1]}{r['step']}.{i}", r["prompt_tokens"] or 0, r["cached_tokens"] or 0)
-                        for i, r in enumerate(x for x in rows if x.get("served_model") == mid)] for mid in ids}
-        ctx.plots.append(plots.request_bars_plot(
-            panels, ctx.plot_path("cached-tokens"),
-            "Claude Code, no model variables: prompt and cached tokens per request, by the model that answered "
-            "(m/s/p: main, small, probe; step.request)"))
+        ctx.plots.append(plot_cached(rows, ids, ctx.plot_path("cached-tokens")))
+
+
+def plot_cached(rows: list[dict], ids: list[str], path: Path) -> Path:
+    """Prompt and cached tokens per request, one panel per model that answered (labels: session's initial,
+    step, the model's request number)."""
+    panels = {mid: [(f"{r['session'][:1]}{r['step']}.{i}", r["prompt_tokens"] or 0, r["cached_tokens"] or 0)
+                    for i, r in enumerate(x for x in rows if x.get("served_model") == mid)] for mid in ids}
+    return plots.request_bars_plot(panels, path, "Claude Code, no model variables: tokens per request by the model "
+                                                 "that answered (p: probe, m/s: main/small session step)")
 
 
 def proxy_log_text(rows: list[dict], settings: dict) -> str:
@@ -218,6 +222,23 @@ def proxy_log_text(rows: list[dict], settings: dict) -> str:
                    f"{(r['ttft_s'] or 0):7.2f} {r['stop_reason']}")
         out.append(f"     asked: {cut(r.get('asked'))}")
         out.append(f"     answer: {cut(r.get('reply'))}" + (f"  error: {cut(r['error'])}" if r.get("error") else ""))
+    return "\n".join(out) + "\n"
+
+
+def sessions_text(transcripts: dict, agent: str) -> str:
+    """What Claude Code printed, per session and step, under the command each step ran (the agent's
+    JSON elided), as EXP-012's transcript renders it."""
+    out = []
+    for name, steps in transcripts.items():
+        out.append(f"=== {name} session ===")
+        for s in steps:
+            flags = f" --agents '{{\"{agent}\": {{...}}}}' --agent {agent}" if name == "small" else ""
+            resume = f" --resume {s['session_id']}" if s["step"] > 1 else ""
+            out.append(f"\n$ claude -p {s['prompt']!r}{flags}{resume}   # step {s['step']}: exit {s['returncode']}, "
+                       f"{s['wall_s']:.1f} s")
+            for e in s["events"]:
+                out.extend(_event_lines(e))
+        out.append("")
     return "\n".join(out) + "\n"
 
 
