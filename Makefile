@@ -229,7 +229,7 @@ exp-012: models
 
 # Claude Code with two models (issue 40): one server holding Gemma 3 270M (main) and SmolLM2 (small) behind
 # Claude Code's own names ('claude-*haiku*=small', 'claude-*=main'), Claude Code given nothing but the base URL
-# and a token; counts what each model answered, refusals and cache reads (about 10 min on 2 cores).
+# and a token; counts what each model answered, refusals and cache reads (15 min on 2 cores beside other jobs).
 exp-012-two-models: models
 	$(PY) -m harness run experiments/exp_012_two_models.toml
 
