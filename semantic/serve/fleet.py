@@ -285,13 +285,15 @@ class Fleet:
         assert slot.state == LOADED and slot.leases == 0
         backend = slot.backend
         self._set(slot, UNLOADING)
-        agents = len(backend.service.agents()) if hasattr(backend, "service") else 0
-        log.info("unloading %s (%s): %d agents' caches stay on disk", slot.id, reason, agents)
+        log.info("unloading %s (%s): writing its pending saves", slot.id, reason)
+        t0 = time.monotonic()
         await self._close(backend)
         slot.backend = None
         slot.unloads[reason] += 1
         self._set(slot, UNLOADED)
         await asyncio.to_thread(_free_memory)
+        log.info("unloaded %s in %.1f s: its agents' caches are on disk for its next load", slot.id,
+                 time.monotonic() - t0)
 
     async def _close(self, backend) -> None:
         backend.begin_shutdown()
