@@ -215,7 +215,9 @@ class Fleet:
                     backend = await asyncio.to_thread(self.opener, slot.entry)
                 except Exception as exc:  # the model's own loader: any error is this model's alone
                     self._failed(slot, exc)
+                    await asyncio.to_thread(_free_memory)
                     raise ModelLoadError(f"the model {slot.id!r} failed to load: {slot.error}") from None
+                await asyncio.to_thread(_free_memory)  # the loader's read buffers
                 if self.closing:
                     await self._close(backend)
                     self._set(slot, UNLOADED)
@@ -409,7 +411,8 @@ def _retrieved(future: asyncio.Future) -> None:
 
 
 def _free_memory() -> None:
-    """Give an unloaded model's arrays back: the collector first (cycles hold models), then MLX's buffer cache."""
+    """Give freed arrays back to the system: the collector first (cycles hold models), then MLX's buffer
+    cache, then glibc's heap (freed weights stay in its arenas otherwise: measured, +400 MB a switch)."""
     gc.collect()
     try:
         import mlx.core as mx
@@ -417,3 +420,15 @@ def _free_memory() -> None:
         mx.clear_cache()
     except (ImportError, AttributeError):
         pass
+    trim = getattr(_libc(), "malloc_trim", None)
+    if trim is not None:
+        trim(0)
+
+
+def _libc():
+    import ctypes
+
+    try:
+        return ctypes.CDLL(None)
+    except OSError:
+        return None

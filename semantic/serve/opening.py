@@ -55,6 +55,10 @@ def open_backend(entry: ModelEntry, config: ServeConfig, several: bool):
     """Load one model as a Backend with its options over the server's flags. Blocking."""
     from semantic.serve.backend import Backend
 
+    where = Path(entry.source).expanduser()
+    if entry.source.startswith(("/", "~", "./", "../")) and not where.is_dir():
+        # a path, not a hub id: say so now instead of asking the hub for it
+        raise FileNotFoundError(f"no model directory at {entry.source}")
     o = entry.options
     backend = Backend.from_model(
         entry.source, model_id=entry.id, sync_saves=config.sync_saves,
