@@ -84,6 +84,12 @@ def _fleet(sizes_mb: dict[str, int], budget_mb: int | None = None, pinned=(), tt
     return fleet, opener
 
 
+@pytest.fixture(autouse=True)
+def _no_collection(monkeypatch):
+    """An unload's gc.collect and mx.clear_cache give back a real model's arrays; stand-ins hold none."""
+    monkeypatch.setattr(fleet_mod, "_free_memory", lambda: None)
+
+
 async def _until(cond, timeout_s: float = 10.0) -> None:
     """A bounded poll on the loop (what tests/waits.py does on a thread)."""
     deadline = asyncio.get_running_loop().time() + timeout_s
@@ -289,11 +295,11 @@ def test_a_load_waiting_for_room_gives_up_when_shutdown_begins():
         held = await fleet.acquire("a")
         loading_b = asyncio.ensure_future(fleet.acquire("b"))
         await _until(lambda: fleet.slots["b"].change is not None)
-        fleet.begin_shutdown()
-        closing = asyncio.ensure_future(fleet.aclose(timeout=10))
-        held.release()  # a's turn ends in the drain: room, but for a server that is going away
+        fleet.begin_shutdown()  # b's request is answered now, not when a's turn ends or the drain times out
         with pytest.raises(SchedulerClosedError):
             await asyncio.wait_for(loading_b, 10)
+        closing = asyncio.ensure_future(fleet.aclose(timeout=10))
+        held.release()  # a's turn ends in the drain
         await asyncio.wait_for(closing, 10)
 
     asyncio.run(run())
