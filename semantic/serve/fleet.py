@@ -231,6 +231,8 @@ class Fleet:
         may take the next one planned."""
         deadline = time.monotonic() + ROOM_WAIT_S
         while True:
+            if self.closing:  # room freed in the drain is not for a load: unload nothing more, load nothing
+                raise SchedulerClosedError("the server is shutting down")
             plan = plan_room(self._resident(exclude=slot), need, self.budget)
             if plan.refuse is not None:
                 raise ModelMemoryError(f"the model {slot.id!r} does not fit this server's memory budget: "
@@ -333,6 +335,8 @@ class Fleet:
 
     def begin_shutdown(self) -> None:
         self._closing = True
+        if self._released is not None:  # a load waiting for room gives up now
+            self._released.set()
         for _, backend in self.loaded():
             backend.begin_shutdown()
 
