@@ -31,6 +31,7 @@ from semantic.service import SchedulerClosedError
 log = logging.getLogger("semantic.serve")
 
 UNLOADED, LOADING, LOADED, UNLOADING, FAILED = "unloaded", "loading", "loaded", "unloading", "failed"
+HOLDING = (LOADED, LOADING, UNLOADING)  # the states that hold a model's memory (not failed: it never loaded)
 RETRY_FAILED_S = 30.0   # a model that failed to load is tried again by a request this much later
 ROOM_WAIT_S = 600.0     # a load waits this long at most for busy models to finish their turns
 REAP_EVERY_S = (0.2, 5.0)  # the TTL check's period: a quarter of the shortest TTL, within these bounds
@@ -232,6 +233,8 @@ class Fleet:
         may take the next one planned."""
         deadline = time.monotonic() + ROOM_WAIT_S
         while True:
+            if self.closing:  # room freed in the drain is not for a load: unload nothing more, load nothing
+                raise SchedulerClosedError("the server is shutting down")
             plan = plan_room(self._resident(exclude=slot), need, self.budget)
             if plan.refuse is not None:
                 raise ModelMemoryError(f"the model {slot.id!r} does not fit this server's memory budget: "
@@ -336,6 +339,8 @@ class Fleet:
 
     def begin_shutdown(self) -> None:
         self._closing = True
+        if self._released is not None:  # a load waiting for room gives up now
+            self._released.set()
         for _, backend in self.loaded():
             backend.begin_shutdown()
 
@@ -361,7 +366,7 @@ class Fleet:
         for s in list(self.slots.values()):  # also read from the stats' worker thread
             o = s.entry.options
             row = {"id": s.id, "state": s.state, "aliases": self.registry.aliases_of(s.id),
-                   "context_length": s.context_length or self._context(s), "memory_bytes": s.bytes if s.state != UNLOADED else 0,
+                   "context_length": s.context_length or self._context(s), "memory_bytes": s.bytes if s.state in HOLDING else 0,
                    "pinned": o.pinned, "idle_ttl_s": o.idle_ttl_s or None, "loads": s.loads,
                    "unloads": dict(s.unloads), "load_s": s.load_s, "state_s": round(now - s.since, 1),
                    "idle_s": round(now - s.last_used, 1) if s.state == LOADED and not s.leases else None,
