@@ -69,6 +69,7 @@ class Slot:
     unloads: Counter = field(default_factory=Counter)  # by reason
     load_s: float | None = None    # the last load's time
     context_length: int | None = None
+    key: str | None = None         # its cache directory (``key_of``), once asked
 
     @property
     def id(self) -> str:
@@ -100,15 +101,17 @@ class Fleet:
         budget_bytes: ``--models-mb``: weights and pools of all loaded models together (None: no bound).
         estimate: a model's bytes before it loads (weights on disk + its pool).
         context_of: a model's context length before it loads (its config's), for the listings.
+        key_of: a model's cache directory before it loads: two loaded models never share one.
         shutdown_s: how long an unload waits for its service's pending saves.
     """
 
     def __init__(self, registry: Registry, opener: Opener, *, budget_bytes: int | None = None,
                  estimate: Callable[[ModelEntry], int] = lambda e: 0,
-                 context_of: Callable[[ModelEntry], int | None] = lambda e: None, shutdown_s: float = 30.0,
+                 context_of: Callable[[ModelEntry], int | None] = lambda e: None,
+                 key_of: Callable[[ModelEntry], str] | None = None, shutdown_s: float = 30.0,
                  responses_dir: Path | None = None):
         self.registry, self.opener, self.budget, self.estimate = registry, opener, budget_bytes, estimate
-        self.context_of = context_of
+        self.context_of, self.key_of = context_of, key_of
         self.shutdown_s, self.responses_dir = shutdown_s, responses_dir
         self.slots: dict[str, Slot] = {i: Slot(e) for i, e in registry.entries.items()}
         self._closing = False
@@ -207,6 +210,7 @@ class Fleet:
                 if slot.state == LOADED or self.closing:
                     return
                 need = await asyncio.to_thread(self.estimate, slot.entry)
+                await self._claim(slot)
                 await self._make_room(slot, need)
                 self._set(slot, LOADING)
                 slot.bytes = need
@@ -227,6 +231,23 @@ class Fleet:
                 await self._shrink(keep=slot)
         finally:
             slot.change = None
+
+    async def _claim(self, slot: Slot) -> None:
+        """Refuse a model whose cache directory a model holding memory uses (the same weights under two ids)."""
+        if self.key_of is None:
+            return
+        try:
+            slot.key = await asyncio.to_thread(self.key_of, slot.entry)
+        except Exception as exc:  # its files cannot be read: the load would fail the same way
+            self._failed(slot, exc)
+            raise ModelLoadError(f"the model {slot.id!r} failed to load: {slot.error}") from None
+        other = next((s for s in self.slots.values() if s is not slot and s.key == slot.key
+                      and s.state in HOLDING), None)
+        if other is not None:
+            self._failed(slot, ValueError(
+                f"it has the same weights as {other.id!r}, whose caches are in {slot.key}: serve them once and "
+                f"give {slot.id!r} as an alias ({slot.id}={other.id})"))
+            raise ModelLoadError(f"the model {slot.id!r} failed to load: {slot.error}")
 
     async def _make_room(self, slot: Slot, need: int) -> None:
         """Unload for room one model at a time, planning again after each: while one unloads, a request
