@@ -125,9 +125,10 @@ serve-ttft: models
 append-profile: models
 	$(PY) -m harness.serving.append_profile --trials 5 --http --json results/exp_009_serving/long_append_profile.json
 
-# Refresh the dashboard screenshot beside the README (a live tiny-model server in Chromium).
+# Refresh the dashboard screenshots beside the README (live tiny-model servers in Chromium: one model, and three).
 dashboard-screenshot: venv system-browser
-	SEMANTIC_DASHBOARD_SHOT=$(CURDIR)/serve-dashboard.png $(PY) -m pytest -q tests/serve/test_dashboard_browser.py
+	SEMANTIC_DASHBOARD_SHOT=$(CURDIR)/serve-dashboard.png SEMANTIC_DASHBOARD_MODELS_SHOT=$(CURDIR)/serve-dashboard-models.png \
+	  $(PY) -m pytest -q tests/serve/test_dashboard_browser.py
 
 $(COMPAT_STAMP): pyproject.toml
 	test -x $(COMPAT_PY) || $(PYTHON) -m venv $(COMPAT_VENV)

@@ -95,7 +95,7 @@ class Registry:
         return next(iter(self.entries))
 
     def _add(self, entry: ModelEntry) -> None:
-        if not ID_RE.match(entry.id):
+        if not self.single and not ID_RE.match(entry.id):  # one model alone keeps any name, as it always did
             raise RegistryError(f"model id {entry.id!r}: use letters, digits and . _ : @ + - (at most 128)")
         if entry.id in self.entries:
             raise RegistryError(f"model id {entry.id!r} is given twice")
