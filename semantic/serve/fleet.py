@@ -394,6 +394,7 @@ class Fleet:
                    "in_use": s.leases}
             if s.state == FAILED:
                 row["error"] = s.error
+                row["retry_in_s"] = round(max(0.0, RETRY_FAILED_S - (now - s.since)), 1)
             out.append(row)
         return out
 

@@ -5,7 +5,7 @@ A name a client sends resolves in this order::
 
     1. a model's id                      "main"
     2. an alias without wildcards        "gpt-4o" = "main"
-    3. glob aliases, most literal first  "claude-*haiku*" (11 literal chars) before "claude-*" (7)
+    3. glob aliases, most literal first  "claude-*haiku*" (12 literal chars) before "claude-*" (7)
     4. a folder under --models-dir that appeared since the last scan
 """
 
