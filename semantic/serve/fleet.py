@@ -101,17 +101,18 @@ class Fleet:
         budget_bytes: ``--models-mb``: weights and pools of all loaded models together (None: no bound).
         estimate: a model's bytes before it loads (weights on disk + its pool).
         context_of: a model's context length before it loads (its config's), for the listings.
-        key_of: a model's cache directory before it loads: two loaded models never share one.
+        check: before room is made for a load: raises what would make it fail (so a model that cannot
+            load unloads nobody), and returns its cache directory (two loaded models never share one).
         shutdown_s: how long an unload waits for its service's pending saves.
     """
 
     def __init__(self, registry: Registry, opener: Opener, *, budget_bytes: int | None = None,
                  estimate: Callable[[ModelEntry], int] = lambda e: 0,
                  context_of: Callable[[ModelEntry], int | None] = lambda e: None,
-                 key_of: Callable[[ModelEntry], str] | None = None, shutdown_s: float = 30.0,
+                 check: Callable[[ModelEntry], str | None] = lambda e: None, shutdown_s: float = 30.0,
                  responses_dir: Path | None = None):
         self.registry, self.opener, self.budget, self.estimate = registry, opener, budget_bytes, estimate
-        self.context_of, self.key_of = context_of, key_of
+        self.context_of, self.check = context_of, check
         self.shutdown_s, self.responses_dir = shutdown_s, responses_dir
         self.slots: dict[str, Slot] = {i: Slot(e) for i, e in registry.entries.items()}
         self._closing = False
@@ -233,16 +234,15 @@ class Fleet:
             slot.change = None
 
     async def _claim(self, slot: Slot) -> None:
-        """Refuse a model whose cache directory a model holding memory uses (the same weights under two ids)."""
-        if self.key_of is None:
-            return
+        """Refuse, before unloading anything for it, a model that would fail to load, or whose cache
+        directory a model holding memory uses (the same weights under two ids)."""
         try:
-            slot.key = await asyncio.to_thread(self.key_of, slot.entry)
-        except Exception as exc:  # its files cannot be read: the load would fail the same way
+            slot.key = await asyncio.to_thread(self.check, slot.entry)
+        except Exception as exc:  # a missing path, a directory mlx-lm cannot load
             self._failed(slot, exc)
             raise ModelLoadError(f"the model {slot.id!r} failed to load: {slot.error}") from None
-        other = next((s for s in self.slots.values() if s is not slot and s.key == slot.key
-                      and s.state in HOLDING), None)
+        other = next((s for s in self.slots.values() if s is not slot and slot.key is not None
+                      and s.key == slot.key and s.state in HOLDING), None)
         if other is not None:
             self._failed(slot, ValueError(
                 f"it has the same weights as {other.id!r}, whose caches are in {slot.key}: serve them once and "
