@@ -28,7 +28,7 @@ from pathlib import Path
 
 from harness import plots
 from harness.kinds.base import Kind, Param, register
-from harness.kinds.claude_code import _event_lines, _trim, scratch_repo
+from harness.kinds.claude_code import _trim, scratch_repo, transcript_text
 from harness.serving import claude_code as cc
 from harness.serving import processes
 from harness.serving.model_routes import count_by_model, kind_of
@@ -228,18 +228,11 @@ def proxy_log_text(rows: list[dict], settings: dict) -> str:
 def sessions_text(transcripts: dict, agent: str) -> str:
     """What Claude Code printed, per session and step, under the command each step ran (the agent's
     JSON elided), as EXP-012's transcript renders it."""
-    out = []
-    for name, steps in transcripts.items():
-        out.append(f"=== {name} session ===")
-        for s in steps:
-            flags = f" --agents '{{\"{agent}\": {{...}}}}' --agent {agent}" if name == "small" else ""
-            resume = f" --resume {s['session_id']}" if s["step"] > 1 else ""
-            out.append(f"\n$ claude -p {s['prompt']!r}{flags}{resume}   # step {s['step']}: exit {s['returncode']}, "
-                       f"{s['wall_s']:.1f} s")
-            for e in s["events"]:
-                out.extend(_event_lines(e))
-        out.append("")
-    return "\n".join(out) + "\n"
+    def flags(name: str, s: dict) -> str:
+        chosen = f" --agents '{{\"{agent}\": {{...}}}}' --agent {agent}" if name == "small" else ""
+        return chosen + (f" --resume {s['session_id']}" if s["step"] > 1 else "")
+
+    return transcript_text(transcripts, flags, "=== {name} session ===")
 
 
 def headline(doc: dict) -> list[str]:
