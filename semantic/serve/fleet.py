@@ -24,14 +24,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from semantic.serve.fleetplan import Resident, idle_past_ttl, plan_room
+from semantic.serve import fleetview
+from semantic.serve.fleetplan import (FAILED, HOLDING, LOADED, LOADING, UNLOADED, UNLOADING, Resident,
+                                      idle_past_ttl, plan_room)
 from semantic.serve.registry import ModelEntry, Registry
 from semantic.service import SchedulerClosedError
 
 log = logging.getLogger("semantic.serve")
 
-UNLOADED, LOADING, LOADED, UNLOADING, FAILED = "unloaded", "loading", "loaded", "unloading", "failed"
-HOLDING = (LOADED, LOADING, UNLOADING)  # the states that hold a model's memory (not failed: it never loaded)
 RETRY_FAILED_S = 30.0   # a model that failed to load is tried again by a request this much later
 ROOM_WAIT_S = 600.0     # a load waits this long at most for busy models to finish their turns
 REAP_EVERY_S = (0.2, 5.0)  # the TTL check's period: a quarter of the shortest TTL, within these bounds
@@ -381,40 +381,12 @@ class Fleet:
     # ------------------------------------------------------------ state
 
     def rows(self) -> list[dict]:
-        """Every served model as /v1/models and the stats list it."""
-        now = time.monotonic()
-        out = []
-        for s in list(self.slots.values()):  # also read from the stats' worker thread
-            o = s.entry.options
-            row = {"id": s.id, "state": s.state, "aliases": self.registry.aliases_of(s.id),
-                   "context_length": s.context_length or self._context(s), "memory_bytes": s.bytes if s.state in HOLDING else 0,
-                   "pinned": o.pinned, "idle_ttl_s": o.idle_ttl_s or None, "loads": s.loads,
-                   "unloads": dict(s.unloads), "load_s": s.load_s, "state_s": round(now - s.since, 1),
-                   "idle_s": round(now - s.last_used, 1) if s.state == LOADED and not s.leases else None,
-                   "in_use": s.leases}
-            if s.state == FAILED:
-                row["error"] = s.error
-                row["retry_in_s"] = round(max(0.0, RETRY_FAILED_S - (now - s.since)), 1)
-            out.append(row)
-        return out
-
-    def _context(self, slot: Slot) -> int | None:
-        if slot.context_length is None:
-            try:
-                slot.context_length = self.context_of(slot.entry)
-            except Exception:  # a listing never fails on one model's files
-                log.exception("reading %s's context length", slot.id)
-        return slot.context_length
+        """Every served model as /v1/models and the stats list it (``fleetview.rows``)."""
+        return fleetview.rows(self, RETRY_FAILED_S)
 
     def summary(self) -> dict:
-        loading = next((s for s in self.slots.values() if s.state == LOADING), None)
-        return {"budget_bytes": self.budget,
-                "resident_bytes": sum(s.bytes for s in self.slots.values() if s.state in (LOADED, LOADING, UNLOADING)),
-                "loads": sum(s.loads for s in self.slots.values()),
-                "unloads": sum(sum(s.unloads.values()) for s in self.slots.values()),
-                "load_failures": self.load_failures,
-                "loading": loading.id if loading else None,
-                "loading_s": round(time.monotonic() - loading.since, 1) if loading else None}
+        """The memory the models share and their loads (``fleetview.summary``)."""
+        return fleetview.summary(self)
 
 
 def _measured(backend) -> int:
