@@ -207,7 +207,7 @@ def test_a_load_failure_is_failed_with_its_message_and_other_models_still_serve(
 
 def test_a_model_on_the_same_weights_as_a_loaded_one_is_refused_naming_the_alias_to_give():
     keys = {"a": "/cache/k1", "twin": "/cache/k1", "b": "/cache/k2"}  # twin: a's weights under another path
-    fleet, opener = _fleet({"a": 1, "twin": 1, "b": 1}, key_of=lambda e: keys[e.id])
+    fleet, opener = _fleet({"a": 1, "twin": 1, "b": 1}, check=lambda e: keys[e.id])
 
     async def run():
         await _use(fleet, "a")
@@ -220,12 +220,12 @@ def test_a_model_on_the_same_weights_as_a_loaded_one_is_refused_naming_the_alias
 
 
 def test_a_model_whose_files_cannot_be_read_fails_before_any_model_is_unloaded_for_it():
-    def key_of(entry):
+    def check(entry):
         if entry.id == "bad":
             raise OSError(f"{entry.source}/config.json: unreadable")
         return f"/cache/{entry.id}"
 
-    fleet, opener = _fleet({"a": 10, "bad": 10}, budget_mb=15, key_of=key_of)
+    fleet, opener = _fleet({"a": 10, "bad": 10}, budget_mb=15, check=check)
 
     async def run():
         await _use(fleet, "a")
