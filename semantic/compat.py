@@ -345,6 +345,19 @@ def tool_parser_names() -> list[str]:
     return sorted(m.name for m in pkgutil.iter_modules(mlx_lm.tool_parsers.__path__))
 
 
+def load(path, tokenizer=None):
+    """``mlx_lm.load``, or, given the tokenizer an earlier load of the same directory made, its weights only
+    (the tokenizer is most of a small model's load: 3.6 s of Gemma 3 270M's 4.8 s here). Both versions
+    split ``load`` into ``load_model`` and ``load_tokenizer``."""
+    import mlx_lm
+    from mlx_lm import utils
+
+    if tokenizer is None:
+        return mlx_lm.load(str(path))
+    model, _ = utils.load_model(path)
+    return model, tokenizer
+
+
 def check_model_dir(path) -> None:
     """What ``mlx_lm.load`` would refuse in a local model directory, found without reading its weights
     (both versions map a config to its module with ``_get_classes``). Raises ValueError saying what."""

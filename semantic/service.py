@@ -165,7 +165,7 @@ class Service:
     def open(cls, model: str, *, cache_dir: str | None = None, pool_bytes: int, disk_budget_bytes: int,
              block_tokens: int = defaults.BLOCK_TOKENS, remote: str | None = None, remote_budget_bytes: int = 0,
              cache_layout: str = "blocks", cache_root: str | None = None, kv_bits: int | None = None,
-             **scheduling) -> "Service":
+             tokenizer=None, **scheduling) -> "Service":
         """Load ``model`` (a directory or hub id, whatever ``mlx_lm.load`` takes) and open its cache store.
 
         Caches live under ``cache_dir``, by default
@@ -176,14 +176,14 @@ class Service:
         constructor's keywords (``ram_budget_bytes`` and the rest). ``cache_layout``: the store's
         (``AgentCacheStore``'s ``layout``). ``cache_root``: caches under ``cache_root/<fingerprint>`` (a
         server of several models keeps each one's apart). ``kv_bits``: quantized KV caches (global layers).
+        ``tokenizer``: the one an earlier ``open`` of the same model made (only the weights are read).
         """
-        import mlx_lm
         from mlx.utils import tree_flatten
 
         path = compat.model_path(model)
         # quantized caches are another model's as far as files go: their own directory and Redis keys
         fingerprint = model_fingerprint(path) + (f"-kv{kv_bits}" if kv_bits else "")
-        loaded, tokenizer = mlx_lm.load(str(path))
+        loaded, tokenizer = compat.load(path, tokenizer)
         spec = ModelCacheSpec.from_model(loaded, kv_bits=kv_bits)
         # a recurrent state is one pool slot but many blocks' bytes: charge each block its share of the
         # snapshots a prefill leaves (one per grid interval), so the pool stays within pool_bytes

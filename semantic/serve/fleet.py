@@ -309,12 +309,11 @@ class Fleet:
     async def _unload(self, slot: Slot, reason: str) -> None:
         """Close the model's service (its pending saves are written) and drop it."""
         assert slot.state == LOADED and slot.leases == 0
-        backend = slot.backend
         self._set(slot, UNLOADING)
         log.info("unloading %s (%s): writing its pending saves", slot.id, reason)
         t0 = time.monotonic()
-        await self._close(backend)
-        slot.backend = None
+        await self._close(slot.backend)
+        slot.backend = None  # the last reference: nothing here may keep the model for the collection below
         slot.unloads[reason] += 1
         self._set(slot, UNLOADED)
         await asyncio.to_thread(_free_memory)

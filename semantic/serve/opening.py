@@ -75,15 +75,17 @@ def precheck(entry: ModelEntry, config: ServeConfig, several: bool) -> str | Non
     return cache_key(entry, config) if several else None
 
 
-def open_backend(entry: ModelEntry, config: ServeConfig, several: bool):
-    """Load one model as a Backend with its options over the server's flags. Blocking."""
+def open_backend(entry: ModelEntry, config: ServeConfig, several: bool, tokenizers: dict | None = None):
+    """Load one model as a Backend with its options over the server's flags. Blocking. ``tokenizers``:
+    kept across unloads by source, so a model loaded again reads only its weights."""
     from semantic.serve.backend import Backend
 
     o = entry.options
+    kept = tokenizers.get(entry.source) if tokenizers is not None else None
     backend = Backend.from_model(
         entry.source, model_id=entry.id, sync_saves=config.sync_saves,
         cache_dir=None if several else config.cache_dir, cache_root=config.cache_dir if several else None,
-        cache_layout=config.cache_layout, kv_bits=o.kv_bits,
+        cache_layout=config.cache_layout, kv_bits=o.kv_bits, tokenizer=kept,
         pool_bytes=pool_mb(entry, config) * MB, disk_budget_bytes=(o.disk_mb or config.disk_mb) * MB,
         ram_budget_bytes=ram_budget_bytes(entry, config), max_batch=config.max_batch,
         max_queued=config.max_queued, max_context=o.max_context, prefill_chunk=config.prefill_chunk,
@@ -91,6 +93,8 @@ def open_backend(entry: ModelEntry, config: ServeConfig, several: bool):
         echo_history=config.echo_history, strict_max_tokens=config.strict_max_tokens,
         speculation=config.spec_config, remote=config.remote, remote_budget_bytes=config.remote_mb * MB)
     backend.pool_bytes = pool_mb(entry, config) * MB
+    if tokenizers is not None:
+        tokenizers[entry.source] = backend.service.tokenizer
     return backend
 
 
@@ -104,7 +108,8 @@ def fleet_of(config: ServeConfig) -> Fleet:
     """The fleet the flags ask for, nothing loaded yet (``Fleet.preload`` the pinned ones before serving)."""
     registry = registry_of(config)
     several = not registry.single
-    fleet = Fleet(registry, lambda e: open_backend(e, config, several),
+    tokenizers: dict = {}  # a model's tokenizer outlives its unload: a reload reads only the weights
+    fleet = Fleet(registry, lambda e: open_backend(e, config, several, tokenizers),
                   budget_bytes=config.models_mb * MB if config.models_mb else None,
                   estimate=lambda e: estimate_bytes(e, config), context_of=context_of,
                   check=lambda e: precheck(e, config, several), shutdown_s=config.shutdown_s,
