@@ -1,15 +1,21 @@
-"""What would make a model's load fail is found before room is made for it (no weights are read)."""
+"""What would make a model's load fail is found before room is made for it (no weights are read); a model
+loaded again reuses its tokenizer and reads only its weights. Both through mlx-lm's own loaders (compat)."""
 
 from __future__ import annotations
 
 import json
 
+import mlx.core as mx
 import pytest
 
 from harness.models.tiny import write_tiny_llama
+from semantic import compat
 from semantic.serve.config import ServeConfig
 from semantic.serve.opening import precheck
 from semantic.serve.registry import ModelEntry
+
+
+pytestmark = pytest.mark.compat
 
 
 def _check(path, several=True):
@@ -45,3 +51,12 @@ def _truncate(file):
 def test_a_missing_path_is_refused_without_asking_the_hub(tmp_path):
     with pytest.raises(FileNotFoundError, match="no model directory"):
         _check(tmp_path / "gone")
+
+
+def test_a_model_loaded_again_with_its_tokenizer_reads_only_its_weights_and_answers_the_same(tmp_path):
+    d = write_tiny_llama(tmp_path / "m")
+    first, tokenizer = compat.load(d)
+    again, same = compat.load(d, tokenizer)
+    assert same is tokenizer
+    ids = mx.array([tokenizer.encode("hello there")])
+    assert mx.array_equal(first(ids), again(ids))
