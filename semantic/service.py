@@ -181,7 +181,8 @@ class Service:
         from mlx.utils import tree_flatten
 
         path = compat.model_path(model)
-        fingerprint = model_fingerprint(path)
+        # quantized caches are another model's as far as files go: their own directory and Redis keys
+        fingerprint = model_fingerprint(path) + (f"-kv{kv_bits}" if kv_bits else "")
         loaded, tokenizer = mlx_lm.load(str(path))
         spec = ModelCacheSpec.from_model(loaded, kv_bits=kv_bits)
         # a recurrent state is one pool slot but many blocks' bytes: charge each block its share of the

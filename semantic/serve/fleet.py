@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from semantic.serve.fleetplan import Resident, idle_past_ttl, plan_room
 from semantic.serve.registry import ModelEntry, Registry
 from semantic.service import SchedulerClosedError
 
@@ -45,53 +46,6 @@ class ModelLoadError(RuntimeError):
 
 class ModelMemoryError(RuntimeError):
     """The model does not fit ``--models-mb``, even after unloading every model that may go."""
-
-
-# ---------------------------------------------------------------- decide
-
-
-@dataclass(frozen=True, slots=True)
-class Resident:
-    """A model holding memory, as :func:`plan_room` sees it."""
-
-    id: str
-    bytes: int
-    pinned: bool
-    busy: bool        # a request holds it, or it is loading / unloading
-    last_used: float
-
-
-@dataclass(frozen=True, slots=True)
-class RoomPlan:
-    unload: tuple[str, ...] = ()  # least recently used first
-    wait: bool = False            # busy models hold the room: plan again once a request ends
-    refuse: str | None = None     # it can never fit: why
-
-
-def plan_room(resident: list[Resident], need: int, budget: int | None) -> RoomPlan:
-    """Which idle, unpinned models to unload, least recently used first, so ``need`` more bytes fit."""
-    used = sum(r.bytes for r in resident)
-    if budget is None or used + need <= budget:
-        return RoomPlan()
-    pinned = sum(r.bytes for r in resident if r.pinned)
-    if pinned + need > budget:
-        return RoomPlan(refuse=f"it needs {need / 2**20:.0f} MB and pinned models hold {pinned / 2**20:.0f} MB "
-                               f"of --models-mb {budget / 2**20:.0f}")
-    unload, freed = [], 0
-    for r in sorted((r for r in resident if not r.pinned and not r.busy), key=lambda r: r.last_used):
-        if used - freed + need <= budget:
-            break
-        unload.append(r.id)
-        freed += r.bytes
-    if used - freed + need <= budget:
-        return RoomPlan(unload=tuple(unload))
-    return RoomPlan(wait=True)
-
-
-def idle_past_ttl(slots: list["Slot"], now: float) -> list[str]:
-    """Loaded, unpinned models nobody used for their TTL (0 or None: never)."""
-    return [s.id for s in slots if s.state == LOADED and not s.entry.options.pinned and s.leases == 0
-            and s.entry.options.idle_ttl_s and now - s.last_used >= s.entry.options.idle_ttl_s]
 
 
 # ---------------------------------------------------------------- run
@@ -144,13 +98,16 @@ class Fleet:
         opener: loads one model into a Backend (blocking; called off the event loop).
         budget_bytes: ``--models-mb``: weights and pools of all loaded models together (None: no bound).
         estimate: a model's bytes before it loads (weights on disk + its pool).
+        context_of: a model's context length before it loads (its config's), for the listings.
         shutdown_s: how long an unload waits for its service's pending saves.
     """
 
     def __init__(self, registry: Registry, opener: Opener, *, budget_bytes: int | None = None,
-                 estimate: Callable[[ModelEntry], int] = lambda e: 0, shutdown_s: float = 30.0,
+                 estimate: Callable[[ModelEntry], int] = lambda e: 0,
+                 context_of: Callable[[ModelEntry], int | None] = lambda e: None, shutdown_s: float = 30.0,
                  responses_dir: Path | None = None):
         self.registry, self.opener, self.budget, self.estimate = registry, opener, budget_bytes, estimate
+        self.context_of = context_of
         self.shutdown_s, self.responses_dir = shutdown_s, responses_dir
         self.slots: dict[str, Slot] = {i: Slot(e) for i, e in registry.entries.items()}
         self._closing = False
@@ -205,6 +162,10 @@ class Fleet:
 
     def preload(self, ids: list[str]) -> None:
         """Load ``ids`` now, before serving (no event loop yet): the pinned models. Raises what the load raises."""
+        need = sum(self.estimate(self.slots[i].entry) for i in ids)
+        if self.budget is not None and need > self.budget:
+            raise ModelMemoryError(f"the pinned models {', '.join(ids)} need about {need / 2**20:.0f} MB, over "
+                                   f"--models-mb {self.budget / 2**20:.0f}: raise it or pin fewer")
         for model_id in ids:
             slot = self.slots[model_id]
             t0 = time.monotonic()
@@ -229,6 +190,7 @@ class Fleet:
                 raise ModelLoadError(f"the model {slot.id!r} failed to load: {slot.error}")
             if slot.change is None:
                 slot.change = asyncio.ensure_future(self._load(slot))
+                slot.change.add_done_callback(_retrieved)  # every waiter may have left: never "not retrieved"
             await asyncio.shield(slot.change)  # a client leaving does not stop the load others wait for
 
     def _release(self, slot: Slot) -> None:
@@ -253,7 +215,9 @@ class Fleet:
                     backend = await asyncio.to_thread(self.opener, slot.entry)
                 except Exception as exc:  # the model's own loader: any error is this model's alone
                     self._failed(slot, exc)
+                    await asyncio.to_thread(_free_memory)
                     raise ModelLoadError(f"the model {slot.id!r} failed to load: {slot.error}") from None
+                await asyncio.to_thread(_free_memory)  # the loader's read buffers
                 if self.closing:
                     await self._close(backend)
                     self._set(slot, UNLOADED)
@@ -264,14 +228,17 @@ class Fleet:
             slot.change = None
 
     async def _make_room(self, slot: Slot, need: int) -> None:
+        """Unload for room one model at a time, planning again after each: while one unloads, a request
+        may take the next one planned."""
         deadline = time.monotonic() + ROOM_WAIT_S
         while True:
             plan = plan_room(self._resident(exclude=slot), need, self.budget)
             if plan.refuse is not None:
                 raise ModelMemoryError(f"the model {slot.id!r} does not fit this server's memory budget: "
                                        f"{plan.refuse}; raise --models-mb or unpin a model")
-            for victim in plan.unload:
-                await self._unload(self.slots[victim], "lru")
+            if plan.unload:
+                await self._unload(self.slots[plan.unload[0]], "lru")
+                continue
             if not plan.wait:
                 return
             if time.monotonic() >= deadline:
@@ -287,9 +254,8 @@ class Fleet:
 
     async def _shrink(self, keep: Slot) -> None:
         """After a load measured more than estimated: unload idle models until the budget holds again."""
-        plan = plan_room(self._resident(exclude=keep), keep.bytes, self.budget)
-        for victim in plan.unload:
-            await self._unload(self.slots[victim], "lru")
+        while (plan := plan_room(self._resident(exclude=keep), keep.bytes, self.budget)).unload:
+            await self._unload(self.slots[plan.unload[0]], "lru")
 
     def _resident(self, exclude: Slot) -> list[Resident]:
         return [Resident(s.id, s.bytes, s.entry.options.pinned, s.leases > 0 or s.state != LOADED, s.last_used)
@@ -321,13 +287,15 @@ class Fleet:
         assert slot.state == LOADED and slot.leases == 0
         backend = slot.backend
         self._set(slot, UNLOADING)
-        agents = len(backend.service.agents()) if hasattr(backend, "service") else 0
-        log.info("unloading %s (%s): %d agents' caches stay on disk", slot.id, reason, agents)
+        log.info("unloading %s (%s): writing its pending saves", slot.id, reason)
+        t0 = time.monotonic()
         await self._close(backend)
         slot.backend = None
         slot.unloads[reason] += 1
         self._set(slot, UNLOADED)
         await asyncio.to_thread(_free_memory)
+        log.info("unloaded %s in %.1f s: its agents' caches are on disk for its next load", slot.id,
+                 time.monotonic() - t0)
 
     async def _close(self, backend) -> None:
         backend.begin_shutdown()
@@ -393,7 +361,7 @@ class Fleet:
         for s in list(self.slots.values()):  # also read from the stats' worker thread
             o = s.entry.options
             row = {"id": s.id, "state": s.state, "aliases": self.registry.aliases_of(s.id),
-                   "context_length": s.context_length, "memory_bytes": s.bytes if s.state != UNLOADED else 0,
+                   "context_length": s.context_length or self._context(s), "memory_bytes": s.bytes if s.state != UNLOADED else 0,
                    "pinned": o.pinned, "idle_ttl_s": o.idle_ttl_s or None, "loads": s.loads,
                    "unloads": dict(s.unloads), "load_s": s.load_s, "state_s": round(now - s.since, 1),
                    "idle_s": round(now - s.last_used, 1) if s.state == LOADED and not s.leases else None,
@@ -402,6 +370,14 @@ class Fleet:
                 row["error"] = s.error
             out.append(row)
         return out
+
+    def _context(self, slot: Slot) -> int | None:
+        if slot.context_length is None:
+            try:
+                slot.context_length = self.context_of(slot.entry)
+            except Exception:  # a listing never fails on one model's files
+                log.exception("reading %s's context length", slot.id)
+        return slot.context_length
 
     def summary(self) -> dict:
         loading = next((s for s in self.slots.values() if s.state == LOADING), None)
@@ -429,8 +405,14 @@ def _busy(backend) -> bool:
     return bool(s.queued or s.in_flight)
 
 
+def _retrieved(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
 def _free_memory() -> None:
-    """Give an unloaded model's arrays back: the collector first (cycles hold models), then MLX's buffer cache."""
+    """Give freed arrays back to the system: the collector first (cycles hold models), then MLX's buffer
+    cache, then glibc's heap (freed weights stay in its arenas otherwise: measured, +400 MB a switch)."""
     gc.collect()
     try:
         import mlx.core as mx
@@ -438,3 +420,15 @@ def _free_memory() -> None:
         mx.clear_cache()
     except (ImportError, AttributeError):
         pass
+    trim = getattr(_libc(), "malloc_trim", None)
+    if trim is not None:
+        trim(0)
+
+
+def _libc():
+    import ctypes
+
+    try:
+        return ctypes.CDLL(None)
+    except OSError:
+        return None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from semantic import defaults
@@ -38,10 +39,26 @@ def estimate_bytes(entry: ModelEntry, config: ServeConfig) -> int:
     return weights + pool_mb(entry, config) * MB
 
 
+def context_of(entry: ModelEntry) -> int | None:
+    """Before a load: the context the model will serve (its config's, under its max_context), if its dir says."""
+    try:
+        doc = json.loads((Path(entry.source).expanduser() / "config.json").read_text())
+    except (OSError, ValueError):
+        return entry.options.max_context
+    native = doc.get("max_position_embeddings") or (doc.get("text_config") or {}).get("max_position_embeddings")
+    if not isinstance(native, int):
+        return entry.options.max_context
+    return min(native, entry.options.max_context or native)
+
+
 def open_backend(entry: ModelEntry, config: ServeConfig, several: bool):
     """Load one model as a Backend with its options over the server's flags. Blocking."""
     from semantic.serve.backend import Backend
 
+    where = Path(entry.source).expanduser()
+    if entry.source.startswith(("/", "~", "./", "../")) and not where.is_dir():
+        # a path, not a hub id: say so now instead of asking the hub for it
+        raise FileNotFoundError(f"no model directory at {entry.source}")
     o = entry.options
     backend = Backend.from_model(
         entry.source, model_id=entry.id, sync_saves=config.sync_saves,
@@ -69,7 +86,7 @@ def fleet_of(config: ServeConfig) -> Fleet:
     several = not registry.single
     fleet = Fleet(registry, lambda e: open_backend(e, config, several),
                   budget_bytes=config.models_mb * MB if config.models_mb else None,
-                  estimate=lambda e: estimate_bytes(e, config), shutdown_s=config.shutdown_s,
+                  estimate=lambda e: estimate_bytes(e, config), context_of=context_of, shutdown_s=config.shutdown_s,
                   responses_dir=responses_dir(config) if several else None)
     return fleet
 

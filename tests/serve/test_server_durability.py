@@ -98,8 +98,8 @@ def test_with_sync_saves_a_reply_whose_save_failed_says_so_and_the_server_keeps_
     assert stats["disk"]["state"] == "missing" and stats["saves"]["done"] == 0 and stats["saves"]["errors"] == 6
     # a 1 MiB RAM budget and nothing saved: caches are dropped, counted, instead of growing
     assert stats["saves"]["lost"] >= 1 and stats["ram"]["bytes"] <= stats["ram"]["budget_bytes"]
-    assert 'semantic_disk_state{state="missing"} 1.0' in metrics
-    assert 'semantic_turn_cache_saves_total{api="chat",result="failed"} 6.0' in metrics
+    assert 'semantic_disk_state{model="tiny",state="missing"} 1.0' in metrics
+    assert 'semantic_turn_cache_saves_total{api="chat",model="tiny",result="failed"} 6.0' in metrics
     log = server.log()
     assert "Traceback" not in log and log.count("the cache directory is gone") == 1
 

@@ -209,7 +209,7 @@ def test_the_ram_budget_holds_and_an_evicted_agent_continues_from_disk(tiny_dir,
                                                {"role": "user", "content": "go on"}])
         assert again.usage.prompt_tokens_details.cached_tokens >= r.usage.prompt_tokens  # from its file
         text = httpx.get(s.url + "/metrics").text
-        assert "semantic_ram_budget_bytes 1.048576e+06" in text and "semantic_ram_budget_evictions_total" in text
+        assert 'semantic_ram_budget_bytes{model="tiny"} 1.048576e+06' in text and "semantic_ram_budget_evictions_total" in text
     finally:
         assert s.stop_cleanly(), s.log()
 

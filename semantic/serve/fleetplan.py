@@ -1,0 +1,56 @@
+"""What to unload, decided as plain data before anything runs (``semantic.serve.fleet`` runs it).
+
+A load that needs room unloads the least recently used models that are neither pinned nor busy::
+
+    budget ─────────────────────────────────────────────┐
+    [ pinned A ][ busy B ][ idle C (oldest) ][ idle D ] │ + need
+                           └ unload C first, then D, until need fits; if only B's room would do: wait
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Resident:
+    """A model holding memory, as :func:`plan_room` sees it."""
+
+    id: str
+    bytes: int
+    pinned: bool
+    busy: bool        # a request holds it, or it is loading / unloading
+    last_used: float
+
+
+@dataclass(frozen=True, slots=True)
+class RoomPlan:
+    unload: tuple[str, ...] = ()  # least recently used first
+    wait: bool = False            # busy models hold the room: plan again once a request ends
+    refuse: str | None = None     # it can never fit: why
+
+
+def plan_room(resident: list[Resident], need: int, budget: int | None) -> RoomPlan:
+    """Which idle, unpinned models to unload, least recently used first, so ``need`` more bytes fit."""
+    used = sum(r.bytes for r in resident)
+    if budget is None or used + need <= budget:
+        return RoomPlan()
+    pinned = sum(r.bytes for r in resident if r.pinned)
+    if pinned + need > budget:
+        return RoomPlan(refuse=f"it needs {need / 2**20:.0f} MB and pinned models hold {pinned / 2**20:.0f} MB "
+                               f"of --models-mb {budget / 2**20:.0f}")
+    unload, freed = [], 0
+    for r in sorted((r for r in resident if not r.pinned and not r.busy), key=lambda r: r.last_used):
+        if used - freed + need <= budget:
+            break
+        unload.append(r.id)
+        freed += r.bytes
+    if used - freed + need <= budget:
+        return RoomPlan(unload=tuple(unload))
+    return RoomPlan(wait=True)
+
+
+def idle_past_ttl(slots: list, now: float) -> list[str]:
+    """Loaded, unpinned models nobody used for their TTL (0 or None: never)."""
+    return [s.id for s in slots if s.state == "loaded" and not s.entry.options.pinned and s.leases == 0
+            and s.entry.options.idle_ttl_s and now - s.last_used >= s.entry.options.idle_ttl_s]
