@@ -88,10 +88,11 @@ def _phase(name: str, p: dict, dirs: dict, systems: dict, work: Path) -> dict:
 
 
 def compact(phase: dict) -> dict:
-    """A phase's samples, small enough to commit: RSS as ``[t, MB]`` per sample, the fleet's resident MB
-    and loading model only where they changed."""
+    """A phase's samples, small enough to commit: ``[t, phase, RSS MB, of it mapped files MB]`` per sample,
+    the fleet's resident MB and loading model only where they changed."""
     out = {k: v for k, v in phase.items() if k not in ("rss", "fleet")}
-    out["rss_mb"] = [[r["t"], r["phase"], round(r["rss_bytes"] / MB, 1)] for r in phase.get("rss") or []]
+    out["rss_mb"] = [[r["t"], r["phase"], round(r["rss_bytes"] / MB, 1), round(r.get("file_bytes", 0) / MB, 1)]
+                     for r in phase.get("rss") or []]
     fleet, last = [], None
     for f in phase.get("fleet") or []:
         key = (f["phase"], f.get("resident_bytes"), f.get("loading"), f.get("budget_bytes"))
@@ -152,6 +153,8 @@ def _plot(ctx, out: dict) -> None:
     for ax, name in zip(axes[0], phases):
         ph = out[name]
         ax.plot([r["t"] for r in ph["rss"]], [r["rss_bytes"] / MB for r in ph["rss"]], lw=1, label="RSS")
+        ax.plot([r["t"] for r in ph["rss"]], [r.get("file_bytes", 0) / MB for r in ph["rss"]], lw=0.8,
+                label="of it mapped files")
         fl = [f for f in ph.get("fleet") or [] if f.get("resident_bytes") is not None]
         ax.step([f["t"] for f in fl], [f["resident_bytes"] / MB for f in fl], where="post", lw=1, label="fleet resident")
         ax.axhline(ph["models_mb"], ls="--", c="k", lw=0.8, label="--models-mb")

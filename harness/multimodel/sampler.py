@@ -21,6 +21,18 @@ def tree_rss(pid: int) -> int:
     return sum(_rss(p) for p in [pid, *_descendants(pid)])
 
 
+def rss_file(pid: int) -> int:
+    """``RssFile`` of ``pid``: the part of its RSS that is mapped files (weights read through mmap), which
+    the kernel can drop, unlike ``RssAnon``; 0 where it cannot be read."""
+    try:
+        for line in open(f"/proc/{pid}/status"):
+            if line.startswith("RssFile:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 class MemorySampler:
     """Samples one server until :meth:`stop`: ``rss`` rows ``{t, phase, rss_bytes}`` and, with a ``url``,
     ``fleet`` rows ``{t, phase, <FLEET_KEYS>, states}`` (``fleet`` None where the server has none)."""
@@ -61,7 +73,8 @@ class MemorySampler:
     def _rss_once(self) -> None:
         pid = self.pid_of()
         if pid:
-            self.rss.append({"t": round(time.monotonic() - self._t0, 3), "phase": self.phase, "rss_bytes": tree_rss(pid)})
+            self.rss.append({"t": round(time.monotonic() - self._t0, 3), "phase": self.phase, "rss_bytes": tree_rss(pid),
+                             "file_bytes": rss_file(pid)})
 
     def _fleet_once(self) -> None:
         st = get_json(self.url, "/v1/cache/stats", timeout_s=1.0)

@@ -121,7 +121,7 @@ def test_compacted_samples_keep_every_rss_and_only_the_fleets_changes():
     rss, fleet = _samples("switch", [900, 901], [800, 800], 1000)
     fleet.append({"t": 5, "phase": "switch", "resident_bytes": 0, "budget_bytes": 1000 * MB, "loading": "main"})
     out = compact({"models_mb": 1000, "rss": rss, "fleet": fleet})
-    assert out["rss_mb"] == [[0, "switch", 900.0], [1, "switch", 901.0]] and out["models_mb"] == 1000
+    assert out["rss_mb"] == [[0, "switch", 900.0, 0.0], [1, "switch", 901.0, 0.0]] and out["models_mb"] == 1000
     assert [f[:4] for f in out["fleet_changes"]] == [[0, "switch", 800.0, None], [5, "switch", 0.0, "main"]]
 
 
