@@ -18,7 +18,7 @@ AIPERF_ARGS ?=
 # extra requirements for .venv, e.g. PINS="mlx==0.30.3 mlx-lm==0.30.4" (the macOS workflow's matrix)
 PINS ?=
 
-.PHONY: help system-blas system-browser system-redis venv models serve serve-models serve-ttft append-profile dashboard-screenshot test test-slow test-compat exp-003 exp-004 exp-005 exp-006 exp-006-full exp-007 exp-007-full exp-008 exp-008-full exp-008-spec exp-009 exp-009-full exp-009-aiperf exp-010 exp-010-full exp-011 exp-011-full exp-012 exp-013 exp-014 exp-014-full exp-015 exp-016 exp-017 exp-018 exp-018-full exp-019 exp-019-full model-matrix fuzz-blocks chunk-cost exp-throughput exp-throughput-full bench compare-versions test-install clean
+.PHONY: help system-blas system-browser system-redis venv models serve serve-models serve-ttft append-profile dashboard-screenshot test test-slow test-compat exp-003 exp-004 exp-005 exp-006 exp-006-full exp-007 exp-007-full exp-008 exp-008-full exp-008-spec exp-009 exp-009-full exp-009-aiperf exp-010 exp-010-full exp-011 exp-011-full exp-012 exp-012-two-models exp-013 exp-014 exp-014-full exp-015 exp-016 exp-017 exp-018 exp-018-full exp-019 exp-019-full model-matrix fuzz-blocks chunk-cost exp-throughput exp-throughput-full bench compare-versions test-install clean
 
 help:
 	@echo "make test         run the test suite (creates .venv, prepares models; about 9 min on 2 cores)"
@@ -29,6 +29,7 @@ help:
 	@echo "make exp-010      step loop: decoders beside an 8K prefill, 8-bit KV batched vs solo"
 	@echo "make exp-011      agents that act: a tool loop's cache reuse over HTTP, JSON-grammar decode speed"
 	@echo "make exp-012      Claude Code end to end against ours and vllm-mlx, a SIGKILL and restart between steps"
+	@echo "make exp-012-two-models  Claude Code with no model variables against one server with two models"
 	@echo "make exp-013      Responses API chains vs the chat path, after a restart vs cold; a thinking model's history"
 	@echo "make exp-015      chaos soak: crashes, full/read-only disk, corruption, floods; nothing lost"
 	@echo "make exp-016      two servers on one Redis: resume elsewhere vs local and cold, Redis faults"
@@ -125,9 +126,10 @@ serve-ttft: models
 append-profile: models
 	$(PY) -m harness.serving.append_profile --trials 5 --http --json results/exp_009_serving/long_append_profile.json
 
-# Refresh the dashboard screenshot beside the README (a live tiny-model server in Chromium).
+# Refresh the dashboard screenshots beside the README (live tiny-model servers in Chromium: one model, and three).
 dashboard-screenshot: venv system-browser
-	SEMANTIC_DASHBOARD_SHOT=$(CURDIR)/serve-dashboard.png $(PY) -m pytest -q tests/serve/test_dashboard_browser.py
+	SEMANTIC_DASHBOARD_SHOT=$(CURDIR)/serve-dashboard.png SEMANTIC_DASHBOARD_MODELS_SHOT=$(CURDIR)/serve-dashboard-models.png \
+	  $(PY) -m pytest -q tests/serve/test_dashboard_browser.py
 
 $(COMPAT_STAMP): pyproject.toml
 	test -x $(COMPAT_PY) || $(PYTHON) -m venv $(COMPAT_VENV)
@@ -226,6 +228,12 @@ exp-011-full: models
 # last step. Needs node and npm; skipped with the reason without them.
 exp-012: models
 	$(PY) -m harness run experiments/exp_012_claude_code.toml
+
+# Claude Code with two models (issue 40): one server holding Gemma 3 270M (main) and SmolLM2 (small) behind
+# Claude Code's own names ('claude-*haiku*=small', 'claude-*=main'), Claude Code given nothing but the base URL
+# and a token; counts what each model answered, refusals and cache reads (15 min on 2 cores beside other jobs).
+exp-012-two-models: models
+	$(PY) -m harness run experiments/exp_012_two_models.toml
 
 # The Responses API: a previous_response_id chain against the same turns as full chat histories on
 # SmolLM2 (5 conversations of 6 turns, each side its own tenant), after a SIGTERM restart against a cold

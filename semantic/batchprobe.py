@@ -11,11 +11,19 @@ short prompts of different lengths are decoded both ways::
     row 1   [t ..... t] (60) prefill, then one decode step alone   ─┤ within TOLERANCE?
     batch   both rows merged, one decode step                     ─┘ else: one sequence at a time
 
-The probe costs a few tokens' forward passes; its answer is the reason the
-engine runs such a model one sequence at a time (``BlockPoolBatchEngine``).
+The probe costs a few tokens' forward passes (seconds on a CPU, every load of
+a server that loads models on demand), so its answer is kept beside the
+model's caches (:func:`remembered`) for the same mlx and mlx-lm versions; it
+is the reason the engine runs such a model one sequence at a time
+(``BlockPoolBatchEngine``).
 """
 
 from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
 
 import mlx.core as mx
 
@@ -24,6 +32,39 @@ from semantic import kinds
 # logprobs of a batch row against the same row alone: float32 matmuls over other shapes differ by ~1e-6
 TOLERANCE = 1e-3
 _PROMPTS = (tuple(range(1, 10)), tuple(range(20, 80)))  # 9 and 60 tokens: a row padded by 51
+MEMO = "batchprobe.json"  # in the model's cache directory
+
+log = logging.getLogger(__name__)
+
+
+def remembered(model, spec, directory: Path | None) -> str | None:
+    """:func:`batch_problem`, asked once per model and mlx / mlx-lm versions: its answer is kept in
+    ``directory`` (the model's cache directory; None: asked every time)."""
+    versions = _versions()
+    memo = Path(directory) / MEMO if directory is not None else None
+    if memo is not None:
+        try:
+            doc = json.loads(memo.read_text())
+            if isinstance(doc, dict) and doc.get("versions") == versions and "answer" in doc \
+                    and (doc["answer"] is None or isinstance(doc["answer"], str)):
+                return doc["answer"]
+        except (OSError, ValueError):
+            pass  # none yet, or unreadable: ask the model
+    answer = batch_problem(model, spec)
+    if memo is not None:
+        try:
+            tmp = memo.with_name(f".{MEMO}.{os.getpid()}")
+            tmp.write_text(json.dumps({"versions": versions, "answer": answer}))
+            os.replace(tmp, memo)
+        except OSError as exc:  # a read-only directory: the next load asks again
+            log.debug("batch probe's answer not kept in %s: %s", memo, exc)
+    return answer
+
+
+def _versions() -> dict:
+    import mlx_lm
+
+    return {"mlx": mx.__version__, "mlx_lm": mlx_lm.__version__}
 
 
 def batch_problem(model, spec) -> str | None:

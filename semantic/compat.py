@@ -345,6 +345,28 @@ def tool_parser_names() -> list[str]:
     return sorted(m.name for m in pkgutil.iter_modules(mlx_lm.tool_parsers.__path__))
 
 
+def check_model_dir(path) -> None:
+    """What ``mlx_lm.load`` would refuse in a local model directory, found without reading its weights
+    (both versions map a config to its module with ``_get_classes``). Raises ValueError saying what."""
+    import json
+
+    from mlx_lm import utils
+
+    config = path / "config.json"
+    try:
+        doc = json.loads(config.read_text())
+    except OSError:
+        raise ValueError(f"{path} has no readable config.json: not a model directory") from None
+    except ValueError as exc:
+        raise ValueError(f"{config} is not JSON ({exc})") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("model_type"), str):
+        raise ValueError(f"{config} names no model_type")
+    utils._get_classes(doc)  # "Model type X not supported."
+    if not any(path.glob("*.safetensors")):
+        raise ValueError(f"{path} holds no .safetensors weights (a GGUF or PyTorch checkpoint: convert it with "
+                         "mlx_lm.convert, or harness's converter for GGUF)")
+
+
 def model_path(path_or_repo: str):
     """The local directory ``mlx_lm.load`` reads for a path or hub id (both versions name it ``_download``)."""
     from pathlib import Path

@@ -39,6 +39,7 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 import mlx.core as mx
@@ -95,6 +96,7 @@ class BlockPoolBatchEngine:
         lock=None,
         speculation: SpecConfig | None = None,
         on_ended: Callable[[Completion], None] | None = None,
+        probe_memo: Path | None = None,
     ):
         spec.require_same(pool.spec, "the pool")
         quant = next((l for l in spec.layers if l.kv_bits), None)
@@ -119,7 +121,7 @@ class BlockPoolBatchEngine:
         if any(not k.batches for k in used):  # mlx-lm has no batched form of these caches
             self.batch_off = f"{' and '.join(sorted(k.name for k in used if not k.batches))} layers have no batch form"
         else:
-            self.batch_off = batchprobe.batch_problem(model, spec) if max_batch > 1 else None
+            self.batch_off = batchprobe.remembered(model, spec, probe_memo) if max_batch > 1 else None
         if self.batch_off is not None:
             log.info("one sequence at a time: %s", self.batch_off)
             max_batch = 1

@@ -108,7 +108,7 @@ class ConcurrentScheduler(ResidentView):
         self._make_engine = lambda: BlockPoolBatchEngine(
             model, tokenizer, store.pool, store.spec, max_batch=max_batch,
             prefill_chunk=prefill_chunk, itl_target_s=itl_target_s, stop_tokens=stop_tokens, lock=store.pool_lock,
-            speculation=speculation, on_ended=self._ended,
+            speculation=speculation, on_ended=self._ended, probe_memo=store.dir,
         )
         self.engine = self._make_engine()
         self._cv = threading.Condition()

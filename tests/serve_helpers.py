@@ -3,7 +3,8 @@
 Each server is its own process (``python -m semantic.serve``), started on a
 free loopback port and waited for through ``GET /health``; stopping it sends
 SIGTERM (or SIGKILL) and waits, so a test can restart one on the same cache
-directory and see what survived.
+directory and see what survived. ``model=None``: ``args`` name the models
+(``--model ID=DIR`` and the rest), for a server of several.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @dataclass
 class Server:
-    model: Path
+    model: Path | None  # None: ``args`` carry the models
     cache_dir: Path
     args: list[str] = field(default_factory=list)
     model_id: str = "tiny"
@@ -41,8 +42,9 @@ class Server:
     def start(self, timeout: float = 120.0) -> "Server":
         self.port = free_port()
         self.log_path = (self.log_dir or self.cache_dir.parent) / f"server-{self.port}.log"
-        cmd = [sys.executable, "-m", "semantic.serve", "--model", str(self.model), "--port", str(self.port),
-               "--cache-dir", str(self.cache_dir), "--model-id", self.model_id, *self.args]
+        one = ["--model", str(self.model), "--model-id", self.model_id] if self.model is not None else []
+        cmd = [sys.executable, "-m", "semantic.serve", *one, "--port", str(self.port),
+               "--cache-dir", str(self.cache_dir), *self.args]
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         with open(self.log_path, "wb") as log:  # the child holds its own copy of the descriptor
             self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)

@@ -22,6 +22,7 @@ from harness.kinds import (  # noqa: E402,F401
     cache_injection,
     chaos,
     claude_code,
+    claude_code_models,
     multi_model,
     multiturn,
     per_sequence_extraction,

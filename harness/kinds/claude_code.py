@@ -276,14 +276,16 @@ def record(ctx, rows: list[dict], transcripts: dict, names: list[str], restart_b
             f"and restart before step {restart_before})"))
 
 
-def transcript_text(transcripts: dict) -> str:
-    """What Claude Code printed, per server and step, as a reader would skim it: each step's command,
-    the model's text and tool calls, the tools' results and the closing result, cut to a few lines each."""
+def transcript_text(transcripts: dict, flags=None, title: str = "=== {name} ===") -> str:
+    """What Claude Code printed, per server (or session) and step, as a reader would skim it: each step's
+    command (``flags(name, step)``: what follows its prompt; default ``--continue`` after the first), the
+    model's text and tool calls, the tools' results and the closing result, cut to a few lines each."""
+    flags = flags or (lambda name, s: " --continue" if s["step"] > 1 else "")
     out = []
     for name, steps in transcripts.items():
-        out.append(f"=== {name} ===")
+        out.append(title.format(name=name))
         for s in steps:
-            out.append(f"\n$ claude -p {s['prompt']!r}{' --continue' if s['step'] > 1 else ''}   "
+            out.append(f"\n$ claude -p {s['prompt']!r}{flags(name, s)}   "
                        f"# step {s['step']}: exit {s['returncode']}, {s['wall_s']:.1f} s")
             for e in s["events"]:
                 out.extend(_event_lines(e))

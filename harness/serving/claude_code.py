@@ -89,41 +89,59 @@ class Session:
     stderr: str
 
     @property
+    def session_id(self) -> str | None:
+        """Claude Code's session id (its first event that names one): ``--resume`` it to go on."""
+        return next((e["session_id"] for e in self.events if e.get("session_id")), None)
+
+    @property
     def result(self) -> dict | None:
         """The closing ``result`` event (turns, the final text, whether it ended in an error)."""
         return next((e for e in reversed(self.events) if e.get("type") == "result"), None)
 
 
-def session_env(base_url: str, model: str, home: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
-    """What a user sets for a local server: the base URL, a token and the model names (plus ``extra``)."""
+# every variable through which Claude Code takes a model name: a session with ``model=None`` sets none of them
+MODEL_VARIABLES = ("ANTHROPIC_MODEL", "ANTHROPIC_SMALL_FAST_MODEL", "ANTHROPIC_DEFAULT_OPUS_MODEL",
+                   "ANTHROPIC_DEFAULT_SONNET_MODEL", "ANTHROPIC_DEFAULT_HAIKU_MODEL", "ANTHROPIC_DEFAULT_FABLE_MODEL",
+                   "ANTHROPIC_DEFAULT_MODEL", "CLAUDE_CODE_SUBAGENT_MODEL")
+
+
+def session_env(base_url: str, model: str | None, home: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """What a user sets for a local server: the base URL, a token and the model names (plus ``extra``).
+
+    ``model=None``: no model names at all, so Claude Code sends its own (its defaults and aliases) and the
+    server's aliases map them. The environment is built from nothing, so none is inherited either.
+    """
+    names = {} if model is None else {"ANTHROPIC_MODEL": model, "ANTHROPIC_SMALL_FAST_MODEL": model}
     return {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(home), "LANG": "C.UTF-8",
-            "ANTHROPIC_BASE_URL": base_url, "ANTHROPIC_AUTH_TOKEN": "local", "ANTHROPIC_MODEL": model,
-            "ANTHROPIC_SMALL_FAST_MODEL": model, "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", **(extra or {})}
+            "ANTHROPIC_BASE_URL": base_url, "ANTHROPIC_AUTH_TOKEN": "local", **names,
+            "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", **(extra or {})}
 
 
 def command(install: Install, prompt: str, max_turns: int, resume: bool,
-            allowed_tools: str = "Read,Edit,Write,Bash") -> list[str]:
-    """``claude -p`` printing its whole transcript as stream-json; ``resume``: ``--continue`` the last session."""
+            allowed_tools: str = "Read,Edit,Write,Bash", args: tuple[str, ...] = ()) -> list[str]:
+    """``claude -p`` printing its whole transcript as stream-json; ``resume``: ``--continue`` the last session;
+    ``args``: more of its flags (``--resume ID``, ``--agents JSON --agent NAME``)."""
     return [str(install.binary), "-p", prompt, "--max-turns", str(max_turns), "--output-format", "stream-json",
-            "--verbose", "--allowedTools", allowed_tools, *(["--continue"] if resume else [])]
+            "--verbose", "--allowedTools", allowed_tools, *(["--continue"] if resume else []), *args]
 
 
-def start(install: Install, *, base_url: str, model: str, repo: Path, home: Path, prompt: str, max_turns: int,
-          resume: bool = False, extra_env: dict[str, str] | None = None) -> subprocess.Popen:
+def start(install: Install, *, base_url: str, model: str | None, repo: Path, home: Path, prompt: str,
+          max_turns: int, resume: bool = False, extra_env: dict[str, str] | None = None,
+          args: tuple[str, ...] = ()) -> subprocess.Popen:
     """A session started and left running (the caller waits, or kills it)."""
     home.mkdir(parents=True, exist_ok=True)
-    return subprocess.Popen(command(install, prompt, max_turns, resume), cwd=repo, stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    return subprocess.Popen(command(install, prompt, max_turns, resume, args=args), cwd=repo,
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=session_env(base_url, model, home, extra_env), start_new_session=True)
 
 
-def run_session(install: Install, *, base_url: str, model: str, repo: Path, home: Path, prompt: str,
+def run_session(install: Install, *, base_url: str, model: str | None, repo: Path, home: Path, prompt: str,
                 max_turns: int, resume: bool = False, extra_env: dict[str, str] | None = None,
-                timeout_s: float = 3600.0) -> Session:
+                timeout_s: float = 3600.0, args: tuple[str, ...] = ()) -> Session:
     """One print-mode session in ``repo`` against ``base_url``, to its end (or ``timeout_s``, then killed)."""
     t0 = time.perf_counter()
     proc = start(install, base_url=base_url, model=model, repo=repo, home=home, prompt=prompt, max_turns=max_turns,
-                 resume=resume, extra_env=extra_env)
+                 resume=resume, extra_env=extra_env, args=args)
     try:
         out, err = proc.communicate(timeout=timeout_s)
         rc = proc.returncode

@@ -23,6 +23,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 
+TEXT_LIMIT = 600  # characters of a request's question and of its reply kept for the transcript
 HOP = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "accept-encoding"}
 
 
@@ -33,7 +34,8 @@ class Exchange:
     index: int
     path: str
     started_s: float                   # since the proxy started
-    model: str | None = None
+    model: str | None = None           # the name the client sent
+    served_model: str | None = None    # the reply's ``model``: the id the server resolved that name to
     stream: bool = False
     max_tokens: int | None = None
     messages: int = 0
@@ -48,6 +50,8 @@ class Exchange:
     clamped_max_tokens: int | None = None
     error: str | None = None
     tool_uses: list[str] = field(default_factory=list)
+    asked: str | None = None           # the last user message's text, cut to TEXT_LIMIT (what was asked)
+    reply: str = ""                    # the reply's text, cut to TEXT_LIMIT (what answered it)
 
     @property
     def prompt_tokens(self) -> int | None:
@@ -86,12 +90,16 @@ class _Reader:
             return
         kind, rec = ev.get("type"), self.rec
         if kind == "message_start":
+            rec.served_model = (ev.get("message") or {}).get("model")
             self._usage(ev.get("message", {}).get("usage") or {})
         elif kind == "content_block_start" and (ev.get("content_block") or {}).get("type") == "tool_use":
             rec.tool_uses.append(ev["content_block"].get("name"))
             self._first()
         elif kind == "content_block_delta":
             self._first()
+            text = (ev.get("delta") or {}).get("text")
+            if text and len(rec.reply) < TEXT_LIMIT:
+                rec.reply = (rec.reply + text)[:TEXT_LIMIT]
         elif kind == "message_delta":
             rec.stop_reason = (ev.get("delta") or {}).get("stop_reason")
             self._usage(ev.get("usage") or {})
@@ -175,6 +183,7 @@ class LoggingProxy:
         if isinstance(sent, dict):
             rec.model, rec.stream, rec.max_tokens = sent.get("model"), bool(sent.get("stream")), sent.get("max_tokens")
             rec.messages, rec.tools = len(sent.get("messages") or []), len(sent.get("tools") or [])
+            rec.asked = last_user_text(sent.get("messages"))
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP}
         client = self._client  # one for the proxy's life: no connection set up inside a timed request
         upstream = client.build_request(request.method, self.upstream + path, content=body, headers=headers)
@@ -225,5 +234,21 @@ class LoggingProxy:
         for name in ("input_tokens", "cache_read_input_tokens", "output_tokens"):
             if usage.get(name) is not None:
                 setattr(rec, name, usage[name])
-        rec.stop_reason = doc.get("stop_reason")
+        rec.stop_reason, rec.served_model = doc.get("stop_reason"), doc.get("model")
+        rec.reply = "".join(b.get("text") or "" for b in doc.get("content") or [] if isinstance(b, dict))[:TEXT_LIMIT]
         rec.tool_uses = [b.get("name") for b in doc.get("content") or [] if b.get("type") == "tool_use"]
+
+
+def last_user_text(messages) -> str | None:
+    """The text of the last user message (its text blocks but reminders, joined; tool results left out), cut."""
+    for m in reversed(messages or []):
+        if not isinstance(m, dict) or m.get("role") != "user":
+            continue
+        content = m.get("content")
+        if isinstance(content, str):
+            return content[:TEXT_LIMIT]
+        texts = [b.get("text") or "" for b in content or [] if isinstance(b, dict) and b.get("type") == "text"]
+        # Claude Code puts <system-reminder> blocks (context, the date) before the prompt: the prompt is what was asked
+        asked = [t for t in texts if not t.lstrip().startswith("<system-reminder>")] or texts
+        return "\n".join(asked)[:TEXT_LIMIT] if asked else None
+    return None

@@ -129,12 +129,22 @@ def _flags(settings: Mapping[str, Any], names: Mapping[str, str]) -> list[str]:
 
 
 def _semantic_command(l: Launch) -> list[str]:
-    return [str(l.python), "-m", "semantic.serve", "--model", str(l.model_dir), "--model-id", l.model_id,
+    return [str(l.python), "-m", "semantic.serve", *_semantic_models(l),
             "--host", l.host, "--port", str(l.port), "--cache-dir", str(l.workdir / "cache"),
             *_flags(l.settings, {"ram_mb": "--ram-mb", "disk_mb": "--disk-mb", "pool_mb": "--pool-mb"}),
             *(["--no-echo-history"] if l.settings.get("echo_history") is False else []),
             *(["--no-speculation"] if l.settings.get("speculation") is False else []),
             *[a for key in l.settings.get("api_keys") or () for a in ("--api-key", key)]]
+
+
+def _semantic_models(l: Launch) -> list[str]:
+    """``--model DIR --model-id ID``, or with the ``models`` setting (``{id: dir}``) several models, the
+    first the default, and the ``aliases`` setting's ``--alias PATTERN=ID`` (issue 40's fleet)."""
+    models = l.settings.get("models")
+    if not models:
+        return ["--model", str(l.model_dir), "--model-id", l.model_id]
+    return [*[a for mid, path in models.items() for a in ("--model", f"{mid}={path}")],
+            *[a for glob, mid in (l.settings.get("aliases") or {}).items() for a in ("--alias", f"{glob}={mid}")]]
 
 
 def _mlx_lm_command(l: Launch) -> list[str]:
@@ -187,7 +197,7 @@ _SEMANTIC = ServerTarget(
     name=OURS, venv=None, install=(), command=_semantic_command, env=_no_env,
     health_path="/health", model_name="{model_id}", cached_from="usage",
     stats_path="/v1/cache/stats", defaults={"ram_mb": None, "disk_mb": None, "pool_mb": None, "echo_history": None, "api_keys": None,
-                                                 "speculation": None},
+                                                 "speculation": None, "models": None, "aliases": None},
     loads_blas_itself=True, cache_key_field="prompt_cache_key",
     packages=("semantic-kv", "mlx", "mlx-cpu", "mlx-lm", "transformers"),
     notes="ours; a request with prompt_cache_key has its agent cache saved under workdir/cache and "

@@ -24,13 +24,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from semantic.serve.fleetplan import Resident, idle_past_ttl, plan_room
+from semantic.serve import fleetview
+from semantic.serve.fleetplan import (FAILED, HOLDING, LOADED, LOADING, UNLOADED, UNLOADING, Resident,
+                                      idle_past_ttl, plan_room)
 from semantic.serve.registry import ModelEntry, Registry
 from semantic.service import SchedulerClosedError
 
 log = logging.getLogger("semantic.serve")
 
-UNLOADED, LOADING, LOADED, UNLOADING, FAILED = "unloaded", "loading", "loaded", "unloading", "failed"
 RETRY_FAILED_S = 30.0   # a model that failed to load is tried again by a request this much later
 ROOM_WAIT_S = 600.0     # a load waits this long at most for busy models to finish their turns
 REAP_EVERY_S = (0.2, 5.0)  # the TTL check's period: a quarter of the shortest TTL, within these bounds
@@ -68,6 +69,7 @@ class Slot:
     unloads: Counter = field(default_factory=Counter)  # by reason
     load_s: float | None = None    # the last load's time
     context_length: int | None = None
+    key: str | None = None         # its cache directory (``key_of``), once asked
 
     @property
     def id(self) -> str:
@@ -99,15 +101,18 @@ class Fleet:
         budget_bytes: ``--models-mb``: weights and pools of all loaded models together (None: no bound).
         estimate: a model's bytes before it loads (weights on disk + its pool).
         context_of: a model's context length before it loads (its config's), for the listings.
+        check: before room is made for a load: raises what would make it fail (so a model that cannot
+            load unloads nobody), and returns its cache directory (two loaded models never share one).
         shutdown_s: how long an unload waits for its service's pending saves.
     """
 
     def __init__(self, registry: Registry, opener: Opener, *, budget_bytes: int | None = None,
                  estimate: Callable[[ModelEntry], int] = lambda e: 0,
-                 context_of: Callable[[ModelEntry], int | None] = lambda e: None, shutdown_s: float = 30.0,
+                 context_of: Callable[[ModelEntry], int | None] = lambda e: None,
+                 check: Callable[[ModelEntry], str | None] = lambda e: None, shutdown_s: float = 30.0,
                  responses_dir: Path | None = None):
         self.registry, self.opener, self.budget, self.estimate = registry, opener, budget_bytes, estimate
-        self.context_of = context_of
+        self.context_of, self.check = context_of, check
         self.shutdown_s, self.responses_dir = shutdown_s, responses_dir
         self.slots: dict[str, Slot] = {i: Slot(e) for i, e in registry.entries.items()}
         self._closing = False
@@ -206,6 +211,7 @@ class Fleet:
                 if slot.state == LOADED or self.closing:
                     return
                 need = await asyncio.to_thread(self.estimate, slot.entry)
+                await self._claim(slot)
                 await self._make_room(slot, need)
                 self._set(slot, LOADING)
                 slot.bytes = need
@@ -227,11 +233,29 @@ class Fleet:
         finally:
             slot.change = None
 
+    async def _claim(self, slot: Slot) -> None:
+        """Refuse, before unloading anything for it, a model that would fail to load, or whose cache
+        directory a model holding memory uses (the same weights under two ids)."""
+        try:
+            slot.key = await asyncio.to_thread(self.check, slot.entry)
+        except Exception as exc:  # a missing path, a directory mlx-lm cannot load
+            self._failed(slot, exc)
+            raise ModelLoadError(f"the model {slot.id!r} failed to load: {slot.error}") from None
+        other = next((s for s in self.slots.values() if s is not slot and slot.key is not None
+                      and s.key == slot.key and s.state in HOLDING), None)
+        if other is not None:
+            self._failed(slot, ValueError(
+                f"it has the same weights as {other.id!r}, whose caches are in {slot.key}: serve them once and "
+                f"give {slot.id!r} as an alias ({slot.id}={other.id})"))
+            raise ModelLoadError(f"the model {slot.id!r} failed to load: {slot.error}")
+
     async def _make_room(self, slot: Slot, need: int) -> None:
         """Unload for room one model at a time, planning again after each: while one unloads, a request
         may take the next one planned."""
         deadline = time.monotonic() + ROOM_WAIT_S
         while True:
+            if self.closing:  # room freed in the drain is not for a load: unload nothing more, load nothing
+                raise SchedulerClosedError("the server is shutting down")
             plan = plan_room(self._resident(exclude=slot), need, self.budget)
             if plan.refuse is not None:
                 raise ModelMemoryError(f"the model {slot.id!r} does not fit this server's memory budget: "
@@ -336,6 +360,8 @@ class Fleet:
 
     def begin_shutdown(self) -> None:
         self._closing = True
+        if self._released is not None:  # a load waiting for room gives up now
+            self._released.set()
         for _, backend in self.loaded():
             backend.begin_shutdown()
 
@@ -355,39 +381,12 @@ class Fleet:
     # ------------------------------------------------------------ state
 
     def rows(self) -> list[dict]:
-        """Every served model as /v1/models and the stats list it."""
-        now = time.monotonic()
-        out = []
-        for s in list(self.slots.values()):  # also read from the stats' worker thread
-            o = s.entry.options
-            row = {"id": s.id, "state": s.state, "aliases": self.registry.aliases_of(s.id),
-                   "context_length": s.context_length or self._context(s), "memory_bytes": s.bytes if s.state != UNLOADED else 0,
-                   "pinned": o.pinned, "idle_ttl_s": o.idle_ttl_s or None, "loads": s.loads,
-                   "unloads": dict(s.unloads), "load_s": s.load_s, "state_s": round(now - s.since, 1),
-                   "idle_s": round(now - s.last_used, 1) if s.state == LOADED and not s.leases else None,
-                   "in_use": s.leases}
-            if s.state == FAILED:
-                row["error"] = s.error
-            out.append(row)
-        return out
-
-    def _context(self, slot: Slot) -> int | None:
-        if slot.context_length is None:
-            try:
-                slot.context_length = self.context_of(slot.entry)
-            except Exception:  # a listing never fails on one model's files
-                log.exception("reading %s's context length", slot.id)
-        return slot.context_length
+        """Every served model as /v1/models and the stats list it (``fleetview.rows``)."""
+        return fleetview.rows(self, RETRY_FAILED_S)
 
     def summary(self) -> dict:
-        loading = next((s for s in self.slots.values() if s.state == LOADING), None)
-        return {"budget_bytes": self.budget,
-                "resident_bytes": sum(s.bytes for s in self.slots.values() if s.state in (LOADED, LOADING, UNLOADING)),
-                "loads": sum(s.loads for s in self.slots.values()),
-                "unloads": sum(sum(s.unloads.values()) for s in self.slots.values()),
-                "load_failures": self.load_failures,
-                "loading": loading.id if loading else None,
-                "loading_s": round(time.monotonic() - loading.since, 1) if loading else None}
+        """The memory the models share and their loads (``fleetview.summary``)."""
+        return fleetview.summary(self)
 
 
 def _measured(backend) -> int:

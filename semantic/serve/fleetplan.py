@@ -11,6 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+UNLOADED, LOADING, LOADED, UNLOADING, FAILED = "unloaded", "loading", "loaded", "unloading", "failed"
+HOLDING = (LOADED, LOADING, UNLOADING)  # the states that hold a model's memory (not failed: it never loaded)
+
 
 @dataclass(frozen=True, slots=True)
 class Resident:
@@ -52,5 +55,5 @@ def plan_room(resident: list[Resident], need: int, budget: int | None) -> RoomPl
 
 def idle_past_ttl(slots: list, now: float) -> list[str]:
     """Loaded, unpinned models nobody used for their TTL (0 or None: never)."""
-    return [s.id for s in slots if s.state == "loaded" and not s.entry.options.pinned and s.leases == 0
+    return [s.id for s in slots if s.state == LOADED and not s.entry.options.pinned and s.leases == 0
             and s.entry.options.idle_ttl_s and now - s.last_used >= s.entry.options.idle_ttl_s]

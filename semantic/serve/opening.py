@@ -51,14 +51,34 @@ def context_of(entry: ModelEntry) -> int | None:
     return min(native, entry.options.max_context or native)
 
 
+def cache_key(entry: ModelEntry, config: ServeConfig) -> str:
+    """The model's cache directory (weights and config fingerprint, KV bits): two models with one key would
+    share it, which one store per directory never allows."""
+    from semantic import compat
+    from semantic.service import model_fingerprint
+
+    bits = f"-kv{entry.options.kv_bits}" if entry.options.kv_bits else ""
+    return str(Path(config.cache_dir or "~/.cache/semantic-kv/agents").expanduser()
+               / (model_fingerprint(compat.model_path(entry.source)) + bits))
+
+
+def precheck(entry: ModelEntry, config: ServeConfig, several: bool) -> str | None:
+    """Before room is made for a load: what would make it fail (a missing path, a directory mlx-lm cannot
+    load) raises now; then the model's cache directory when several models share a server."""
+    from semantic import compat
+
+    where = Path(entry.source).expanduser()
+    if entry.source.startswith(("/", "~", "./", "../")) and not where.is_dir():
+        raise FileNotFoundError(f"no model directory at {entry.source}")
+    if where.is_dir():
+        compat.check_model_dir(where)
+    return cache_key(entry, config) if several else None
+
+
 def open_backend(entry: ModelEntry, config: ServeConfig, several: bool):
     """Load one model as a Backend with its options over the server's flags. Blocking."""
     from semantic.serve.backend import Backend
 
-    where = Path(entry.source).expanduser()
-    if entry.source.startswith(("/", "~", "./", "../")) and not where.is_dir():
-        # a path, not a hub id: say so now instead of asking the hub for it
-        raise FileNotFoundError(f"no model directory at {entry.source}")
     o = entry.options
     backend = Backend.from_model(
         entry.source, model_id=entry.id, sync_saves=config.sync_saves,
@@ -86,7 +106,8 @@ def fleet_of(config: ServeConfig) -> Fleet:
     several = not registry.single
     fleet = Fleet(registry, lambda e: open_backend(e, config, several),
                   budget_bytes=config.models_mb * MB if config.models_mb else None,
-                  estimate=lambda e: estimate_bytes(e, config), context_of=context_of, shutdown_s=config.shutdown_s,
+                  estimate=lambda e: estimate_bytes(e, config), context_of=context_of,
+                  check=lambda e: precheck(e, config, several), shutdown_s=config.shutdown_s,
                   responses_dir=responses_dir(config) if several else None)
     return fleet
 

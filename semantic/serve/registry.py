@@ -5,7 +5,7 @@ A name a client sends resolves in this order::
 
     1. a model's id                      "main"
     2. an alias without wildcards        "gpt-4o" = "main"
-    3. glob aliases, most literal first  "claude-*haiku*" (11 literal chars) before "claude-*" (7)
+    3. glob aliases, most literal first  "claude-*haiku*" (12 literal chars) before "claude-*" (7)
     4. a folder under --models-dir that appeared since the last scan
 """
 
@@ -95,7 +95,7 @@ class Registry:
         return next(iter(self.entries))
 
     def _add(self, entry: ModelEntry) -> None:
-        if not ID_RE.match(entry.id):
+        if not self.single and not ID_RE.match(entry.id):  # one model alone keeps any name, as it always did
             raise RegistryError(f"model id {entry.id!r}: use letters, digits and . _ : @ + - (at most 128)")
         if entry.id in self.entries:
             raise RegistryError(f"model id {entry.id!r} is given twice")

@@ -34,3 +34,19 @@ def test_a_model_whose_code_fails_or_drifts_in_a_batch_decodes_one_sequence_at_a
     for d in done:
         ref = [int(t) for t, _ in generate_step(mx.array(list(d.request.ids)), m, max_tokens=len(d.token_ids))]
         assert d.token_ids == ref
+
+
+def test_the_probes_answer_is_kept_beside_the_caches_and_asked_again_for_other_versions(tmp_path, monkeypatch):
+    from semantic import batchprobe
+
+    m = tiny_llama()
+    spec = ModelCacheSpec.from_model(m)
+    asked = []
+    monkeypatch.setattr(batchprobe, "batch_problem", lambda model, s: asked.append(1) or "drifts")
+    assert batchprobe.remembered(m, spec, tmp_path) == "drifts"
+    assert batchprobe.remembered(m, spec, tmp_path) == "drifts" and len(asked) == 1  # a reload asks nothing
+    monkeypatch.setattr(batchprobe, "_versions", lambda: {"mlx": "0", "mlx_lm": "0"})
+    assert batchprobe.remembered(m, spec, tmp_path) == "drifts" and len(asked) == 2  # another mlx-lm: asked again
+    (tmp_path / batchprobe.MEMO).write_text("{not json")
+    assert batchprobe.remembered(m, spec, tmp_path) == "drifts" and len(asked) == 3  # damaged: asked again
+    assert batchprobe.remembered(m, spec, None) == "drifts" and len(asked) == 4       # nowhere to keep it

@@ -1,0 +1,453 @@
+"""The fleet of one server's models (``semantic.serve.fleet``): loads on demand, room under a budget, leases,
+failures, the idle reaper, shutdown; and ``plan_room``, the decision it runs, as plain data.
+
+The fleet is driven on its own event loop (``asyncio.run``) with a stand-in for the model's Backend: the fleet
+only opens, leases and closes backends, so what it must get right is its bookkeeping, and a real model would
+only make these tests slow. Sizes are the estimates the test gives it (a stand-in measures nothing).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from types import SimpleNamespace
+
+import pytest
+
+from semantic.serve import fleet as fleet_mod
+from semantic.serve.fleet import (FAILED, LOADED, LOADING, UNLOADED, Fleet, ModelLoadError, ModelMemoryError,
+                                  ModelNotFoundError)
+from semantic.serve.fleetplan import Resident, RoomPlan, idle_past_ttl, plan_room
+from semantic.serve.registry import ModelEntry, ModelOptions, Registry
+from semantic.service import SchedulerClosedError
+
+MB = 1 << 20
+
+
+class StandIn:
+    """What the fleet uses of a Backend: its id and context, its size (``service.weights_bytes`` and
+    ``pool_bytes``), whether turns still run, and a close that writes pending saves."""
+
+    def __init__(self, entry: ModelEntry, size: int):
+        self.model_id, self.context_length = entry.id, 2048
+        self.service, self.pool_bytes = _Service(size), 0
+        self.closing = self.closed = False
+
+    def begin_shutdown(self) -> None:
+        self.closing = True
+
+    async def aclose(self, timeout: float = 30.0) -> None:
+        self.closed = True
+
+
+class _Service:
+    """The stand-in's service and scheduler: its weights, and its turns queued or running (no lease held)."""
+
+    def __init__(self, size: int):
+        self.weights_bytes, self.scheduler = size, self
+        self.queued = self.in_flight = 0
+
+    def agents(self) -> list:
+        return []
+
+    def stats(self) -> SimpleNamespace:
+        return SimpleNamespace(queued=self.queued, in_flight=self.in_flight)
+
+
+class Opener:
+    """Opens stand-ins of ``sizes_mb``, keeping each model's; ``fail`` names models whose load raises; a model in
+    ``gates`` opens only once its gate is set (the opener runs on a worker thread, as a real load does)."""
+
+    def __init__(self, sizes_mb: dict[str, int], fail=(), gates=None):
+        self.sizes_mb, self.fail, self.gates = sizes_mb, set(fail), gates or {}
+        self.opened: dict[str, list[StandIn]] = {}
+
+    def __call__(self, entry: ModelEntry) -> StandIn:
+        if entry.id in self.gates:
+            assert self.gates[entry.id].wait(30), f"{entry.id}'s gate never opened"
+        if entry.id in self.fail:
+            raise ValueError(f"{entry.source}: config.json is not JSON")
+        backend = StandIn(entry, self.sizes_mb[entry.id] * MB)
+        self.opened.setdefault(entry.id, []).append(backend)
+        return backend
+
+
+def _fleet(sizes_mb: dict[str, int], budget_mb: int | None = None, pinned=(), ttl: dict | None = None, fail=(),
+           gates=None, estimate_mb: dict | None = None) -> tuple[Fleet, Opener]:
+    """A fleet of stand-ins; ``estimate_mb``: what the fleet expects before a load (default: their sizes)."""
+    opener = Opener(sizes_mb, fail, gates)
+    estimate = estimate_mb or sizes_mb
+    entries = [ModelEntry(i, f"/models/{i}", ModelOptions(pinned=i in pinned, idle_ttl_s=(ttl or {}).get(i)))
+               for i in sizes_mb]
+    fleet = Fleet(Registry(entries), opener, budget_bytes=budget_mb * MB if budget_mb else None,
+                  estimate=lambda e: estimate[e.id] * MB)
+    return fleet, opener
+
+
+@pytest.fixture(autouse=True)
+def _no_collection(monkeypatch):
+    """An unload's gc.collect and mx.clear_cache give back a real model's arrays; stand-ins hold none."""
+    monkeypatch.setattr(fleet_mod, "_free_memory", lambda: None)
+
+
+async def _until(cond, timeout_s: float = 10.0) -> None:
+    """A bounded poll on the loop (what tests/waits.py does on a thread)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not cond():
+        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
+        await asyncio.sleep(0.005)
+
+
+async def _use(fleet: Fleet, name: str) -> None:
+    (await fleet.acquire(name)).release()
+
+
+# ---------------------------------------------------------------- plan_room, as data
+
+
+def _r(i, mb, last, pinned=False, busy=False):
+    return Resident(i, mb * MB, pinned, busy, last)
+
+
+def test_plan_room_unloads_nothing_when_the_new_model_fits_or_there_is_no_budget():
+    resident = [_r("a", 10, 1), _r("b", 10, 2)]
+    assert plan_room(resident, 10 * MB, 30 * MB) == RoomPlan()
+    assert plan_room(resident, 1000 * MB, None) == RoomPlan()
+
+
+def test_plan_room_unloads_the_least_recently_used_first_and_only_as_many_as_needed():
+    resident = [_r("c", 10, 3), _r("a", 10, 1), _r("b", 10, 2)]
+    assert plan_room(resident, 5 * MB, 30 * MB) == RoomPlan(unload=("a",))
+    assert plan_room(resident, 15 * MB, 30 * MB) == RoomPlan(unload=("a", "b"))
+    assert plan_room(resident, 30 * MB, 30 * MB) == RoomPlan(unload=("a", "b", "c"))
+
+
+def test_plan_room_never_chooses_a_pinned_model():
+    resident = [_r("p", 10, 0, pinned=True), _r("a", 10, 1), _r("b", 10, 2)]
+    assert plan_room(resident, 15 * MB, 30 * MB) == RoomPlan(unload=("a", "b"))
+
+
+def test_plan_room_waits_when_busy_models_hold_the_room():
+    resident = [_r("a", 10, 1, busy=True), _r("b", 10, 2)]
+    assert plan_room(resident, 5 * MB, 20 * MB) == RoomPlan(unload=("b",))  # the idle one is enough
+    assert plan_room(resident, 15 * MB, 20 * MB) == RoomPlan(wait=True)    # only the busy one's room would do
+
+
+def test_plan_room_refuses_what_pinned_models_leave_no_room_for():
+    plan = plan_room([_r("p", 20, 0, pinned=True), _r("a", 5, 1)], 15 * MB, 30 * MB)
+    assert plan.refuse == "it needs 15 MB and pinned models hold 20 MB of --models-mb 30" and not plan.unload
+    assert plan_room([], 40 * MB, 30 * MB).refuse.startswith("it needs 40 MB")
+
+
+def test_idle_past_ttl_names_loaded_unpinned_unleased_models_past_their_ttl():
+    fleet, _ = _fleet({"a": 1, "b": 1, "p": 1, "n": 1, "u": 1}, pinned=("p",), ttl={"a": 5, "b": 5, "p": 5, "u": 5})
+    for s in fleet.slots.values():
+        s.state, s.last_used = LOADED, 100.0
+    fleet.slots["b"].leases = 1
+    fleet.slots["u"].state = UNLOADED
+    assert idle_past_ttl(list(fleet.slots.values()), 105.0) == ["a"]  # b: leased; p: pinned; n: no TTL; u: not loaded
+    assert idle_past_ttl(list(fleet.slots.values()), 104.9) == []
+
+
+# ---------------------------------------------------------------- acquire
+
+
+def test_concurrent_requests_for_an_unloaded_model_load_it_once():
+    gate = threading.Event()
+    fleet, opener = _fleet({"a": 1, "b": 1}, gates={"a": gate})
+
+    async def run():
+        waiters = [asyncio.ensure_future(fleet.acquire("a")) for _ in range(5)]
+        await _until(lambda: fleet.slots["a"].state == LOADING)
+        gate.set()
+        leases = await asyncio.gather(*waiters)
+        assert {id(lease.backend) for lease in leases} == {id(opener.opened["a"][0])}
+        assert fleet.slots["a"].leases == 5
+        for lease in leases:
+            lease.release()
+            lease.release()  # a second release is a no-op
+        assert fleet.slots["a"].leases == 0
+
+    asyncio.run(run())
+    assert len(opener.opened["a"]) == 1 and fleet.slots["a"].loads == 1 and fleet.summary()["loads"] == 1
+
+
+def test_a_loaded_model_serves_while_another_one_loads():
+    gate = threading.Event()
+    fleet, opener = _fleet({"a": 1, "b": 1}, gates={"b": gate})
+
+    async def run():
+        await _use(fleet, "a")
+        loading = asyncio.ensure_future(fleet.acquire("b"))
+        await _until(lambda: fleet.slots["b"].state == LOADING)
+        assert fleet.summary()["loading"] == "b"
+        lease = await asyncio.wait_for(fleet.acquire("a"), 5)  # not behind b's load
+        lease.release()
+        gate.set()
+        (await loading).release()
+
+    asyncio.run(run())
+    assert fleet.slots["b"].state == LOADED
+
+
+def test_an_unknown_name_is_not_found_naming_what_is_served_and_none_is_the_default():
+    fleet, _ = _fleet({"a": 1, "b": 1})
+    with pytest.raises(ModelNotFoundError, match="'gpt-4o' is not served here; this server serves models 'a', 'b'"):
+        fleet.slot("gpt-4o")
+    assert fleet.slot(None).id == "a" and fleet.backend_of("b") is None
+
+
+def test_a_model_dir_folder_added_after_the_start_gets_a_slot_when_named(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "config.json").write_text("{}")
+    fleet = Fleet(Registry([], models_dir=str(tmp_path)), Opener({"a": 1, "b": 1}))
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "config.json").write_text("{}")
+    assert fleet.slot("b").state == UNLOADED and list(fleet.slots) == ["a", "b"]
+    asyncio.run(_use(fleet, "b"))
+    assert fleet.slots["b"].state == LOADED
+
+
+# ---------------------------------------------------------------- room under the budget
+
+
+def test_a_load_over_the_budget_unloads_the_least_recently_used_idle_model():
+    fleet, opener = _fleet({"a": 10, "b": 10, "c": 10}, budget_mb=15)
+
+    async def run():
+        await _use(fleet, "a")
+        await _use(fleet, "b")   # a and b do not both fit: a goes
+        await _use(fleet, "c")   # b goes
+        await _use(fleet, "b")   # c goes
+
+    asyncio.run(run())
+    assert [s.state for s in fleet.slots.values()] == [UNLOADED, LOADED, UNLOADED]
+    assert {i: dict(s.unloads) for i, s in fleet.slots.items()} == {"a": {"lru": 1}, "b": {"lru": 1}, "c": {"lru": 1}}
+    assert opener.opened["a"][0].closed and opener.opened["b"][0].closed and not opener.opened["b"][1].closed
+    assert fleet.summary() == {"budget_bytes": 15 * MB, "resident_bytes": 10 * MB, "loads": 4, "unloads": 3,
+                               "load_failures": 0, "loading": None, "loading_s": None}
+
+
+def test_a_pinned_model_is_never_unloaded_for_room():
+    fleet, _ = _fleet({"p": 10, "a": 10, "b": 10}, budget_mb=25, pinned=("p",))
+    fleet.preload(["p"])
+
+    async def run():
+        for name in ("a", "b", "a", "b"):
+            await _use(fleet, name)
+
+    asyncio.run(run())
+    assert fleet.slots["p"].state == LOADED and not fleet.slots["p"].unloads
+    assert fleet.slots["a"].unloads["lru"] == 2 and fleet.slots["b"].state == LOADED
+
+
+def test_a_model_that_does_not_fit_beside_the_pinned_ones_is_refused_and_others_still_serve():
+    fleet, _ = _fleet({"p": 20, "big": 15, "a": 5}, budget_mb=30, pinned=("p",))
+    fleet.preload(["p"])
+
+    async def run():
+        with pytest.raises(ModelMemoryError, match="'big' does not fit .* it needs 15 MB and pinned models hold 20"):
+            await fleet.acquire("big")
+        await _use(fleet, "a")
+
+    asyncio.run(run())
+    assert fleet.slots["big"].state == UNLOADED and fleet.slots["a"].state == LOADED
+    with pytest.raises(ModelMemoryError, match="pinned models p, big need about 35 MB, over --models-mb 30"):
+        _fleet({"p": 20, "big": 15}, budget_mb=30, pinned=("p", "big"))[0].preload(["p", "big"])
+
+
+def test_a_lease_blocks_an_unload_until_it_is_released():
+    fleet, opener = _fleet({"a": 10, "b": 10}, budget_mb=15)
+
+    async def run():
+        held = await fleet.acquire("a")
+        loading_b = asyncio.ensure_future(fleet.acquire("b"))
+        await _until(lambda: fleet.slots["b"].change is not None)
+        for _ in range(20):  # b's load runs its plan and waits: a's request is not over
+            await asyncio.sleep(0)
+        assert fleet.slots["a"].state == LOADED and not opener.opened["a"][0].closed
+        assert fleet.slots["b"].state == UNLOADED and not loading_b.done()
+        held.release()
+        (await asyncio.wait_for(loading_b, 5)).release()
+
+    asyncio.run(run())
+    assert fleet.slots["a"].state == UNLOADED and fleet.slots["a"].unloads["lru"] == 1 and opener.opened["a"][0].closed
+    assert fleet.slots["b"].state == LOADED
+
+
+def test_a_model_that_measures_more_than_estimated_unloads_idle_ones_until_the_budget_holds():
+    fleet, opener = _fleet({"a": 10, "b": 10, "c": 10}, budget_mb=25, estimate_mb={"a": 10, "b": 10, "c": 2})
+
+    async def run():
+        await _use(fleet, "a")
+        await _use(fleet, "b")
+        await _use(fleet, "c")  # expected 2 MB beside a and b: it takes 10, so a (the oldest) goes
+
+    asyncio.run(run())
+    assert [s.state for s in fleet.slots.values()] == [UNLOADED, LOADED, LOADED]
+    assert fleet.slots["a"].unloads == {"lru": 1} and fleet.summary()["resident_bytes"] == 20 * MB
+
+
+def test_a_load_waiting_for_room_gives_up_when_shutdown_begins():
+    fleet, opener = _fleet({"a": 10, "b": 10}, budget_mb=15)
+
+    async def run():
+        held = await fleet.acquire("a")
+        loading_b = asyncio.ensure_future(fleet.acquire("b"))
+        await _until(lambda: fleet.slots["b"].change is not None)
+        fleet.begin_shutdown()  # b's request is answered now, not when a's turn ends or the drain times out
+        with pytest.raises(SchedulerClosedError):
+            await asyncio.wait_for(loading_b, 10)
+        closing = asyncio.ensure_future(fleet.aclose(timeout=10))
+        held.release()  # a's turn ends in the drain
+        await asyncio.wait_for(closing, 10)
+
+    asyncio.run(run())
+    assert "b" not in opener.opened and fleet.slots["b"].state == UNLOADED
+    assert fleet.slots["a"].unloads == {"shutdown": 1} and opener.opened["a"][0].closed
+
+
+# ---------------------------------------------------------------- failures
+
+
+def test_a_load_failure_is_failed_with_its_message_and_other_models_still_serve():
+    fleet, opener = _fleet({"a": 1, "bad": 1}, fail={"bad"})
+
+    async def run():
+        with pytest.raises(ModelLoadError, match="'bad' failed to load: ValueError: /models/bad: config.json is not"):
+            await fleet.acquire("bad")
+        await _use(fleet, "a")
+        opener.fail.clear()  # fixed on disk, but within RETRY_FAILED_S the failure is answered as it was
+        with pytest.raises(ModelLoadError, match="config.json is not JSON"):
+            await fleet.acquire("bad")
+
+    asyncio.run(run())
+    row = {r["id"]: r for r in fleet.rows()}["bad"]
+    assert row["state"] == FAILED and row["error"] == "ValueError: /models/bad: config.json is not JSON"
+    assert "bad" not in opener.opened and fleet.summary()["load_failures"] == 1 and fleet.slots["a"].state == LOADED
+
+
+def test_a_failed_model_is_tried_again_after_retry_failed_s(monkeypatch):
+    fleet, opener = _fleet({"bad": 1}, fail={"bad"})
+
+    async def run():
+        with pytest.raises(ModelLoadError):
+            await fleet.acquire("bad")
+        monkeypatch.setattr(fleet_mod, "RETRY_FAILED_S", 0.0)
+        with pytest.raises(ModelLoadError):  # tried again, and fails again
+            await fleet.acquire("bad")
+        opener.fail.clear()
+        await _use(fleet, "bad")
+
+    asyncio.run(run())
+    assert fleet.slots["bad"].state == LOADED and fleet.load_failures == 2 and "error" not in fleet.rows()[0]
+
+
+def test_a_failed_or_unloaded_model_holds_no_memory_in_its_row():
+    fleet, _ = _fleet({"a": 3, "bad": 7}, fail={"bad"})
+
+    async def run():
+        await _use(fleet, "a")
+        with pytest.raises(ModelLoadError):
+            await fleet.acquire("bad")
+
+    asyncio.run(run())
+    rows = {r["id"]: r for r in fleet.rows()}
+    assert rows["a"]["memory_bytes"] == 3 * MB and fleet.summary()["resident_bytes"] == 3 * MB
+    assert rows["bad"]["memory_bytes"] == 0  # what it would have taken is not held
+
+
+# ---------------------------------------------------------------- the idle reaper
+
+
+def test_the_reaper_unloads_an_idle_model_and_never_a_pinned_or_leased_one(monkeypatch):
+    monkeypatch.setattr(fleet_mod, "REAP_EVERY_S", (0.01, 0.05))
+    fleet, opener = _fleet({"p": 1, "held": 1, "idle": 1}, pinned=("p",), ttl={"p": 0.05, "held": 0.05, "idle": 0.05})
+    fleet.preload(["p"])
+
+    async def run():
+        fleet.start()
+        held = await fleet.acquire("held")  # used before "idle": past its TTL first, but leased
+        await _use(fleet, "idle")
+        await _until(lambda: fleet.slots["idle"].state == UNLOADED)
+        assert fleet.slots["held"].state == LOADED and fleet.slots["p"].state == LOADED
+        held.release()
+        await _until(lambda: fleet.slots["held"].state == UNLOADED)
+        await fleet.aclose()
+
+    asyncio.run(run())
+    assert fleet.slots["idle"].unloads == {"idle": 1} and opener.opened["idle"][0].closed
+    assert fleet.slots["p"].unloads == {"shutdown": 1}  # pinned: unloaded only by the shutdown
+
+
+def test_the_reaper_leaves_a_model_whose_turns_still_run_without_a_lease(monkeypatch):
+    monkeypatch.setattr(fleet_mod, "REAP_EVERY_S", (0.01, 0.05))
+    fleet, opener = _fleet({"busy": 1, "idle": 1}, ttl={"busy": 0.05, "idle": 0.05})
+
+    async def run():
+        fleet.start()
+        await _use(fleet, "busy")
+        opener.opened["busy"][0].service.in_flight = 1  # its client left; the engine still ends the turn
+        await _use(fleet, "idle")
+        await _until(lambda: fleet.slots["idle"].state == UNLOADED)
+        assert fleet.slots["busy"].state == LOADED
+        opener.opened["busy"][0].service.in_flight = 0
+        await _until(lambda: fleet.slots["busy"].state == UNLOADED)
+        await fleet.aclose()
+
+    asyncio.run(run())
+    assert fleet.slots["busy"].unloads == {"idle": 1}
+
+
+def test_an_unloaded_model_loads_again_on_its_next_request(monkeypatch):
+    monkeypatch.setattr(fleet_mod, "REAP_EVERY_S", (0.01, 0.05))
+    fleet, opener = _fleet({"a": 1}, ttl={"a": 0.05})
+
+    async def run():
+        fleet.start()
+        await _use(fleet, "a")
+        await _until(lambda: fleet.slots["a"].state == UNLOADED)
+        lease = await fleet.acquire("a")
+        assert lease.backend is opener.opened["a"][1] and not lease.backend.closed
+        lease.release()
+        await fleet.aclose()
+
+    asyncio.run(run())
+    assert fleet.slots["a"].loads == 2
+
+
+# ---------------------------------------------------------------- shutdown
+
+
+def test_aclose_closes_every_loaded_model_and_refuses_new_requests():
+    fleet, opener = _fleet({"a": 1, "b": 1, "c": 1})
+
+    async def run():
+        await _use(fleet, "a")
+        await _use(fleet, "b")
+        fleet.begin_shutdown()
+        assert fleet.closing and opener.opened["a"][0].closing and opener.opened["b"][0].closing
+        await fleet.aclose()
+        with pytest.raises(SchedulerClosedError):
+            await fleet.acquire("a")
+
+    asyncio.run(run())
+    assert all(b[0].closed for b in opener.opened.values()) and "c" not in opener.opened
+    assert {i: dict(s.unloads) for i, s in fleet.slots.items()} == {"a": {"shutdown": 1}, "b": {"shutdown": 1}, "c": {}}
+
+
+def test_a_load_that_finishes_during_shutdown_closes_what_it_loaded():
+    gate = threading.Event()
+    fleet, opener = _fleet({"a": 1}, gates={"a": gate})
+
+    async def run():
+        loading = asyncio.ensure_future(fleet.acquire("a"))
+        await _until(lambda: fleet.slots["a"].state == LOADING)
+        closing = asyncio.ensure_future(fleet.aclose())
+        gate.set()
+        await asyncio.wait_for(closing, 10)
+        with pytest.raises(SchedulerClosedError):
+            await loading
+
+    asyncio.run(run())
+    assert opener.opened["a"][0].closed and fleet.slots["a"].state == UNLOADED
