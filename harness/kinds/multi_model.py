@@ -61,7 +61,8 @@ def run(ctx) -> None:
     p.update(budgets(p, {m: model_mb(d) for m, d in dirs.items()}))
     systems = {m: system_prompt(load_tokenizer(d), p["system_tokens"]) for m, d in dirs.items()}
     work = Path(tempfile.mkdtemp(prefix="exp019-", dir=p["work_dir"] or None))
-    out: dict = {"models": {m: str(d) for m, d in dirs.items()}, "weights_mb": {m: model_mb(d) for m, d in dirs.items()},
+    out: dict = {"models": {m: str(d) for m, d in dirs.items()},
+                 "weights_mb": {m: model_mb(d) for m, d in dirs.items()},
                  "switch_models_mb": p["switch_models_mb"], "conc_models_mb": p["conc_models_mb"], "failed": []}
     ctx.progress.total = len(p["phases"])
     try:
@@ -97,8 +98,8 @@ def compact(phase: dict) -> dict:
     for f in phase.get("fleet") or []:
         key = (f["phase"], f.get("resident_bytes"), f.get("loading"), f.get("budget_bytes"))
         if key != last:
-            fleet.append([f["t"], f["phase"], None if f.get("resident_bytes") is None else round(f["resident_bytes"] / MB, 1),
-                          f.get("loading"), f.get("states")])
+            resident = None if f.get("resident_bytes") is None else round(f["resident_bytes"] / MB, 1)
+            fleet.append([f["t"], f["phase"], resident, f.get("loading"), f.get("states")])
             last = key
     out["fleet_changes"] = fleet
     return out
@@ -156,7 +157,8 @@ def _plot(ctx, out: dict) -> None:
         ax.plot([r["t"] for r in ph["rss"]], [r.get("file_bytes", 0) / MB for r in ph["rss"]], lw=0.8,
                 label="of it mapped files")
         fl = [f for f in ph.get("fleet") or [] if f.get("resident_bytes") is not None]
-        ax.step([f["t"] for f in fl], [f["resident_bytes"] / MB for f in fl], where="post", lw=1, label="fleet resident")
+        ax.step([f["t"] for f in fl], [f["resident_bytes"] / MB for f in fl], where="post", lw=1,
+                label="fleet resident")
         ax.axhline(ph["models_mb"], ls="--", c="k", lw=0.8, label="--models-mb")
         ax.set(title=f"EXP-019 {name}", xlabel="s", ylabel="MB")
         ax.legend(fontsize=7)
@@ -181,7 +183,8 @@ KIND = register(Kind(
         "system_tokens": Param(int, 1000, "each model's agents' system prompt"),
         "max_tokens": Param(int, 16, "max_tokens of every turn (greedy)"),
         "pool_mb": Param(int, 128, "--pool-mb of every model, fleet and single servers alike"),
-        "switch_models_mb": Param(int, 0, "--models-mb while switching (0: the largest model + switch_fit of the other)"),
+        "switch_models_mb": Param(int, 0, "--models-mb while switching (0: the largest model + switch_fit of "
+                                          "the other)"),
         "switch_fit": Param(float, 0.5, "how much of the smaller model the switching budget holds beside the larger"),
         "switch_rounds": Param(int, 4, "switching: turns per agent (one agent per model, turns alternate)"),
         "conc_models_mb": Param(int, 0, "--models-mb with both loaded (0: both, conc_slack to spare)"),

@@ -50,7 +50,8 @@ class Concurrent:
         for name, srv in (("fleet", self.fleet), *self.singles.items()):
             srv.start()   # one after the other: their loads do not contend
             # the singles are sampled alike, so the stats requests weigh on both configurations the same
-            self.samplers[name] = MemorySampler((lambda s=srv: s.pid), srv.url, self.p["sample_s"], "concurrent").start()
+            self.samplers[name] = MemorySampler((lambda s=srv: s.pid), srv.url, self.p["sample_s"],
+                                                "concurrent").start()
 
     def stop(self) -> None:
         for s in self.samplers.values():

@@ -51,7 +51,8 @@ def switch_checks(sw: dict) -> dict:
     c["cache_survives"] = bool(ok) and all(ok)
     c["replies_differing_fresh"] = sum(1 for s in back if not s.get("fresh") or s["ours"]["text"] != s["fresh"]["text"])
     c["reply_equals_fresh"] = bool(back) and c["replies_differing_fresh"] == 0
-    c["single_replies_differing"] = sum(1 for s in steps if s.get("single") and s["single"]["text"] != s["ours"]["text"])
+    c["single_replies_differing"] = sum(1 for s in steps
+                                       if s.get("single") and s["single"]["text"] != s["ours"]["text"])
     c["reply_model_ok"] = bool(steps) and all(s["ours"].get("model") == s["model"] for s in steps)
     for kind in SWITCH_KINDS:
         c[f"{kind}_over_single"] = median(paired(steps, kind, "ours", "single"))
@@ -68,7 +69,8 @@ def switch_checks(sw: dict) -> dict:
     # memory after each step: RSS, and RSS beyond what the fleet counts (runtime, tokenizer, what an unload left)
     c["rss_after_steps_mb"] = [round(s["rss_after_mb"]) if s.get("rss_after_mb") else None for s in steps]
     c["rss_beyond_fleet_mb"] = [round(s["rss_after_mb"] - s["fleet_resident_mb"])
-                                if s.get("rss_after_mb") and s.get("fleet_resident_mb") is not None else None for s in steps]
+                                if s.get("rss_after_mb") and s.get("fleet_resident_mb") is not None else None
+                                for s in steps]
     return c
 
 
@@ -172,9 +174,10 @@ def _switch_table(c: dict) -> str:
 
 
 def _conc_table(c: dict, models: Sequence[str]) -> str:
-    return "\n".join(f"| {m} | {_fmt(c.get(f'concurrent_ttft_fleet_{m}_s'))} | {_fmt(c.get(f'concurrent_ttft_singles_{m}_s'))} | "
-                     f"**{_fmt(c.get(f'concurrent_over_single_{m}'))}** | {_fmt(c.get(f'concurrent_first_round_over_single_{m}'))} |"
-                     for m in models)
+    return "\n".join(f"| {m} | {_fmt(c.get(f'concurrent_ttft_fleet_{m}_s'))} | "
+                     f"{_fmt(c.get(f'concurrent_ttft_singles_{m}_s'))} | "
+                     f"**{_fmt(c.get(f'concurrent_over_single_{m}'))}** | "
+                     f"{_fmt(c.get(f'concurrent_first_round_over_single_{m}'))} |" for m in models)
 
 
 def _steps_models(run: dict) -> str:
@@ -201,7 +204,8 @@ Median client TTFT in seconds; each step went to ours (the fleet server), a serv
 (its first turn after a start, its load done before) and `mlx_lm.server` (sent the model's directory),
 in rotating order. Load: the fleet's `semantic_model_load_seconds` after the turn.
 
-| turn | ours | single-model server | `mlx_lm.server` | ours' load (s) | ours ÷ single (ours − single) | ours ÷ `mlx_lm.server` |
+| turn | ours | single-model server | `mlx_lm.server` | ours' load (s) | ours ÷ single (ours − single) | \
+ours ÷ `mlx_lm.server` |
 |---|---|---|---|---|---|---|
 {_switch_table(c)}
 
@@ -223,7 +227,8 @@ servers on the same cores, measured alternately:
 ## Memory
 
 RSS (the server and its children, every {p['sample_s'] * 1000:.0f} ms) with no model loaded, before any request
-(the stated overhead): **{_fmt(c.get('overhead_mb'))} MB**. Peak RSS: switching {_fmt(c.get('switching_rss_peak_mb'))} MB
+(the stated overhead): **{_fmt(c.get('overhead_mb'))} MB**. Peak RSS: switching \
+{_fmt(c.get('switching_rss_peak_mb'))} MB
 against a limit of {_fmt(c.get('switching_rss_limit_mb'))} MB; both loaded {_fmt(c.get('concurrent_rss_peak_mb'))} MB
 against {_fmt(c.get('concurrent_rss_limit_mb'))} MB; samples over the limit: {c.get('rss_over_limit_samples')} of
 {c.get('rss_samples')}; worst sample {_fmt(c.get('rss_peak_over_models_mb'))} MB above `--models-mb`. The fleet's own

@@ -73,8 +73,8 @@ class MemorySampler:
     def _rss_once(self) -> None:
         pid = self.pid_of()
         if pid:
-            self.rss.append({"t": round(time.monotonic() - self._t0, 3), "phase": self.phase, "rss_bytes": tree_rss(pid),
-                             "file_bytes": rss_file(pid)})
+            self.rss.append({"t": round(time.monotonic() - self._t0, 3), "phase": self.phase,
+                             "rss_bytes": tree_rss(pid), "file_bytes": rss_file(pid)})
 
     def _fleet_once(self) -> None:
         st = get_json(self.url, "/v1/cache/stats", timeout_s=1.0)

@@ -78,7 +78,8 @@ class Switching:
         self.fleet.start()
         self.sampler = MemorySampler(lambda: self.fleet.pid, self.fleet.url, self.p["sample_s"], "idle").start()
         self.sampler.wait_samples(self.p["idle_samples"])
-        idle = {"states": model_states(self.fleet.url), "fleet": (get_json(self.fleet.url, "/v1/cache/stats") or {}).get("fleet")}
+        stats = get_json(self.fleet.url, "/v1/cache/stats") or {}
+        idle = {"states": model_states(self.fleet.url), "fleet": stats.get("fleet")}
         self.sampler.phase = "switch"
         return idle
 

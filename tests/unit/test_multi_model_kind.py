@@ -10,7 +10,7 @@ from harness.config import ConfigError, load
 from harness.criteria import resolve
 from harness.kinds.multi_model import budgets, compact
 from harness.multimodel.concurrent import round_order
-from harness.multimodel.report import checks, concurrent_ratios, memory_checks, overhead, switch_checks
+from harness.multimodel.report import checks, concurrent_ratios, memory_checks, overhead, readme, switch_checks
 from harness.multimodel.switching import step_plan
 
 MB = 2**20
@@ -49,7 +49,8 @@ def _switching():
     return {"models_mb": 1400, "steps": [
         _step("first", "main", _turn(9.0), _turn(8.0), _turn(7.0), state="unloaded"),
         _step("switch_first", "small", _turn(6.0, model="small"), _turn(4.0, model="small"), _turn(5.0, model="small")),
-        _step("switch_back", "main", _turn(3.0, cached=107), _turn(1.0, cached=107), _turn(6.0, cached=107), expected=107),
+        _step("switch_back", "main", _turn(3.0, cached=107), _turn(1.0, cached=107), _turn(6.0, cached=107),
+              expected=107),
         _step("switch_back", "small", _turn(2.0, cached=50, model="small"), _turn(1.0, model="small"),
               _turn(5.0, cached=0, model="small"), expected=107)]}
 
@@ -135,6 +136,12 @@ def test_every_criterion_of_the_experiment_names_a_check_the_kind_writes():
     for c in config.criteria:
         resolve(doc, c.value)   # KeyError: a criterion no run could ever judge
     assert doc["checks"]["parts_failed"] == 0 and doc["checks"]["overhead_measured"]
+    verdicts = [{"name": "g", "level": "P1", "measured": 2.5, "op": "<=", "threshold": 0.5, "verdict": "FAIL"}]
+    run = {"run_id": "20261126T000000Z-x", "created_at": "2026-11-26T00:00:00", "params": config.params,
+           "models": {"main": "gemma3-270m-f32", "small": "smollm2-135m-f32"}}
+    text = readme(run, doc["checks"], verdicts)
+    assert "| an agent's next turn after its model was unloaded | 2.5 | 1 | 5.5 | 2 | **2.5** (1.5 s) | **0.45** |" in text
+    assert "| g | P1 | 2.5 <= 0.5 | **FAIL** |" in text and "models main small main small main small" in text
 
 
 def test_unknown_phases_peers_and_a_budget_that_fits_both_are_refused():
