@@ -47,6 +47,7 @@ import time
 from concurrent.futures import Future
 from typing import Callable, Sequence
 
+from semantic.blasshare import SHARE
 from semantic import cachefile, defaults
 from semantic.blocks import AgentBlocks
 from semantic.engine import BlockPoolBatchEngine
@@ -342,8 +343,9 @@ class ConcurrentScheduler(ResidentView):
                     self._finish(completion)
             if not self.planner.in_flight:
                 return
-            for completion in self.engine.step_once():
-                self._finish(completion)
+            with SHARE.stepping():  # another model's engine in this process may be stepping too
+                for completion in self.engine.step_once():
+                    self._finish(completion)
         except Exception as exc:  # the batch is lost; fail its requests, keep serving
             log.exception("engine step failed")
             self._fail_in_flight(exc)

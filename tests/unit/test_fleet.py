@@ -1,152 +1,30 @@
 """The fleet of one server's models (``semantic.serve.fleet``): loads on demand, room under a budget, leases,
-failures, the idle reaper, shutdown; and ``plan_room``, the decision it runs, as plain data.
+failures, the idle reaper, shutdown (the decisions it runs, as plain data: test_fleet_plan.py).
 
-The fleet is driven on its own event loop (``asyncio.run``) with a stand-in for the model's Backend: the fleet
-only opens, leases and closes backends, so what it must get right is its bookkeeping, and a real model would
-only make these tests slow. Sizes are the estimates the test gives it (a stand-in measures nothing).
+The fleet is driven on its own event loop (``asyncio.run``) with stand-ins for the models' Backends
+(``tests/fleet_helpers``): the fleet only opens, leases, measures and closes backends, so what it must get right
+is its bookkeeping, and real models would only make these tests slow.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
-from types import SimpleNamespace
 
 import pytest
 
 from semantic.serve import fleet as fleet_mod
 from semantic.serve.fleet import (FAILED, LOADED, LOADING, UNLOADED, Fleet, ModelLoadError, ModelMemoryError,
                                   ModelNotFoundError)
-from semantic.serve.fleetplan import Resident, RoomPlan, idle_past_ttl, plan_room
-from semantic.serve.registry import ModelEntry, ModelOptions, Registry
+from semantic.serve.registry import Registry
 from semantic.service import SchedulerClosedError
-
-MB = 1 << 20
-
-
-class StandIn:
-    """What the fleet uses of a Backend: its id and context, its size (``service.weights_bytes`` and
-    ``pool_bytes``), whether turns still run, and a close that writes pending saves."""
-
-    def __init__(self, entry: ModelEntry, size: int):
-        self.model_id, self.context_length = entry.id, 2048
-        self.service, self.pool_bytes = _Service(size), 0
-        self.closing = self.closed = False
-
-    def begin_shutdown(self) -> None:
-        self.closing = True
-
-    async def aclose(self, timeout: float = 30.0) -> None:
-        self.closed = True
-
-
-class _Service:
-    """The stand-in's service and scheduler: its weights, and its turns queued or running (no lease held)."""
-
-    def __init__(self, size: int):
-        self.weights_bytes, self.scheduler = size, self
-        self.queued = self.in_flight = 0
-
-    def agents(self) -> list:
-        return []
-
-    def stats(self) -> SimpleNamespace:
-        return SimpleNamespace(queued=self.queued, in_flight=self.in_flight)
-
-
-class Opener:
-    """Opens stand-ins of ``sizes_mb``, keeping each model's; ``fail`` names models whose load raises; a model in
-    ``gates`` opens only once its gate is set (the opener runs on a worker thread, as a real load does)."""
-
-    def __init__(self, sizes_mb: dict[str, int], fail=(), gates=None):
-        self.sizes_mb, self.fail, self.gates = sizes_mb, set(fail), gates or {}
-        self.opened: dict[str, list[StandIn]] = {}
-
-    def __call__(self, entry: ModelEntry) -> StandIn:
-        if entry.id in self.gates:
-            assert self.gates[entry.id].wait(30), f"{entry.id}'s gate never opened"
-        if entry.id in self.fail:
-            raise ValueError(f"{entry.source}: config.json is not JSON")
-        backend = StandIn(entry, self.sizes_mb[entry.id] * MB)
-        self.opened.setdefault(entry.id, []).append(backend)
-        return backend
-
-
-def _fleet(sizes_mb: dict[str, int], budget_mb: int | None = None, pinned=(), ttl: dict | None = None, fail=(),
-           gates=None, estimate_mb: dict | None = None) -> tuple[Fleet, Opener]:
-    """A fleet of stand-ins; ``estimate_mb``: what the fleet expects before a load (default: their sizes)."""
-    opener = Opener(sizes_mb, fail, gates)
-    estimate = estimate_mb or sizes_mb
-    entries = [ModelEntry(i, f"/models/{i}", ModelOptions(pinned=i in pinned, idle_ttl_s=(ttl or {}).get(i)))
-               for i in sizes_mb]
-    fleet = Fleet(Registry(entries), opener, budget_bytes=budget_mb * MB if budget_mb else None,
-                  estimate=lambda e: estimate[e.id] * MB)
-    return fleet, opener
+from tests.fleet_helpers import MB, Opener, stand_in_fleet as _fleet, until_async as _until, use as _use
 
 
 @pytest.fixture(autouse=True)
 def _no_collection(monkeypatch):
     """An unload's gc.collect and mx.clear_cache give back a real model's arrays; stand-ins hold none."""
     monkeypatch.setattr(fleet_mod, "_free_memory", lambda: None)
-
-
-async def _until(cond, timeout_s: float = 10.0) -> None:
-    """A bounded poll on the loop (what tests/waits.py does on a thread)."""
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not cond():
-        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
-        await asyncio.sleep(0.005)
-
-
-async def _use(fleet: Fleet, name: str) -> None:
-    (await fleet.acquire(name)).release()
-
-
-# ---------------------------------------------------------------- plan_room, as data
-
-
-def _r(i, mb, last, pinned=False, busy=False):
-    return Resident(i, mb * MB, pinned, busy, last)
-
-
-def test_plan_room_unloads_nothing_when_the_new_model_fits_or_there_is_no_budget():
-    resident = [_r("a", 10, 1), _r("b", 10, 2)]
-    assert plan_room(resident, 10 * MB, 30 * MB) == RoomPlan()
-    assert plan_room(resident, 1000 * MB, None) == RoomPlan()
-
-
-def test_plan_room_unloads_the_least_recently_used_first_and_only_as_many_as_needed():
-    resident = [_r("c", 10, 3), _r("a", 10, 1), _r("b", 10, 2)]
-    assert plan_room(resident, 5 * MB, 30 * MB) == RoomPlan(unload=("a",))
-    assert plan_room(resident, 15 * MB, 30 * MB) == RoomPlan(unload=("a", "b"))
-    assert plan_room(resident, 30 * MB, 30 * MB) == RoomPlan(unload=("a", "b", "c"))
-
-
-def test_plan_room_never_chooses_a_pinned_model():
-    resident = [_r("p", 10, 0, pinned=True), _r("a", 10, 1), _r("b", 10, 2)]
-    assert plan_room(resident, 15 * MB, 30 * MB) == RoomPlan(unload=("a", "b"))
-
-
-def test_plan_room_waits_when_busy_models_hold_the_room():
-    resident = [_r("a", 10, 1, busy=True), _r("b", 10, 2)]
-    assert plan_room(resident, 5 * MB, 20 * MB) == RoomPlan(unload=("b",))  # the idle one is enough
-    assert plan_room(resident, 15 * MB, 20 * MB) == RoomPlan(wait=True)    # only the busy one's room would do
-
-
-def test_plan_room_refuses_what_pinned_models_leave_no_room_for():
-    plan = plan_room([_r("p", 20, 0, pinned=True), _r("a", 5, 1)], 15 * MB, 30 * MB)
-    assert plan.refuse == "it needs 15 MB and pinned models hold 20 MB of --models-mb 30" and not plan.unload
-    assert plan_room([], 40 * MB, 30 * MB).refuse.startswith("it needs 40 MB")
-
-
-def test_idle_past_ttl_names_loaded_unpinned_unleased_models_past_their_ttl():
-    fleet, _ = _fleet({"a": 1, "b": 1, "p": 1, "n": 1, "u": 1}, pinned=("p",), ttl={"a": 5, "b": 5, "p": 5, "u": 5})
-    for s in fleet.slots.values():
-        s.state, s.last_used = LOADED, 100.0
-    fleet.slots["b"].leases = 1
-    fleet.slots["u"].state = UNLOADED
-    assert idle_past_ttl(list(fleet.slots.values()), 105.0) == ["a"]  # b: leased; p: pinned; n: no TTL; u: not loaded
-    assert idle_past_ttl(list(fleet.slots.values()), 104.9) == []
 
 
 # ---------------------------------------------------------------- acquire
@@ -325,6 +203,37 @@ def test_a_load_failure_is_failed_with_its_message_and_other_models_still_serve(
     row = {r["id"]: r for r in fleet.rows()}["bad"]
     assert row["state"] == FAILED and row["error"] == "ValueError: /models/bad: config.json is not JSON"
     assert "bad" not in opener.opened and fleet.summary()["load_failures"] == 1 and fleet.slots["a"].state == LOADED
+
+
+def test_a_model_on_the_same_weights_as_a_loaded_one_is_refused_naming_the_alias_to_give():
+    keys = {"a": "/cache/k1", "twin": "/cache/k1", "b": "/cache/k2"}  # twin: a's weights under another path
+    fleet, opener = _fleet({"a": 1, "twin": 1, "b": 1}, check=lambda e: keys[e.id])
+
+    async def run():
+        await _use(fleet, "a")
+        with pytest.raises(ModelLoadError, match=r"same weights as 'a', whose caches are in /cache/k1: .*\(twin=a\)"):
+            await fleet.acquire("twin")
+        await _use(fleet, "b")
+
+    asyncio.run(run())
+    assert "twin" not in opener.opened and fleet.slots["twin"].state == FAILED and fleet.slots["b"].state == LOADED
+
+
+def test_a_model_whose_files_cannot_be_read_fails_before_any_model_is_unloaded_for_it():
+    def check(entry):
+        if entry.id == "bad":
+            raise OSError(f"{entry.source}/config.json: unreadable")
+        return f"/cache/{entry.id}"
+
+    fleet, opener = _fleet({"a": 10, "bad": 10}, budget_mb=15, check=check)
+
+    async def run():
+        await _use(fleet, "a")
+        with pytest.raises(ModelLoadError, match="OSError: /models/bad/config.json: unreadable"):
+            await fleet.acquire("bad")
+
+    asyncio.run(run())
+    assert fleet.slots["a"].state == LOADED and not fleet.slots["a"].unloads and "bad" not in opener.opened
 
 
 def test_a_failed_model_is_tried_again_after_retry_failed_s(monkeypatch):

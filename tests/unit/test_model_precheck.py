@@ -27,12 +27,19 @@ def test_a_loadable_directory_passes_and_names_its_cache_directory(tmp_path):
     (lambda d: (d / "config.json").write_text(json.dumps({"hidden_size": 8})), "names no model_type"),
     (lambda d: (d / "config.json").write_text(json.dumps({"model_type": "no_such_arch"})), "not supported"),
     (lambda d: (d / "model.safetensors").unlink(), "no .safetensors weights"),
+    (lambda d: _truncate(d / "model.safetensors"), "cut short"),
+    (lambda d: (d / "model.safetensors").write_bytes(b"\x10"), "not a readable safetensors"),
 ])
 def test_a_directory_mlx_lm_cannot_load_is_refused_with_the_reason(tmp_path, damage, said):
     d = write_tiny_llama(tmp_path / "m")
     damage(d)
     with pytest.raises(ValueError, match=said):
         _check(d)
+
+
+def _truncate(file):
+    data = file.read_bytes()
+    file.write_bytes(data[: len(data) - 100])
 
 
 def test_a_missing_path_is_refused_without_asking_the_hub(tmp_path):

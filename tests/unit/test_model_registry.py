@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from semantic.serve.cli import parse_config
+from semantic.serve.cli import main, parse_config
 from semantic.serve.config import ServeConfig
 from semantic.serve.opening import registry_of
 from semantic.serve.registry import (ModelEntry, ModelOptions, Registry, RegistryError, build, parse_alias_arg,
@@ -118,7 +118,8 @@ def _claude_registry(*aliases: str) -> Registry:
     return build(["main=/m/a", "small=/m/b"], aliases=list(aliases))
 
 
-@pytest.mark.parametrize("order", [("claude-*haiku*=small", "claude-*=main"), ("claude-*=main", "claude-*haiku*=small")])
+@pytest.mark.parametrize("order", [("claude-*haiku*=small", "claude-*=main"),
+                                   ("claude-*=main", "claude-*haiku*=small")])
 def test_claude_codes_real_names_reach_the_most_specific_glob_whatever_the_declaration_order(order):
     r = _claude_registry(*order)
     assert {name: r.resolve(name) for name in CLAUDE_CODE_NAMES} == CLAUDE_CODE_NAMES
@@ -326,3 +327,10 @@ def test_model_id_with_several_models_is_refused_when_the_registry_is_built():
     cfg = parse_config(["--model", "main=/m/a", "--model", "/m/b", "--model-id", "x"])
     with pytest.raises(RegistryError, match="--model-id names the one model"):
         registry_of(cfg)
+
+
+def test_the_server_exits_2_naming_the_flag_before_loading_any_model(capsys):
+    assert main(["serve", "--model", "main=/m/a", "--model", "small=/m/b", "--model-id", "x"]) == 2
+    assert "error: --model-id names the one model of a single --model DIR" in capsys.readouterr().err
+    assert main(["--model", "main=/m/a", "--pin", "big"]) == 2
+    assert "error: --pin 'big' is not a served model (served: main)" in capsys.readouterr().err
