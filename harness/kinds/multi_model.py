@@ -118,7 +118,7 @@ def _record(ctx, p: dict, out: dict) -> None:
     for k in PHASES:
         res.output(k, compact(out[k]) if out.get(k) else None)
     _plot(ctx, out)
-    run = {"run_id": res.doc["run_id"], "created_at": res.doc["created_at"], "params": p,
+    run = {"run_id": res.doc["run_id"], "created_at": res.doc["created_at"], "params": p, "quick": ctx.config.quick,
            "models": {m: Path(d).name for m, d in out["models"].items()}}
     (ctx.out_dir / "README.md").write_text(readme(run, c, res.evaluate()))
 

@@ -196,7 +196,9 @@ def readme(run: dict, c: dict, verdicts: Sequence[dict]) -> str:
 
 `make exp-019` (`harness run experiments/exp_019_models.toml --quick`; `make exp-019-full` without
 `--quick`) runs `harness/kinds/multi_model.py`: {named}. This file is written by the run. Latest run:
-`{run['run_id']}` ({run['created_at'][:19]} UTC), results `{run['run_id']}.json`.
+`{run['run_id']}` ({run['created_at'][:19]} UTC, {'quick' if run.get('quick') else 'full'}), results
+`{run['run_id']}.json`: {p['system_tokens']}-token system prompts, {p['max_tokens']}-token greedy replies,
+`--pool-mb {p['pool_mb']}` per model.
 
 ## Switching (`--models-mb {p['switch_models_mb']}`: one model fits, every turn after the first unloads the other)
 
