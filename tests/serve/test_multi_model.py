@@ -1,5 +1,5 @@
 """EXP-019's kind, short: a fleet server of Gemma 3 270M and SmolLM2 (f32) beside single-model servers,
-no mlx_lm.server; about 3 minutes on 2 cores.
+no mlx_lm.server; about 1.5 minutes on 2 cores (5 beside other jobs).
 
 What is judged here is that the run completes, that every switch really unloaded the other model, and that
 the issue's correctness goals hold (each agent's cache survives its model's unload and reload, the reply
