@@ -18,7 +18,7 @@ AIPERF_ARGS ?=
 # extra requirements for .venv, e.g. PINS="mlx==0.30.3 mlx-lm==0.30.4" (the macOS workflow's matrix)
 PINS ?=
 
-.PHONY: help system-blas system-browser system-redis venv models serve serve-models serve-ttft append-profile dashboard-screenshot test test-slow test-compat exp-003 exp-004 exp-005 exp-006 exp-006-full exp-007 exp-007-full exp-008 exp-008-full exp-008-spec exp-009 exp-009-full exp-009-aiperf exp-010 exp-010-full exp-011 exp-011-full exp-012 exp-012-two-models exp-013 exp-014 exp-014-full exp-015 exp-016 exp-017 exp-018 exp-018-full model-matrix fuzz-blocks chunk-cost exp-throughput exp-throughput-full bench compare-versions test-install clean
+.PHONY: help system-blas system-browser system-redis venv models serve serve-models serve-ttft append-profile dashboard-screenshot test test-slow test-compat exp-003 exp-004 exp-005 exp-006 exp-006-full exp-007 exp-007-full exp-008 exp-008-full exp-008-spec exp-009 exp-009-full exp-009-aiperf exp-010 exp-010-full exp-011 exp-011-full exp-012 exp-012-two-models exp-013 exp-014 exp-014-full exp-015 exp-016 exp-017 exp-018 exp-018-full exp-019 exp-019-full model-matrix fuzz-blocks chunk-cost exp-throughput exp-throughput-full bench compare-versions test-install clean
 
 help:
 	@echo "make test         run the test suite (creates .venv, prepares models; about 9 min on 2 cores)"
@@ -35,6 +35,7 @@ help:
 	@echo "make exp-016      two servers on one Redis: resume elsewhere vs local and cold, Redis faults"
 	@echo "make exp-017      write each block once: bytes per turn, shared prompt on disk, restart, saves beside a turn"
 	@echo "make exp-018      hybrid models: reuse on every turn type against mlx_lm.server; snapshot sizes"
+	@echo "make exp-019      several models behind one server: switching cost, caches across unloads, both loaded, RSS"
 	@echo "make model-matrix every mlx-lm text model type served: exact, and reused on every turn type, after SIGKILL too"
 	@echo "make fuzz-blocks  10,000 damaged block files and manifests: every load exact, an exact prefix, or a miss"
 	@echo "make chunk-cost   what a decode step and a prefill chunk cost at 0/4K/8K context"
@@ -273,6 +274,16 @@ exp-018: models
 
 exp-018-full: models
 	$(PY) -m harness run experiments/exp_018_hybrid.toml
+
+# Several models behind one server (issue 40; Gemma 3 270M main, SmolLM2 small, f32): switching under a --models-mb
+# that holds one against a single-model server and mlx_lm.server, caches across unload + reload, both loaded against
+# two single-model servers, RSS sampled every 100 ms (quick: about 6 min on 2 cores; exp-019-full: longer prompts,
+# more turns and agents).
+exp-019: models
+	$(PY) -m harness run experiments/exp_019_models.toml --quick
+
+exp-019-full: models
+	$(PY) -m harness run experiments/exp_019_models.toml
 
 # The block layout's fuzzer at 5000 damaged directories per model (10,000 in all; make test runs 1000 each).
 # Every text model type mlx-lm ships, as a tiny random-weight model (harness/models/zoo.py), served and

@@ -23,6 +23,7 @@ from harness.kinds import (  # noqa: E402,F401
     chaos,
     claude_code,
     claude_code_models,
+    multi_model,
     multiturn,
     per_sequence_extraction,
     persistence_roundtrip,
