@@ -224,6 +224,8 @@ class ConcurrentScheduler(ResidentView):
             self._closing = True
             self._cv.notify_all()
         self._worker.join(timeout)
+        with self._cv:  # the saver waits for the worker to be gone: tell it now, not at its next poll
+            self._cv.notify_all()
         self._saver.join(timeout)
         with self._cv:
             resident = self.planner.residency.clear()
