@@ -87,6 +87,8 @@ class Lease:
         if self._held:
             self._held = False
             self._fleet._release(self._slot)
+            # a keep-alive connection keeps its last request's scope, and this with it: never its model
+            self.backend = self._slot = None
 
 
 Opener = Callable[[ModelEntry], object]  # entry -> Backend, blocking (it loads the weights)
@@ -120,6 +122,7 @@ class Fleet:
         self._load_lock: asyncio.Lock | None = None  # made on the serving loop, not where the fleet is built
         self._released: asyncio.Event | None = None
         self._reaper: asyncio.Task | None = None
+        self._trimming: asyncio.Future | None = None  # the heap trim after a load (a reference keeps it alive)
 
     @classmethod
     def of(cls, backend, registry: Registry | None = None) -> "Fleet":
@@ -223,13 +226,14 @@ class Fleet:
                     self._failed(slot, exc)
                     await asyncio.to_thread(_free_memory)
                     raise ModelLoadError(f"the model {slot.id!r} failed to load: {slot.error}") from None
-                await asyncio.to_thread(_free_memory)  # the loader's read buffers
                 if self.closing:
                     await self._close(backend)
                     self._set(slot, UNLOADED)
                     return
                 self._installed(slot, backend, time.monotonic() - t0)
                 await self._shrink(keep=slot)
+                # the loader's read buffers go back beside the model's first turn, not before it
+                self._trimming = asyncio.ensure_future(asyncio.to_thread(_free_memory))
         finally:
             slot.change = None
 

@@ -94,3 +94,4 @@ class Leases:
         finally:
             for lease in held:
                 lease.release()
+            held.clear()
