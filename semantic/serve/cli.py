@@ -66,7 +66,9 @@ def _server_flags(p: argparse.ArgumentParser, d: ServeConfig) -> None:
     """Where the server listens, where it keeps caches, and who may call it."""
     p.add_argument("--host", default=d.host, help=f"address to bind (default {d.host})")
     p.add_argument("--port", type=int, default=d.port, help=f"port (default {d.port})")
-    p.add_argument("--cache-dir", default=None, help="where agent caches are saved (default: the backend's)")
+    p.add_argument("--cache-dir", default=None,
+                   help="where agent caches are saved; with several models, each under <dir>/<model fingerprint> "
+                        "(default: ~/.cache/semantic-kv/agents/<model fingerprint>)")
     p.add_argument("--cache-layout", choices=("blocks", "file"), default=d.cache_layout,
                    help="blocks: each 256-token block written once under its content key, shared by every agent "
                         "that holds it, and a small manifest per agent (default); file: one file per agent, "
