@@ -359,7 +359,7 @@ def load(path, tokenizer=None):
 
 
 def check_model_dir(path) -> None:
-    """What ``mlx_lm.load`` would refuse in a local model directory, found without reading its weights
+    """What ``mlx_lm.load`` would refuse in a local model directory's config, found without loading it
     (both versions map a config to its module with ``_get_classes``). Raises ValueError saying what."""
     import json
 
@@ -375,33 +375,6 @@ def check_model_dir(path) -> None:
     if not isinstance(doc, dict) or not isinstance(doc.get("model_type"), str):
         raise ValueError(f"{config} names no model_type")
     utils._get_classes(doc)  # "Model type X not supported."
-    weights = sorted(path.glob("*.safetensors"))
-    if not weights:
-        raise ValueError(f"{path} holds no .safetensors weights (a GGUF or PyTorch checkpoint: convert it with "
-                         "mlx_lm.convert, or harness's converter for GGUF)")
-    for file in weights:
-        _check_safetensors(file)
-
-
-def _check_safetensors(file) -> None:
-    """A safetensors file whose header parses and whose tensors end where the file does (a copy cut short
-    fails here, not after a server unloaded another model to make room for it)."""
-    import json
-    import struct
-
-    size = file.stat().st_size
-    try:
-        with open(file, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            if n > size - 8:
-                raise ValueError("its header is longer than the file")
-            header = json.loads(f.read(n))
-        ends = [t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"]
-    except (struct.error, ValueError, KeyError, TypeError, IndexError) as exc:
-        raise ValueError(f"{file} is not a readable safetensors file ({exc})") from None
-    if 8 + n + max(ends, default=0) != size:
-        raise ValueError(f"{file} is cut short or padded: its tensors end at byte {8 + n + max(ends, default=0)}, "
-                         f"the file has {size}")
 
 
 def model_path(path_or_repo: str):

@@ -72,7 +72,33 @@ def precheck(entry: ModelEntry, config: ServeConfig, several: bool) -> str | Non
         raise FileNotFoundError(f"no model directory at {entry.source}")
     if where.is_dir():
         compat.check_model_dir(where)
+        weights = sorted(where.glob("*.safetensors"))
+        if not weights:
+            raise ValueError(f"{where} holds no .safetensors weights (a GGUF or PyTorch checkpoint: convert it "
+                             "with mlx_lm.convert, or harness's converter for GGUF)")
+        for file in weights:
+            _check_safetensors(file)
     return cache_key(entry, config) if several else None
+
+
+def _check_safetensors(file: Path) -> None:
+    """A safetensors file whose header parses and whose tensors end where the file does (a copy cut short
+    fails here, not after a server unloaded another model to make room for it)."""
+    import struct
+
+    size = file.stat().st_size
+    try:
+        with open(file, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n > size - 8:
+                raise ValueError("its header is longer than the file")
+            header = json.loads(f.read(n))
+        ends = [t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"]
+    except (struct.error, ValueError, KeyError, TypeError, IndexError) as exc:
+        raise ValueError(f"{file} is not a readable safetensors file ({exc})") from None
+    if 8 + n + max(ends, default=0) != size:
+        raise ValueError(f"{file} is cut short or padded: its tensors end at byte {8 + n + max(ends, default=0)}, "
+                         f"the file has {size}")
 
 
 def open_backend(entry: ModelEntry, config: ServeConfig, several: bool, tokenizers: dict | None = None):
