@@ -28,11 +28,6 @@ class Turn:
         return {**asdict(self), **extra}
 
 
-def client(url: str, timeout_s: float) -> openai.OpenAI:
-    """A client of ``url`` (no ``/v1``) that never retries: a retry would hide a failure and its time."""
-    return openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=timeout_s)
-
-
 def stream_turn(cl: openai.OpenAI, model: str, messages: list[dict], max_tokens: int, agent: str | None = None,
                 fresh: bool = False) -> Turn:
     """Send ``messages`` as agent ``agent`` (``X-Agent-Id``: ours saves its cache under that name), or under a

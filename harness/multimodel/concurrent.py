@@ -19,7 +19,8 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from harness.multimodel.client import client, stream_turn
+from harness.blockstore.client import client
+from harness.multimodel.client import stream_turn
 from harness.multimodel.sampler import MemorySampler
 from harness.multimodel.servers import FleetServer, single_server, wait_saved
 from harness.multimodel.switching import question

@@ -24,7 +24,8 @@ import re
 import signal
 from pathlib import Path
 
-from harness.multimodel.client import client, stream_turn
+from harness.blockstore.client import client
+from harness.multimodel.client import stream_turn
 from harness.multimodel.sampler import MemorySampler, tree_rss
 from harness.multimodel.servers import FleetServer, get_json, model_states, single_server, start_mlx_lm
 from harness.serving.phases import QUESTIONS

@@ -14,7 +14,7 @@ from fastapi import APIRouter, Depends, Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 
 from semantic.serve.errors import NOT_FOUND, ApiError
-from semantic.serve.fleet import ModelNotFoundError
+from semantic.serve.fleet import LOADED, ModelNotFoundError
 from semantic.serve.state import ServeState, serve_state, tenant_of
 
 router = APIRouter()
@@ -46,7 +46,7 @@ def cache_stats(request: Request, model: str | None = None, state: ServeState = 
     except ModelNotFoundError as exc:
         raise ApiError(NOT_FOUND, str(exc), param="model", code="model_not_found") from None
     backend = slot.backend  # read once: an unload may run meanwhile on the loop
-    backend = backend if slot.state == "loaded" else None
+    backend = backend if slot.state == LOADED else None
     out = backend.stats(tenant_of(request) or None) if backend is not None else {"model": slot.id}
     out.update(state=slot.state, models=fleet.rows(), fleet=fleet.summary())
     return JSONResponse(out)

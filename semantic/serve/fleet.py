@@ -27,7 +27,7 @@ from typing import Callable
 from semantic.serve import fleetview
 from semantic.serve.fleetplan import (FAILED, HOLDING, LOADED, LOADING, UNLOADED, UNLOADING, Resident,
                                       idle_past_ttl, plan_room)
-from semantic.serve.registry import ModelEntry, Registry
+from semantic.serve.registry import ModelEntry, ModelOptions, Registry
 from semantic.service import SchedulerClosedError
 
 log = logging.getLogger("semantic.serve")
@@ -125,12 +125,9 @@ class Fleet:
         self._trimming: asyncio.Future | None = None  # the heap trim after a load (a reference keeps it alive)
 
     @classmethod
-    def of(cls, backend, registry: Registry | None = None) -> "Fleet":
+    def of(cls, backend) -> "Fleet":
         """A fleet of one loaded, pinned backend (one model, as a stand-in or ``create_app`` given a backend)."""
-        from semantic.serve.registry import ModelEntry, ModelOptions
-
-        registry = registry or Registry([ModelEntry(backend.model_id, backend.model_id, ModelOptions(pinned=True))],
-                                        single=True)
+        registry = Registry([ModelEntry(backend.model_id, backend.model_id, ModelOptions(pinned=True))], single=True)
         fleet = cls(registry, opener=lambda e: backend, responses_dir=getattr(backend, "responses_dir", None))
         fleet._installed(fleet.slots[backend.model_id], backend, 0.0)
         return fleet

@@ -280,7 +280,7 @@ def build(models: list[str], *, model_id: str | None = None, models_file: str | 
         entries, pairs, defaults = read_models_file(models_file, defaults)
     parsed = [parse_model_arg(m) for m in models]
     bare = [src for name, src in parsed if name is None]
-    single = len(parsed) == 1 and not bare[1:] and bare and models_file is None and models_dir is None
+    single = len(bare) == len(parsed) == 1 and models_file is None and models_dir is None
     if model_id is not None and not single:
         raise RegistryError("--model-id names the one model of a single --model DIR; with several models give "
                             "--model ID=DIR, or an --alias")
@@ -289,7 +289,7 @@ def build(models: list[str], *, model_id: str | None = None, models_file: str | 
             p = Path(src).expanduser()
             name = (model_id if single else None) or (p.name if p.is_dir() else src)
         entries.append(ModelEntry(name, src, replace(defaults, pinned=True) if single else defaults))
-    registry = Registry(entries, models_dir=models_dir, defaults=defaults, single=bool(single))
+    registry = Registry(entries, models_dir=models_dir, defaults=defaults, single=single)
     for pattern, target in pairs + [parse_alias_arg(a) for a in aliases]:
         registry.add_alias(pattern, target)
     for pin in pins:
