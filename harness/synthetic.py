@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from semantic import BlockPool, ModelCacheSpec, convert, kinds
+from semantic import BlockPool, ModelCacheSpec, kinds
+from semantic.cache import convert
 
 SMOLLM2_135M = {
     "model_type": "llama",

@@ -15,7 +15,7 @@ from semantic import blas as _blas
 _blas.enable_from_env()
 
 _EXPORTS = {
-    "semantic.blocks": ("AgentBlocks", "KVBlock"),
+    "semantic.cache.blocks": ("AgentBlocks", "KVBlock"),
     "semantic.engine": ("BlockPoolBatchEngine",),
     "semantic.errors": (
         "AgentBusyError",
@@ -33,11 +33,11 @@ _EXPORTS = {
         "UnknownSequenceError",
         "UnsupportedCacheError",
     ),
-    "semantic.pool": ("BlockPool", "PoolStats"),
+    "semantic.cache.pool": ("BlockPool", "PoolStats"),
     "semantic.request": ("Completion", "Request", "encode", "render_chat", "validate_agent_id"),
     "semantic.planner": ("SchedulerStats",),
     "semantic.scheduler": ("ConcurrentScheduler", "TurnResult"),
-    "semantic.spec": ("LayerSpec", "ModelCacheSpec"),
+    "semantic.cache.spec": ("LayerSpec", "ModelCacheSpec"),
     "semantic.store": ("AgentCacheStore", "StoreStats"),
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}

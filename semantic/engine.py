@@ -43,8 +43,9 @@ from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 import mlx.core as mx
-from semantic import batchprobe, compat, convert, defaults, kinds, reuse, snapshot
-from semantic.blocks import AgentBlocks
+from semantic import batchprobe, compat, defaults, kinds
+from semantic.cache import convert, reuse, stops
+from semantic.cache.blocks import AgentBlocks
 from semantic.budget import StepBudget
 from semantic.constraint import Constraint
 from semantic.errors import (
@@ -55,9 +56,9 @@ from semantic.errors import (
     UnknownSequenceError,
 )
 from semantic.lookup import SpecConfig
-from semantic.pool import BlockPool
+from semantic.cache.pool import BlockPool
 from semantic.request import Completion, Request
-from semantic.spec import ModelCacheSpec
+from semantic.cache.spec import ModelCacheSpec
 from semantic.steploop import StepLoop
 
 log = logging.getLogger(__name__)
@@ -108,7 +109,7 @@ class BlockPoolBatchEngine:
         self.lock = lock if lock is not None else threading.RLock()
         # sliding layers lose the window of a prefix once prefill moves past it: see _checkpoint
         self._sliding = any(l.windowed for l in spec.layers)
-        self._snapshots = snapshot.Points(spec, pool.block_tokens)
+        self._snapshots = stops.Points(spec, pool.block_tokens)
         self.snapshots = self._snapshots.exact  # whether requests should bring their message boundaries
         self._snapshot_groups = sorted(spec.snapshot_groups(pool.block_tokens))
         used = {kinds.of(l) for l in spec.layers}

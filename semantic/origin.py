@@ -14,7 +14,7 @@ queue, before the planner decides whether it starts::
 
 A cache read from its file is the turn's alone, not resident. The turn then
 starts from the longest prefix its own cache or the pool covers
-(``semantic.reuse``).
+(``semantic.cache.reuse``).
 
 Lock order, as the scheduler's: its condition is held only around the
 planner, never while the store is asked (the store takes the pool's lock).
@@ -25,7 +25,7 @@ from __future__ import annotations
 import threading
 from typing import Callable
 
-from semantic.blocks import AgentBlocks
+from semantic.cache.blocks import AgentBlocks
 from semantic.errors import PoolExhaustedError
 from semantic.planner import StepPlan, StepPlanner, blocks_per_group
 from semantic.request import Request

@@ -45,7 +45,7 @@ from collections import Counter, deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from semantic.blocks import AgentBlocks
+from semantic.cache.blocks import AgentBlocks
 from semantic.errors import PoolExhaustedError
 from semantic.request import Completion, Request
 from semantic.residency import Residency

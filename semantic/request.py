@@ -26,7 +26,7 @@ from semantic.errors import InvalidAgentIdError, InvalidRequestError
 from semantic.sampling import GREEDY, SamplingParams
 
 if TYPE_CHECKING:
-    from semantic.blocks import AgentBlocks
+    from semantic.cache.blocks import AgentBlocks
 
 MAX_AGENT_ID = 256
 

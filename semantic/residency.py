@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 from typing import Iterable, Iterator
 
-from semantic.blocks import AgentBlocks
+from semantic.cache.blocks import AgentBlocks
 
 
 class DistinctBytes:

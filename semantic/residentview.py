@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 
-from semantic.blocks import AgentBlocks
+from semantic.cache.blocks import AgentBlocks
 from semantic.planner import StepPlanner
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from semantic import cachefile
-from semantic.blocks import AgentBlocks
+from semantic.cache.blocks import AgentBlocks
 
 Pending = tuple[AgentBlocks, cachefile.PreparedSave]
 

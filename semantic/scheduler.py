@@ -49,7 +49,7 @@ from typing import Callable, Sequence
 
 from semantic.blasshare import SHARE
 from semantic import cachefile, defaults
-from semantic.blocks import AgentBlocks
+from semantic.cache.blocks import AgentBlocks
 from semantic.engine import BlockPoolBatchEngine
 from semantic.errors import CacheError, PoolExhaustedError, QueueFullError, SchedulerClosedError
 from semantic.lookup import SpecConfig

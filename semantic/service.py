@@ -30,8 +30,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from semantic import compat, constraint, defaults, errors, roles, snapshot, toolformat
-from semantic.blockplan import salt_root_of
+from semantic import compat, constraint, defaults, errors, roles, toolformat
+from semantic.cache import stops
+from semantic.cache.blockplan import salt_root_of
 from semantic.boundaries import message_boundaries
 from semantic.outputbudget import output_budget
 from semantic.engine import vocab_size
@@ -39,7 +40,7 @@ from semantic.errors import CacheError, ContextLengthError, InvalidRequestError,
 from semantic.fingerprint import weights_fingerprint
 from semantic.lookup import SpecConfig
 from semantic.planner import SchedulerStats, longest_cache
-from semantic.pool import BlockPool, PoolStats
+from semantic.cache.pool import BlockPool, PoolStats
 from semantic.constraint import Grammar
 from semantic.echo import EchoBook, Reply, Said
 from semantic.request import Completion, OnToken, Request, encode, render_text
@@ -47,7 +48,7 @@ from semantic.sampling import GREEDY, SamplingParams
 from semantic.diskhealth import KINDS as SAVE_FAILURES
 from semantic.saves import FAILED, PENDING, SAVED
 from semantic.scheduler import ConcurrentScheduler, TurnFuture
-from semantic.spec import ModelCacheSpec
+from semantic.cache.spec import ModelCacheSpec
 from semantic.store import AgentCacheStore, StoreStats
 from semantic.toolformat import ToolCall, ToolPlan, Tools, read_calls
 
@@ -187,7 +188,7 @@ class Service:
         spec = ModelCacheSpec.from_model(loaded, kv_bits=kv_bits)
         # a recurrent state is one pool slot but many blocks' bytes: charge each block its share of the
         # snapshots a prefill leaves (one per grid interval), so the pool stays within pool_bytes
-        grid = snapshot.Points(spec, block_tokens).interval // block_tokens
+        grid = stops.Points(spec, block_tokens).interval // block_tokens
         block_bytes = spec.token_bytes() * block_tokens + spec.state_bytes() / grid
         total = int(pool_bytes // block_bytes)
         if total < 4:

@@ -8,8 +8,8 @@ import numpy as np
 from mlx_lm.models import cache as mlx_cache
 
 from semantic import BlockPool, BlockPoolBatchEngine, ModelCacheSpec, Request, compat
-from semantic.blocks import AgentBlocks
-from semantic.convert import extract, reconstruct
+from semantic.cache.blocks import AgentBlocks
+from semantic.cache.convert import extract, reconstruct
 from tests.tiny_models import byte_tokenizer
 
 LOGPROB_TOL = 1e-4  # as tests/unit/test_engine.py: float32 tiny models, reordered sums move ~1e-6

@@ -29,7 +29,7 @@ import mlx.core as mx
 from mlx_lm.models import cache as mlx_cache
 
 from semantic import AgentCacheStore, BlockPool, LayerSpec, ModelCacheSpec, cachefile
-from semantic.convert import extract
+from semantic.cache.convert import extract
 from semantic.store import blockfile
 
 SPEC = ModelCacheSpec((LayerSpec("global", 2, 16, 16, "float32"),) * 2)

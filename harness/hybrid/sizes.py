@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from semantic.spec import GLOBAL, RECURRENT, LayerSpec, ModelCacheSpec
+from semantic.cache.spec import GLOBAL, RECURRENT, LayerSpec, ModelCacheSpec
 
 GDN = {"linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
        "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "num_key_value_heads": 2, "head_dim": 256,
@@ -105,8 +105,8 @@ def time_store(spec: ModelCacheSpec, tokens: int, reps: int, work: Path | None =
     import mlx.core as mx
 
     from harness.blockstore.measure import disk_usage
-    from semantic.convert import extract
-    from semantic.pool import BlockPool
+    from semantic.cache.convert import extract
+    from semantic.cache.pool import BlockPool
     from semantic.store import AgentCacheStore
 
     bt = 256

@@ -53,7 +53,7 @@ def sizes(p: dict, model_dir: Path, variant: str) -> dict:
     An agent's history at the end of its longest session: the system prompt and template, plus per
     turn a question (~30 tokens), a reply (``max_tokens``; a tool call's ``tool_max_tokens`` on some)
     and the template's glue (~10)."""
-    from semantic.spec import ModelCacheSpec
+    from semantic.cache.spec import ModelCacheSpec
 
     cfg = json.loads((model_dir / "config.json").read_text())
     spec = ModelCacheSpec.from_config(cfg, dtype="float32" if variant == "f32" else None)

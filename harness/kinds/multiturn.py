@@ -32,7 +32,7 @@ from harness.engines import fresh_first_token, logprob_diff, make_engine, open_s
 from harness.kinds.base import Kind, Param, register
 from harness.prompts import question, system_prompt, text_of_tokens, user_history
 from semantic import Request, encode, render_chat
-from semantic.reuse import common_prefix
+from semantic.cache.reuse import common_prefix
 
 
 def _pair(order: int, sides: dict):

@@ -36,7 +36,8 @@ from mlx_lm.models import cache as mlxlm_cache
 from harness import stats
 from harness.synthetic import GEMMA3_12B, SMOLLM2_135M, synthetic_blocks
 from harness.timing import Protocol, Samples, time_interleaved
-from semantic import BlockPool, ModelCacheSpec, cachefile, convert
+from semantic import BlockPool, ModelCacheSpec, cachefile
+from semantic.cache import convert
 from semantic.cachefile.atomic import fsync_path
 
 # name: (model config, tokens)

@@ -42,8 +42,9 @@ from harness.kinds.base import Kind, Param, register
 from harness.kinds.reconstruction_report import expected_p95_table, summarize
 from harness.synthetic import GEMMA3_12B, live_caches
 from harness.timing import time_interleaved
-from semantic import BlockPool, ModelCacheSpec, Request, compat, convert
-from semantic.spec import GLOBAL
+from semantic import BlockPool, ModelCacheSpec, Request, compat
+from semantic.cache import convert
+from semantic.cache.spec import GLOBAL
 
 BLOCK = 256
 GEOMETRIES = ("smollm2-135m", "gemma3-270m", "gemma3-12b", "gemma3-12b-full")

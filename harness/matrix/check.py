@@ -185,7 +185,7 @@ def _compare(model_dir: Path, turns: dict[str, dict], wants: dict[str, int]) -> 
 def _kinds(model_dir: Path) -> list[str]:
     import mlx_lm
 
-    from semantic.spec import ModelCacheSpec
+    from semantic.cache.spec import ModelCacheSpec
 
     spec = ModelCacheSpec.from_model(mlx_lm.load(str(model_dir))[0])
     kinds = sorted({l.kind for l in spec.layers})

@@ -60,9 +60,9 @@ import mlx.core as mx
 import xxhash
 
 from semantic import compat
-from semantic.blockplan import stored_ranges
+from semantic.cache.blockplan import stored_ranges
 from semantic.errors import CacheCorruptError, CacheError, UnsupportedCacheError
-from semantic.spec import RECURRENT, LayerSpec, ModelCacheSpec
+from semantic.cache.spec import RECURRENT, LayerSpec, ModelCacheSpec
 
 FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)  # 1: no stored_from (every tensor starts at the held window)

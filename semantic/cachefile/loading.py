@@ -20,12 +20,12 @@ from typing import Iterable
 import mlx.core as mx
 import xxhash
 
-from semantic.blockplan import BlockPlan, PlannedBlock, chain_keys, commit, miss_runs, plan_blocks, stored_ranges
-from semantic.blocks import AgentBlocks, KVBlock, LayerKV, Segment, SegmentView
+from semantic.cache.blockplan import BlockPlan, PlannedBlock, chain_keys, commit, miss_runs, plan_blocks, stored_ranges
+from semantic.cache.blocks import AgentBlocks, KVBlock, LayerKV, Segment, SegmentView
 from semantic.cachefile.atomic import hasher
 from semantic.cachefile.fileformat import HASH, MX_DTYPES, CacheFileInfo, TensorSlot, read_header
 from semantic.errors import CacheCorruptError, CacheMismatchError
-from semantic.pool import BlockPool
+from semantic.cache.pool import BlockPool
 
 
 class _Replaced(Exception):

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from semantic.blockplan import block_spans, snapshot_span
-from semantic.blocks import AgentBlocks, KVBlock, segment_runs
+from semantic.cache.blockplan import block_spans, snapshot_span
+from semantic.cache.blocks import AgentBlocks, KVBlock, segment_runs
 from semantic.cachefile import atomic
 from semantic.cachefile.fileformat import (
     MX_DTYPES,
@@ -27,7 +27,7 @@ from semantic.cachefile.fileformat import (
     refuse_recurrent,
 )
 from semantic.errors import CacheMismatchError, CacheShapeError, InvalidRequestError
-from semantic.spec import ModelCacheSpec
+from semantic.cache.spec import ModelCacheSpec
 
 
 def stored_from(blocks: AgentBlocks) -> dict[str, int]:

@@ -41,13 +41,14 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from semantic import blockplan, cachefile
-from semantic.blocks import AgentBlocks
+from semantic.cache import blockplan
+from semantic import cachefile
+from semantic.cache.blocks import AgentBlocks
 from semantic.diskhealth import DiskHealth
 from semantic.errors import CacheMismatchError
-from semantic.pool import BlockPool
+from semantic.cache.pool import BlockPool
 from semantic.request import validate_agent_id
-from semantic.spec import ModelCacheSpec
+from semantic.cache.spec import ModelCacheSpec
 from semantic.store.disk import DiskBudget
 from semantic.store.fetch import RemoteFetch
 from semantic.store.blockfiles import BlockFiles

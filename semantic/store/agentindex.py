@@ -14,7 +14,7 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
-from semantic.spec import ModelCacheSpec
+from semantic.cache.spec import ModelCacheSpec
 from semantic.store.quarantine import Quarantine
 
 

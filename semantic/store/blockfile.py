@@ -71,8 +71,8 @@ from semantic.cachefile.fileformat import (
     state_slots,
 )
 from semantic.errors import CacheCorruptError, CacheFormatError
-from semantic.pool import chain_hash
-from semantic.spec import RECURRENT, ModelCacheSpec
+from semantic.cache.pool import chain_hash
+from semantic.cache.spec import RECURRENT, ModelCacheSpec
 
 BLOCK_FORMAT = "semantic-kv-block"
 BLOCK_VERSION = 2        # the newest format this build reads: 2 is a snapshot file

@@ -35,13 +35,13 @@ from pathlib import Path
 import xxhash
 
 from semantic import cachefile
-from semantic.blockplan import chain_keys
-from semantic.blocks import AgentBlocks
+from semantic.cache.blockplan import chain_keys
+from semantic.cache.blocks import AgentBlocks
 from semantic.cachefile import atomic
 from semantic.cachefile.fileformat import ST_DTYPES
 from semantic.errors import CacheCorruptError, CacheFormatError, CacheMismatchError
-from semantic.pool import BlockPool
-from semantic.spec import ModelCacheSpec
+from semantic.cache.pool import BlockPool
+from semantic.cache.spec import ModelCacheSpec
 from semantic.store import blockfile, blockload, blockscan, manifest
 from semantic.store.blockfile import BlockInfo
 from semantic.store.agentindex import AgentIndex

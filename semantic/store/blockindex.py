@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from semantic.blockplan import snapshot_span, stored_ranges
-from semantic.spec import ModelCacheSpec
+from semantic.cache.blockplan import snapshot_span, stored_ranges
+from semantic.cache.spec import ModelCacheSpec
 from semantic.store.blockfile import BlockInfo, block_key, snapshot_key
 from semantic.store.manifest import Extent
 

@@ -41,15 +41,15 @@ from typing import Callable
 
 import mlx.core as mx
 
-from semantic.blockplan import PlannedBlock, chain_keys, commit, plan_blocks, snapshot_span
-from semantic.blocks import AgentBlocks, LayerKV
+from semantic.cache.blockplan import PlannedBlock, chain_keys, commit, plan_blocks, snapshot_span
+from semantic.cache.blocks import AgentBlocks, LayerKV
 from semantic.cachefile.atomic import hasher
 from semantic.cachefile.loading import _digest_arrays
 from semantic.errors import CacheCorruptError
-from semantic.pool import BlockPool
+from semantic.cache.pool import BlockPool
 from semantic.store import blockfile
 from semantic.store.blockfile import BlockInfo
-from semantic.spec import RECURRENT
+from semantic.cache.spec import RECURRENT
 from semantic.store.manifest import Extent, Manifest
 
 log = logging.getLogger(__package__)

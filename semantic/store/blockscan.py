@@ -15,10 +15,10 @@ import os
 from pathlib import Path
 
 from semantic import cachefile
-from semantic.blocks import AgentBlocks
+from semantic.cache.blocks import AgentBlocks
 from semantic.cachefile import atomic
 from semantic.errors import CacheCorruptError, CacheFormatError, CacheMismatchError, InvalidAgentIdError
-from semantic.pool import BlockPool
+from semantic.cache.pool import BlockPool
 from semantic.store import blockfile, manifest
 from semantic.store.blockfile import BLOCK_SUFFIX
 from semantic.store.files import EXTRA_SUFFIX, file_name

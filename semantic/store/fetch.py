@@ -22,11 +22,11 @@ import os
 import threading
 from typing import Callable
 
-from semantic import blockplan
-from semantic.blocks import AgentBlocks
+from semantic.cache import blockplan
+from semantic.cache.blocks import AgentBlocks
 from semantic.errors import (CacheCorruptError, CacheFormatError, CacheMismatchError, InvalidAgentIdError,
                              PoolExhaustedError)
-from semantic.pool import BlockPool
+from semantic.cache.pool import BlockPool
 from semantic.request import validate_agent_id
 from semantic.cachefile import atomic
 from semantic.store import blockfile, manifest

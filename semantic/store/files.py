@@ -31,10 +31,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from semantic import cachefile
-from semantic.blocks import AgentBlocks
+from semantic.cache.blocks import AgentBlocks
 from semantic.cachefile import atomic
 from semantic.errors import CacheCorruptError, CacheMismatchError, InvalidAgentIdError
-from semantic.pool import BlockPool
+from semantic.cache.pool import BlockPool
 from semantic.request import validate_agent_id
 from semantic.store.agentindex import AgentIndex
 

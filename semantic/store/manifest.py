@@ -43,10 +43,10 @@ from dataclasses import dataclass, field
 import xxhash
 
 from semantic import cachefile, compat
-from semantic.blockplan import snapshot_span, stored_ranges
+from semantic.cache.blockplan import snapshot_span, stored_ranges
 from semantic.cachefile import atomic
 from semantic.errors import CacheCorruptError, CacheFormatError, CacheMismatchError
-from semantic.spec import RECURRENT, ModelCacheSpec
+from semantic.cache.spec import RECURRENT, ModelCacheSpec
 from semantic.store.files import file_name
 
 MANIFEST_SUFFIX = ".kvm"

@@ -20,7 +20,8 @@ import pytest
 from mlx_lm.models import cache as mlx_cache
 
 from harness.synthetic import SMOLLM2_135M, synthetic_blocks
-from semantic import BlockPool, ModelCacheSpec, cachefile, convert
+from semantic import BlockPool, ModelCacheSpec, cachefile
+from semantic.cache import convert
 
 TOKENS = 2048
 ROUNDS = 30

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 from harness.synthetic import SMOLLM2_135M
-from semantic import BlockPool, ModelCacheSpec, Request, compat, convert
+from semantic import BlockPool, ModelCacheSpec, Request, compat
+from semantic.cache import convert
 
 TOKENS = 2048
 TRIALS = 30

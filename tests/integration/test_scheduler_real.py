@@ -17,7 +17,7 @@ import pytest
 from harness.engines import make_engine as fresh_engine, open_scheduler
 from harness.prompts import system_prompt, text_of_tokens
 from semantic import Request, encode, render_chat
-from semantic.reuse import common_prefix
+from semantic.cache.reuse import common_prefix
 
 pytestmark = [pytest.mark.integration, pytest.mark.compat]
 

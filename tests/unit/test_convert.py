@@ -17,8 +17,8 @@ from semantic import (
     UnsupportedCacheError,
 )
 from semantic import compat
-from semantic.convert import extract, reconstruct
-from semantic.spec import held_ranges
+from semantic.cache.convert import extract, reconstruct
+from semantic.cache.spec import held_ranges
 from tests.tiny_models import tiny_gemma3
 
 pytestmark = pytest.mark.compat

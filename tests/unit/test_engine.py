@@ -297,7 +297,7 @@ def test_the_own_cache_of_a_sliding_layer_is_refused_once_its_window_has_moved_p
     engine = _engine(gemma_tiny)
     uid = engine.submit(Request("a", _history(3, 21), 6))
     own = _run(engine)[uid].blocks  # 27 tokens; window 8 holds [19, 27)
-    from semantic import convert
+    from semantic.cache import convert
 
     assert convert.covers(own, 27) and not convert.covers(own, 20)
     with pytest.raises(CacheMismatchError):

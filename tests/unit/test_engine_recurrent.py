@@ -13,7 +13,7 @@ from mlx_lm.generate import generate_step
 
 from semantic import BlockPool, BlockPoolBatchEngine, ModelCacheSpec, Request
 from semantic.lookup import SpecConfig
-from semantic.snapshot import Points
+from semantic.cache.stops import Points
 from tests.tiny_models import byte_tokenizer, tiny_gpt_oss, tiny_lfm2, tiny_qwen3_next
 
 TOL = 1e-4

@@ -22,7 +22,8 @@ from semantic import (
     PoolExhaustedError,
     Request,
 )
-from semantic import cachefile, convert
+from semantic import cachefile
+from semantic.cache import convert
 from semantic.cachefile import atomic
 from semantic.cachefile import DOC_HASH_KEY, DOC_KEY, FORMAT_VERSION
 from tests.cache_helpers import (

@@ -6,7 +6,7 @@ import mlx.core as mx
 import pytest
 
 from semantic import BlockPool, LayerSpec, ModelCacheSpec, PoolExhaustedError
-from semantic.pool import chain_hash
+from semantic.cache.pool import chain_hash
 
 pytestmark = pytest.mark.compat
 

@@ -14,7 +14,7 @@ import pytest
 
 from harness.models.tiny import write_tiny_llama
 from semantic import ContextLengthError, InvalidRequestError
-from semantic.blockplan import salt_root_of
+from semantic.cache.blockplan import salt_root_of
 from semantic.service import ANON, Service, output_budget
 
 pytestmark = pytest.mark.compat
@@ -117,7 +117,7 @@ def test_tool_choice_none_keeps_the_generic_tools_note_so_the_prompt_and_its_cac
 
 
 def test_the_final_chunk_is_sent_before_the_cache_is_extracted_and_the_next_turn_still_reuses_it(service, monkeypatch):
-    from semantic import convert
+    from semantic.cache import convert
     from semantic.serve.backend import Backend
     from semantic.serve.protocol import Final, GenerateRequest
 

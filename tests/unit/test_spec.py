@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from semantic import CacheMismatchError, LayerSpec, ModelCacheSpec, UnsupportedCacheError
-from semantic.spec import GLOBAL, SLIDING
+from semantic.cache.spec import GLOBAL, SLIDING
 
 pytestmark = pytest.mark.compat
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from semantic import AgentCacheStore, blockplan
+from semantic import AgentCacheStore
+from semantic.cache import blockplan
 from semantic.remote import RemoteTier
 from tests.cache_helpers import assert_identical, engine, generate, history
 from tests.redis_helpers import RedisServer

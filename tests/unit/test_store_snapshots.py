@@ -28,7 +28,7 @@ from semantic import AgentCacheStore, Request
 from semantic.cachefile import DOC_KEY
 from semantic.errors import CacheCorruptError, PoolExhaustedError, UnsupportedCacheError
 from semantic.remote import Fetched
-from semantic.spec import RECURRENT, LayerSpec
+from semantic.cache.spec import RECURRENT, LayerSpec
 from semantic.store import blockfile, blockload, manifest, manifest_name
 from tests.cache_helpers import LOGPROB_TOL, arrays, engine, generate, history, run
 from tests.redis_helpers import RedisServer
@@ -159,7 +159,8 @@ def test_a_saved_agent_reloads_after_a_restart_with_every_snapshot_and_continues
 def assert_identical_snapshot(a, b, upto=None, group=None) -> None:
     """Every layer's cache rebuilt from ``a`` equals ``b``'s (recurrent states included), after all their tokens
     or their first ``upto`` (of ``group``'s layers only, when given)."""
-    from semantic import convert, compat
+    from semantic.cache import convert
+    from semantic import compat
 
     assert a.token_ids[:upto] == b.token_ids[:upto]
     pairs = zip(a.spec.layers, convert.reconstruct(a, upto=upto), convert.reconstruct(b, upto=upto))
@@ -192,7 +193,7 @@ def test_a_turn_after_a_load_writes_a_new_snapshot_and_collects_the_one_no_manif
 
 def _only_last(eng, blocks):
     """``blocks`` with each snapshot group's last snapshot only (a cache as builds before several snapshots had)."""
-    from semantic.blocks import AgentBlocks
+    from semantic.cache.blocks import AgentBlocks
 
     snap = {_snapshot_group(eng.spec)}
     groups = {g: [eng.pool.acquire(b) for b in (bl[-1:] if g in snap else bl)] for g, bl in blocks.groups.items()}
@@ -201,7 +202,7 @@ def _only_last(eng, blocks):
 
 def _carrying(eng, model, blocks, end):
     """``blocks`` carrying a snapshot after its first ``end`` tokens too (the model run on them, extracted)."""
-    from semantic import convert
+    from semantic.cache import convert
 
     caches = eng.spec.make_cache()
     model(mx.array([list(blocks.token_ids[:end])]), cache=caches)

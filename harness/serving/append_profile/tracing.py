@@ -11,10 +11,10 @@ from harness.serving.append_profile.report import ms
 
 # (module path, attribute, label): the engine's functions whose calls are traced as spans
 TRACED = [
-    ("semantic.convert", "reconstruct", "reconstruct (pooled blocks -> KVCache)"),
-    ("semantic.convert", "extract", "extract (KVCache -> pooled blocks)"),
+    ("semantic.cache.convert", "reconstruct", "reconstruct (pooled blocks -> KVCache)"),
+    ("semantic.cache.convert", "extract", "extract (KVCache -> pooled blocks)"),
     ("semantic.cachefile", "prepare_save", "prepare_save (worker thread)"),
-    ("semantic.reuse", "choose_start", "choose_start (prefix lookup)"),
+    ("semantic.cache.reuse", "choose_start", "choose_start (prefix lookup)"),
     ("semantic.steploop.StepLoop", "_prefill", "prefill chunks (forward + per-chunk eval)"),
     ("semantic.steploop.StepLoop", "_decode", "decode step (queue forward)"),
     ("semantic.steploop.StepLoop", "_read_decoded", "decode read (wait for forward)"),

@@ -34,9 +34,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from semantic.blocks import AgentBlocks, KVBlock, LayerKV, SegmentView
-from semantic.pool import BlockPool, chain_hash
-from semantic.spec import LayerSpec, ModelCacheSpec
+from semantic.cache.blocks import AgentBlocks, KVBlock, LayerKV, SegmentView
+from semantic.cache.pool import BlockPool, chain_hash
+from semantic.cache.spec import LayerSpec, ModelCacheSpec
 
 
 @dataclass(frozen=True, slots=True)

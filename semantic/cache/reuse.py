@@ -38,9 +38,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from semantic import blockplan, convert
-from semantic.blocks import AgentBlocks, KVBlock
-from semantic.pool import BlockPool
+from semantic.cache import blockplan, convert
+from semantic.cache.blocks import AgentBlocks, KVBlock
+from semantic.cache.pool import BlockPool
 
 OWN, OWN_CUT, POOL, NONE = "own", "own-cut", "pool", "none"
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-from semantic.spec import ModelCacheSpec
+from semantic.cache.spec import ModelCacheSpec
 
 # the sparsest grid, in blocks: a long prefill still leaves a snapshot every 16 blocks
 MAX_GRID_BLOCKS = 16

@@ -30,9 +30,9 @@ from typing import Sequence
 import numpy as np
 
 from semantic import defaults
-from semantic.blocks import KVBlock, LayerKV
+from semantic.cache.blocks import KVBlock, LayerKV
 from semantic.errors import PoolExhaustedError
-from semantic.spec import ModelCacheSpec
+from semantic.cache.spec import ModelCacheSpec
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,11 +27,12 @@ from typing import Sequence
 
 import mlx.core as mx
 
-from semantic import blockplan, compat, kinds
-from semantic.blocks import AgentBlocks, Segment, SegmentView, segment_runs
+from semantic.cache import blockplan
+from semantic import compat, kinds
+from semantic.cache.blocks import AgentBlocks, Segment, SegmentView, segment_runs
 from semantic.errors import CacheMismatchError
-from semantic.pool import BlockPool
-from semantic.spec import LayerSpec, ModelCacheSpec
+from semantic.cache.pool import BlockPool
+from semantic.cache.spec import LayerSpec, ModelCacheSpec
 
 
 def _slice(x, a: int, b: int, copy: bool):

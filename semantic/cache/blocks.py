@@ -20,7 +20,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from semantic.spec import ModelCacheSpec
+from semantic.cache.spec import ModelCacheSpec
 
 # (keys, values): each an mx.array of shape (1, heads, n_tokens, dim), or for a
 # quantized layer a (packed, scales, biases) tuple of such arrays.
