@@ -31,7 +31,7 @@ from typing import Sequence
 import mlx.core as mx
 from mlx_lm.models import cache as C
 
-from semantic.batchquant import BatchQuantizedKVCache
+from semantic.kinds.batchquant import BatchQuantizedKVCache
 
 
 def prepare(batch: list) -> None:

@@ -81,7 +81,7 @@ class Attention(Positional):
 
     def batch(self, caches):
         if isinstance(caches[0], C.QuantizedKVCache):
-            from semantic.batchquant import BatchQuantizedKVCache  # mlx-lm has none
+            from semantic.kinds.batchquant import BatchQuantizedKVCache  # mlx-lm has none
 
             return BatchQuantizedKVCache.merge(caches)
         return C.BatchKVCache.merge(caches)

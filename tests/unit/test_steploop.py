@@ -18,7 +18,7 @@ import pytest
 from mlx_lm.generate import generate_step
 
 from semantic import BlockPool, BlockPoolBatchEngine, ModelCacheSpec, Request, compat, kinds
-from semantic.batchquant import BatchQuantizedKVCache
+from semantic.kinds.batchquant import BatchQuantizedKVCache
 from tests.tiny_models import byte_tokenizer
 
 pytestmark = pytest.mark.compat
