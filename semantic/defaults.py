@@ -17,7 +17,7 @@ DISK_MB = 8192           # the server's cache files
 
 
 def spec_position_cost() -> float:
-    """What one more drafted position adds to a decode step, relative to it (``semantic.lookup``).
+    """What one more drafted position adds to a decode step, relative to it (``semantic.decode.promptlookup``).
 
     A 2-core CPU computes each position (SmolLM2 f32: 4 positions 1.5x, 8
     positions 2.5x a 1-token step); a GPU's step is bound by reading the

@@ -47,7 +47,7 @@ from semantic import batchprobe, compat, defaults, kinds
 from semantic.cache import convert, reuse, stops
 from semantic.cache.blocks import AgentBlocks
 from semantic.budget import StepBudget
-from semantic.constraint import Constraint
+from semantic.decode.constraint import Constraint
 from semantic.errors import (
     AgentBusyError,
     PoolExhaustedError,
@@ -55,7 +55,7 @@ from semantic.errors import (
     InvalidRequestError,
     UnknownSequenceError,
 )
-from semantic.lookup import SpecConfig
+from semantic.decode.promptlookup import SpecConfig
 from semantic.cache.pool import BlockPool
 from semantic.request import Completion, Request
 from semantic.cache.spec import ModelCacheSpec

@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Sequence
 
 from semantic import defaults
-from semantic.constraint import Grammar
+from semantic.decode.constraint import Grammar
 from semantic.errors import InvalidAgentIdError, InvalidRequestError
-from semantic.sampling import GREEDY, SamplingParams
+from semantic.decode.sampling import GREEDY, SamplingParams
 
 if TYPE_CHECKING:
     from semantic.cache.blocks import AgentBlocks
@@ -138,7 +138,7 @@ class Request:
             pool's free queue for later hits.
         salt_root: the chain root of the tenant's block keys
             (``blockplan.salt_root_of``); None: unsalted.
-        grammar: what the generated tokens must follow (``semantic.constraint``:
+        grammar: what the generated tokens must follow (``semantic.decode.constraint``:
             a JSON schema, a tool call); None: free.
         on_token: sees each generated token (:data:`OnToken`).
         on_admit: called once when the turn starts, with the history tokens
@@ -176,7 +176,7 @@ class Request:
         if self.salt_root is not None and (isinstance(self.salt_root, bool) or not isinstance(self.salt_root, int)):
             raise InvalidRequestError(f"salt_root must be an integer (blockplan.salt_root_of) or None, got {self.salt_root!r}")
         if self.grammar is not None and not isinstance(self.grammar, Grammar):
-            raise InvalidRequestError(f"grammar must be a semantic.constraint.Grammar, got {type(self.grammar).__name__}")
+            raise InvalidRequestError(f"grammar must be a semantic.decode.constraint.Grammar, got {type(self.grammar).__name__}")
         try:
             marks = tuple(sorted(set(map(operator.index, self.boundaries))))
         except TypeError:

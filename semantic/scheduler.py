@@ -52,7 +52,7 @@ from semantic import cachefile, defaults
 from semantic.cache.blocks import AgentBlocks
 from semantic.engine import BlockPoolBatchEngine
 from semantic.errors import CacheError, PoolExhaustedError, QueueFullError, SchedulerClosedError
-from semantic.lookup import SpecConfig
+from semantic.decode.promptlookup import SpecConfig
 from semantic.origin import CacheOrigin
 from semantic.planner import SchedulerStats, StepPlan, StepPlanner, Ticket
 from semantic.request import Completion, Request
@@ -82,7 +82,7 @@ class ConcurrentScheduler(ResidentView):
         ram_budget_bytes: most bytes resident caches may hold after each
             pass (``semantic.planner``); None: bounded by the pool alone.
             Needs ``write_behind``: only caches on disk are evicted.
-        speculation: prompt-lookup drafts for greedy turns (``semantic.lookup``); None: off.
+        speculation: prompt-lookup drafts for greedy turns (``semantic.decode.promptlookup``); None: off.
     """
 
     def __init__(

@@ -30,7 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from semantic import compat, constraint, defaults, errors, roles, toolformat
+from semantic import compat, defaults, errors, roles, toolformat
+from semantic.decode import constraint
 from semantic.cache import stops
 from semantic.cache.blockplan import salt_root_of
 from semantic.boundaries import message_boundaries
@@ -38,13 +39,13 @@ from semantic.outputbudget import output_budget
 from semantic.engine import vocab_size
 from semantic.errors import CacheError, ContextLengthError, InvalidRequestError, SchedulerClosedError
 from semantic.fingerprint import weights_fingerprint
-from semantic.lookup import SpecConfig
+from semantic.decode.promptlookup import SpecConfig
 from semantic.planner import SchedulerStats, longest_cache
 from semantic.cache.pool import BlockPool, PoolStats
-from semantic.constraint import Grammar
+from semantic.decode.constraint import Grammar
 from semantic.echo import EchoBook, Reply, Said
 from semantic.request import Completion, OnToken, Request, encode, render_text
-from semantic.sampling import GREEDY, SamplingParams
+from semantic.decode.sampling import GREEDY, SamplingParams
 from semantic.diskhealth import KINDS as SAVE_FAILURES
 from semantic.saves import FAILED, PENDING, SAVED
 from semantic.scheduler import ConcurrentScheduler, TurnFuture
@@ -107,7 +108,7 @@ class ServiceStats:
     cache_dir: str
     echo_spliced: int = 0    # prompts whose echoed reply was the generated ids (``semantic.echo``)
     echo_rendered: int = 0   # prompts of known agents rendered instead: the echo did not match
-    spec_steps: int = 0      # decode steps that verified drafts (``semantic.lookup``) ...
+    spec_steps: int = 0      # decode steps that verified drafts (``semantic.decode.promptlookup``) ...
     spec_drafted: int = 0    # ... the tokens drafted in them ...
     spec_accepted: int = 0   # ... and those the model agreed with: each saved one decode step
     remote: dict | None = None  # the shared tier's counters (``RemoteTier.stats``), when there is one
@@ -132,7 +133,7 @@ class Service:
             (``semantic.echo``); False: always the template's rendering.
         strict_max_tokens: a ``max_tokens`` the context cannot hold after the
             prompt is refused (ContextLengthError) rather than cut to fit.
-        speculation: prompt-lookup drafts for greedy turns (``semantic.lookup``); None: off.
+        speculation: prompt-lookup drafts for greedy turns (``semantic.decode.promptlookup``); None: off.
     """
 
     def __init__(self, model, tokenizer, store: AgentCacheStore, *, max_batch: int = defaults.MAX_BATCH,

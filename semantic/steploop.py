@@ -23,9 +23,9 @@ same under both mlx-lm versions. One :meth:`StepLoop.step`::
     join      sequences that got their first token join the batch caches, so
               the next decode step includes them
 
-Speculation (``speculation``, a :class:`~semantic.lookup.SpecConfig`; None:
+Speculation (``speculation``, a :class:`~semantic.decode.promptlookup.SpecConfig`; None:
 off). A greedy sequence whose newest tokens occurred earlier in its
-context drafts the tokens that followed them there (``semantic.lookup``).
+context drafts the tokens that followed them there (``semantic.decode.promptlookup``).
 The decode step then feeds every row its next token plus its draft, padded
 to the longest draft; row ``i``'s output at position ``j`` is the model's
 token after its input ``j``, so a drafted token is accepted while it equals
@@ -36,7 +36,7 @@ the model's own next token, ending at a finish::
             row 1   n1  .   .   .   (no draft)      u0  -   -   -
     d1 = t0, d2 = t1, d3 != t2:  row 0 emits t0 t1 t2 and keeps n0 d1 d2;  row 1 emits u0, keeps n1
 
-The rejected inputs leave the caches (``semantic.rewind``), so every
+The rejected inputs leave the caches (``semantic.decode.rewind``), so every
 emitted token is the one a step of width 1 would have read: greedy output
 does not change, only its pace. Sampled, constrained and penalized rows
 never draft (they decode at position 0 as always).
@@ -63,12 +63,12 @@ import mlx.core as mx
 import numpy as np
 
 from semantic import compat, kinds
-from semantic import rewind
+from semantic.decode import rewind
 from semantic.budget import StepBudget
-from semantic.constraint import Constraint
-from semantic.lookup import Drafter, SpecConfig, batch_draft_len
+from semantic.decode.constraint import Constraint
+from semantic.decode.promptlookup import Drafter, SpecConfig, batch_draft_len
 from semantic.request import Request
-from semantic.sampling import processors_for, sampler_for
+from semantic.decode.sampling import processors_for, sampler_for
 
 # on_stop(uid, caches, fed): the sequence's live caches after ``fed`` prompt tokens, at one of its stops
 OnStop = Callable[[int, list, int], None]

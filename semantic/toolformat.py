@@ -10,7 +10,7 @@ described in a system note and a call is one JSON object::
     {"tool_call": {"name": "get_weather", "arguments": {"city": "Oslo"}}}
     {"tool_calls": [{"name": ..., "arguments": ...}, ...]}          (parallel calls)
 
-What the request allows decides the grammar (``semantic.constraint``)::
+What the request allows decides the grammar (``semantic.decode.constraint``)::
 
     choice      native format                      generic format
     auto        free; calls parsed from the text   a call, or an answer that does not start with "{"
@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from semantic import compat
-from semantic.constraint import Grammar
+from semantic.decode.constraint import Grammar
 from semantic.errors import InvalidRequestError
 
 GENERIC = "generic"

@@ -48,7 +48,7 @@ from harness import plots, storefiles
 from harness.engines import logprob_diff, make_engine as fresh_engine, open_scheduler
 from harness.kinds.base import Kind, Param, register
 from semantic import ModelCacheSpec, Request, cachefile, store as store_mod
-from semantic.lookup import SpecConfig
+from semantic.decode.promptlookup import SpecConfig
 
 CANARY_LEN = 4
 
@@ -366,7 +366,7 @@ KIND = register(Kind(
         "max_context": Param(int, 1024, "history length at which the oldest exchange is dropped"),
         "parity_samples": Param(int, 20, "turns re-run as a fresh prefill and compared"),
         "parity_every_turn": Param(bool, False, "re-run every turn instead (a cold one too), not a sample"),
-        "speculation": Param(bool, False, "greedy turns draft tokens from their context (semantic.lookup); the "
+        "speculation": Param(bool, False, "greedy turns draft tokens from their context (semantic.decode.promptlookup); the "
                                           "fresh prefill that checks them never does"),
         "spec_position_cost": Param(float, 0.15, "what one more drafted position costs a step (0: every match is "
                                                  "drafted in full, so short runs exercise speculation)"),

@@ -339,7 +339,7 @@ def _decode_trial(loaded, prompts: list[list[int]], tokens: int, grammar) -> dic
 
 def _decode(ctx) -> None:
     from harness import models
-    from semantic.constraint import Grammar
+    from semantic.decode.constraint import Grammar
 
     p, res = ctx.params, ctx.results
     loaded = models.load(ctx.model_name, models.default_variant(ctx.config.model_variant))

@@ -6,7 +6,7 @@ import logging
 from dataclasses import dataclass, field
 
 from semantic import defaults
-from semantic.lookup import SpecConfig
+from semantic.decode.promptlookup import SpecConfig
 
 MB = 1 << 20
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -53,7 +53,7 @@ class ServeConfig:
     tool_parser: str | None = None     # the model's tool-call format; None: what mlx-lm sniffs from its template
     echo_history: bool = True          # an echoed reply is the agent's generated ids, not a re-render
     strict_max_tokens: bool = False    # refuse a max_tokens the context cannot hold, instead of cutting it
-    speculation: bool = True           # greedy turns verify tokens copied from their context (semantic.lookup)
+    speculation: bool = True           # greedy turns verify tokens copied from their context (semantic.decode.promptlookup)
     spec_max_draft: int = 8            # the most tokens drafted per step
     remote: str | None = None          # redis://host:port/db: a cache tier shared with other servers
     remote_mb: int = 0                 # the most MiB of this model's caches kept there (0: Redis's maxmemory only)

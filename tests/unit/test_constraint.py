@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from semantic import BlockPool, BlockPoolBatchEngine, InvalidRequestError, ModelCacheSpec, Request
-from semantic.constraint import Grammar, check
-from semantic.sampling import SamplingParams
+from semantic.decode.constraint import Grammar, check
+from semantic.decode.sampling import SamplingParams
 from tests.tiny_models import byte_tokenizer
 
 pytestmark = pytest.mark.compat

@@ -12,7 +12,7 @@ import pytest
 from mlx_lm.generate import generate_step
 
 from semantic import BlockPool, BlockPoolBatchEngine, ModelCacheSpec, Request
-from semantic.lookup import SpecConfig
+from semantic.decode.promptlookup import SpecConfig
 from semantic.cache.stops import Points
 from tests.tiny_models import byte_tokenizer, tiny_gpt_oss, tiny_lfm2, tiny_qwen3_next
 
@@ -111,7 +111,7 @@ def test_a_batch_of_agents_of_different_lengths_each_equals_its_fresh_prefill(mo
 
 
 def test_a_sampled_neighbour_changes_nothing_for_a_greedy_sequence(model):
-    from semantic.sampling import SamplingParams
+    from semantic.decode.sampling import SamplingParams
 
     _, m = model
     eng = _engine(m)

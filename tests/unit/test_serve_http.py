@@ -671,7 +671,7 @@ def test_cli_picks_the_cache_layout_and_refuses_the_old_one_with_a_shared_tier()
 
 def test_cli_turns_speculation_off_and_sets_the_step_budget():
     from semantic import defaults
-    from semantic.lookup import SpecConfig
+    from semantic.decode.promptlookup import SpecConfig
 
     cost = defaults.spec_position_cost()
     cfg = parse_config(["--model", "m"])

@@ -5,7 +5,7 @@ Any draft at all must leave the output unchanged, so besides the real
 drafter the loop is also run with a noisy one (drafts of random length,
 some tokens wrong): rows then keep different counts in the same step, which
 is the hard part of taking rejected tokens back out of a batch
-(``semantic.rewind``). The second turn starts from the pooled blocks of the
+(``semantic.decode.rewind``). The second turn starts from the pooled blocks of the
 first, so a cache left wrong by a rewind shows there.
 """
 
@@ -14,9 +14,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from semantic import BlockPool, BlockPoolBatchEngine, ModelCacheSpec, Request, rewind, steploop
-from semantic.lookup import Drafter, SpecConfig, batch_draft_len
-from semantic.sampling import SamplingParams
+from semantic import BlockPool, BlockPoolBatchEngine, ModelCacheSpec, Request, steploop
+from semantic.decode import rewind
+from semantic.decode.promptlookup import Drafter, SpecConfig, batch_draft_len
+from semantic.decode.sampling import SamplingParams
 from tests.tiny_models import byte_tokenizer
 from tests.unit.test_steploop import TOL, TOL_QUANTIZED, generate_step_reference
 

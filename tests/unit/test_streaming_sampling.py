@@ -16,7 +16,7 @@ import pytest
 from semantic import AgentCacheStore, BlockPool, BlockPoolBatchEngine, ConcurrentScheduler, ModelCacheSpec, Request
 from semantic.cache.blockplan import salt_root_of
 from semantic.errors import InvalidRequestError
-from semantic.sampling import SamplingParams
+from semantic.decode.sampling import SamplingParams
 from tests.tiny_models import byte_tokenizer
 from tests.unit.test_scheduler import _assert_same, _ids, reference
 

@@ -105,7 +105,7 @@ def test_decode_checks_are_ratios_of_medians_and_the_token_budget_is_checked():
 
 
 def test_the_decode_schema_cannot_end_before_its_item_count():
-    from semantic.constraint import Constraint, Grammar
+    from semantic.decode.constraint import Constraint, Grammar
     from tests.tiny_models import byte_tokenizer
 
     c = Constraint(Grammar.json_schema(decode_schema(3)), byte_tokenizer(), 256)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from semantic.constraint import Constraint
+from semantic.decode.constraint import Constraint
 from semantic.toolformat import GENERIC, ToolFormat, Tools, generic_messages, plan
 from tests.tiny_models import byte_tokenizer
 
