@@ -8,14 +8,14 @@ from pathlib import Path
 import numpy as np
 
 from harness.timing import Samples, time_interleaved
-from semantic import AgentBlocks, AgentCacheStore, BlockPool, BlockPoolBatchEngine, ConcurrentScheduler, ModelCacheSpec, Request
+from semantic import AgentBlocks, AgentCacheStore, BlockPool, BatchExecutor, ConcurrentScheduler, ModelCacheSpec, Request
 
 
-def make_engine(loaded, blocks: int = 256) -> BlockPoolBatchEngine:
+def make_engine(loaded, blocks: int = 256) -> BatchExecutor:
     """An engine over a pool of its own (``blocks`` blocks): its requests reuse nothing from any other engine."""
     spec = ModelCacheSpec.from_model(loaded.model)
     # No stop tokens: runs are exactly max_tokens long, so they compare step for step.
-    return BlockPoolBatchEngine(loaded.model, loaded.tokenizer, BlockPool(spec, blocks), spec, stop_tokens=[])
+    return BatchExecutor(loaded.model, loaded.tokenizer, BlockPool(spec, blocks), spec, stop_tokens=[])
 
 
 def open_scheduler(loaded, cache_dir: Path, blocks: int, max_batch: int = 8, write_behind: bool = True,
@@ -31,7 +31,7 @@ def open_scheduler(loaded, cache_dir: Path, blocks: int, max_batch: int = 8, wri
                                speculation=speculation)
 
 
-def run_one(engine: BlockPoolBatchEngine, agent: str, prompt: list[int], cache: AgentBlocks | None, max_tokens: int):
+def run_one(engine: BatchExecutor, agent: str, prompt: list[int], cache: AgentBlocks | None, max_tokens: int):
     """Prefill ``prompt`` after ``cache`` (None: from nothing, no pooled prefix either) and generate."""
     uid = engine.submit(Request(agent, _after(cache, prompt), max_tokens), cache, share=False)
     return {c.uid: c for c in engine.step()}[uid]
@@ -54,7 +54,7 @@ def match_report(a, b) -> dict:
             "steps": len(a.token_ids)}
 
 
-def fresh_first_token(engine: BlockPoolBatchEngine, ids: list[int]):
+def fresh_first_token(engine: BatchExecutor, ids: list[int]):
     """Prefill ``ids`` from nothing and sample one token; the Completion (its ``ttft_s`` is
     submit to the materialized first token). Its blocks are released at once."""
     uid = engine.submit(Request("fresh", ids, 1), share=False)
@@ -65,7 +65,7 @@ def fresh_first_token(engine: BlockPoolBatchEngine, ids: list[int]):
     return done
 
 
-def time_ttft(engine: BlockPoolBatchEngine, cached: tuple, fresh: tuple, protocol, progress) -> dict[str, Samples]:
+def time_ttft(engine: BatchExecutor, cached: tuple, fresh: tuple, protocol, progress) -> dict[str, Samples]:
     """Time submit + first step (prefill and first token) for a cached and a fresh request, interleaved.
 
     ``cached`` is (continuation ids, blocks); ``fresh`` is (full ids,). The
@@ -94,7 +94,7 @@ def time_ttft(engine: BlockPoolBatchEngine, cached: tuple, fresh: tuple, protoco
     return out
 
 
-def record_ttft(ctx, engine: BlockPoolBatchEngine, cached: tuple, fresh: tuple, cached_what: str, fresh_what: str):
+def record_ttft(ctx, engine: BatchExecutor, cached: tuple, fresh: tuple, cached_what: str, fresh_what: str):
     """Time first tokens with :func:`time_ttft` over the config's protocol and record them as
     ``ttft_injected_ms`` and ``ttft_fresh_ms`` (described by ``cached_what`` and ``fresh_what``), their
     comparison ``ttft`` and the check ``speedup_p50``. Returns the samples."""

@@ -297,7 +297,7 @@ def _rotating_extract_clamped(self, idx):
 if HAS_META_STATE and hasattr(C, "BatchRotatingKVCache"):
     C.BatchRotatingKVCache.extract = _rotating_extract_clamped
 
-# ---------------------------------------------------------------- batching (semantic.steploop)
+# ---------------------------------------------------------------- batching (semantic.engine.steploop)
 
 
 def cache_arrays(cache: Any) -> list:

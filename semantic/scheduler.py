@@ -50,7 +50,7 @@ from typing import Callable, Sequence
 from semantic.blasshare import SHARE
 from semantic import cachefile, defaults
 from semantic.cache.blocks import AgentBlocks
-from semantic.engine import BlockPoolBatchEngine
+from semantic.engine.executor import BatchExecutor
 from semantic.errors import CacheError, PoolExhaustedError, QueueFullError, SchedulerClosedError
 from semantic.decode.promptlookup import SpecConfig
 from semantic.origin import CacheOrigin
@@ -73,12 +73,12 @@ class ConcurrentScheduler(ResidentView):
             pool is the engine's pool.
         max_batch: sequences in flight at once.
         max_queued: requests that may wait (all agents together).
-        prefill_chunk: prompt tokens per step, fixed; None: a step budget (``semantic.budget``).
+        prefill_chunk: prompt tokens per step, fixed; None: a step budget (``semantic.engine.stepbudget``).
         itl_target_s: with a step budget, the step time to hold while sequences decode; None: the
             device's chunk then.
         write_behind: save each finished cache on the saver thread (True),
             or not at all (False: RAM only, for measurements).
-        stop_tokens: as ``BlockPoolBatchEngine`` (default: the tokenizer's EOS).
+        stop_tokens: as ``BatchExecutor`` (default: the tokenizer's EOS).
         ram_budget_bytes: most bytes resident caches may hold after each
             pass (``semantic.planner``); None: bounded by the pool alone.
             Needs ``write_behind``: only caches on disk are evicted.
@@ -106,7 +106,7 @@ class ConcurrentScheduler(ResidentView):
             max_batch=max_batch, max_queued=max_queued, total_blocks=store.total_blocks, budget=ram_budget_bytes
         )
         self.store, self.tokenizer, self.write_behind = store, tokenizer, write_behind
-        self._make_engine = lambda: BlockPoolBatchEngine(
+        self._make_engine = lambda: BatchExecutor(
             model, tokenizer, store.pool, store.spec, max_batch=max_batch,
             prefill_chunk=prefill_chunk, itl_target_s=itl_target_s, stop_tokens=stop_tokens, lock=store.pool_lock,
             speculation=speculation, on_ended=self._ended, probe_memo=store.dir,
@@ -171,7 +171,7 @@ class ConcurrentScheduler(ResidentView):
 
         A queued turn leaves the queue at once; a running one ends at the
         worker's next step, keeping the exact cache of what it computed
-        (see ``BlockPoolBatchEngine.cancel``). Either way the future gets a
+        (see ``BatchExecutor.cancel``). Either way the future gets a
         Completion whose ``finish_reason`` is "cancelled". A turn whose last
         token was read is not cancelled: its cache completes as it would.
         """

@@ -36,7 +36,7 @@ from semantic.cache import stops
 from semantic.cache.blockplan import salt_root_of
 from semantic.boundaries import message_boundaries
 from semantic.outputbudget import output_budget
-from semantic.engine import vocab_size
+from semantic.engine.executor import vocab_size
 from semantic.errors import CacheError, ContextLengthError, InvalidRequestError, SchedulerClosedError
 from semantic.fingerprint import weights_fingerprint
 from semantic.decode.promptlookup import SpecConfig

@@ -7,7 +7,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models import cache as mlx_cache
 
-from semantic import BlockPool, BlockPoolBatchEngine, ModelCacheSpec, Request, compat
+from semantic import BlockPool, BatchExecutor, ModelCacheSpec, Request, compat
 from semantic.cache.blocks import AgentBlocks
 from semantic.cache.convert import extract, reconstruct
 from tests.tiny_models import byte_tokenizer
@@ -15,13 +15,13 @@ from tests.tiny_models import byte_tokenizer
 LOGPROB_TOL = 1e-4  # as tests/unit/test_engine.py: float32 tiny models, reordered sums move ~1e-6
 
 
-def engine(model, kv_bits=None, blocks=256, block_tokens=4) -> BlockPoolBatchEngine:
+def engine(model, kv_bits=None, blocks=256, block_tokens=4) -> BatchExecutor:
     spec = ModelCacheSpec.from_model(model, kv_bits=kv_bits, kv_group_size=32)
     pool = BlockPool(spec, blocks, block_tokens=block_tokens)
-    return BlockPoolBatchEngine(model, byte_tokenizer(), pool, spec, stop_tokens=[])
+    return BatchExecutor(model, byte_tokenizer(), pool, spec, stop_tokens=[])
 
 
-def run(eng: BlockPoolBatchEngine) -> dict:
+def run(eng: BatchExecutor) -> dict:
     return {c.uid: c for c in eng.step()}
 
 
@@ -29,7 +29,7 @@ def history(n: int, seed: int | None = None) -> list[int]:
     return [int(t) for t in np.random.default_rng(n if seed is None else seed).integers(1, 250, n)]
 
 
-def generate(eng: BlockPoolBatchEngine, agent: str, prompt, max_tokens: int, *, share: bool = False):
+def generate(eng: BatchExecutor, agent: str, prompt, max_tokens: int, *, share: bool = False):
     """``share``: start from what the pool holds of ``prompt`` (as the engine serves), not a full prefill."""
     uid = eng.submit(Request(agent, prompt, max_tokens), share=share)
     return run(eng)[uid]

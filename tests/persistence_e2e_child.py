@@ -15,7 +15,7 @@ import sys
 import time
 
 from harness import device, models
-from semantic import BlockPool, BlockPoolBatchEngine, ModelCacheSpec, Request, cachefile, compat
+from semantic import BlockPool, BatchExecutor, ModelCacheSpec, Request, cachefile, compat
 from tests.cache_helpers import arrays
 
 
@@ -30,7 +30,7 @@ def digest(blocks) -> str:
 def main(model: str, path: str, T: list[int], steps: int) -> dict:
     loaded = models.load(model)
     spec = ModelCacheSpec.from_model(loaded.model)
-    engine = BlockPoolBatchEngine(loaded.model, loaded.tokenizer, BlockPool(spec, 64), spec, stop_tokens=[])
+    engine = BatchExecutor(loaded.model, loaded.tokenizer, BlockPool(spec, 64), spec, stop_tokens=[])
     t0 = time.perf_counter()
     cache = cachefile.load(path, engine.pool, model_fingerprint=loaded.fingerprint)
     load_ms = (time.perf_counter() - t0) * 1e3

@@ -7,7 +7,7 @@ until it has its first token and ``warm`` tokens more. Two sides take turns
 
 - ``mlx_lm``: mlx-lm's ``BatchGenerator`` as our engine drove it before this
   loop (``prefill_step_size`` 512, prompts inserted whole);
-- ``ours``: ``BlockPoolBatchEngine`` on ``semantic.steploop`` (chunks of
+- ``ours``: ``BatchExecutor`` on ``semantic.engine.steploop`` (chunks of
   ``prefill_chunk`` tokens between decode steps).
 
 Per side: the decoders' inter-token latency while nothing prefills (the
@@ -58,11 +58,11 @@ def _window(stamps: dict, t0: float, t1: float, long_tokens: int) -> dict:
 
 
 def _interleave_ours(loaded, p: dict, trial: int, chunk: int | None = None, itl_target_ms: int | None = None) -> dict:
-    from semantic import BlockPool, BlockPoolBatchEngine, ModelCacheSpec, Request
+    from semantic import BlockPool, BatchExecutor, ModelCacheSpec, Request
 
     spec = ModelCacheSpec.from_model(loaded.model)
     need = (p["long_tokens"] + p["decoders"] * (p["decoder_prompt"] + 4 * p["warm"] + 2048)) // 256 + 16
-    engine = BlockPoolBatchEngine(
+    engine = BatchExecutor(
         loaded.model, loaded.tokenizer, BlockPool(spec, need), spec, stop_tokens=[],
         prefill_chunk=chunk or p["prefill_chunk"] or None, max_batch=p["decoders"] + 1,
         itl_target_s=itl_target_ms / 1000 if itl_target_ms else None,
@@ -126,11 +126,11 @@ def _interleave_mlx_lm(loaded, p: dict, trial: int) -> dict:
 
 
 def _quantized_batched(loaded, p: dict, trial: int) -> dict:
-    from semantic import BlockPool, BlockPoolBatchEngine, ModelCacheSpec, Request
+    from semantic import BlockPool, BatchExecutor, ModelCacheSpec, Request
 
     spec = ModelCacheSpec.from_model(loaded.model, kv_bits=p["q_bits"], kv_group_size=p["q_group"])
     pool = BlockPool(spec, p["q_agents"] * ((p["q_prompt"] + p["q_tokens"]) // 256 + 2))
-    engine = BlockPoolBatchEngine(loaded.model, loaded.tokenizer, pool, spec, stop_tokens=[],
+    engine = BatchExecutor(loaded.model, loaded.tokenizer, pool, spec, stop_tokens=[],
                                   max_batch=p["q_agents"], prefill_chunk=p["q_agents"] * p["q_prompt"])
     stamps = []
     for i in range(p["q_agents"]):

@@ -15,7 +15,7 @@ included). Sides, each a server started from the same model directory
 On every turn: cached ÷ prompt tokens (each API's usage), cached ÷ what the
 server saw on the previous turn (its prompt and reply), and client-side TTFT.
 
-**Constrained decoding.** ``BlockPoolBatchEngine`` decodes the same prompts
+**Constrained decoding.** ``BatchExecutor`` decodes the same prompts
 with and without a JSON-schema grammar (``Request(..., grammar=...)``), at
 each batch size, the two sides in turn (A B, then B A). The schema's array
 needs more items than the token budget, so the grammar cannot end a
@@ -318,11 +318,11 @@ def _decode_prompts(tokenizer, batch: int) -> list[list[int]]:
 
 def _decode_trial(loaded, prompts: list[list[int]], tokens: int, grammar) -> dict:
     """One batch decoded to ``tokens`` tokens per row: decode tokens/s once every row has its first token."""
-    from semantic import BlockPool, BlockPoolBatchEngine, ModelCacheSpec, Request
+    from semantic import BlockPool, BatchExecutor, ModelCacheSpec, Request
 
     spec = ModelCacheSpec.from_model(loaded.model)
     blocks = sum((len(q) + tokens) // 256 + 2 for q in prompts)
-    engine = BlockPoolBatchEngine(loaded.model, loaded.tokenizer, BlockPool(spec, blocks), spec, stop_tokens=[],
+    engine = BatchExecutor(loaded.model, loaded.tokenizer, BlockPool(spec, blocks), spec, stop_tokens=[],
                                   max_batch=len(prompts), prefill_chunk=sum(map(len, prompts)))
     stamps: dict[int, list[float]] = {i: [] for i in range(len(prompts))}
     for i, q in enumerate(prompts):

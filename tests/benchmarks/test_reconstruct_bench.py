@@ -111,10 +111,10 @@ def test_extract_2k_tokens_smollm2_geometry(benchmark):
 @pytest.mark.benchmark(group="round-trip")
 def test_round_trip_one_block_real_smollm2(benchmark, smollm2):
     """Benchmark 3: reconstruct a 256-token cache, prefill a follow-up, generate 10 tokens, extract."""
-    from semantic import BlockPoolBatchEngine
+    from semantic import BatchExecutor
 
     spec = ModelCacheSpec.from_model(smollm2.model)
-    engine = BlockPoolBatchEngine(smollm2.model, smollm2.tokenizer, BlockPool(spec, 16), spec, stop_tokens=[])
+    engine = BatchExecutor(smollm2.model, smollm2.tokenizer, BlockPool(spec, 16), spec, stop_tokens=[])
     uid = engine.submit(Request("a", list(range(1000, 1256)), 1), share=False)
     blocks = {c.uid: c for c in engine.step()}[uid].blocks
     follow = smollm2.tokenizer.encode(" Continue.", add_special_tokens=False)

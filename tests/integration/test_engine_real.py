@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 import harness
-from semantic import BlockPool, BlockPoolBatchEngine, ModelCacheSpec, Request, compat
+from semantic import BlockPool, BatchExecutor, ModelCacheSpec, Request, compat
 
 pytestmark = [pytest.mark.integration, pytest.mark.compat]
 
@@ -39,7 +39,7 @@ def _engine(loaded, kv_bits=None, blocks=64, prefill_chunk=None):
     spec = ModelCacheSpec.from_model(loaded.model, kv_bits=kv_bits, kv_group_size=64)
     pool = BlockPool(spec, blocks)
     # No stop tokens: every sequence runs exactly max_tokens steps.
-    return BlockPoolBatchEngine(loaded.model, loaded.tokenizer, pool, spec, stop_tokens=[], prefill_chunk=prefill_chunk)
+    return BatchExecutor(loaded.model, loaded.tokenizer, pool, spec, stop_tokens=[], prefill_chunk=prefill_chunk)
 
 
 def _run(engine):

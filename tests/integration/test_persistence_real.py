@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 
 import harness
-from semantic import BlockPool, BlockPoolBatchEngine, ModelCacheSpec, Request, cachefile
+from semantic import BlockPool, BatchExecutor, ModelCacheSpec, Request, cachefile
 from tests.persistence_e2e_child import digest
 
 pytestmark = [pytest.mark.integration, pytest.mark.compat]
@@ -48,7 +48,7 @@ def test_a_cache_saved_here_and_loaded_in_a_fresh_process_continues_like_a_fresh
     loaded = request.getfixturevalue(which)
     name, n_history, n_generated = CASES[which]
     spec = ModelCacheSpec.from_model(loaded.model)
-    engine = BlockPoolBatchEngine(loaded.model, loaded.tokenizer, BlockPool(spec, 64), spec, stop_tokens=[])
+    engine = BatchExecutor(loaded.model, loaded.tokenizer, BlockPool(spec, 64), spec, stop_tokens=[])
     S = loaded.tokenizer.encode(HISTORY)[:n_history]
     assert len(S) == n_history, "harness/data/history.txt is too short for this case"
     uid = engine.submit(Request("agent", S, n_generated), share=False)

@@ -8,8 +8,8 @@ import pytest
 from mlx_lm.generate import generate_step
 
 from harness.models import zoo
-from semantic import BlockPool, BlockPoolBatchEngine, ModelCacheSpec, Request
-from semantic.batchprobe import batch_problem
+from semantic import BlockPool, BatchExecutor, ModelCacheSpec, Request
+from semantic.engine.batchprobe import batch_problem
 from tests.tiny_models import byte_tokenizer, tiny_llama
 
 
@@ -24,7 +24,7 @@ def test_a_model_whose_code_fails_or_drifts_in_a_batch_decodes_one_sequence_at_a
         pytest.skip(f"this mlx-lm has no {model_type}")
     m, _ = zoo.build(model_type)
     spec = ModelCacheSpec.from_model(m)
-    eng = BlockPoolBatchEngine(m, byte_tokenizer(), BlockPool(spec, 200, block_tokens=16), spec, stop_tokens=[])
+    eng = BatchExecutor(m, byte_tokenizer(), BlockPool(spec, 200, block_tokens=16), spec, stop_tokens=[])
     assert eng.batch_off is not None
     rng = np.random.default_rng(0)
     for i, n in enumerate((9, 33, 70)):
@@ -37,7 +37,7 @@ def test_a_model_whose_code_fails_or_drifts_in_a_batch_decodes_one_sequence_at_a
 
 
 def test_the_probes_answer_is_kept_beside_the_caches_and_asked_again_for_other_versions(tmp_path, monkeypatch):
-    from semantic import batchprobe
+    from semantic.engine import batchprobe
 
     m = tiny_llama()
     spec = ModelCacheSpec.from_model(m)

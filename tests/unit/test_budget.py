@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from semantic import Request
-from semantic.budget import FLOOR, StepBudget
-from semantic.steploop import StepLoop
+from semantic.engine.stepbudget import FLOOR, StepBudget
+from semantic.engine.steploop import StepLoop
 from tests.unit.test_steploop import _spec
 
 pytestmark = pytest.mark.compat

@@ -14,7 +14,7 @@ import jsonschema
 import numpy as np
 import pytest
 
-from semantic import BlockPool, BlockPoolBatchEngine, InvalidRequestError, ModelCacheSpec, Request
+from semantic import BlockPool, BatchExecutor, InvalidRequestError, ModelCacheSpec, Request
 from semantic.decode.constraint import Grammar, check
 from semantic.decode.sampling import SamplingParams
 from tests.tiny_models import byte_tokenizer
@@ -31,7 +31,7 @@ SCHEMA = {
 
 def _engine(model, stop=(255,), max_batch=8):
     spec = ModelCacheSpec.from_model(model)
-    return BlockPoolBatchEngine(model, byte_tokenizer(), BlockPool(spec, 256, 4), spec, stop_tokens=list(stop),
+    return BatchExecutor(model, byte_tokenizer(), BlockPool(spec, 256, 4), spec, stop_tokens=list(stop),
                                 max_batch=max_batch)
 
 

@@ -1,4 +1,4 @@
-"""BlockPoolBatchEngine on tiny random-weight models.
+"""BatchExecutor on tiny random-weight models.
 
 The invariant: generate from S, extract, reconstruct, continue with T; the
 result equals a fresh prefill of S + generated + T. Tiny models run in
@@ -16,7 +16,7 @@ import pytest
 from semantic import (
     AgentBusyError,
     BlockPool,
-    BlockPoolBatchEngine,
+    BatchExecutor,
     CacheMismatchError,
     InvalidRequestError,
     ModelCacheSpec,
@@ -35,7 +35,7 @@ STEPS = 32
 def _engine(model, kv_bits=None, blocks=256, block_tokens=4, stop=()):
     spec = ModelCacheSpec.from_model(model, kv_bits=kv_bits, kv_group_size=32)
     pool = BlockPool(spec, blocks, block_tokens=block_tokens)
-    return BlockPoolBatchEngine(model, byte_tokenizer(), pool, spec, stop_tokens=list(stop))
+    return BatchExecutor(model, byte_tokenizer(), pool, spec, stop_tokens=list(stop))
 
 
 def _run(engine):
@@ -199,10 +199,10 @@ def test_stop_tokens_end_a_request(llama_tiny):
 def test_an_engine_refuses_a_spec_that_is_not_its_models(llama_tiny, gemma_tiny):
     spec = ModelCacheSpec.from_model(gemma_tiny)
     with pytest.raises(CacheMismatchError, match="another cache spec"):
-        BlockPoolBatchEngine(llama_tiny, byte_tokenizer(), BlockPool(spec, 4), spec)
+        BatchExecutor(llama_tiny, byte_tokenizer(), BlockPool(spec, 4), spec)
     other = ModelCacheSpec.from_model(tiny_gemma3(window=4))
     with pytest.raises(CacheMismatchError):
-        BlockPoolBatchEngine(gemma_tiny, byte_tokenizer(), BlockPool(other, 4), spec)
+        BatchExecutor(gemma_tiny, byte_tokenizer(), BlockPool(other, 4), spec)
 
 
 @pytest.mark.parametrize(

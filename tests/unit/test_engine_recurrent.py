@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
 
-from semantic import BlockPool, BlockPoolBatchEngine, ModelCacheSpec, Request
+from semantic import BlockPool, BatchExecutor, ModelCacheSpec, Request
 from semantic.decode.promptlookup import SpecConfig
 from semantic.cache.stops import Points
 from tests.tiny_models import byte_tokenizer, tiny_gpt_oss, tiny_lfm2, tiny_qwen3_next
@@ -44,7 +44,7 @@ def model(request):
 
 def _engine(model, blocks=400, **kw):
     spec = ModelCacheSpec.from_model(model)
-    return BlockPoolBatchEngine(model, byte_tokenizer(), BlockPool(spec, blocks, block_tokens=BT), spec,
+    return BatchExecutor(model, byte_tokenizer(), BlockPool(spec, blocks, block_tokens=BT), spec,
                                 stop_tokens=[], **kw)
 
 
@@ -178,7 +178,7 @@ def test_a_rebuilt_full_window_never_writes_into_the_pooled_blocks_it_came_from(
 
     m = tiny_gemma3(window=8)
     spec = ModelCacheSpec.from_model(m)
-    eng = BlockPoolBatchEngine(m, byte_tokenizer(), BlockPool(spec, 400, block_tokens=8), spec, stop_tokens=[])
+    eng = BatchExecutor(m, byte_tokenizer(), BlockPool(spec, 400, block_tokens=8), spec, stop_tokens=[])
     ids = _ids(24, 50)
     first = _turn(eng, m, "a", ids, n=1)
     snap = {b.block_id: [np.array(x) for kv in b.layer_data.values() for x in kv]
@@ -196,7 +196,7 @@ def test_8_bit_kv_on_a_hybrids_attention_layers_resumes_exactly_like_its_own_fre
     m = tiny_qwen3_next(heads=2, kv_heads=1, head_dim=32)  # heads a group of 32 divides
     spec = ModelCacheSpec.from_model(m, kv_bits=8, kv_group_size=32)
     assert {l.kind for l in spec.layers} == {"recurrent", "global"} and spec.quantized
-    eng = BlockPoolBatchEngine(m, byte_tokenizer(), BlockPool(spec, 400, block_tokens=BT), spec, stop_tokens=[])
+    eng = BatchExecutor(m, byte_tokenizer(), BlockPool(spec, 400, block_tokens=BT), spec, stop_tokens=[])
     first_ids = _ids(40, 60)
     eng.submit(Request("a", first_ids, 6), None)
     (first,) = list(eng.step())

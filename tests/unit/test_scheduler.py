@@ -16,7 +16,7 @@ import pytest
 from semantic import (
     AgentCacheStore,
     BlockPool,
-    BlockPoolBatchEngine,
+    BatchExecutor,
     ConcurrentScheduler,
     InvalidAgentIdError,
     InvalidRequestError,
@@ -49,7 +49,7 @@ def _ids(seed: int, n: int) -> list[int]:
 def reference(model, history: list[int], max_tokens: int):
     """A fresh prefill of ``history`` in an engine of its own."""
     spec = ModelCacheSpec.from_model(model)
-    engine = BlockPoolBatchEngine(model, byte_tokenizer(), BlockPool(spec, 64, 4), spec, stop_tokens=[])
+    engine = BatchExecutor(model, byte_tokenizer(), BlockPool(spec, 64, 4), spec, stop_tokens=[])
     uid = engine.submit(Request("ref", history, max_tokens), share=False)
     return {c.uid: c for c in engine.step()}[uid]
 

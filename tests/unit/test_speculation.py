@@ -14,7 +14,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from semantic import BlockPool, BlockPoolBatchEngine, ModelCacheSpec, Request, steploop
+from semantic import BatchExecutor, BlockPool, ModelCacheSpec, Request
+from semantic.engine import steploop
 from semantic.decode import rewind
 from semantic.decode.promptlookup import Drafter, SpecConfig, batch_draft_len
 from semantic.decode.sampling import SamplingParams
@@ -34,7 +35,7 @@ def _history(seed: int, n: int) -> list[int]:
 
 def _engine(model, bits, chunk=8, spec=SpecConfig(max_draft=4)):
     s = ModelCacheSpec.from_model(model, kv_bits=bits, kv_group_size=32)
-    return BlockPoolBatchEngine(model, byte_tokenizer(), BlockPool(s, 1024, block_tokens=4), s,
+    return BatchExecutor(model, byte_tokenizer(), BlockPool(s, 1024, block_tokens=4), s,
                                 stop_tokens=[], prefill_chunk=chunk, max_batch=8, speculation=spec)
 
 

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
 
-from semantic import BlockPool, BlockPoolBatchEngine, ModelCacheSpec, Request, compat, kinds
+from semantic import BlockPool, BatchExecutor, ModelCacheSpec, Request, compat, kinds
 from semantic.kinds.batchquant import BatchQuantizedKVCache
 from tests.tiny_models import byte_tokenizer
 
@@ -39,7 +39,7 @@ def _spec(model, bits):
 
 def _engine(model, bits, chunk, max_batch=8):
     spec = _spec(model, bits)
-    return BlockPoolBatchEngine(
+    return BatchExecutor(
         model, byte_tokenizer(), BlockPool(spec, 512, block_tokens=4), spec,
         stop_tokens=[], prefill_chunk=chunk, max_batch=max_batch,
     )
@@ -117,7 +117,7 @@ def test_a_prompt_starting_off_the_block_grid_is_chunked_back_onto_it(llama_tiny
     """A cache holding 3 tokens, 4-token blocks: the prompt's stops fall at 1, 5, 9, 13 and 17.
     A step's prefill ends at a stop unless its budget reaches the next one, so no forward pass
     is spent on the few tokens past a stop (each pass has a fixed cost) and chunks stay on the grid."""
-    from semantic.steploop import StepLoop
+    from semantic.engine.steploop import StepLoop
 
     calls: list[int] = []
 
@@ -157,7 +157,7 @@ def test_quantized_sequences_share_one_forward_pass_per_step(llama_tiny):
             return self.model(inputs, cache=cache)
 
     spec = _spec(llama_tiny, 8)
-    engine = BlockPoolBatchEngine(
+    engine = BatchExecutor(
         llama_tiny, byte_tokenizer(), BlockPool(spec, 256, block_tokens=4), spec, stop_tokens=[], prefill_chunk=64
     )
     engine.model = engine._loop.model = Counting(llama_tiny)
@@ -205,12 +205,12 @@ def test_batch_quantized_cache_rows_hold_the_solo_caches_bytes_through_merge_ext
 
 
 def test_the_engine_says_what_a_lone_turns_prefill_steps_by(llama_tiny):
-    from semantic.budget import SOLO_CHUNK
+    from semantic.engine.stepbudget import SOLO_CHUNK
 
     spec = _spec(llama_tiny, 8)
 
     def engine(**kw):
-        return BlockPoolBatchEngine(llama_tiny, byte_tokenizer(), BlockPool(spec, 16, block_tokens=4), spec,
+        return BatchExecutor(llama_tiny, byte_tokenizer(), BlockPool(spec, 16, block_tokens=4), spec,
                                     stop_tokens=[], **kw)
 
     assert engine(prefill_chunk=64).prefill_chunk == 64  # a fixed chunk, decoding or not

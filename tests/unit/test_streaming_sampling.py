@@ -13,7 +13,7 @@ import threading
 import numpy as np
 import pytest
 
-from semantic import AgentCacheStore, BlockPool, BlockPoolBatchEngine, ConcurrentScheduler, ModelCacheSpec, Request
+from semantic import AgentCacheStore, BlockPool, BatchExecutor, ConcurrentScheduler, ModelCacheSpec, Request
 from semantic.cache.blockplan import salt_root_of
 from semantic.errors import InvalidRequestError
 from semantic.decode.sampling import SamplingParams
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.compat
 
 def _engine(model, kv_bits=None, blocks=256, block_tokens=4):
     spec = ModelCacheSpec.from_model(model, kv_bits=kv_bits, kv_group_size=32)
-    return BlockPoolBatchEngine(model, byte_tokenizer(), BlockPool(spec, blocks, block_tokens), spec, stop_tokens=[])
+    return BatchExecutor(model, byte_tokenizer(), BlockPool(spec, blocks, block_tokens), spec, stop_tokens=[])
 
 
 def _scheduler(model, cache_dir, blocks=256, block_tokens=4, **kw):

@@ -1,27 +1,27 @@
 """Continuous batching with pooled caches in and out.
 
-Every sequence runs through one :class:`~semantic.steploop.StepLoop`: each
+Every sequence runs through one :class:`~semantic.engine.steploop.StepLoop`: each
 step decodes one token for every generating sequence in one forward pass
 (``KVCache``, ``RotatingKVCache`` and ``QuantizedKVCache`` layers alike; the
 quantized ones through ``batchquant``), then prefills one chunk: the
 largest one when nothing decodes, else ``prefill_chunk`` tokens or what
-holds ``itl_target_s`` (``semantic.budget``). A long prompt therefore
+holds ``itl_target_s`` (``semantic.engine.stepbudget``). A long prompt therefore
 delays the others by one chunk per step, never by its whole prefill. On sliding-window models
 every prompt's chunks also end at block boundaries, where the cache is
-extracted into the pool (:meth:`BlockPoolBatchEngine._checkpoint`).
+extracted into the pool (:meth:`BatchExecutor._checkpoint`).
 
 A :class:`~semantic.request.Request` carries the agent's whole history and
 everything else the engine reads: it decodes greedily unless its sampling
 says otherwise (greedy rows share one argmax), its ``on_token`` sees every
 token as it is read and may end it there (a stop string), and
-:meth:`BlockPoolBatchEngine.cancel` ends one from outside. A sequence ended
+:meth:`BatchExecutor.cancel` ends one from outside. A sequence ended
 early keeps the cache of exactly the tokens it computed. A finished
 sequence's Completion comes one step after its last token, once that token is
 fed and the cache extracted; ``on_ended`` hears of the turn sooner, as soon as
 that last token is read (a Completion without blocks), so a caller can answer
 its client without waiting for the cache.
 
-:meth:`BlockPoolBatchEngine.submit` starts a request from the longest prefix
+:meth:`BatchExecutor.submit` starts a request from the longest prefix
 its agent's previous cache or the pool covers (``reuse``), so only the rest
 is prefilled. Each agent has at most one request in flight; a second submit
 raises :class:`AgentBusyError` (queueing belongs to ``scheduler``).
@@ -43,10 +43,11 @@ from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 import mlx.core as mx
-from semantic import batchprobe, compat, defaults, kinds
+from semantic.engine import batchprobe
+from semantic import compat, defaults, kinds
 from semantic.cache import convert, reuse, stops
 from semantic.cache.blocks import AgentBlocks
-from semantic.budget import StepBudget
+from semantic.engine.stepbudget import StepBudget
 from semantic.decode.constraint import Constraint
 from semantic.errors import (
     AgentBusyError,
@@ -59,7 +60,7 @@ from semantic.decode.promptlookup import SpecConfig
 from semantic.cache.pool import BlockPool
 from semantic.request import Completion, Request
 from semantic.cache.spec import ModelCacheSpec
-from semantic.steploop import StepLoop
+from semantic.engine.steploop import StepLoop
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +81,7 @@ class _InFlight:
     kept: list = field(default_factory=list)  # AgentBlocks of earlier snapshots its finished cache carries
 
 
-class BlockPoolBatchEngine:
+class BatchExecutor:
     """Runs agents' requests in one continuous batch and stores their caches in ``pool``."""
 
     def __init__(
