@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from semantic.cachefile import SUFFIX as FILE_SUFFIX
-from semantic.store.blockfile import BLOCK_SUFFIX
+from semantic.store.blockformat import BLOCK_SUFFIX
 from semantic.store.manifest import DOC_KEY, MANIFEST_SUFFIX
 
 BLOCKS_GLOB = "blocks-*"

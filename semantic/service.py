@@ -38,7 +38,7 @@ from semantic.boundaries import message_boundaries
 from semantic.outputbudget import output_budget
 from semantic.engine.executor import vocab_size
 from semantic.errors import CacheError, ContextLengthError, InvalidRequestError, SchedulerClosedError
-from semantic.fingerprint import weights_fingerprint
+from semantic.store.fingerprint import weights_fingerprint
 from semantic.decode.promptlookup import SpecConfig
 from semantic.planner import SchedulerStats, longest_cache
 from semantic.cache.pool import BlockPool, PoolStats
@@ -46,7 +46,7 @@ from semantic.decode.constraint import Grammar
 from semantic.echo import EchoBook, Reply, Said
 from semantic.request import Completion, OnToken, Request, encode, render_text
 from semantic.decode.sampling import GREEDY, SamplingParams
-from semantic.diskhealth import KINDS as SAVE_FAILURES
+from semantic.store.diskhealth import KINDS as SAVE_FAILURES
 from semantic.saves import FAILED, PENDING, SAVED
 from semantic.scheduler import ConcurrentScheduler, TurnFuture
 from semantic.cache.spec import ModelCacheSpec
@@ -67,7 +67,7 @@ DEFAULT_CONTEXT = 4096   # when the model's config names no context length
 
 
 def model_fingerprint(path: Path) -> str:
-    """The weights' fingerprint (:mod:`semantic.fingerprint`) plus the model's config."""
+    """The weights' fingerprint (:mod:`semantic.store.fingerprint`) plus the model's config."""
     h = hashlib.sha256(weights_fingerprint(path).encode())
     config = path / "config.json"
     if config.exists():
@@ -197,8 +197,8 @@ class Service:
         root = Path(cache_root).expanduser() if cache_root else Path.home() / ".cache" / "semantic-kv" / "agents"
         where = Path(cache_dir).expanduser() if cache_dir else root / fingerprint
         tier = None
-        if remote is not None:  # caches shared with other servers of the same model (``semantic.remote``)
-            from semantic.remote import RemoteTier
+        if remote is not None:  # caches shared with other servers of the same model (``semantic.store.remote``)
+            from semantic.store.remote import RemoteTier
 
             tier = RemoteTier(remote, fingerprint, budget_bytes=remote_budget_bytes)
         store = AgentCacheStore(where, spec, fingerprint, disk_budget_bytes, pool=BlockPool(spec, total, block_tokens),

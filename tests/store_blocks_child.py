@@ -30,7 +30,7 @@ from mlx_lm.models import cache as mlx_cache
 
 from semantic import AgentCacheStore, BlockPool, LayerSpec, ModelCacheSpec, cachefile
 from semantic.cache.convert import extract
-from semantic.store import blockfile
+from semantic.store import blockformat
 
 SPEC = ModelCacheSpec((LayerSpec("global", 2, 16, 16, "float32"),) * 2)
 FINGERPRINT = "crash-test"
@@ -60,7 +60,7 @@ def versions(pool: BlockPool):
 
 
 def _crash_at(point: str) -> None:
-    real_write, real_replace = blockfile.write, os.replace
+    real_write, real_replace = blockformat.write, os.replace
     count = {"kvb": 0}
 
     def write(*a, **kw):
@@ -72,7 +72,7 @@ def _crash_at(point: str) -> None:
 
     def replace(src, dst, *a, **kw):
         dst = str(dst)
-        if point == "mid-block" and dst.endswith(blockfile.BLOCK_SUFFIX) and count["kvb"] == 2:
+        if point == "mid-block" and dst.endswith(blockformat.BLOCK_SUFFIX) and count["kvb"] == 2:
             os._exit(CRASHED)
         if point == "before-manifest-rename" and dst.endswith(".kvm"):
             os._exit(CRASHED)
@@ -80,7 +80,7 @@ def _crash_at(point: str) -> None:
         if point == "after-manifest-rename" and dst.endswith(".kvm"):
             os._exit(CRASHED)
 
-    blockfile.write, os.replace = write, replace
+    blockformat.write, os.replace = write, replace
 
 
 def soak(directory: str) -> None:

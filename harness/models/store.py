@@ -7,8 +7,8 @@ import os
 from pathlib import Path
 
 from harness.models.registry import REGISTRY
-from semantic.fingerprint import sha256_file as _sha256  # noqa: F401  (prepare.py checks GGUF digests with it)
-from semantic.fingerprint import weights_fingerprint as fingerprint  # noqa: F401
+from semantic.store.fingerprint import sha256_file as _sha256  # noqa: F401  (prepare.py checks GGUF digests with it)
+from semantic.store.fingerprint import weights_fingerprint as fingerprint  # noqa: F401
 
 CONVERTER_VERSION = 1  # bump when conversion output changes, to re-prepare
 DEQUANTIZER_VERSION = 1  # bump when the f32 variant's output changes

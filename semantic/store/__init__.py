@@ -9,7 +9,7 @@ store holds no blocks of its own::
     save(a) ──► file a (fsynced)
     load(a) ──► file? ──► blocks in the pool (the caller's), else None
     disk over budget  ──► delete least recently used files (never the one just saved)
-    disk full, read-only or gone ──► CacheSaveError (``semantic.diskhealth``): nothing deleted, retried later
+    disk full, read-only or gone ──► CacheSaveError (``semantic.store.diskhealth``): nothing deleted, retried later
 
 :class:`AgentCacheStore` is the facade over one module per idea::
 
@@ -44,14 +44,14 @@ from pathlib import Path
 from semantic.cache import blockplan
 from semantic import cachefile
 from semantic.cache.blocks import AgentBlocks
-from semantic.diskhealth import DiskHealth
+from semantic.store.diskhealth import DiskHealth
 from semantic.errors import CacheMismatchError
 from semantic.cache.pool import BlockPool
 from semantic.request import validate_agent_id
 from semantic.cache.spec import ModelCacheSpec
 from semantic.store.disk import DiskBudget
 from semantic.store.fetch import RemoteFetch
-from semantic.store.blockfiles import BlockFiles
+from semantic.store.blocklayout import BlockFiles
 from semantic.store.manifest import manifest_name
 from semantic.store.files import EXTRA_SUFFIX, AgentFiles, file_name
 from semantic.store.quarantine import QUARANTINE_DIR, Quarantine, Quarantined
@@ -95,7 +95,7 @@ class AgentCacheStore:
         pool: the block pool loaded caches go into (the engine's pool).
         durable: fsync each file and the directory on save.
         remote: a tier shared with other servers of the model: a ``redis://`` URL, or a
-            :class:`semantic.remote.RemoteTier` (for its options, such as a budget); None: this machine only.
+            :class:`semantic.store.remote.RemoteTier` (for its options, such as a budget); None: this machine only.
         layout: "blocks" (block files written once, a manifest per agent: ``blockfiles``) or "file"
             (one file per agent, rewritten by every save: ``files``, kept to measure against).
     """
@@ -295,7 +295,7 @@ class AgentCacheStore:
 
     @property
     def remote(self):
-        """The tier shared with other servers (a :class:`semantic.remote.RemoteTier`), or None."""
+        """The tier shared with other servers (a :class:`semantic.store.remote.RemoteTier`), or None."""
         return self._fetch.remote
 
     @property

@@ -30,7 +30,7 @@ from typing import Sequence
 
 from semantic.cache.blockplan import snapshot_span, stored_ranges
 from semantic.cache.spec import ModelCacheSpec
-from semantic.store.blockfile import BlockInfo, block_key, snapshot_key
+from semantic.store.blockformat import BlockInfo, block_key, snapshot_key
 from semantic.store.manifest import Extent
 
 

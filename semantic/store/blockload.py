@@ -47,8 +47,8 @@ from semantic.cachefile.atomic import hasher
 from semantic.cachefile.loading import _digest_arrays
 from semantic.errors import CacheCorruptError
 from semantic.cache.pool import BlockPool
-from semantic.store import blockfile
-from semantic.store.blockfile import BlockInfo
+from semantic.store import blockformat
+from semantic.store.blockformat import BlockInfo
 from semantic.cache.spec import RECURRENT
 from semantic.store.manifest import Extent, Manifest
 
@@ -263,7 +263,7 @@ def _read(keys: set[int], files: dict[int, BlockInfo], arrays: dict) -> None:
     loaded = {}
     for k in keys:
         try:
-            loaded[k] = blockfile.load_arrays(files[k])
+            loaded[k] = blockformat.load_arrays(files[k])
         except CacheCorruptError as exc:
             raise _Bad(files[k], exc.reason) from None
         except OSError as exc:  # gone or unreadable now (permissions, too many open files): no verdict on it

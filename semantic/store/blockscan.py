@@ -19,8 +19,8 @@ from semantic.cache.blocks import AgentBlocks
 from semantic.cachefile import atomic
 from semantic.errors import CacheCorruptError, CacheFormatError, CacheMismatchError, InvalidAgentIdError
 from semantic.cache.pool import BlockPool
-from semantic.store import blockfile, manifest
-from semantic.store.blockfile import BLOCK_SUFFIX
+from semantic.store import blockformat, manifest
+from semantic.store.blockformat import BLOCK_SUFFIX
 from semantic.store.files import EXTRA_SUFFIX, file_name
 from semantic.store.blockindex import Held
 from semantic.store.manifest import MANIFEST_SUFFIX, manifest_name
@@ -57,7 +57,7 @@ def _scan_blocks(files) -> None:
         if not path.name.endswith(BLOCK_SUFFIX):
             continue
         try:
-            info = blockfile.read_header(str(path), files.spec, files.fingerprint)
+            info = blockformat.read_header(str(path), files.spec, files.fingerprint)
         except CacheCorruptError as exc:
             files.quarantine.set_aside(path, exc.reason)
             continue

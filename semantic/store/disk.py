@@ -8,7 +8,7 @@ a disk that other programs filled only stops new saves, and every file
 already written stays loadable.
 
 A disk that is full, read-only or gone is the business of
-``semantic.diskhealth``: a save it would not take raises
+``semantic.store.diskhealth``: a save it would not take raises
 :class:`CacheSaveError` before anything is written, nothing is deleted to
 make room, and saves are tried again after a back-off.
 """
@@ -19,7 +19,7 @@ import logging
 import threading
 from pathlib import Path
 
-from semantic.diskhealth import DiskHealth
+from semantic.store.diskhealth import DiskHealth
 from semantic.store.files import AgentFiles
 
 log = logging.getLogger(__package__)  # the store's one logger: its lines keep the name they had

@@ -1,4 +1,4 @@
-"""The store's side of a tier shared with other servers of the model (the tier itself: ``semantic.remote``).
+"""The store's side of a tier shared with other servers of the model (the tier itself: ``semantic.store.remote``).
 
 ::
 
@@ -29,9 +29,9 @@ from semantic.errors import (CacheCorruptError, CacheFormatError, CacheMismatchE
 from semantic.cache.pool import BlockPool
 from semantic.request import validate_agent_id
 from semantic.cachefile import atomic
-from semantic.store import blockfile, manifest
-from semantic.store.blockfile import BlockInfo
-from semantic.store.blockfiles import BlockFiles
+from semantic.store import blockformat, manifest
+from semantic.store.blockformat import BlockInfo
+from semantic.store.blocklayout import BlockFiles
 from semantic.store.blockindex import Held
 from semantic.store.manifest import manifest_name
 
@@ -42,7 +42,7 @@ class RemoteFetch:
     """Publishes the files saved here and fetches those other servers saved.
 
     Args:
-        remote: a ``redis://`` URL, a :class:`semantic.remote.RemoteTier`, or None (this machine only).
+        remote: a ``redis://`` URL, a :class:`semantic.store.remote.RemoteTier`, or None (this machine only).
         files: the index that fetched files join.
         pool: the pool loaded caches go into.
         pool_lock: held for every use of ``pool``.
@@ -52,10 +52,10 @@ class RemoteFetch:
     def __init__(self, remote, files: BlockFiles, *, pool: BlockPool, pool_lock: threading.RLock,
                  lock: threading.Lock):
         if isinstance(remote, str):
-            from semantic.remote import RemoteTier
+            from semantic.store.remote import RemoteTier
 
             remote = RemoteTier(remote, files.fingerprint)
-        self.remote = remote  # a RemoteTier shared with other servers (``semantic.remote``), or None
+        self.remote = remote  # a RemoteTier shared with other servers (``semantic.store.remote``), or None
         self.files, self.pool, self.pool_lock, self.lock = files, pool, pool_lock, lock
 
     def publish(self, agent_id: str, held, version: int, blocks: AgentBlocks) -> None:
@@ -206,7 +206,7 @@ def adopt(files, agent_id: str, data: bytes, fetch_blocks, drop_block) -> Held:
 
 def _keep_block(files, key: int, raw: bytes, drop_block) -> BlockInfo | None:
     """A fetched block written to its file once its header checks (else dropped from the tier)."""
-    path = files.blocks_dir / blockfile.key_name(key)
+    path = files.blocks_dir / blockformat.key_name(key)
     tmp = atomic.temp_name(path)
     try:
         with open(tmp, "wb") as f:
@@ -218,7 +218,7 @@ def _keep_block(files, key: int, raw: bytes, drop_block) -> BlockInfo | None:
         atomic.unlink_quietly(tmp)
         raise
     try:
-        return blockfile.read_header(str(path), files.spec, files.fingerprint)
+        return blockformat.read_header(str(path), files.spec, files.fingerprint)
     except CacheCorruptError as exc:
         log.warning("a block fetched from the shared tier is refused: %s", exc.reason)
         atomic.unlink_quietly(path)

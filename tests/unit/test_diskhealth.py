@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from semantic.diskhealth import DiskHealth, kind_of
+from semantic.store.diskhealth import DiskHealth, kind_of
 from semantic.errors import CacheSaveError
 
 MB = 1 << 20
@@ -73,7 +73,7 @@ def test_after_a_failure_saves_are_skipped_for_a_back_off_that_doubles_and_reset
 def test_each_kind_of_failure_is_logged_once_while_it_lasts_and_recovery_once(tmp_path, caplog):
     clock = Clock()
     h = health(tmp_path, clock=clock)
-    with caplog.at_level(logging.INFO, logger="semantic.diskhealth"):
+    with caplog.at_level(logging.INFO, logger="semantic.store.diskhealth"):
         for _ in range(20):
             h.failed(OSError(errno.ENOSPC, "No space left on device"))
             clock.t += 30

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from semantic.remote import RemoteTier
+from semantic.store.remote import RemoteTier
 from tests.redis_helpers import RedisServer
 from tests.waits import until
 
@@ -77,7 +77,7 @@ def test_redis_down_is_a_miss_logged_once_then_skipped_until_a_probe_finds_it_ag
     tier.publish("public/a", _file(tmp_path, "a", b"bytes"), 1)
     assert tier.flush(10)
     redis_server.stop()
-    with caplog.at_level(logging.INFO, logger="semantic.remote"):
+    with caplog.at_level(logging.INFO, logger="semantic.store.remote"):
         assert tier.fetch("public/a") is None           # tried: fails fast
         for _ in range(5):
             assert tier.fetch("public/a") is None       # down: not tried

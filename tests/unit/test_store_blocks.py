@@ -17,7 +17,7 @@ import xxhash
 
 from semantic import AgentCacheStore, BlockPool, Request
 from semantic.cachefile import DOC_HASH_KEY, DOC_KEY
-from semantic.store import blockfile, blockfiles, blockload, file_name, manifest, manifest_name
+from semantic.store import blockformat, blocklayout, blockload, file_name, manifest, manifest_name
 from tests.cache_helpers import LOGPROB_TOL, assert_identical, engine, generate, history, run
 
 pytestmark = pytest.mark.compat
@@ -35,8 +35,8 @@ def _kvbs(path: Path) -> dict[str, tuple[int, int, int]]:
     return {p.name: (s.st_ino, s.st_mtime_ns, s.st_size) for p in path.glob("blocks-*/*.kvb") for s in [p.stat()]}
 
 
-def _infos(path: Path, spec) -> dict[str, blockfile.BlockInfo]:
-    return {p.name: blockfile.read_header(str(p), spec, FP) for p in path.glob("blocks-*/*.kvb")}
+def _infos(path: Path, spec) -> dict[str, blockformat.BlockInfo]:
+    return {p.name: blockformat.read_header(str(p), spec, FP) for p in path.glob("blocks-*/*.kvb")}
 
 
 def _manifest(path: Path, spec, agent: str) -> manifest.Manifest:
@@ -44,7 +44,7 @@ def _manifest(path: Path, spec, agent: str) -> manifest.Manifest:
 
 
 def _names(m: manifest.Manifest) -> set[str]:
-    return {blockfile.key_name(k) for k in m.keys()}
+    return {blockformat.key_name(k) for k in m.keys()}
 
 
 def _tensor_bytes(path: str) -> int:
@@ -130,7 +130,7 @@ def test_agents_on_a_shared_prompt_store_its_blocks_once_and_each_continues_like
     infos = _infos(tmp_path, eng.spec)
     assert sum(1 for i in infos.values() if i.end <= 12) == 3  # the prompt's files, once
     s = store.stats()
-    assert s.disk_shared_bytes == sum(infos[blockfile.key_name(k)].nbytes for k in prompt["a"]) > 0
+    assert s.disk_shared_bytes == sum(infos[blockformat.key_name(k)].nbytes for k in prompt["a"]) > 0
     manifests = sum(p.stat().st_size for p in tmp_path.glob("*.kvm"))
     assert s.disk_bytes == s.disk_shared_bytes + s.disk_unique_bytes == sum(i.nbytes for i in infos.values()) + manifests
     assert s.disk_block_files == len(infos)
@@ -303,7 +303,7 @@ def test_a_conversion_that_died_before_deleting_the_cache_file_loads_from_its_ma
         raise OSError(f"the process died before deleting {path}")
 
     with monkeypatch.context() as m:  # the conversion wrote the manifest; the cache file stays
-        m.setattr(blockfiles.atomic, "unlink_quietly", dies)
+        m.setattr(blocklayout.atomic, "unlink_quietly", dies)
         assert_identical(_store(engine(llama_tiny), tmp_path).load("a"), c)
     assert (tmp_path / file_name("a")).exists() and (tmp_path / manifest_name("a")).exists()
     again = _store(engine(llama_tiny), tmp_path)
@@ -347,7 +347,7 @@ def test_a_block_file_of_a_newer_format_is_left_alone_not_quarantined(llama_tiny
     n = int.from_bytes(raw[:8], "little")
     header = json.loads(raw[8 : 8 + n])
     doc = json.loads(header["__metadata__"][DOC_KEY])
-    doc["format_version"] = blockfile.BLOCK_VERSION + 1
+    doc["format_version"] = blockformat.BLOCK_VERSION + 1
     text = json.dumps(doc)
     header["__metadata__"].update({DOC_KEY: text, DOC_HASH_KEY: xxhash.xxh3_128(text.encode()).hexdigest()})
     blob = json.dumps(header).encode()
@@ -378,7 +378,7 @@ def test_a_load_reads_no_block_file_whose_blocks_are_already_pooled(llama_tiny, 
     store = _store(eng, tmp_path)
     for a, c in caches.items():
         store.save(a, c)
-    reads, real = [], blockfile.load_arrays
+    reads, real = [], blockformat.load_arrays
     monkeypatch.setattr(blockfile, "load_arrays", lambda info: reads.append(info.key) or real(info))
     assert_identical(store.load("a"), caches["a"])  # every block is pooled: the caller holds them
     assert reads == []

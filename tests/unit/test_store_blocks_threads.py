@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from semantic.store import blockfiles
+from semantic.store import blocklayout
 from tests.cache_helpers import assert_identical, engine, generate, history
 from tests.unit.test_store_blocks import SYSTEM, _kvbs, _manifest, _names, _store
 
@@ -52,7 +52,7 @@ def test_a_block_file_written_again_while_the_collector_deletes_its_old_copy_sur
     store = _store(eng, tmp_path)
     store.save("x", c)
     taken, written = threading.Event(), threading.Event()
-    real = blockfiles.atomic.unlink_quietly
+    real = blocklayout.atomic.unlink_quietly
 
     def unlink(path):  # the collector, between dropping x's files from the index and deleting the first
         if Path(path).suffix == ".kvb" and not Path(path).name.startswith(".") and not taken.is_set():
@@ -60,7 +60,7 @@ def test_a_block_file_written_again_while_the_collector_deletes_its_old_copy_sur
             written.wait(3)  # a collector that keeps saves out meanwhile (a fix) goes on after 3 s
         real(path)
 
-    monkeypatch.setattr(blockfiles.atomic, "unlink_quietly", unlink)
+    monkeypatch.setattr(blocklayout.atomic, "unlink_quietly", unlink)
     deleting = threading.Thread(target=store.delete, args=("x",))
     deleting.start()
     assert taken.wait(10)

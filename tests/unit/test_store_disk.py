@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from semantic import AgentCacheStore, CacheSaveError
-from semantic.diskhealth import DiskHealth
+from semantic.store.diskhealth import DiskHealth
 from tests.cache_helpers import assert_identical, engine, generate, history
 from tests.fs_helpers import fill, remount, tmpfs
 

@@ -6,7 +6,7 @@ import pytest
 
 from semantic import AgentCacheStore
 from semantic.cache import blockplan
-from semantic.remote import RemoteTier
+from semantic.store.remote import RemoteTier
 from tests.cache_helpers import assert_identical, engine, generate, history
 from tests.redis_helpers import RedisServer
 

@@ -27,9 +27,9 @@ import xxhash
 from semantic import AgentCacheStore, Request
 from semantic.cachefile import DOC_KEY
 from semantic.errors import CacheCorruptError, PoolExhaustedError, UnsupportedCacheError
-from semantic.remote import Fetched
+from semantic.store.remote import Fetched
 from semantic.cache.spec import RECURRENT, LayerSpec
-from semantic.store import blockfile, blockload, manifest, manifest_name
+from semantic.store import blockformat, blockload, manifest, manifest_name
 from tests.cache_helpers import LOGPROB_TOL, arrays, engine, generate, history, run
 from tests.redis_helpers import RedisServer
 from tests.tiny_models import tiny_gpt_oss, tiny_lfm2, tiny_qwen3_next
@@ -75,11 +75,11 @@ def _snapshot_group(spec) -> str:
     return group
 
 
-def _infos(path: Path, spec) -> list[blockfile.BlockInfo]:
-    return [blockfile.read_header(str(p), spec, FP) for p in sorted(path.glob("blocks-*/*.kvb"))]
+def _infos(path: Path, spec) -> list[blockformat.BlockInfo]:
+    return [blockformat.read_header(str(p), spec, FP) for p in sorted(path.glob("blocks-*/*.kvb"))]
 
 
-def _snapshot_files(path: Path, spec) -> list[blockfile.BlockInfo]:
+def _snapshot_files(path: Path, spec) -> list[blockformat.BlockInfo]:
     """The snapshot files on disk, by end."""
     return sorted((i for i in _infos(path, spec) if i.snapshot), key=lambda i: i.end)
 
@@ -434,8 +434,8 @@ def test_a_snapshot_file_serves_only_a_history_that_matches_all_its_tokens(tmp_p
     assert snap.usable_end(tokens[:-1] + [tokens[-1] ^ 1], snap.parent, end) == snap.start  # never a prefix
     assert snap.usable_end(tokens, snap.parent, end - 1) == snap.start
     assert snap.usable_end(tokens, (snap.parent or 0) ^ 1, end) == snap.start
-    positional = blockfile.block_key(snap.parent, tuple(tokens), 0, snap.group)
-    assert snap.key == blockfile.snapshot_key(snap.parent, tuple(tokens), snap.group) != positional
+    positional = blockformat.block_key(snap.parent, tuple(tokens), 0, snap.group)
+    assert snap.key == blockformat.snapshot_key(snap.parent, tuple(tokens), snap.group) != positional
 
 
 # ---------------------------------------------------------------- files written before snapshots
@@ -520,7 +520,7 @@ def test_the_single_file_layout_refuses_recurrent_layers_naming_them_and_the_blo
 
 
 class _MemoryTier:
-    """What the store uses of ``semantic.remote.RemoteTier``, in memory and synchronous (the bytes as the
+    """What the store uses of ``semantic.store.remote.RemoteTier``, in memory and synchronous (the bytes as the
     real tier keeps them: a manifest per agent, block files by key)."""
 
     def __init__(self):
@@ -591,11 +591,11 @@ def test_snapshot_files_travel_through_the_shared_tier_like_other_block_files(tm
 def _is_snapshot(raw: bytes) -> bool:
     n = int.from_bytes(raw[:8], "little")
     doc = json.loads(json.loads(raw[8:8 + n])["__metadata__"][DOC_KEY])
-    return doc.get("snapshot") is True and doc["format_version"] == blockfile.SNAPSHOT_VERSION
+    return doc.get("snapshot") is True and doc["format_version"] == blockformat.SNAPSHOT_VERSION
 
 
 def test_snapshot_files_travel_through_a_real_redis_server(tmp_path):
-    from semantic.remote import RemoteTier
+    from semantic.store.remote import RemoteTier
 
     (tmp_path / "redis").mkdir()
     server = RedisServer(tmp_path / "redis").start()

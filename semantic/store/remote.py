@@ -11,7 +11,7 @@
     drop(agent, version)      ─► delete a manifest that failed verification, unless replaced meanwhile
     drop_block(key)           ─► delete a block value that failed verification
 
-The layout is the disk's (``semantic.store.blockfiles``), so no value is larger than a block::
+The layout is the disk's (``semantic.store.blocklayout``), so no value is larger than a block::
 
     <prefix>:<fingerprint>:kvb:<key>              a block file's bytes, by its content key (written once)
     <prefix>:<fingerprint>:manifest:<sha256(id)>  hash {v: version, data: the manifest's bytes}

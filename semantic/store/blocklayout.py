@@ -42,8 +42,8 @@ from semantic.cachefile.fileformat import ST_DTYPES
 from semantic.errors import CacheCorruptError, CacheFormatError, CacheMismatchError
 from semantic.cache.pool import BlockPool
 from semantic.cache.spec import ModelCacheSpec
-from semantic.store import blockfile, blockload, blockscan, manifest
-from semantic.store.blockfile import BlockInfo
+from semantic.store import blockformat, blockload, blockscan, manifest
+from semantic.store.blockformat import BlockInfo
 from semantic.store.agentindex import AgentIndex
 from semantic.store.blockindex import BlockIndex, Held, NewBlock
 from semantic.store.files import EXTRA_SUFFIX
@@ -64,7 +64,7 @@ class BlockFiles(AgentIndex):
         super().__init__(directory, spec, fingerprint, durable=durable, lock=lock, quarantine=quarantine)
         self.bt = block_tokens
         # a newer block format (or another model, spec, block size) gets a folder of its own
-        key = f"{fingerprint}|{spec.fingerprint()}|{block_tokens}|{blockfile.DIR_VERSION}"
+        key = f"{fingerprint}|{spec.fingerprint()}|{block_tokens}|{blockformat.DIR_VERSION}"
         digest = xxhash.xxh3_64(key.encode()).hexdigest()[:12]
         self.blocks_dir = directory / f"blocks-{digest}"
         self.index = BlockIndex()
@@ -175,9 +175,9 @@ class BlockFiles(AgentIndex):
         return Held(path, n, frozenset(m.keys()), written=written + n, pins=frozenset(pins))
 
     def _write_block(self, nb: NewBlock, tokens, prepared: cachefile.PreparedSave) -> BlockInfo:
-        path = str(self.blocks_dir / blockfile.key_name(nb.key))
+        path = str(self.blocks_dir / blockformat.key_name(nb.key))
         if nb.snapshot:  # the saved buffer of a snapshot group is its snapshot: every tensor whole
-            slots = blockfile.snapshot_slots(self.spec, nb.group, nb.end)
+            slots = blockformat.snapshot_slots(self.spec, nb.group, nb.end)
             if nb.end == len(tokens):
                 have_slots, have_chunks = prepared.slots, prepared.chunks
             else:  # an earlier snapshot of the history
@@ -186,13 +186,13 @@ class BlockFiles(AgentIndex):
             by_name = {s.name: k for k, s in enumerate(have_slots)}
             assert all(have_slots[by_name[s.name]].shape == s.shape for s in slots), nb
             chunks = [have_chunks[by_name[s.name]] for s in slots]
-            return blockfile.write(path, self.spec, self.fingerprint, nb.group, nb.parent, nb.block_start, nb.start,
+            return blockformat.write(path, self.spec, self.fingerprint, nb.group, nb.parent, nb.block_start, nb.start,
                                    tuple(tokens[nb.block_start:nb.end]), chunks, self.durable, snapshot=True)
-        slots = blockfile.block_slots(self.spec, nb.group, nb.end - nb.start)
+        slots = blockformat.block_slots(self.spec, nb.group, nb.end - nb.start)
         by_name = {s.name: k for k, s in enumerate(prepared.slots)}
         chunks = [_slice(prepared.chunks[by_name[s.name]], prepared.slots[by_name[s.name]], nb.buffer, nb.end - nb.start)
                   for s in slots]
-        return blockfile.write(path, self.spec, self.fingerprint, nb.group, nb.parent, nb.block_start, nb.start,
+        return blockformat.write(path, self.spec, self.fingerprint, nb.group, nb.parent, nb.block_start, nb.start,
                                tuple(tokens[nb.block_start:nb.end]), chunks, self.durable)
 
     def collect(self) -> int:
@@ -382,7 +382,7 @@ def _earlier_ends(prepared: cachefile.PreparedSave) -> dict[str, list[int]]:
 
 def _snapshot_bytes(spec: ModelCacheSpec, nb: NewBlock) -> int:
     """The tensor bytes of a snapshot file."""
-    return sum(s.nbytes for s in blockfile.snapshot_slots(spec, nb.group, nb.end))
+    return sum(s.nbytes for s in blockformat.snapshot_slots(spec, nb.group, nb.end))
 
 
 def _slice(chunks: list[memoryview], slot, first: int, n: int) -> list[memoryview]:
