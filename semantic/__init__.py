@@ -35,8 +35,8 @@ _EXPORTS = {
     ),
     "semantic.cache.pool": ("BlockPool", "PoolStats"),
     "semantic.request": ("Completion", "Request", "encode", "render_chat", "validate_agent_id"),
-    "semantic.planner": ("SchedulerStats",),
-    "semantic.scheduler": ("ConcurrentScheduler", "TurnResult"),
+    "semantic.sched.planner": ("SchedulerStats",),
+    "semantic.sched.scheduler": ("ConcurrentScheduler", "TurnResult"),
     "semantic.cache.spec": ("LayerSpec", "ModelCacheSpec"),
     "semantic.store": ("AgentCacheStore", "StoreStats"),
 }

@@ -40,15 +40,15 @@ from semantic.engine.executor import vocab_size
 from semantic.errors import CacheError, ContextLengthError, InvalidRequestError, SchedulerClosedError
 from semantic.store.fingerprint import weights_fingerprint
 from semantic.decode.promptlookup import SpecConfig
-from semantic.planner import SchedulerStats, longest_cache
+from semantic.sched.planner import SchedulerStats, longest_cache
 from semantic.cache.pool import BlockPool, PoolStats
 from semantic.decode.constraint import Grammar
 from semantic.echo import EchoBook, Reply, Said
 from semantic.request import Completion, OnToken, Request, encode, render_text
 from semantic.decode.sampling import GREEDY, SamplingParams
 from semantic.store.diskhealth import KINDS as SAVE_FAILURES
-from semantic.saves import FAILED, PENDING, SAVED
-from semantic.scheduler import ConcurrentScheduler, TurnFuture
+from semantic.sched.saves import FAILED, PENDING, SAVED
+from semantic.sched.scheduler import ConcurrentScheduler, TurnFuture
 from semantic.cache.spec import ModelCacheSpec
 from semantic.store import AgentCacheStore, StoreStats
 from semantic.toolformat import ToolCall, ToolPlan, Tools, read_calls

@@ -37,9 +37,9 @@ from harness.serving import processes
 from harness.serving.targets import MLX_LM, OURS, ROOT, TARGETS
 
 SIDES = ("on", "off", "mlx_lm")
-SOURCES = ("semantic/scheduler.py", "semantic/planner.py", "semantic/engine/executor.py", "semantic/store/__init__.py",
+SOURCES = ("semantic/sched/scheduler.py", "semantic/sched/planner.py", "semantic/engine/executor.py", "semantic/store/__init__.py",
            "semantic/cache/pool.py", "semantic/cache/blocks.py", "semantic/echo.py", "semantic/service.py",
-           "semantic/residency.py", "semantic/toolformat.py", "semantic/cache/convert.py", "semantic/cache/reuse.py")
+           "semantic/sched/residency.py", "semantic/toolformat.py", "semantic/cache/convert.py", "semantic/cache/reuse.py")
 RENAMES = (("self", "this"), ("seq", "sequence"), ("blocks", "pages"), ("agent", "worker"), ("cache", "memo"))
 SYSTEM = ("You are a careful coding assistant. When asked to edit code, reply with the complete edited code "
           "and nothing else.")

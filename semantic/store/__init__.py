@@ -3,7 +3,7 @@
 ``save`` writes the agent's cache file (``cachefile``, crash-safe) before
 it returns; ``load`` reads it back into the pool (verified), else ``None``.
 So every saved cache survives a crash. The caches kept in RAM between turns
-are the scheduler's (``semantic.residency``, under its RAM budget): this
+are the scheduler's (``semantic.sched.residency``, under its RAM budget): this
 store holds no blocks of its own::
 
     save(a) ──► file a (fsynced)

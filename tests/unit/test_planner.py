@@ -1,7 +1,7 @@
 """The step planner's rules on plain values: admission, room-making, the RAM budget, cancels. No threads, no model.
 
 The planner reads a cache only through ``unique_blocks()`` and each block's
-``nbytes`` (``semantic.residency``), so the caches here are small stand-ins
+``nbytes`` (``semantic.sched.residency``), so the caches here are small stand-ins
 with exactly that: what is tested is which agent goes, not MLX.
 """
 
@@ -11,8 +11,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from semantic import PoolExhaustedError, Request
-from semantic.planner import StepPlanner, Ticket, blocks_per_group
-from semantic.residency import DistinctBytes, Residency
+from semantic.sched.planner import StepPlanner, Ticket, blocks_per_group
+from semantic.sched.residency import DistinctBytes, Residency
 
 
 @dataclass(eq=False)

@@ -1,7 +1,7 @@
 """The scheduler's RAM budget for resident caches (tiny random-weight models).
 
 Resident bytes are the distinct pool blocks of the caches the scheduler keeps
-between turns (``semantic.residency``, ``semantic.planner``); the budget holds after every worker
+between turns (``semantic.sched.residency``, ``semantic.sched.planner``); the budget holds after every worker
 pass by evicting, least recently used first, caches already saved to disk.
 """
 
@@ -170,7 +170,7 @@ def test_a_budget_needs_write_behind_and_a_byte_count(llama_tiny, cache_dir):
 
 
 def test_resident_bytes_count_a_block_shared_by_two_agents_once(llama_tiny):
-    from semantic.residency import Residency
+    from semantic.sched.residency import Residency
     from tests.cache_helpers import engine, generate, history
 
     eng = engine(llama_tiny, blocks=512)

@@ -20,9 +20,9 @@ TRACED = [
     ("semantic.engine.steploop.StepLoop", "_read_decoded", "decode read (wait for forward)"),
     ("semantic.engine.steploop.StepLoop", "_join", "join batch (merge caches)"),
     ("semantic.engine.executor.BatchExecutor", "_record", "record token + on_token"),
-    ("semantic.scheduler.ConcurrentScheduler", "_admit", "scheduler admit"),
-    ("semantic.scheduler.ConcurrentScheduler", "_finish", "scheduler finish (save prep, residency)"),
-    ("semantic.scheduler.ConcurrentScheduler", "_hold_budget", "scheduler RAM budget check"),
+    ("semantic.sched.scheduler.ConcurrentScheduler", "_admit", "scheduler admit"),
+    ("semantic.sched.scheduler.ConcurrentScheduler", "_finish", "scheduler finish (save prep, residency)"),
+    ("semantic.sched.scheduler.ConcurrentScheduler", "_hold_budget", "scheduler RAM budget check"),
     ("mlx.core", "clear_cache", "mx.clear_cache"),
 ]
 

@@ -35,4 +35,4 @@ def tokens_of(tokenizer, messages: list[dict]) -> list[int]:
 
 def _first_turn(text: str) -> list[dict]:
     return [{"role": "system", "content": SYSTEM},
-            {"role": "user", "content": "read_file('semantic/scheduler.py') returned:\n" + text}]
+            {"role": "user", "content": "read_file('semantic/sched/scheduler.py') returned:\n" + text}]

@@ -34,7 +34,7 @@ class SaveState:
         self._written: OrderedDict[str, tuple[int, bool]] = OrderedDict()  # agent -> (number, ok) of its newest save done
         self._next = 0
         self.saves = self.errors = 0
-        self.lost = 0  # caches dropped from RAM unsaved (``semantic.planner``): their turns are not on disk
+        self.lost = 0  # caches dropped from RAM unsaved (``semantic.sched.planner``): their turns are not on disk
 
     def put(self, agent_id: str, blocks: AgentBlocks, prepared: cachefile.PreparedSave) -> tuple[int, Pending | None]:
         """Queue a save: its number, and the older pending one it replaces (the caller releases it)."""

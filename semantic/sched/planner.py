@@ -2,7 +2,7 @@
 
 The scheduler's worker asks, once per pass, which queued turns start, which
 running ones end, and which resident caches go; it then does what the plan
-says (threads, locks, the model: ``semantic.scheduler``). Deciding takes no
+says (threads, locks, the model: ``semantic.sched.scheduler``). Deciding takes no
 lock and starts no thread, so every rule below is tested with plain values
 (``tests/unit/test_planner.py``). This is also where a step's token budget
 belongs.
@@ -48,8 +48,8 @@ from dataclasses import dataclass, field
 from semantic.cache.blocks import AgentBlocks
 from semantic.errors import PoolExhaustedError
 from semantic.request import Completion, Request
-from semantic.residency import Residency
-from semantic.saves import SaveState
+from semantic.sched.residency import Residency
+from semantic.sched.saves import SaveState
 
 
 def blocks_per_group(tokens: int, block_tokens: int) -> int:
@@ -82,7 +82,7 @@ class SchedulerStats:
     resident_agents: int
     evictions: int       # agents dropped from RAM (to make room, to hold the budget, or asked to)
     cancelled: int = 0   # turns ended by cancel() (queued or running)
-    resident_bytes: int = 0          # distinct pool blocks of resident caches (``semantic.residency``)
+    resident_bytes: int = 0          # distinct pool blocks of resident caches (``semantic.sched.residency``)
     resident_peak_bytes: int = 0     # the most resident bytes after any pass
     ram_budget_bytes: int | None = None
     budget_evictions: int = 0        # saved caches evicted to hold the budget

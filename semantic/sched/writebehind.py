@@ -1,12 +1,12 @@
 """The scheduler's saver thread: finished caches written to the store behind the worker.
 
 The worker prepares each save (``cachefile.prepare_save``, the MLX part) and
-queues it in the planner's :class:`~semantic.saves.SaveState`; this thread
+queues it in the planner's :class:`~semantic.sched.saves.SaveState`; this thread
 takes the oldest, writes its bytes and reports back, so MLX keeps computing.
 A failed save is counted (the store logs one line per kind of failure: a
 full disk, a read-only or vanished directory); the cache stays resident
 (``unsaved`` until a later save of the agent succeeds: evicted only as the
-last resort, counted as lost, ``semantic.planner``) and the agent's next
+last resort, counted as lost, ``semantic.sched.planner``) and the agent's next
 finished turn saves again.
 """
 
@@ -17,7 +17,7 @@ import threading
 from typing import Callable
 
 from semantic.errors import CacheSaveError
-from semantic.saves import SaveState
+from semantic.sched.saves import SaveState
 from semantic.store import AgentCacheStore
 
 log = logging.getLogger(__name__)

@@ -8,7 +8,7 @@ read from its file for a turn is that turn's until the turn finishes and
 its successor is put here. So resident bytes grow only when a turn finishes.
 
 Plain state: no locks, no threads. The scheduler's planner decides which
-cache goes (``semantic.planner``) and holds its lock around every call; the
+cache goes (``semantic.sched.planner``) and holds its lock around every call; the
 AgentBlocks a call hands back are released by the caller, outside that lock.
 """
 

@@ -11,22 +11,22 @@ finished caches through the ``AgentCacheStore`` behind it::
                                                                       │ own cache resident, saved
                                                                       └─► saver: store.save (write-behind)
 
-A turn answers twice (:class:`~semantic.turnfuture.TurnFuture`): its
+A turn answers twice (:class:`~semantic.sched.turnfuture.TurnFuture`): its
 ``tokens`` as soon as its last token is read, the turn once its cache is
 kept; the agent's next turn waits for the second.
 
 What runs, waits, fails or is evicted is the planner's decision
-(``semantic.planner``: admission, the RAM budget, pinned caches), made from
+(``semantic.sched.planner``: admission, the RAM budget, pinned caches), made from
 plain state under the one lock this class holds; this class does what it
 says. Where each turn's starting cache comes from (held here, another
-server's, the agent's file, a shared prefix) is ``semantic.origin``.
+server's, the agent's file, a shared prefix) is ``semantic.sched.origin``.
 
 Backpressure is bounded everywhere. At most ``max_queued`` requests wait;
 ``submit`` then raises :class:`QueueFullError`, or waits up to ``timeout``.
 Pending saves are bounded by the agents that have one (a newer save of an
 agent replaces its older pending one). ``ram_budget_bytes`` bounds the
-resident caches, the one RAM tier (``semantic.residency``); other threads
-read them, or evict one, through ``semantic.residentview``.
+resident caches, the one RAM tier (``semantic.sched.residency``); other threads
+read them, or evict one, through ``semantic.sched.residentview``.
 
 :meth:`ConcurrentScheduler.cancel` ends a queued or running turn (a client
 that went away). A request with ``persist=False`` is anonymous: it starts
@@ -53,13 +53,13 @@ from semantic.cache.blocks import AgentBlocks
 from semantic.engine.executor import BatchExecutor
 from semantic.errors import CacheError, PoolExhaustedError, QueueFullError, SchedulerClosedError
 from semantic.decode.promptlookup import SpecConfig
-from semantic.origin import CacheOrigin
-from semantic.planner import SchedulerStats, StepPlan, StepPlanner, Ticket
+from semantic.sched.origin import CacheOrigin
+from semantic.sched.planner import SchedulerStats, StepPlan, StepPlanner, Ticket
 from semantic.request import Completion, Request
-from semantic.residentview import ResidentView
+from semantic.sched.residentview import ResidentView
 from semantic.store import AgentCacheStore
-from semantic.turnfuture import TurnFuture, TurnResult  # noqa: F401  (TurnResult: semantic exports it from here)
-from semantic.writebehind import WriteBehind
+from semantic.sched.turnfuture import TurnFuture, TurnResult  # noqa: F401  (TurnResult: semantic exports it from here)
+from semantic.sched.writebehind import WriteBehind
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ class ConcurrentScheduler(ResidentView):
             or not at all (False: RAM only, for measurements).
         stop_tokens: as ``BatchExecutor`` (default: the tokenizer's EOS).
         ram_budget_bytes: most bytes resident caches may hold after each
-            pass (``semantic.planner``); None: bounded by the pool alone.
+            pass (``semantic.sched.planner``); None: bounded by the pool alone.
             Needs ``write_behind``: only caches on disk are evicted.
         speculation: prompt-lookup drafts for greedy turns (``semantic.decode.promptlookup``); None: off.
     """
@@ -295,7 +295,7 @@ class ConcurrentScheduler(ResidentView):
         return plan
 
     def _starting_cache(self, ticket: Ticket) -> AgentBlocks | None | bool:
-        """The cache ``ticket``'s turn starts from (``semantic.origin``); False: the turn failed, no room
+        """The cache ``ticket``'s turn starts from (``semantic.sched.origin``); False: the turn failed, no room
         to read its file."""
         try:
             return self.origin.find(ticket.request)

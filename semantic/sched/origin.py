@@ -27,7 +27,7 @@ from typing import Callable
 
 from semantic.cache.blocks import AgentBlocks
 from semantic.errors import PoolExhaustedError
-from semantic.planner import StepPlan, StepPlanner, blocks_per_group
+from semantic.sched.planner import StepPlan, StepPlanner, blocks_per_group
 from semantic.request import Request
 from semantic.store import AgentCacheStore
 

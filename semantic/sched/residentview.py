@@ -1,7 +1,7 @@
 """The scheduler's resident caches as any thread asks about them.
 
 Agents' caches between turns live in the planner's residency
-(``semantic.residency``), changed by the worker under the scheduler's
+(``semantic.sched.residency``), changed by the worker under the scheduler's
 condition; these queries read it under the same condition, from any thread.
 A cache dropped here is released after the condition is let go: releasing
 takes the pool's lock, and the scheduler's condition is never held while
@@ -13,11 +13,11 @@ from __future__ import annotations
 import threading
 
 from semantic.cache.blocks import AgentBlocks
-from semantic.planner import StepPlanner
+from semantic.sched.planner import StepPlanner
 
 
 class ResidentView:
-    """What :class:`~semantic.scheduler.ConcurrentScheduler` holds in RAM: read, and evicted on request.
+    """What :class:`~semantic.sched.scheduler.ConcurrentScheduler` holds in RAM: read, and evicted on request.
 
     A base of the scheduler: it reads the scheduler's ``planner`` under its ``_cv``.
     """

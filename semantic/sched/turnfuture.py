@@ -5,7 +5,7 @@ everything a client is told (the tokens, the finish reason, the cached and
 prompt counts); the future itself resolves one step later, once the last
 token is fed, the cache extracted and its save prepared. The agent's next
 turn waits for the second: it always starts from the whole cache of the one
-before (``semantic.scheduler``).
+before (``semantic.sched.scheduler``).
 """
 
 from __future__ import annotations
