@@ -30,12 +30,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from semantic import compat, defaults, errors, roles, toolformat
+from semantic import compat, defaults, errors
+from semantic.chat import roles, toolformat
 from semantic.decode import constraint
 from semantic.cache import stops
 from semantic.cache.blockplan import salt_root_of
-from semantic.boundaries import message_boundaries
-from semantic.outputbudget import output_budget
+from semantic.chat.boundaries import message_boundaries
+from semantic.chat.maxtokens import fit_max_tokens
 from semantic.engine.executor import vocab_size
 from semantic.errors import CacheError, ContextLengthError, InvalidRequestError, SchedulerClosedError
 from semantic.store.fingerprint import weights_fingerprint
@@ -43,7 +44,7 @@ from semantic.decode.promptlookup import SpecConfig
 from semantic.sched.planner import SchedulerStats, longest_cache
 from semantic.cache.pool import BlockPool, PoolStats
 from semantic.decode.constraint import Grammar
-from semantic.echo import EchoBook, Reply, Said
+from semantic.chat.echo import EchoBook, Reply, Said
 from semantic.request import Completion, OnToken, Request, encode, render_text
 from semantic.decode.sampling import GREEDY, SamplingParams
 from semantic.store.diskhealth import KINDS as SAVE_FAILURES
@@ -51,7 +52,7 @@ from semantic.sched.saves import FAILED, PENDING, SAVED
 from semantic.sched.scheduler import ConcurrentScheduler, TurnFuture
 from semantic.cache.spec import ModelCacheSpec
 from semantic.store import AgentCacheStore, StoreStats
-from semantic.toolformat import ToolCall, ToolPlan, Tools, read_calls
+from semantic.chat.toolformat import ToolCall, ToolPlan, Tools, read_calls
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +60,7 @@ log = logging.getLogger(__name__)
 __all__ = [
     "ANON", "AgentInfo", "CacheError", "Completion", "ContextLengthError", "FAILED", "GREEDY", "InvalidRequestError",
     "PENDING", "Request", "SAVED", "SAVE_FAILURES", "SamplingParams", "SchedulerClosedError", "Service",
-    "ServiceStats", "ToolCall", "ToolPlan", "Tools", "TurnPlan", "errors", "output_budget", "read_calls",
+    "ServiceStats", "ToolCall", "ToolPlan", "Tools", "TurnPlan", "errors", "fit_max_tokens", "read_calls",
 ]
 
 ANON = "~anon/"          # anonymous agents' ids: never saved, never listed
@@ -106,7 +107,7 @@ class ServiceStats:
     pool_capacity_bytes: int
     disk_budget_bytes: int
     cache_dir: str
-    echo_spliced: int = 0    # prompts whose echoed reply was the generated ids (``semantic.echo``)
+    echo_spliced: int = 0    # prompts whose echoed reply was the generated ids (``semantic.chat.echo``)
     echo_rendered: int = 0   # prompts of known agents rendered instead: the echo did not match
     spec_steps: int = 0      # decode steps that verified drafts (``semantic.decode.promptlookup``) ...
     spec_drafted: int = 0    # ... the tokens drafted in them ...
@@ -130,7 +131,7 @@ class Service:
         tool_parser: the model's tool-call format (an ``mlx_lm.tool_parsers``
             module, or "generic"); None: what mlx-lm sniffed from its template.
         echo_history: a named agent's echoed reply is its generated ids
-            (``semantic.echo``); False: always the template's rendering.
+            (``semantic.chat.echo``); False: always the template's rendering.
         strict_max_tokens: a ``max_tokens`` the context cannot hold after the
             prompt is refused (ContextLengthError) rather than cut to fit.
         speculation: prompt-lookup drafts for greedy turns (``semantic.decode.promptlookup``); None: off.
@@ -151,7 +152,7 @@ class Service:
         self.tool_format = toolformat.sniff(tokenizer, tool_parser)
         self.echo = EchoBook(limit=4096 if echo_history else 0)
         self.strict_max_tokens = strict_max_tokens
-        # whether system turns render where they stand, or must move (``semantic.roles``): asked once
+        # whether system turns render where they stand, or must move (``semantic.chat.roles``): asked once
         self.free_system = roles.renders_mid_system(lambda msgs: render_text(tokenizer, msgs))
         self._end_texts = [t for t in (tokenizer.decode([e]) for e in sorted(self.eos)) if t]
         self.vocab_size = vocab_size(model)
@@ -221,15 +222,15 @@ class Service:
                 response_schema: dict | None = None, on_token: OnToken | None = None,
                 on_admit=None, until_context: bool = False) -> TurnPlan:
         """The turn's :class:`Request`: tokenized once (``messages`` through the chat template, or
-        ``prompt`` text or ids), its output budget fitted (:func:`output_budget`), its cache placed;
-        and how its reply is read when ``tools`` are offered (``semantic.toolformat``).
+        ``prompt`` text or ids), its max_tokens fitted (:func:`fit_max_tokens`), its cache placed;
+        and how its reply is read when ``tools`` are offered (``semantic.chat.toolformat``).
 
         ``until_context``: with no ``max_tokens``, the reply may take all the
         context leaves (the Responses API's meaning), not the server's default.
         ``response_schema`` holds the reply to one JSON value matching it (a
         grammar, as ``tools`` may). A named agent whose messages echo the
         reply this server generated for it gets that reply's own token ids
-        (``semantic.echo``). Blocking (the tokenizer and the chat template):
+        (``semantic.chat.echo``). Blocking (the tokenizer and the chat template):
         call it off an event loop.
 
         Raises:
@@ -258,7 +259,7 @@ class Service:
                                            self._tokens)
         else:
             ids = encode(self.tokenizer, prompt)
-        max_tokens = output_budget(len(ids), max_tokens, context_length=self.context_length,
+        max_tokens = fit_max_tokens(len(ids), max_tokens, context_length=self.context_length,
                                    pool_tokens=self.pool_tokens, strict=self.strict_max_tokens,
                                    default=None if until_context else defaults.MAX_TOKENS)
         salt = f"{tenant}\0{cache_salt}" if tenant or cache_salt else None
@@ -334,7 +335,7 @@ class Service:
                 or self.store.has(agent_id))
 
     def echo_state(self, tenant: str, agent: str) -> dict | None:
-        """The agent's last turn as generated (``semantic.echo``), as JSON, for a record kept across restarts."""
+        """The agent's last turn as generated (``semantic.chat.echo``), as JSON, for a record kept across restarts."""
         said = self.echo.said(self.agent_id(tenant, agent))
         return said.to_json() if said is not None else None
 

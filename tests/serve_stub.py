@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 from semantic.serve.protocol import Delta, Final, GenerateRequest, Prepared, TokenLogprob, TopLogprob
-from semantic.service import Completion, Request, output_budget
+from semantic.service import Completion, Request, fit_max_tokens
 
 
 @dataclass
@@ -44,7 +44,7 @@ class StubBackend:
         text = req.prompt if isinstance(req.prompt, str) else " ".join(m["content"] or "" for m in req.messages or [])
         ids = tuple(req.prompt) if isinstance(req.prompt, list) else tuple(range(len(text.split()) + 2))
         # the service's own fitting: a budget cut to the context (refused past it when strict)
-        max_tokens = output_budget(len(ids), req.max_tokens, context_length=self.context_length,
+        max_tokens = fit_max_tokens(len(ids), req.max_tokens, context_length=self.context_length,
                                    strict=self.strict_max_tokens, default=None if req.until_context else 256)
         turn = Request(f"{req.tenant or 'public'}/{req.agent or 'anon'}", ids, max_tokens, sampling=req.sampling,
                        persist=req.agent is not None)

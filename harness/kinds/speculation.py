@@ -38,8 +38,8 @@ from harness.serving.targets import MLX_LM, OURS, ROOT, TARGETS
 
 SIDES = ("on", "off", "mlx_lm")
 SOURCES = ("semantic/sched/scheduler.py", "semantic/sched/planner.py", "semantic/engine/executor.py", "semantic/store/__init__.py",
-           "semantic/cache/pool.py", "semantic/cache/blocks.py", "semantic/echo.py", "semantic/service.py",
-           "semantic/sched/residency.py", "semantic/toolformat.py", "semantic/cache/convert.py", "semantic/cache/reuse.py")
+           "semantic/cache/pool.py", "semantic/cache/blocks.py", "semantic/chat/echo.py", "semantic/service.py",
+           "semantic/sched/residency.py", "semantic/chat/toolformat.py", "semantic/cache/convert.py", "semantic/cache/reuse.py")
 RENAMES = (("self", "this"), ("seq", "sequence"), ("blocks", "pages"), ("agent", "worker"), ("cache", "memo"))
 SYSTEM = ("You are a careful coding assistant. When asked to edit code, reply with the complete edited code "
           "and nothing else.")

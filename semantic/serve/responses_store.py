@@ -4,7 +4,7 @@ A stored response is the conversation so far (every message, this
 response's output included), the agent whose cache holds it, and the
 response object as the client got it. A follow-up that names it continues
 that agent, so its prompt is the stored messages plus the new input, and the
-agent's cache (echo-stable: ``semantic.echo``) covers all but the new part.
+agent's cache (echo-stable: ``semantic.chat.echo``) covers all but the new part.
 Records are small JSON files, one per response, under the cache directory,
 namespaced by tenant (another tenant's id is not found), written atomically,
 so they survive SIGTERM and SIGKILL as the caches do. At most ``limit``

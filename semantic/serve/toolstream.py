@@ -7,7 +7,7 @@ held back, the way a stop string's first characters are (``textstream``)::
     content           "Let me check."                  held back: "<tool_c"
     next "all>\\n{...}\\n</tool_call>"   -> a call (mlx-lm's parser), then content again
 
-A generic-format reply (``semantic.toolformat``) is a call when its first
+A generic-format reply (``semantic.chat.toolformat``) is a call when its first
 character is "{", and content otherwise. A complete call that does not parse
 is kept as content, markers and all: the client sees what the model wrote; a
 call the reply's end cut short (its token budget) is dropped, never shown.

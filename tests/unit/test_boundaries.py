@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from harness.models.tiny import CHAT_TEMPLATE, byte_tokenizer
-from semantic.boundaries import message_boundaries
+from semantic.chat.boundaries import message_boundaries
 
 
 def _tok():

@@ -9,7 +9,7 @@ from hypothesis import given, settings, strategies as st
 
 from harness.models.tiny import CHAT_TEMPLATE, byte_tokenizer
 from semantic.request import render_text
-from semantic.roles import fit, renders_mid_system
+from semantic.chat.roles import fit, renders_mid_system
 
 pytestmark = pytest.mark.compat
 

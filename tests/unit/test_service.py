@@ -15,7 +15,7 @@ import pytest
 from harness.models.tiny import write_tiny_llama
 from semantic import ContextLengthError, InvalidRequestError
 from semantic.cache.blockplan import salt_root_of
-from semantic.service import ANON, Service, output_budget
+from semantic.service import ANON, Service, fit_max_tokens
 
 pytestmark = pytest.mark.compat
 
@@ -34,27 +34,27 @@ def service(tmp_path):
 
 
 def test_a_budget_is_cut_to_what_the_context_leaves_and_a_prompt_with_no_room_is_refused():
-    assert output_budget(10, None, context_length=512) == 256  # the server's default
-    assert output_budget(400, None, context_length=512) == 112  # what the context leaves
-    assert output_budget(400, 112, context_length=512) == 112
-    assert output_budget(400, 32000, context_length=512) == 112  # Claude Code's 32000, cut
-    assert output_budget(511, 32000, context_length=512) == 1
+    assert fit_max_tokens(10, None, context_length=512) == 256  # the server's default
+    assert fit_max_tokens(400, None, context_length=512) == 112  # what the context leaves
+    assert fit_max_tokens(400, 112, context_length=512) == 112
+    assert fit_max_tokens(400, 32000, context_length=512) == 112  # Claude Code's 32000, cut
+    assert fit_max_tokens(511, 32000, context_length=512) == 1
     with pytest.raises(ContextLengthError, match="512 in the prompt, 1 for the completion"):
-        output_budget(512, 32000, context_length=512)  # not even one token fits
+        fit_max_tokens(512, 32000, context_length=512)  # not even one token fits
     with pytest.raises(ContextLengthError, match="512 in the prompt, 1 for the completion"):
-        output_budget(512, None, context_length=512)
-    assert output_budget(100, None, context_length=512, pool_tokens=150) == 50
-    assert output_budget(100, 400, context_length=512, pool_tokens=150) == 50
-    assert output_budget(100, None, context_length=4096, default=None) == 3996  # open-ended: all that is left
+        fit_max_tokens(512, None, context_length=512)
+    assert fit_max_tokens(100, None, context_length=512, pool_tokens=150) == 50
+    assert fit_max_tokens(100, 400, context_length=512, pool_tokens=150) == 50
+    assert fit_max_tokens(100, None, context_length=4096, default=None) == 3996  # open-ended: all that is left
 
 
 def test_a_strict_budget_past_the_context_or_the_pool_is_refused_as_the_hosted_apis_do():
-    assert output_budget(400, 112, context_length=512, strict=True) == 112
-    assert output_budget(400, None, context_length=512, strict=True) == 112  # none asked: still the default, cut
+    assert fit_max_tokens(400, 112, context_length=512, strict=True) == 112
+    assert fit_max_tokens(400, None, context_length=512, strict=True) == 112  # none asked: still the default, cut
     with pytest.raises(ContextLengthError, match="maximum context length is 512 tokens.*513 tokens"):
-        output_budget(400, 113, context_length=512, strict=True)
+        fit_max_tokens(400, 113, context_length=512, strict=True)
     with pytest.raises(ContextLengthError, match="--pool-mb"):
-        output_budget(100, 51, context_length=512, pool_tokens=150, strict=True)
+        fit_max_tokens(100, 51, context_length=512, pool_tokens=150, strict=True)
 
 
 def test_prepare_tokenizes_once_and_fits_the_budget_to_context_and_pool(service, monkeypatch):

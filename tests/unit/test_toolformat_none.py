@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from semantic.decode.constraint import Constraint
-from semantic.toolformat import GENERIC, ToolFormat, Tools, generic_messages, plan
+from semantic.chat.toolformat import GENERIC, ToolFormat, Tools, generic_messages, plan
 from tests.tiny_models import byte_tokenizer
 
 pytestmark = pytest.mark.compat

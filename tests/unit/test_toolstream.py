@@ -15,7 +15,7 @@ import pytest
 from semantic import compat
 from semantic.service import ToolPlan, Tools
 from semantic.serve.toolstream import CallSplitter
-from semantic.toolformat import GENERIC, ToolFormat, sniff
+from semantic.chat.toolformat import GENERIC, ToolFormat, sniff
 
 pytestmark = pytest.mark.compat
 

@@ -6,7 +6,7 @@ from semantic import defaults
 from semantic.errors import ContextLengthError
 
 
-def output_budget(prompt_tokens: int, requested: int | None, *, context_length: int, pool_tokens: int | None = None,
+def fit_max_tokens(prompt_tokens: int, requested: int | None, *, context_length: int, pool_tokens: int | None = None,
                   strict: bool = False, default: int | None = defaults.MAX_TOKENS) -> int:
     """A turn's ``max_tokens``: what was ``requested``, cut to what the context (and the pool) leave after
     the prompt; none requested: ``default``, cut the same way (None: all the context leaves, as an API
