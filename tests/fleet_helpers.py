@@ -1,4 +1,4 @@
-"""Stand-ins for the models of a fleet (``semantic.serve.fleet``): what a Backend shows the fleet, without a model.
+"""Stand-ins for the models of a fleet (``semantic.serve.fleet.fleet``): what a Backend shows the fleet, without a model.
 
 A stand-in has an id, a context length, a size (``service.weights_bytes`` and ``pool_bytes``, as a loaded
 Backend measures itself), turns queued or running, and a close; the opener that makes them can fail a model's
@@ -10,8 +10,8 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
-from semantic.serve.fleet import Fleet
-from semantic.serve.registry import ModelEntry, ModelOptions, Registry
+from semantic.serve.fleet.fleet import Fleet
+from semantic.serve.fleet.registry import ModelEntry, ModelOptions, Registry
 
 MB = 1 << 20
 

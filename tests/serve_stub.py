@@ -1,4 +1,4 @@
-"""A stand-in for ``semantic.serve.backend.Backend`` in the HTTP-layer tests.
+"""A stand-in for ``semantic.serve.turn.backend.Backend`` in the HTTP-layer tests.
 
 The HTTP layer's job is parsing, routing, error shapes and wire formats,
 so its tests drive it with scripted replies instead of a model: fast and
@@ -12,7 +12,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
-from semantic.serve.protocol import Delta, Final, GenerateRequest, Prepared, TokenLogprob, TopLogprob
+from semantic.serve.turn.request import Delta, Final, GenerateRequest, Prepared, TokenLogprob, TopLogprob
 from semantic.service import Completion, Request, fit_max_tokens
 
 

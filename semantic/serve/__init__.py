@@ -2,7 +2,7 @@
 
 The HTTP layer (``app``, ``openai_api``, ``anthropic_api``, ``metrics``,
 ``dashboard``) parses and validates at the edge and hands
-:mod:`semantic.serve.backend` token ids and sampling settings; nothing below
+:mod:`semantic.serve.turn.backend` token ids and sampling settings; nothing below
 it knows about HTTP. Importing this package imports nothing heavy: ``cli``
 points MLX at a fast BLAS before anything loads ``mlx``.
 """

@@ -21,18 +21,21 @@ from typing import TYPE_CHECKING
 from fastapi import Depends, FastAPI
 from starlette.responses import Response
 
-from semantic.serve import anthropic_api, dashboard, errors, openai_api, responses_api
-from semantic.serve.responses_store import ResponseStore
+from semantic.serve import dashboard, errors
+from semantic.serve.anthropic.router import router as anthropic_routes
+from semantic.serve.openai.router import router as openai_routes
+from semantic.serve.responses.router import router as responses_routes
+from semantic.serve.responses.store import ResponseStore
 from semantic.serve.auth import AuthMiddleware, Keys
 from semantic.serve.config import ServeConfig
-from semantic.serve.fleet import Fleet
+from semantic.serve.fleet.fleet import Fleet
 from semantic.serve.gates import BodyLimit, ClosingGate, Leases
 from semantic.serve.metrics import CONTENT_TYPE, MetricsMiddleware, ServeMetrics
 from semantic.serve.state import ServeState, serve_state
 from semantic.service import SchedulerClosedError
 
 if TYPE_CHECKING:
-    from semantic.serve.backend import Backend
+    from semantic.serve.turn.backend import Backend
 
 CANCEL_WAIT_S = 2.0
 
@@ -51,8 +54,8 @@ def create_app(models: "Fleet | Backend", config: ServeConfig | None = None) -> 
     """The server's ASGI app over ``models``.
 
     Args:
-        models: the served models (a ``semantic.serve.fleet.Fleet``), or one backend
-            (``semantic.serve.backend.Backend`` or a stand-in with its interface), served alone.
+        models: the served models (a ``semantic.serve.fleet.fleet.Fleet``), or one backend
+            (``semantic.serve.turn.backend.Backend`` or a stand-in with its interface), served alone.
         config: keys, body limit and shutdown bounds; default: no keys, 4 MiB bodies.
 
     Returns:
@@ -80,7 +83,7 @@ def create_app(models: "Fleet | Backend", config: ServeConfig | None = None) -> 
     app = FastAPI(title="semantic serve", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.serve = state
     errors.install(app)
-    for router in (openai_api.router, anthropic_api.router, responses_api.router, dashboard.router):
+    for router in (openai_routes, anthropic_routes, responses_routes, dashboard.router):
         app.include_router(router)
 
     @app.get("/metrics", include_in_schema=False)

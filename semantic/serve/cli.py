@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     from semantic.serve.opening import fleet_of, pinned
-    from semantic.serve.registry import RegistryError
+    from semantic.serve.fleet.registry import RegistryError
     from semantic.service import CacheError
 
     logging.basicConfig(level=config.log_level_number, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

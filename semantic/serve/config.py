@@ -24,7 +24,7 @@ class ServeConfig:
     model: str | None = None           # one model, today's server (the first of ``models`` when both)
     model_id: str | None = None
     models: tuple[str, ...] = ()       # --model [ID=]DIR_OR_HUB_ID, repeatable
-    models_file: str | None = None     # a TOML of models, their options and aliases (semantic.serve.registry)
+    models_file: str | None = None     # a TOML of models, their options and aliases (semantic.serve.fleet.registry)
     models_dir: str | None = None      # every model folder under it, by its folder name
     aliases: tuple[str, ...] = ()      # PATTERN=ID
     pins: tuple[str, ...] = ()         # loaded at start, never unloaded

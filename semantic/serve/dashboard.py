@@ -14,7 +14,7 @@ from fastapi import APIRouter, Depends, Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 
 from semantic.serve.errors import NOT_FOUND, ApiError
-from semantic.serve.fleet import LOADED, ModelNotFoundError
+from semantic.serve.fleet.fleet import LOADED, ModelNotFoundError
 from semantic.serve.state import ServeState, serve_state, tenant_of
 
 router = APIRouter()

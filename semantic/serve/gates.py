@@ -78,7 +78,7 @@ class ClosingGate:
 
 
 class Leases:
-    """Each request's model leases (``semantic.serve.fleet.Lease``), released once its answer is sent, a
+    """Each request's model leases (``semantic.serve.fleet.fleet.Lease``), released once its answer is sent, a
     stream's last byte included: until then its model is not unloaded."""
 
     def __init__(self, app: ASGIApp):

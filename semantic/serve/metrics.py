@@ -62,7 +62,7 @@ class ServeMetrics:
         r.register(FleetCollector(fleet))
 
     def observe_final(self, api: str, model: str, final) -> None:
-        """Count one finished turn (a :class:`~semantic.serve.backend.Final`) of ``model``."""
+        """Count one finished turn (a :class:`~semantic.serve.turn.backend.Final`) of ``model``."""
         self.prompt_tokens.labels(api, model).inc(final.prompt_tokens)
         self.cached_tokens.labels(api, model).inc(final.cached_tokens)
         self.completion_tokens.labels(api, model).inc(final.completion_tokens)

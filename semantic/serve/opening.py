@@ -7,8 +7,8 @@ from pathlib import Path
 
 from semantic import defaults
 from semantic.serve.config import MB, ServeConfig
-from semantic.serve.fleet import Fleet
-from semantic.serve.registry import ModelEntry, ModelOptions, Registry, build
+from semantic.serve.fleet.fleet import Fleet
+from semantic.serve.fleet.registry import ModelEntry, ModelOptions, Registry, build
 
 WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".npz")
 
@@ -104,7 +104,7 @@ def _check_safetensors(file: Path) -> None:
 def open_backend(entry: ModelEntry, config: ServeConfig, several: bool, tokenizers: dict | None = None):
     """Load one model as a Backend with its options over the server's flags. Blocking. ``tokenizers``:
     kept across unloads by source, so a model loaded again reads only its weights."""
-    from semantic.serve.backend import Backend
+    from semantic.serve.turn.backend import Backend
 
     o = entry.options
     kept = tokenizers.get(entry.source) if tokenizers is not None else None

@@ -10,11 +10,11 @@ from starlette.requests import Request
 
 from semantic.serve.config import ServeConfig
 from semantic.serve.metrics import ServeMetrics
-from semantic.serve.responses_store import ResponseStore
+from semantic.serve.responses.store import ResponseStore
 
 if TYPE_CHECKING:
-    from semantic.serve.backend import Backend
-    from semantic.serve.fleet import Fleet
+    from semantic.serve.turn.backend import Backend
+    from semantic.serve.fleet.fleet import Fleet
 
 
 @dataclass(slots=True)

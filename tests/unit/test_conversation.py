@@ -4,17 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from semantic.serve import anthropic_schemas as an
-from semantic.serve.conversation import (
+from semantic.serve.anthropic import protocol as an
+from semantic.serve.anthropic.messages import (
     anthropic_format,
     anthropic_messages,
     anthropic_tools,
-    openai_call,
-    openai_tools,
-    response_schema,
     tool_definitions,
     tool_references,
 )
+from semantic.serve.openai.messages import openai_call, openai_tools, response_schema
 from semantic.serve.errors import ApiError
 
 pytestmark = pytest.mark.compat
@@ -147,7 +145,7 @@ def test_anthropic_output_format_is_a_json_schema_or_a_400_naming_where():
 
 
 def test_responses_items_become_messages_and_calls_join_the_assistant_text_before_them():
-    from semantic.serve.conversation import responses_format, responses_input, responses_tools
+    from semantic.serve.responses.messages import responses_format, responses_input, responses_tools
 
     items = [{"role": "developer", "content": "Be brief."},
              {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Weather?"}]},

@@ -14,7 +14,7 @@ import pytest
 
 from harness.models.tiny import write_tiny_tool_llama
 from semantic.service import SamplingParams, Service, Tools
-from semantic.serve.toolstream import CallSplitter
+from semantic.serve.stream.toolcalls import CallSplitter
 
 pytestmark = pytest.mark.compat
 

@@ -1,4 +1,4 @@
-"""The fleet of one server's models (``semantic.serve.fleet``): loads on demand, room under a budget, leases,
+"""The fleet of one server's models (``semantic.serve.fleet.fleet``): loads on demand, room under a budget, leases,
 failures, the idle reaper, shutdown (the decisions it runs, as plain data: test_fleet_plan.py).
 
 The fleet is driven on its own event loop (``asyncio.run``) with stand-ins for the models' Backends
@@ -13,10 +13,10 @@ import threading
 
 import pytest
 
-from semantic.serve import fleet as fleet_mod
-from semantic.serve.fleet import (FAILED, LOADED, LOADING, UNLOADED, Fleet, ModelLoadError, ModelMemoryError,
+from semantic.serve.fleet import fleet as fleet_mod
+from semantic.serve.fleet.fleet import (FAILED, LOADED, LOADING, UNLOADED, Fleet, ModelLoadError, ModelMemoryError,
                                   ModelNotFoundError)
-from semantic.serve.registry import Registry
+from semantic.serve.fleet.registry import Registry
 from semantic.service import SchedulerClosedError
 from tests.fleet_helpers import MB, Opener, stand_in_fleet as _fleet, until_async as _until, use as _use
 

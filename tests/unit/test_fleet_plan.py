@@ -1,11 +1,11 @@
-"""What the fleet unloads, decided as plain data (``semantic.serve.fleetplan``): room for a load under
+"""What the fleet unloads, decided as plain data (``semantic.serve.fleet.plan``): room for a load under
 ``--models-mb`` (least recently used first, never pinned or busy ones) and the models idle past their TTL."""
 
 from __future__ import annotations
 
-from semantic.serve.fleet import LOADED, UNLOADED, Slot
-from semantic.serve.fleetplan import Resident, RoomPlan, idle_past_ttl, plan_room
-from semantic.serve.registry import ModelEntry, ModelOptions
+from semantic.serve.fleet.fleet import LOADED, UNLOADED, Slot
+from semantic.serve.fleet.plan import Resident, RoomPlan, idle_past_ttl, plan_room
+from semantic.serve.fleet.registry import ModelEntry, ModelOptions
 
 MB = 1 << 20
 

@@ -12,7 +12,7 @@ from harness.models.tiny import write_tiny_llama
 from semantic import compat
 from semantic.serve.config import ServeConfig
 from semantic.serve.opening import precheck
-from semantic.serve.registry import ModelEntry
+from semantic.serve.fleet.registry import ModelEntry
 
 
 pytestmark = pytest.mark.compat

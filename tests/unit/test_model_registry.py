@@ -1,4 +1,4 @@
-"""Which models a server serves and which names reach them (``semantic.serve.registry``), and the flags that say so.
+"""Which models a server serves and which names reach them (``semantic.serve.fleet.registry``), and the flags that say so.
 
 Pure data: nothing here loads a model. A directory "is a model" for ``--models-dir`` when it holds a
 ``config.json``; the registry never reads the weights.
@@ -11,7 +11,7 @@ import pytest
 from semantic.serve.cli import main, parse_config
 from semantic.serve.config import ServeConfig
 from semantic.serve.opening import registry_of
-from semantic.serve.registry import (ModelEntry, ModelOptions, Registry, RegistryError, build, parse_alias_arg,
+from semantic.serve.fleet.registry import (ModelEntry, ModelOptions, Registry, RegistryError, build, parse_alias_arg,
                                      parse_model_arg, read_models_file)
 
 CLAUDE_CODE_NAMES = {  # what Claude Code sends, by version, and where 'claude-*haiku*=small' 'claude-*=main' send it

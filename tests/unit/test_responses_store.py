@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from semantic.serve.responses_store import ResponseStore
+from semantic.serve.responses.store import ResponseStore
 
 
 def _id(i: int) -> str:

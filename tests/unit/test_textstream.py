@@ -9,8 +9,8 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from semantic.serve.textstream import TextStream, stop_cut
-from semantic.serve.toolstream import held_back
+from semantic.serve.stream.text import TextStream, stop_cut
+from semantic.serve.stream.toolcalls import held_back
 from tests.tiny_models import byte_tokenizer
 
 pytestmark = pytest.mark.compat

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from semantic.serve.thinkstream import ThinkSplitter, opens_in_reasoning
+from semantic.serve.stream.thinking import ThinkSplitter, opens_in_reasoning
 
 pytestmark = pytest.mark.compat
 

@@ -14,7 +14,7 @@ import pytest
 
 from semantic import compat
 from semantic.service import ToolPlan, Tools
-from semantic.serve.toolstream import CallSplitter
+from semantic.serve.stream.toolcalls import CallSplitter
 from semantic.chat.toolformat import GENERIC, ToolFormat, sniff
 
 pytestmark = pytest.mark.compat

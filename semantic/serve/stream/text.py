@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Sequence
 
-from semantic.serve.protocol import Delta, TokenLogprob, TopLogprob
-from semantic.serve.thinkstream import ThinkSplitter
-from semantic.serve.toolstream import CallSplitter, held_back
+from semantic.serve.turn.request import Delta, TokenLogprob, TopLogprob
+from semantic.serve.stream.thinking import ThinkSplitter
+from semantic.serve.stream.toolcalls import CallSplitter, held_back
 
 if TYPE_CHECKING:
     from semantic.service import ToolCall

@@ -1,7 +1,7 @@
 """OpenAI-compatible routes: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``, ``/health``.
 
 Each route turns the request into a :class:`GenerateRequest`, runs a
-:class:`~semantic.serve.turns.Turn`, and writes OpenAI's exact shapes back;
+:class:`~semantic.serve.turn.turn.Turn`, and writes OpenAI's exact shapes back;
 ``usage.prompt_tokens_details.cached_tokens`` says what the cache did.
 """
 
@@ -15,13 +15,13 @@ from fastapi import APIRouter, Depends, Request
 from starlette.responses import JSONResponse, Response
 
 from semantic.service import SamplingParams
-from semantic.serve import openai_schemas as oa
-from semantic.serve.protocol import Delta, Final, GenerateRequest, TokenLogprob
-from semantic.serve.conversation import openai_call, openai_tools, response_schema
+from semantic.serve.openai import protocol as oa
+from semantic.serve.turn.request import Delta, Final, GenerateRequest, TokenLogprob
+from semantic.serve.openai.messages import openai_call, openai_tools, response_schema
 from semantic.serve.errors import from_stream, invalid, sse_error
 from semantic.serve.state import ServeState, serve_state, tenant_of
-from semantic.serve.streaming import DONE, EventStream, data
-from semantic.serve.turns import Turn, agent_of, check_model, salt_of, use_model
+from semantic.serve.stream.sse import DONE, EventStream, data
+from semantic.serve.turn.turn import Turn, agent_of, check_model, salt_of, use_model
 
 router = APIRouter()
 

@@ -1,6 +1,6 @@
 """The loaded models of one server: a request's model is loaded on demand, under one memory budget.
 
-Each model has its own :class:`~semantic.serve.backend.Backend` (service, scheduler, pool, cache
+Each model has its own :class:`~semantic.serve.turn.backend.Backend` (service, scheduler, pool, cache
 directory). A model's life, one change at a time::
 
     unloaded ──acquire──► loading ──► loaded ──(LRU for room, idle past its TTL)──► unloading ──► unloaded
@@ -24,10 +24,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from semantic.serve import fleetview
-from semantic.serve.fleetplan import (FAILED, HOLDING, LOADED, LOADING, UNLOADED, UNLOADING, Resident,
+from semantic.serve.fleet import view
+from semantic.serve.fleet.plan import (FAILED, HOLDING, LOADED, LOADING, UNLOADED, UNLOADING, Resident,
                                       idle_past_ttl, plan_room)
-from semantic.serve.registry import ModelEntry, ModelOptions, Registry
+from semantic.serve.fleet.registry import ModelEntry, ModelOptions, Registry
 from semantic.service import SchedulerClosedError
 
 log = logging.getLogger("semantic.serve")
@@ -381,12 +381,12 @@ class Fleet:
     # ------------------------------------------------------------ state
 
     def rows(self) -> list[dict]:
-        """Every served model as /v1/models and the stats list it (``fleetview.rows``)."""
-        return fleetview.rows(self, RETRY_FAILED_S)
+        """Every served model as /v1/models and the stats list it (``view.rows``)."""
+        return view.rows(self, RETRY_FAILED_S)
 
     def summary(self) -> dict:
-        """The memory the models share and their loads (``fleetview.summary``)."""
-        return fleetview.summary(self)
+        """The memory the models share and their loads (``view.summary``)."""
+        return view.summary(self)
 
 
 def _measured(backend) -> int:

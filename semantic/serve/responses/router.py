@@ -30,13 +30,13 @@ from fastapi import APIRouter, Depends, Request
 from starlette.responses import JSONResponse, Response
 
 from semantic.service import SamplingParams
-from semantic.serve import responses_schemas as rs
-from semantic.serve.conversation import hosted_tools, namespace_of, responses_format, responses_input, responses_tools
+from semantic.serve.responses import protocol as rs
+from semantic.serve.responses.messages import hosted_tools, namespace_of, responses_format, responses_input, responses_tools
 from semantic.serve.errors import NOT_FOUND, ApiError, from_stream, invalid, sse_error
-from semantic.serve.protocol import Delta, Final, GenerateRequest
+from semantic.serve.turn.request import Delta, Final, GenerateRequest
 from semantic.serve.state import ServeState, serve_state, tenant_of
-from semantic.serve.streaming import EventStream, event
-from semantic.serve.turns import Turn, check_model, salt_of, use_model
+from semantic.serve.stream.sse import EventStream, event
+from semantic.serve.turn.turn import Turn, check_model, salt_of, use_model
 
 log = logging.getLogger(__name__)
 

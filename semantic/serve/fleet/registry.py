@@ -1,6 +1,6 @@
 """Which models a server serves and what names reach them: ``--model``, ``--models-file``, ``--models-dir``, aliases.
 
-Pure data, checked once when built; the fleet (``semantic.serve.fleet``) loads and unloads what it names.
+Pure data, checked once when built; the fleet (``semantic.serve.fleet.fleet``) loads and unloads what it names.
 A name a client sends resolves in this order::
 
     1. a model's id                      "main"

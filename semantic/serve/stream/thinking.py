@@ -13,7 +13,7 @@ says whether it is one, so the split is the same for every chunking::
 
 from __future__ import annotations
 
-from semantic.serve.toolstream import held_back
+from semantic.serve.stream.toolcalls import held_back
 
 
 def opens_in_reasoning(prompt_text: str | None, start: str, end: str) -> bool:

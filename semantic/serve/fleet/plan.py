@@ -1,4 +1,4 @@
-"""What to unload, decided as plain data before anything runs (``semantic.serve.fleet`` runs it).
+"""What to unload, decided as plain data before anything runs (``semantic.serve.fleet.fleet`` runs it).
 
 A load that needs room unloads the least recently used models that are neither pinned nor busy::
 

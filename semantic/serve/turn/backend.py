@@ -21,10 +21,10 @@ from collections import deque
 from pathlib import Path
 
 from semantic.service import FAILED, PENDING, SchedulerClosedError, Service
-from semantic.serve.protocol import Final, GenerateRequest, Prepared
-from semantic.serve.textstream import TextStream
-from semantic.serve.thinkstream import ThinkSplitter, opens_in_reasoning
-from semantic.serve.toolstream import CallSplitter
+from semantic.serve.turn.request import Final, GenerateRequest, Prepared
+from semantic.serve.stream.text import TextStream
+from semantic.serve.stream.thinking import ThinkSplitter, opens_in_reasoning
+from semantic.serve.stream.toolcalls import CallSplitter
 
 log = logging.getLogger(__name__)
 

@@ -14,11 +14,11 @@ import time
 
 from starlette.requests import Request
 
-from semantic.serve.protocol import Delta, Final, Prepared, TokenLogprob
+from semantic.serve.turn.request import Delta, Final, Prepared, TokenLogprob
 from semantic.serve.errors import NOT_FOUND, UNAVAILABLE, ApiError
-from semantic.serve.fleet import ModelLoadError, ModelMemoryError, ModelNotFoundError
+from semantic.serve.fleet.fleet import ModelLoadError, ModelMemoryError, ModelNotFoundError
 from semantic.serve.state import ServeState
-from semantic.serve.streaming import until_disconnect
+from semantic.serve.stream.sse import until_disconnect
 
 CLAMP_HEADER = "X-Max-Tokens-Clamped"  # a max_tokens the context could not hold was cut to this
 SAVE_HEADER = "X-Semantic-Cache-Save"   # a named agent's cache: saved, pending (behind the reply) or failed

@@ -17,15 +17,15 @@ from fastapi import APIRouter, Depends, Request
 from starlette.responses import Response
 
 from semantic.service import SamplingParams
-from semantic.serve import anthropic_schemas as an
-from semantic.serve.protocol import Delta, Final, GenerateRequest
-from semantic.serve.conversation import (
+from semantic.serve.anthropic import protocol as an
+from semantic.serve.turn.request import Delta, Final, GenerateRequest
+from semantic.serve.anthropic.messages import (
     anthropic_format, anthropic_messages, anthropic_tools, tool_definitions, tool_references,
 )
 from semantic.serve.errors import from_stream, invalid, sse_error
 from semantic.serve.state import ServeState, serve_state, tenant_of
-from semantic.serve.streaming import EventStream, event
-from semantic.serve.turns import Turn, agent_of, check_model, salt_of, use_model
+from semantic.serve.stream.sse import EventStream, event
+from semantic.serve.turn.turn import Turn, agent_of, check_model, salt_of, use_model
 
 router = APIRouter()
 

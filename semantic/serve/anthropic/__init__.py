@@ -1,0 +1,2 @@
+"""Anthropic's Messages API: ``protocol`` (the request and reply shapes), ``messages`` (into the one
+conversation form), ``router`` (route to turn to reply, streamed or whole)."""
