@@ -126,9 +126,9 @@ serve-ttft: models
 append-profile: models
 	$(PY) -m harness.serving.append_profile --trials 5 --http --json results/exp_009_serving/long_append_profile.json
 
-# Refresh the dashboard screenshots beside the README (live tiny-model servers in Chromium: one model, and three).
+# Refresh the dashboard screenshots in docs/ (live tiny-model servers in Chromium: one model, and three).
 dashboard-screenshot: venv system-browser
-	SEMANTIC_DASHBOARD_SHOT=$(CURDIR)/serve-dashboard.png SEMANTIC_DASHBOARD_MODELS_SHOT=$(CURDIR)/serve-dashboard-models.png \
+	SEMANTIC_DASHBOARD_SHOT=$(CURDIR)/docs/serve-dashboard.png SEMANTIC_DASHBOARD_MODELS_SHOT=$(CURDIR)/docs/serve-dashboard-models.png \
 	  $(PY) -m pytest -q tests/serve/test_dashboard_browser.py
 
 $(COMPAT_STAMP): pyproject.toml
