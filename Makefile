@@ -126,9 +126,9 @@ serve-ttft: models
 append-profile: models
 	$(PY) -m harness.serving.append_profile --trials 5 --http --json results/exp_009_serving/long_append_profile.json
 
-# Refresh the dashboard screenshots beside the README (live tiny-model servers in Chromium: one model, and three).
+# Refresh the dashboard screenshots in docs/ (live tiny-model servers in Chromium: one model, and three).
 dashboard-screenshot: venv system-browser
-	SEMANTIC_DASHBOARD_SHOT=$(CURDIR)/serve-dashboard.png SEMANTIC_DASHBOARD_MODELS_SHOT=$(CURDIR)/serve-dashboard-models.png \
+	SEMANTIC_DASHBOARD_SHOT=$(CURDIR)/docs/serve-dashboard.png SEMANTIC_DASHBOARD_MODELS_SHOT=$(CURDIR)/docs/serve-dashboard-models.png \
 	  $(PY) -m pytest -q tests/serve/test_dashboard_browser.py
 
 $(COMPAT_STAMP): pyproject.toml
@@ -287,7 +287,7 @@ exp-019-full: models
 
 # The block layout's fuzzer at 5000 damaged directories per model (10,000 in all; make test runs 1000 each).
 # Every text model type mlx-lm ships, as a tiny random-weight model (harness/models/zoo.py), served and
-# checked against mlx-lm's generate_step: results/model-matrix/mlx-lm-<version>.{json,md}; the README
+# checked against mlx-lm's generate_step: results/model-matrix/mlx-lm-<version>.{json,md}; docs/models.md
 # quotes the table. Under mlx-lm 0.30.4 too, for the types it has.
 model-matrix: venv $(COMPAT_STAMP)
 	$(PY) -m harness.matrix
