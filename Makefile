@@ -129,7 +129,7 @@ append-profile: models
 # Refresh the dashboard screenshots in docs/ (live tiny-model servers in Chromium: one model, and three).
 dashboard-screenshot: venv system-browser
 	SEMANTIC_DASHBOARD_SHOT=$(CURDIR)/docs/serve-dashboard.png SEMANTIC_DASHBOARD_MODELS_SHOT=$(CURDIR)/docs/serve-dashboard-models.png \
-	  $(PY) -m pytest -q tests/serve/test_dashboard_browser.py
+	  $(PY) -m pytest -q tests/semantic/serve/test_dashboard_browser.py
 
 $(COMPAT_STAMP): pyproject.toml
 	test -x $(COMPAT_PY) || $(PYTHON) -m venv $(COMPAT_VENV)
@@ -294,7 +294,7 @@ model-matrix: venv $(COMPAT_STAMP)
 	$(COMPAT_PY) -m harness.matrix
 
 fuzz-blocks: venv
-	SEMANTIC_FUZZ_CASES=5000 $(PY) -m pytest -q -s -p no:cacheprovider -k every_damaged tests/unit/test_store_blocks_fuzz.py
+	SEMANTIC_FUZZ_CASES=5000 $(PY) -m pytest -q -s -p no:cacheprovider -k every_damaged tests/semantic/store/test_blocklayout_fuzz.py
 
 # What a decode step and a prefill chunk cost at 0, 4K and 8K tokens of context: why the
 # decoders' latency and the prefill's time trade against each other (about 6 min).

@@ -1,4 +1,4 @@
-"""The writer side of the kill test (tests/unit/test_persistence_crash.py).
+"""The writer side of the kill test (tests/semantic/cachefile/test_cachefile_crash.py).
 
 ``python -m tests.persistence_child PATH`` builds two caches, prints
 ``ready``, then for each ``kill <ms>`` line on stdin forks a writer that

@@ -1,4 +1,4 @@
-"""The fresh process of the EXP-005 round trip (tests/integration/test_persistence_real.py).
+"""The fresh process of the EXP-005 round trip (tests/semantic/cachefile/test_cachefile_real.py).
 
 ``python -m tests.persistence_e2e_child MODEL FILE T STEPS`` loads the real
 model and the cache file into a new pool, then runs two sequences in one

@@ -1,7 +1,7 @@
 """Cache files committed to tests/data/, one set per supported mlx-lm version.
 
 Each is a tiny model's cache after a generation, written by the mlx-lm
-version that runs this module; tests/unit/test_persistence_versions.py
+version that runs this module; tests/semantic/cachefile/test_cachefile_versions.py
 loads every one under whichever version runs the tests. The tiny models'
 weights are the same under mlx 0.30.3 and 0.32 (same seed, same init); the
 weights' fingerprint is in each file, so a change there fails loudly.

@@ -1,4 +1,4 @@
-"""The writer side of the block layout's crash tests (tests/unit/test_store_blocks_crash.py).
+"""The writer side of the block layout's crash tests (tests/semantic/store/test_blocklayout_crash.py).
 
 ``python -m tests.store_blocks_child DIR POINT`` saves agent "a"'s old history durably in the block
 layout, then saves its new one and dies (``os._exit(CRASHED)``: no cleanup, no flush) at ``POINT``:

@@ -4,7 +4,7 @@ The scheduler's worker asks, once per pass, which queued turns start, which
 running ones end, and which resident caches go; it then does what the plan
 says (threads, locks, the model: ``semantic.sched.scheduler``). Deciding takes no
 lock and starts no thread, so every rule below is tested with plain values
-(``tests/unit/test_planner.py``). This is also where a step's token budget
+(``tests/semantic/sched/test_planner.py``). This is also where a step's token budget
 belongs.
 
 Admission. A turn starts only when the pool can hold its cache beyond what

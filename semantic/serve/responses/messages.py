@@ -6,7 +6,7 @@ import json
 
 from semantic.service import Tools
 from semantic.serve.errors import invalid
-from semantic.serve.openai.messages import openai_tools
+from semantic.serve.openai.messages import openai_tools, response_schema
 from semantic.serve.turn.conversation import tool_name
 
 

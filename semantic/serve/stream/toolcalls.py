@@ -18,6 +18,8 @@ from __future__ import annotations
 import logging
 import secrets
 
+from typing import Sequence
+
 from semantic.service import ToolCall, ToolPlan, read_calls
 
 log = logging.getLogger(__name__)

@@ -11,7 +11,7 @@ import pytest
 
 from semantic.store import blocklayout
 from tests.cache_helpers import assert_identical, engine, generate, history
-from tests.unit.test_store_blocks import SYSTEM, _kvbs, _manifest, _names, _store
+from tests.semantic.store.test_blocklayout import SYSTEM, _kvbs, _manifest, _names, _store
 
 pytestmark = pytest.mark.compat
 

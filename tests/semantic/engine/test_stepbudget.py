@@ -8,7 +8,7 @@ import pytest
 from semantic import Request
 from semantic.engine.stepbudget import FLOOR, StepBudget
 from semantic.engine.steploop import StepLoop
-from tests.unit.test_steploop import _spec
+from tests.semantic.engine.test_steploop import _spec
 
 pytestmark = pytest.mark.compat
 

@@ -294,7 +294,7 @@ def test_a_load_that_the_pool_cannot_hold_with_its_earlier_snapshots_takes_nothi
     loaded = _store(enough, tmp_path).load("a")
     assert loaded is not None and _ends(loaded, group) == _ends(done, group) and enough.pool.free_count == 0
     loaded.release()
-    monkeypatch.setattr(blockfile, "load_arrays", lambda info: pytest.fail(f"read {info.path}"))
+    monkeypatch.setattr(blockformat, "load_arrays", lambda info: pytest.fail(f"read {info.path}"))
     again = _store(enough, tmp_path).load("a")  # every block a pool hit now, the earlier snapshot too: nothing read
     assert again is not None and _ends(again, group) == _ends(done, group)
     assert enough.pool.stats().used == n

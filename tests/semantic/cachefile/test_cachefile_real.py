@@ -33,7 +33,7 @@ from tests.persistence_e2e_child import digest
 
 pytestmark = [pytest.mark.integration, pytest.mark.compat]
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 HISTORY = (Path(harness.__file__).parent / "data" / "history.txt").read_text()
 LOGPROB_TOL = 1e-3
 STEPS = 32

@@ -13,7 +13,7 @@ from semantic import BlockPool, cachefile
 from tests.cache_helpers import assert_identical
 from tests.persistence_child import SPEC, caches
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 KILLS = 60
 MAX_DELAY_MS = 150  # a 16 MB save with fsync takes about 30 to 60 ms here: kills land in every phase
 

@@ -379,7 +379,7 @@ def test_a_load_reads_no_block_file_whose_blocks_are_already_pooled(llama_tiny, 
     for a, c in caches.items():
         store.save(a, c)
     reads, real = [], blockformat.load_arrays
-    monkeypatch.setattr(blockfile, "load_arrays", lambda info: reads.append(info.key) or real(info))
+    monkeypatch.setattr(blockformat, "load_arrays", lambda info: reads.append(info.key) or real(info))
     assert_identical(store.load("a"), caches["a"])  # every block is pooled: the caller holds them
     assert reads == []
 

@@ -30,8 +30,8 @@ from semantic import AgentCacheStore, BlockPool
 from semantic.cachefile import DOC_HASH_KEY, DOC_KEY
 from semantic.store import manifest, manifest_name
 from tests.cache_helpers import assert_identical, engine, generate, history
-from tests.unit.test_store_blocks import _rechecksum, _shared, _store
-from tests.unit.test_persistence_fuzz import _edit, _mutate
+from tests.semantic.store.test_blocklayout import _rechecksum, _shared, _store
+from tests.semantic.cachefile.test_cachefile_fuzz import _edit, _mutate
 
 pytestmark = pytest.mark.compat
 

@@ -20,7 +20,7 @@ from semantic.decode import rewind
 from semantic.decode.promptlookup import Drafter, SpecConfig, batch_draft_len
 from semantic.decode.sampling import SamplingParams
 from tests.tiny_models import byte_tokenizer
-from tests.unit.test_steploop import TOL, TOL_QUANTIZED, generate_step_reference
+from tests.semantic.engine.test_steploop import TOL, TOL_QUANTIZED, generate_step_reference
 
 pytestmark = pytest.mark.compat
 

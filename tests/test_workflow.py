@@ -12,7 +12,7 @@ from pathlib import Path
 
 import yaml
 
-ROOT = Path(__file__).parents[2]
+ROOT = Path(__file__).parents[1]
 WORKFLOW = ROOT / ".github" / "workflows" / "bench.yml"
 
 

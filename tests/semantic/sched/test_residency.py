@@ -15,7 +15,7 @@ import pytest
 
 from semantic import AgentCacheStore, BlockPool, ConcurrentScheduler, ModelCacheSpec, Request
 from tests.tiny_models import byte_tokenizer
-from tests.unit.test_scheduler import _assert_same, _ids, reference
+from tests.semantic.sched.test_scheduler import _assert_same, _ids, reference
 
 pytestmark = pytest.mark.compat
 

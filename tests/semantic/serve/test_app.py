@@ -167,7 +167,7 @@ def test_a_prompt_that_leaves_no_room_for_one_token_is_still_a_400():
 def test_claude_codes_real_first_request_is_accepted_as_it_was_sent():
     from pathlib import Path
 
-    body = json.loads((Path(__file__).parents[1] / "data" / "claude-code-2.1.330-first-request.json").read_text())
+    body = json.loads((Path(__file__).parents[2] / "data" / "claude-code-2.1.330-first-request.json").read_text())
     body["model"] = "stub-model"  # ANTHROPIC_MODEL names the served model
     backend = StubBackend(context_length=32768)  # Gemma 3's
     r = client(backend).post(MSG + "?beta=true", json=body, headers={
@@ -834,7 +834,7 @@ def test_responses_fields_it_cannot_honour_are_refused_and_unknown_ones_named():
 def test_codexs_real_first_request_is_accepted_its_namespaced_tools_offered_and_its_hosted_one_named():
     from pathlib import Path
 
-    body = json.loads((Path(__file__).parents[1] / "data" / "codex-0.169.0-first-request.json").read_text())
+    body = json.loads((Path(__file__).parents[2] / "data" / "codex-0.169.0-first-request.json").read_text())
     body["model"] = "stub-model"
     backend = StubBackend(context_length=32768)
     r = client(backend).post(RESP, json=body)

@@ -19,11 +19,11 @@ from semantic import AgentCacheStore, BlockPool
 from semantic.store import manifest, manifest_name
 from tests import store_blocks_child as child
 from tests.cache_helpers import assert_identical
-from tests.unit.test_store_blocks import _names
+from tests.semantic.store.test_blocklayout import _names
 
 pytestmark = pytest.mark.compat
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 KILLS = 40
 MAX_DELAY_MS = 120
 SEED = 38  # a durable save of either history takes some 5 to 40 ms here: kills land in every phase

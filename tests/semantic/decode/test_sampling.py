@@ -18,7 +18,7 @@ from semantic.cache.blockplan import salt_root_of
 from semantic.errors import InvalidRequestError
 from semantic.decode.sampling import SamplingParams
 from tests.tiny_models import byte_tokenizer
-from tests.unit.test_scheduler import _assert_same, _ids, reference
+from tests.semantic.sched.test_scheduler import _assert_same, _ids, reference
 
 pytestmark = pytest.mark.compat
 
