@@ -12,7 +12,8 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
-from semantic.serve.turn.request import Delta, Final, GenerateRequest, Prepared, TokenLogprob, TopLogprob
+from semantic.serve.stream.items import Delta, Final, TokenLogprob, TopLogprob
+from semantic.serve.turn.request import GenerateRequest, Prepared
 from semantic.service import Completion, Request, fit_max_tokens
 
 

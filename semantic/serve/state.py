@@ -10,10 +10,8 @@ from starlette.requests import Request
 
 from semantic.serve.config import ServeConfig
 from semantic.serve.metrics import ServeMetrics
-from semantic.serve.responses.store import ResponseStore
 
 if TYPE_CHECKING:
-    from semantic.serve.turn.backend import Backend
     from semantic.serve.fleet.fleet import Fleet
 
 
@@ -25,10 +23,12 @@ class ServeState:
     started: int = field(default_factory=lambda: int(time.time()))  # unix seconds, for /v1/models
     closed: bool = False  # the backend's aclose() finished
     turns: set = field(default_factory=set)  # Turns not yet closed: shutdown lets them close first
-    responses: ResponseStore | None = None  # stored responses (previous_response_id), beside the caches
+    # stored responses (previous_response_id) beside the caches: the Responses API's ResponseStore, which it
+    # imports itself, as every route imports this module
+    responses: object = None
 
     @property
-    def backend(self) -> "Backend | None":
+    def backend(self):
         """The default model's backend while it is loaded (one model: always)."""
         return self.models.backend_of(None)
 

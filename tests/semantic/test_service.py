@@ -119,7 +119,8 @@ def test_tool_choice_none_keeps_the_generic_tools_note_so_the_prompt_and_its_cac
 def test_the_final_chunk_is_sent_before_the_cache_is_extracted_and_the_next_turn_still_reuses_it(service, monkeypatch):
     from semantic.cache import convert
     from semantic.serve.turn.backend import Backend
-    from semantic.serve.turn.request import Final, GenerateRequest
+    from semantic.serve.stream.items import Final
+    from semantic.serve.turn.request import GenerateRequest
 
     backend = Backend(service, model_id="tiny")
     gate, extracted = threading.Event(), threading.Event()

@@ -18,14 +18,15 @@ from starlette.responses import Response
 
 from semantic.service import SamplingParams
 from semantic.serve.anthropic import protocol as an
-from semantic.serve.turn.request import Delta, Final, GenerateRequest
+from semantic.serve.stream.items import Delta, Final
+from semantic.serve.turn.request import GenerateRequest
 from semantic.serve.anthropic.messages import (
     anthropic_format, anthropic_messages, anthropic_tools, tool_definitions, tool_references,
 )
 from semantic.serve.errors import from_stream, invalid, sse_error
 from semantic.serve.state import ServeState, serve_state, tenant_of
 from semantic.serve.stream.sse import EventStream, event
-from semantic.serve.turn.turn import Turn, agent_of, check_model, salt_of, use_model
+from semantic.serve.turn.turn import Turn, agent_of, resolve_model, salt_of, use_model
 
 router = APIRouter()
 
@@ -108,9 +109,9 @@ def _content(final: Final, thinking: bool) -> list:
 
 @router.post("/v1/messages")
 async def messages(body: an.MessagesRequest, request: Request, state: ServeState = Depends(serve_state)) -> Response:
-    check_model(state, body.model)
+    slot = resolve_model(state, body.model)
     req = _request(body, request, state)
-    backend = await use_model(state, request, body.model)
+    backend = await use_model(state, request, slot)
     turn = Turn(state, await backend.prepare(req), "messages")
     mid, model = f"msg_{secrets.token_hex(12)}", backend.model_id
     if not body.stream:
@@ -210,10 +211,10 @@ async def _events(turn: Turn, path: str, mid: str, model: str, thinking: bool) -
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(body: an.CountTokensRequest, request: Request,
                        state: ServeState = Depends(serve_state)) -> Response:
-    check_model(state, body.model)
+    slot = resolve_model(state, body.model)
     messages, tools, schema = _conversation(body, state.config.keep_billing_header)
     req = GenerateRequest(max_tokens=1, messages=messages, tenant=tenant_of(request), tools=tools,
                           response_schema=schema)
-    backend = await use_model(state, request, body.model)
+    backend = await use_model(state, request, slot)
     out = an.CountTokens(input_tokens=len((await backend.prepare(req)).ids))
     return Response(out.model_dump_json(), media_type="application/json")

@@ -177,13 +177,14 @@ class Fleet:
             log.info("loading %s from %s", model_id, slot.entry.source)
             self._installed(slot, self.opener(slot.entry), time.monotonic() - t0)
 
-    async def acquire(self, name: str | None) -> Lease:
-        """A lease on the loaded model ``name`` reaches, loading it first when it is not.
+    async def acquire(self, name: "str | None | Slot") -> Lease:
+        """A lease on the loaded model ``name`` reaches (or the slot a request resolved), loading it first when
+        it is not.
 
         Raises:
             ModelNotFoundError, ModelLoadError, ModelMemoryError; SchedulerClosedError once shutdown began.
         """
-        slot = self.slot(name)
+        slot = name if isinstance(name, Slot) else self.slot(name)
         while True:
             if self.closing:
                 raise SchedulerClosedError("the server is shutting down")

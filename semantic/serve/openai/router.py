@@ -16,12 +16,14 @@ from starlette.responses import JSONResponse, Response
 
 from semantic.service import SamplingParams
 from semantic.serve.openai import protocol as oa
-from semantic.serve.turn.request import Delta, Final, GenerateRequest, TokenLogprob
+from semantic.serve.stream.items import Delta, Final, TokenLogprob
+from semantic.serve.turn.request import GenerateRequest
 from semantic.serve.openai.messages import openai_call, openai_tools, response_schema
 from semantic.serve.errors import from_stream, invalid, sse_error
 from semantic.serve.state import ServeState, serve_state, tenant_of
 from semantic.serve.stream.sse import DONE, EventStream, data
-from semantic.serve.turn.turn import Turn, agent_of, check_model, salt_of, use_model
+from semantic.serve.fleet.fleet import Slot
+from semantic.serve.turn.turn import Turn, agent_of, resolve_model, salt_of, use_model
 
 router = APIRouter()
 
@@ -52,10 +54,11 @@ def sampling(body: oa._Sampling, top_logprobs: int = 0) -> SamplingParams:
     return SamplingParams(**{k: v for k, v in given.items() if v is not None}, top_logprobs=top_logprobs)
 
 
-def _common_checks(state: ServeState, body: oa._Sampling) -> None:
-    check_model(state, body.model)
+def _common_checks(state: ServeState, body: oa._Sampling) -> Slot:
+    slot = resolve_model(state, body.model)
     if body.n != 1:
         raise invalid("this server generates one choice per request (n must be 1)", "n")
+    return slot
 
 
 def _chat_messages(body: oa.ChatCompletionRequest) -> list[dict]:
@@ -113,7 +116,7 @@ def _chat_logprobs(tokens: list[TokenLogprob]) -> oa.ChoiceLogprobs:
 @router.post("/v1/chat/completions")
 async def chat_completions(body: oa.ChatCompletionRequest, request: Request,
                            state: ServeState = Depends(serve_state)) -> Response:
-    _common_checks(state, body)
+    slot = _common_checks(state, body)
     _refuse_unsupported(body)
     if body.top_logprobs and not body.logprobs:
         raise invalid("top_logprobs needs logprobs: true", "top_logprobs")
@@ -126,7 +129,7 @@ async def chat_completions(body: oa.ChatCompletionRequest, request: Request,
         agent=agent_of(request, body.prompt_cache_key, body.user), cache_salt=salt_of(request, body.cache_salt),
         api="openai.chat", tools=openai_tools(body.tools, body.tool_choice, body.parallel_tool_calls),
         response_schema=response_schema(body.response_format))
-    backend = await use_model(state, request, body.model)
+    backend = await use_model(state, request, slot)
     turn = Turn(state, await backend.prepare(req), "chat")
     rid, created, model = f"chatcmpl-{secrets.token_hex(12)}", int(time.time()), backend.model_id
     if not body.stream:
@@ -184,7 +187,7 @@ async def _chat_events(turn: Turn, path: str, rid: str, created: int, model: str
 @router.post("/v1/completions")
 async def completions(body: oa.CompletionRequest, request: Request,
                       state: ServeState = Depends(serve_state)) -> Response:
-    _common_checks(state, body)
+    slot = _common_checks(state, body)
     if body.echo:
         raise invalid("echo is not supported", "echo")
     if body.best_of not in (None, 1):
@@ -199,7 +202,7 @@ async def completions(body: oa.CompletionRequest, request: Request,
         sampling=sampling(body, body.logprobs or 0), stop=_stops(body.stop), logprobs=want_logprobs,
         tenant=tenant_of(request), agent=agent_of(request, body.prompt_cache_key, body.user),
         cache_salt=salt_of(request, body.cache_salt), api="openai.completions")
-    backend = await use_model(state, request, body.model)
+    backend = await use_model(state, request, slot)
     turn = Turn(state, await backend.prepare(req), "completions")
     rid, created, model = f"cmpl-{secrets.token_hex(12)}", int(time.time()), backend.model_id
     if not body.stream:
@@ -291,8 +294,7 @@ async def list_models(request: Request, state: ServeState = Depends(serve_state)
 
 @router.get("/v1/models/{model:path}")
 async def get_model(model: str, state: ServeState = Depends(serve_state)) -> Response:
-    check_model(state, model)
-    model_id = state.models.slot(model).id
+    model_id = resolve_model(state, model).id
     return _json(_model(state, next(r for r in state.models.rows() if r["id"] == model_id)))
 
 

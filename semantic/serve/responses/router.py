@@ -33,10 +33,11 @@ from semantic.service import SamplingParams
 from semantic.serve.responses import protocol as rs
 from semantic.serve.responses.messages import hosted_tools, namespace_of, responses_format, responses_input, responses_tools
 from semantic.serve.errors import NOT_FOUND, ApiError, from_stream, invalid, sse_error
-from semantic.serve.turn.request import Delta, Final, GenerateRequest
+from semantic.serve.stream.items import Delta, Final
+from semantic.serve.turn.request import GenerateRequest
 from semantic.serve.state import ServeState, serve_state, tenant_of
 from semantic.serve.stream.sse import EventStream, event
-from semantic.serve.turn.turn import Turn, check_model, salt_of, use_model
+from semantic.serve.turn.turn import Turn, resolve_model, salt_of, use_model
 
 log = logging.getLogger(__name__)
 
@@ -68,10 +69,10 @@ def _check(body: rs.ResponsesRequest) -> None:
 
 @router.post("/v1/responses")
 async def create(body: rs.ResponsesRequest, request: Request, state: ServeState = Depends(serve_state)) -> Response:
-    check_model(state, body.model)
+    slot = resolve_model(state, body.model)
     _check(body)
     tenant = tenant_of(request)
-    backend = await use_model(state, request, body.model)
+    backend = await use_model(state, request, slot)
     before, agent = [], body.prompt_cache_key or body.user
     if body.previous_response_id is not None:
         stored = await asyncio.to_thread(state.responses.get, tenant, body.previous_response_id)

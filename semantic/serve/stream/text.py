@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Sequence
 
-from semantic.serve.turn.request import Delta, TokenLogprob, TopLogprob
+from semantic.serve.stream.items import Delta, TokenLogprob, TopLogprob
 from semantic.serve.stream.thinking import ThinkSplitter
 from semantic.serve.stream.toolcalls import CallSplitter, held_back
 

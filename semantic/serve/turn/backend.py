@@ -21,7 +21,8 @@ from collections import deque
 from pathlib import Path
 
 from semantic.service import FAILED, PENDING, SchedulerClosedError, Service
-from semantic.serve.turn.request import Final, GenerateRequest, Prepared
+from semantic.serve.stream.items import Final
+from semantic.serve.turn.request import GenerateRequest, Prepared
 from semantic.serve.stream.text import TextStream
 from semantic.serve.stream.thinking import ThinkSplitter, opens_in_reasoning
 from semantic.serve.stream.toolcalls import CallSplitter

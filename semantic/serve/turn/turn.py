@@ -14,9 +14,10 @@ import time
 
 from starlette.requests import Request
 
-from semantic.serve.turn.request import Delta, Final, Prepared, TokenLogprob
+from semantic.serve.stream.items import Delta, Final, TokenLogprob
+from semantic.serve.turn.request import Prepared
 from semantic.serve.errors import NOT_FOUND, UNAVAILABLE, ApiError
-from semantic.serve.fleet.fleet import ModelLoadError, ModelMemoryError, ModelNotFoundError
+from semantic.serve.fleet.fleet import ModelLoadError, ModelMemoryError, ModelNotFoundError, Slot
 from semantic.serve.state import ServeState
 from semantic.serve.stream.sse import until_disconnect
 
@@ -24,17 +25,28 @@ CLAMP_HEADER = "X-Max-Tokens-Clamped"  # a max_tokens the context could not hold
 SAVE_HEADER = "X-Semantic-Cache-Save"   # a named agent's cache: saved, pending (behind the reply) or failed
 
 
-async def use_model(state: ServeState, request: Request, model: str | None):
-    """The backend of the model ``model`` names (an id or an alias; None: the default), loaded first when it
-    is not; held for this request until its answer is sent (``gates.Leases``).
+def resolve_model(state: ServeState, model: str | None) -> Slot:
+    """The served model ``model`` names (an id or an alias; None: the default): resolved once, first, so a
+    request for a model nothing serves is a 404 before any other check.
 
     Raises:
-        ApiError: 404 for a name nothing serves (listing what is), 503 for a model that cannot load or fit.
+        ApiError: 404 for a name no served model or alias matches (listing what is).
     """
     try:
-        lease = await state.models.acquire(model)
+        return state.models.slot(model)
     except ModelNotFoundError as exc:
         raise ApiError(NOT_FOUND, str(exc), param="model", code="model_not_found") from None
+
+
+async def use_model(state: ServeState, request: Request, slot: Slot):
+    """The backend of ``slot``'s model (from :func:`resolve_model`), loaded first when it is not; held for
+    this request until its answer is sent (``gates.Leases``).
+
+    Raises:
+        ApiError: 503 for a model that cannot load or fit.
+    """
+    try:
+        lease = await state.models.acquire(slot)
     except ModelLoadError as exc:
         raise ApiError(UNAVAILABLE, str(exc), param="model", code="model_load_failed") from None
     except ModelMemoryError as exc:
@@ -45,14 +57,6 @@ async def use_model(state: ServeState, request: Request, model: str | None):
     else:
         held.append(lease)
     return lease.backend
-
-
-def check_model(state: ServeState, model: str | None) -> None:
-    """404 for a name no served model or alias matches (no name: the default model)."""
-    try:
-        state.models.slot(model)
-    except ModelNotFoundError as exc:
-        raise ApiError(NOT_FOUND, str(exc), param="model", code="model_not_found") from None
 
 
 def salt_of(request: Request, body_salt: str | None = None) -> str | None:
