@@ -99,8 +99,9 @@ models: venv
 test: models system-browser system-redis
 	$(PY) $(PYTEST) -m "not slow" $(PYTEST_ARGS)
 
+# The fuzzers run again here with their full counts (a sample of each in `make test`: tests/fuzzing.py).
 test-slow: models system-browser system-redis
-	$(PY) $(PYTEST) -m slow $(PYTEST_ARGS)
+	SEMANTIC_FUZZ=full $(PY) $(PYTEST) -m "slow or fuzz" $(PYTEST_ARGS)
 
 # The prepared model this device computes with (f32 on a CPU: the last line `models path` prints).
 SERVE_MODEL ?= smollm2-135m

@@ -21,10 +21,12 @@ import xxhash
 from semantic import BlockPool, CacheError, cachefile
 from semantic.cachefile import DOC_HASH_KEY, DOC_KEY
 from tests.cache_helpers import assert_identical, engine, generate, history
+from tests.fuzzing import cases
 
 pytestmark = pytest.mark.compat
 
-CASES = 4000  # per base file; a few seconds each
+CASES = cases(full=4000, quick=800)  # per base file; a few seconds each at the full count
+HEADER_CASES = cases(full=1000, quick=250)
 
 
 def _header_end(raw: bytes) -> int:
@@ -65,6 +67,7 @@ def _mutate(raw: bytes, rng: np.random.Generator) -> bytes:
     return bytes(b)
 
 
+@pytest.mark.fuzz
 @pytest.mark.parametrize("which,kv_bits,n", [("gemma", None, 37), ("llama", 8, 9)], ids=["gemma-wrapped", "quantized"])
 def test_every_mutated_file_loads_bit_identically_or_raises_a_cache_error(
     llama_tiny, gemma_tiny, tmp_path, which, kv_bits, n
@@ -120,6 +123,7 @@ def _edit(tree, rng: np.random.Generator):
         parent[path[-1]] = ODD_VALUES[int(rng.integers(0, len(ODD_VALUES)))]
 
 
+@pytest.mark.fuzz
 def test_headers_edited_behind_a_valid_checksum_load_identically_or_raise_a_cache_error(gemma_tiny, tmp_path):
     """Token ids are not edited: new ids with a recomputed checksum are a
     forgery, which checksums (unlike signatures) cannot tell from the truth."""
@@ -132,7 +136,7 @@ def test_headers_edited_behind_a_valid_checksum_load_identically_or_raise_a_cach
     header, data = json.loads(raw[8 : 8 + n]), raw[8 + n :]
     rng = np.random.default_rng(7)
     refused = 0
-    for case in range(1000):
+    for case in range(HEADER_CASES):
         h = json.loads(json.dumps(header))
         doc = json.loads(h["__metadata__"][DOC_KEY])
         _edit(doc if rng.random() < 0.6 else h, rng)
@@ -150,4 +154,4 @@ def test_headers_edited_behind_a_valid_checksum_load_identically_or_raise_a_cach
         except Exception as exc:  # noqa: BLE001 - the point of the test
             pytest.fail(f"case {case}: {type(exc).__name__}: {exc}")
         assert_identical(loaded, original)
-    assert refused > 800
+    assert refused > HEADER_CASES * 0.8

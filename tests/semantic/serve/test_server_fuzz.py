@@ -18,10 +18,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from harness.models.tiny import write_tiny_llama
+from tests.fuzzing import cases
 from tests.serve_helpers import Server
 
 
-EXAMPLES = 150  # per endpoint and shape; 7 * 150 requests in all
+EXAMPLES = cases(full=150, quick=30)  # per endpoint and shape; 7 * 150 requests in all under make test-slow
+pytestmark = pytest.mark.fuzz
 COUNTS: collections.Counter = collections.Counter()
 
 junk = st.recursive(

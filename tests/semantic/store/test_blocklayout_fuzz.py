@@ -30,13 +30,15 @@ from semantic import AgentCacheStore, BlockPool
 from semantic.cachefile import DOC_HASH_KEY, DOC_KEY
 from semantic.store import manifest, manifest_name
 from tests.cache_helpers import assert_identical, engine, generate, history
+from tests.fuzzing import cases
 from tests.semantic.store.test_blocklayout import _rechecksum, _shared, _store
 from tests.semantic.cachefile.test_cachefile_fuzz import _edit, _mutate
 
 pytestmark = pytest.mark.compat
 
-# per model: 2000 in all (about 30 s); `make fuzz-blocks` sets 5000 (10,000 damaged directories in all)
-CASES = int(os.environ.get("SEMANTIC_FUZZ_CASES", "1000"))
+# per model: 1000 under make test-slow (2000 in all, about 30 s), 300 in make test; `make fuzz-blocks` sets 5000
+# (10,000 damaged directories in all)
+CASES = int(os.environ.get("SEMANTIC_FUZZ_CASES") or cases(full=1000, quick=300))
 FP = "fuzz"
 
 
@@ -237,6 +239,7 @@ def fuzz(model, kv_bits, cases: int, seed: int, workdir: Path) -> Counter:
     return seen
 
 
+@pytest.mark.fuzz
 @pytest.mark.parametrize("which,kv_bits", [("gemma", None), ("llama", 8)], ids=["gemma-wrapped", "quantized"])
 def test_every_damaged_block_file_or_manifest_loads_exactly_as_an_exact_prefix_or_not_at_all(
     llama_tiny, gemma_tiny, tmp_path, which, kv_bits
