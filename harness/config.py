@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.criteria import Criterion
-from harness.kinds import KINDS
+from harness.trials import KINDS
 from harness.timing import Protocol
 
 TOP_KEYS = {"name", "kind", "description", "models", "model_variant", "params", "protocol", "quick", "criteria",

@@ -14,7 +14,7 @@ import math
 
 import pytest
 
-from harness.blockstore.servers import server_accepts
+from harness.trials.block_store.servers import server_accepts
 from harness.config import load as load_config
 from harness.runner import run
 

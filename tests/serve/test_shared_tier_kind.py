@@ -14,7 +14,7 @@ import pytest
 
 from harness.config import load as load_config
 from harness.runner import run
-from harness.serving.redis_server import REDIS
+from harness.trials.shared_tier.redis_server import REDIS
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow,
               pytest.mark.skipif(REDIS is None, reason="no redis-server: `make system-redis`")]

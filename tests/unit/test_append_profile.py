@@ -9,9 +9,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from harness.serving.append_profile import tracing
-from harness.serving.append_profile.report import summarize
-from harness.serving.append_profile.tracing import Tracer, account
+from harness.trials.serving.append_profile import tracing
+from harness.trials.serving.append_profile.report import summarize
+from harness.trials.serving.append_profile.tracing import Tracer, account
 
 
 def test_a_span_is_split_at_the_last_token_and_spans_before_submit_or_on_the_caller_are_left_out():

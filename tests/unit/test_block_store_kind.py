@@ -7,9 +7,9 @@ import os
 
 import pytest
 
-from harness.blockstore import measure
-from harness.blockstore.checks import all_checks, beside_checks, replies_differing, restart_checks, write_amp_checks
-from harness.blockstore.servers import evict_page_cache, layout_args
+from harness.trials.block_store import measure
+from harness.trials.block_store.checks import all_checks, beside_checks, replies_differing, restart_checks, write_amp_checks
+from harness.trials.block_store.servers import evict_page_cache, layout_args
 from harness.config import ConfigError, load
 from harness.criteria import resolve
 

@@ -6,11 +6,11 @@ import json
 
 import numpy as np
 
-from harness.chaos import fs
-from harness.chaos.checks import rss_checks
-from harness.chaos.injector import FaultPlan
-from harness.chaos.ledger import Ledger, Reply
-from harness.kinds.chaos import sizes
+from harness.trials.chaos import fs
+from harness.trials.chaos.checks import rss_checks
+from harness.trials.chaos.injector import FaultPlan
+from harness.trials.chaos.ledger import Ledger, Reply
+from harness.trials.chaos.trial import sizes
 
 
 def reply(prompt: int, cached: int | None, save: str | None = "saved") -> Reply:
@@ -135,7 +135,7 @@ def test_an_error_event_in_a_begun_stream_is_a_refusal_during_a_shutdown_and_a_f
     import anthropic
     import httpx
 
-    from harness.chaos.agents import classify
+    from harness.trials.chaos.agents import classify
 
     request = httpx.Request("POST", "http://127.0.0.1/v1/messages")
     event = anthropic.APIStatusError("the server is shutting down", response=httpx.Response(200, request=request),
@@ -203,7 +203,7 @@ def test_a_flip_says_whether_it_hit_a_block_files_header_or_only_its_tensors(tmp
 
 def test_damage_tells_shared_block_files_from_one_agents_and_takes_each_kind_in_turn(tmp_path):
     from harness import storefiles
-    from harness.chaos import damage
+    from harness.trials.chaos import damage
 
     _block_dir(tmp_path, ["00000000000000aa", "00000000000000bb", "00000000000000cc", "00000000000000dd"])
     _manifest(tmp_path, "public-a-1.kvm", "public/a", [1] * 8, ["00000000000000aa", "00000000000000bb"])
@@ -225,7 +225,7 @@ def test_damage_tells_shared_block_files_from_one_agents_and_takes_each_kind_in_
 
 
 def test_with_no_shared_block_file_yet_the_next_damage_takes_the_kind_still_missing(tmp_path):
-    from harness.chaos import damage
+    from harness.trials.chaos import damage
 
     _block_dir(tmp_path, ["00000000000000aa"])
     _manifest(tmp_path, "public-a-1.kvm", "public/a", [1] * 4, ["00000000000000aa"])
@@ -237,7 +237,7 @@ def test_with_no_shared_block_file_yet_the_next_damage_takes_the_kind_still_miss
 
 
 def test_a_damaged_block_file_excuses_its_agents_until_it_is_written_again(tmp_path):
-    from harness.chaos import damage
+    from harness.trials.chaos import damage
 
     blocks = _block_dir(tmp_path, ["00000000000000aa"])
     _manifest(tmp_path, "public-a-1.kvm", "public/a", [1] * 4, ["00000000000000aa"])
@@ -285,7 +285,7 @@ def test_a_hit_after_a_damage_is_excused_when_a_turn_sent_since_may_have_saved_a
 
 
 def test_which_damaged_files_the_server_must_have_set_aside():
-    from harness.chaos.checks import must_be_found
+    from harness.trials.chaos.checks import must_be_found
 
     def ev(**kw):
         return {"t": 10.0, "kind": "corrupt", "file": "x", "agents": ["a"], "shared": False, **kw}
@@ -304,7 +304,7 @@ def test_which_damaged_files_the_server_must_have_set_aside():
 def test_a_corrupting_crash_waits_for_a_file_of_the_kind_it_wants(tmp_path):
     from types import SimpleNamespace
 
-    from harness.chaos.injector import Injector
+    from harness.trials.chaos.injector import Injector
 
     inj = Injector(SimpleNamespace(), SimpleNamespace(agent_ids=["a", "b"], live={}), Ledger(), FaultPlan(), None,
                    tmp_path, 0, 4)

@@ -9,10 +9,10 @@ import time
 import anthropic
 import pytest
 
-from harness.kinds import claude_code as K
-from harness.serving import claude_code as cc
-from harness.serving.processes import free_port
-from harness.serving.proxy import LoggingProxy
+from harness.trials.claude_code import trial as K
+from harness.trials.claude_code import session as cc
+from harness.servers.processes import free_port
+from harness.trials.claude_code.proxy import LoggingProxy
 from semantic.serve.app import create_app
 from semantic.serve.config import ServeConfig
 from tests.serve_stub import StubBackend

@@ -6,11 +6,11 @@ from __future__ import annotations
 import anthropic
 import pytest
 
-from harness.kinds import claude_code_models as K
-from harness.serving import claude_code as cc
-from harness.serving.model_routes import count_by_model, expected_model, literal_chars
-from harness.serving.processes import free_port
-from harness.serving.proxy import LoggingProxy, last_user_text
+from harness.trials.claude_code import two_models as K
+from harness.trials.claude_code import session as cc
+from harness.trials.claude_code.model_routes import count_by_model, expected_model, literal_chars
+from harness.servers.processes import free_port
+from harness.trials.claude_code.proxy import LoggingProxy, last_user_text
 from tests.unit.test_claude_code_kind import stub_server  # noqa: F401  (the fixture)
 
 IDS = ["main", "small"]
@@ -115,7 +115,7 @@ def test_the_proxy_records_the_replys_model_and_text_streamed_or_not(stub_server
 def test_our_target_starts_several_models_with_their_aliases_when_given_them(tmp_path):
     from pathlib import Path
 
-    from harness.serving import targets as t
+    from harness.servers import targets as t
 
     ours = t.TARGETS["semantic"]
     launch = t.Launch(python=Path("/v/bin/python"), model_dir=Path("/m/gemma"), model_id="main", port=8123,

@@ -8,7 +8,7 @@ import tomllib
 import pytest
 
 from harness import cli, config
-from harness.kinds.base import KINDS, Kind
+from harness.trials.base import KINDS, Kind
 
 CHECK_CRITERIA = """
 [[criteria]]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from harness import old_names
 from harness.analysis import compare
-from harness.kinds.reconstruction import expected_p95_table
+from harness.trials.reconstruction.trial import expected_p95_table
 
 OLD_EXP_006 = Path(__file__).parents[2] / "results" / "exp_006_reconstruction" / "20261122T102758Z-synthetic.json"
 

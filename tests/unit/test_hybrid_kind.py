@@ -8,10 +8,10 @@ import pytest
 
 from harness.config import ConfigError, load
 from harness.criteria import resolve
-from harness.hybrid import model as hm
-from harness.hybrid.report import best_peer_ratios, checks, geometry_checks
-from harness.hybrid.sizes import BIG, size_row, spec_of
-from harness.hybrid.turns import REPLY_SLACK, expected_cached, reuse_ok
+from harness.trials.hybrid import model as hm
+from harness.trials.hybrid.report import best_peer_ratios, checks, geometry_checks
+from harness.trials.hybrid.sizes import BIG, size_row, spec_of
+from harness.trials.hybrid.turns import REPLY_SLACK, expected_cached, reuse_ok
 
 OURS, PEER = "semantic", "mlx_lm.server"
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness.kinds import responses_chain as K
+from harness.trials import responses_chain as K
 
 
 def _row(c, t, side, ttft, prompt=100, cached=90):

@@ -1,4 +1,4 @@
-"""harness.serving.aiperf: the command line it hands AIPerf, AIPerf's environment, and its export summarized.
+"""harness.trials.serving.aiperf: the command line it hands AIPerf, AIPerf's environment, and its export summarized.
 
 No server and no AIPerf run here: the export is one AIPerf 0.13.0 wrote (tests/data).
 """
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from harness.serving import aiperf as ap
-from harness.serving import venvs
+from harness.trials.serving import aiperf as ap
+from harness.servers import venvs
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 MODEL = Path("/models/smollm2-f32")

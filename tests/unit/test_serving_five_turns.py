@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from harness.serving.phases import FIVE_TURNS, five_turn_messages
-from harness.serving.report import five_turns_checks, five_turns_table
+from harness.servers.phases import FIVE_TURNS, five_turn_messages
+from harness.trials.serving.report import five_turns_checks, five_turns_table
 
 SYSTEM = {"role": "system", "content": "sys"}
 QS = [{"role": "user", "content": f"q{i}"} for i in range(1, 5)]

@@ -1,4 +1,4 @@
-"""harness.serving: targets' commands and not-run-here records, the BLAS preload, install stamps, starting a server.
+"""harness.servers: targets' commands and not-run-here records, the BLAS preload, install stamps, starting a server.
 
 Nothing here installs a peer or starts a server; EXP-009's runs do.
 """
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from harness.serving import blas, cache_hits, processes, venvs
-from harness.serving import targets as t
+from harness.servers import blas, cache_hits, processes, venvs
+from harness.servers import targets as t
 
 MODEL = Path("/models/smollm2-f32")
 BLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblasp-r0.3.21.so"

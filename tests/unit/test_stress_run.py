@@ -14,7 +14,7 @@ import pytest
 
 from harness import config
 from harness import runner
-from harness.kinds.stress import _choose_parity
+from harness.trials.stress import _choose_parity
 
 
 @pytest.mark.slow
@@ -74,7 +74,7 @@ def test_the_agent_experiment_configs_load_with_and_without_quick():
 
 
 def test_leaks_are_read_from_the_manifests_of_the_block_layout(tmp_path):
-    from harness.kinds.stress import _file_leaks
+    from harness.trials.stress import _file_leaks
     from semantic.store import manifest_name
 
     def manifest(name, agent, tokens):

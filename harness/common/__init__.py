@@ -1,0 +1,1 @@
+"""What the trials share that is no server: their child processes (``children``)."""
