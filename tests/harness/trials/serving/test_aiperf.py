@@ -14,7 +14,7 @@ import pytest
 from harness.trials.serving import aiperf as ap
 from harness.servers import venvs
 
-DATA = Path(__file__).resolve().parents[1] / "data"
+DATA = Path(__file__).resolve().parents[3] / "data"
 MODEL = Path("/models/smollm2-f32")
 
 

@@ -11,7 +11,7 @@ from harness.trials.claude_code import session as cc
 from harness.trials.claude_code.model_routes import count_by_model, expected_model, literal_chars
 from harness.servers.processes import free_port
 from harness.trials.claude_code.proxy import LoggingProxy, last_user_text
-from tests.unit.test_claude_code_kind import stub_server  # noqa: F401  (the fixture)
+from tests.harness.trials.claude_code.test_trial import stub_server  # noqa: F401  (the fixture)
 
 IDS = ["main", "small"]
 ALIASES = {"claude-*haiku*": "small", "claude-*": "main", "gpt-*": "main"}

@@ -7,7 +7,7 @@ from pathlib import Path
 import nbformat
 from nbclient import NotebookClient
 
-NOTEBOOK = Path(__file__).parents[2] / "notebooks" / "analysis.ipynb"
+NOTEBOOK = Path(__file__).parents[3] / "notebooks" / "analysis.ipynb"
 
 
 def test_the_analysis_notebook_is_committed_without_outputs():
