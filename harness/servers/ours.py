@@ -1,6 +1,7 @@
-"""``semantic serve`` as the soak's victim: one process at a time on a fixed port, killed and started again.
+"""``semantic serve`` from this checkout as the trials run it: one process at a time on a fixed port,
+killed and started again (EXP-015's victim; EXP-016's, -017's and -019's servers).
 
-Each start is a new *life* (numbered from 1). Agents read :attr:`ChaosServer.life` when they send and
+Each start is a new *life* (numbered from 1). Agents read :attr:`OurServer.life` when they send and
 when they classify an error: a request whose life ended under it was interrupted, not failed.
 The injector calls :meth:`going_down` before it sends a signal, so that no agent can see the broken
 connection before the bookkeeping says why.
@@ -21,11 +22,20 @@ from pathlib import Path
 
 import httpx
 
-from harness.servers.processes import _rss, free_port
+from harness.servers.processes import _rss, free_port, wait_ready
 from harness.servers.targets import ROOT
 
 
-class ChaosServer:
+def get_json(url: str, path: str, timeout_s: float = 10.0) -> dict | None:
+    """``GET url+path`` as JSON; None when it does not answer 200 (a phase records that, it does not stop)."""
+    try:
+        r = httpx.get(url + path, timeout=timeout_s)
+        return r.json() if r.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
+class OurServer:
     """Start, kill and restart one server; its life counter and up/down state are read by the agents."""
 
     def __init__(self, model_dir: Path, model_id: str, cache_dir: Path, log_path: Path, args: list[str],
@@ -55,25 +65,24 @@ class ChaosServer:
             log.flush()
             self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          cwd=ROOT, env=env, start_new_session=True)
-        deadline = time.monotonic() + self.ready_timeout_s
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited {self.proc.returncode} at start:\n{self.log_tail()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                self.kill_now()
-                raise RuntimeError(f"server did not answer /health in {self.ready_timeout_s:.0f} s:\n{self.log_tail()}")
-            time.sleep(0.1)
+        why = wait_ready(self.proc, self._healthy, self.ready_timeout_s, 0.1)
+        if why == "exited":
+            raise RuntimeError(f"server exited {self.proc.returncode} at start:\n{self.log_tail()}")
+        if why == "timeout":
+            self.kill_now()
+            raise RuntimeError(f"server did not answer /health in {self.ready_timeout_s:.0f} s:\n{self.log_tail()}")
         took = time.perf_counter() - t0
         self.starts.append(took)
         self.life += 1
         self.stopping = None
         self.up.set()
         return took
+
+    def _healthy(self) -> bool:
+        try:
+            return httpx.get(self.url + "/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
 
     def going_down(self, how: str) -> None:
         """Mark the server down before a signal is sent: what breaks from now on is the injector's doing."""
@@ -114,11 +123,7 @@ class ChaosServer:
 
     def stats(self, timeout_s: float = 10.0) -> dict | None:
         """``GET /v1/cache/stats``, or None while it does not answer."""
-        try:
-            r = httpx.get(self.url + "/v1/cache/stats", timeout=timeout_s)
-            return r.json() if r.status_code == 200 else None
-        except (httpx.HTTPError, ValueError):
-            return None
+        return get_json(self.url, "/v1/cache/stats", timeout_s)
 
     def log_tail(self, chars: int = 4000) -> str:
         try:

@@ -15,7 +15,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from harness.servers.blas import BlasMapping, blas_library, blas_of, server_env
 from harness.servers.targets import ROOT, Launch, ServerTarget, ServingError, log_tail
@@ -189,22 +189,37 @@ def start(target: ServerTarget, model_dir: Path | str, port: int, workdir: Path 
     return running
 
 
-def _wait_ready(running: Running, timeout_s: float) -> None:
+def wait_ready(proc: subprocess.Popen, ready: Callable[[], bool], timeout_s: float, every_s: float) -> str | None:
+    """Poll a starting server: ``ready()`` every ``every_s`` until it is true (None), or until the process
+    exits ("exited") or ``timeout_s`` has passed ("timeout") first."""
     deadline = time.monotonic() + timeout_s
-    url = running.url + running.target.health_path
     while True:
-        if running.proc.poll() is not None:
-            raise ServerStartError(f"{running.target.name} exited {running.proc.returncode} before it was ready; "
-                                   f"{running.log_path}:\n{running.log_tail()}")
-        try:
-            if _get(url, 2.0)[0] == 200:
-                return
-        except (OSError, urllib.error.URLError):
-            pass
+        if proc.poll() is not None:
+            return "exited"
+        if ready():
+            return None
         if time.monotonic() > deadline:
-            raise ServerStartError(f"{running.target.name} did not answer {url} within {timeout_s:.0f} s; "
-                                   f"{running.log_path}:\n{running.log_tail()}")
-        time.sleep(0.25)
+            return "timeout"
+        time.sleep(every_s)
+
+
+def _answers(url: str) -> bool:
+    """Whether ``GET url`` answers 200 within 2 s (no connection yet: False)."""
+    try:
+        return _get(url, 2.0)[0] == 200
+    except (OSError, urllib.error.URLError):
+        return False
+
+
+def _wait_ready(running: Running, timeout_s: float) -> None:
+    url = running.url + running.target.health_path
+    why = wait_ready(running.proc, lambda: _answers(url), timeout_s, 0.25)
+    if why == "exited":
+        raise ServerStartError(f"{running.target.name} exited {running.proc.returncode} before it was ready; "
+                               f"{running.log_path}:\n{running.log_tail()}")
+    if why == "timeout":
+        raise ServerStartError(f"{running.target.name} did not answer {url} within {timeout_s:.0f} s; "
+                               f"{running.log_path}:\n{running.log_tail()}")
 
 
 def _children() -> dict[int, list[int]]:

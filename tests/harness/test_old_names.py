@@ -35,3 +35,10 @@ def test_other_names_and_other_things_pass_unchanged():
     assert old_names.check_name("seed_count") == "seed_count"
     assert old_names.check_name("smollm2_2k_reconstruct_over_memcpy") == "smollm2_2k_reconstruct_over_memcpy"
     assert old_names.upgrade([1, 2]) == [1, 2]
+
+
+def test_a_trial_source_reads_with_the_module_paths_and_names_its_benchmark_ids_were_made_with():
+    moved = "from harness.servers.ours import OurServer\nfrom harness.trials.multi_model.servers import model_mb\n"
+    assert old_names.trial_source(moved) == ("from harness.chaos.server import ChaosServer\n"
+                                             "from harness.multimodel.servers import model_mb\n")
+    assert old_names.trial_source("from harness.prompts import system_prompt") == "from harness.prompts import system_prompt"

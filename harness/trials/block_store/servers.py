@@ -2,7 +2,7 @@
 
 The layout is chosen by a server flag (``--cache-layout blocks`` / ``--cache-layout file``); with an
 empty flag name no flag is passed and every "layout" is the server's default, which checks the harness
-itself (both sides then measure the same store). Servers are :class:`~harness.servers.ours.ChaosServer`:
+itself (both sides then measure the same store). Servers are :class:`~harness.servers.ours.OurServer`:
 they import ``semantic`` from this checkout, keep their port across restarts, and answer
 ``/v1/cache/stats``.
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 
 from harness.trials.block_store.client import client
 from harness.trials.block_store.measure import kv_bytes_per_token, read_proc_io
-from harness.servers.ours import ChaosServer
+from harness.servers.ours import OurServer
 
 
 def layout_args(layout: str, flag: str, base: list[str]) -> list[str]:
@@ -29,7 +29,7 @@ class LayoutServer:
 
     def __init__(self, layout: str, model_dir: Path, model_id: str, work: Path, args: list[str], timeout_s: float):
         self.layout, self.cache_dir = layout, work / f"cache-{layout}"
-        self.server = ChaosServer(model_dir, model_id, self.cache_dir, work / f"server-{layout}.log", args)
+        self.server = OurServer(model_dir, model_id, self.cache_dir, work / f"server-{layout}.log", args)
         self.model_id, self.timeout_s = model_id, timeout_s
         self._client = None
 

@@ -35,6 +35,7 @@ from harness.trials.block_store import disk_phases, time_phases
 from harness.trials.block_store.checks import all_checks, replies_differing
 from harness.trials.block_store.servers import start_servers, stop_all
 from harness.trials.base import Kind, Param, register
+from harness.common.report import fmt, verdict_table
 
 # each phase, its function, and whether its servers run with --sync-saves
 PHASES = {
@@ -140,9 +141,7 @@ def _readme(ctx, c: dict) -> None:
     verdicts = ctx.results.evaluate()
     run_id, (cand, base) = ctx.results.doc["run_id"], ctx.params["layouts"]
     flag = ctx.params["layout_flag"]
-    rows = "\n".join(f"| {v['name']} | {v['level']} | {_fmt(v['measured'])} {v['op']} {_fmt(v['threshold'])} | "
-                     f"**{v['verdict']}** |" for v in verdicts)
-    table = "\n".join(f"| {label} | {_fmt(c.get(key.format(cand)))} | {_fmt(c.get(key.format(base)))} |"
+    table = "\n".join(f"| {label} | {fmt(c.get(key.format(cand)), 'None')} | {fmt(c.get(key.format(base)), 'None')} |"
                       for label, key in _TABLE)
     note = "" if flag else ("\n**The layout flag was not passed: both columns are the server's default layout** "
                             "(a check of the harness, not of the layouts).\n")
@@ -157,15 +156,13 @@ run. Latest run: `{run_id}` ({ctx.results.doc['created_at'][:19]} UTC), results 
 |---|---|---|
 {table}
 
-{cand} / {base} restart TTFT (median over reps of each rep's pair): {_fmt(c.get(f'restart_{cand}_over_{base}_short'))} short
-({c.get('restart_short_tokens')} tokens), {_fmt(c.get(f'restart_{cand}_over_{base}_long'))} long
+{cand} / {base} restart TTFT (median over reps of each rep's pair): {fmt(c.get(f'restart_{cand}_over_{base}_short'), 'None')} short
+({c.get('restart_short_tokens')} tokens), {fmt(c.get(f'restart_{cand}_over_{base}_long'), 'None')} long
 ({c.get('restart_long_tokens')} tokens). The agents' shared prompt: {c.get('shared_tokens')} tokens, of them
 {c.get('shared_full_block_tokens')} in full blocks (the rest sits in each agent's partial block). Replies
 differing between the layouts: {c.get('replies_differing')}.
 
-| goal | level | measured | verdict |
-|---|---|---|---|
-{rows}
+{verdict_table(verdicts, 'None')}
 """)
 
 
@@ -180,10 +177,6 @@ _TABLE = (("bytes written per turn / KV added, max", "write_amp_{}_max"),
           ("cached turn beside a save / quiet (whole turn, median of reps)", "beside_over_quiet_{}"),
           ("cached turn beside a save / quiet (TTFT, median of reps)", "beside_over_quiet_{}_ttft"),
           ("reps whose cached turn overlapped a save's writes", "beside_overlapped_{}"))
-
-
-def _fmt(v) -> str:
-    return f"{v:.3g}" if isinstance(v, float) else str(v)
 
 
 KIND = register(Kind(

@@ -29,7 +29,7 @@ import numpy as np
 import openai
 
 from harness.trials.chaos.ledger import Ledger, Reply
-from harness.servers.ours import ChaosServer
+from harness.servers.ours import OurServer
 
 try:  # the anthropic SDK's own fork of httpx: its transport errors escape a stream's iteration unwrapped
     import httpx2
@@ -183,7 +183,7 @@ def anthropic_turn(client: anthropic.Anthropic, body: dict, headers: dict, strea
                  ttft if ttft is not None else time.perf_counter() - t0, finish), calls
 
 
-def classify(exc: BaseException, server: ChaosServer, life: int, was_up: bool) -> Failed:
+def classify(exc: BaseException, server: OurServer, life: int, was_up: bool) -> Failed:
     """The outcome of a request that raised, given the server's life when it was sent."""
     interrupted = server.life != life or not server.up.is_set() or server.stopping is not None
     if isinstance(exc, (openai.APITimeoutError, anthropic.APITimeoutError, *TIMEOUTS)):
@@ -226,7 +226,7 @@ class Session:
 class Fleet:
     """``n`` agent slots on threads, until :meth:`stop`."""
 
-    def __init__(self, server: ChaosServer, ledger: Ledger, system: str, n: int, p: AgentParams, seed: int):
+    def __init__(self, server: OurServer, ledger: Ledger, system: str, n: int, p: AgentParams, seed: int):
         self.server, self.ledger, self.system, self.n, self.p, self.seed = server, ledger, system, n, p, seed
         self.stop_event = threading.Event()
         self.threads: list[threading.Thread] = []

@@ -31,7 +31,7 @@ from harness.trials.chaos import damage, fs
 from harness.trials.chaos.agents import Fleet, anthropic_turn, classify, openai_turn
 from harness.trials.chaos.damage import Damage
 from harness.trials.chaos.ledger import Ledger
-from harness.servers.ours import ChaosServer
+from harness.servers.ours import OurServer
 
 FS_FAULTS = ("disk_full", "read_only")
 
@@ -79,7 +79,7 @@ class FaultPlan:
 class Injector:
     """Runs a :class:`FaultPlan` against the server while ``fleet`` talks to it."""
 
-    def __init__(self, server: ChaosServer, fleet: Fleet, ledger: Ledger, plan: FaultPlan, mount: Path | None,
+    def __init__(self, server: OurServer, fleet: Fleet, ledger: Ledger, plan: FaultPlan, mount: Path | None,
                  cache_dir: Path, seed: int, max_queued: int):
         self.server, self.fleet, self.ledger, self.plan = server, fleet, ledger, plan
         self.mount, self.cache_dir, self.max_queued = mount, cache_dir, max_queued

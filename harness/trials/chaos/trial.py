@@ -40,9 +40,10 @@ from harness.trials.chaos.agents import AgentParams, Fleet
 from harness.trials.chaos.checks import answered_turns, checks, rss_checks
 from harness.trials.chaos.injector import FaultPlan, Injector
 from harness.trials.chaos.ledger import FAILURES, Ledger
-from harness.servers.ours import ChaosServer
+from harness.servers.ours import OurServer
 from harness.trials.chaos.timeline import timeline_plot
 from harness.trials.base import Kind, Param, register
+from harness.common.report import verdict_table
 
 MB = 1 << 20
 
@@ -97,7 +98,7 @@ class _Rig:
     mount: Path | None
     cache_dir: Path
     skipped: dict
-    server: ChaosServer
+    server: OurServer
     ledger: Ledger
     fleet: Fleet
     injector: Injector
@@ -120,7 +121,7 @@ def _rig(ctx) -> _Rig:
     args = ["--sync-saves", "--cache-layout", p["cache_layout"],
             "--ram-mb", str(size["ram_mb"]), "--disk-mb", str(size["disk_mb"]),
             "--max-queued", str(p["max_queued"]), "--max-batch", str(p["max_batch"])]
-    server = ChaosServer(model_dir, ctx.model_name, cache_dir, work / "server.log", args)
+    server = OurServer(model_dir, ctx.model_name, cache_dir, work / "server.log", args)
     ledger = Ledger()
     agent_p = AgentParams(max_tokens=p["max_tokens"], tool_max_tokens=p["tool_max_tokens"],
                           turns_per_session=tuple(p["turns_per_session"]), tools_prob=p["tools_prob"],
@@ -191,7 +192,7 @@ def _teardown(rig: _Rig, out: dict) -> None:
     shutil.rmtree(rig.work, ignore_errors=True)
 
 
-def _sample_rss(server: ChaosServer, fleet: Fleet, ledger: Ledger, done: threading.Event) -> None:
+def _sample_rss(server: OurServer, fleet: Fleet, ledger: Ledger, done: threading.Event) -> None:
     while not done.wait(1.0):
         rss = server.rss_bytes()
         if rss:
@@ -238,8 +239,6 @@ def _readme(ctx, c: dict) -> None:
     """``README.md`` beside the results: what the run did and each goal's verdict."""
     verdicts = ctx.results.evaluate()
     run_id = ctx.results.doc["run_id"]
-    rows = "\n".join(f"| {v['name']} | {v['level']} | {_fmt(v['measured'])} {v['op']} {_fmt(v['threshold'])} | "
-                     f"**{v['verdict']}** |" for v in verdicts)
     text = f"""# EXP-015: nothing lost under chaos
 
 `make exp-015` (`harness run experiments/exp_015_chaos.toml`) runs one `semantic serve` on
@@ -272,15 +271,9 @@ results `{run_id}.json`, timeline `{run_id}-timeline.png`.
 
 ![timeline]({run_id}-timeline.png)
 
-| goal | level | measured | verdict |
-|---|---|---|---|
-{rows}
+{verdict_table(verdicts, 'None')}
 """
     (ctx.out_dir / "README.md").write_text(text)
-
-
-def _fmt(v) -> str:
-    return f"{v:.3g}" if isinstance(v, float) else str(v)
 
 
 def _mb(v) -> str:

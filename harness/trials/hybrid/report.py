@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import statistics
 from typing import Sequence
 
+from harness.common.report import fmt, median, verdict_table
 from harness.trials.hybrid.turns import OURS
 
 MLX_LM = "mlx_lm.server"
@@ -25,10 +25,6 @@ def best_peer_ratios(rows: Sequence[dict], phase: str, kind: str, peers: Sequenc
     return out
 
 
-def _median(xs: Sequence[float]) -> float | None:
-    return statistics.median(xs) if xs else None
-
-
 def reuse_share(rows: Sequence[dict], server: str, phases: Sequence[str], kinds: Sequence[str]) -> tuple[int, int]:
     """(turns that found what they must, turns with a goal) of ``server``."""
     goal = [r for r in rows if r["server"] == server and r["phase"] in phases and r["kind"] in kinds
@@ -41,17 +37,17 @@ def geometry_checks(d: dict) -> dict:
     rows, peers = d["rows"], [s for s in d["servers"] if s != OURS]
     c: dict = {"peers": peers, "errors": sum(r["error"] is not None for r in rows)}
     for kind in WARM_KINDS:
-        c[f"{kind}_over_best_peer"] = _median(best_peer_ratios(rows, "warm", kind, peers))
-    c["shared_over_best_peer"] = _median(best_peer_ratios(rows, "shared", "first", peers))
+        c[f"{kind}_over_best_peer"] = median(best_peer_ratios(rows, "warm", kind, peers))
+    c["shared_over_best_peer"] = median(best_peer_ratios(rows, "shared", "first", peers))
     if MLX_LM in peers:
-        c["agents_over_mlx_lm"] = _median(best_peer_ratios(rows, "agents", "append", [MLX_LM]))
-        c["agents_over_best_peer"] = _median(best_peer_ratios(rows, "agents", "append", peers))
+        c["agents_over_mlx_lm"] = median(best_peer_ratios(rows, "agents", "append", [MLX_LM]))
+        c["agents_over_best_peer"] = median(best_peer_ratios(rows, "agents", "append", peers))
     restarts = d.get("restart") or []
     pairs = [(e["resumed"][OURS]["ttft_s"], e["cold"]["ttft_s"]) for e in restarts
              if OURS in e.get("resumed", {}) and e.get("cold") and e["resumed"][OURS]["ttft_s"] and e["cold"]["ttft_s"]]
-    c["restart_over_cold"] = _median([a / b for a, b in pairs])
-    c["restart_ttft_s"] = _median([a for a, _ in pairs])
-    c["cold_ttft_s"] = _median([b for _, b in pairs])
+    c["restart_over_cold"] = median([a / b for a, b in pairs])
+    c["restart_ttft_s"] = median([a for a, _ in pairs])
+    c["cold_ttft_s"] = median([b for _, b in pairs])
     for srv in d["servers"]:
         tag = "ours" if srv == OURS else srv
         for label, phases, kinds in (("append", ("warm", "agents"), ("append",)), ("regenerate", ("warm",), ("regenerate",)),
@@ -112,12 +108,6 @@ def checks(out: dict) -> dict:
     return c
 
 
-def _fmt(v) -> str:
-    if isinstance(v, float):
-        return f"{v:.3g}"
-    return "-" if v is None else str(v)
-
-
 def _mb(v) -> str:
     return "-" if v is None else f"{v / 1e6:.1f}"
 
@@ -125,8 +115,6 @@ def _mb(v) -> str:
 def readme(ctx, out: dict, c: dict) -> str:
     verdicts = ctx.results.evaluate()
     doc = ctx.results.doc
-    vrows = "\n".join(f"| {v['name']} | {v['level']} | {_fmt(v['measured'])} {v['op']} {_fmt(v['threshold'])} | "
-                      f"**{v['verdict']}** |" for v in verdicts)
     parts = []
     for g, d in out.get("geometries", {}).items():
         servers = d["servers"]
@@ -139,14 +127,14 @@ def readme(ctx, out: dict, c: dict) -> str:
             rs = [r for r in d["rows"] if r["phase"] == phase and r["kind"] == kind]
             if not rs:
                 continue
-            t = [_fmt(_median([r["ttft_s"] for r in rs if r["server"] == s and r["ttft_s"]])) for s in servers]
+            t = [fmt(median([r["ttft_s"] for r in rs if r["server"] == s and r["ttft_s"]])) for s in servers]
             ok = []
             for s in servers:
                 mine = [r for r in rs if r["server"] == s and r["reuse_ok"] is not None]
                 ok.append(f"{sum(bool(r['reuse_ok']) for r in mine)}/{len(mine)}" if mine else "-")
             lines.append(f"| {phase} {kind} | " + " | ".join(t) + " | " + " | ".join(ok) + " |")
         skipped = "; ".join(f"{k}: {v}" for k, v in d.get("skipped", {}).items()) or "none"
-        p = lambda k: _fmt(c.get(f"{g}.{k}"))  # noqa: E731
+        p = lambda k: fmt(c.get(f"{g}.{k}"))  # noqa: E731
         parts.append(f"""### {g} ({', '.join(f'{n} {k}' for k, n in d['layer_counts'].items())}; system prompt {d['system_tokens']} tokens)
 
 Peers not run: {skipped}.
@@ -167,11 +155,11 @@ cold {p('restart_over_cold')} ({p('restart_ttft_s')} s against {p('cold_ttft_s')
         m = row["model"]
         t = (sizes.get("store") or {}).get(m, {})
         snap, kv = t.get("with_snapshot", {}), t.get("kv_only", {})
-        st = snap.get("error", "")[:120] if "error" in snap else f"{_fmt(snap.get('save_s'))} / {_fmt(snap.get('load_s'))}"
+        st = snap.get("error", "")[:120] if "error" in snap else f"{fmt(snap.get('save_s'))} / {fmt(snap.get('load_s'))}"
         size_lines.append(f"| {m} | {row['layers']} ({row['recurrent_layers']} + {row['attention_layers']}) | "
-                          f"{_mb(row['snapshot_bytes'])} | {_mb(row['block_bytes'])} | {_fmt(row['snapshot_over_block'])} | "
-                          f"{_fmt(row['snapshot_over_kv_4096'])} | {_fmt(row['snapshot_over_kv_32768'])} | {st} | "
-                          f"{_fmt(kv.get('save_s'))} / {_fmt(kv.get('load_s'))} |")
+                          f"{_mb(row['snapshot_bytes'])} | {_mb(row['block_bytes'])} | {fmt(row['snapshot_over_block'])} | "
+                          f"{fmt(row['snapshot_over_kv_4096'])} | {fmt(row['snapshot_over_kv_32768'])} | {st} | "
+                          f"{fmt(kv.get('save_s'))} / {fmt(kv.get('load_s'))} |")
     failed = "\n".join(f"- {f['part']}: `{f['error'].strip().splitlines()[-1][:300]}`" for f in out.get("failed", [])) or "none"
     return f"""# EXP-018: hybrid models, reuse on every turn type, against the peers
 
@@ -187,7 +175,5 @@ every server loads the same directory; client-side TTFT, servers taking turns st
 
 Parts that failed: {failed}
 
-| goal | level | measured | verdict |
-|---|---|---|---|
-{vrows}
+{verdict_table(verdicts)}
 """

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import statistics
 import time
 from typing import Callable, Sequence
 
@@ -63,10 +62,6 @@ def paired_ratios(rows: Sequence[dict], phase: str, kinds: Sequence[str], a: str
         if r["phase"] == phase and r["kind"] in kinds and r["error"] is None and r["ttft_s"]:
             by.setdefault((r["user"], r["round"], r["kind"], r.get("rep")), {})[r["server"]] = r["ttft_s"]
     return [v[a] / v[b] for v in by.values() if a in v and b in v]
-
-
-def median_or_none(xs: Sequence[float]) -> float | None:
-    return statistics.median(xs) if xs else None
 
 
 class Workload:

@@ -6,13 +6,10 @@ from __future__ import annotations
 import statistics
 from typing import Sequence
 
+from harness.common.report import fmt, median, verdict_table
+
 MB = 2**20
 SWITCH_KINDS = ("switch_first", "switch_back")
-
-
-def median(xs: Sequence[float]) -> float | None:
-    xs = [x for x in xs if x is not None]
-    return statistics.median(xs) if xs else None
 
 
 def _ttft(row: dict | None) -> float | None:
@@ -156,28 +153,22 @@ def checks(out: dict) -> dict:
     return c
 
 
-def _fmt(v) -> str:
-    if isinstance(v, float):
-        return f"{v:.3g}"
-    return "-" if v is None else str(v)
-
-
 def _switch_table(c: dict) -> str:
     rows = []
     for kind, label in (("switch_first", "an agent's first turn on the model just loaded"),
                         ("switch_back", "an agent's next turn after its model was unloaded")):
-        rows.append(f"| {label} | {_fmt(c.get(f'{kind}_ttft_ours_s'))} | {_fmt(c.get(f'{kind}_ttft_single_s'))} | "
-                    f"{_fmt(c.get(f'{kind}_ttft_mlx_lm_s'))} | {_fmt(c.get(f'{kind}_load_s'))} | "
-                    f"**{_fmt(c.get(f'{kind}_over_single'))}** ({_fmt(c.get(f'{kind}_cost_s'))} s) | "
-                    f"**{_fmt(c.get(f'{kind}_over_mlx_lm'))}** |")
+        rows.append(f"| {label} | {fmt(c.get(f'{kind}_ttft_ours_s'))} | {fmt(c.get(f'{kind}_ttft_single_s'))} | "
+                    f"{fmt(c.get(f'{kind}_ttft_mlx_lm_s'))} | {fmt(c.get(f'{kind}_load_s'))} | "
+                    f"**{fmt(c.get(f'{kind}_over_single'))}** ({fmt(c.get(f'{kind}_cost_s'))} s) | "
+                    f"**{fmt(c.get(f'{kind}_over_mlx_lm'))}** |")
     return "\n".join(rows)
 
 
 def _conc_table(c: dict, models: Sequence[str]) -> str:
-    return "\n".join(f"| {m} | {_fmt(c.get(f'concurrent_ttft_fleet_{m}_s'))} | "
-                     f"{_fmt(c.get(f'concurrent_ttft_singles_{m}_s'))} | "
-                     f"**{_fmt(c.get(f'concurrent_over_single_{m}'))}** | "
-                     f"{_fmt(c.get(f'concurrent_first_round_over_single_{m}'))} |" for m in models)
+    return "\n".join(f"| {m} | {fmt(c.get(f'concurrent_ttft_fleet_{m}_s'))} | "
+                     f"{fmt(c.get(f'concurrent_ttft_singles_{m}_s'))} | "
+                     f"**{fmt(c.get(f'concurrent_over_single_{m}'))}** | "
+                     f"{fmt(c.get(f'concurrent_first_round_over_single_{m}'))} |" for m in models)
 
 
 def _steps_models(run: dict) -> str:
@@ -189,8 +180,6 @@ def readme(run: dict, c: dict, verdicts: Sequence[dict]) -> str:
     """The results folder's README: what ran, the tables, the verdicts. ``run``: run_id, created_at,
     models (id -> directory name), params."""
     p, models = run["params"], list(run["models"])
-    rows = "\n".join(f"| {v['name']} | {v['level']} | {_fmt(v['measured'])} {v['op']} {_fmt(v['threshold'])} | "
-                     f"**{v['verdict']}** |" for v in verdicts)
     named = ", ".join(f"`{m}` = {d}" for m, d in run["models"].items())
     return f"""# EXP-019: several models behind one server
 
@@ -212,8 +201,8 @@ ours ÷ `mlx_lm.server` |
 {_switch_table(c)}
 
 Switched-back turns that found their previous prompt and reply cached (≥ prompt + reply − {p['reply_slack']}):
-ours {c.get('cache_survives_n')} (median {_fmt(c.get('ours_cached_after_switch'))} tokens cached),
-`mlx_lm.server` {c.get('mlx_lm_cache_survives_n')} (median {_fmt(c.get('mlx_lm_cached_after_switch'))}: what its
+ours {c.get('cache_survives_n')} (median {fmt(c.get('ours_cached_after_switch'))} tokens cached),
+`mlx_lm.server` {c.get('mlx_lm_cache_survives_n')} (median {fmt(c.get('mlx_lm_cached_after_switch'))}: what its
 in-RAM prompt cache kept across its switch). Replies unlike a fresh prefill: {c.get('replies_differing_fresh')};
 single-model replies unlike ours: {c.get('single_replies_differing')}.
 
@@ -229,17 +218,15 @@ servers on the same cores, measured alternately:
 ## Memory
 
 RSS (the server and its children, every {p['sample_s'] * 1000:.0f} ms) with no model loaded, before any request
-(the stated overhead): **{_fmt(c.get('overhead_mb'))} MB**. Peak RSS: switching \
-{_fmt(c.get('switching_rss_peak_mb'))} MB
-against a limit of {_fmt(c.get('switching_rss_limit_mb'))} MB; both loaded {_fmt(c.get('concurrent_rss_peak_mb'))} MB
-against {_fmt(c.get('concurrent_rss_limit_mb'))} MB; samples over the limit: {c.get('rss_over_limit_samples')} of
-{c.get('rss_samples')}; worst sample {_fmt(c.get('rss_peak_over_models_mb'))} MB above `--models-mb`. The fleet's own
-resident bytes (weights and pools it counts): peak {_fmt(c.get('switching_fleet_resident_peak_mb'))} /
-{_fmt(c.get('concurrent_fleet_resident_peak_mb'))} MB, over its budget in {c.get('fleet_over_budget_samples')} of
+(the stated overhead): **{fmt(c.get('overhead_mb'))} MB**. Peak RSS: switching \
+{fmt(c.get('switching_rss_peak_mb'))} MB
+against a limit of {fmt(c.get('switching_rss_limit_mb'))} MB; both loaded {fmt(c.get('concurrent_rss_peak_mb'))} MB
+against {fmt(c.get('concurrent_rss_limit_mb'))} MB; samples over the limit: {c.get('rss_over_limit_samples')} of
+{c.get('rss_samples')}; worst sample {fmt(c.get('rss_peak_over_models_mb'))} MB above `--models-mb`. The fleet's own
+resident bytes (weights and pools it counts): peak {fmt(c.get('switching_fleet_resident_peak_mb'))} /
+{fmt(c.get('concurrent_fleet_resident_peak_mb'))} MB, over its budget in {c.get('fleet_over_budget_samples')} of
 {c.get('fleet_samples')} samples. After each switching step (models {_steps_models(run)}): RSS
 {c.get('rss_after_steps_mb')} MB, of it beyond what the fleet counts {c.get('rss_beyond_fleet_mb')} MB.
 
-| goal | level | measured | verdict |
-|---|---|---|---|
-{rows}
+{verdict_table(verdicts)}
 """

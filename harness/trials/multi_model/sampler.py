@@ -10,7 +10,7 @@ import threading
 import time
 from typing import Callable
 
-from harness.trials.multi_model.servers import get_json
+from harness.servers.ours import get_json
 from harness.servers.processes import _descendants, _rss
 
 FLEET_KEYS = ("budget_bytes", "resident_bytes", "loading", "loads", "unloads", "load_failures")

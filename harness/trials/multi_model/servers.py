@@ -7,7 +7,7 @@
 * :func:`start_mlx_lm`: ``mlx_lm.server --model DIR``; it loads whatever directory a request names as
   ``model`` (one model at a time) and keys its prompt caches by model.
 
-Ours import ``semantic`` from this checkout (:class:`~harness.servers.ours.ChaosServer`).
+Ours import ``semantic`` from this checkout (:class:`~harness.servers.ours.OurServer`).
 """
 
 from __future__ import annotations
@@ -16,14 +16,12 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
-
-from harness.servers.ours import ChaosServer
+from harness.servers.ours import OurServer, get_json
 
 MB = 2**20
 
 
-class FleetServer(ChaosServer):
+class FleetServer(OurServer):
     """``semantic serve`` serving every model of ``models`` (id -> directory); the first is the default."""
 
     def __init__(self, models: dict[str, Path], cache_dir: Path, log_path: Path, args: list[str],
@@ -38,10 +36,10 @@ class FleetServer(ChaosServer):
                 "--cache-dir", str(self.cache_dir), *self.args]
 
 
-def single_server(model_id: str, model_dir: Path, work: Path, args: list[str]) -> ChaosServer:
+def single_server(model_id: str, model_dir: Path, work: Path, args: list[str]) -> OurServer:
     """Today's server of one model, its state under ``work/single-<id>`` (kept across its restarts)."""
     work.mkdir(parents=True, exist_ok=True)
-    return ChaosServer(model_dir, model_id, work / f"single-{model_id}", work / f"single-{model_id}.log", args)
+    return OurServer(model_dir, model_id, work / f"single-{model_id}", work / f"single-{model_id}.log", args)
 
 
 def start_mlx_lm(model_dir: Path, work: Path, ready_timeout_s: float = 300.0):
@@ -57,15 +55,6 @@ def start_mlx_lm(model_dir: Path, work: Path, ready_timeout_s: float = 300.0):
 def model_mb(model_dir: Path) -> float:
     """The weights' bytes on disk in MB: what the fleet counts for a model before it loads (+ its pool)."""
     return sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors")) / MB
-
-
-def get_json(url: str, path: str, timeout_s: float = 10.0) -> dict | None:
-    """``GET url+path`` as JSON; None when it does not answer 200 (a phase records that, it does not stop)."""
-    try:
-        r = httpx.get(url + path, timeout=timeout_s)
-        return r.json() if r.status_code == 200 else None
-    except (httpx.HTTPError, ValueError):
-        return None
 
 
 def model_states(url: str) -> dict[str, str | None]:

@@ -27,7 +27,8 @@ from pathlib import Path
 from harness.trials.block_store.client import client
 from harness.trials.multi_model.client import stream_turn
 from harness.trials.multi_model.sampler import MemorySampler, tree_rss
-from harness.trials.multi_model.servers import FleetServer, get_json, model_states, single_server, start_mlx_lm
+from harness.servers.ours import get_json
+from harness.trials.multi_model.servers import FleetServer, model_states, single_server, start_mlx_lm
 from harness.servers.phases import QUESTIONS
 
 SIDES = ("ours", "single", "mlx_lm")

@@ -12,11 +12,10 @@ import shutil
 import signal
 import socket
 import subprocess
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness.servers.processes import free_port
+from harness.servers.processes import free_port, wait_ready
 
 REDIS = shutil.which("redis-server")
 
@@ -46,11 +45,8 @@ class RedisServer:
             [REDIS, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
              "--dir", str(self.workdir), *self.args],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self._ping():
-                return self
-            time.sleep(0.05)
+        if wait_ready(self.proc, self._ping, timeout_s, 0.05) is None:
+            return self
         self.stop()
         raise RuntimeError(f"redis-server did not answer on port {self.port}")
 

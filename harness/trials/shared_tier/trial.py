@@ -31,12 +31,13 @@ from pathlib import Path
 import openai
 
 from harness.trials.chaos.agents import openai_turn
-from harness.servers.ours import ChaosServer
+from harness.servers.ours import OurServer
 from harness.trials.base import Kind, Param, register
 from harness.trials.shared_tier.redis_server import RedisMissing, RedisServer
+from harness.common.report import verdict_table
 
 
-def _client(server: ChaosServer, timeout_s: float) -> openai.OpenAI:
+def _client(server: OurServer, timeout_s: float) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=timeout_s)
 
 
@@ -52,7 +53,7 @@ def _fresh(server, messages, p):
     return _turn(server, messages, p, salt=uuid.uuid4().hex)
 
 
-def _published(server: ChaosServer, count: int, timeout_s: float = 120.0) -> None:
+def _published(server: OurServer, count: int, timeout_s: float = 120.0) -> None:
     deadline = time.monotonic() + timeout_s
     while (server.stats() or {}).get("remote", {}).get("published", 0) < count:
         if time.monotonic() > deadline:
@@ -79,7 +80,7 @@ def run(ctx) -> None:
         shutil.rmtree(work, ignore_errors=True)
         return
     args = ["--sync-saves", "--remote", redis.url, "--pool-mb", str(p["pool_mb"]), "--disk-mb", str(p["disk_mb"])]
-    servers = [ChaosServer(model_dir, ctx.model_name, work / f"cache-{i}", work / f"server-{i}.log", args)
+    servers = [OurServer(model_dir, ctx.model_name, work / f"cache-{i}", work / f"server-{i}.log", args)
                for i in (1, 2)]
     out: dict = {"server_args": args}
     ctx.progress.total = 3
@@ -312,8 +313,6 @@ def _record(ctx, out: dict) -> None:
 def _readme(ctx, c: dict, med: dict) -> None:
     verdicts = ctx.results.evaluate()
     run_id = ctx.results.doc["run_id"]
-    rows = "\n".join(f"| {v['name']} | {v['level']} | {_fmt(v['measured'])} {v['op']} {_fmt(v['threshold'])} | "
-                     f"**{v['verdict']}** |" for v in verdicts)
     ttft = " | ".join(f"{k} {med[k]:.3f} s" for k in ("first", "local", "remote", "cold") if k in med)
     (ctx.out_dir / "README.md").write_text(f"""# EXP-016: any server resumes any agent
 
@@ -330,14 +329,8 @@ full blocks). Under Redis faults: {c['fault_turns']} turns, {c['fault_failed_req
 {c['fault_wrong_replies']} wrong; after each return of Redis, both servers used it again within
 {c['fault_remote_recovery_s']:.1f} s (their probers ping a down tier once a second).
 
-| goal | level | measured | verdict |
-|---|---|---|---|
-{rows}
+{verdict_table(verdicts, 'None')}
 """)
-
-
-def _fmt(v) -> str:
-    return f"{v:.3g}" if isinstance(v, float) else str(v)
 
 
 KIND = register(Kind(
