@@ -106,6 +106,10 @@ class Results:
     def check(self, name: str, value: Any) -> None:
         self.doc["checks"][name] = value
 
+    def checks(self, values: dict[str, Any]) -> None:
+        """:meth:`check` each of ``values``, in order."""
+        self.doc["checks"].update(values)
+
     def output(self, name: str, value: Any) -> None:
         self.doc["outputs"][name] = value
 

@@ -9,8 +9,8 @@ from typing import Any
 from tqdm import tqdm
 
 from harness import console
-from harness.results import Results
 from harness.config import ExperimentConfig
+from harness.results import Results
 from harness.trials import KINDS
 
 

@@ -14,6 +14,7 @@
 - ``blas``: the same system OpenBLAS as ours for every server;
 - ``cache_hits``: the prompt tokens a request took from a server's cache;
 - ``ours``: ``semantic serve`` from this checkout, on one port across restarts and kills;
+- ``client``: one streamed greedy turn through the ``openai`` SDK, timed at the client;
 - ``loadgen`` and ``phases``: the client and the workload, servers taking turns.
 
 EXP-009's report and AIPerf run are ``harness.trials.serving``.

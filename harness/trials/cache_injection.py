@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from harness import plots
 from harness.engines import make_engine, match_report, record_ttft, run_one, time_ttft
-from harness.trials.base import Kind, Param, register
 from harness.prompts import history_ids
+from harness.trials.base import Kind, Param, register
 
 
 def run(ctx) -> None:

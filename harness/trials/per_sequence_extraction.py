@@ -17,8 +17,8 @@ import mlx.core as mx
 
 from harness import plots
 from harness.engines import make_engine, match_report, record_ttft, run_one, time_ttft
-from harness.trials.base import Kind, Param, register
 from harness.timing import time_once
+from harness.trials.base import Kind, Param, register
 from semantic import Request, cachefile, compat
 
 

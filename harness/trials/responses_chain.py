@@ -33,9 +33,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from harness.trials.base import Kind, Param, register
 from harness.servers import processes
 from harness.servers.targets import OURS, TARGETS
+from harness.trials.base import Kind, Param, register
 
 KEYS = {"chain": "sk-chain", "chat": "sk-chat"}  # a tenant per side: no block is shared between them
 QUESTIONS = ["Which module holds the block pool?", "What does the saver do on a full disk?",

@@ -32,9 +32,9 @@ import time
 import urllib.request
 from pathlib import Path
 
-from harness.trials.base import Kind, Param, register
 from harness.servers import processes
 from harness.servers.targets import MLX_LM, OURS, ROOT, TARGETS
+from harness.trials.base import Kind, Param, register
 
 SIDES = ("on", "off", "mlx_lm")
 SOURCES = ("semantic/sched/scheduler.py", "semantic/sched/planner.py", "semantic/engine/executor.py", "semantic/store/__init__.py",

@@ -4,7 +4,7 @@
   ``/v1/cache/stats``, write amplification, a cache directory's bytes, ratios of medians;
 - ``servers``: one ``semantic serve`` per store layout (``--cache-layout``), started, restarted and
   waited on until idle, their cache files evicted from the page cache before a restart;
-- ``client``: one streamed greedy turn through the ``openai`` SDK, timed at the client;
-- ``phases``: the four measurements (write amplification, shared prompt on disk, restart TTFT,
-  a cached turn beside another agent's save), each layout interleaved with the other.
+- ``disk_phases`` and ``time_phases``: the four measurements (write amplification, shared prompt on disk, restart TTFT,
+  a cached turn beside another agent's save), each layout interleaved with the other;
+- ``checks``: the checks from the phases' rows. The turn itself is ``harness.servers.client``.
 """

@@ -3,11 +3,11 @@ agents sharing a system prompt. Every server runs with ``--sync-saves``: a reply
 
 from __future__ import annotations
 
-from harness.trials.block_store.client import stream_turn
+from harness.prompts import question, system_prompt, user_history
+from harness.servers.client import stream_turn
 from harness.trials.block_store.measure import added_tokens, common_prefix, disk_usage, ideal_shared_bytes, io_delta
 from harness.trials.block_store.measure import write_amplification as amplification
 from harness.trials.block_store.servers import LayoutServer, wait_idle
-from harness.prompts import question, system_prompt, user_history
 
 WRITER_USER = 7      # the corpus offsets of the writer's history and questions (harness.prompts)
 SHARED_USER = 200    # the shared-prompt agents' questions: SHARED_USER + i

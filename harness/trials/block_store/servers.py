@@ -14,9 +14,9 @@ import signal
 import time
 from pathlib import Path
 
-from harness.trials.block_store.client import client
-from harness.trials.block_store.measure import kv_bytes_per_token, read_proc_io
+from harness.servers.client import client
 from harness.servers.ours import OurServer
+from harness.trials.block_store.measure import kv_bytes_per_token, read_proc_io
 
 
 def layout_args(layout: str, flag: str, base: list[str]) -> list[str]:

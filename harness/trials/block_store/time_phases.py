@@ -4,9 +4,9 @@ against the same turn with nothing being saved."""
 
 from __future__ import annotations
 
-from harness.trials.block_store.client import stream_turn
-from harness.trials.block_store.servers import LayoutServer, wait_idle
 from harness.prompts import question, system_prompt, user_history
+from harness.servers.client import stream_turn
+from harness.trials.block_store.servers import LayoutServer, wait_idle
 
 RESTART_USERS = {"short": 20, "long": 21}   # distinct histories: no block of one is a block of the other
 FOREGROUND_USER, SAVER_USER = 300, 301

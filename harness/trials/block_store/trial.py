@@ -31,11 +31,11 @@ import tempfile
 import traceback
 from pathlib import Path
 
+from harness.common.report import fmt, verdict_table
+from harness.trials.base import Kind, Param, register
 from harness.trials.block_store import disk_phases, time_phases
 from harness.trials.block_store.checks import all_checks, replies_differing
 from harness.trials.block_store.servers import start_servers, stop_all
-from harness.trials.base import Kind, Param, register
-from harness.common.report import fmt, verdict_table
 
 # each phase, its function, and whether its servers run with --sync-saves
 PHASES = {
@@ -111,8 +111,7 @@ def _trim(stats: dict) -> dict:
 def _record(ctx, out: dict) -> None:
     res, layouts = ctx.results, ctx.params["layouts"]
     checks = all_checks(out, layouts)
-    for k, v in checks.items():
-        res.check(k, v)
+    res.checks(checks)
     _metrics(res, out, layouts)
     for k in ("layouts", "layout_flag", "failed", *PHASES):
         res.output(k, out.get(k))

@@ -28,8 +28,8 @@ import httpx
 import numpy as np
 import openai
 
-from harness.trials.chaos.ledger import Ledger, Reply
 from harness.servers.ours import OurServer
+from harness.trials.chaos.ledger import Ledger, Reply
 
 try:  # the anthropic SDK's own fork of httpx: its transport errors escape a stream's iteration unwrapped
     import httpx2

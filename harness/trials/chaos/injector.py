@@ -27,11 +27,11 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from harness.servers.ours import OurServer
 from harness.trials.chaos import damage, fs
 from harness.trials.chaos.agents import Fleet, anthropic_turn, classify, openai_turn
 from harness.trials.chaos.damage import Damage
 from harness.trials.chaos.ledger import Ledger
-from harness.servers.ours import OurServer
 
 FS_FAULTS = ("disk_full", "read_only")
 

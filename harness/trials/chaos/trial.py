@@ -35,15 +35,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from harness import storefiles
+from harness.common.report import verdict_table
+from harness.servers.ours import OurServer
+from harness.trials.base import Kind, Param, register
 from harness.trials.chaos import fs
 from harness.trials.chaos.agents import AgentParams, Fleet
 from harness.trials.chaos.checks import answered_turns, checks, rss_checks
 from harness.trials.chaos.injector import FaultPlan, Injector
 from harness.trials.chaos.ledger import FAILURES, Ledger
-from harness.servers.ours import OurServer
 from harness.trials.chaos.timeline import timeline_plot
-from harness.trials.base import Kind, Param, register
-from harness.common.report import verdict_table
 
 MB = 1 << 20
 
@@ -204,8 +204,7 @@ def _record(ctx, ledger: Ledger, out: dict, p: dict) -> None:
     """The checks, the outputs, the TTFT metric, the timeline plot and the README."""
     res = ctx.results
     found, not_quarantined = checks(ledger, out, p["rss_baseline_turns"])
-    for k, v in found.items():
-        res.check(k, v)
+    res.checks(found)
     _outputs(res, ledger, out, not_quarantined)
     ttft = [r["ttft_s"] for r in answered_turns(ledger.requests) if r.get("stream")]
     if ttft:

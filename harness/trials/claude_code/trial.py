@@ -32,11 +32,11 @@ import time
 from pathlib import Path
 
 from harness import plots
+from harness.servers import processes, venvs
+from harness.servers.targets import OURS, TARGETS
 from harness.trials.base import Kind, Param, register
 from harness.trials.claude_code import session as cc
-from harness.servers import processes, venvs
 from harness.trials.claude_code.proxy import LoggingProxy
-from harness.servers.targets import OURS, TARGETS
 
 SERVERS = (OURS, "vllm-mlx")
 FILES = {"greet.py": 'def greeting(name):\n    return "Hello, " + name\n\n\nprint(greeting("world"))\n',
@@ -259,8 +259,7 @@ def record(ctx, rows: list[dict], transcripts: dict, names: list[str], restart_b
     res.output("requests", rows)
     res.output("transcripts", transcripts)
     ctx.plot_path("transcript").with_suffix(".txt").write_text(transcript_text(transcripts))
-    for k, v in session_checks(rows, names).items():
-        res.check(k, v)
+    res.checks(session_checks(rows, names))
     for name in names:
         ttfts = [r["ttft_s"] for r in rows if r["server"] == name and r["phase"] == "session" and r["ttft_s"]]
         if ttfts:

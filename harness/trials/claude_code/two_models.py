@@ -27,13 +27,13 @@ import urllib.request
 from pathlib import Path
 
 from harness import plots
-from harness.trials.base import Kind, Param, register
-from harness.trials.claude_code.trial import _trim, scratch_repo, transcript_text
-from harness.trials.claude_code import session as cc
 from harness.servers import processes
+from harness.servers.targets import OURS, TARGETS
+from harness.trials.base import Kind, Param, register
+from harness.trials.claude_code import session as cc
 from harness.trials.claude_code.model_routes import count_by_model, kind_of
 from harness.trials.claude_code.proxy import LoggingProxy
-from harness.servers.targets import OURS, TARGETS
+from harness.trials.claude_code.trial import _trim, scratch_repo, transcript_text
 
 SESSIONS = ("main", "small")
 
@@ -186,8 +186,7 @@ def record(ctx, rows: list[dict], transcripts: dict, fleet: dict, settings: dict
     res.output("fleet", fleet)
     res.output("transcripts", transcripts)
     checks = {**checks_of(counts, env), "run_wall_s": round(run_wall_s, 1)}
-    for k, v in checks.items():
-        res.check(k, v)
+    res.checks(checks)
     ctx.plot_path("transcript").with_suffix(".txt").write_text(
         proxy_log_text(rows, settings) + "\n" + sessions_text(transcripts, ctx.params["small_agent"]["name"]))
     for mid in ids:

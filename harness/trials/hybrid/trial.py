@@ -96,11 +96,11 @@ def _serve(geometry: str, p: dict, work: Path) -> dict:
     from mlx_lm.utils import load_tokenizer
 
     from harness import models
-    from harness.trials.hybrid import model as hm
-    from harness.trials.hybrid.turns import Workload
     from harness.prompts import system_prompt
     from harness.servers.loadgen import chat_counter
     from harness.servers.phases import Bench
+    from harness.trials.hybrid import model as hm
+    from harness.trials.hybrid.turns import Workload
 
     tok_dir = Path(p["tokenizer_dir"] or models.prepare("smollm2-135m", variant=models.default_variant("auto")))
     model_dir = hm.write_model(geometry, Path(p["model_root"]) / f"hybrid-{geometry}-f32" if p["model_root"]
@@ -156,8 +156,7 @@ def _record(ctx, out: dict) -> None:
     from harness.trials.hybrid.report import checks, readme
 
     c = checks(out)
-    for k, v in c.items():
-        ctx.results.check(k, v)
+    ctx.results.checks(c)
     for g, d in out["geometries"].items():
         for srv in d["servers"]:
             for phase in ("warm", "shared", "agents", "restart"):

@@ -19,7 +19,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from harness.trials.block_store.client import client
+from harness.servers.client import client
 from harness.trials.multi_model.client import stream_turn
 from harness.trials.multi_model.sampler import MemorySampler
 from harness.trials.multi_model.servers import FleetServer, single_server, wait_saved

@@ -24,12 +24,12 @@ import re
 import signal
 from pathlib import Path
 
-from harness.trials.block_store.client import client
+from harness.servers.client import client
+from harness.servers.ours import get_json
+from harness.servers.phases import QUESTIONS
 from harness.trials.multi_model.client import stream_turn
 from harness.trials.multi_model.sampler import MemorySampler, tree_rss
-from harness.servers.ours import get_json
 from harness.trials.multi_model.servers import FleetServer, model_states, single_server, start_mlx_lm
-from harness.servers.phases import QUESTIONS
 
 SIDES = ("ours", "single", "mlx_lm")
 _LOAD_S = re.compile(r'^semantic_model_load_seconds\{model="([^"]+)"\}\s+(\S+)', re.M)

@@ -110,8 +110,7 @@ def _record(ctx, p: dict, out: dict) -> None:
 
     res = ctx.results
     c = checks(out)
-    for k, v in c.items():
-        res.check(k, v)
+    res.checks(c)
     _metrics(res, out)
     for k in ("models", "weights_mb", "switch_models_mb", "conc_models_mb", "failed"):
         res.output(k, out.get(k))

@@ -29,8 +29,8 @@ from pathlib import Path
 from harness import plots
 from harness.common.children import run_child
 from harness.engines import fresh_first_token, logprob_diff, make_engine, open_scheduler
-from harness.trials.base import Kind, Param, register
 from harness.prompts import question, system_prompt, text_of_tokens, user_history
+from harness.trials.base import Kind, Param, register
 from semantic import Request, encode, render_chat
 from semantic.cache.reuse import common_prefix
 

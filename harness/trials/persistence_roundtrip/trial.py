@@ -18,9 +18,9 @@ from pathlib import Path
 from harness import plots
 from harness.common.children import run_child
 from harness.engines import logprob_diff, make_engine, run_one
-from harness.trials.persistence_roundtrip import speed
-from harness.trials.base import Kind, Param, register
 from harness.prompts import history_ids
+from harness.trials.base import Kind, Param, register
+from harness.trials.persistence_roundtrip import speed
 from semantic import cachefile
 
 

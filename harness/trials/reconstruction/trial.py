@@ -38,10 +38,10 @@ import gc
 import mlx.core as mx
 import numpy as np
 
-from harness.trials.base import Kind, Param, register
-from harness.trials.reconstruction.report import expected_p95_table, summarize
 from harness.synthetic import GEMMA3_12B, live_caches
 from harness.timing import time_interleaved
+from harness.trials.base import Kind, Param, register
+from harness.trials.reconstruction.report import expected_p95_table, summarize
 from semantic import BlockPool, ModelCacheSpec, Request, compat
 from semantic.cache import convert
 from semantic.cache.spec import GLOBAL

@@ -34,8 +34,7 @@ def record(ctx, bench: Bench, out: dict, names: list[str]) -> None:
         checks["rss_per_agent_excess_mib"] = excess
     conc = _with_throughput(recs, out.get("concurrency") or {})
     res.output("concurrency", conc)
-    for k, v in checks.items():
-        res.check(k, v)
+    res.checks(checks)
     if out.get("five_turns"):
         _five_turns(ctx, out["five_turns"])
     _plots(ctx, recs, names, conc)
@@ -130,8 +129,7 @@ def _five_turns(ctx, rows: list[dict]) -> None:
             xs = [x for x in xs if x is not None]
             if xs:
                 res.metric(f"ttft_five_turns_{kind}_{server}", xs, "s", "lower", f"five turns past the window: {kind}")
-    for k, v in five_turns_checks(rows, table).items():
-        res.check(k, v)
+    res.checks(five_turns_checks(rows, table))
     if "five_turns" in ctx.config.plots and table and all(t.get(OURS) and t.get(MLX_LM) for t in table):
         nan = float("nan")
         series = lambda key: {n: [t[n][key] if t[n][key] is not None else nan for t in table]  # noqa: E731

@@ -20,12 +20,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-from harness.trials.base import Kind, Param, register
 from harness.servers import phases as P
 from harness.servers import venvs
 from harness.servers.loadgen import chat, chat_counter
-from harness.trials.serving.report import record
 from harness.servers.targets import MLX_LM, OURS, TARGETS, ServingError
+from harness.trials.base import Kind, Param, register
+from harness.trials.serving.report import record
 
 ALL_PHASES = ("warm", "five_turns", "agents", "shared", "restart", "concurrency", "matched")
 

@@ -28,24 +28,19 @@ import time
 import uuid
 from pathlib import Path
 
-import openai
-
-from harness.trials.chaos.agents import openai_turn
+from harness.common.report import verdict_table
+from harness.servers.client import client
 from harness.servers.ours import OurServer
 from harness.trials.base import Kind, Param, register
+from harness.trials.chaos.agents import openai_turn
 from harness.trials.shared_tier.redis_server import RedisMissing, RedisServer
-from harness.common.report import verdict_table
-
-
-def _client(server: OurServer, timeout_s: float) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=timeout_s)
 
 
 def _turn(server, messages, p, agent=None, salt=None):
     """One streamed greedy turn: the reply (text, prompt and cached tokens, client TTFT)."""
     headers = {**({"X-Agent-Id": agent} if agent else {}), **({"X-Cache-Salt": salt} if salt else {})}
     body = {"model": server.model_id, "messages": messages, "max_tokens": p["max_tokens"], "temperature": 0}
-    reply, _ = openai_turn(_client(server, p["request_timeout_s"]), body, headers, stream=True, usage=True)
+    reply, _ = openai_turn(client(server.url, p["request_timeout_s"]), body, headers, stream=True, usage=True)
     return reply
 
 
@@ -303,8 +298,7 @@ def _record(ctx, out: dict) -> None:
         # a return never seen within the run counts as the ceiling the run waits at the end
         "fault_remote_recovery_s": max(UP_CEILING_S if v is None else v for v in fl["recovery_s"].values()),
     }
-    for k, v in checks.items():
-        res.check(k, v)
+    res.checks(checks)
     for k in ("resume", "shared_prompt", "faults", "stats", "server_args", "logs"):
         res.output(k, out.get(k))
     _readme(ctx, checks, med)

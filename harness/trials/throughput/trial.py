@@ -22,8 +22,8 @@ import numpy as np
 
 from harness import plots
 from harness.common.children import run_child
-from harness.trials.throughput import child
 from harness.trials.base import Kind, Param, register
+from harness.trials.throughput import child
 
 # side name -> (model variant, SEMANTIC_BLAS value); the first is the baseline
 SIDES = {

@@ -36,10 +36,10 @@ from pathlib import Path
 import numpy as np
 
 from harness import plots
-from harness.trials.base import Kind, Param, register
 from harness.servers import processes
-from harness.trials.tool_loop import loops as T
 from harness.servers.targets import MLX_LM, OURS, TARGETS
+from harness.trials.base import Kind, Param, register
+from harness.trials.tool_loop import loops as T
 
 # side -> (server, its settings, the APIs it serves here)
 SIDES = {

@@ -7,11 +7,11 @@ import os
 
 import pytest
 
+from harness.config import ConfigError, load
+from harness.criteria import resolve
 from harness.trials.block_store import measure
 from harness.trials.block_store.checks import all_checks, beside_checks, replies_differing, restart_checks, write_amp_checks
 from harness.trials.block_store.servers import evict_page_cache, layout_args
-from harness.config import ConfigError, load
-from harness.criteria import resolve
 
 PROC_IO = """rchar: 6976
 wchar: 120

@@ -14,9 +14,9 @@ import math
 
 import pytest
 
-from harness.trials.block_store.servers import server_accepts
 from harness.config import load as load_config
 from harness.runner import run
+from harness.trials.block_store.servers import server_accepts
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -9,9 +9,9 @@ import time
 import anthropic
 import pytest
 
+from harness.servers.processes import free_port
 from harness.trials.claude_code import trial as K
 from harness.trials.claude_code import session as cc
-from harness.servers.processes import free_port
 from harness.trials.claude_code.proxy import LoggingProxy
 from semantic.serve.app import create_app
 from semantic.serve.config import ServeConfig

@@ -6,10 +6,10 @@ from __future__ import annotations
 import anthropic
 import pytest
 
+from harness.servers.processes import free_port
 from harness.trials.claude_code import two_models as K
 from harness.trials.claude_code import session as cc
 from harness.trials.claude_code.model_routes import count_by_model, expected_model, literal_chars
-from harness.servers.processes import free_port
 from harness.trials.claude_code.proxy import LoggingProxy, last_user_text
 from tests.harness.trials.claude_code.test_trial import stub_server  # noqa: F401  (the fixture)
 

@@ -8,10 +8,10 @@ import pytest
 
 from harness.config import ConfigError, load
 from harness.criteria import resolve
-from harness.trials.multi_model.trial import budgets, compact
 from harness.trials.multi_model.concurrent import round_order
 from harness.trials.multi_model.report import checks, concurrent_ratios, memory_checks, overhead, readme, switch_checks
 from harness.trials.multi_model.switching import step_plan
+from harness.trials.multi_model.trial import budgets, compact
 
 MB = 2**20
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from harness.trials.serving import aiperf as ap
 from harness.servers import venvs
+from harness.trials.serving import aiperf as ap
 
 DATA = Path(__file__).resolve().parents[3] / "data"
 MODEL = Path("/models/smollm2-f32")

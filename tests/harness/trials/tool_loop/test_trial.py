@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from harness.trials.tool_loop.trial import decode_checks, decode_schema, headline, loop_checks, loop_table, reused_of_previous
 from harness.trials.tool_loop.loops import BILLING_HEADER, Baton, Loop, billing_header, tool_result
+from harness.trials.tool_loop.trial import decode_checks, decode_schema, headline, loop_checks, loop_table, reused_of_previous
 
 
 def test_sides_take_turns_request_by_request_in_a_rotating_order():
