@@ -125,7 +125,7 @@ serve-ttft: models
 # One cached append turn (~300 new tokens over ~2K cached) traced span by span, against mlx-lm's
 # generate_step in-process and mlx_lm.server over HTTP (5 samples a side, interleaved; about 10 min).
 append-profile: models
-	$(PY) -m harness.serving.append_profile --trials 5 --http --json results/exp_009_serving/long_append_profile.json
+	$(PY) -m harness.trials.serving.append_profile --trials 5 --http --json results/exp_009_serving/long_append_profile.json
 
 # Refresh the dashboard screenshots in docs/ (live tiny-model servers in Chromium: one model, and three).
 dashboard-screenshot: venv system-browser
@@ -203,7 +203,7 @@ exp-009-full: models
 # under .peers/aiperf-<version>, built once, about 1 min and 1.2 GB; no torch), synthetic chat prompts
 # with and without a shared system prompt, each server alone (22 min on 2 cores at load 4-9).
 exp-009-aiperf: models
-	$(PY) -m harness.serving.aiperf --model smollm2-135m $(AIPERF_ARGS)
+	$(PY) -m harness.trials.serving.aiperf --model smollm2-135m $(AIPERF_ARGS)
 
 # The step loop: 4 decoders beside an 8K prefill (ours vs mlx-lm's BatchGenerator), and 8-bit KV
 # batched vs the solo lane (about 15 min on 2 cores).

@@ -138,7 +138,7 @@ def finished_cache_tokens(prompt_len: int, generated: int) -> int:
 
     Under both versions the decode loop feeds a sampled token to the model
     before it reports it, so a finished cache already covers the prompt and
-    every generated token, the last one included. tests/unit/test_harness_baseline.py
+    every generated token, the last one included. tests/harness/test_baseline.py
     pins this under each version.
     """
     return prompt_len + generated

@@ -57,7 +57,7 @@ def exit_code(docs: list[dict], strict: bool = False) -> int:
 
 def _list(args) -> int:
     from harness import config
-    from harness.kinds import KINDS
+    from harness.trials import KINDS
 
     for path in sorted(Path(args.dir or config.PACKAGED).glob("*.toml")):
         try:

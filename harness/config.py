@@ -45,8 +45,8 @@ from pathlib import Path
 from typing import Any
 
 from harness.criteria import Criterion
-from harness.kinds import KINDS
 from harness.timing import Protocol
+from harness.trials import KINDS
 
 TOP_KEYS = {"name", "kind", "description", "models", "model_variant", "params", "protocol", "quick", "criteria",
             "outputs"}

@@ -10,6 +10,10 @@ notebook) passes it through :func:`upgrade`, so old and new runs read alike:
     checks                     seed_bB_lN_reconstruct_p95_ms    cell_bB_lN_reconstruct_p95_ms
                                seed_bB_lN_concat_p95_ms         cell_bB_lN_concat_p95_ms
     criteria[].value           checks.seed_bB_lN_...            checks.cell_bB_lN_...
+
+Benchmark ids hash a trial's source (``harness.results.benchmark_id``); a module that moved, or a class
+renamed, would change the id of what measures the same. :func:`trial_source` reads the source with the
+names it was written with (:data:`MOVED`: today's module path or name, the one the ids were made with).
 """
 
 from __future__ import annotations
@@ -18,6 +22,11 @@ import re
 
 OUTPUTS = {"seed_table": "expected_p95_table"}
 TABLE_ROW = {"verdict_seed_method": "verdict_concat"}
+MOVED = {"harness.trials.hybrid": "harness.hybrid", "harness.trials.multi_model": "harness.multimodel",
+         "harness.trials.block_store": "harness.blockstore", "harness.trials.chaos": "harness.chaos",
+         "harness.servers.ours": "harness.chaos.server", "harness.servers": "harness.serving",
+         "OurServer": "ChaosServer"}
+_MOVED = re.compile(r"\b(" + "|".join(re.escape(m) for m in sorted(MOVED, key=len, reverse=True)) + r")\b")
 _OLD_CHECK = re.compile(r"seed_(b\d+_l\d+_(?:reconstruct|concat)_p95_ms)")
 
 
@@ -25,6 +34,11 @@ def check_name(name: str) -> str:
     """Today's name of a check (``name`` itself when it is not an old one)."""
     m = _OLD_CHECK.fullmatch(name)
     return f"cell_{m[1]}" if m else name
+
+
+def trial_source(source: str) -> str:
+    """``source`` with the names of :data:`MOVED` as they were when benchmark ids were first made."""
+    return _MOVED.sub(lambda m: MOVED[m[1]], source)
 
 
 def upgrade(doc: dict) -> dict:

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from harness import criteria, environment, stats, timing
+from harness import criteria, environment, old_names, stats, timing
 from harness.config import ExperimentConfig
 
 SCHEMA_VERSION = 1
@@ -53,7 +53,7 @@ def benchmark_id(config: ExperimentConfig, model: str, trial_code: list[Any], va
         what["variant"] = variant
     h.update(json.dumps(what, sort_keys=True).encode())
     for obj in trial_code:
-        h.update(inspect.getsource(obj).encode())
+        h.update(old_names.trial_source(inspect.getsource(obj)).encode())
     return h.hexdigest()[:16]
 
 
@@ -105,6 +105,10 @@ class Results:
 
     def check(self, name: str, value: Any) -> None:
         self.doc["checks"][name] = value
+
+    def checks(self, values: dict[str, Any]) -> None:
+        """:meth:`check` each of ``values``, in order."""
+        self.doc["checks"].update(values)
 
     def output(self, name: str, value: Any) -> None:
         self.doc["outputs"][name] = value

@@ -9,9 +9,9 @@ from typing import Any
 from tqdm import tqdm
 
 from harness import console
-from harness.results import Results
 from harness.config import ExperimentConfig
-from harness.kinds import KINDS
+from harness.results import Results
+from harness.trials import KINDS
 
 
 @dataclass(slots=True)

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from harness.serving.processes import free_port
+from harness.servers.processes import free_port
 
 SYSTEM = (
     "You are a coding agent in a Python repository. Tools: read_file(path), run_tests(pattern), "

@@ -2,7 +2,7 @@
 
 A chmod does not stop root from writing, and only the kernel gives a real
 ENOSPC in the middle of a write: so these tests mount a filesystem of their
-own, with the chaos soak's helpers (``harness.chaos.fs``).
+own, with the chaos soak's helpers (``harness.trials.chaos.fs``).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.chaos import fs
+from harness.trials.chaos import fs
 
 
 @contextlib.contextmanager

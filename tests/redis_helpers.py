@@ -1,6 +1,6 @@
 """A real ``redis-server`` on 127.0.0.1 for the shared tier's tests (skipped, with the reason, without one).
 
-The process is the experiment's (``harness.serving.redis_server``); a machine without the binary
+The process is the experiment's (``harness.trials.shared_tier.redis_server``); a machine without the binary
 skips instead of failing.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness.serving import redis_server
+from harness.trials.shared_tier import redis_server
 
 
 class RedisServer(redis_server.RedisServer):

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx
 
-from harness.serving.processes import free_port
+from harness.servers.processes import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,0 +1,33 @@
+"""What the results READMEs of the trials share: numbers as the tables print them, the verdict table, medians."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Iterable, Sequence
+
+VERDICT_HEAD = "| goal | level | measured | verdict |\n|---|---|---|---|"
+
+
+def fmt(v, none: str = "-") -> str:
+    """A float to three significant digits, None as ``none``, anything else as ``str``."""
+    if isinstance(v, float):
+        return f"{v:.3g}"
+    return none if v is None else str(v)
+
+
+def verdict_rows(verdicts: Iterable[dict], none: str = "-") -> str:
+    """One table row per criterion of ``Results.evaluate()``: its name, level, measured against its
+    threshold, and the verdict in bold."""
+    return "\n".join(f"| {v['name']} | {v['level']} | {fmt(v['measured'], none)} {v['op']} "
+                     f"{fmt(v['threshold'], none)} | **{v['verdict']}** |" for v in verdicts)
+
+
+def verdict_table(verdicts: Iterable[dict], none: str = "-") -> str:
+    """The README's last table: every goal, its level, what was measured, the verdict."""
+    return f"{VERDICT_HEAD}\n{verdict_rows(verdicts, none)}"
+
+
+def median(xs: Sequence[float | None]) -> float | None:
+    """The median of the values that are not None; None when there are none."""
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None

@@ -1,0 +1,89 @@
+"""EXP-005: a cache saved in one process continues exactly in another; and what saving and loading cost.
+
+Round trip: generate with the
+engine, save the cache with ``cachefile.save``, load it in a fresh Python
+process, continue, and compare with a fresh prefill of the same tokens run
+beside it in that process.
+
+Speed (``harness.trials.persistence_roundtrip.speed``): on the same synthetic caches in one
+run, interleaved, our durable save and verified load against mlx-lm's
+``save_prompt_cache`` / ``load_prompt_cache`` and a raw ``readinto`` floor.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+from harness import plots
+from harness.common.children import run_child
+from harness.engines import logprob_diff, make_engine, run_one
+from harness.prompts import history_ids
+from harness.trials.base import Kind, Param, register
+from harness.trials.persistence_roundtrip import speed
+from semantic import cachefile
+
+
+def run(ctx) -> None:
+    p, tok, res = ctx.params, ctx.loaded.tokenizer, ctx.results
+    engine = make_engine(ctx.loaded)
+    first = run_one(engine, "agent", history_ids(tok, p["history_tokens"]), None, p["max_tokens"])
+    T = tok.encode(p["continuation"], add_special_tokens=False)
+    with tempfile.TemporaryDirectory(prefix="exp005-") as tmp:
+        path = Path(tmp) / "agent.safetensors"
+        cachefile.save(path, first.blocks, model_fingerprint=ctx.loaded.fingerprint)
+        out = run_child("roundtrip", {"model": ctx.model_name, "variant": ctx.loaded.variant, "path": str(path),
+                                      "continuation": T, "steps": p["continue_tokens"]}, "round-trip child")
+        res.output("file_bytes", path.stat().st_size)
+    cached, fresh = out["cached"], out["fresh"]
+    diff = logprob_diff(cached["logprobs"], fresh["logprobs"])
+    res.output("roundtrip", {"history_tokens": first.blocks.total_tokens, "load_ms_in_fresh_process": out["load_ms"],
+                             "cached_tokens": cached["tokens"], "fresh_tokens": fresh["tokens"],
+                             "prefilled_with_cache": cached["prompt_tokens"], "text": tok.decode(cached["tokens"])})
+    res.check("roundtrip_tokens_match", cached["tokens"] == fresh["tokens"])
+    res.check("roundtrip_max_abs_logprob_diff", diff)
+
+    geos = p["speed_geometries"]
+    ctx.progress.total = len(geos)
+    summaries = []
+    with tempfile.TemporaryDirectory(prefix="exp005-speed-") as tmp:
+        for name in geos:
+            geo = speed.measure(name, ctx.config.protocol, Path(tmp))
+            for op, s in geo.samples.items():
+                res.metric(f"{name}/{op}_ms", s.ms, "ms", description=f"{op}, file {geo.file_mb:.1f} MB")
+            for cmp_name, (a, b) in speed.COMPARISONS.items():
+                c = res.compare(f"{name}/{cmp_name}", f"{name}/{a}_ms", f"{name}/{b}_ms")
+                res.check(f"{name}/{cmp_name}".replace("/", "_").replace("@", "_"), c["ratio_p50"])
+            summaries.append(geo.summary())
+            ctx.progress.update(1)
+    res.output("speed", summaries)
+    if "bars" in ctx.config.plots and summaries:
+        s = summaries[-1]
+        ctx.plots.append(plots.bars_plot(
+            {op: s["p50_ms"][op] for op in ("floor", "floor_aligned", "load", "mlxlm_load", "save", "mlxlm_save", "mlxlm_save_fsync")},
+            ctx.plot_path("speed"), "p50 ms", f"EXP-005 {s['name']}: {s['file_mb']:.0f} MB file"))
+
+
+def _validate(p: dict) -> None:
+    bad = [g for g in p["speed_geometries"] if g not in speed.GEOMETRIES]
+    if bad:
+        raise ValueError(f"speed_geometries must be among {sorted(speed.GEOMETRIES)}, got {bad}")
+    if p["history_tokens"] <= 0 or p["max_tokens"] <= 0 or p["continue_tokens"] <= 0:
+        raise ValueError("history_tokens, max_tokens and continue_tokens must be positive")
+
+
+KIND = register(Kind(
+    name="persistence_roundtrip",
+    run=run,
+    params={
+        "history_tokens": Param(int, 96, "tokens of built-in history text generated from"),
+        "max_tokens": Param(int, 4, "tokens generated before saving"),
+        "continuation": Param(str, " The museum", "text continued in the fresh process"),
+        "continue_tokens": Param(int, 16, "tokens generated after loading, compared with a fresh prefill"),
+        "speed_geometries": Param(list, ["smollm2-135m@2k", "smollm2-135m@8k", "gemma3-12b@8k"],
+                                  f"synthetic caches timed, among {sorted(speed.GEOMETRIES)}"),
+    },
+    plots=frozenset({"bars"}),
+    validate=_validate,
+    trial_code=(speed.measure, speed.synthetic_blocks, cachefile.save, cachefile.load),
+))
