@@ -56,10 +56,6 @@ def unmount(where: Path, attempts: int = 20) -> str | None:
     return f"umount: {msg} (unmounted lazily)"
 
 
-def is_mounted(where: Path) -> bool:
-    return os.path.ismount(where)
-
-
 def remount(where: Path, mode: str, attempts: int = 50) -> tuple[bool, int, str]:
     """``mount -o remount,<mode>``: (done, attempts used, last message). A remount to ``ro`` fails
     while a file is open for writing (a save in progress), so it is retried."""

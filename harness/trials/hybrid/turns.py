@@ -35,7 +35,7 @@ REPLY_SLACK = 1
 def expected_cached(kind: str, *, prompt: int, prev_prompt: int | None = None, prev_reply: int | None = None,
                     message_start: int | None = None, system_end: int | None = None) -> int | None:
     """The fewest prompt tokens a turn of ``kind`` must find cached (None: no goal, a first turn alone)."""
-    if kind == "append":
+    if kind in ("append", "restart"):
         return None if prev_prompt is None else prev_prompt + (prev_reply or 0) - REPLY_SLACK
     if kind == "regenerate":
         return prompt - 1
@@ -43,8 +43,6 @@ def expected_cached(kind: str, *, prompt: int, prev_prompt: int | None = None, p
         return message_start
     if kind in ("shared", "first_shared"):
         return system_end
-    if kind == "restart":
-        return None if prev_prompt is None else prev_prompt + (prev_reply or 0) - REPLY_SLACK
     return None
 
 
@@ -53,15 +51,6 @@ def reuse_ok(cached: int | None, expected: int | None) -> bool | None:
     if expected is None or cached is None:
         return None
     return cached >= expected
-
-
-def paired_ratios(rows: Sequence[dict], phase: str, kinds: Sequence[str], a: str, b: str) -> list[float]:
-    """ours ÷ peer TTFT of each step both answered (one user, round and kind), in order."""
-    by: dict[tuple, dict[str, float]] = {}
-    for r in rows:
-        if r["phase"] == phase and r["kind"] in kinds and r["error"] is None and r["ttft_s"]:
-            by.setdefault((r["user"], r["round"], r["kind"], r.get("rep")), {})[r["server"]] = r["ttft_s"]
-    return [v[a] / v[b] for v in by.values() if a in v and b in v]
 
 
 class Workload:

@@ -1,13 +1,14 @@
-"""One streamed greedy chat turn through the ``openai`` SDK, timed at the client; a failed request is a row
-with its error, never an exception (a phase goes on and the error is counted)."""
+"""One streamed greedy chat turn (:func:`harness.servers.client.stream`), timed at the client; a failed
+request is a row with its error, never an exception (a phase goes on and the error is counted)."""
 
 from __future__ import annotations
 
 import time
-import uuid
 from dataclasses import asdict, dataclass
 
 import openai
+
+from harness.servers.client import stream
 
 
 @dataclass(slots=True)
@@ -30,26 +31,10 @@ class Turn:
 
 def stream_turn(cl: openai.OpenAI, model: str, messages: list[dict], max_tokens: int, agent: str | None = None,
                 fresh: bool = False) -> Turn:
-    """Send ``messages`` as agent ``agent`` (``X-Agent-Id``: ours saves its cache under that name), or under a
-    fresh cache salt (``fresh``: nothing cached can match, a fresh prefill), streamed with usage at the end."""
-    headers = {**({"X-Agent-Id": agent} if agent else {}), **({"X-Cache-Salt": uuid.uuid4().hex} if fresh else {})}
-    t0 = time.perf_counter()
-    turn = Turn()
+    """Send ``messages`` as agent ``agent``, or under a fresh cache salt (``fresh``: a fresh prefill)."""
+    t0, turn = time.perf_counter(), Turn()
     try:
-        stream = cl.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens, temperature=0,
-                                            stream=True, stream_options={"include_usage": True},
-                                            extra_headers=headers)
-        usage = None
-        try:
-            for chunk in stream:
-                turn.model = turn.model or chunk.model
-                usage = chunk.usage or usage
-                for ch in chunk.choices:
-                    if ch.delta.content and turn.ttft_s is None:
-                        turn.ttft_s = time.perf_counter() - t0
-                    turn.text += ch.delta.content or ""
-        finally:
-            stream.close()
+        usage = stream(cl, model, messages, max_tokens, agent, fresh, t0, turn)
         turn.total_s = time.perf_counter() - t0
         if usage is None:
             raise RuntimeError("the stream ended without usage")
