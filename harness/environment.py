@@ -80,13 +80,15 @@ def _ram_gb() -> float | None:
         return None
 
 
-def packages() -> dict[str, str]:
+def packages(names=PACKAGES, missing: bool = False) -> dict[str, str | None]:
+    """The installed version of each of ``names``; one not installed is left out (``missing``: None)."""
     out = {}
-    for name in PACKAGES:
+    for name in names:
         try:
             out[name] = md.version(name)
         except md.PackageNotFoundError:
-            continue
+            if missing:
+                out[name] = None
     return out
 
 

@@ -16,11 +16,12 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 
-def _save(fig, path: Path) -> Path:
+def save(fig, path: Path, dpi: int = 120) -> Path:
+    """Lay ``fig`` out, write it to ``path`` (creating its folder), close it; returns ``path``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=dpi)
     plt.close(fig)
     return path
 
@@ -51,7 +52,7 @@ def scaling_plot(series: Mapping[str, tuple[Sequence[float], Sequence[float], di
         ax.set_yscale("log")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def cdf_plot(samples_by_label: Mapping[str, Sequence[float]], path: Path, xlabel: str, title: str) -> Path:
@@ -72,7 +73,7 @@ def cdf_plot(samples_by_label: Mapping[str, Sequence[float]], path: Path, xlabel
     ax.set(xlabel=xlabel, ylabel="fraction of trials", title=title, ylim=(0, 1.02))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def bars_plot(values_by_label: Mapping[str, float], path: Path, ylabel: str, title: str,
@@ -99,7 +100,7 @@ def bars_plot(values_by_label: Mapping[str, float], path: Path, ylabel: str, tit
         ax.annotate(f"{v:.3g}", (i, v), ha="center", va="bottom", fontsize=8)
     ax.set(ylabel=ylabel, title=title)
     ax.grid(axis="y", alpha=0.3)
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def bandwidth_plot(nbytes: Sequence[float], gbps_by_label: Mapping[str, Sequence[float]], path: Path, title: str) -> Path:
@@ -124,7 +125,7 @@ def bandwidth_plot(nbytes: Sequence[float], gbps_by_label: Mapping[str, Sequence
     ax.set(xlabel="cache bytes (MB)", ylabel="GB/s (bytes moved / time)", title=title, xscale="log")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def throughput_plot(groups: Mapping[str, Mapping[str, float]], path: Path, ylabel: str, title: str) -> Path:
@@ -158,7 +159,7 @@ def throughput_plot(groups: Mapping[str, Mapping[str, float]], path: Path, ylabe
     ax.set(ylabel=ylabel, title=title)
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=8, loc="upper left")
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def turns_plot(turns: Sequence[str], ttft_s: Mapping[str, Sequence[float]], cached: Mapping[str, Sequence[float]],
@@ -201,7 +202,7 @@ def turns_plot(turns: Sequence[str], ttft_s: Mapping[str, Sequence[float]], cach
     for ax in (top, bottom):
         ax.grid(axis="y", alpha=0.3)
         ax.legend(fontsize=8, loc="upper left", ncol=3)
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def turn_lines_plot(panels: Mapping[str, Mapping[str, Sequence[float | None]]], path: Path, ylabel: str, title: str,
@@ -238,7 +239,7 @@ def turn_lines_plot(panels: Mapping[str, Mapping[str, Sequence[float | None]]], 
         axes[0][0].set_ylim(lo - 3 * pad, hi + pad)  # room below for the legend
     axes[0][0].set_ylabel(ylabel)
     fig.suptitle(title)
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def request_bars_plot(panels: Mapping[str, Sequence[tuple[str, float, float]]], path: Path, title: str) -> Path:
@@ -260,7 +261,4 @@ def request_bars_plot(panels: Mapping[str, Sequence[tuple[str, float, float]]], 
         ax.legend(fontsize=8, loc="lower right")
     axes[-1, 0].set_xlabel("request (step.request)")
     fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(fig, path, dpi=110)

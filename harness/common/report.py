@@ -1,9 +1,10 @@
-"""What the results READMEs of the trials share: numbers as the tables print them, the verdict table, medians."""
+"""What the results READMEs of the trials share: numbers as the tables print them, the verdict table, medians
+and ratios."""
 
 from __future__ import annotations
 
 import statistics
-from typing import Iterable, Sequence
+from typing import Iterable
 
 VERDICT_HEAD = "| goal | level | measured | verdict |\n|---|---|---|---|"
 
@@ -27,7 +28,12 @@ def verdict_table(verdicts: Iterable[dict], none: str = "-") -> str:
     return f"{VERDICT_HEAD}\n{verdict_rows(verdicts, none)}"
 
 
-def median(xs: Sequence[float | None]) -> float | None:
+def ratio(a: float | None, b: float | None) -> float | None:
+    """``a / b``; None where ``a`` is None or ``b`` is None or zero."""
+    return a / b if a is not None and b else None
+
+
+def median(xs: Iterable[float | None]) -> float | None:
     """The median of the values that are not None; None when there are none."""
     xs = [x for x in xs if x is not None]
     return statistics.median(xs) if xs else None

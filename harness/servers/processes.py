@@ -96,7 +96,7 @@ class Running:
 
     def rss_bytes(self) -> int:
         """Resident memory of the server and all its descendants, in bytes (0 once it has exited)."""
-        return sum(_rss(pid) for pid in [self.pid, *_descendants(self.pid)])
+        return tree_rss(self.pid)
 
     def blas_mapping(self) -> BlasMapping:
         """:func:`blas_of` the server process."""
@@ -250,10 +250,16 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
-def _rss(pid: int) -> int:
+def tree_rss(pid: int) -> int:
+    """Resident bytes of ``pid`` and every process it started (0 once it has exited)."""
+    return sum(_rss(p) for p in [pid, *_descendants(pid)])
+
+
+def _rss(pid: int, field: str = "VmRSS") -> int:
+    """A size ``field`` of ``/proc/PID/status`` in bytes (``RssFile``: the mapped files' part); 0 where unread."""
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1]) * 1024
     except OSError:
         pass

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from harness import plots  # noqa: F401  (sets the Agg backend)
+from harness import plots  # sets the Agg backend
 import matplotlib.pyplot as plt  # noqa: E402
 
 LINES = {"sigkill": ("tab:red", "-"), "sigterm": ("tab:orange", "-"), "corrupt": ("black", ":"),
@@ -49,8 +49,4 @@ def timeline_plot(requests: list[dict], events: list[dict], rss: list, path: Pat
         h2, l2 = [], []
     h1, l1 = ax.get_legend_handles_labels()
     ax.legend(h1 + h2, l1 + l2, loc="upper left", fontsize=8, ncol=3)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return plots.save(fig, path, dpi=110)

@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 from harness import plots
+from harness.common.report import ratio
 from harness.servers import processes, venvs
 from harness.servers.targets import OURS, TARGETS
 from harness.trials.base import Kind, Param, register
@@ -203,10 +204,6 @@ def _trim(event: dict, limit: int = 2000):
 # ---------------------------------------------------------------- results
 
 
-def _ratio(a, b) -> float | None:
-    return None if a is None or not b else a / b
-
-
 def session_checks(rows: list[dict], names: list[str]) -> dict:
     """The goals' figures: refusals, cached ÷ prompt after each session's first request, wall times.
 
@@ -227,9 +224,9 @@ def session_checks(rows: list[dict], names: list[str]) -> dict:
         checks[f"refused_{name}"] = sum((r["status"] or 0) >= 400 for r in mine)
         checks[f"probe_refused_{name}"] = sum((r["status"] or 0) >= 400 for r in mine if r["phase"] == "probe")
         checks[f"requests_{name}"] = len(steps)
-        later = [_ratio(r["cached_tokens"], r["prompt_tokens"]) for r in steps[1:] if (r["status"] or 0) < 400]
+        later = [ratio(r["cached_tokens"], r["prompt_tokens"]) for r in steps[1:] if (r["status"] or 0) < 400]
         checks[f"cached_ratio_min_{name}"] = min(later) if later and None not in later else None
-        after = [_ratio(r["cached_tokens"], r["prompt_tokens"]) for r in steps if r["after_restart"]]
+        after = [ratio(r["cached_tokens"], r["prompt_tokens"]) for r in steps if r["after_restart"]]
         checks[f"cached_ratio_min_after_restart_{name}"] = min(after) if after and None not in after else None
         checks[f"prompt_tokens_first_{name}"] = steps[0]["prompt_tokens"] if steps else None
         ttfts = [r["ttft_s"] for r in steps[1:] if not r["after_restart"] and r["ttft_s"] is not None]
@@ -245,10 +242,10 @@ def session_checks(rows: list[dict], names: list[str]) -> dict:
         checks[f"restart_wall_s_{name}"] = round(sum(w for (s, a), w in walls.items() if a), 3) or None
     peer = next((n for n in names if n != OURS), None)
     if peer is not None:
-        checks["wall_ratio"] = _ratio(checks[f"session_wall_s_{OURS}"], checks[f"session_wall_s_{peer}"])
-        checks["wall_ratio_after_restart"] = _ratio(checks[f"restart_wall_s_{OURS}"], checks[f"restart_wall_s_{peer}"])
+        checks["wall_ratio"] = ratio(checks[f"session_wall_s_{OURS}"], checks[f"session_wall_s_{peer}"])
+        checks["wall_ratio_after_restart"] = ratio(checks[f"restart_wall_s_{OURS}"], checks[f"restart_wall_s_{peer}"])
         for key in ("ttft_later_median_s", "ttft_after_restart_s"):
-            checks[f"{key[:-2]}_ratio"] = _ratio(checks[f"{key}_{OURS}"], checks[f"{key}_{peer}"])
+            checks[f"{key[:-2]}_ratio"] = ratio(checks[f"{key}_{OURS}"], checks[f"{key}_{peer}"])
     clamps = [r["clamped_max_tokens"] for r in rows if r["server"] == OURS and r["phase"] == "probe"]
     checks["probe_clamped_max_tokens_ours"] = next((c for c in clamps if c is not None), None)
     return checks

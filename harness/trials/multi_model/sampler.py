@@ -11,26 +11,9 @@ import time
 from typing import Callable
 
 from harness.servers.ours import get_json
-from harness.servers.processes import _descendants, _rss
+from harness.servers.processes import _rss, tree_rss
 
 FLEET_KEYS = ("budget_bytes", "resident_bytes", "loading", "loads", "unloads", "load_failures")
-
-
-def tree_rss(pid: int) -> int:
-    """Resident bytes of ``pid`` and every process it started (0 once it has exited)."""
-    return sum(_rss(p) for p in [pid, *_descendants(pid)])
-
-
-def rss_file(pid: int) -> int:
-    """``RssFile`` of ``pid``: the part of its RSS that is mapped files (weights read through mmap), which
-    the kernel can drop, unlike ``RssAnon``; 0 where it cannot be read."""
-    try:
-        for line in open(f"/proc/{pid}/status"):
-            if line.startswith("RssFile:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
 
 
 class MemorySampler:
@@ -74,7 +57,7 @@ class MemorySampler:
         pid = self.pid_of()
         if pid:
             self.rss.append({"t": round(time.monotonic() - self._t0, 3), "phase": self.phase,
-                             "rss_bytes": tree_rss(pid), "file_bytes": rss_file(pid)})
+                             "rss_bytes": tree_rss(pid), "file_bytes": _rss(pid, "RssFile")})
 
     def _fleet_once(self) -> None:
         st = get_json(self.url, "/v1/cache/stats", timeout_s=1.0)

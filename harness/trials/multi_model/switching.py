@@ -27,8 +27,9 @@ from pathlib import Path
 from harness.servers.client import client
 from harness.servers.ours import get_json
 from harness.servers.phases import QUESTIONS
+from harness.servers.processes import tree_rss
 from harness.trials.multi_model.client import stream_turn
-from harness.trials.multi_model.sampler import MemorySampler, tree_rss
+from harness.trials.multi_model.sampler import MemorySampler
 from harness.trials.multi_model.servers import FleetServer, model_states, single_server, start_mlx_lm
 
 SIDES = ("ours", "single", "mlx_lm")

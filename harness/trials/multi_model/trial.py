@@ -141,9 +141,7 @@ def _metrics(res, out: dict) -> None:
 
 def _plot(ctx, out: dict) -> None:
     """RSS and the fleet's resident bytes over time, each phase against its limit."""
-    import matplotlib
-
-    matplotlib.use("Agg")
+    from harness import plots  # first: it sets the Agg backend
     import matplotlib.pyplot as plt
 
     phases = [k for k in PHASES if out.get(k) and out[k].get("rss")]
@@ -161,11 +159,7 @@ def _plot(ctx, out: dict) -> None:
         ax.axhline(ph["models_mb"], ls="--", c="k", lw=0.8, label="--models-mb")
         ax.set(title=f"EXP-019 {name}", xlabel="s", ylabel="MB")
         ax.legend(fontsize=7)
-    path = ctx.plot_path("memory")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    ctx.plots.append(path)
+    ctx.plots.append(plots.save(fig, ctx.plot_path("memory"), dpi=110))
 
 
 KIND = register(Kind(

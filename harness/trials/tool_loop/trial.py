@@ -27,7 +27,6 @@ each stamp is taken when the engine has read the token (materialized).
 from __future__ import annotations
 
 import asyncio
-import statistics
 import sys
 import tempfile
 import time
@@ -36,6 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from harness import plots
+from harness.common.report import median, ratio
 from harness.servers import processes
 from harness.servers.targets import MLX_LM, OURS, TARGETS
 from harness.trials.base import Kind, Param, register
@@ -119,15 +119,9 @@ def _ascii_only(tokenizer) -> dict[int, float]:
 
 
 def _client_versions() -> dict:
-    import importlib.metadata as md
+    from harness.environment import packages
 
-    out = {}
-    for name in ("openai-agents", "openai", "anthropic"):
-        try:
-            out[name] = md.version(name)
-        except md.PackageNotFoundError:
-            out[name] = None
-    return out
+    return packages(("openai-agents", "openai", "anthropic"), missing=True)
 
 
 def _start(side: str, model_dir: Path, model_id: str, work: Path, events: list) -> processes.Running:
@@ -185,15 +179,6 @@ async def _conversation(servers: dict, names: list[str], api: str, loop: T.Loop,
 # ---------------------------------------------------------------- the loops' results
 
 
-def _ratio(a, b) -> float | None:
-    return a / b if a is not None and b else None
-
-
-def _median(xs) -> float | None:
-    xs = [x for x in xs if x is not None]
-    return float(statistics.median(xs)) if xs else None
-
-
 def _cells(rows: list[dict]) -> list[tuple[str, str]]:
     return sorted({(r["api"], r["side"]) for r in rows}, key=lambda k: (APIS.index(k[0]), list(SIDES).index(k[1])))
 
@@ -206,7 +191,7 @@ def reused_of_previous(rows: list[dict]) -> dict[tuple, float | None]:
     for (api, side, conv, turn), r in by.items():
         prev = by.get((api, side, conv, turn - 1))
         if prev is not None and None not in (prev["prompt_tokens"], prev["completion_tokens"]):
-            out[(api, side, conv, turn)] = _ratio(r["cached_tokens"], prev["prompt_tokens"] + prev["completion_tokens"])
+            out[(api, side, conv, turn)] = ratio(r["cached_tokens"], prev["prompt_tokens"] + prev["completion_tokens"])
     return out
 
 
@@ -216,7 +201,7 @@ def loop_table(rows: list[dict], turns: int) -> dict[str, dict[str, list[float |
     for api, side in _cells(rows):
         these = [r for r in rows if r["api"] == api and r["side"] == side and r["error"] is None]
         table.setdefault(api, {})[side] = [
-            _median(_ratio(r["cached_tokens"], r["prompt_tokens"]) for r in these if r["turn"] == t)
+            median(ratio(r["cached_tokens"], r["prompt_tokens"]) for r in these if r["turn"] == t)
             for t in range(1, turns + 1)]
     return table
 
@@ -238,7 +223,7 @@ def loop_checks(rows: list[dict], turns: int) -> dict:
     for api, side in _cells(rows):
         these = [r for r in rows if r["api"] == api and r["side"] == side]
         ok = [r for r in these if r["error"] is None]
-        later = [_ratio(r["cached_tokens"], r["prompt_tokens"]) for r in ok if r["turn"] >= 2]
+        later = [ratio(r["cached_tokens"], r["prompt_tokens"]) for r in ok if r["turn"] >= 2]
         checks[f"cached_ratio_min_{api}_{side}"] = min(later) if later and None not in later else None
         mine = [v for (a, s, _, _), v in reuse.items() if (a, s) == (api, side)]
         checks[f"reused_of_previous_min_{api}_{side}"] = min(mine) if mine and None not in mine else None
@@ -250,9 +235,9 @@ def loop_checks(rows: list[dict], turns: int) -> dict:
     checks["our_choice_misses"] = sum((r["calls"] == 0) if r["turn"] < turns else (r["calls"] > 0)
                                       for r in ours if r["error"] is None)
     for api in sorted({r["api"] for r in rows}):
-        med = {s: _median(r["ttft_s"] for r in rows if r["api"] == api and r["side"] == s and r["turn"] >= 2
+        med = {s: median(r["ttft_s"] for r in rows if r["api"] == api and r["side"] == s and r["turn"] >= 2
                           and r["error"] is None) for s in OUR_SIDES}
-        checks[f"ttft_echo_over_no_echo_{api}"] = _ratio(med["echo"], med["no_echo"])
+        checks[f"ttft_echo_over_no_echo_{api}"] = ratio(med["echo"], med["no_echo"])
     return checks
 
 
@@ -269,7 +254,7 @@ def record_loops(ctx, rows: list[dict], apis: list[str], turns: int) -> None:
             samples = [r["ttft_s"] for r in picked if r["ttft_s"] is not None]
             if samples:
                 res.metric(name, samples, "s", "lower", f"{LABELS[side]}, {api} API, {desc} (client-side TTFT)")
-        ratios = [x for r in ok if r["turn"] >= 2 if (x := _ratio(r["cached_tokens"], r["prompt_tokens"])) is not None]
+        ratios = [x for r in ok if r["turn"] >= 2 if (x := ratio(r["cached_tokens"], r["prompt_tokens"])) is not None]
         if ratios:
             res.metric(f"cached_ratio_{api}_{side}", ratios, "ratio", "higher",
                        f"{LABELS[side]}, {api} API: cached ÷ prompt tokens, turns after the first")
