@@ -1,4 +1,5 @@
-"""Prompts from the built-in history text: plain token ids, and chat conversations of a given length.
+"""Prompts from the built-in history text: plain token ids, and chat conversations of a given length; the
+prefix rendered prompts share.
 
 A conversation is a list of chat messages, rendered by the model's chat
 template each turn, as a client would send it. Text of a given token length
@@ -9,6 +10,8 @@ histories differ.
 from __future__ import annotations
 
 from pathlib import Path
+
+from semantic.cache.reuse import common_prefix
 
 HISTORY = (Path(__file__).parent / "data" / "history.txt").read_text()
 WORDS = HISTORY.split()
@@ -54,3 +57,8 @@ def user_history(tokenizer, user: int, n_tokens: int) -> list[dict]:
 
 def question(tokenizer, user: int, turn: int, n_tokens: int) -> dict:
     return {"role": "user", "content": text_of_tokens(tokenizer, n_tokens, 61 * user + 17 * turn, f"Question {turn}:")}
+
+
+def shared_prefix(seqs: list[list[int]]) -> int:
+    """How many leading tokens every sequence (rendered prompt) shares; 0 of none."""
+    return min((common_prefix(seqs[0], s) for s in seqs[1:]), default=len(seqs[0])) if seqs else 0

@@ -33,6 +33,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from semantic.cache.reuse import common_prefix
+
 # float32 weights on the CPU: a resumed turn's attention runs over other matmul shapes than a
 # fresh prefill's, which moves logprobs by ~1e-6; 1e-4 leaves room and still catches a wrong state
 TOLERANCE = 1e-4
@@ -121,15 +123,6 @@ def _wants(turns: dict[str, dict], echo: bool) -> dict[str, int]:
         "second_agent": mark("second_agent", "first", min), "restart": whole("branch"),
         **{n: 0 for n in turns if n.startswith("batch_")},
     }
-
-
-def common_prefix(a, b) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def check(model_type: str, workdir: Path, echo: bool = True, timeout_s: float = 600) -> ModelResult:

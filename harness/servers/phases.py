@@ -39,6 +39,12 @@ QUESTIONS = [
     "Give one risk and one precaution.", "What is the most surprising detail so far?",
 ]
 
+
+def user_turn(user: int, round_: int) -> dict:
+    """User ``user``'s question of round ``round_``: the same message on every server."""
+    return {"role": "user", "content": f"{QUESTIONS[(user + round_) % len(QUESTIONS)]} (user {user}, round {round_})"}
+
+
 # The five turns past a sliding window: what each sends (see five_turn_messages)
 FIVE_TURNS = ("first", "append", "regenerate", "edit", "branch")
 
@@ -189,9 +195,8 @@ class Bench:
 
     def turn(self, phase: str, user: int, round_: int, kind: str = "append", question: str | None = None) -> None:
         """The user's next turn on every server: its history plus a new question."""
-        q = question or f"{QUESTIONS[(user + round_) % len(QUESTIONS)]} (user {user}, round {round_})"
-        self.each_server(phase, user, round_, kind,
-                         lambda s: (s.histories.get(user) or [self.system]) + [{"role": "user", "content": q}])
+        q = {"role": "user", "content": question} if question else user_turn(user, round_)
+        self.each_server(phase, user, round_, kind, lambda s: (s.histories.get(user) or [self.system]) + [q])
 
     # ------------------------------------------------------------ phases
 

@@ -3,9 +3,9 @@ agents sharing a system prompt. Every server runs with ``--sync-saves``: a reply
 
 from __future__ import annotations
 
-from harness.prompts import question, system_prompt, user_history
+from harness.prompts import question, shared_prefix, system_prompt, user_history
 from harness.servers.client import stream_turn
-from harness.trials.block_store.measure import added_tokens, common_prefix, disk_usage, ideal_shared_bytes, io_delta
+from harness.trials.block_store.measure import added_tokens, disk_usage, ideal_shared_bytes, io_delta
 from harness.trials.block_store.measure import write_amplification as amplification
 from harness.trials.block_store.servers import LayoutServer, wait_idle
 
@@ -65,7 +65,7 @@ def shared_prompt(servers: list[LayoutServer], p: dict, tok) -> dict:
     ideal: one copy of the shared prompt plus every agent's own tokens (prompt beyond it, and reply)."""
     system = system_prompt(tok, p["shared_system_tokens"])
     msgs = [[system, question(tok, SHARED_USER + i, 1, p["shared_question_tokens"])] for i in range(p["shared_agents"])]
-    shared = common_prefix([list(tok.apply_chat_template(m, add_generation_prompt=True)) for m in msgs])
+    shared = shared_prefix([list(tok.apply_chat_template(m, add_generation_prompt=True)) for m in msgs])
     rows = []
     for i, m in enumerate(msgs):
         for s in servers if i % 2 == 0 else servers[::-1]:

@@ -121,18 +121,6 @@ def disk_usage(root: Path | str, quarantine_names: tuple[str, ...] = ("quarantin
     return DiskUsage(total, alloc, files, q_bytes, q_files)
 
 
-def common_prefix(seqs: list[list[int]]) -> int:
-    """How many leading tokens every sequence shares."""
-    if not seqs:
-        return 0
-    n = min(len(s) for s in seqs)
-    for i in range(n):
-        first = seqs[0][i]
-        if any(s[i] != first for s in seqs[1:]):
-            return i
-    return n
-
-
 def ideal_shared_bytes(bytes_per_token: float, shared_tokens: int, own_tokens: list[int]) -> float:
     """One copy of the shared prompt plus each agent's own tokens (its prompt beyond it, and its reply)."""
     return bytes_per_token * (shared_tokens + sum(own_tokens))

@@ -24,7 +24,7 @@ import signal
 import time
 from typing import Callable, Sequence
 
-from harness.servers.phases import QUESTIONS, Bench, Server
+from harness.servers.phases import Bench, Server, user_turn
 
 OURS = "semantic"
 # a server may leave the reply's last token unfed (mlx-lm's prompt cache does): the previous turn counts
@@ -106,11 +106,8 @@ class Workload:
         asyncio.run(go())
         return out
 
-    def question(self, user: int, round_: int) -> dict:
-        return {"role": "user", "content": f"{QUESTIONS[(user + round_) % len(QUESTIONS)]} (user {user}, round {round_})"}
-
     def turn(self, phase: str, user: int, round_: int, kind: str = "append", goal_kind: str | None = None, **extra):
-        q = self.question(user, round_)
+        q = user_turn(user, round_)
         return self.step(phase, user, round_, kind, lambda s: (s.histories.get(user) or [self.bench.system]) + [q],
                          goal_kind, **extra)
 
@@ -143,7 +140,7 @@ class Workload:
             pending = _wait_saves(ours, settle_max_s)
             b.restart_all(signal.SIGKILL, "run", settle_s=0.5)
             r = first_round + rep
-            q = self.question(user, r)
+            q = user_turn(user, r)
             build = lambda s: (s.histories.get(user) or [b.system]) + [q]  # noqa: E731
             ev = {"rep": rep, "pending_before_kill": pending, "cold_first": rep % 2 == 1}
             if ev["cold_first"]:

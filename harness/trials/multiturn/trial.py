@@ -30,9 +30,9 @@ from harness import plots
 from harness.common.children import run_child
 from harness.engines import fresh_first_token, logprob_diff, make_engine, open_scheduler
 from harness.prompts import question, system_prompt, text_of_tokens, user_history
+from harness.prompts import shared_prefix as _common_len  # the name _sharing's benchmark id was made with
 from harness.trials.base import Kind, Param, register
 from semantic import Request, encode, render_chat
-from semantic.cache.reuse import common_prefix
 
 
 def _pair(order: int, sides: dict):
@@ -140,11 +140,6 @@ def _sharing(sched, tok, system: dict, p: dict) -> dict:
     mem["shared_whole_blocks"] = shared_tokens // bt
     mem["reuse_of_later_agents"] = sorted({r.reuse for a, r in share_results.items()})
     return mem
-
-
-def _common_len(seqs: list[list[int]]) -> int:
-    """Tokens every sequence starts with."""
-    return min((common_prefix(seqs[0], s) for s in seqs[1:]), default=len(seqs[0]))
 
 
 def _restart(ctx, cache_dir: Path, convo: dict, users: int, turn: int) -> dict:

@@ -29,6 +29,7 @@ import uuid
 from pathlib import Path
 
 from harness.common.report import verdict_table
+from harness.prompts import shared_prefix
 from harness.servers.client import client
 from harness.servers.ours import OurServer
 from harness.trials.base import Kind, Param, register
@@ -147,7 +148,7 @@ def _shared_prompt(servers, p, tok, system_prompt, question) -> dict:
     second = _turn(two, messages, p, agent="shared-second")
     ids = [tok.apply_chat_template([system, question(tok, n, 1, 30)], add_generation_prompt=True)
            for n in (900, 901)]
-    common = next((k for k, (a, b) in enumerate(zip(*ids)) if a != b), min(map(len, ids)))
+    common = shared_prefix(ids)
     return {"system_tokens": p["system_tokens"], "common_prefix_tokens": common,
             "full_blocks_tokens": common // 256 * 256, "first_cached": first.cached_tokens,
             "second_cached": second.cached_tokens, "second_prompt_tokens": second.prompt_tokens,

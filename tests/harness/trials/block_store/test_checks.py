@@ -9,6 +9,7 @@ import pytest
 
 from harness.config import ConfigError, load
 from harness.criteria import resolve
+from harness.prompts import shared_prefix
 from harness.trials.block_store import measure
 from harness.trials.block_store.checks import all_checks, beside_checks, replies_differing, restart_checks, write_amp_checks
 from harness.trials.block_store.servers import evict_page_cache, layout_args
@@ -96,8 +97,8 @@ def test_disk_usage_sums_files_and_names_the_quarantined_ones(tmp_path):
 
 def test_the_ideal_is_one_copy_of_the_shared_prefix_and_each_agents_own_tokens():
     ids = [[1, 2, 3, 4, 9], [1, 2, 3, 4, 8, 8], [1, 2, 3, 5]]
-    assert measure.common_prefix(ids) == 3 and measure.common_prefix([]) == 0
-    assert measure.common_prefix([[1, 2], [1, 2, 3]]) == 2
+    assert shared_prefix(ids) == 3 and shared_prefix([]) == 0
+    assert shared_prefix([[1, 2], [1, 2, 3]]) == 2
     assert measure.ideal_shared_bytes(10.0, 2200, [48, 50]) == 10.0 * 2298
 
 
