@@ -331,6 +331,11 @@ def _validate(p: dict) -> None:
         raise ValueError(f"servers must start with {OURS!r} and be some of {SERVERS}, not {p['servers']}")
     if not p["steps"] or not 1 < p["restart_before"] <= len(p["steps"]) + 1:
         raise ValueError("steps must hold at least one prompt and 1 < restart_before <= len(steps) + 1")
+    validate_session_bounds(p)
+
+
+def validate_session_bounds(p: dict) -> None:
+    """What every Claude Code step is bounded by: at least one request, and a budget (0: not set)."""
     if p["max_turns"] < 1 or p["max_output_tokens"] < 0:
         raise ValueError("max_turns must be positive and max_output_tokens >= 0 (0: not set)")
 

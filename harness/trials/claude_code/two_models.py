@@ -33,7 +33,7 @@ from harness.trials.base import Kind, Param, register
 from harness.trials.claude_code import session as cc
 from harness.trials.claude_code.model_routes import count_by_model, kind_of
 from harness.trials.claude_code.proxy import LoggingProxy
-from harness.trials.claude_code.trial import _trim, scratch_repo, transcript_text
+from harness.trials.claude_code.trial import _trim, scratch_repo, transcript_text, validate_session_bounds
 
 SESSIONS = ("main", "small")
 
@@ -253,8 +253,7 @@ def _validate(p: dict) -> None:
         raise ValueError("main_steps and small_steps must each hold at least one prompt")
     if "name" not in p["small_agent"] or "prompt" not in p["small_agent"]:
         raise ValueError("small_agent needs a name and a prompt (and a model: haiku, the point of the session)")
-    if p["max_turns"] < 1 or p["max_output_tokens"] < 0:
-        raise ValueError("max_turns must be positive and max_output_tokens >= 0 (0: not set)")
+    validate_session_bounds(p)
 
 
 KIND = register(Kind(
