@@ -247,7 +247,40 @@ def _param_value(value: Any, p, path: Path, key: str) -> Any:
         raise _fail(path, f"params.{key}", f"must be {p.type.__name__} ({p.help}), got {value!r}")
     if p.choices is not None and value not in p.choices:
         raise _fail(path, f"params.{key}", f"must be one of {list(p.choices)}, got {value!r}")
+    if not _kept_bounds(value, p):
+        raise _fail(path, f"params.{key}", f"must be {_bounds(p)}, got {value!r}")
     return value
+
+
+def _kept_bounds(value: Any, p) -> bool:
+    """Whether ``value`` keeps the bounds ``p`` declares (a list's items: each, and integers)."""
+    if p.type is not list:
+        return _in_range(value, p)
+    if p.nonempty and not value or p.pair and len(value) != 2:
+        return False
+    if p.min is None and p.max is None and not p.pair:
+        return True
+    if not all(isinstance(x, int) and not isinstance(x, bool) and _in_range(x, p) for x in value):
+        return False
+    return not (p.pair and value[0] > value[1])
+
+
+def _in_range(x: Any, p) -> bool:
+    if p.strict:
+        return (p.min is None or x > p.min) and (p.max is None or x < p.max)
+    return (p.min is None or x >= p.min) and (p.max is None or x <= p.max)
+
+
+def _bounds(p) -> str:
+    """The bounds ``p`` declares, in words: ``>= 1``, ``a non-empty list of integers >= 1``, ``[low, high] ...``."""
+    lo, hi = (">", "<") if p.strict else (">=", "<=")
+    words = " and ".join([f"{lo} {p.min}"] * (p.min is not None) + [f"{hi} {p.max}"] * (p.max is not None))
+    if p.type is not list:
+        return words
+    if p.pair:
+        return f"[low, high], integers {words} with low <= high"
+    items = f" of integers {words}" if words else ""
+    return f"a {'non-empty ' if p.nonempty else ''}list{items}"
 
 
 def _protocol(doc: dict, path: Path) -> Protocol:

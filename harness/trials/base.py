@@ -8,12 +8,21 @@ from typing import Any, Callable
 
 @dataclass(slots=True, frozen=True)
 class Param:
-    """A parameter a kind accepts: its type, default and meaning."""
+    """A parameter a kind accepts: its type, default and meaning, and the values it takes (checked on load).
+
+    ``min`` and ``max`` bound a number, or each item of a list (then integers); ``strict``: the bounds themselves
+    are refused. ``pair``: a list ``[low, high]`` with ``low <= high``. ``nonempty``: a list with an item at least.
+    """
 
     type: type
     default: Any
     help: str
     choices: tuple | None = None
+    min: float | None = None
+    max: float | None = None
+    strict: bool = False
+    pair: bool = False
+    nonempty: bool = False
 
 
 @dataclass(slots=True, frozen=True)

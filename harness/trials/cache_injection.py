@@ -59,22 +59,17 @@ def run(ctx) -> None:
             title=f"EXP-003 {ctx.model_name}"))
 
 
-def _validate(p: dict) -> None:
-    if p["history_tokens"] < 0 or p["max_tokens"] <= 0 or p["continue_tokens"] <= 0:
-        raise ValueError("needs history_tokens >= 0, max_tokens > 0 and continue_tokens > 0")
-
-
 KIND = register(Kind(
     name="cache_injection",
     run=run,
     params={
         "prompt": Param(str, "The quick brown fox jumps over the lazy", "turn 1's text, after the history"),
-        "history_tokens": Param(int, 256, "tokens of built-in history text before the prompt"),
-        "max_tokens": Param(int, 10, "tokens generated in turn 1"),
+        "history_tokens": Param(int, 256, "tokens of built-in history text before the prompt", min=0),
+        "max_tokens": Param(int, 10, "tokens generated in turn 1", min=1),
         "followup": Param(str, " Then the fox", "turn 2's new text"),
-        "continue_tokens": Param(int, 16, "tokens generated in turn 2, compared with and without the cache"),
+        "continue_tokens": Param(int, 16, "tokens generated in turn 2, compared with and without the cache",
+                                 min=1),
     },
     plots=frozenset({"cdf", "bars"}),
-    validate=_validate,
     trial_code=(time_ttft, match_report),
 ))

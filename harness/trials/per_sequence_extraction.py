@@ -124,22 +124,21 @@ def _save_reload_continue(ctx, engine, reloaded_engine, finished: list[tuple], t
 
 
 def _validate(p: dict) -> None:
-    if not p["prompts"] or len(p["prompts"]) != len(p["max_tokens"]):
-        raise ValueError("prompts and max_tokens need the same, non-zero length")
-    if len(set(p["max_tokens"])) != len(p["max_tokens"]) or min(p["max_tokens"]) <= 0:
-        raise ValueError("max_tokens must be distinct positive integers, so sequences finish at different steps")
-    if p["continue_tokens"] <= 0:
-        raise ValueError("continue_tokens must be positive")
+    if len(p["prompts"]) != len(p["max_tokens"]):
+        raise ValueError("prompts and max_tokens need the same length")
+    if len(set(p["max_tokens"])) != len(p["max_tokens"]):
+        raise ValueError("max_tokens must be distinct, so sequences finish at different steps")
 
 
 KIND = register(Kind(
     name="per_sequence_extraction",
     run=run,
     params={
-        "prompts": Param(list, ["The capital of France is", "Machine learning is", "Python programming language"], "one sequence per prompt, all in one batch"),
-        "max_tokens": Param(list, [10, 4, 7], "tokens per prompt; distinct, so each finishes at its own step"),
+        "prompts": Param(list, ["The capital of France is", "Machine learning is", "Python programming language"],
+                         "one sequence per prompt, all in one batch", nonempty=True),
+        "max_tokens": Param(list, [10, 4, 7], "tokens per prompt; distinct, so each finishes at its own step", min=1),
         "continuation": Param(str, " In short,", "text appended to each sequence before continuing"),
-        "continue_tokens": Param(int, 8, "tokens generated when continuing, compared with a fresh prefill"),
+        "continue_tokens": Param(int, 8, "tokens generated when continuing, compared with a fresh prefill", min=1),
     },
     plots=frozenset({"cdf", "bars"}),
     validate=_validate,

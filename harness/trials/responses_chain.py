@@ -232,23 +232,17 @@ def think_checks(rows: list[dict]) -> dict:
     return checks
 
 
-def _validate(p: dict) -> None:
-    if not 2 <= p["turns"] <= len(QUESTIONS) - 1 or p["conversations"] < 1 or p["max_tokens"] < 1:
-        raise ValueError(f"2 <= turns <= {len(QUESTIONS) - 1}, conversations >= 1, max_tokens >= 1")
-
-
 KIND = register(Kind(
     name="responses_chain",
     run=run,
     params={
-        "turns": Param(int, 6, "user messages per conversation"),
-        "conversations": Param(int, 3, "conversations, each under its own instructions"),
+        "turns": Param(int, 6, "user messages per conversation", min=2, max=len(QUESTIONS) - 1),
+        "conversations": Param(int, 3, "conversations, each under its own instructions", min=1),
         "instruction_tokens": Param(int, 1500, "tokens of the instructions (the system prompt)"),
-        "max_tokens": Param(int, 16, "tokens each reply may take"),
+        "max_tokens": Param(int, 16, "tokens each reply may take", min=1),
         "think_model": Param(str, "tiny-think", "the model run as the thinking model (written for the run)"),
         "think_max_tokens": Param(int, 128, "tokens each of the thinking model's replies takes (its reasoning)"),
     },
     needs_model=False,
-    validate=_validate,
     trial_code=(_ttft_chat, _ttft_chain, _chains, _thinking),
 ))

@@ -147,24 +147,18 @@ def checks(rows: list[dict]) -> dict:
     return out
 
 
-def _validate(p: dict) -> None:
-    if min(p["edit_samples"], p["chat_samples"], p["batch"], p["span_tokens"]) < 1 or p["batch_samples"] < 0:
-        raise ValueError("samples, batch and span_tokens must be positive")
-
-
 KIND = register(Kind(
     name="speculation",
     run=run,
     params={
-        "edit_samples": Param(int, 5, "edit-style turns at batch 1, per side"),
-        "chat_samples": Param(int, 5, "plain chat turns at batch 1, per side"),
-        "batch": Param(int, 4, "turns sent at once in the batched samples"),
-        "batch_samples": Param(int, 3, "batched edit-style samples, per side"),
-        "span_tokens": Param(int, 300, "tokens of source code an edit-style turn quotes"),
+        "edit_samples": Param(int, 5, "edit-style turns at batch 1, per side", min=1),
+        "chat_samples": Param(int, 5, "plain chat turns at batch 1, per side", min=1),
+        "batch": Param(int, 4, "turns sent at once in the batched samples", min=1),
+        "batch_samples": Param(int, 3, "batched edit-style samples, per side", min=0),
+        "span_tokens": Param(int, 300, "tokens of source code an edit-style turn quotes", min=1),
         "edit_max_tokens": Param(int, 400, "the most tokens an edit-style reply takes"),
         "chat_max_tokens": Param(int, 160, "the most tokens a chat reply takes"),
     },
     needs_model=False,
-    validate=_validate,
     trial_code=(_turn, edit_prompt, chat_prompt),
 ))

@@ -337,16 +337,6 @@ def _file_leaks(cache_dir: Path, canaries: dict) -> int:
 
 
 def _validate(p: dict) -> None:
-    for key in ("question_tokens", "answer_tokens"):
-        v = p[key]
-        if not (isinstance(v, list) and len(v) == 2 and all(isinstance(x, int) for x in v) and 1 <= v[0] <= v[1]):
-            raise ValueError(f"{key} must be [low, high] with 1 <= low <= high")
-    if p["requests"] < 1 or p["agents"] < 2 or p["concurrency"] < 1:
-        raise ValueError("needs requests >= 1, agents >= 2, concurrency >= 1")
-    if not (0 <= p["edit_prob"] <= 1 and 0 <= p["evict_prob"] <= 1):
-        raise ValueError("edit_prob and evict_prob are probabilities")
-    if not 0 <= p["ram_budget"] <= 1:
-        raise ValueError("ram_budget is a share of the working set in [0, 1] (0: no budget)")
     if p["max_context"] <= p["system_tokens"] + CANARY_LEN + p["question_tokens"][1] + p["answer_tokens"][1]:
         raise ValueError("max_context must leave room for a turn after the system prefix")
 
@@ -355,14 +345,14 @@ KIND = register(Kind(
     name="stress",
     run=run,
     params={
-        "requests": Param(int, 1000, "turns in all"),
-        "agents": Param(int, 16, "agents the turns are spread over, in random order"),
-        "concurrency": Param(int, 8, "turns in flight at once (also the batch size)"),
+        "requests": Param(int, 1000, "turns in all", min=1),
+        "agents": Param(int, 16, "agents the turns are spread over, in random order", min=2),
+        "concurrency": Param(int, 8, "turns in flight at once (also the batch size)", min=1),
         "system_tokens": Param(int, 64, "a prefix every agent's history starts with"),
-        "question_tokens": Param(list, [4, 48], "new tokens per turn, [low, high]"),
-        "answer_tokens": Param(list, [1, 8], "generated tokens per turn, [low, high]"),
-        "edit_prob": Param(float, 0.05, "chance a turn edits the conversation first"),
-        "evict_prob": Param(float, 0.05, "chance an agent is evicted to disk before its turn"),
+        "question_tokens": Param(list, [4, 48], "new tokens per turn, [low, high]", pair=True, min=1),
+        "answer_tokens": Param(list, [1, 8], "generated tokens per turn, [low, high]", pair=True, min=1),
+        "edit_prob": Param(float, 0.05, "chance a turn edits the conversation first", min=0, max=1),
+        "evict_prob": Param(float, 0.05, "chance an agent is evicted to disk before its turn", min=0, max=1),
         "max_context": Param(int, 1024, "history length at which the oldest exchange is dropped"),
         "parity_samples": Param(int, 20, "turns re-run as a fresh prefill and compared"),
         "parity_every_turn": Param(bool, False, "re-run every turn instead (a cold one too), not a sample"),
@@ -375,7 +365,7 @@ KIND = register(Kind(
         "block_tokens": Param(int, 256, "tokens per block (small blocks exercise more sharing and cutting)"),
         "seed": Param(int, 0, "random seed of the workload"),
         "ram_budget": Param(float, 0.0, "RAM budget for resident caches, as a share of the working set "
-                            "(every agent's cache at the length the workload takes it to); 0: none"),
+                            "(every agent's cache at the length the workload takes it to); 0: none", min=0, max=1),
     },
     plots=frozenset({"latency_cdf"}),
     needs_model=True,

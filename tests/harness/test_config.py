@@ -66,7 +66,7 @@ def test_defaults_are_filled_in_and_quick_and_set_override_in_order(tmp_path):
         (lambda t: t.replace("trials = 3", "trials = 3\nrounds = 2"), "protocol.rounds", "allowed"),
         (lambda t: t.replace("history_tokens = 32", "history_tokenz = 32"), "params.history_tokenz", "history_tokens"),
         (lambda t: t.replace("history_tokens = 32", 'history_tokens = "many"'), "params.history_tokens", "must be int"),
-        (lambda t: t.replace("history_tokens = 32", "history_tokens = -1"), "params", "history_tokens >= 0"),
+        (lambda t: t.replace("history_tokens = 32", "history_tokens = -1"), "params.history_tokens", "must be >= 0"),
         (lambda t: t.replace('kind = "cache_injection"', 'kind = "nope"'), "kind", "allowed"),
         (lambda t: t.replace('["smollm2-135m"]', '["gpt-9"]'), "models", "allowed"),
         (lambda t: t.replace("trials = 3", "trials = 0"), "protocol", "trials must be"),
@@ -80,6 +80,39 @@ def test_a_bad_config_names_the_file_the_key_and_what_is_allowed(tmp_path, edit,
         config.load(path)
     message = str(err.value)
     assert str(path) in message and key in message and allowed in message
+
+
+@pytest.mark.parametrize(
+    "config_name,override,message",
+    [
+        ("exp_003_cache_injection", "params.max_tokens=0", "params.max_tokens: must be >= 1, got 0"),
+        ("exp_008_stress", "params.agents=1", "params.agents: must be >= 2, got 1"),
+        ("exp_008_stress", "params.edit_prob=1.5", "params.edit_prob: must be >= 0 and <= 1, got 1.5"),
+        ("exp_008_stress", "params.ram_budget=-0.1", "params.ram_budget: must be >= 0 and <= 1"),
+        ("exp_013_responses", "params.turns=99", "params.turns: must be >= 2 and <= "),
+        ("exp_015_chaos", "params.chaos_s=0", "params.chaos_s: must be > 0, got 0.0"),
+        ("exp_019_models", "params.switch_fit=1", "params.switch_fit: must be > 0 and < 1, got 1.0"),
+        ("exp_008_stress", "params.question_tokens=[8, 4]",
+         "params.question_tokens: must be [low, high], integers >= 1 with low <= high, got [8, 4]"),
+        ("exp_008_stress", "params.question_tokens=[0, 4]", "params.question_tokens: must be [low, high]"),
+        ("exp_008_stress", "params.answer_tokens=[4]", "params.answer_tokens: must be [low, high]"),
+        ("exp_015_chaos", "params.turns_per_session=[3, 5, 7]", "params.turns_per_session: must be [low, high]"),
+        ("exp_006_reconstruction", "params.blocks=[1, 0]", "params.blocks: must be a non-empty list of integers >= 1"),
+        ("exp_006_reconstruction", "params.layers=[]", "params.layers: must be a non-empty list of integers >= 1"),
+        ("exp_011_agents_act", "params.decode_batches=[2.5]", "params.decode_batches: must be a list of integers >= 1"),
+    ],
+)
+def test_a_value_out_of_its_declared_bounds_is_refused_naming_the_param_and_the_bound(config_name, override, message):
+    with pytest.raises(config.ConfigError) as err:
+        config.load(config_name, overrides=[override])
+    assert message in str(err.value)
+
+
+def test_values_on_their_declared_bounds_are_accepted():
+    cfg = config.load("exp_008_stress", overrides=["params.question_tokens=[1, 1]", "params.edit_prob=1",
+                                                   "params.ram_budget=0", "params.agents=2"])
+    assert cfg.params["question_tokens"] == [1, 1] and cfg.params["edit_prob"] == 1.0
+    assert config.load("exp_011_agents_act", overrides=["params.decode_batches=[]"]).params["decode_batches"] == []
 
 
 def test_set_needs_key_equals_value_and_toml_errors_name_the_file(tmp_path):

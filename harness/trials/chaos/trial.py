@@ -280,13 +280,6 @@ def _mb(v) -> str:
 
 
 def _validate(p: dict) -> None:
-    lo, hi = p["turns_per_session"]
-    if not 1 <= lo <= hi:
-        raise ValueError("turns_per_session must be [low, high] with 1 <= low <= high")
-    if p["agents"] < 1 or p["calm_turns"] < 1 or p["chaos_s"] <= 0:
-        raise ValueError("agents >= 1, calm_turns >= 1, chaos_s > 0")
-    if p["cache_layout"] not in ("blocks", "file"):
-        raise ValueError("cache_layout is blocks or file")
     if p["corrupt"] > p["sigkill"]:
         raise ValueError("corrupt counts SIGKILLs that also damage a file: at most sigkill")
 
@@ -295,28 +288,30 @@ KIND = register(Kind(
     name="chaos",
     run=run,
     params={
-        "agents": Param(int, 16, "agents talking at once, each on its own thread"),
+        "agents": Param(int, 16, "agents talking at once, each on its own thread", min=1),
         "system_tokens": Param(int, 300, "tokens of the system prompt every agent shares"),
-        "turns_per_session": Param(list, [3, 5], "turns under one agent id before it starts a new one, [low, high]"),
+        "turns_per_session": Param(list, [3, 5], "turns under one agent id before it starts a new one, [low, high]",
+                                   pair=True, min=1),
         "max_tokens": Param(int, 12, "max_tokens of a turn without tools (greedy)"),
         "tool_max_tokens": Param(int, 40, "max_tokens of a turn that offers the tool (a call in JSON)"),
         "tools_prob": Param(float, 0.3, "share of turns that offer a function tool"),
         "stream_prob": Param(float, 0.5, "share of turns streamed"),
         "check_prob": Param(float, 0.05, "share of turns re-sent anonymously under a fresh salt and compared"),
         "request_timeout_s": Param(float, 120.0, "the client's bound on every request: past it is a hang"),
-        "chaos_s": Param(float, 480.0, "seconds the faults are spread over"),
+        "chaos_s": Param(float, 480.0, "seconds the faults are spread over", min=0, strict=True),
         "sigkill": Param(int, 14, "SIGKILLs and restarts (besides the one after each disk-full phase)"),
         "sigterm": Param(int, 6, "SIGTERMs and restarts (besides the one before the last life)"),
         "corrupt": Param(int, 5, "of the SIGKILLs, those that damage a file while the server is down (a shared "
                                "block file, a manifest, one agent's block file, in turn)"),
-        "cache_layout": Param(str, "blocks", "--cache-layout: blocks (block files and manifests) or file"),
+        "cache_layout": Param(str, "blocks", "--cache-layout: blocks (block files and manifests) or file",
+                              choices=("blocks", "file")),
         "disk_full": Param(int, 1, "disk-full phases (each then a SIGKILL and a restart)"),
         "read_only": Param(int, 1, "read-only phases"),
         "hangup": Param(int, 4, "rounds of streams cut by their clients"),
         "flood": Param(int, 3, "floods past the queue"),
         "hold_s": Param(float, 20.0, "seconds a disk-full or read-only phase holds"),
         "flood_requests": Param(int, 48, "requests released at once in a flood"),
-        "calm_turns": Param(int, 300, "agent turns of the last, crash-free life"),
+        "calm_turns": Param(int, 300, "agent turns of the last, crash-free life", min=1),
         "calm_timeout_s": Param(float, 400.0, "the most seconds the last life waits for its turns"),
         "rss_baseline_turns": Param(int, 100, "turns of the last life after which its RSS is the baseline"),
         "ram_share": Param(float, 0.25, "--ram-mb as a share of the agents' working set"),

@@ -331,13 +331,6 @@ def _validate(p: dict) -> None:
         raise ValueError(f"servers must start with {OURS!r} and be some of {SERVERS}, not {p['servers']}")
     if not p["steps"] or not 1 < p["restart_before"] <= len(p["steps"]) + 1:
         raise ValueError("steps must hold at least one prompt and 1 < restart_before <= len(steps) + 1")
-    validate_session_bounds(p)
-
-
-def validate_session_bounds(p: dict) -> None:
-    """What every Claude Code step is bounded by: at least one request, and a budget (0: not set)."""
-    if p["max_turns"] < 1 or p["max_output_tokens"] < 0:
-        raise ValueError("max_turns must be positive and max_output_tokens >= 0 (0: not set)")
 
 
 KIND = register(Kind(
@@ -349,8 +342,10 @@ KIND = register(Kind(
         "steps": Param(list, ["Read greet.py and tell me what it prints."], "one claude -p per prompt, "
                                                                             "each after the first with --continue"),
         "restart_before": Param(int, 2, "SIGKILL and restart every server before this step (len(steps)+1: never)"),
-        "max_turns": Param(int, 3, "claude --max-turns: requests a step may make when the model calls tools"),
-        "max_output_tokens": Param(int, 256, "CLAUDE_CODE_MAX_OUTPUT_TOKENS in the steps (0: not set; never in the probe)"),
+        "max_turns": Param(int, 3, "claude --max-turns: requests a step may make when the model calls tools",
+                           min=1),
+        "max_output_tokens": Param(int, 256, "CLAUDE_CODE_MAX_OUTPUT_TOKENS in the steps (0: not set; never in the "
+                                             "probe)", min=0),
         "grace_s": Param(float, 5.0, "seconds between a step's client exiting and the SIGKILL"),
         "probe_timeout_s": Param(float, 900.0, "the probe stops at its first answer, or after this long"),
         "step_timeout_s": Param(float, 1800.0, "a step's client is killed after this long"),

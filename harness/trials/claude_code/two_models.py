@@ -33,7 +33,7 @@ from harness.trials.base import Kind, Param, register
 from harness.trials.claude_code import session as cc
 from harness.trials.claude_code.model_routes import count_by_model, kind_of
 from harness.trials.claude_code.proxy import LoggingProxy
-from harness.trials.claude_code.trial import _trim, scratch_repo, transcript_text, validate_session_bounds
+from harness.trials.claude_code.trial import _trim, scratch_repo, transcript_text
 
 SESSIONS = ("main", "small")
 
@@ -249,11 +249,8 @@ def headline(doc: dict) -> list[str]:
 
 
 def _validate(p: dict) -> None:
-    if not p["main_steps"] or not p["small_steps"]:
-        raise ValueError("main_steps and small_steps must each hold at least one prompt")
     if "name" not in p["small_agent"] or "prompt" not in p["small_agent"]:
         raise ValueError("small_agent needs a name and a prompt (and a model: haiku, the point of the session)")
-    validate_session_bounds(p)
 
 
 KIND = register(Kind(
@@ -266,15 +263,18 @@ KIND = register(Kind(
         "small_dir": Param(str, "", "a model directory to serve as small instead of the named one"),
         "aliases": Param(dict, {"claude-*haiku*": "small", "claude-*": "main", "gpt-*": "main"},
                          "the server's --alias PATTERN=ID, in order"),
-        "main_steps": Param(list, ["Read greet.py and tell me what it prints."], "the main session's prompts"),
-        "small_steps": Param(list, ["Read greet.py and tell me what it prints."], "the small session's prompts"),
+        "main_steps": Param(list, ["Read greet.py and tell me what it prints."], "the main session's prompts",
+                               nonempty=True),
+        "small_steps": Param(list, ["Read greet.py and tell me what it prints."], "the small session's prompts",
+                                nonempty=True),
         "small_agent": Param(dict, {"name": "quick", "description": "Answers short questions about files",
                                     "prompt": "You answer questions about this repository's files in one sentence.",
                                     "model": "haiku", "tools": ["Read"]},
                              "the agent the small session runs as (--agents / --agent)"),
-        "max_turns": Param(int, 3, "claude --max-turns: requests a step may make when the model calls tools"),
+        "max_turns": Param(int, 3, "claude --max-turns: requests a step may make when the model calls tools",
+                           min=1),
         "max_output_tokens": Param(int, 128, "CLAUDE_CODE_MAX_OUTPUT_TOKENS in the steps (0: not set; never in "
-                                             "the probes)"),
+                                             "the probes)", min=0),
         "probe_timeout_s": Param(float, 900.0, "a probe stops at its first answer, or after this long"),
         "step_timeout_s": Param(float, 1800.0, "a step's client is killed after this long"),
         "server_settings": Param(dict, {"pool_mb": 4096}, "more of our server's settings"),

@@ -34,8 +34,6 @@ def validate(p: dict) -> None:
         raise ValueError(f"unknown phases {sorted(set(p['phases']) - set(PHASES))}; known: {PHASES}")
     if set(p["peers"]) - {"mlx_lm.server"}:
         raise ValueError(f"peers: only mlx_lm.server switches models on request, not {p['peers']}")
-    if not 0 < p["switch_fit"] < 1:
-        raise ValueError(f"switch_fit must leave the second model out (0 < fit < 1), not {p['switch_fit']}")
 
 
 def budgets(p: dict, weights_mb: dict[str, float]) -> dict[str, int]:
@@ -178,7 +176,8 @@ KIND = register(Kind(
         "pool_mb": Param(int, 128, "--pool-mb of every model, fleet and single servers alike"),
         "switch_models_mb": Param(int, 0, "--models-mb while switching (0: the largest model + switch_fit of "
                                           "the other)"),
-        "switch_fit": Param(float, 0.5, "how much of the smaller model the switching budget holds beside the larger"),
+        "switch_fit": Param(float, 0.5, "how much of the smaller model the switching budget holds beside the "
+                                         "larger (below 1: it leaves the second model out)", min=0, max=1, strict=True),
         "switch_rounds": Param(int, 4, "switching: turns per agent (one agent per model, turns alternate)"),
         "conc_models_mb": Param(int, 0, "--models-mb with both loaded (0: both, conc_slack to spare)"),
         "conc_slack": Param(float, 0.1, "room above both models in the both-loaded budget"),

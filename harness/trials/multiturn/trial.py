@@ -223,28 +223,22 @@ def _record(ctx, per_turn, concurrent_ttft, decode_tps, stats, mem, restart, ref
 
 
 def _validate(p: dict) -> None:
-    if p["users"] < 1 or p["rounds"] < 2:
-        raise ValueError("needs users >= 1 and rounds >= 2")
-    if min(p["system_tokens"], p["question_tokens"], p["answer_tokens"]) <= 0 or p["history_tokens"] < 0:
-        raise ValueError("system_tokens, question_tokens and answer_tokens must be positive, history_tokens >= 0")
     if any(not 1 <= t <= p["rounds"] for t in p["reference_turns"]):
         raise ValueError(f"reference_turns must lie in 1..{p['rounds']}")
-    if p["sharing_agents"] < 2:
-        raise ValueError("sharing_agents must be at least 2")
 
 
 KIND = register(Kind(
     name="multiturn",
     run=run,
     params={
-        "users": Param(int, 4, "agents in conversation (LMCache: 10)"),
-        "rounds": Param(int, 8, "turns per agent (LMCache: 5)"),
-        "system_tokens": Param(int, 1024, "shared system prompt and tool definitions (LMCache: 1000)"),
-        "history_tokens": Param(int, 1024, "each user's earlier exchange (LMCache: 2000)"),
-        "question_tokens": Param(int, 32, "each new question"),
-        "answer_tokens": Param(int, 16, "each reply (no stop token: exactly this many)"),
+        "users": Param(int, 4, "agents in conversation (LMCache: 10)", min=1),
+        "rounds": Param(int, 8, "turns per agent (LMCache: 5)", min=2),
+        "system_tokens": Param(int, 1024, "shared system prompt and tool definitions (LMCache: 1000)", min=1),
+        "history_tokens": Param(int, 1024, "each user's earlier exchange (LMCache: 2000)", min=0),
+        "question_tokens": Param(int, 32, "each new question", min=1),
+        "answer_tokens": Param(int, 16, "each reply (no stop token: exactly this many)", min=1),
         "reference_turns": Param(list, [], "turns of user 0 timed against a full re-prefill; [] = every turn"),
-        "sharing_agents": Param(int, 8, "agents sharing the system prompt in the memory measurement"),
+        "sharing_agents": Param(int, 8, "agents sharing the system prompt in the memory measurement", min=2),
         "restart_context_tokens": Param(int, 0, "context of a dedicated agent for the restart test; 0 = the conversations"),
         "pool_blocks": Param(int, 512, "blocks of 256 tokens in the pool"),
     },

@@ -68,18 +68,16 @@ def _validate(p: dict) -> None:
     bad = [g for g in p["speed_geometries"] if g not in speed.GEOMETRIES]
     if bad:
         raise ValueError(f"speed_geometries must be among {sorted(speed.GEOMETRIES)}, got {bad}")
-    if p["history_tokens"] <= 0 or p["max_tokens"] <= 0 or p["continue_tokens"] <= 0:
-        raise ValueError("history_tokens, max_tokens and continue_tokens must be positive")
 
 
 KIND = register(Kind(
     name="persistence_roundtrip",
     run=run,
     params={
-        "history_tokens": Param(int, 96, "tokens of built-in history text generated from"),
-        "max_tokens": Param(int, 4, "tokens generated before saving"),
+        "history_tokens": Param(int, 96, "tokens of built-in history text generated from", min=1),
+        "max_tokens": Param(int, 4, "tokens generated before saving", min=1),
         "continuation": Param(str, " The museum", "text continued in the fresh process"),
-        "continue_tokens": Param(int, 16, "tokens generated after loading, compared with a fresh prefill"),
+        "continue_tokens": Param(int, 16, "tokens generated after loading, compared with a fresh prefill", min=1),
         "speed_geometries": Param(list, ["smollm2-135m@2k", "smollm2-135m@8k", "gemma3-12b@8k"],
                                   f"synthetic caches timed, among {sorted(speed.GEOMETRIES)}"),
     },

@@ -218,21 +218,19 @@ def run(ctx) -> None:
 
 def _validate(p: dict) -> None:
     bad = [g for g in p["geometries"] if g not in GEOMETRIES]
-    if bad or not p["geometries"]:
+    if bad:
         raise ValueError(f"geometries must be among {list(GEOMETRIES)}, got {p['geometries']}")
-    if not p["blocks"] or not all(isinstance(b, int) and b > 0 for b in p["blocks"]):
-        raise ValueError("blocks must be positive integers")
-    if not p["layers"] or not all(isinstance(n, int) and n > 0 for n in p["layers"]):
-        raise ValueError("layers must be positive integers")
 
 
 KIND = register(Kind(
     name="reconstruction",
     run=run,
     params={
-        "geometries": Param(list, ["smollm2-135m", "gemma3-12b"], f"cache geometries, among {list(GEOMETRIES)}"),
-        "blocks": Param(list, [1, 2, 4, 8, 16, 32], "blocks of 256 tokens"),
-        "layers": Param(list, [12, 24, 30, 48], "first N layers of the geometry (cells with N > its layers are skipped)"),
+        "geometries": Param(list, ["smollm2-135m", "gemma3-12b"], f"cache geometries, among {list(GEOMETRIES)}",
+                            nonempty=True),
+        "blocks": Param(list, [1, 2, 4, 8, 16, 32], "blocks of 256 tokens", nonempty=True, min=1),
+        "layers": Param(list, [12, 24, 30, 48], "first N layers of the geometry (cells with N > its layers are "
+                                                 "skipped)", nonempty=True, min=1),
         "fragmented": Param(bool, True, "also time blocks stored by one extraction per block"),
         "padded_tokens": Param(int, 612, "blocks against one padded buffer at this length (0: skip)"),
         "model": Param(str, "smollm2-135m", "real model for the round trip and reuse-vs-direct ('' to skip)"),

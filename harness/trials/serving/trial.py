@@ -184,11 +184,8 @@ def _validate(p: dict) -> None:
     for ph in [*p["phases"], *(x for v in p["phases_by_model"].values() for x in v)]:
         if ph not in ALL_PHASES:
             raise ValueError(f"unknown phase {ph!r}; phases: {ALL_PHASES}")
-    if OURS not in p["five_turns_targets"] or p["five_turns_repeats"] < 1:
-        raise ValueError(f"five_turns_targets must include {OURS!r} (its replies are checked) "
-                         "and five_turns_repeats >= 1")
-    if p["agents"] < 1 or p["agent_rounds"] < 2 or p["warm_rounds"] < 2:
-        raise ValueError("agents >= 1, agent_rounds >= 2 and warm_rounds >= 2 (round 1 has no cache of its own)")
+    if OURS not in p["five_turns_targets"]:
+        raise ValueError(f"five_turns_targets must include {OURS!r} (its replies are checked)")
 
 
 KIND = register(Kind(
@@ -201,17 +198,18 @@ KIND = register(Kind(
         "phases_by_model": Param(dict, {}, "model -> phases, overriding `phases` for that model"),
         "system_tokens": Param(int, 600, "tokens of the system prompt every user shares"),
         "answer_tokens": Param(int, 32, "max_tokens of every reply (greedy)"),
-        "warm_rounds": Param(int, 4, "rounds of the warm phase's user (each: append, regenerate, edit)"),
+        "warm_rounds": Param(int, 4, "rounds of the warm phase's user (each: append, regenerate, edit)", min=2),
         "five_turns_targets": Param(list, [OURS, MLX_LM],
                                     "servers the five_turns phase asks (its goal compares ours with mlx_lm.server)"),
         "five_turns_repeats": Param(int, 3,
-                                    "five-turn conversations, each with its own system prompt (medians over them)"),
+                                    "five-turn conversations, each with its own system prompt (medians over them)",
+                                    min=1),
         "five_turns_system_tokens": Param(int, 560,
                                           "the five turns' system prompt (with the question: past a 512-token window)"),
         "five_turns_question_tokens": Param(int, 10, "tokens of each user message of the five turns"),
         "five_turns_answer_tokens": Param(int, 8, "max_tokens of each five-turn reply (greedy)"),
-        "agents": Param(int, 16, "users in round robin (mlx_lm.server keeps 10 caches by default)"),
-        "agent_rounds": Param(int, 2, "rounds per user in the agents phase"),
+        "agents": Param(int, 16, "users in round robin (mlx_lm.server keeps 10 caches by default)", min=1),
+        "agent_rounds": Param(int, 2, "rounds per user in the agents phase (round 1 has no cache of its own)", min=2),
         "shared_users": Param(int, 6, "new users whose first turn shares the system prompt (RSS growth)"),
         "restart_users": Param(int, 16, "users whose next round follows each restart"),
         "kill_after_s": Param(float, 2.0, "idle seconds between the last round and the signal"),

@@ -91,24 +91,20 @@ def run(ctx) -> None:
 
 
 def _validate(p: dict) -> None:
-    if not p["prefill_tokens"] or min(p["prefill_tokens"]) < 1 or not p["decode_batches"] or min(p["decode_batches"]) < 1:
-        raise ValueError("prefill_tokens and decode_batches must be non-empty lists of positive integers")
     if p["goal_tokens"] not in p["prefill_tokens"]:
         raise ValueError("goal_tokens must be one of prefill_tokens")
-    if p["decode_tokens"] < 2 or p["long_trials"] < 1:
-        raise ValueError("decode_tokens must be >= 2 and long_trials >= 1")
 
 
 KIND = register(Kind(
     name="throughput",
     run=run,
     params={
-        "prefill_tokens": Param(list, [128, 512, 2048], "prompt lengths whose prefill is timed"),
-        "decode_batches": Param(list, [1, 8], "batch sizes whose decode is timed"),
-        "decode_tokens": Param(int, 16, "tokens each sequence decodes (after its first)"),
+        "prefill_tokens": Param(list, [128, 512, 2048], "prompt lengths whose prefill is timed", nonempty=True, min=1),
+        "decode_batches": Param(list, [1, 8], "batch sizes whose decode is timed", nonempty=True, min=1),
+        "decode_tokens": Param(int, 16, "tokens each sequence decodes (after its first)", min=2),
         "decode_prompt_tokens": Param(int, 64, "prompt length of each decoding sequence"),
         "long_tokens": Param(int, 2048, "prefill lengths from here on are timed in the first long_trials only"),
-        "long_trials": Param(int, 1, "trials that time the long prefills"),
+        "long_trials": Param(int, 1, "trials that time the long prefills", min=1),
         "goal_tokens": Param(int, 512, "prefill length the speedup goal is read at"),
         "prefill_goal": Param(dict, {"smollm2-135m": 10.0, "gemma3-270m": 5.0},
                               "model -> prefill speedup goal (f32+optimized BLAS over quantized+bundled)"),
