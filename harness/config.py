@@ -245,8 +245,9 @@ def _param_value(value: Any, p, path: Path, key: str) -> Any:
         ok = isinstance(value, list)
     if not ok:
         raise _fail(path, f"params.{key}", f"must be {p.type.__name__} ({p.help}), got {value!r}")
-    if p.choices is not None and value not in p.choices:
-        raise _fail(path, f"params.{key}", f"must be one of {list(p.choices)}, got {value!r}")
+    if p.choices is not None and any(v not in p.choices for v in (value if p.type is list else [value])):
+        among = f"a list of items among {list(p.choices)}" if p.type is list else f"one of {list(p.choices)}"
+        raise _fail(path, f"params.{key}", f"must be {among}, got {value!r}")
     if not _kept_bounds(value, p):
         raise _fail(path, f"params.{key}", f"must be {_bounds(p)}, got {value!r}")
     return value

@@ -10,8 +10,9 @@ from typing import Any, Callable
 class Param:
     """A parameter a kind accepts: its type, default and meaning, and the values it takes (checked on load).
 
-    ``min`` and ``max`` bound a number, or each item of a list (then integers); ``strict``: the bounds themselves
-    are refused. ``pair``: a list ``[low, high]`` with ``low <= high``. ``nonempty``: a list with an item at least.
+    ``choices``: the values it may take (a list: its items). ``min`` and ``max`` bound a number, or each item of a
+    list (then integers); ``strict``: the bounds themselves are refused. ``pair``: a list ``[low, high]`` with
+    ``low <= high``. ``nonempty``: a list with an item at least.
     """
 
     type: type

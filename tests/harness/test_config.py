@@ -100,6 +100,9 @@ def test_a_bad_config_names_the_file_the_key_and_what_is_allowed(tmp_path, edit,
         ("exp_006_reconstruction", "params.blocks=[1, 0]", "params.blocks: must be a non-empty list of integers >= 1"),
         ("exp_006_reconstruction", "params.layers=[]", "params.layers: must be a non-empty list of integers >= 1"),
         ("exp_011_agents_act", "params.decode_batches=[2.5]", "params.decode_batches: must be a list of integers >= 1"),
+        ("exp_019_models", 'params.peers=["vllm-mlx"]',
+         "params.peers: must be a list of items among ['mlx_lm.server'], got ['vllm-mlx']"),
+        ("exp_015_chaos", 'params.cache_layout="flat"', "params.cache_layout: must be one of ['blocks', 'file']"),
     ],
 )
 def test_a_value_out_of_its_declared_bounds_is_refused_naming_the_param_and_the_bound(config_name, override, message):

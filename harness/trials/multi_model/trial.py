@@ -29,13 +29,6 @@ PHASES = ("switching", "concurrent")
 MB = 2**20
 
 
-def validate(p: dict) -> None:
-    if set(p["phases"]) - set(PHASES):
-        raise ValueError(f"unknown phases {sorted(set(p['phases']) - set(PHASES))}; known: {PHASES}")
-    if set(p["peers"]) - {"mlx_lm.server"}:
-        raise ValueError(f"peers: only mlx_lm.server switches models on request, not {p['peers']}")
-
-
 def budgets(p: dict, weights_mb: dict[str, float]) -> dict[str, int]:
     """``--models-mb`` of each phase where the config leaves it 0: switching holds the largest model and
     ``switch_fit`` of the smallest (never both); both loaded holds both with ``conc_slack`` to spare.
@@ -163,14 +156,14 @@ def _plot(ctx, out: dict) -> None:
 KIND = register(Kind(
     name="multi_model",
     run=run,
-    validate=validate,
     params={
         "main_model": Param(str, "gemma3-270m", "the model served as main (a registered name)"),
         "small_model": Param(str, "smollm2-135m", "the model served as small"),
         "main_dir": Param(str, "", "a model directory for main instead of the prepared one"),
         "small_dir": Param(str, "", "a model directory for small instead of the prepared one"),
-        "phases": Param(list, list(PHASES), "the phases to run"),
-        "peers": Param(list, ["mlx_lm.server"], "peers of the switching phase (mlx_lm.server or none)"),
+        "phases": Param(list, list(PHASES), "the phases to run", PHASES),
+        "peers": Param(list, ["mlx_lm.server"], "peers of the switching phase (mlx_lm.server or none: only it "
+                                                "switches models on request)", ("mlx_lm.server",)),
         "system_tokens": Param(int, 1000, "each model's agents' system prompt"),
         "max_tokens": Param(int, 16, "max_tokens of every turn (greedy)"),
         "pool_mb": Param(int, 128, "--pool-mb of every model, fleet and single servers alike"),

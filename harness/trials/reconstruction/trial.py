@@ -216,17 +216,11 @@ def run(ctx) -> None:
         _with_model(ctx)
 
 
-def _validate(p: dict) -> None:
-    bad = [g for g in p["geometries"] if g not in GEOMETRIES]
-    if bad:
-        raise ValueError(f"geometries must be among {list(GEOMETRIES)}, got {p['geometries']}")
-
-
 KIND = register(Kind(
     name="reconstruction",
     run=run,
     params={
-        "geometries": Param(list, ["smollm2-135m", "gemma3-12b"], f"cache geometries, among {list(GEOMETRIES)}",
+        "geometries": Param(list, ["smollm2-135m", "gemma3-12b"], "cache geometries", GEOMETRIES,
                             nonempty=True),
         "blocks": Param(list, [1, 2, 4, 8, 16, 32], "blocks of 256 tokens", nonempty=True, min=1),
         "layers": Param(list, [12, 24, 30, 48], "first N layers of the geometry (cells with N > its layers are "
@@ -240,7 +234,6 @@ KIND = register(Kind(
     },
     plots=frozenset({"scaling", "bandwidth"}),
     needs_model=False,
-    validate=_validate,
     trial_code=(measure_cell, _memcpy, _direct, _extraction, live_caches, _fragmented, _first_use,
                 convert.reconstruct, convert.extract),
     headline=expected_p95_table,
