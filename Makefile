@@ -96,8 +96,12 @@ models: venv
 # The pyramid: `make test` proves behaviour (unit, the real models, servers on tiny models, one short
 # end-to-end per capability); `make test-slow` runs the soaks and the experiments' quick runs;
 # `make test-compat` runs what touches mlx-lm's API again under its oldest supported version.
+# make test and make test-compat run a worker per core (pytest-xdist; a module's tests stay in one worker, so
+# they share its servers and models), each calling OpenBLAS single-threaded: two workers never wait on
+# each other's BLAS threads. The experiments' quick runs in make test-slow run one at a time, as measured.
+PARALLEL := -n auto --maxprocesses 4 --dist loadfile
 test: models system-browser system-redis
-	$(PY) $(PYTEST) -m "not slow" $(PYTEST_ARGS)
+	OPENBLAS_NUM_THREADS=1 $(PY) $(PYTEST) -m "not slow" $(PARALLEL) $(PYTEST_ARGS)
 
 # The fuzzers run again here with their full counts (a sample of each in `make test`: tests/fuzzing.py).
 test-slow: models system-browser system-redis
@@ -140,7 +144,7 @@ $(COMPAT_STAMP): pyproject.toml
 
 test-compat: system-blas system-browser system-redis $(COMPAT_STAMP) models
 	$(COMPAT_PY) -c "import mlx_lm, importlib.metadata as m; v = m.version('mlx-lm'); assert v == '0.30.4', v; print('mlx-lm', v, 'mlx', m.version('mlx'))"
-	$(COMPAT_PY) $(PYTEST) -m compat $(PYTEST_ARGS)
+	OPENBLAS_NUM_THREADS=1 $(COMPAT_PY) $(PYTEST) -m compat $(PARALLEL) $(PYTEST_ARGS)
 
 # `pip install .` into a clean venv (no editable checkout): the engine alone runs
 # agent turns without the harness's packages; then `.[harness]`, from an empty
