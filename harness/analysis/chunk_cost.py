@@ -67,7 +67,7 @@ def _decode_step_s(model, decoders: int, rounds: int) -> float:
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
-    from semantic import compat
+    from semantic import kinds
 
     rows = []
     for i in range(decoders):
