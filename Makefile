@@ -154,7 +154,9 @@ test-install:
 	$(PYTHON) -m venv $(INSTALL_VENV)
 	$(INSTALL_VENV)/bin/python -m pip install -q --upgrade pip
 	$(INSTALL_VENV)/bin/python -m pip install -q .
-	cd "$$(mktemp -d)" && $(CURDIR)/$(INSTALL_VENV)/bin/python $(CURDIR)/tests/engine_only_smoke.py
+	# read from standard input, so the empty folder is first on sys.path (a script path would put tests/,
+	# whose semantic/ holds the tests, there): the installed package is what it imports
+	cd "$$(mktemp -d)" && $(CURDIR)/$(INSTALL_VENV)/bin/python - < $(CURDIR)/tests/engine_only_smoke.py
 	$(INSTALL_VENV)/bin/python -m pip install -q '.[harness]'
 	cd "$$(mktemp -d)" && $(CURDIR)/$(INSTALL_VENV)/bin/python -m harness list && \
 	  $(CURDIR)/$(INSTALL_VENV)/bin/python -m harness run exp_008_stress --quick --out results \

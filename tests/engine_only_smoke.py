@@ -1,6 +1,6 @@
 """`make test-install`: the engine installed alone (`pip install .`, no extras) runs a turn.
 
-Run from an empty folder by the venv that holds only the engine's dependencies:
+Run from an empty folder, read from standard input, by the venv that holds only the engine's dependencies:
 it checks that none of the harness's packages came along, then builds a tiny
 random-weight Llama with mlx-lm itself and runs two turns of one agent through
 ``ConcurrentScheduler``, the second reusing the first's cache.
