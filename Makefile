@@ -103,9 +103,11 @@ PARALLEL := -n auto --maxprocesses 4 --dist loadfile
 test: models system-browser system-redis
 	OPENBLAS_NUM_THREADS=1 $(PY) $(PYTEST) -m "not slow" $(PARALLEL) $(PYTEST_ARGS)
 
-# The fuzzers run again here with their full counts (a sample of each in `make test`: tests/fuzzing.py).
+# The fuzzers run again here with their full counts (a sample of each in `make test`: tests/fuzzing.py),
+# a worker per core as in make test; then the soaks and the experiments' quick runs, one at a time.
 test-slow: models system-browser system-redis
-	SEMANTIC_FUZZ=full $(PY) $(PYTEST) -m "slow or fuzz" $(PYTEST_ARGS)
+	SEMANTIC_FUZZ=full OPENBLAS_NUM_THREADS=1 $(PY) $(PYTEST) -m "fuzz and not slow" $(PARALLEL) $(PYTEST_ARGS)
+	$(PY) $(PYTEST) -m slow $(PYTEST_ARGS)
 
 # The prepared model this device computes with (f32 on a CPU: the last line `models path` prints).
 SERVE_MODEL ?= smollm2-135m
