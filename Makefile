@@ -21,7 +21,7 @@ PINS ?=
 .PHONY: help system-blas system-browser system-redis venv models serve serve-models serve-ttft append-profile dashboard-screenshot test test-slow test-compat exp-003 exp-004 exp-005 exp-006 exp-006-full exp-007 exp-007-full exp-008 exp-008-full exp-008-spec exp-009 exp-009-full exp-009-aiperf exp-010 exp-010-full exp-011 exp-011-full exp-012 exp-012-two-models exp-013 exp-014 exp-014-full exp-015 exp-016 exp-017 exp-018 exp-018-full exp-019 exp-019-full model-matrix fuzz-blocks chunk-cost exp-throughput exp-throughput-full bench compare-versions test-install clean
 
 help:
-	@echo "make test         run the test suite (creates .venv, prepares models; about 9 min on 2 cores)"
+	@echo "make test         run the test suite (creates .venv, prepares models; a worker per core, about 9.5 min on 2 cores)"
 	@echo "make test-slow    the long soaks and experiments' quick runs (chaos, shared tier, block store, serving, stress)"
 	@echo "make exp-006      run the EXP-006 measurement"
 	@echo "make exp-007      multi-turn agents: cached vs re-prefill TTFT, sharing, restart"
