@@ -186,9 +186,9 @@ class BatchExecutor:
                     start.blocks.release()
         fed = start.cached
         seq = _InFlight(next(self._uids), request, start.cached, start.source, admitted)
-        stops = [p - fed for p in self._snapshots.stops(fed, len(ids), request.boundaries)]
+        stop_at = [p - fed for p in self._snapshots.stops(fed, len(ids), request.boundaries)]
         self._loop.add(
-            seq.uid, request, fed, caches if caches is not None else self.spec.make_cache(), stops=stops,
+            seq.uid, request, fed, caches if caches is not None else self.spec.make_cache(), stops=stop_at,
             on_stop=lambda uid, live, n: self._checkpoint(live, ids[: fed + n], request.salt_root,
                                                           seq if fed + n == len(ids) - 1 else None),
             constraint=constraint,

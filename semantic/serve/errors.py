@@ -125,8 +125,8 @@ def from_validation(exc: RequestValidationError) -> ApiError:
         where = ".".join(loc)
         param = param or where or None
         if e.get("type") == "extra_forbidden":  # the hosted APIs refuse an unknown field too
-            parts.append(f"{where}: this server does not know this field (its README lists every field and what "
-                         f"the server does with it); drop it")
+            parts.append(f"{where}: this server does not know this field (docs/serving.md lists every field and "
+                         f"what the server does with it); drop it")
             continue
         parts.append(f"{where or 'body'}: {e.get('msg', 'invalid')}")
     return ApiError(INVALID, "; ".join(parts) or "invalid request", param=param)

@@ -2,7 +2,7 @@
 
 Content blocks are parsed loosely (any ``type``), so the route can refuse a
 non-text block with a message naming it rather than a union's error list.
-A request's own fields are all named here, as the README's field table
+A request's own fields are all named here, as the field table of docs/serving.md
 lists them: an unknown one is a 400 naming it, as on Anthropic's API.
 """
 
@@ -43,7 +43,7 @@ class Metadata(_In):
 
 
 class Thinking(_In):
-    """Extended thinking. A model that cannot think answers without it (the README says so)."""
+    """Extended thinking. A model that cannot think answers without it (docs/serving.md says so)."""
 
     type: Literal["enabled", "disabled", "adaptive"]
     budget_tokens: int | None = Field(default=None, ge=1024)

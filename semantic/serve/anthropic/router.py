@@ -49,7 +49,7 @@ CONTEXT_EDITS = ("clear_thinking_20251015",)
 
 
 def _refuse_unsupported(body: an.CountTokensRequest) -> None:
-    """A 400 naming a field this server cannot honour (the README's field table lists them all)."""
+    """A 400 naming a field this server cannot honour (the field table of docs/serving.md lists them all)."""
     if body.mcp_servers:
         raise invalid("mcp_servers is not supported: this server connects to no MCP server; "
                       "give the tools as tools", "mcp_servers")

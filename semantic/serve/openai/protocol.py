@@ -1,6 +1,6 @@
 """OpenAI's wire protocol: request and response models for chat and text completions.
 
-A request's own fields are all named here, as the README's field table lists
+A request's own fields are all named here, as the field table of docs/serving.md lists
 them: an unknown one is a 400 naming it, as on OpenAI's API. Those that
 change nothing here (``store``, ``metadata``, ...) are accepted as advisory;
 those that would change the output and that this server cannot honour are
@@ -88,7 +88,7 @@ class ChatCompletionRequest(_Sampling):
     audio: dict | None = None
     prediction: dict | None = None
     web_search_options: dict | None = None
-    reasoning_effort: str | None = None       # advisory for a model that does not reason (the README says so)
+    reasoning_effort: str | None = None       # advisory for a model that does not reason (docs/serving.md says so)
     verbosity: str | None = None              # refused unless "medium": nothing here steers a reply's length
 
 

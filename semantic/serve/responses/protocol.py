@@ -44,7 +44,7 @@ class ResponsesRequest(BaseModel):
     reasoning: ReasoningConfig | None = None
     user: str | None = None
     prompt_cache_key: str | None = None
-    # advisory: accepted, and they change nothing here (the README's field table)
+    # advisory: accepted, and they change nothing here (the field table of docs/serving.md)
     metadata: dict | None = None
     service_tier: str | None = None
     safety_identifier: str | None = None
