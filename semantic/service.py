@@ -30,10 +30,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from semantic import compat, defaults, errors
+from semantic import compat, defaults, errors, sizing
 from semantic.chat import roles, toolformat
 from semantic.decode import constraint
-from semantic.cache import stops
+from semantic.cache import room
 from semantic.cache.blockplan import salt_root_of
 from semantic.chat.boundaries import message_boundaries
 from semantic.chat.maxtokens import fit_max_tokens
@@ -41,7 +41,7 @@ from semantic.engine.executor import vocab_size
 from semantic.errors import CacheError, ContextLengthError, InvalidRequestError, SchedulerClosedError
 from semantic.store.fingerprint import weights_fingerprint
 from semantic.decode.promptlookup import SpecConfig
-from semantic.sched.planner import SchedulerStats, longest_cache
+from semantic.sched.planner import SchedulerStats
 from semantic.cache.pool import BlockPool, PoolStats
 from semantic.decode.constraint import Grammar
 from semantic.chat.echo import EchoBook, Reply, Said
@@ -65,6 +65,7 @@ __all__ = [
 
 ANON = "~anon/"          # anonymous agents' ids: never saved, never listed
 DEFAULT_CONTEXT = 4096   # when the model's config names no context length
+MB = 1 << 20
 
 
 def model_fingerprint(path: Path) -> str:
@@ -158,17 +159,19 @@ class Service:
         self.vocab_size = vocab_size(model)
         native = getattr(getattr(model, "args", None), "max_position_embeddings", None) or DEFAULT_CONTEXT
         self.context_length = int(min(max_context or native, native))
-        self.pool_tokens = longest_cache(store.total_blocks, len(store.spec.groups()), store.block_tokens)
+        self.pool_tokens = room.longest_cache(store.spec, store.capacity, store.block_tokens)  # what admission promises
         self.model_path: Path | None = None  # set by open()
         self.weights_bytes = 0  # the model's parameters, set by open()
+        self.budgets: sizing.Budgets | None = None  # what open() derived from the machine, when it did
         self._lock = threading.Lock()
         self._seen: dict[str, tuple[int, float | None]] = {}  # agent id -> (cached tokens, last used)
 
     @classmethod
-    def open(cls, model: str, *, cache_dir: str | None = None, pool_bytes: int, disk_budget_bytes: int,
-             block_tokens: int = defaults.BLOCK_TOKENS, remote: str | None = None, remote_budget_bytes: int = 0,
-             cache_layout: str = "blocks", cache_root: str | None = None, kv_bits: int | None = None,
-             tokenizer=None, **scheduling) -> "Service":
+    def open(cls, model: str, *, cache_dir: str | None = None, pool_bytes: int | None = None,
+             disk_budget_bytes: int | None = None, block_tokens: int = defaults.BLOCK_TOKENS, remote: str | None = None,
+             remote_budget_bytes: int = 0, cache_layout: str = "blocks", cache_root: str | None = None,
+             kv_bits: int | None = None, tokenizer=None, share: sizing.Share = sizing.Share(),
+             **scheduling) -> "Service":
         """Load ``model`` (a directory or hub id, whatever ``mlx_lm.load`` takes) and open its cache store.
 
         Caches live under ``cache_dir``, by default
@@ -180,6 +183,9 @@ class Service:
         (``AgentCacheStore``'s ``layout``). ``cache_root``: caches under ``cache_root/<fingerprint>`` (a
         server of several models keeps each one's apart). ``kv_bits``: quantized KV caches (global layers).
         ``tokenizer``: the one an earlier ``open`` of the same model made (only the weights are read).
+        ``pool_bytes`` or ``disk_budget_bytes`` None: sized from the machine and the model
+        (``semantic.sizing``, this model's ``share`` of the memory), and then a RAM budget too when
+        ``scheduling`` names none; :attr:`budgets` says what was derived.
         """
         from mlx.utils import tree_flatten
 
@@ -188,30 +194,43 @@ class Service:
         fingerprint = model_fingerprint(path) + (f"-kv{kv_bits}" if kv_bits else "")
         loaded, tokenizer = compat.load(path, tokenizer)
         spec = ModelCacheSpec.from_model(loaded, kv_bits=kv_bits)
-        # a recurrent state is one pool slot but many blocks' bytes: charge each block its share of the
-        # snapshots a prefill leaves (one per grid interval), so the pool stays within pool_bytes
-        grid = stops.Points(spec, block_tokens).interval // block_tokens
-        block_bytes = spec.token_bytes() * block_tokens + spec.state_bytes() / grid
-        total = int(pool_bytes // block_bytes)
-        if total < 4:
-            raise ValueError(f"a pool of {pool_bytes} bytes holds {total} blocks of {block_bytes:.0f} bytes: raise it")
+        weights = sum(v.nbytes for _, v in tree_flatten(loaded.parameters()))
         root = Path(cache_root).expanduser() if cache_root else Path.home() / ".cache" / "semantic-kv" / "agents"
         where = Path(cache_dir).expanduser() if cache_dir else root / fingerprint
+        budgets = None
+        if pool_bytes is None or disk_budget_bytes is None:
+            args = dict(vars(getattr(loaded, "args", None) or {}))
+            shape = sizing.ModelShape.from_config(args, weights, scheduling.get("max_context"))
+            budgets = sizing.derive(spec, shape, machine=sizing.Machine.read(), disk_free_bytes=sizing.disk_free(where),
+                                    block_tokens=block_tokens, share=share,
+                                    chunk=scheduling.get("prefill_chunk") or defaults.prefill_chunk(),
+                                    tokenizer=0 if tokenizer is not None and not share.memory else sizing.TOKENIZER_BYTES)
+            log.info("%s", budgets.describe())
+            if pool_bytes is None:
+                pool_bytes = budgets.pool
+                if scheduling.get("ram_budget_bytes") is None:
+                    scheduling["ram_budget_bytes"] = budgets.ram
+            if disk_budget_bytes is None:
+                disk_budget_bytes = budgets.disk
+        pool = BlockPool(spec, block_tokens=block_tokens, capacity_bytes=max(pool_bytes, 1))
+        if pool.total_blocks < 4 or room.longest_cache(spec, pool.capacity, block_tokens) < block_tokens:
+            raise ValueError(f"a pool of {pool_bytes / MB:.0f} MiB holds {pool.total_blocks} blocks of "
+                             f"{pool.block_bytes / MB:.1f} MiB, not one cache of a block: raise it")
         tier = None
         if remote is not None:  # caches shared with other servers of the same model (``semantic.store.remote``)
             from semantic.store.remote import RemoteTier
 
             tier = RemoteTier(remote, fingerprint, budget_bytes=remote_budget_bytes)
-        store = AgentCacheStore(where, spec, fingerprint, disk_budget_bytes, pool=BlockPool(spec, total, block_tokens),
-                                remote=tier, layout=cache_layout)
+        store = AgentCacheStore(where, spec, fingerprint, disk_budget_bytes, pool=pool, remote=tier, layout=cache_layout)
         if store.quarantined or store.foreign:
             log.warning("cache dir %s: %d files quarantined, %d of another model left alone",
                         where, len(store.quarantined), len(store.foreign))
-        log.info("loaded %s: %d blocks of %d tokens (%.0f MB), caches in %s",
-                 path, total, block_tokens, total * block_bytes / 1e6, where)
         service = cls(loaded, tokenizer, store, **scheduling)
+        log.info("loaded %s: a %.0f MiB pool holds one cache of %d tokens; caches in %s",
+                 path, pool.capacity / MB, service.pool_tokens, where)
         service.model_path = path
-        service.weights_bytes = sum(v.nbytes for _, v in tree_flatten(loaded.parameters()))
+        service.weights_bytes = weights
+        service.budgets = budgets
         return service
 
     # ------------------------------------------------------------ turns
@@ -390,11 +409,10 @@ class Service:
     def stats(self) -> ServiceStats:
         with self.store.pool_lock:
             pool = self.store.pool.stats()
-        block_bytes = self.store.spec.token_bytes() * self.store.block_tokens
         steps, drafted, accepted = self.scheduler.engine.speculation
         return ServiceStats(
             scheduler=self.scheduler.stats(), store=self.store.stats(), pool=pool, block_tokens=self.store.block_tokens,
-            pool_capacity_bytes=int(pool.total * block_bytes), disk_budget_bytes=self.store.disk_budget,
+            pool_capacity_bytes=pool.capacity_bytes, disk_budget_bytes=self.store.disk_budget,
             cache_dir=str(self.store.dir), echo_spliced=self.echo.spliced, echo_rendered=self.echo.rendered,
             spec_steps=steps, spec_drafted=drafted, spec_accepted=accepted,
             remote=self.store.remote.stats() if self.store.remote is not None else None,

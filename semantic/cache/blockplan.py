@@ -31,7 +31,7 @@ between the two (``cachefile.load`` reads only the blocks that missed).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from semantic.cache.blocks import AgentBlocks, KVBlock, LayerKV, SegmentView
@@ -62,10 +62,12 @@ class PlannedBlock:
 
 @dataclass(frozen=True, slots=True)
 class BlockPlan:
-    """The blocks of one history, and how many free blocks taking them costs."""
+    """The blocks of one history, and what taking them costs: ``need`` bytes of the pool's free
+    blocks (``room``), ``misses`` blocks per group."""
 
     blocks: tuple[PlannedBlock, ...]
     need: int
+    misses: dict[str, int] = field(default_factory=dict)
 
 
 def stored_ranges(layer: LayerSpec, total: int, stored_from: int | None = None) -> list[tuple[int, int]]:
@@ -162,8 +164,9 @@ def plan_blocks(
     assert not chain or chain[0] == chain_hash(salt_root, tokens[:bt]), "chain keyed under another root"
     total = len(tokens)
     stored_from = stored_from or {}
-    out, need = [], 0
+    out, misses = [], {}
     for group, layers in spec.groups().items():
+        misses[group] = 0
         layer = spec.layers[layers[0]]
         if layer.snapshot_only(bt):
             if total:
@@ -172,7 +175,7 @@ def plan_blocks(
                 link = chain[a // bt] if b - a == bt else chain_hash(parent, tokens[a:b])
                 key = chain_hash(link, (), group)
                 hit = pool.lookup(key, tokens[a:b], count=False)
-                need += hit is None or pool.is_free(hit)
+                misses[group] += hit is None or pool.is_free(hit)
                 out.append(PlannedBlock(group, layers, a, b, 0, key, hit, parent, snapshot=True))
             continue
         spans = block_spans(layer, total, bt, stored_from.get(group))
@@ -194,10 +197,10 @@ def plan_blocks(
                     a, b = edge, e
                 else:
                     key = parent = None
-            # a cached hit sits in the free queue: acquiring it takes a free slot
-            need += hit is None or pool.is_free(hit)
+            # a cached hit is charged as free: acquiring it takes free bytes
+            misses[group] += hit is None or pool.is_free(hit)
             out.append(PlannedBlock(group, layers, a, b, shift, key, hit, parent))
-    return BlockPlan(tuple(out), need)
+    return BlockPlan(tuple(out), sum(pool.cost(g) * n for g, n in misses.items()), misses)
 
 
 def _buffered(layer: LayerSpec, total: int, stored_from: int | None, position: int) -> bool:
@@ -255,9 +258,11 @@ def commit(
         assert b.group in ends and b.token_ids == tokens[b.start : b.end], (b.group, b.start, b.end)
         if b.end < ends[b.group] and all(o.end != b.end for o in groups[b.group]):
             groups[b.group].append(pool.acquire(b))
+    # every hit held before any block is made: making one recycles cached blocks, never a planned hit
+    held = {i: pool.acquire(p.hit) for i, p in enumerate(planned.blocks) if p.hit is not None}
     for i, p in enumerate(planned.blocks):
-        if p.hit is not None:
-            groups[p.group].append(pool.acquire(p.hit))
+        if i in held:
+            groups[p.group].append(held[i])
         else:
             layer_data, view = fresh[i]
             block = pool.allocate(p.group, p.start, tokens[p.start : p.end], layer_data, p.key, parent=p.parent)

@@ -30,6 +30,7 @@ from typing import Sequence
 import numpy as np
 
 from semantic import defaults
+from semantic.cache import room
 from semantic.cache.blocks import KVBlock, LayerKV
 from semantic.errors import PoolExhaustedError
 from semantic.cache.spec import ModelCacheSpec
@@ -37,7 +38,8 @@ from semantic.cache.spec import ModelCacheSpec
 
 @dataclass(frozen=True, slots=True)
 class PoolStats:
-    """Block counts; ``cached`` free blocks still hold data a hit can reuse."""
+    """Block counts and bytes; ``cached`` free blocks still hold data a hit can reuse. ``total``
+    is the capacity in blocks of the costliest group (``room.block_costs``)."""
 
     total: int
     used: int
@@ -47,6 +49,9 @@ class PoolStats:
     hits: int
     misses: int
     used_bytes: int
+    capacity_bytes: int = 0
+    charged_bytes: int = 0   # what the live blocks are charged (each its group's full block)
+    cached_bytes: int = 0    # what the cached blocks are charged
 
 
 def chain_hash(parent: int | None, token_ids: Sequence[int], group: str = "") -> int:
@@ -59,35 +64,67 @@ def chain_hash(parent: int | None, token_ids: Sequence[int], group: str = "") ->
 
 
 class BlockPool:
-    """``total_blocks`` blocks of ``block_tokens`` tokens for one cache spec."""
+    """Blocks of ``block_tokens`` tokens for one cache spec, within ``capacity_bytes``.
 
-    def __init__(self, spec: ModelCacheSpec, total_blocks: int, block_tokens: int = defaults.BLOCK_TOKENS):
-        if total_blocks <= 0:
-            raise ValueError(f"total_blocks must be positive, got {total_blocks}")
+    Each block is charged its group's full block (``semantic.cache.room``), live or cached, so the
+    blocks held never pass the capacity: a new block recycles the oldest cached ones until it fits.
+    ``total_blocks`` sizes the pool as that many blocks of the costliest group (the same for a
+    model of one group).
+    """
+
+    def __init__(self, spec: ModelCacheSpec, total_blocks: int | None = None, block_tokens: int = defaults.BLOCK_TOKENS,
+                 *, capacity_bytes: int | None = None):
         if block_tokens <= 0:
             raise ValueError(f"block_tokens must be positive, got {block_tokens}")
+        if (total_blocks is None) == (capacity_bytes is None):
+            raise ValueError("size the pool by total_blocks or by capacity_bytes, one of them")
         self.spec = spec
-        self.total_blocks = total_blocks
         self.block_tokens = block_tokens
-        self._blocks: list[KVBlock | None] = [None] * total_blocks
-        self._refs = [0] * total_blocks
-        self._free: deque[int] = deque(range(total_blocks))
+        self.costs = room.block_costs(spec, block_tokens)
+        self.block_bytes = max(self.costs.values())
+        if capacity_bytes is None:
+            if total_blocks <= 0:
+                raise ValueError(f"total_blocks must be positive, got {total_blocks}")
+            capacity_bytes = total_blocks * self.block_bytes
+        if capacity_bytes < self.block_bytes:
+            raise ValueError(f"a pool of {capacity_bytes} bytes holds no block of {self.block_bytes} bytes")
+        self.capacity = capacity_bytes
+        self._blocks: list[KVBlock | None] = []
+        self._refs: list[int] = []
+        self._empty: list[int] = []                 # slots holding nothing
+        self._cached: dict[int, None] = {}          # free slots still holding keyed data, oldest first
+        self.used_bytes = 0                         # charged to live blocks
+        self.cached_bytes = 0                       # charged to cached blocks
         self._by_hash: dict[int, int] = {}
         self._children: dict[tuple[int | None, str], set[int]] = {}  # (parent key, group) -> chained block ids
         self.hits = 0
         self.misses = 0
 
     @property
-    def free_count(self) -> int:
-        return len(self._free)
+    def total_blocks(self) -> int:
+        """The capacity in blocks of the costliest group."""
+        return self.capacity // self.block_bytes
 
-    def require_free(self, n: int) -> None:
-        """Raise :class:`PoolExhaustedError` unless ``n`` blocks can be allocated."""
-        if n > len(self._free):
+    @property
+    def free_bytes(self) -> int:
+        """Bytes new blocks may take now (cached blocks are recycled for them)."""
+        return self.capacity - self.used_bytes
+
+    @property
+    def free_count(self) -> int:
+        """Blocks of the costliest group that fit in the free bytes."""
+        return self.free_bytes // self.block_bytes
+
+    def cost(self, group: str) -> int:
+        return self.costs[group]
+
+    def require_free(self, nbytes: int) -> None:
+        """Raise :class:`PoolExhaustedError` unless blocks costing ``nbytes`` can be allocated."""
+        if nbytes > self.free_bytes:
             raise PoolExhaustedError(
-                f"need {n} free blocks of {self.block_tokens} tokens but only {len(self._free)} "
-                f"of {self.total_blocks} are free ({self.total_blocks - len(self._free)} in use); "
-                f"release AgentBlocks you no longer need or raise total_blocks"
+                f"need {room.size(nbytes)} of free blocks ({-(-nbytes // self.block_bytes)} of {self.block_tokens} "
+                f"tokens) but only {room.size(self.free_bytes)} of {room.size(self.capacity)} are free "
+                f"({room.size(self.used_bytes)} in use); release AgentBlocks you no longer need or raise the pool"
             )
 
     def lookup(self, key: int, token_ids: Sequence[int], count: bool = True) -> KVBlock | None:
@@ -117,7 +154,9 @@ class BlockPool:
         """Take one more reference to a live or cached block."""
         assert self._blocks[block.block_id] is block, "stale block"
         if self._refs[block.block_id] == 0:
-            self._free.remove(block.block_id)
+            del self._cached[block.block_id]
+            self.cached_bytes -= self.costs[block.group]
+            self.used_bytes += self.costs[block.group]
         self._refs[block.block_id] += 1
         return block
 
@@ -133,24 +172,39 @@ class BlockPool:
     ) -> KVBlock:
         """A new block with one reference; ``key`` registers it for sharing, and
         indexes it under ``parent`` (the key of the prefix before it, or the root)."""
-        self.require_free(1)
-        bid = self._free.popleft()
-        old = self._blocks[bid]
-        if old is not None and old.token_hash is not None:
-            if self._by_hash.get(old.token_hash) == bid:
-                del self._by_hash[old.token_hash]
-            siblings = self._children.get((old.parent, old.group))
-            if siblings is not None:
-                siblings.discard(bid)
-                if not siblings:
-                    del self._children[(old.parent, old.group)]
+        cost = self.costs[group]
+        self.require_free(cost)
+        while self.used_bytes + self.cached_bytes + cost > self.capacity:
+            self._recycle(next(iter(self._cached)))
+        if self._empty:
+            bid = self._empty.pop()
+        else:
+            bid = len(self._blocks)
+            self._blocks.append(None)
+            self._refs.append(0)
         block = KVBlock(bid, group, start, len(token_ids), tuple(map(int, token_ids)), layer_data, key, parent=parent)
         self._blocks[bid] = block
         self._refs[bid] = 1
+        self.used_bytes += cost
         if key is not None:
             self._by_hash[key] = bid
             self._children.setdefault((parent, group), set()).add(bid)
         return block
+
+    def _recycle(self, bid: int) -> None:
+        """Drop a cached block's data and keys: its slot holds nothing again."""
+        old = self._blocks[bid]
+        del self._cached[bid]
+        self.cached_bytes -= self.costs[old.group]
+        if self._by_hash.get(old.token_hash) == bid:
+            del self._by_hash[old.token_hash]
+        siblings = self._children.get((old.parent, old.group))
+        if siblings is not None:
+            siblings.discard(bid)
+            if not siblings:
+                del self._children[(old.parent, old.group)]
+        self._blocks[bid] = None
+        self._empty.append(bid)
 
     def release(self, blocks: Sequence[KVBlock]) -> None:
         """Drop one reference to each block, last block first."""
@@ -160,22 +214,31 @@ class BlockPool:
             assert self._refs[bid] > 0, f"block {bid} released more often than acquired"
             self._refs[bid] -= 1
             if self._refs[bid] == 0:
-                self._free.append(bid)
+                self.used_bytes -= self.costs[block.group]
                 if block.token_hash is None:
                     self._blocks[bid] = None  # private data can never be hit: free it now
+                    self._empty.append(bid)
+                else:
+                    self._cached[bid] = None
+                    self.cached_bytes += self.costs[block.group]
 
     def refcount(self, block: KVBlock) -> int:
-        return self._refs[block.block_id] if self._blocks[block.block_id] is block else 0
+        """References to ``block`` (0: free, recycled, or of another pool)."""
+        bid = block.block_id
+        return self._refs[bid] if bid < len(self._blocks) and self._blocks[bid] is block else 0
 
     def stats(self) -> PoolStats:
         live = [b for b, r in zip(self._blocks, self._refs) if b is not None and r > 0]
         return PoolStats(
             total=self.total_blocks,
-            used=self.total_blocks - len(self._free),
-            free=len(self._free),
-            cached=sum(1 for bid in self._free if self._blocks[bid] is not None),
+            used=len(live),
+            free=self.free_count,
+            cached=len(self._cached),
             shared=sum(1 for r in self._refs if r > 1),
             hits=self.hits,
             misses=self.misses,
             used_bytes=sum(b.nbytes for b in live),
+            capacity_bytes=self.capacity,
+            charged_bytes=self.used_bytes,
+            cached_bytes=self.cached_bytes,
         )

@@ -1,4 +1,4 @@
-"""Where a turn's starting cache comes from, and how many free blocks the turn will take.
+"""Where a turn's starting cache comes from, and how many free pool bytes the turn will take.
 
 The scheduler's worker asks once for each turn at the head of its agent's
 queue, before the planner decides whether it starts::
@@ -25,9 +25,10 @@ from __future__ import annotations
 import threading
 from typing import Callable
 
+from semantic.cache import room
 from semantic.cache.blocks import AgentBlocks
 from semantic.errors import PoolExhaustedError
-from semantic.sched.planner import StepPlan, StepPlanner, blocks_per_group
+from semantic.sched.planner import StepPlan, StepPlanner
 from semantic.request import Request
 from semantic.store import AgentCacheStore
 
@@ -46,7 +47,6 @@ class CacheOrigin:
     def __init__(self, store: AgentCacheStore, planner: StepPlanner, cv: threading.Condition,
                  carry_out: Callable[[Callable[[], StepPlan]], StepPlan]):
         self.store, self.planner, self._cv, self._carry_out = store, planner, cv, carry_out
-        self._groups = len(store.spec.groups())
 
     def find(self, request: Request) -> AgentBlocks | None:
         """The cache ``request``'s turn starts from; with none, a shared prefix is fetched into the pool.
@@ -68,16 +68,18 @@ class CacheOrigin:
         return own
 
     def need(self, request: Request) -> int:
-        """Free blocks ``request``'s cache will take at most.
+        """Free pool bytes ``request``'s cache will take at most.
 
         Args:
             request: the turn to admit.
 
         Returns:
-            The prompt's blocks the pool misses plus those its generated tokens may fill.
+            The prompt's blocks the pool misses plus those its generated tokens may fill, in bytes
+            (``semantic.cache.room.turn_need``).
         """
-        generated = blocks_per_group(request.max_tokens, self.store.block_tokens) * self._groups
-        return self.store.blocks_to_take(request.ids, request.salt_root) + generated
+        plan = self.store.plan(request.ids, request.salt_root)
+        return room.turn_need(self.store.spec, plan.misses, len(request.ids), request.max_tokens,
+                              self.store.block_tokens)
 
     def _own(self, agent_id: str) -> AgentBlocks | None:
         """The agent's newest cache: the one held here unless another server moved on, else its file."""

@@ -12,7 +12,8 @@ the turns in flight reserved; otherwise it waits for a finish, or, with
 nothing in flight, a resident cache that is safely on disk goes (least
 recently used first; the store reloads it on its next turn)::
 
-    need = prompt blocks the pool misses + blocks_per_group(max_tokens) per layer group
+    need = bytes of the prompt's blocks the pool misses and of those max_tokens may fill
+           (semantic.cache.room: the accounting admission's longest cache comes from)
     free - reserved >= need       admit (reserve need)
     turns in flight               wait for a finish
     a cache on disk, not busy     evict it, then plan again
@@ -45,23 +46,12 @@ from collections import Counter, deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from semantic.cache.room import size
 from semantic.cache.blocks import AgentBlocks
 from semantic.errors import PoolExhaustedError
 from semantic.request import Completion, Request
 from semantic.sched.residency import Residency
 from semantic.sched.saves import SaveState
-
-
-def blocks_per_group(tokens: int, block_tokens: int) -> int:
-    """Blocks one layer group's cache of ``tokens`` new tokens may take: one more than they fill,
-    for the block a boundary splits."""
-    return -(-tokens // block_tokens) + 1
-
-
-def longest_cache(total_blocks: int, groups: int, block_tokens: int) -> int:
-    """The most tokens one cache may hold and still fit the pool: the largest ``n`` with
-    ``blocks_per_group(n) * groups <= total_blocks``."""
-    return (total_blocks // groups - 1) * block_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,7 +96,7 @@ class Ticket:
 
     request: Request
     future: Future
-    reserved: int = 0        # pool blocks admission set aside for it
+    reserved: int = 0        # pool bytes admission set aside for it
     cancelled: bool = False  # end it at the next step (cancel() found it running)
 
 
@@ -114,7 +104,7 @@ class Ticket:
 class StepPlan:
     """What the worker does next; empty fields: nothing of that kind."""
 
-    admit: list[tuple[Ticket, int]] = field(default_factory=list)      # start, reserving that many blocks
+    admit: list[tuple[Ticket, int]] = field(default_factory=list)      # start, reserving that many pool bytes
     fail: list[tuple[Ticket, Exception]] = field(default_factory=list)  # answer with this error
     evict: str | None = None         # drop this resident cache, then plan again
     wait_for_save: bool = False      # only a save under way can help: wait for it, then plan again
@@ -129,16 +119,16 @@ class StepPlanner:
     Args:
         max_batch: turns in flight at once.
         max_queued: turns that may wait (all agents together).
-        total_blocks: the pool's size.
+        capacity: the pool's bytes.
         budget: most bytes resident caches may hold after each pass; None: no budget.
     """
 
-    def __init__(self, *, max_batch: int, max_queued: int, total_blocks: int, budget: int | None = None):
+    def __init__(self, *, max_batch: int, max_queued: int, capacity: int, budget: int | None = None):
         if max_batch <= 0 or max_queued <= 0:
             raise ValueError(f"max_batch and max_queued must be positive, got {max_batch}, {max_queued}")
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
             raise ValueError(f"the RAM budget must be a number of bytes >= 0 or None, got {budget!r}")
-        self.max_batch, self.max_queued, self.total_blocks, self.budget = max_batch, max_queued, total_blocks, budget
+        self.max_batch, self.max_queued, self.capacity, self.budget = max_batch, max_queued, capacity, budget
         self.residency = Residency()
         self.saves = SaveState()
         self._queues: dict[str, deque[Ticket]] = {}
@@ -210,17 +200,18 @@ class StepPlanner:
         return out
 
     def plan(self, free: int, needs: dict[Ticket, int]) -> StepPlan:
-        """Which of the ``needs`` tickets (heads, in order, with the blocks each needs) start now
-        with ``free`` pool blocks, and what must happen first when none can (the module doc)."""
+        """Which of the ``needs`` tickets (heads, in order, with the pool bytes each needs) start now
+        with ``free`` pool bytes, and what must happen first when none can (the module doc)."""
         plan = StepPlan()
         reserved = [t.reserved for t in self.in_flight.values()]
         room = self.max_batch - len(self.in_flight)
         for ticket, need in needs.items():
             if room <= 0:
                 break
-            if need > self.total_blocks:
+            if need > self.capacity:
                 plan.fail.append((ticket, PoolExhaustedError(
-                    f"this turn needs up to {need} blocks but the pool has {self.total_blocks}: raise total_blocks")))
+                    f"this turn needs up to {size(need)} of blocks but the pool has {size(self.capacity)}:"
+                    " raise the pool")))
                 continue
             if free - sum(reserved) >= need:
                 plan.admit.append((ticket, need))
@@ -232,8 +223,8 @@ class StepPlanner:
             room_plan = self.make_room(exclude=ticket.request.agent_id)
             if room_plan is None:
                 plan.fail.append((ticket, PoolExhaustedError(
-                    f"this turn needs {need} free blocks; {free} are free and every cached agent is busy or not yet"
-                    " saved: raise total_blocks or lower max_batch")))
+                    f"this turn needs {size(need)} of free blocks; {size(free)} are free and every cached"
+                    " agent is busy or not yet saved: raise the pool or lower max_batch")))
                 continue
             plan.evict, plan.wait_for_save = room_plan.evict, room_plan.wait_for_save
             break

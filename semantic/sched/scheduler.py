@@ -103,7 +103,7 @@ class ConcurrentScheduler(ResidentView):
         if ram_budget_bytes is not None and not write_behind:
             raise ValueError("a RAM budget evicts only caches saved to disk: it needs write_behind=True")
         self.planner = StepPlanner(
-            max_batch=max_batch, max_queued=max_queued, total_blocks=store.total_blocks, budget=ram_budget_bytes
+            max_batch=max_batch, max_queued=max_queued, capacity=store.capacity, budget=ram_budget_bytes
         )
         self.store, self.tokenizer, self.write_behind = store, tokenizer, write_behind
         self._make_engine = lambda: BatchExecutor(
@@ -273,7 +273,7 @@ class ConcurrentScheduler(ResidentView):
                 if t not in owns:
                     owns[t] = self._starting_cache(t)
             needs = {t: self.origin.need(t.request) for t in heads if owns[t] is not False}
-            free = self.store.free_blocks()
+            free = self.store.free_bytes()
             plan = self._plan(lambda: self.planner.plan(free, needs))
             for ticket, need in plan.admit:
                 self._start(ticket, owns[ticket], need)

@@ -80,17 +80,18 @@ def _server_flags(p: argparse.ArgumentParser, d: ServeConfig) -> None:
 def _memory_flags(p: argparse.ArgumentParser, d: ServeConfig) -> None:
     """The budgets: the KV block pool, the caches resident in RAM, the cache files on disk."""
     p.add_argument("--pool-mb", type=int, default=d.pool_mb,
-                   help=f"KV block pool: the most memory all KV caches take together, resident, in flight and "
-                        f"reusable prefixes (default {d.pool_mb})")
+                   help="KV block pool: the most memory all KV caches take together, resident, in flight and "
+                        "reusable prefixes (default: sized from the machine's memory and the model, which the "
+                        "server logs at start; see docs/serving.md)")
     p.add_argument("--ram-mb", type=int, default=d.ram_mb,
                    help=f"the most memory agents' caches stay resident in between their turns, blocks shared by "
                         f"agents counted once, checked after every step: least recently used caches already on "
                         f"disk are evicted (their next turn loads the file). At most --pool-mb, which also holds "
-                        f"turns in flight and reusable prefixes (default {defaults.RAM_SHARE * 100:.0f}%% of --pool-mb)")
+                        f"turns in flight and reusable prefixes (default {defaults.RAM_SHARE * 100:.0f}%% of the pool)")
     p.add_argument("--disk-mb", type=int, default=d.disk_mb,
                    help=f"disk for saved caches, least recently used files deleted beyond it; a filesystem with less "
-                        f"room (free space less a 5%% reserve) stops new saves without deleting any (default "
-                        f"{d.disk_mb})")
+                        f"room (free space less a 5%% reserve) stops new saves without deleting any (default: "
+                        f"30 GiB or a quarter of the free space, the smaller)")
 
 
 def _batch_flags(p: argparse.ArgumentParser, d: ServeConfig) -> None:

@@ -36,9 +36,9 @@ class ServeConfig:
     cache_dir: str | None = None
     cache_layout: str = "blocks"       # blocks: each block written once, a manifest per agent; file: one file per agent
     api_keys: tuple[str, ...] = field(default=(), repr=False)  # never in logs
-    pool_mb: int = defaults.POOL_MB
+    pool_mb: int | None = None  # None: sized from the machine's memory and the model (semantic.sizing)
     ram_mb: int | None = None  # None: a share of the pool (defaults.RAM_SHARE), so the budget binds
-    disk_mb: int = defaults.DISK_MB
+    disk_mb: int | None = None  # None: min(30 GiB, a quarter of the disk's free space) (semantic.sizing)
     max_batch: int = defaults.MAX_BATCH
     max_queued: int = defaults.MAX_QUEUED
     max_context: int | None = None
@@ -86,9 +86,9 @@ class ServeConfig:
         self.api_keys = tuple(self.api_keys)
         if any(not isinstance(k, str) or not k or k != k.strip() for k in self.api_keys):
             raise ValueError("api keys must be non-empty strings without surrounding spaces")
-        for name in ("pool_mb", "disk_mb", "max_batch", "max_queued", "spec_max_draft"):
+        for name in ("max_batch", "max_queued", "spec_max_draft"):
             _positive_int(name, getattr(self, name))
-        for name in ("ram_mb", "max_context", "prefill_chunk"):
+        for name in ("pool_mb", "disk_mb", "ram_mb", "max_context", "prefill_chunk"):
             if getattr(self, name) is not None:
                 _positive_int(name, getattr(self, name))
         if self.itl_target_ms is not None:
@@ -101,7 +101,7 @@ class ServeConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
                 raise ValueError(f"{name} must be a positive number, got {v!r}")
-        if self.ram_mb is not None and self.ram_mb > self.pool_mb:
+        if self.ram_mb is not None and self.pool_mb is not None and self.ram_mb > self.pool_mb:
             raise ValueError(f"ram_mb {self.ram_mb} exceeds pool_mb {self.pool_mb}: the pool holds every resident "
                              "cache, so such a budget never binds; lower --ram-mb or raise --pool-mb")
         if self.remote is not None and not str(self.remote).startswith(("redis://", "rediss://", "unix://")):
@@ -119,19 +119,6 @@ class ServeConfig:
         if not self.speculation:
             return None
         return SpecConfig(max_draft=self.spec_max_draft, position_cost=defaults.spec_position_cost())
-
-    @property
-    def pool_bytes(self) -> int:
-        return self.pool_mb * MB
-
-    @property
-    def ram_budget_bytes(self) -> int:
-        """The budget for caches resident between turns: ``ram_mb``, else a share of the pool."""
-        return self.ram_mb * MB if self.ram_mb is not None else int(self.pool_bytes * defaults.RAM_SHARE)
-
-    @property
-    def disk_budget_bytes(self) -> int:
-        return self.disk_mb * MB
 
     @property
     def max_body_bytes(self) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from semantic import defaults
+from semantic import defaults, sizing
 from semantic.serve.config import MB, ServeConfig
 from semantic.serve.fleet.fleet import Fleet
 from semantic.serve.fleet.registry import ModelEntry, ModelOptions, Registry, build
@@ -21,22 +21,47 @@ def registry_of(config: ServeConfig) -> Registry:
                  models_dir=config.models_dir, aliases=list(config.aliases), pins=list(config.pins), defaults=flags)
 
 
-def pool_mb(entry: ModelEntry, config: ServeConfig) -> int:
+def pool_mb(entry: ModelEntry, config: ServeConfig) -> int | None:
+    """The model's pool_mb, else the flag's; None: sized from the machine (``semantic.sizing``)."""
     return entry.options.pool_mb or config.pool_mb
 
 
-def ram_budget_bytes(entry: ModelEntry, config: ServeConfig) -> int:
-    """The model's own ram_mb, else the flag's when its pool can hold it, else a share of its pool."""
+def ram_budget_bytes(entry: ModelEntry, config: ServeConfig) -> int | None:
+    """The model's own ram_mb, else the flag's when its pool can hold it, else a share of its pool
+    (None: a pool sized from the machine, which sets the budget with it)."""
     pool = pool_mb(entry, config)
     ram = entry.options.ram_mb if entry.options.ram_mb is not None else config.ram_mb
+    if pool is None:
+        return ram * MB if ram is not None else None
     return ram * MB if ram is not None and ram <= pool else int(pool * MB * defaults.RAM_SHARE)
 
 
-def estimate_bytes(entry: ModelEntry, config: ServeConfig) -> int:
-    """Before a load: the weight files on disk plus the model's pool (a hub id not on disk: its pool only)."""
+def weights_on_disk(entry: ModelEntry) -> int:
+    """Bytes of the model's weight files (a hub id not on disk: 0)."""
     where = Path(entry.source).expanduser()
-    weights = sum(f.stat().st_size for f in where.glob("*") if f.suffix in WEIGHT_SUFFIXES) if where.is_dir() else 0
-    return weights + pool_mb(entry, config) * MB
+    return sum(f.stat().st_size for f in where.glob("*") if f.suffix in WEIGHT_SUFFIXES) if where.is_dir() else 0
+
+
+def share_of(entry: ModelEntry, config: ServeConfig, registry: Registry) -> sizing.Share:
+    """The memory a model sizes its own budgets from: ``--models-mb`` (else the machine's), shared by every
+    model the server may hold, whose weights and tokenizers it counts as fixed."""
+    others = [e for i, e in registry.entries.items() if e is not entry]
+    return sizing.Share(memory=config.models_mb * MB if config.models_mb else None, models=1 + len(others),
+                        others_fixed=sum(weights_on_disk(e) + sizing.TOKENIZER_BYTES for e in others))
+
+
+def estimate_bytes(entry: ModelEntry, config: ServeConfig, registry: Registry | None = None) -> int:
+    """Before a load: the weight files on disk plus the model's pool (a hub id not on disk: its pool only);
+    a pool sized from the memory counts its share of it, pool and its caches' live copies."""
+    weights = weights_on_disk(entry)
+    pool = pool_mb(entry, config)
+    if pool is not None:
+        return weights + pool * MB
+    if not config.models_mb:
+        return weights  # no budget to check against: the machine's memory sized the pool
+    share = share_of(entry, config, registry) if registry is not None else sizing.Share(config.models_mb * MB)
+    left = share.memory - sizing.RUNTIME_BYTES - share.others_fixed - weights - sizing.TOKENIZER_BYTES
+    return weights + max(0, left) // share.models
 
 
 def context_of(entry: ModelEntry) -> int | None:
@@ -101,24 +126,27 @@ def _check_safetensors(file: Path) -> None:
                          f"the file has {size}")
 
 
-def open_backend(entry: ModelEntry, config: ServeConfig, several: bool, tokenizers: dict | None = None):
+def open_backend(entry: ModelEntry, config: ServeConfig, several: bool, tokenizers: dict | None = None,
+                 share: sizing.Share = sizing.Share()):
     """Load one model as a Backend with its options over the server's flags. Blocking. ``tokenizers``:
-    kept across unloads by source, so a model loaded again reads only its weights."""
+    kept across unloads by source, so a model loaded again reads only its weights. ``share``: the memory
+    its budgets are sized from when the flags give none."""
     from semantic.serve.turn.backend import Backend
 
     o = entry.options
     kept = tokenizers.get(entry.source) if tokenizers is not None else None
+    pool, disk = pool_mb(entry, config), o.disk_mb or config.disk_mb
     backend = Backend.from_model(
         entry.source, model_id=entry.id, sync_saves=config.sync_saves,
         cache_dir=None if several else config.cache_dir, cache_root=config.cache_dir if several else None,
         cache_layout=config.cache_layout, kv_bits=o.kv_bits, tokenizer=kept,
-        pool_bytes=pool_mb(entry, config) * MB, disk_budget_bytes=(o.disk_mb or config.disk_mb) * MB,
+        pool_bytes=pool * MB if pool else None, disk_budget_bytes=disk * MB if disk else None, share=share,
         ram_budget_bytes=ram_budget_bytes(entry, config), max_batch=config.max_batch,
         max_queued=config.max_queued, max_context=o.max_context, prefill_chunk=config.prefill_chunk,
         tool_parser=o.tool_parser, itl_target_s=config.itl_target_ms / 1000 if config.itl_target_ms else None,
         echo_history=config.echo_history, strict_max_tokens=config.strict_max_tokens,
         speculation=config.spec_config, remote=config.remote, remote_budget_bytes=config.remote_mb * MB)
-    backend.pool_bytes = pool_mb(entry, config) * MB
+    backend.pool_bytes = backend.service.store.capacity
     if tokenizers is not None:
         tokenizers[entry.source] = backend.service.tokenizer
     return backend
@@ -135,9 +163,9 @@ def fleet_of(config: ServeConfig) -> Fleet:
     registry = registry_of(config)
     several = not registry.single
     tokenizers: dict = {}  # a model's tokenizer outlives its unload: a reload reads only the weights
-    fleet = Fleet(registry, lambda e: open_backend(e, config, several, tokenizers),
+    fleet = Fleet(registry, lambda e: open_backend(e, config, several, tokenizers, share_of(e, config, registry)),
                   budget_bytes=config.models_mb * MB if config.models_mb else None,
-                  estimate=lambda e: estimate_bytes(e, config), context_of=context_of,
+                  estimate=lambda e: estimate_bytes(e, config, registry), context_of=context_of,
                   check=lambda e: precheck(e, config, several), shutdown_s=config.shutdown_s,
                   responses_dir=responses_dir(config) if several else None)
     return fleet

@@ -320,25 +320,27 @@ class AgentCacheStore:
         return self.pool.block_tokens
 
     @property
-    def total_blocks(self) -> int:
-        return self.pool.total_blocks
+    def capacity(self) -> int:
+        """The pool's bytes (``semantic.cache.room``)."""
+        return self.pool.capacity
 
-    def free_blocks(self) -> int:
-        """Blocks the pool can hand out now."""
+    def free_bytes(self) -> int:
+        """Bytes the pool can hand out now."""
         with self.pool_lock:
-            return self.pool.free_count
+            return self.pool.free_bytes
 
-    def blocks_to_take(self, token_ids, salt_root: int | None = None) -> int:
-        """Free blocks a cache of ``token_ids`` (keyed under ``salt_root``) would take now (its blocks already pooled are shared)."""
+    def plan(self, token_ids, salt_root: int | None = None) -> blockplan.BlockPlan:
+        """What a cache of ``token_ids`` (keyed under ``salt_root``) would take from the pool now (its blocks
+        already pooled are shared): bytes, and blocks missed per group."""
         with self.pool_lock:
-            return blockplan.plan_blocks(self.pool, self.spec, token_ids, salt_root=salt_root).need
+            return blockplan.plan_blocks(self.pool, self.spec, token_ids, salt_root=salt_root)
 
     def _check_live(self, blocks: AgentBlocks) -> None:
         """Refuse blocks that were released or that live in another pool."""
         if blocks.released:
             raise CacheMismatchError("these AgentBlocks were released")
         with self.pool_lock:
-            if any(b.block_id >= self.pool.total_blocks or self.pool.refcount(b) == 0 for b in blocks.unique_blocks()):
+            if any(self.pool.refcount(b) == 0 for b in blocks.unique_blocks()):
                 raise CacheMismatchError("these blocks are not live in this store's pool")
 
     def _scan(self) -> None:

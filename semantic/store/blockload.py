@@ -198,7 +198,7 @@ def _load_prefix(m: Manifest, total: int, files, pool, pool_lock, release) -> Ag
                           salt_root=m.hash_root)
         # room for all first (nothing taken when there is none); then every hit is held here, so making the
         # earlier snapshots' blocks recycles none of them, and commit takes the earlier ones with the rest
-        pool.require_free(planned.need + sum(p.hit is None or pool.is_free(p.hit) for p in earlier))
+        pool.require_free(planned.need + sum(pool.cost(p.group) for p in earlier if p.hit is None or pool.is_free(p.hit)))
         held = [pool.acquire(p.hit) for p in (*planned.blocks, *earlier) if p.hit is not None]
         try:
             mine = [p.hit if p.hit is not None else pool.allocate(

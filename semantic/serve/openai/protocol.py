@@ -255,7 +255,8 @@ class Model(BaseModel):
     cache_kinds: list[str] | None = None  # the model's layer kinds: global, sliding, recurrent (once loaded)
     speculation: bool | None = None       # whether greedy turns may draft (off for recurrent layers)
     # the server's own: loaded, loading, unloaded, unloading or failed (with its error); the names that
-    # reach it; weights + pool bytes (estimated until it loads)
+    # reach it; the context a request can use (its config's until it loads, then no more than the pool
+    # holds); weights + pool bytes (estimated until it loads)
     state: str | None = None
     aliases: list[str] | None = None
     context_length: int | None = None

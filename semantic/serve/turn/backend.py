@@ -70,7 +70,8 @@ class Backend:
 
     def __init__(self, service: Service, *, model_id: str, sync_saves: bool = False):
         self.service, self.model_id, self.sync_saves = service, model_id, sync_saves
-        self.context_length = service.context_length
+        # what a request can use: the model's context, or less when the pool holds no longer cache
+        self.context_length = min(service.context_length, service.pool_tokens)
         self.responses_dir = Path(service.store.dir) / "responses"  # stored responses, beside the agents' caches
         self.closing = False
         self.started = time.time()

@@ -26,7 +26,7 @@ def test_exhaustion_names_the_numbers():
     pool = BlockPool(SPEC, total_blocks=2, block_tokens=4)
     _alloc(pool, [1, 2, 3, 4])
     _alloc(pool, [5, 6, 7, 8])
-    with pytest.raises(PoolExhaustedError, match=r"need 1 free blocks of 4 tokens but only 0 of 2 are free \(2 in use\)"):
+    with pytest.raises(PoolExhaustedError, match=r"\(1 of 4 tokens\) but only 0 B of .* are free"):
         _alloc(pool, [9])
     assert pool.stats().used == 2
 
@@ -62,7 +62,7 @@ def test_release_is_in_reverse_order_so_prefix_blocks_are_reused_last():
     seq = [_alloc(pool, [i] * 4, chain_hash(None, [i] * 4), start=4 * i) for i in range(3)]
     assert [b.block_id for b in seq] == [0, 1, 2]
     pool.release(seq)
-    assert list(pool._free) == [2, 1, 0]
+    assert list(pool._cached) == [2, 1, 0]  # the oldest first: the tail
     assert _alloc(pool, [7]).block_id == 2  # the tail block is recycled first
     assert pool.lookup(seq[0].token_hash, [0] * 4) is seq[0]  # the prefix still hits
 

@@ -11,7 +11,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from semantic import PoolExhaustedError, Request
-from semantic.sched.planner import StepPlanner, Ticket, blocks_per_group
+from semantic.sched.planner import StepPlanner, Ticket
 from semantic.sched.residency import DistinctBytes, Residency
 
 
@@ -34,8 +34,8 @@ def ticket(agent: str, max_tokens: int = 4) -> Ticket:
     return Ticket(Request(agent, [1, 2, 3], max_tokens), Future())
 
 
-def planner(total_blocks=100, max_batch=8, budget=None) -> StepPlanner:
-    return StepPlanner(max_batch=max_batch, max_queued=16, total_blocks=total_blocks, budget=budget)
+def planner(capacity=100, max_batch=8, budget=None) -> StepPlanner:
+    return StepPlanner(max_batch=max_batch, max_queued=16, capacity=capacity, budget=budget)
 
 
 def saved(p: StepPlanner, agent: str, cache: Cache) -> None:
@@ -49,12 +49,8 @@ def unsaved(p: StepPlanner, agent: str, cache: Cache) -> None:
     p.saves.put(agent, cache, prepared=None)
 
 
-def test_blocks_per_group_leave_room_for_the_block_a_boundary_splits():
-    assert [blocks_per_group(n, 4) for n in (1, 4, 5, 8)] == [2, 2, 3, 3]
-
-
 def test_admission_reserves_blocks_and_later_turns_wait_for_a_finish():
-    p = planner(total_blocks=10)
+    p = planner(capacity=10)
     a, b, c = ticket("a"), ticket("b"), ticket("c")
     for t in (a, b, c):
         p.enqueue(t)
@@ -68,7 +64,7 @@ def test_admission_reserves_blocks_and_later_turns_wait_for_a_finish():
 
 
 def test_with_nothing_in_flight_the_least_recently_used_saved_cache_is_evicted_first():
-    p = planner(total_blocks=10)
+    p = planner(capacity=10)
     saved(p, "x", Cache(Block(1)))
     saved(p, "y", Cache(Block(1)))
     t = ticket("a")
@@ -79,7 +75,7 @@ def test_with_nothing_in_flight_the_least_recently_used_saved_cache_is_evicted_f
 
 
 def test_an_agents_own_cache_is_never_evicted_to_make_room_and_a_cache_being_saved_is_waited_for():
-    p = planner(total_blocks=10)
+    p = planner(capacity=10)
     saved(p, "a", Cache(Block(1)))       # the waiting turn's own cache
     unsaved(p, "pending", Cache(Block(1)))
     t = ticket("a")
@@ -98,7 +94,7 @@ def test_an_agents_own_cache_is_never_evicted_to_make_room_and_a_cache_being_sav
 
 
 def test_a_cache_whose_save_failed_is_dropped_for_room_only_after_every_saved_one_and_never_while_it_runs():
-    p = planner(total_blocks=10)
+    p = planner(capacity=10)
     unsaved(p, "failed", Cache(Block(1)))
     p.saves.take()
     p.saves.done("failed", ok=False)
@@ -114,12 +110,12 @@ def test_a_cache_whose_save_failed_is_dropped_for_room_only_after_every_saved_on
 
 
 def test_a_turn_larger_than_the_pool_fails_at_once_and_the_next_is_admitted():
-    p = planner(total_blocks=8)
+    p = planner(capacity=8)
     big, small = ticket("big"), ticket("small")
     p.enqueue(big)
     p.enqueue(small)
     plan = p.plan(free=8, needs={big: 9, small: 3})
-    assert [t for t, _ in plan.fail] == [big] and "raise total_blocks" in str(plan.fail[0][1])
+    assert [t for t, _ in plan.fail] == [big] and "raise the pool" in str(plan.fail[0][1])
     assert plan.admit == [(small, 3)]
 
 

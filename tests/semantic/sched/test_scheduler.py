@@ -151,7 +151,7 @@ def test_a_turn_the_pool_can_never_hold_fails_with_a_clear_error_and_others_go_o
     with _scheduler(llama_tiny, cache_dir, blocks=8) as sched:
         too_big = sched.submit(Request("big", _ids(1, 60), 2))
         fine = sched.submit(Request("small", _ids(2, 6), 2))
-        with pytest.raises(PoolExhaustedError, match="raise total_blocks"):
+        with pytest.raises(PoolExhaustedError, match="raise the pool"):
             too_big.result(30)
         assert fine.result(30).finish_reason == "length"
         assert sched.stats().failed == 1

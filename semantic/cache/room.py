@@ -1,0 +1,111 @@
+"""What a cache takes from the block pool, in bytes: the one accounting that the pool, admission and the
+scheduler's planner share, so none of them can promise what another refuses.
+
+A block holds one layer group's tokens (``semantic.cache.blocks``), so a block costs its group's bytes:
+a global group of 3 layers costs a fifth of a sliding group of 15. A group that resumes only from a
+snapshot (a recurrent state) costs one snapshot a block::
+
+    Gemma 3 (f32, 256 tokens a block)   sliding x15: 4.7 MiB a block   global x3: 0.9 MiB a block
+    Qwen3.5 (bf16)                      global x10: 5 MiB a block      recurrent x30: one state, 18 MiB
+
+How many blocks an agent's cache of ``n`` tokens holds at most, per group, while its next turn runs
+(the turn's new blocks beside the agent's own cache, which it extends)::
+
+    a group that keeps every token    ceil(n / B) + 2      its blocks, the own cache's tail, the tail copied
+    a sliding window of W             min(the above, 2 x (ceil(W / B) + 1))   two windows: old and new
+    a snapshot group                  4                    the own cache's two snapshots, the turn's two
+
+The longest cache the pool can hold (:func:`longest_cache`) is what admission promises; the planner
+reserves each turn's :func:`turn_need`, which never exceeds it, so a turn admitted on an idle server
+always finds room.
+"""
+
+from __future__ import annotations
+
+from semantic.cache.spec import ModelCacheSpec
+
+SNAPSHOTS_HELD = 4   # a snapshot group's blocks while a turn runs: the own cache's end and end - 1, the turn's
+SNAPSHOTS_TAKEN = 2  # of those, what a turn takes: its end and end - 1 (grid checkpoints are released at once)
+
+
+def size(nbytes: float) -> str:
+    """Bytes as people read them in an error: 24 KiB, 1.5 MiB, 12.0 GiB."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{int(nbytes)} B"
+
+
+def block_costs(spec: ModelCacheSpec, block_tokens: int) -> dict[str, int]:
+    """Bytes one block of each layer group holds at most: its layers' K/V for ``block_tokens`` tokens,
+    or, for a group that resumes only from a snapshot, one whole snapshot of its layers."""
+    out = {}
+    for group, layers in spec.groups().items():
+        first = spec.layers[layers[0]]
+        if first.snapshot_only(block_tokens):
+            # the whole cache: a recurrent state, or a window shorter than a block
+            out[group] = sum(int(spec.layers[i].state_bytes()
+                                 + spec.layers[i].token_bytes() * spec.layers[i].tokens_held(1 << 40))
+                             for i in layers)
+        else:
+            out[group] = int(sum(spec.layers[i].token_bytes() for i in layers) * block_tokens)
+        out[group] = max(out[group], 1)
+    return out
+
+
+def window_blocks(spec: ModelCacheSpec, group: str, block_tokens: int) -> int | None:
+    """Blocks a windowed group's cache holds however long its history (None: it keeps every token)."""
+    layer = spec.layers[spec.groups()[group][0]]
+    if not layer.windowed:
+        return None
+    far = 1 << 40  # any history far past the window
+    return sum(-(-(b - a) // block_tokens) + 1 for a, b in layer.held_ranges(far))
+
+
+def held_blocks(spec: ModelCacheSpec, group: str, tokens: int, block_tokens: int) -> int:
+    """Blocks of ``group`` an agent's cache of ``tokens`` tokens holds at most while its next turn runs
+    (the module doc's table)."""
+    if spec.layers[spec.groups()[group][0]].snapshot_only(block_tokens):
+        return SNAPSHOTS_HELD
+    grows = -(-tokens // block_tokens) + 2
+    window = window_blocks(spec, group, block_tokens)
+    return grows if window is None else min(grows, 2 * window)
+
+
+def cache_bytes(spec: ModelCacheSpec, tokens: int, block_tokens: int) -> int:
+    """Pool bytes one agent of ``tokens`` tokens holds at most while its next turn runs."""
+    costs = block_costs(spec, block_tokens)
+    return sum(cost * held_blocks(spec, g, tokens, block_tokens) for g, cost in costs.items())
+
+
+def longest_cache(spec: ModelCacheSpec, capacity: int, block_tokens: int, ceiling: int = 1 << 24) -> int:
+    """The most tokens one agent's cache may hold with ``capacity`` pool bytes (0: not even one block),
+    up to ``ceiling``. Windowed and snapshot groups stop growing, so a model of those alone fits any length."""
+    if cache_bytes(spec, 1, block_tokens) > capacity:
+        return 0
+    if cache_bytes(spec, ceiling, block_tokens) <= capacity:
+        return ceiling
+    lo, hi = 1, ceiling  # cache_bytes(lo) fits, cache_bytes(hi) does not; it only grows with tokens
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if cache_bytes(spec, mid, block_tokens) <= capacity else (lo, mid)
+    return lo
+
+
+def turn_need(spec: ModelCacheSpec, misses: dict[str, int], prompt: int, completion: int, block_tokens: int) -> int:
+    """Pool bytes a turn takes at most: per group, the prompt's blocks the pool misses (``misses``, from
+    ``blockplan.plan_blocks``) and the blocks its ``completion`` tokens may fill, capped by what that
+    group's cache can hold (a window, a snapshot's two)."""
+    costs = block_costs(spec, block_tokens)
+    need = 0
+    for group, cost in costs.items():
+        if spec.layers[spec.groups()[group][0]].snapshot_only(block_tokens):
+            blocks = SNAPSHOTS_TAKEN
+        else:
+            # the tail block the prompt ends in is counted again: its copy, when another cache holds it
+            blocks = misses.get(group, 0) + -(-(prompt + completion) // block_tokens) - prompt // block_tokens
+            window = window_blocks(spec, group, block_tokens)
+            if window is not None:
+                blocks = min(blocks, window)
+        need += cost * blocks
+    return need

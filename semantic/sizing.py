@@ -1,0 +1,201 @@
+"""The budgets a server sets when it is given none: from the machine's memory and disk and the model.
+
+After LM Studio's mlx-engine (usable = working set - reserve - fixed, divided by bytes a token) with
+its reserve of max(3 GiB, 5%), and its disk budget of min(30 GiB, free / 4)::
+
+    memory      what the machine gives this process: available memory, or a cgroup's limit less its
+                usage on Linux; the GPU's recommended working set on a Mac
+    - reserve   max(3 GiB, 5% of the machine): the system, other processes, what the formula misses
+    - fixed     every model's weights, tokenizer, and MLX's own runtime (measured, ``RUNTIME_BYTES``)
+    - working   a prefill chunk's activations at the longest context (its attention scores, logits)
+    = left      shared by the models, each half pool and half the live copy of its caches:
+                a turn extends its cache in mlx-lm's own arrays while the pool keeps the blocks it came from
+
+The pool's half is the KV block pool (``semantic.cache.room`` charges it); the RAM budget for caches
+resident between turns is a share of it (``defaults.RAM_SHARE``). An explicit flag always wins.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from semantic import defaults
+from semantic.cache import room
+from semantic.cache.spec import ModelCacheSpec
+
+GiB = 1 << 30
+MiB = 1 << 20
+RESERVE_FLOOR = 3 * GiB
+RESERVE_SHARE = 0.05
+DISK_CEILING = 30 * GiB
+DISK_SHARE = 0.25
+POOL_FLOOR = 64 * MiB            # below it a model is refused, not served badly
+# MLX's runtime and a Python server's own pages, paid once per process: RSS of `semantic serve` with a
+# 135M-parameter model loaded, less its weights, measured on Linux (mlx 0.30, CPU): about 420 MiB
+RUNTIME_BYTES = 448 * MiB
+# a loaded tokenizer (Hugging Face fast tokenizer): 20-60 MiB measured for SmolLM2 and Gemma 3
+TOKENIZER_BYTES = 64 * MiB
+TYPICAL_AGENT = 32_768           # the agents' length the start-up line counts (a coding session's)
+DEFAULT_LONGEST = 131_072        # the context a model of longer context is sized for
+
+
+@dataclass(frozen=True, slots=True)
+class Machine:
+    """What this process may use: ``memory`` bytes now (of ``total``), as ``source`` says."""
+
+    memory: int
+    total: int
+    source: str
+
+    @classmethod
+    def read(cls) -> "Machine":
+        if platform.system() == "Darwin":
+            return _darwin()
+        return _linux()
+
+
+def _linux() -> "Machine":
+    info = {}
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            key, _, rest = line.partition(":")
+            info[key] = int(rest.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    total = info.get("MemTotal") or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    memory, source = info.get("MemAvailable", total), "available memory"
+    cgroup = _cgroup()
+    if cgroup is not None:
+        limit, room_left = cgroup
+        total = min(total, limit)
+        if room_left < memory:
+            memory, source = room_left, "the cgroup's memory limit less its usage"
+    return Machine(memory, total, source)
+
+
+def _cgroup() -> tuple[int, int] | None:
+    """A cgroup's limit and that limit less its usage (v2, then v1), or None when no limit binds."""
+    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            raw = Path(limit_file).read_text().strip()
+            if raw == "max" or int(raw) >= 1 << 60:
+                return None
+            return int(raw), max(0, int(raw) - int(Path(usage_file).read_text().strip()))
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def _darwin() -> "Machine":
+    import subprocess
+
+    total = int(subprocess.run(["sysctl", "-n", "hw.memsize"], capture_output=True, text=True, check=True).stdout)
+    try:
+        import mlx.core as mx
+
+        info = mx.device_info() if hasattr(mx, "device_info") else mx.metal.device_info()
+        wired = int(info.get("max_recommended_working_set_size") or 0)
+    except Exception:  # no Metal device: the CPU build
+        wired = 0
+    if wired:
+        return Machine(min(wired, total), total, "the GPU's recommended working set")
+    return Machine(int(total * 0.75), total, "three quarters of the machine's memory")
+
+
+def disk_free(where: str | Path) -> int:
+    """Free bytes on the filesystem ``where`` is (or would be) on."""
+    p = Path(where).expanduser()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return shutil.disk_usage(p).free
+
+
+@dataclass(frozen=True, slots=True)
+class ModelShape:
+    """What a model's working memory depends on, beyond its cache: read from its config."""
+
+    weights: int            # bytes of its parameters
+    context: int            # the context it serves (its own, under any max_context)
+    q_heads: int = 32
+    vocab: int = 32_000
+
+    @classmethod
+    def from_config(cls, config: dict, weights: int, context: int | None = None) -> "ModelShape":
+        cfg = {**config, **(config.get("text_config") or {})}
+        native = cfg.get("max_position_embeddings") or 4096
+        return cls(weights=weights, context=int(min(context or native, native)),
+                   q_heads=int(cfg.get("num_attention_heads") or 32), vocab=int(cfg.get("vocab_size") or 32_000))
+
+
+def working_bytes(shape: ModelShape, tokens: int, chunk: int) -> int:
+    """A prefill chunk's activations at ``tokens`` of context: its attention scores and their softmax
+    in float32 (MLX's CPU attention materializes them; Metal's fused kernel needs less) and its logits."""
+    return 2 * chunk * tokens * shape.q_heads * 4 + chunk * shape.vocab * 4
+
+
+@dataclass(frozen=True, slots=True)
+class Share:
+    """How much of the memory one of several models may size itself from: ``memory`` bytes for all
+    (None: the machine's, less the reserve), shared by ``models``, whose other fixed bytes are
+    ``others_fixed``."""
+
+    memory: int | None = None
+    models: int = 1
+    others_fixed: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Budgets:
+    """One model's share of the machine, and what it holds (the start-up line: :meth:`describe`)."""
+
+    machine: Machine
+    reserve: int
+    fixed: int           # weights, tokenizer, runtime
+    working: int         # a chunk's activations at the longest context
+    pool: int            # the KV block pool
+    ram: int             # caches resident between turns
+    disk: int            # cache files
+    longest: int         # tokens in one agent's cache
+    agents: int          # agents of TYPICAL_AGENT tokens the pool holds at once
+    models: int = 1
+
+    def describe(self) -> str:
+        gib = lambda b: f"{b / GiB:.1f} GiB"
+        share = f", shared by {self.models} models" if self.models > 1 else ""
+        return (f"memory: {gib(self.machine.memory)} ({self.machine.source}) less a {gib(self.reserve)} reserve, "
+                f"{gib(self.fixed)} of weights, tokenizer and runtime and {gib(self.working)} of working memory"
+                f"{share}: a {gib(self.pool)} KV pool (RAM budget {gib(self.ram)}, disk {gib(self.disk)}) holds one "
+                f"agent of {self.longest:,} tokens or {self.agents} of {TYPICAL_AGENT:,}")
+
+
+def derive(spec: ModelCacheSpec, shape: ModelShape, *, machine: Machine, disk_free_bytes: int,
+           block_tokens: int = defaults.BLOCK_TOKENS, chunk: int = 64, share: Share = Share(),
+           tokenizer: int = TOKENIZER_BYTES) -> Budgets:
+    """The pool, RAM and disk budgets of one model (one of ``share.models`` sharing ``share.memory``)."""
+    memory, models, others_fixed = share.memory, share.models, share.others_fixed
+    if memory is None:
+        reserve = max(RESERVE_FLOOR, int(RESERVE_SHARE * machine.total))
+        memory = machine.memory - reserve
+    else:
+        reserve = 0
+    fixed = shape.weights + tokenizer + RUNTIME_BYTES
+    want = min(shape.context, DEFAULT_LONGEST)
+    working = working_bytes(shape, want, chunk)
+    left = memory - fixed - others_fixed - working
+    pool = max(0, left // (2 * models))
+    longest = min(room.longest_cache(spec, pool, block_tokens), shape.context)
+    if longest < want:  # the chunk's scores shrink with the context they cover: size them again
+        working = working_bytes(shape, longest, chunk)
+        pool = max(0, (memory - fixed - others_fixed - working) // (2 * models))
+        longest = min(room.longest_cache(spec, pool, block_tokens), shape.context)
+    typical = room.cache_bytes(spec, TYPICAL_AGENT, block_tokens)
+    agents = pool // typical if typical else 0
+    disk = int(min(DISK_CEILING, disk_free_bytes * DISK_SHARE))
+    return Budgets(machine, reserve, fixed, working, int(pool), int(pool * defaults.RAM_SHARE), disk, longest,
+                   int(agents), models)
