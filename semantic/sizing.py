@@ -162,7 +162,8 @@ class Budgets:
     ram: int             # caches resident between turns
     disk: int            # cache files
     longest: int         # tokens in one agent's cache
-    agents: int          # agents of TYPICAL_AGENT tokens the pool holds at once
+    agents: int          # agents of ``typical`` tokens the pool holds at once
+    typical: int = TYPICAL_AGENT  # TYPICAL_AGENT, or the longest cache when that is shorter
     models: int = 1
 
     def describe(self) -> str:
@@ -171,7 +172,7 @@ class Budgets:
         return (f"memory: {gib(self.machine.memory)} ({self.machine.source}) less a {gib(self.reserve)} reserve, "
                 f"{gib(self.fixed)} of weights, tokenizer and runtime and {gib(self.working)} of working memory"
                 f"{share}: a {gib(self.pool)} KV pool (RAM budget {gib(self.ram)}, disk {gib(self.disk)}) holds one "
-                f"agent of {self.longest:,} tokens or {self.agents} of {TYPICAL_AGENT:,}")
+                f"agent of {self.longest:,} tokens or {self.agents} of {self.typical:,}")
 
 
 def derive(spec: ModelCacheSpec, shape: ModelShape, *, machine: Machine, disk_free_bytes: int,
@@ -194,8 +195,8 @@ def derive(spec: ModelCacheSpec, shape: ModelShape, *, machine: Machine, disk_fr
         working = working_bytes(shape, longest, chunk)
         pool = max(0, (memory - fixed - others_fixed - working) // (2 * models))
         longest = min(room.longest_cache(spec, pool, block_tokens), shape.context)
-    typical = room.cache_bytes(spec, TYPICAL_AGENT, block_tokens)
-    agents = pool // typical if typical else 0
+    typical = min(TYPICAL_AGENT, longest)
+    agents = pool // room.cache_bytes(spec, typical, block_tokens) if typical else 0
     disk = int(min(DISK_CEILING, disk_free_bytes * DISK_SHARE))
     return Budgets(machine, reserve, fixed, working, int(pool), int(pool * defaults.RAM_SHARE), disk, longest,
-                   int(agents), models)
+                   int(agents), typical, models)

@@ -23,6 +23,7 @@ consecutive run of one segment, and otherwise concatenates them (one copy).
 
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import mlx.core as mx
@@ -175,6 +176,13 @@ def covers(blocks: AgentBlocks, upto: int) -> bool:
     return True
 
 
+@functools.lru_cache(maxsize=64)
+def _layers(spec: ModelCacheSpec, block_tokens: int) -> tuple:
+    """Each layer's index, spec, group, kind and whether it resumes only from a snapshot: asked once per
+    spec, not once per layer of every reconstruction (a small cache pays that per layer)."""
+    return tuple((i, l, l.group, kinds.of(l), l.snapshot_only(block_tokens)) for i, l in enumerate(spec.layers))
+
+
 def reconstruct(blocks: AgentBlocks, materialize: bool = True, upto: int | None = None) -> list:
     """Real mlx-lm cache objects, one per layer, for the tokens of ``blocks``.
 
@@ -190,17 +198,16 @@ def reconstruct(blocks: AgentBlocks, materialize: bool = True, upto: int | None 
         raise CacheMismatchError(f"upto={upto} is outside the {blocks.total_tokens} cached tokens")
     caches = []
     by_group: dict[str, tuple] = {}  # every layer of a group has the same blocks and ranges
-    for i, layer in enumerate(spec.layers):
-        if layer.group not in by_group:
-            by_group[layer.group] = _pieces(blocks, i, total)
-        pieces, held, got = by_group[layer.group]
+    for i, layer, group, kind, snapshot_only in _layers(spec, blocks.block_tokens):
+        if group not in by_group:
+            by_group[group] = _pieces(blocks, i, total)
+        pieces, held, got = by_group[group]
         if got != held:
             raise CacheMismatchError(f"layer {i}: blocks hold {got} of the {held} tokens it needs")
         if not held:
             caches.append(layer.make_cache())
             continue
-        kind = kinds.of(layer)
-        if layer.snapshot_only(blocks.block_tokens):
+        if snapshot_only:
             caches.append(kind.build(i, layer, *pieces[0][0].layer_data[i], total, held))
             continue
         run = _one_segment(pieces, i)

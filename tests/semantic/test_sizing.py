@@ -32,6 +32,7 @@ def test_a_24_gb_machine_holds_far_more_than_the_old_fixed_pool_at_qwen3_coder_g
 def test_a_bigger_machine_serves_the_full_default_context_and_counts_agents_at_a_typical_length():
     b = _derive(QWEN3_CODER_30B, 60)
     assert b.longest >= sizing.DEFAULT_LONGEST
+    assert b.typical == sizing.TYPICAL_AGENT
     assert b.agents == b.pool // room.cache_bytes(QWEN3_CODER_30B, sizing.TYPICAL_AGENT, 256)
     assert "one agent of" in b.describe() and "reserve" in b.describe()
 
@@ -65,3 +66,8 @@ def test_the_machine_is_read_from_this_system():
     m = sizing.Machine.read()
     assert 0 < m.memory <= m.total and m.source
     assert sizing.disk_free("/nonexistent/child/of/root") > 0  # the nearest existing parent's filesystem
+
+
+def test_a_short_context_model_counts_its_agents_at_its_own_longest_cache():
+    b = _derive(QWEN3_CODER_30B, 22, context=8192)
+    assert b.longest == b.typical == 8192 and b.agents >= 1

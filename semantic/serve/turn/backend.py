@@ -213,7 +213,9 @@ class Backend:
                        "hit_rate": round(s.token_hit_rate, 4)},
             "pool": {"total_blocks": pool.total, "used_blocks": pool.used, "cached_blocks": pool.cached,
                      "block_tokens": st.block_tokens, "used_bytes": pool.used_bytes,
-                     "capacity_bytes": st.pool_capacity_bytes},
+                     "capacity_bytes": st.pool_capacity_bytes, "longest_cache_tokens": self.service.pool_tokens,
+                     # how the budgets were derived from the machine (null: the flags gave them)
+                     "sizing": _sizing(self.service.budgets)},
             # resident caches: distinct pool blocks counted once, sampled after every scheduler pass for the peak
             "ram": {"agents": s.resident_agents, "bytes": s.resident_bytes, "budget_bytes": s.ram_budget_bytes,
                     "peak_bytes": s.resident_peak_bytes, "budget_evictions": s.budget_evictions,
@@ -260,6 +262,14 @@ class Backend:
         """Finish what is queued and in flight, write pending saves, stop the threads."""
         self.closing = True
         await asyncio.to_thread(self.service.close, timeout)
+
+
+def _sizing(b) -> dict | None:
+    if b is None:
+        return None
+    return {"memory_bytes": b.machine.memory, "memory_source": b.machine.source, "reserve_bytes": b.reserve,
+            "fixed_bytes": b.fixed, "working_bytes": b.working, "models": b.models, "typical_agents": b.agents,
+            "summary": b.describe()}
 
 
 def _disk_state(disk: dict | None) -> dict:
