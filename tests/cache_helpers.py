@@ -15,9 +15,11 @@ from tests.tiny_models import byte_tokenizer
 LOGPROB_TOL = 1e-4  # as tests/semantic/engine/test_executor.py: float32 tiny models, reordered sums move ~1e-6
 
 
-def engine(model, kv_bits=None, blocks=256, block_tokens=4) -> BatchExecutor:
+def engine(model, kv_bits=None, blocks=256, block_tokens=4, capacity_bytes=None) -> BatchExecutor:
+    """An engine over a pool of ``blocks`` blocks of the costliest group, or of ``capacity_bytes``."""
     spec = ModelCacheSpec.from_model(model, kv_bits=kv_bits, kv_group_size=32)
-    pool = BlockPool(spec, blocks, block_tokens=block_tokens)
+    pool = (BlockPool(spec, block_tokens=block_tokens, capacity_bytes=capacity_bytes) if capacity_bytes
+            else BlockPool(spec, blocks, block_tokens=block_tokens))
     return BatchExecutor(model, byte_tokenizer(), pool, spec, stop_tokens=[])
 
 

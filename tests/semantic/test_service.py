@@ -14,6 +14,7 @@ import pytest
 
 from harness.models.tiny import write_tiny_llama
 from semantic import ContextLengthError, InvalidRequestError
+from semantic.cache import room
 from semantic.cache.blockplan import salt_root_of
 from semantic.service import ANON, Service, fit_max_tokens
 
@@ -66,7 +67,8 @@ def test_prepare_tokenizes_once_and_fits_the_budget_to_context_and_pool(service,
     req = _prepare(service, messages=[{"role": "user", "content": "x" * 300}])
     assert len(calls) == 1  # one render, even though the default budget had to be cut
     assert len(req.ids) + req.max_tokens == service.context_length
-    assert service.pool_tokens == (service.store.total_blocks - 1) * 16  # one layer group
+    assert service.pool_tokens == room.longest_cache(service.store.spec, service.store.capacity, 16)
+    assert room.cache_bytes(service.store.spec, service.pool_tokens, 16) <= service.store.capacity
     assert _prepare(service, prompt=list(range(1, 200)), max_tokens=400).max_tokens == 512 - 199
     service.strict_max_tokens = True
     with pytest.raises(ContextLengthError):
@@ -102,7 +104,7 @@ def test_a_turn_through_the_facade_is_listed_with_its_cached_tokens(service):
     assert (info.agent_id, info.cached_tokens, info.resident) == ("public/a", 39 + n + 1 + len(again.token_ids), True)
     assert service.agents("other") == []
     stats = service.stats()
-    assert stats.scheduler.completed == 2 and stats.store.disk_agents == 1 and stats.pool.total == service.store.total_blocks
+    assert stats.scheduler.completed == 2 and stats.store.disk_agents == 1 and stats.pool.capacity_bytes == service.store.capacity
 
 
 def test_tool_choice_none_keeps_the_generic_tools_note_so_the_prompt_and_its_cache_stay_the_same(service):

@@ -694,8 +694,13 @@ def test_serve_config_refuses_bad_values(bad):
 
 
 def test_the_ram_budget_defaults_within_the_pool_so_it_binds():
-    assert ServeConfig(model="m").ram_budget_bytes == ServeConfig(model="m").pool_bytes * 3 // 4
-    assert ServeConfig(model="m", pool_mb=64, ram_mb=64).ram_budget_bytes == 64 << 20
+    from semantic.serve.fleet.registry import ModelEntry, ModelOptions
+    from semantic.serve.opening import ram_budget_bytes
+
+    entry = ModelEntry("m", "m", ModelOptions())
+    assert ram_budget_bytes(entry, ServeConfig(model="m", pool_mb=64)) == (64 << 20) * 3 // 4
+    assert ram_budget_bytes(entry, ServeConfig(model="m", pool_mb=64, ram_mb=64)) == 64 << 20
+    assert ram_budget_bytes(entry, ServeConfig(model="m")) is None  # sized with the pool, from the machine
 
 
 # ---- tool calls ------------------------------------------------------------

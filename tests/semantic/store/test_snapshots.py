@@ -25,6 +25,7 @@ import pytest
 import xxhash
 
 from semantic import AgentCacheStore, Request
+from semantic.cache import room
 from semantic.cachefile import DOC_KEY
 from semantic.errors import CacheCorruptError, PoolExhaustedError, UnsupportedCacheError
 from semantic.store.remote import Fetched
@@ -285,14 +286,17 @@ def test_a_load_that_the_pool_cannot_hold_with_its_earlier_snapshots_takes_nothi
     n = len(done.unique_blocks())
     group = _snapshot_group(eng.spec)
     assert len(done.groups[group]) == 2
-    small = _engine(model, blocks=n - 1)  # room for all but one of them: the final plan alone would fit
+    costs = room.block_costs(eng.spec, BT)
+    # room for all but one snapshot block: the final plan alone would fit
+    small = engine(model, block_tokens=BT, capacity_bytes=sum(costs[b.group] for b in done.unique_blocks())
+                   - costs[group])
     before = small.pool.free_count
     with pytest.raises(PoolExhaustedError):
         _store(small, tmp_path).load("a")
     assert small.pool.free_count == before and small.pool.stats().used == 0
-    enough = _engine(model, blocks=n)
+    enough = engine(model, block_tokens=BT, capacity_bytes=sum(costs[b.group] for b in done.unique_blocks()))
     loaded = _store(enough, tmp_path).load("a")
-    assert loaded is not None and _ends(loaded, group) == _ends(done, group) and enough.pool.free_count == 0
+    assert loaded is not None and _ends(loaded, group) == _ends(done, group) and enough.pool.free_bytes == 0
     loaded.release()
     monkeypatch.setattr(blockformat, "load_arrays", lambda info: pytest.fail(f"read {info.path}"))
     again = _store(enough, tmp_path).load("a")  # every block a pool hit now, the earlier snapshot too: nothing read
