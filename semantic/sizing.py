@@ -8,8 +8,9 @@ its reserve of max(3 GiB, 5%), and its disk budget of min(30 GiB, free / 4)::
     - reserve   max(3 GiB, 5% of the machine): the system, other processes, what the formula misses
     - fixed     every model's weights, tokenizer, and MLX's own runtime (measured, ``RUNTIME_BYTES``)
     - working   a prefill chunk's activations at the longest context (its attention scores, logits)
-    = left      shared by the models, each half pool and half the live copy of its caches:
-                a turn extends its cache in mlx-lm's own arrays while the pool keeps the blocks it came from
+    = left      shared by the models, each its pool and the live copies of its caches in turns
+                (``LIVE_COPY`` times them): a turn extends its cache in mlx-lm's own arrays while the pool
+                keeps the blocks it came from
 
 The pool's half is the KV block pool (``semantic.cache.room`` charges it); the RAM budget for caches
 resident between turns is a share of it (``defaults.RAM_SHARE``). An explicit flag always wins.
@@ -39,6 +40,10 @@ POOL_FLOOR = 64 * MiB            # below it a model is refused, not served badly
 RUNTIME_BYTES = 448 * MiB
 # a loaded tokenizer (Hugging Face fast tokenizer): 20-60 MiB measured for SmolLM2 and Gemma 3
 TOKENIZER_BYTES = 64 * MiB
+# a turn's peak beyond the pool's blocks, as a share of its cache: mlx-lm's arrays it extends and their
+# growth's transients; measured 1.26-1.28 (a tiny body of Qwen3-Coder-30B-A3B's geometry, one turn of 2
+# tokens after 16K and 32K cached tokens: peak active memory 2.28x and 2.26x the cache)
+LIVE_COPY = 1.3
 TYPICAL_AGENT = 32_768           # the agents' length the start-up line counts (a coding session's)
 DEFAULT_LONGEST = 131_072        # the context a model of longer context is sized for
 
@@ -189,11 +194,11 @@ def derive(spec: ModelCacheSpec, shape: ModelShape, *, machine: Machine, disk_fr
     want = min(shape.context, DEFAULT_LONGEST)
     working = working_bytes(shape, want, chunk)
     left = memory - fixed - others_fixed - working
-    pool = max(0, left // (2 * models))
+    pool = max(0, int(left / ((1 + LIVE_COPY) * models)))
     longest = min(room.longest_cache(spec, pool, block_tokens), shape.context)
     if longest < want:  # the chunk's scores shrink with the context they cover: size them again
         working = working_bytes(shape, longest, chunk)
-        pool = max(0, (memory - fixed - others_fixed - working) // (2 * models))
+        pool = max(0, int((memory - fixed - others_fixed - working) / ((1 + LIVE_COPY) * models)))
         longest = min(room.longest_cache(spec, pool, block_tokens), shape.context)
     typical = min(TYPICAL_AGENT, longest)
     agents = pool // room.cache_bytes(spec, typical, block_tokens) if typical else 0
