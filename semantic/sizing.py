@@ -40,10 +40,10 @@ POOL_FLOOR = 64 * MiB            # below it a model is refused, not served badly
 RUNTIME_BYTES = 448 * MiB
 # a loaded tokenizer (Hugging Face fast tokenizer): 20-60 MiB measured for SmolLM2 and Gemma 3
 TOKENIZER_BYTES = 64 * MiB
-# a turn's peak beyond the pool's blocks, as a share of its cache: mlx-lm's arrays it extends and their
-# growth's transients; measured 1.26-1.28 (a tiny body of Qwen3-Coder-30B-A3B's geometry, one turn of 2
-# tokens after 16K and 32K cached tokens: peak active memory 2.28x and 2.26x the cache)
-LIVE_COPY = 1.3
+# a turn's peak beyond the pool's blocks, as a share of its cache: mlx-lm's arrays it extends, their
+# growth's transients and the new blocks; measured on a tiny body of Qwen3-Coder-30B-A3B's geometry, peak
+# active memory 2.28x and 2.26x the cache for 2 tokens after 16K and 32K, 2.38x for 300 after 8K
+LIVE_COPY = 1.4
 TYPICAL_AGENT = 32_768           # the agents' length the start-up line counts (a coding session's)
 DEFAULT_LONGEST = 131_072        # the context a model of longer context is sized for
 
