@@ -11,11 +11,12 @@ this order (interleaved, so a slow moment of the machine hits every variant alik
     blocks@before the same with --before's code (another checkout of the package)
     file          the single-file layout (``--cache-layout file``), load + reconstruct
     mlx-lm        mlx_lm.models.cache.load_prompt_cache of the same arrays, evaluated (no checksums)
+    mlx-lm+xxh3   the same, then every tensor's xxh3-128 checked (on two threads): the work a restore does
     floor         a plain sequential read of the block files' bytes, 16 MiB at a time, into one buffer
 
-each with the page cache dropped for those files first (fsync, then POSIX_FADV_DONTNEED), and again
-with the page cache warm (the files read once just before), beside a memcpy of the same bytes
-(numpy, into memory already touched). Every trial runs in a fresh process, as a restart does: its
+each with the page cache dropped first (fsync, then POSIX_FADV_DONTNEED, for every file of the
+benchmark), and again with the page cache warm (the variant's files read once just before), beside a
+memcpy of the same bytes (numpy, into memory already touched). Every trial runs in a fresh process, as a restart does: its
 arrays are fresh memory, not MLX's or malloc's cache of an earlier trial; the process's start and
 the store's directory scan are not timed. Prints a table of medians and ratios, writes JSON
 (``--out``, raw samples included).
@@ -34,8 +35,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 FP = "qwen3-coder-30b-a3b-synthetic"
 LAYERS, HEADS, HEAD_DIM, DTYPE = 48, 4, 128, "bfloat16"
-COLD = ("blocks", "blocks@before", "file", "mlx-lm", "floor")
-WARM = ("blocks", "blocks@before", "file", "mlx-lm", "memcpy")
+COLD = ("blocks", "blocks@before", "file", "mlx-lm", "mlx-lm+xxh3", "floor")
+WARM = ("blocks", "blocks@before", "file", "mlx-lm", "mlx-lm+xxh3", "memcpy")
 
 
 # ---------------------------------------------------------------- in a trial's own process (either tree)
@@ -96,12 +97,16 @@ def _trial(d: Path, variant: str, warm: bool) -> dict:
             blocks = store.load("a")
             caches = reconstruct(blocks)
             return blocks, caches
-    elif kind == "mlx-lm":
+    elif kind in ("mlx-lm", "mlx-lm+xxh3"):
         from mlx_lm.models.cache import load_prompt_cache
+
+        want = json.loads((d / "ready.json").read_text())["mlxlm_xxh3"]
 
         def run():
             caches = load_prompt_cache(str(paths[0]))
-            mx.eval([c.state for c in caches])
+            mx.eval([(c.keys, c.values) for c in caches])
+            if kind == "mlx-lm+xxh3":  # the same work as a restore: every tensor checked against its xxh3-128
+                assert _xxh3([x for c in caches for x in (c.keys, c.values)]) == want
             return None, caches
     elif kind == "floor":
         buf = memoryview(bytearray(16 << 20))
@@ -117,20 +122,41 @@ def _trial(d: Path, variant: str, warm: bool) -> dict:
 
         total = json.loads((d / "ready.json").read_text())["tensor_bytes"]
         src, dst = np.ones(total, np.uint8), np.zeros(total, np.uint8)
+        np.copyto(dst, src)  # every page of both touched: the copy alone is timed
 
         def run():
             np.copyto(dst, src)
             return None, None
-    if kind != "memcpy":
-        (_warm if warm else _drop)(paths)
-    t = time.perf_counter()
+    # every trial starts from the same memory state: none of the benchmark's files cached but (warm) its own
+    _drop([p for p in d.parent.rglob("*") if p.suffix in (".kvb", ".kvm", ".safetensors")])
+    if warm and kind != "memcpy":
+        _warm(paths)
+    t, cpu = time.perf_counter(), time.process_time()
     blocks, caches = run()
-    seconds = time.perf_counter() - t
-    out = {"s": seconds}
+    seconds, cpu = time.perf_counter() - t, time.process_time() - cpu
+    out = {"s": seconds, "cpu_s": cpu}
     if caches is not None:
         out["tokens"] = int(caches[0].offset)
     if blocks is not None:
         out["pieces_per_layer"] = _pieces(blocks)
+    return out
+
+
+def _xxh3(arrays) -> list[str]:
+    """xxh3-128 of each evaluated array's bytes, on two threads (as the single-file layout's load hashes)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import xxhash
+
+    def digest(xs):
+        return [xxhash.xxh3_128(memoryview(x).cast("B")).hexdigest() for x in xs]
+
+    with ThreadPoolExecutor(1) as ex:
+        other = ex.submit(digest, arrays[1::2])
+        mine = digest(arrays[0::2])
+        theirs = other.result()
+    out = [None] * len(arrays)
+    out[0::2], out[1::2] = mine, theirs
     return out
 
 
@@ -169,11 +195,13 @@ def _build(d: Path, n: int) -> None:
     for layout in ("blocks", "file"):
         AgentCacheStore(d / layout, spec, FP, 10**13, pool=pool, layout=layout).save("a", blocks)
     save_prompt_cache(str(d / "mlxlm.safetensors"), caches)
+    mlxlm_xxh3 = _xxh3([x for c in caches for x in (c.keys, c.values)])
     infos = [blockformat.read_header(str(p), spec, FP) for p in (d / "blocks").glob("blocks-*/*.kvb")]
     order = [str(Path(i.path).relative_to(d / "blocks")) for i in sorted(infos, key=lambda i: i.start)]
     (d / "order.json").write_text(json.dumps(order))
     tensor_bytes = sum(s.nbytes for i in infos for s in i.slots)
-    (d / "ready.json").write_text(json.dumps({"tokens": n, "tensor_bytes": tensor_bytes, "files": len(infos)}))
+    (d / "ready.json").write_text(json.dumps({"tokens": n, "tensor_bytes": tensor_bytes, "files": len(infos),
+                                                  "mlxlm_xxh3": mlxlm_xxh3}))
 
 
 def _child(argv: list[str]) -> None:
@@ -196,7 +224,9 @@ def _run_child(tree: Path, args: list[str]) -> dict | None:
     env = {**os.environ, "PYTHONPATH": str(tree), "OPENBLAS_NUM_THREADS": "1"}
     # a script, not -m: its folder, not the tree, leads sys.path, so ``semantic`` is the tree's
     out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", *args], env=env,
-                         capture_output=True, text=True, check=True)
+                         capture_output=True, text=True)
+    if out.returncode:
+        raise RuntimeError(f"trial {args} with {tree} failed:\n{out.stderr[-3000:]}")
     lines = out.stdout.strip().splitlines()
     return json.loads(lines[-1]) if lines else None
 
@@ -256,6 +286,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{n} tokens: wrote the caches in {time.perf_counter() - t:.1f} s")
         info = json.loads((d / "ready.json").read_text())
         samples: dict[str, list[float]] = {}
+        cpu: dict[str, list[float]] = {}
         checks: dict[str, set] = {}
         for _ in range(args.rounds):
             for warm, variants in ((False, COLD), (True, WARM)):
@@ -266,15 +297,17 @@ def main(argv: list[str] | None = None) -> None:
                         continue
                     r = _run_child(tree, ["--dir", str(d), "--variant", kind] + (["--warm"] if warm else []))
                     samples.setdefault(f"{'warm' if warm else 'cold'} {v}", []).append(r["s"])
+                    cpu.setdefault(f"{'warm' if warm else 'cold'} {v}", []).append(r["cpu_s"])
                     for k in ("tokens", "pieces_per_layer"):
                         if k in r:
                             checks.setdefault(f"{v} {k}", set()).add(r[k])
         med = {k: float(np.median(s)) for k, s in samples.items()}
+        med_cpu = {k: float(np.median(s)) for k, s in cpu.items()}
         gb = info["tensor_bytes"] / 1e9
         ratios = {}
         for mode in ("cold", "warm"):
             b = med.get(f"{mode} blocks")
-            for other in ("file", "mlx-lm", "blocks@before"):
+            for other in ("file", "mlx-lm", "mlx-lm+xxh3", "blocks@before"):
                 if f"{mode} {other}" in med:
                     ratios[f"{mode} blocks / {other}"] = b / med[f"{mode} {other}"]
             if f"{mode} blocks@before" in med and f"{mode} file" in med:
@@ -285,20 +318,20 @@ def main(argv: list[str] | None = None) -> None:
         ratios["warm blocks / memcpy"] = med["warm blocks"] / med["warm memcpy"]
         doc["sizes"][str(n)] = {
             "tokens": n, "tensor_bytes": info["tensor_bytes"], "block_files": info["files"],
-            "median_s": med, "ratios": ratios, "checks": {k: sorted(v) for k, v in checks.items()},
-            "stats": {k: stats.summarize(s) for k, s in samples.items()}, "samples_s": samples,
+            "median_s": med, "median_cpu_s": med_cpu, "ratios": ratios, "checks": {k: sorted(v) for k, v in checks.items()},
+            "stats": {k: stats.summarize(s) for k, s in samples.items()}, "samples_s": samples, "cpu_samples_s": cpu,
         }
-        _print(n, gb, med, ratios)
+        _print(n, gb, med, med_cpu, ratios)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=1) + "\n")
     print(f"wrote {args.out}")
 
 
-def _print(n: int, gb: float, med: dict, ratios: dict) -> None:
+def _print(n: int, gb: float, med: dict, med_cpu: dict, ratios: dict) -> None:
     print(f"\n{n} tokens, {gb:.2f} GB of tensors")
-    print(f"  {'variant':<22}{'median s':>10}{'GB/s':>8}")
+    print(f"  {'variant':<22}{'median s':>10}{'GB/s':>8}{'CPU s':>8}")
     for k, s in med.items():
-        print(f"  {k:<22}{s:>10.3f}{gb / s:>8.2f}")
+        print(f"  {k:<22}{s:>10.3f}{gb / s:>8.2f}{med_cpu[k]:>8.3f}")
     for k, r in ratios.items():
         print(f"  {k:<48}{r:>7.2f}")
 

@@ -266,7 +266,9 @@ def _restore(m: Manifest, planned: Sequence[PlannedBlock], files: dict[int, Bloc
         return
     fills = [_snapshot_fill(m, run[0], files) if run[0].snapshot else _run_fill(m, run, files) for run in runs]
     blockread.announce_ahead([files[k] for fill in fills for k in fill.rows])  # the disk starts while arrays are made
-    mx.eval([a for fill in fills for a in fill.arrays.values()])
+    made = iter(blockread.zeros([(s.shape, MX_DTYPES[s.dtype]) for fill in fills for s in fill.slots]))
+    for fill in fills:
+        fill.arrays = {s.name: next(made) for s in fill.slots}
     try:
         blockread.read_all([job for fill in fills for job in fill.jobs(files)])
     except CacheCorruptError as exc:
@@ -276,27 +278,26 @@ def _restore(m: Manifest, planned: Sequence[PlannedBlock], files: dict[int, Bloc
         raise _Bad(bad, exc.reason) from None
     except OSError as exc:  # gone or unreadable now (permissions, too many open files): no verdict on it
         raise _Unreadable(str(exc)) from None
+    views = []
     for fill in fills:
-        for p, data, view in fill.blocks:
+        for p, data, view in fill.blocks(fill):
             got[_where(p)] = (data, view)
-    # the blocks' slices evaluate to views (no copy), on this thread: mlx 0.32 evaluates an array only there
-    mx.eval([x for fill in fills for _, data, _ in fill.blocks for kv in data.values() for side in kv
-             for x in (side if isinstance(side, tuple) else (side,))])
+            views.extend(x for kv in data.values() for side in kv for x in (side if isinstance(side, tuple) else (side,)))
+    mx.eval(views)  # slices evaluate to views, no copy (on this thread: mlx 0.32 evaluates an array only there)
 
 
 class _Fill:
-    """Arrays for some missed blocks (``blocks``: each one's K/V per layer and its segment view), and
-    the rows of the files that fill them: ``rows`` maps a file's key to ``(lo, hi, at)`` triples
-    (``blockread.Into``), or to None for a file whose tensors fill their arrays whole."""
+    """Arrays for some missed blocks, one per tensor of ``slots`` (``blockformat``'s), and the rows of the
+    files that fill them: ``rows`` maps a file's key to ``(lo, hi, at)`` triples (``blockread.Into``), or
+    to None for a file whose tensors fill their arrays whole. ``blocks(fill)`` gives, once ``arrays`` are
+    made, each block's K/V per layer and its segment view (None: a snapshot)."""
 
-    def __init__(self, slots, rows: dict[int, list[tuple[int, int, int]] | None]):
-        # zeros: an array whose memory is written in place must be evaluated, and MLX makes none unwritten
-        self.arrays = {s.name: mx.zeros(s.shape, dtype=MX_DTYPES[s.dtype]) for s in slots}
-        self.rows = rows
-        self.blocks: list[tuple[PlannedBlock, dict[int, LayerKV], SegmentView | None]] = []
+    def __init__(self, slots, rows: dict[int, list[tuple[int, int, int]] | None],
+                 blocks: Callable[["_Fill"], list[tuple[PlannedBlock, dict[int, LayerKV], SegmentView | None]]]):
+        self.slots, self.rows, self.blocks = list(slots), rows, blocks
+        self.arrays: dict[str, mx.array] = {}
 
     def jobs(self, files: dict[int, BlockInfo]) -> list[blockread.Into]:
-        """What to read, once ``arrays`` are evaluated."""
         dests = {name: blockread.writable(a) for name, a in self.arrays.items()}
         return [blockread.Into(files[k], dests, None if r is None else tuple(sorted(r))) for k, r in self.rows.items()]
 
@@ -322,13 +323,16 @@ def _run_fill(m: Manifest, run: list[PlannedBlock], files: dict[int, BlockInfo])
             rows.setdefault(e.key, []).append((a - info.start, b - info.start, a - p.shift - lo))
             covered += b - a
         assert covered == p.end - p.start, (p.group, p.start, p.end, covered)
-    fill = _Fill(blockformat.block_slots(m.spec, first.group, hi - lo), rows)
-    seg = Segment({i: fill.kv(i) for i in first.layers}, hi - lo)
-    for p in run:
-        s0 = p.start - p.shift - lo
-        data = {i: tuple(_rows(side, s0, s0 + p.end - p.start) for side in kv) for i, kv in seg.layer_data.items()}
-        fill.blocks.append((p, data, SegmentView(seg, s0, dict(data))))
-    return fill
+
+    def blocks(fill: _Fill):
+        seg, out = Segment({i: fill.kv(i) for i in first.layers}, hi - lo), []
+        for p in run:
+            s0 = p.start - p.shift - lo
+            data = {i: tuple(_rows(side, s0, s0 + p.end - p.start) for side in kv) for i, kv in seg.layer_data.items()}
+            out.append((p, data, SegmentView(seg, s0, dict(data))))
+        return out
+
+    return _Fill(blockformat.block_slots(m.spec, first.group, hi - lo), rows, blocks)
 
 
 def _rows(side, a: int, b: int):
@@ -344,16 +348,18 @@ def _snapshot_fill(m: Manifest, p: PlannedBlock, files: dict[int, BlockInfo]) ->
         e = _snapshot_extent(m, p)
         info = files[e.key]
         assert info.snapshot and (info.start, info.end) == (p.start, p.end), (info, p)
-        fill = _Fill(info.slots, {e.key: None})
-        data = {}
-        for i in p.layers:
-            layer = m.spec.layers[i]
-            if layer.kind == RECURRENT:
-                data[i] = (tuple(fill.arrays[f"layer.{i}.state.{j}"] for j in range(len(layer.arrays))), ())
-            else:
-                data[i] = fill.kv(i)
-        fill.blocks.append((p, data, None))
-        return fill
+
+        def snapshot(fill: _Fill):
+            data = {}
+            for i in p.layers:
+                layer = m.spec.layers[i]
+                if layer.kind == RECURRENT:
+                    data[i] = (tuple(fill.arrays[f"layer.{i}.state.{j}"] for j in range(len(layer.arrays))), ())
+                else:
+                    data[i] = fill.kv(i)
+            return [(p, data, None)]
+
+        return _Fill(info.slots, {e.key: None}, snapshot)
     # a manifest written before snapshots: the window's positions, cut out of its positional files
     layer = m.spec.layers[p.layers[0]]
     rows: dict[int, list[tuple[int, int, int]]] = {}
@@ -365,6 +371,4 @@ def _snapshot_fill(m: Manifest, p: PlannedBlock, files: dict[int, BlockInfo]) ->
             rows.setdefault(e.key, []).append((lo - info.start, hi - info.start, at))
             at += hi - lo
     assert at == layer.tokens_held(p.end), (p.start, p.end)
-    fill = _Fill(blockformat.block_slots(m.spec, p.group, at), rows)
-    fill.blocks.append((p, {i: fill.kv(i) for i in p.layers}, None))
-    return fill
+    return _Fill(blockformat.block_slots(m.spec, p.group, at), rows, lambda fill: [(p, {i: fill.kv(i) for i in p.layers}, None)])

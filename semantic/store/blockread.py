@@ -33,8 +33,8 @@ from semantic.errors import CacheCorruptError
 from semantic.store.blockformat import BlockInfo
 
 BATCH_BYTES = 1 << 20     # read, then hash, this much at a time: it is still in a core's L2 cache when hashed
-AHEAD_BYTES = 256 << 20   # files announced to the kernel before they are read (a few dozen whole blocks)
-AHEAD_FILES = 64          # ... and at most this many (small blocks)
+AHEAD_BYTES = 1 << 30     # files announced to the kernel before they are read: what a disk reads while the
+AHEAD_FILES = 64          # arrays are made (:func:`zeros`), and at most this many files (small blocks)
 _IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX")) if hasattr(os, "sysconf") else 1024
 
 
@@ -51,6 +51,37 @@ class Into:
     info: BlockInfo
     dests: dict[str, memoryview]
     rows: tuple[tuple[int, int, int], ...] | None = None
+
+
+def zeros(shapes: Sequence[tuple[tuple[int, ...], mx.Dtype]]) -> list[mx.array]:
+    """Evaluated arrays of zeros of ``shapes`` (shape, dtype), to be read into (:func:`writable`).
+
+    MLX makes no array it has not written, so each page of one is first touched here: a page fault
+    and the kernel's zeroing per page cost several times the writing (about 0.5 s a GB on a 2-core
+    VM, as much as reading the bytes in), so the arrays are made on the hashing threads and this one
+    together, each evaluated on the thread that made it (mlx 0.32 evaluates an array only there)."""
+    if not shapes:
+        return []
+    pool, n = hasher(), _shares(len(shapes))
+
+    def make(k: int) -> list[mx.array]:
+        out = [mx.zeros(shape, dtype=dtype) for shape, dtype in shapes[k::n]]
+        mx.eval(out)
+        return out
+
+    helpers = [pool.submit(make, k) for k in range(1, n)]
+    parts = [make(0)]
+    for k, f in enumerate(helpers, 1):
+        parts.append(make(k) if f.cancel() else f.result())  # a thread busy hashing a save: made here instead
+    out: list[mx.array] = [None] * len(shapes)  # type: ignore[list-item]
+    for k, part in enumerate(parts):
+        out[k::n] = part
+    return out
+
+
+def _shares(jobs: int) -> int:
+    """Threads to spread ``jobs`` over: one per core, the caller one of them, as the cache-file load hashes."""
+    return max(1, min(jobs, 1 + min(hasher()._max_workers, max(1, (os.cpu_count() or 2) - 1))))
 
 
 def writable(arr: mx.array) -> memoryview:
@@ -256,14 +287,13 @@ def read_all(jobs: Sequence[Into]) -> None:
     if not jobs:
         return
     queue = _Queue(jobs)
-    pool = hasher()
-    # xxhash and readv release the GIL: one thread per core (the caller is one), as the cache-file load hashes
-    shares = min(len(jobs), 1 + min(pool._max_workers, max(1, (os.cpu_count() or 2) - 1)))
-    helpers = [pool.submit(_drain, queue) for _ in range(shares - 1)]
+    # readv and xxhash release the GIL: the threads copy and hash in parallel
+    helpers = [hasher().submit(_drain, queue) for _ in range(_shares(len(jobs)) - 1)]
     try:
         _drain(queue)
     finally:
         for f in helpers:
-            f.result()
+            if not f.cancel():  # one that never started (the threads busy hashing a save) is not waited for
+                f.result()
     if queue.error is not None:
         raise queue.error
