@@ -52,7 +52,6 @@ import os
 import struct
 from dataclasses import dataclass, field
 
-import mlx.core as mx
 import xxhash
 
 from semantic import compat
@@ -61,7 +60,6 @@ from semantic.cachefile.fileformat import (
     DOC_HASH_KEY,
     DOC_KEY,
     MAX_HEADER_BYTES,
-    MX_DTYPES,
     TensorSlot,
     _entry,
     _parts,
@@ -319,25 +317,3 @@ def _expected(spec: ModelCacheSpec, group: str, n: int, snapshot: bool = False
         table[s.name] = _entry(s, offset)
         offset += s.nbytes
     return canon([_layer_dict(spec, i) for i in spec.groups()[group]]), canon(table), offset, slots, sorted(table)
-
-
-def load_arrays(info: BlockInfo) -> dict[str, mx.array]:
-    """The file's tensors, lazily (``mx.load``); shapes and dtypes checked, checksums not yet (see
-    :func:`verify`).
-
-    Raises:
-        CacheCorruptError: the file does not load as its header says.
-        OSError: the file is gone or cannot be opened.
-    """
-    os.stat(info.path)  # raises OSError when the file is gone or unreadable: no verdict on its bytes
-    try:
-        loaded = mx.load(info.path, format="safetensors")
-    except (RuntimeError, ValueError, OSError, IndexError) as exc:  # mlx 0.30 raises IndexError on some headers
-        raise CacheCorruptError(info.path, f"mx.load failed: {exc}") from None
-    out = {}
-    for s in info.slots:
-        t = loaded.get(s.name)
-        if t is None or tuple(t.shape) != s.shape or t.dtype != MX_DTYPES[s.dtype]:
-            raise CacheCorruptError(info.path, f"tensor {s.name} does not load as {s.shape} {s.dtype}")
-        out[s.name] = t
-    return out

@@ -4,8 +4,9 @@
 
     manifest ─► extents per group ─► which prefix is whole on disk (files indexed, each fitting the history)
              ─► plan against the pool (``blockplan``): pooled blocks are shared, never read
-             ─► read the files of the missed blocks (``mx.load``, one eval), verify every checksum
-             ─► commit: a missed block made of one whole file holds its arrays (no copy)
+             ─► per run of missed blocks of a group, one array per layer and part sized for the run (a segment);
+                its files read straight into their rows, each tensor hashed as it arrives (``blockread``)
+             ─► commit: the run's blocks are views of its segment, so a layer reconstructs with no copy
 
 A block file that fails its checksum is handed to ``on_bad`` (the store
 quarantines it) and the load starts again without it: the agent resumes
@@ -28,26 +29,24 @@ branch's) that the other groups' extents also cover; else it misses::
     resumes from             ^ (global blocks cover [0, sys))
 
 A manifest written before snapshots holds a short window's positions; its
-snapshot is assembled from them (``_block_data``), at any prefix they cover.
+snapshot is assembled from them (``_snapshot_fill``), at any prefix they cover.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from contextlib import AbstractContextManager
 from dataclasses import replace
-from typing import Callable
+from typing import Callable, Sequence
 
 import mlx.core as mx
 
 from semantic.cache.blockplan import PlannedBlock, chain_keys, commit, plan_blocks, snapshot_span
-from semantic.cache.blocks import AgentBlocks, LayerKV
-from semantic.cachefile.atomic import hasher
-from semantic.cachefile.loading import _digest_arrays
+from semantic.cache.blocks import AgentBlocks, LayerKV, Segment, SegmentView
+from semantic.cachefile.fileformat import MX_DTYPES, QPARTS
 from semantic.errors import CacheCorruptError
 from semantic.cache.pool import BlockPool
-from semantic.store import blockformat
+from semantic.store import blockformat, blockread
 from semantic.store.blockformat import BlockInfo
 from semantic.cache.spec import RECURRENT
 from semantic.store.manifest import Extent, Manifest
@@ -184,17 +183,13 @@ def _load_prefix(m: Manifest, total: int, files, pool, pool_lock, release) -> Ag
 
     with pool_lock:
         planned, earlier = plans()
-    arrays: dict[int, dict[str, mx.array]] = {}
-    _read(_needed(m, [*planned.blocks, *earlier], arrays), files, arrays)  # the slow part, outside the lock
+    got: dict[tuple, tuple[dict[int, LayerKV], SegmentView | None]] = {}
+    _restore(m, [*planned.blocks, *earlier], files, got)  # the slow part, outside the lock
     with pool_lock:
         planned, earlier = plans()
-        _read(_needed(m, [*planned.blocks, *earlier], arrays), files, arrays)  # hits recycled meanwhile
-        data = {_where(p): _block_data(m, p, files, arrays) for p in (*planned.blocks, *earlier) if p.hit is None}
-        made = [x for layers in data.values() for kv in layers.values() for side in kv
-                for x in (side if isinstance(side, tuple) else (side,))]
-        mx.eval(made)
+        _restore(m, [*planned.blocks, *earlier], files, got)  # hits recycled meanwhile
         if not earlier:
-            return commit(pool, m.spec, tokens, planned, lambda p: (data[_where(p)], None), release=release,
+            return commit(pool, m.spec, tokens, planned, lambda p: got[_where(p)], release=release,
                           salt_root=m.hash_root)
         # room for all first (nothing taken when there is none); then every hit is held here, so making the
         # earlier snapshots' blocks recycles none of them, and commit takes the earlier ones with the rest
@@ -202,10 +197,10 @@ def _load_prefix(m: Manifest, total: int, files, pool, pool_lock, release) -> Ag
         held = [pool.acquire(p.hit) for p in (*planned.blocks, *earlier) if p.hit is not None]
         try:
             mine = [p.hit if p.hit is not None else pool.allocate(
-                p.group, p.start, tokens[p.start:p.end], data[_where(p)], p.key, parent=p.parent) for p in earlier]
+                p.group, p.start, tokens[p.start:p.end], got[_where(p)][0], p.key, parent=p.parent) for p in earlier]
             held += [b for b, p in zip(mine, earlier) if p.hit is None]
             planned = plan_blocks(pool, m.spec, tokens, chain, m.hash_root, stored_from)  # fresh: the hits held
-            return commit(pool, m.spec, tokens, planned, lambda p: (data[_where(p)], None), release=release,
+            return commit(pool, m.spec, tokens, planned, lambda p: got[_where(p)], release=release,
                           salt_root=m.hash_root, earlier=mine)
         finally:
             pool.release(held)
@@ -241,110 +236,139 @@ def _snapshot_extent(m: Manifest, p) -> Extent:
     return e
 
 
-def _extents(m: Manifest, p) -> list[Extent]:
-    """The extents a missed planned block reads: its positions' (a snapshot of a manifest written before
-    snapshots: the positions its window holds then; of a later one: its snapshot file)."""
-    if p.snapshot and p.group not in m.snapshots:
-        layer = m.spec.layers[p.layers[0]]
-        return [e for a, b in layer.held_ranges(p.end) for e in _overlapping(m, p.group, a, b)]
-    if p.snapshot:
-        return [_snapshot_extent(m, p)]
-    return _overlapping(m, p.group, p.start, p.end)
+def _restore(m: Manifest, planned: Sequence[PlannedBlock], files: dict[int, BlockInfo], got: dict) -> None:
+    """Read the missed blocks of ``planned`` that ``got`` lacks into it, by :func:`_where`: each block's
+    K/V per layer and, for a positional block, its :class:`SegmentView` (a snapshot's is None).
 
+    Each run of consecutive missed positional blocks of a group gets one array per layer and part,
+    sized for the whole run (a :class:`Segment`, as ``convert.extract`` makes), and every file of the
+    run is read straight into its rows (``blockread``); the run's blocks are views of it, so
+    ``convert.reconstruct`` hands a layer loaded whole over without a copy.
 
-def _needed(m: Manifest, planned, arrays) -> set[int]:
-    return {e.key for p in planned if p.hit is None for e in _extents(m, p) if e.key not in arrays}
-
-
-def _read(keys: set[int], files: dict[int, BlockInfo], arrays: dict) -> None:
-    """The files' tensors, evaluated together and verified (raises :class:`_Bad` for the first that fails)."""
-    if not keys:
+    Raises:
+        _Bad: a file failed its checks (nothing is added to ``got``).
+        _Unreadable: a file could not be read now.
+    """
+    runs: list[list[PlannedBlock]] = []
+    prev = None  # the index of the last block to read
+    for idx, p in enumerate(planned):
+        if p.hit is not None or _where(p) in got:
+            continue
+        last = runs[-1][-1] if runs and prev == idx - 1 else None
+        # a run goes on where the group's held buffer does (``blockplan.block_spans``: position - shift)
+        if (last is not None and not p.snapshot and not last.snapshot and last.group == p.group
+                and last.end - last.shift == p.start - p.shift):
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+        prev = idx
+    if not runs:
         return
-    loaded = {}
-    for k in keys:
-        try:
-            loaded[k] = blockformat.load_arrays(files[k])
-        except CacheCorruptError as exc:
-            raise _Bad(files[k], exc.reason) from None
-        except OSError as exc:  # gone or unreadable now (permissions, too many open files): no verdict on it
-            raise _Unreadable(f"{files[k].path}: {exc}") from None
-    flat = [(k, name, a) for k, t in loaded.items() for name, a in t.items()]
+    fills = [_snapshot_fill(m, run[0], files) if run[0].snapshot else _run_fill(m, run, files) for run in runs]
+    blockread.announce_ahead([files[k] for fill in fills for k in fill.rows])  # the disk starts while arrays are made
+    made = iter(blockread.zeros([(s.shape, MX_DTYPES[s.dtype]) for fill in fills for s in fill.slots]))
+    for fill in fills:
+        fill.arrays = {s.name: next(made) for s in fill.slots}
     try:
-        mx.eval([a for _, _, a in flat])
-    except (RuntimeError, ValueError, IndexError):  # one file read short (shrank under us): find which, one by one
-        for k, t in loaded.items():
-            try:
-                mx.eval(list(t.values()))
-            except (RuntimeError, ValueError, IndexError) as exc:
-                raise _Bad(files[k], f"reading tensors failed: {exc}") from None
-        raise _Unreadable("reading block files failed, and each alone read") from None
-    shares = 1 + min(hasher()._max_workers, max(1, (os.cpu_count() or 2) - 1))
-    arrs = [a for _, _, a in flat]
-    pending = [hasher().submit(_digest_arrays, arrs[i::shares]) for i in range(1, shares)]
-    digests = [_digest_arrays(arrs[0::shares])] + [f.result() for f in pending]
-    for i, got in enumerate(digests):
-        for (k, name, _), d in zip(flat[i::shares], got):
-            if d != files[k].digests[name]:
-                raise _Bad(files[k], f"tensor {name}: checksum mismatch")
-    arrays.update(loaded)
+        blockread.read_all([job for fill in fills for job in fill.jobs(files)])
+    except CacheCorruptError as exc:
+        bad = next((i for i in files.values() if i.path == exc.path), None)
+        if bad is None:
+            raise
+        raise _Bad(bad, exc.reason) from None
+    except OSError as exc:  # gone or unreadable now (permissions, too many open files): no verdict on it
+        raise _Unreadable(str(exc)) from None
+    views = []
+    for fill in fills:
+        for p, data, view in fill.blocks(fill):
+            got[_where(p)] = (data, view)
+            views.extend(x for kv in data.values() for side in kv for x in (side if isinstance(side, tuple) else (side,)))
+    mx.eval(views)  # slices evaluate to views, no copy (on this thread: mlx 0.32 evaluates an array only there)
 
 
-def _block_data(m: Manifest, p, files, arrays) -> dict[int, LayerKV]:
-    """A missed planned block's K/V per layer, from the files its extents name."""
-    if p.snapshot:
-        return _snapshot_data(m, p, files, arrays)
-    parts = []
-    for e in _overlapping(m, p.group, p.start, p.end):
-        info = files[e.key]
-        lo, hi = max(e.start, p.start) - info.start, min(e.end, p.end) - info.start
-        parts.append((arrays[e.key], lo, hi, hi - lo == info.end - info.start))
-    assert sum(hi - lo for _, lo, hi, _ in parts) == p.end - p.start, (p.start, p.end)
-    direct = len(parts) == 1 and parts[0][3]  # one whole file: its arrays are the block's, no copy
-    out = {}
-    for i in p.layers:
-        sides = []
-        for side in ("keys", "values"):
-            names = [n for n in (f"layer.{i}.{side}",) if n in parts[0][0]] or [
-                f"layer.{i}.{side}.{q}" for q in ("packed", "scales", "biases")]
-            pieces = [_join([_cut(t[n], lo, hi, whole) for t, lo, hi, whole in parts], direct) for n in names]
-            sides.append(pieces[0] if len(names) == 1 else tuple(pieces))
-        out[i] = tuple(sides)
-    return out
+class _Fill:
+    """Arrays for some missed blocks, one per tensor of ``slots`` (``blockformat``'s), and the rows of the
+    files that fill them: ``rows`` maps a file's key to ``(lo, hi, at)`` triples (``blockread.Into``), or
+    to None for a file whose tensors fill their arrays whole. ``blocks(fill)`` gives, once ``arrays`` are
+    made, each block's K/V per layer and its segment view (None: a snapshot)."""
+
+    def __init__(self, slots, rows: dict[int, list[tuple[int, int, int]] | None],
+                 blocks: Callable[["_Fill"], list[tuple[PlannedBlock, dict[int, LayerKV], SegmentView | None]]]):
+        self.slots, self.rows, self.blocks = list(slots), rows, blocks
+        self.arrays: dict[str, mx.array] = {}
+
+    def jobs(self, files: dict[int, BlockInfo]) -> list[blockread.Into]:
+        dests = {name: blockread.writable(a) for name, a in self.arrays.items()}
+        return [blockread.Into(files[k], dests, None if r is None else tuple(sorted(r))) for k, r in self.rows.items()]
+
+    def kv(self, i: int) -> LayerKV:
+        """Layer ``i``'s (keys, values): an array per side, or a quantized side's (packed, scales, biases)."""
+        a = self.arrays
+        if f"layer.{i}.keys" in a:
+            return a[f"layer.{i}.keys"], a[f"layer.{i}.values"]
+        return tuple(tuple(a[f"layer.{i}.{side}.{q}"] for q in QPARTS) for side in ("keys", "values"))
 
 
-def _snapshot_data(m: Manifest, p, files, arrays) -> dict[int, LayerKV]:
-    """A snapshot block's layers in the pool's format (``convert``): a recurrent layer's ``(arrays, ())``,
-    a short window's ``(keys, values)`` of the tokens it holds after ``p.end``, in temporal order."""
+def _run_fill(m: Manifest, run: list[PlannedBlock], files: dict[int, BlockInfo]) -> _Fill:
+    """A run of missed positional blocks: one array per layer and part over the run's held-buffer
+    rows ``[first.start - first.shift, last.end - last.shift)``, each block's files read into its rows."""
+    first, last = run[0], run[-1]
+    lo, hi = first.start - first.shift, last.end - last.shift
+    rows: dict[int, list[tuple[int, int, int]]] = {}
+    for p in run:
+        covered = 0
+        for e in _overlapping(m, p.group, p.start, p.end):
+            info = files[e.key]
+            a, b = max(e.start, p.start), min(e.end, p.end)
+            rows.setdefault(e.key, []).append((a - info.start, b - info.start, a - p.shift - lo))
+            covered += b - a
+        assert covered == p.end - p.start, (p.group, p.start, p.end, covered)
+
+    def blocks(fill: _Fill):
+        seg, out = Segment({i: fill.kv(i) for i in first.layers}, hi - lo), []
+        for p in run:
+            s0 = p.start - p.shift - lo
+            data = {i: tuple(_rows(side, s0, s0 + p.end - p.start) for side in kv) for i, kv in seg.layer_data.items()}
+            out.append((p, data, SegmentView(seg, s0, dict(data))))
+        return out
+
+    return _Fill(blockformat.block_slots(m.spec, first.group, hi - lo), rows, blocks)
+
+
+def _rows(side, a: int, b: int):
+    if isinstance(side, tuple):
+        return tuple(_rows(x, a, b) for x in side)
+    return side if a == 0 and b == side.shape[2] else side[..., a:b, :]
+
+
+def _snapshot_fill(m: Manifest, p: PlannedBlock, files: dict[int, BlockInfo]) -> _Fill:
+    """A snapshot block in the pool's format (``convert``): a recurrent layer's ``(arrays, ())``, a short
+    window's ``(keys, values)`` of the tokens it holds after ``p.end``, in temporal order."""
     if p.group in m.snapshots:
         e = _snapshot_extent(m, p)
-        info, t = files[e.key], arrays[e.key]
+        info = files[e.key]
         assert info.snapshot and (info.start, info.end) == (p.start, p.end), (info, p)
-        out = {}
-        for i in p.layers:
-            layer = m.spec.layers[i]
-            if layer.kind == RECURRENT:
-                out[i] = (tuple(t[f"layer.{i}.state.{j}"] for j in range(len(layer.arrays))), ())
-            else:
-                out[i] = (t[f"layer.{i}.keys"], t[f"layer.{i}.values"])
-        return out
+
+        def snapshot(fill: _Fill):
+            data = {}
+            for i in p.layers:
+                layer = m.spec.layers[i]
+                if layer.kind == RECURRENT:
+                    data[i] = (tuple(fill.arrays[f"layer.{i}.state.{j}"] for j in range(len(layer.arrays))), ())
+                else:
+                    data[i] = fill.kv(i)
+            return [(p, data, None)]
+
+        return _Fill(info.slots, {e.key: None}, snapshot)
     # a manifest written before snapshots: the window's positions, cut out of its positional files
     layer = m.spec.layers[p.layers[0]]
-    parts = []
+    rows: dict[int, list[tuple[int, int, int]]] = {}
+    at = 0
     for a, b in layer.held_ranges(p.end):
         for e in _overlapping(m, p.group, a, b):
             info = files[e.key]
-            lo, hi = max(e.start, a) - info.start, min(e.end, b) - info.start
-            parts.append((arrays[e.key], lo, hi))
-    assert sum(hi - lo for _, lo, hi in parts) == layer.tokens_held(p.end), (p.start, p.end)
-    return {i: tuple(_join([t[f"layer.{i}.{side}"][..., lo:hi, :] for t, lo, hi in parts], False)
-                     for side in ("keys", "values")) for i in p.layers}
-
-
-def _cut(x: mx.array, lo: int, hi: int, whole: bool) -> mx.array:
-    return x if whole else x[..., lo:hi, :]
-
-
-def _join(xs: list[mx.array], direct: bool) -> mx.array:
-    if direct:
-        return xs[0]
-    return mx.contiguous(xs[0] if len(xs) == 1 else mx.concatenate(xs, axis=2))
+            lo, hi = max(e.start, a), min(e.end, b)
+            rows.setdefault(e.key, []).append((lo - info.start, hi - info.start, at))
+            at += hi - lo
+    assert at == layer.tokens_held(p.end), (p.start, p.end)
+    return _Fill(blockformat.block_slots(m.spec, p.group, at), rows, lambda fill: [(p, {i: fill.kv(i) for i in p.layers}, None)])

@@ -17,7 +17,7 @@ import xxhash
 
 from semantic import AgentCacheStore, BlockPool, Request
 from semantic.cachefile import DOC_HASH_KEY, DOC_KEY
-from semantic.store import blockformat, blocklayout, blockload, file_name, manifest, manifest_name
+from semantic.store import blockformat, blocklayout, blockload, blockread, file_name, manifest, manifest_name
 from tests.cache_helpers import LOGPROB_TOL, assert_identical, engine, generate, history, run
 
 pytestmark = pytest.mark.compat
@@ -378,8 +378,8 @@ def test_a_load_reads_no_block_file_whose_blocks_are_already_pooled(llama_tiny, 
     store = _store(eng, tmp_path)
     for a, c in caches.items():
         store.save(a, c)
-    reads, real = [], blockformat.load_arrays
-    monkeypatch.setattr(blockformat, "load_arrays", lambda info: reads.append(info.key) or real(info))
+    reads, real = [], blockread.read_file
+    monkeypatch.setattr(blockread, "read_file", lambda into: reads.append(into.info.key) or real(into))
     assert_identical(store.load("a"), caches["a"])  # every block is pooled: the caller holds them
     assert reads == []
 

@@ -30,7 +30,7 @@ from semantic.cachefile import DOC_KEY
 from semantic.errors import CacheCorruptError, PoolExhaustedError, UnsupportedCacheError
 from semantic.store.remote import Fetched
 from semantic.cache.spec import RECURRENT, LayerSpec
-from semantic.store import blockformat, blockload, manifest, manifest_name
+from semantic.store import blockformat, blockload, blockread, manifest, manifest_name
 from tests.cache_helpers import LOGPROB_TOL, arrays, engine, generate, history, run
 from tests.redis_helpers import RedisServer
 from tests.tiny_models import tiny_gpt_oss, tiny_lfm2, tiny_qwen3_next
@@ -298,7 +298,7 @@ def test_a_load_that_the_pool_cannot_hold_with_its_earlier_snapshots_takes_nothi
     loaded = _store(enough, tmp_path).load("a")
     assert loaded is not None and _ends(loaded, group) == _ends(done, group) and enough.pool.free_bytes == 0
     loaded.release()
-    monkeypatch.setattr(blockformat, "load_arrays", lambda info: pytest.fail(f"read {info.path}"))
+    monkeypatch.setattr(blockread, "read_file", lambda into: pytest.fail(f"read {into.info.path}"))
     again = _store(enough, tmp_path).load("a")  # every block a pool hit now, the earlier snapshot too: nothing read
     assert again is not None and _ends(again, group) == _ends(done, group)
     assert enough.pool.stats().used == n
