@@ -1,6 +1,6 @@
 """How fast an agent's cache comes back after a restart: block files, the single file, mlx-lm's file, the disk.
 
-``python -m harness.analysis.restore_speed [--tokens 2048 8192 32768] [--rounds 5] [--before /work/main]``
+``python -m harness.analysis.restore_speed [--tokens 2048 8192 32768] [--rounds 5] [--before ../main]``
 
 A synthetic cache of a real geometry (Qwen3-Coder-30B-A3B: 48 layers, 4 KV heads, head_dim 128,
 bfloat16; a cache's bytes do not depend on its values) is written through the store in both layouts
@@ -37,6 +37,7 @@ FP = "qwen3-coder-30b-a3b-synthetic"
 LAYERS, HEADS, HEAD_DIM, DTYPE = 48, 4, 128, "bfloat16"
 COLD = ("blocks", "blocks@before", "file", "mlx-lm", "mlx-lm+xxh3", "floor")
 WARM = ("blocks", "blocks@before", "file", "mlx-lm", "mlx-lm+xxh3", "memcpy")
+INTO = ("into-readv", "into-copy", "into-readv-threads")  # reading block files into arrays already made
 
 
 # ---------------------------------------------------------------- in a trial's own process (either tree)
@@ -50,7 +51,7 @@ def _spec():
 
 def _files(d: Path, variant: str) -> list[Path]:
     """The files a variant reads, in the order a restore reads them (block files: by position)."""
-    if variant in ("blocks", "floor", "memcpy"):
+    if variant in ("blocks", "floor", "memcpy") or variant.startswith("into-"):
         order = json.loads((d / "order.json").read_text())
         return [d / "blocks" / p for p in order] + sorted((d / "blocks").glob("*.kvm"))
     if variant == "file":
@@ -79,6 +80,7 @@ def _warm(paths) -> None:
 
 def _trial(d: Path, variant: str, warm: bool) -> dict:
     """One timed restore (or read) of the cache in ``d``, in this process; seconds and a check."""
+    import semantic  # noqa: F401  (before MLX: it picks MLX's BLAS)
     import mlx.core as mx
 
     n = json.loads((d / "ready.json").read_text())["tokens"]
@@ -117,6 +119,17 @@ def _trial(d: Path, variant: str, warm: bool) -> dict:
                     while f.readinto(buf):
                         pass
             return None, None
+    elif kind.startswith("into-"):
+        from semantic.store import blockread
+
+        jobs = _into_jobs(d)
+        read = {"into-readv": lambda: [blockread.read_file(j) for j in jobs],
+                "into-copy": lambda: _read_by_copy(jobs),
+                "into-readv-threads": lambda: blockread.read_all(jobs)}[kind]
+
+        def run():
+            read()
+            return None, None
     else:  # memcpy: the cache's tensor bytes, from memory to memory already touched
         import numpy as np
 
@@ -134,12 +147,56 @@ def _trial(d: Path, variant: str, warm: bool) -> dict:
     t, cpu = time.perf_counter(), time.process_time()
     blocks, caches = run()
     seconds, cpu = time.perf_counter() - t, time.process_time() - cpu
-    out = {"s": seconds, "cpu_s": cpu}
+    import resource
+
+    out = {"s": seconds, "cpu_s": cpu, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
     if caches is not None:
         out["tokens"] = int(caches[0].offset)
     if blocks is not None:
         out["pieces_per_layer"] = _pieces(blocks)
     return out
+
+
+def _into_jobs(d: Path) -> list:
+    """Every block file of ``d``, to be read into one array per layer and side made for all its tokens (made
+    here, not timed): what a restore reads, less the store around it."""
+    import mlx.core as mx
+
+    from semantic.cachefile.fileformat import MX_DTYPES
+    from semantic.store import blockformat, blockread
+
+    spec = _spec()
+    infos = [blockformat.read_header(str(d / "blocks" / p), spec, FP) for p in json.loads((d / "order.json").read_text())]
+    n = infos[-1].end
+    slots = blockformat.block_slots(spec, infos[0].group, n)
+    arrays = blockread.zeros([(s.shape, MX_DTYPES[s.dtype]) for s in slots])
+    dests = {s.name: blockread.writable(a) for s, a in zip(slots, arrays)}
+    return [blockread.Into(i, dests, ((0, i.end - i.start, i.start),)) for i in infos]
+
+
+def _read_by_copy(jobs) -> None:
+    """The other way to read a block file into place: all of it into one reused buffer, then per tensor
+    its xxh3-128 and a numpy copy of its rows into their place (one thread, as ``into-readv``)."""
+    import numpy as np
+    import xxhash
+
+    buf = bytearray(max(j.info.nbytes for j in jobs))
+    mv, raw = memoryview(buf), np.frombuffer(buf, np.uint8)
+    for job in jobs:
+        info = job.info
+        with open(info.path, "rb", buffering=0) as f:
+            got = 0
+            while got < info.nbytes and (k := f.readinto(mv[got:info.nbytes])):
+                got += k
+        off = 8 + int.from_bytes(mv[:8], "little")
+        ((lo, hi, at),) = job.rows
+        for s in info.slots:
+            assert xxhash.xxh3_128(mv[off:off + s.nbytes]).hexdigest() == info.digests[s.name]
+            heads, rows = s.shape[1], s.shape[2]
+            row = s.nbytes // (heads * rows)
+            dest = np.frombuffer(job.dests[s.name], np.uint8).reshape(heads, -1, row)
+            dest[:, at:at + hi - lo] = raw[off:off + s.nbytes].reshape(heads, rows, row)[:, lo:hi]
+            off += s.nbytes
 
 
 def _xxh3(arrays) -> list[str]:
@@ -254,8 +311,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--dir", type=Path, default=Path("/tmp/semantic-restore-speed"),
                     help="where the caches are written (a size's folder is kept and reused)")
-    ap.add_argument("--before", type=Path, default=Path("/work/main"),
-                    help="a checkout whose semantic/ is the code before (blocks@before); '' to skip")
+    ap.add_argument("--before", type=Path, default=None,
+                    help="a checkout whose semantic/ is the code to compare with (blocks@before), e.g. main's")
     ap.add_argument("--out", type=Path, default=ROOT / "results" / "restore_speed.json")
     args = ap.parse_args(argv)
 
@@ -263,7 +320,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from harness import environment, stats
 
-    before = args.before if str(args.before) not in ("", ".") else None
+    before = args.before
     trees = {"": ROOT, "@before": before}
     doc = {
         "what": __doc__.splitlines()[0],
@@ -287,9 +344,10 @@ def main(argv: list[str] | None = None) -> None:
         info = json.loads((d / "ready.json").read_text())
         samples: dict[str, list[float]] = {}
         cpu: dict[str, list[float]] = {}
+        rss: dict[str, list[float]] = {}
         checks: dict[str, set] = {}
         for _ in range(args.rounds):
-            for warm, variants in ((False, COLD), (True, WARM)):
+            for warm, variants in ((False, COLD), (True, WARM), (False, INTO), (True, INTO)):
                 for v in variants:
                     kind, _, which = v.partition("@")
                     tree = trees["@" + which if which else ""]
@@ -298,6 +356,7 @@ def main(argv: list[str] | None = None) -> None:
                     r = _run_child(tree, ["--dir", str(d), "--variant", kind] + (["--warm"] if warm else []))
                     samples.setdefault(f"{'warm' if warm else 'cold'} {v}", []).append(r["s"])
                     cpu.setdefault(f"{'warm' if warm else 'cold'} {v}", []).append(r["cpu_s"])
+                    rss.setdefault(f"{'warm' if warm else 'cold'} {v}", []).append(r["peak_rss_mb"])
                     for k in ("tokens", "pieces_per_layer"):
                         if k in r:
                             checks.setdefault(f"{v} {k}", set()).add(r[k])
@@ -316,24 +375,27 @@ def main(argv: list[str] | None = None) -> None:
         if "cold blocks@before" in med:
             ratios["cold floor speed share before (floor / blocks@before)"] = med["cold floor"] / med["cold blocks@before"]
         ratios["warm blocks / memcpy"] = med["warm blocks"] / med["warm memcpy"]
+        for mode in ("cold", "warm"):
+            ratios[f"{mode} into-copy / into-readv"] = med[f"{mode} into-copy"] / med[f"{mode} into-readv"]
         doc["sizes"][str(n)] = {
             "tokens": n, "tensor_bytes": info["tensor_bytes"], "block_files": info["files"],
-            "median_s": med, "median_cpu_s": med_cpu, "ratios": ratios, "checks": {k: sorted(v) for k, v in checks.items()},
+            "median_s": med, "median_cpu_s": med_cpu, "ratios": ratios,
+            "median_peak_rss_mb": {k: float(np.median(v)) for k, v in rss.items()}, "checks": {k: sorted(v) for k, v in checks.items()},
             "stats": {k: stats.summarize(s) for k, s in samples.items()}, "samples_s": samples, "cpu_samples_s": cpu,
         }
-        _print(n, gb, med, med_cpu, ratios)
+        _print(n, gb, med, med_cpu, {k: float(np.median(v)) for k, v in rss.items()}, ratios)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=1) + "\n")
     print(f"wrote {args.out}")
 
 
-def _print(n: int, gb: float, med: dict, med_cpu: dict, ratios: dict) -> None:
+def _print(n: int, gb: float, med: dict, med_cpu: dict, rss: dict, ratios: dict) -> None:
     print(f"\n{n} tokens, {gb:.2f} GB of tensors")
-    print(f"  {'variant':<22}{'median s':>10}{'GB/s':>8}{'CPU s':>8}")
+    print(f"  {'variant':<26}{'median s':>10}{'GB/s':>8}{'CPU s':>8}{'peak RSS MB':>13}")
     for k, s in med.items():
-        print(f"  {k:<22}{s:>10.3f}{gb / s:>8.2f}{med_cpu[k]:>8.3f}")
+        print(f"  {k:<26}{s:>10.3f}{gb / s:>8.2f}{med_cpu[k]:>8.3f}{rss[k]:>13.0f}")
     for k, r in ratios.items():
-        print(f"  {k:<48}{r:>7.2f}")
+        print(f"  {k:<56}{r:>7.2f}")
 
 
 if __name__ == "__main__":

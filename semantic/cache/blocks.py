@@ -33,7 +33,8 @@ def _nbytes(x) -> int:
 
 @dataclass(slots=True, eq=False)
 class Segment:
-    """One contiguous copy of a run of blocks of a layer group, made by one extraction.
+    """One contiguous copy of a run of blocks of a layer group, made by one extraction (or one
+    restore of block files, read straight into it: ``store.blockread``).
 
     The blocks of the run hold views into it, so reconstruction can hand a
     layer its whole run as one slice instead of concatenating::
@@ -165,7 +166,7 @@ def segment_runs(pieces: Sequence[tuple[KVBlock, int, int]], layer: int) -> list
     """``layer``'s pieces ``(block, first, end)`` (block-local token indices), in order,
     with consecutive views of one segment merged into one run of it.
 
-    A fresh extraction or a loaded file is then one run per layer, which
+    A fresh extraction, a loaded file or a restore from block files is then one run per layer, which
     reconstruction and saving hand on as one slice instead of many pieces.
     """
     out: list[Run] = []

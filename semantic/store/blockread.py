@@ -8,9 +8,11 @@ missed blocks (a ``blocks.Segment``), then reads each block file of the run into
     segment      layer.0.keys (1, heads, run tokens, dim):   head 0 [ .. | file rows | .. ]   head 1 [ .. ] ..
 
 The tensors arrive a batch of about a mebibyte at a time (one ``readv``) and each is hashed (xxh3-128)
-right after, while its bytes are still in the core's cache: each byte crosses memory once, into its
-final place, and nothing is read twice. Rows no array takes (a history that uses only a prefix of
-another agent's partial block) are read into scratch space, to be hashed with the rest.
+right after, while its bytes are still in the core's cache: each byte is copied once, into its final
+place, and hashed from cache, not from memory (the whole file into one buffer, then a hash and a copy
+into place per tensor, measured 1.1-1.7x slower: ``harness.analysis.restore_speed``, into-copy).
+Rows no array takes (a history that uses only a prefix of another agent's partial block) are read into
+scratch space, to be hashed with the rest.
 
 :func:`read_all` reads the files on the hashing threads and the caller together, in order, and tells
 the kernel which files come next (``POSIX_FADV_WILLNEED``) so that the disk reads ahead while the
@@ -56,16 +58,18 @@ class Into:
 def zeros(shapes: Sequence[tuple[tuple[int, ...], mx.Dtype]]) -> list[mx.array]:
     """Evaluated arrays of zeros of ``shapes`` (shape, dtype), to be read into (:func:`writable`).
 
-    MLX makes no array it has not written, so each page of one is first touched here: a page fault
-    and the kernel's zeroing per page cost several times the writing (about 0.5 s a GB on a 2-core
-    VM, as much as reading the bytes in), so the arrays are made on the hashing threads and this one
-    together, each evaluated on the thread that made it (mlx 0.32 evaluates an array only there)."""
+    MLX makes no array without writing it, so every page of one is first touched here, not by the
+    read: a page fault and the kernel's zeroing per page (about 0.5 s a GB on this 2-core VM, as much
+    as ``mx.load``'s reading into fresh memory) and one more pass over memory than a load of one file
+    makes. The arrays are made on the hashing threads and this one together, on the CPU (no GPU work
+    from other threads), each evaluated on the thread that made it (mlx 0.32 evaluates an array only
+    there); once evaluated they serve any thread."""
     if not shapes:
         return []
     pool, n = hasher(), _shares(len(shapes))
 
     def make(k: int) -> list[mx.array]:
-        out = [mx.zeros(shape, dtype=dtype) for shape, dtype in shapes[k::n]]
+        out = [mx.zeros(shape, dtype=dtype, stream=mx.cpu) for shape, dtype in shapes[k::n]]
         mx.eval(out)
         return out
 
