@@ -10,13 +10,13 @@ directory). A model's life, one change at a time::
 Loads run one at a time, off the event loop; requests for loaded models go on meanwhile. What to unload
 for room is decided first (:func:`plan_room`, plain data) and then run. A model is unloaded only with no
 request holding it (a :class:`Lease`); unloading closes its service, which writes its pending saves, so
-its agents' caches come back from disk when it loads again.
+its agents' caches come back from disk when it loads again, and waits until its memory is given back
+(``memory.release``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import time
 from collections import Counter
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from semantic.serve.fleet import view
+from semantic.serve.fleet import memory, view
 from semantic.serve.fleet.plan import (FAILED, HOLDING, LOADED, LOADING, UNLOADED, UNLOADING, Resident,
                                       idle_past_ttl, plan_room)
 from semantic.serve.fleet.registry import ModelEntry, ModelOptions, Registry
@@ -123,6 +123,7 @@ class Fleet:
         self._released: asyncio.Event | None = None
         self._reaper: asyncio.Task | None = None
         self._trimming: asyncio.Future | None = None  # the heap trim after a load (a reference keeps it alive)
+        memory.fix_heap_thresholds()  # before any model loads: an unloaded model's buffers go back to the system
 
     @classmethod
     def of(cls, backend) -> "Fleet":
@@ -314,11 +315,12 @@ class Fleet:
         self._set(slot, UNLOADING)
         log.info("unloading %s (%s): writing its pending saves", slot.id, reason)
         t0 = time.monotonic()
+        held = memory.holders(slot.backend)
         await self._close(slot.backend)
         slot.backend = None  # the last reference: nothing here may keep the model for the collection below
         slot.unloads[reason] += 1
         self._set(slot, UNLOADED)
-        await asyncio.to_thread(_free_memory)
+        await asyncio.to_thread(_free_memory, held)
         log.info("unloaded %s in %.1f s: its agents' caches are on disk for its next load", slot.id,
                  time.monotonic() - t0)
 
@@ -410,25 +412,6 @@ def _retrieved(future: asyncio.Future) -> None:
         future.exception()
 
 
-def _free_memory() -> None:
-    """Give freed arrays back to the system: the collector first (cycles hold models), then MLX's buffer
-    cache, then glibc's heap (freed weights stay in its arenas otherwise: measured, +400 MB a switch)."""
-    gc.collect()
-    try:
-        import mlx.core as mx
-
-        mx.clear_cache()
-    except (ImportError, AttributeError):
-        pass
-    trim = getattr(_libc(), "malloc_trim", None)
-    if trim is not None:
-        trim(0)
-
-
-def _libc():
-    import ctypes
-
-    try:
-        return ctypes.CDLL(None)
-    except OSError:
-        return None
+def _free_memory(held=()) -> None:
+    """Give freed arrays back to the system once the unloaded model's are collected (``memory.release``)."""
+    memory.release(held)

@@ -24,7 +24,7 @@ from tests.fleet_helpers import MB, Opener, stand_in_fleet as _fleet, until_asyn
 @pytest.fixture(autouse=True)
 def _no_collection(monkeypatch):
     """An unload's gc.collect and mx.clear_cache give back a real model's arrays; stand-ins hold none."""
-    monkeypatch.setattr(fleet_mod, "_free_memory", lambda: None)
+    monkeypatch.setattr(fleet_mod, "_free_memory", lambda *held: None)
 
 
 # ---------------------------------------------------------------- acquire
