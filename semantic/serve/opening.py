@@ -7,10 +7,9 @@ from pathlib import Path
 
 from semantic import defaults
 from semantic.serve.config import MB, ServeConfig
+from semantic.serve.fleet import footprint
 from semantic.serve.fleet.fleet import Fleet
 from semantic.serve.fleet.registry import ModelEntry, ModelOptions, Registry, build
-
-WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".npz")
 
 
 def registry_of(config: ServeConfig) -> Registry:
@@ -33,10 +32,19 @@ def ram_budget_bytes(entry: ModelEntry, config: ServeConfig) -> int:
 
 
 def estimate_bytes(entry: ModelEntry, config: ServeConfig) -> int:
-    """Before a load: the weight files on disk plus the model's pool (a hub id not on disk: its pool only)."""
-    where = Path(entry.source).expanduser()
-    weights = sum(f.stat().st_size for f in where.glob("*") if f.suffix in WEIGHT_SUFFIXES) if where.is_dir() else 0
-    return weights + pool_mb(entry, config) * MB
+    """Before a load, what its unload gives back: the weight files on disk, the model's pool and a turn's
+    working memory (``footprint``; a hub id not on disk: its pool only)."""
+    return footprint_of(entry, config).loaded
+
+
+def kept_bytes(entry: ModelEntry, config: ServeConfig) -> int:
+    """What a model's first load keeps across its unloads: its tokenizer (``open_backend`` keeps it)."""
+    return footprint_of(entry, config).tokenizer
+
+
+def footprint_of(entry: ModelEntry, config: ServeConfig) -> footprint.Footprint:
+    return footprint.footprint(Path(entry.source).expanduser(), pool_mb(entry, config) * MB,
+                               chunk=config.prefill_chunk, max_batch=config.max_batch)
 
 
 def context_of(entry: ModelEntry) -> int | None:
@@ -139,7 +147,8 @@ def fleet_of(config: ServeConfig) -> Fleet:
                   budget_bytes=config.models_mb * MB if config.models_mb else None,
                   estimate=lambda e: estimate_bytes(e, config), context_of=context_of,
                   check=lambda e: precheck(e, config, several), shutdown_s=config.shutdown_s,
-                  responses_dir=responses_dir(config) if several else None)
+                  responses_dir=responses_dir(config) if several else None,
+                  kept=lambda e: kept_bytes(e, config), runtime_bytes=footprint.RUNTIME_BYTES)
     return fleet
 
 
