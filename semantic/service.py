@@ -192,6 +192,8 @@ class Service:
         path = compat.model_path(model)
         # quantized caches are another model's as far as files go: their own directory and Redis keys
         fingerprint = model_fingerprint(path) + (f"-kv{kv_bits}" if kv_bits else "")
+        kept_tokenizer = tokenizer is not None
+        machine = sizing.Machine.read()  # before the load: its weights and tokenizer are counted below
         loaded, tokenizer = compat.load(path, tokenizer)
         spec = ModelCacheSpec.from_model(loaded, kv_bits=kv_bits)
         weights = sum(v.nbytes for _, v in tree_flatten(loaded.parameters()))
@@ -201,10 +203,11 @@ class Service:
         if pool_bytes is None or disk_budget_bytes is None:
             args = dict(vars(getattr(loaded, "args", None) or {}))
             shape = sizing.ModelShape.from_config(args, weights, scheduling.get("max_context"))
-            budgets = sizing.derive(spec, shape, machine=sizing.Machine.read(), disk_free_bytes=sizing.disk_free(where),
+            # a tokenizer kept from an earlier load is resident already, and counted by the fleet
+            budgets = sizing.derive(spec, shape, machine=machine, disk_free_bytes=sizing.disk_free(where),
                                     block_tokens=block_tokens, share=share,
                                     chunk=scheduling.get("prefill_chunk") or defaults.prefill_chunk(),
-                                    tokenizer=0 if tokenizer is not None and not share.memory else sizing.TOKENIZER_BYTES)
+                                    tokenizer=0 if kept_tokenizer else sizing.tokenizer_bytes(path))
             log.info("%s", budgets.describe())
             if pool_bytes is None:
                 pool_bytes = budgets.pool

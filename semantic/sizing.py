@@ -6,7 +6,8 @@ its reserve of max(3 GiB, 5%), and its disk budget of min(30 GiB, free / 4)::
     memory      what the machine gives this process: available memory, or a cgroup's limit less its
                 usage on Linux; the GPU's recommended working set on a Mac
     - reserve   max(3 GiB, 5% of the machine): the system, other processes, what the formula misses
-    - fixed     every model's weights, tokenizer, and MLX's own runtime (measured, ``RUNTIME_BYTES``)
+    - fixed     every model's weights and tokenizer (``tokenizer_bytes``), and the process's runtime
+                (``RUNTIME_BYTES``); measured as ``semantic.serve.fleet.footprint`` says
     - working   a prefill chunk's activations at the longest context (its attention scores, logits)
     = left      shared by the models, each its pool and the live copies of its caches in turns
                 (``LIVE_COPY`` times them): a turn extends its cache in mlx-lm's own arrays while the pool
@@ -35,11 +36,14 @@ RESERVE_SHARE = 0.05
 DISK_CEILING = 30 * GiB
 DISK_SHARE = 0.25
 POOL_FLOOR = 64 * MiB            # below it a model is refused, not served badly
-# MLX's runtime and a Python server's own pages, paid once per process: RSS of `semantic serve` with a
-# 135M-parameter model loaded, less its weights, measured on Linux (mlx 0.30, CPU): about 420 MiB
-RUNTIME_BYTES = 448 * MiB
-# a loaded tokenizer (Hugging Face fast tokenizer): 20-60 MiB measured for SmolLM2 and Gemma 3
-TOKENIZER_BYTES = 64 * MiB
+# the process's own: the server's imports, MLX's and BLAS's runtime, with no model loaded after one loaded,
+# ran a turn and unloaded: 111 MB measured (``python -m harness.memory.costs``; 2-core x86, mlx 0.32)
+RUNTIME_BYTES = 128 * MiB
+# a loaded tokenizer follows its tokenizer.json: SmolLM2 (3.4 MB file) 55 MB, Gemma 3 (31.7 MB) 378-441 MB
+TOKENIZER_FIXED = 16 * MiB
+TOKENIZER_PER_FILE_BYTE = 14
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt", "tiktoken.model")
+TOKENIZER_BYTES = 64 * MiB       # a model whose files are not on disk (a hub id): SmolLM2's
 # a turn's peak beyond the pool's blocks, as a share of its cache: mlx-lm's arrays it extends, their
 # growth's transients and the new blocks; measured on a tiny body of Qwen3-Coder-30B-A3B's geometry, peak
 # active memory 2.28x and 2.26x the cache for 2 tokens after 16K and 32K, 2.38x for 300 after 8K
@@ -111,6 +115,17 @@ def _darwin() -> "Machine":
     if wired:
         return Machine(min(wired, total), total, "the GPU's recommended working set")
     return Machine(int(total * 0.75), total, "three quarters of the machine's memory")
+
+
+def tokenizer_bytes(model_dir: Path | None) -> int:
+    """The RSS a model's tokenizer takes once loaded: its ``tokenizer.json`` (else its other tokenizer files)
+    times ``TOKENIZER_PER_FILE_BYTE``, plus ``TOKENIZER_FIXED`` (no directory: ``TOKENIZER_BYTES``)."""
+    if model_dir is None or not Path(model_dir).is_dir():
+        return TOKENIZER_BYTES
+    d = Path(model_dir)
+    files = [d / "tokenizer.json"] if (d / "tokenizer.json").is_file() else \
+        [d / n for n in TOKENIZER_FILES if (d / n).is_file()]
+    return TOKENIZER_FIXED + TOKENIZER_PER_FILE_BYTE * sum(f.stat().st_size for f in files)
 
 
 def disk_free(where: str | Path) -> int:

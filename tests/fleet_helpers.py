@@ -65,15 +65,18 @@ class Opener:
 
 
 def stand_in_fleet(sizes_mb: dict[str, int], budget_mb: int | None = None, pinned=(), ttl: dict | None = None,
-                   fail=(), gates=None, estimate_mb: dict | None = None, check=None) -> tuple[Fleet, Opener]:
-    """A fleet of stand-ins; ``estimate_mb``: what the fleet expects before a load (default: their sizes)."""
+                   fail=(), gates=None, estimate_mb: dict | None = None, check=None, kept_mb: dict | None = None,
+                   runtime_mb: int = 0) -> tuple[Fleet, Opener]:
+    """A fleet of stand-ins; ``estimate_mb``: what the fleet expects before a load (default: their sizes);
+    ``kept_mb``: what a model's load keeps after its unload (a tokenizer); ``runtime_mb``: the process's own."""
     opener = Opener(sizes_mb, fail, gates)
     estimate = estimate_mb or sizes_mb
     entries = [ModelEntry(i, f"/models/{i}", ModelOptions(pinned=i in pinned, idle_ttl_s=(ttl or {}).get(i)))
                for i in sizes_mb]
     fleet = Fleet(Registry(entries), opener, budget_bytes=budget_mb * MB if budget_mb else None,
                   estimate=lambda e: estimate[e.id] * MB,
-                  check=check or (lambda e: None))
+                  check=check or (lambda e: None), kept=lambda e: (kept_mb or {}).get(e.id, 0) * MB,
+                  runtime_bytes=runtime_mb * MB)
     return fleet, opener
 
 

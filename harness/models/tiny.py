@@ -33,10 +33,11 @@ CHAT_TEMPLATE = (
 )
 
 
-def tiny_llama(seed: int = 0, layers: int = 3):
-    """A llama-architecture model: every layer a plain ``KVCache``."""
+def tiny_llama(seed: int = 0, layers: int = 3, **shape):
+    """A llama-architecture model: every layer a plain ``KVCache``; ``shape`` overrides :data:`LLAMA_CONFIG`
+    (``hidden_size=512``: a model of tens of MB, whose memory a test can see)."""
     mx.random.seed(seed)
-    args = llama.ModelArgs.from_dict({**LLAMA_CONFIG, "num_hidden_layers": layers})
+    args = llama.ModelArgs.from_dict({**LLAMA_CONFIG, **shape, "num_hidden_layers": layers})
     model = llama.Model(args)
     mx.eval(model.parameters())
     return model
@@ -148,9 +149,9 @@ def _byte_of(ch: str) -> int:
     return extra[ord(ch) - 256]
 
 
-def write_tiny_llama(path, seed: int = 0, layers: int = 3):
-    """A directory ``mlx_lm.load`` reads: the tiny llama's config, weights and
-    byte tokenizer (with :data:`CHAT_TEMPLATE`). Servers under test load it."""
+def write_tiny_llama(path, seed: int = 0, layers: int = 3, **shape):
+    """A directory ``mlx_lm.load`` reads: the tiny llama's config (``shape`` over :data:`LLAMA_CONFIG`),
+    weights and byte tokenizer (with :data:`CHAT_TEMPLATE`). Servers under test load it."""
     import json
     from pathlib import Path
 
@@ -158,9 +159,9 @@ def write_tiny_llama(path, seed: int = 0, layers: int = 3):
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    model = tiny_llama(seed, layers)
+    model = tiny_llama(seed, layers, **shape)
     mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
-    (path / "config.json").write_text(json.dumps({**LLAMA_CONFIG, "num_hidden_layers": layers}, indent=1))
+    (path / "config.json").write_text(json.dumps({**LLAMA_CONFIG, **shape, "num_hidden_layers": layers}, indent=1))
     hf = byte_tokenizer()._tokenizer
     hf.chat_template = CHAT_TEMPLATE
     hf.save_pretrained(str(path))

@@ -53,7 +53,8 @@ def _model_flags(p: argparse.ArgumentParser, d: ServeConfig) -> None:
     p.add_argument("--pin", action="append", default=[], metavar="ID",
                    help="load this model at start and never unload it (repeatable)")
     p.add_argument("--models-mb", type=int, default=None, metavar="MB",
-                   help="the most memory the weights and KV pools of all loaded models take together: a load that "
+                   help="the most resident memory the server takes: its runtime, the tokenizers loads kept and each "
+                        "loaded model's weights, KV pool and working memory, as estimated before a load; a load that "
                         "needs room unloads the least recently used models that are not pinned and serve no request "
                         "(their agents' caches are saved, and come back from disk) (default: no bound)")
     p.add_argument("--idle-ttl", type=float, default=d.idle_ttl_s, metavar="S",

@@ -28,7 +28,7 @@ class ServeConfig:
     models_dir: str | None = None      # every model folder under it, by its folder name
     aliases: tuple[str, ...] = ()      # PATTERN=ID
     pins: tuple[str, ...] = ()         # loaded at start, never unloaded
-    models_mb: int | None = None       # weights and pools of all loaded models together (None: no bound)
+    models_mb: int | None = None       # the server's RSS: runtime, kept tokenizers, loaded models (None: no bound)
     idle_ttl_s: float = 0.0            # unload a model idle this long (0: never)
     kv_bits: int | None = None         # quantized KV caches
     host: str = "127.0.0.1"

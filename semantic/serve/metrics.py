@@ -112,8 +112,8 @@ def _fleet_metrics(fleet):
     """Each served model's state and memory, and the loads and unloads that changed them."""
     rows = fleet.rows()
     loaded = GaugeMetricFamily("semantic_model_loaded", "1 while the model is loaded", labels=["model"])
-    memory = GaugeMetricFamily("semantic_model_memory_bytes", "The model's weights and KV pool while loaded "
-                               "(estimated while it loads)", labels=["model"])
+    memory = GaugeMetricFamily("semantic_model_memory_bytes", "The model's weights, KV pool and working memory "
+                               "while loaded (estimated before its load)", labels=["model"])
     loads = CounterMetricFamily("semantic_model_loads", "Times the model was loaded", labels=["model"])
     unloads = CounterMetricFamily("semantic_model_unloads", "Times the model was unloaded, by reason (lru: room "
                                   "for another under --models-mb; idle: its TTL; shutdown)", labels=["model", "reason"])
@@ -129,8 +129,10 @@ def _fleet_metrics(fleet):
     yield from (loaded, memory, loads, unloads, seconds)
     budget = fleet.summary()["budget_bytes"]
     if budget is not None:
-        yield GaugeMetricFamily("semantic_models_budget_bytes", "--models-mb: weights and pools of all loaded "
-                                "models together", value=float(budget))
+        yield GaugeMetricFamily("semantic_models_budget_bytes", "--models-mb: the server's resident memory "
+                                "(runtime, kept tokenizers, loaded models)", value=float(budget))
+        yield GaugeMetricFamily("semantic_models_overhead_bytes", "What no unload gives back: the runtime and "
+                                "the tokenizers loads kept", value=float(fleet.overhead_bytes))
 
 
 def _state_gauges(s: dict):

@@ -7,10 +7,9 @@ from pathlib import Path
 
 from semantic import defaults, sizing
 from semantic.serve.config import MB, ServeConfig
+from semantic.serve.fleet import footprint
 from semantic.serve.fleet.fleet import Fleet
 from semantic.serve.fleet.registry import ModelEntry, ModelOptions, Registry, build
-
-WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".npz")
 
 
 def registry_of(config: ServeConfig) -> Registry:
@@ -36,32 +35,40 @@ def ram_budget_bytes(entry: ModelEntry, config: ServeConfig) -> int | None:
     return ram * MB if ram is not None and ram <= pool else int(pool * MB * defaults.RAM_SHARE)
 
 
-def weights_on_disk(entry: ModelEntry) -> int:
-    """Bytes of the model's weight files (a hub id not on disk: 0)."""
-    where = Path(entry.source).expanduser()
-    return sum(f.stat().st_size for f in where.glob("*") if f.suffix in WEIGHT_SUFFIXES) if where.is_dir() else 0
-
-
 def share_of(entry: ModelEntry, config: ServeConfig, registry: Registry) -> sizing.Share:
     """The memory a model sizes its own budgets from: ``--models-mb`` (else the machine's), shared by every
     model the server may hold, whose weights and tokenizers it counts as fixed."""
-    others = [e for i, e in registry.entries.items() if e is not entry]
+    others = [footprint.footprint(Path(e.source).expanduser(), 0) for e in registry.entries.values() if e is not entry]
     return sizing.Share(memory=config.models_mb * MB if config.models_mb else None, models=1 + len(others),
-                        others_fixed=sum(weights_on_disk(e) + sizing.TOKENIZER_BYTES for e in others))
+                        others_fixed=sum(f.weights + f.tokenizer for f in others))
 
 
 def estimate_bytes(entry: ModelEntry, config: ServeConfig, registry: Registry | None = None) -> int:
-    """Before a load: the weight files on disk plus the model's pool (a hub id not on disk: its pool only);
-    a pool sized from the memory counts its share of it, pool and its caches' live copies."""
-    weights = weights_on_disk(entry)
+    """Before a load, what its unload gives back: the weight files on disk, the model's pool and a turn's
+    working memory (``footprint``; a hub id not on disk: its pool only)."""
+    return footprint_of(entry, config, registry).loaded
+
+
+def kept_bytes(entry: ModelEntry, config: ServeConfig, registry: Registry | None = None) -> int:
+    """What a model's first load keeps across its unloads: its tokenizer (``open_backend`` keeps it)."""
+    return footprint_of(entry, config, registry).tokenizer
+
+
+def footprint_of(entry: ModelEntry, config: ServeConfig, registry: Registry | None = None) -> footprint.Footprint:
+    """The model's footprint at its pool: ``--pool-mb``, else its share of ``--models-mb`` as ``semantic.sizing``
+    will size it (no budget: the pool is not counted, since nothing is checked against it)."""
+    where = Path(entry.source).expanduser()
     pool = pool_mb(entry, config)
     if pool is not None:
-        return weights + pool * MB
-    if not config.models_mb:
-        return weights  # no budget to check against: the machine's memory sized the pool
-    share = share_of(entry, config, registry) if registry is not None else sizing.Share(config.models_mb * MB)
-    left = share.memory - sizing.RUNTIME_BYTES - share.others_fixed - weights - sizing.TOKENIZER_BYTES
-    return weights + max(0, left) // share.models
+        pool_bytes = pool * MB
+    elif config.models_mb:
+        mine = footprint.footprint(where, 0)
+        share = share_of(entry, config, registry) if registry is not None else sizing.Share(config.models_mb * MB)
+        left = share.memory - sizing.RUNTIME_BYTES - share.others_fixed - mine.weights - mine.tokenizer
+        pool_bytes = max(0, int(left / ((1 + sizing.LIVE_COPY) * share.models)))
+    else:
+        pool_bytes = 0
+    return footprint.footprint(where, pool_bytes, chunk=config.prefill_chunk, max_batch=config.max_batch)
 
 
 def context_of(entry: ModelEntry) -> int | None:
@@ -167,7 +174,8 @@ def fleet_of(config: ServeConfig) -> Fleet:
                   budget_bytes=config.models_mb * MB if config.models_mb else None,
                   estimate=lambda e: estimate_bytes(e, config, registry), context_of=context_of,
                   check=lambda e: precheck(e, config, several), shutdown_s=config.shutdown_s,
-                  responses_dir=responses_dir(config) if several else None)
+                  responses_dir=responses_dir(config) if several else None,
+                  kept=lambda e: kept_bytes(e, config, registry), runtime_bytes=sizing.RUNTIME_BYTES)
     return fleet
 
 

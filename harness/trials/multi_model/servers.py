@@ -53,7 +53,7 @@ def start_mlx_lm(model_dir: Path, work: Path, ready_timeout_s: float = 300.0):
 
 
 def model_mb(model_dir: Path) -> float:
-    """The weights' bytes on disk in MB: what the fleet counts for a model before it loads (+ its pool)."""
+    """The weights' bytes on disk in MB (the record; the budgets count what the fleet does: ``trial.footprints``)."""
     return sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors")) / MB
 
 

@@ -29,13 +29,23 @@ PHASES = ("switching", "concurrent")
 MB = 2**20
 
 
-def budgets(p: dict, weights_mb: dict[str, float]) -> dict[str, int]:
+def budgets(p: dict, loaded_mb: dict[str, float], fixed_mb: float = 0.0) -> dict[str, int]:
     """``--models-mb`` of each phase where the config leaves it 0: switching holds the largest model and
     ``switch_fit`` of the smallest (never both); both loaded holds both with ``conc_slack`` to spare.
-    A model counts as its weights on disk plus its pool, as the fleet counts it before a load."""
-    need = sorted(w + p["pool_mb"] for w in weights_mb.values())
-    return {"switch_models_mb": p["switch_models_mb"] or int(need[-1] + p["switch_fit"] * need[0]),
-            "conc_models_mb": p["conc_models_mb"] or int(sum(need) * (1 + p["conc_slack"]))}
+    A model counts as the fleet counts it before a load (``semantic.serve.fleet.footprint``): ``loaded_mb``
+    (weights, pool, a turn's working memory) beside ``fixed_mb`` (the runtime and both kept tokenizers)."""
+    need = sorted(loaded_mb.values())
+    return {"switch_models_mb": p["switch_models_mb"] or int(fixed_mb + need[-1] + p["switch_fit"] * need[0]),
+            "conc_models_mb": p["conc_models_mb"] or int((fixed_mb + sum(need)) * (1 + p["conc_slack"]))}
+
+
+def footprints(dirs: dict[str, Path], pool_mb: int) -> tuple[dict[str, float], float]:
+    """Each model's loaded MB and the fixed MB (the runtime, every tokenizer), as the fleet estimates them."""
+    from semantic.serve.fleet import footprint
+
+    fp = {m: footprint.footprint(d, pool_mb * MB) for m, d in dirs.items()}
+    return ({m: f.loaded / MB for m, f in fp.items()},
+            (footprint.RUNTIME_BYTES + sum(f.tokenizer for f in fp.values())) / MB)
 
 
 def run(ctx) -> None:
@@ -49,7 +59,7 @@ def run(ctx) -> None:
     variant = registry.default_variant(ctx.config.model_variant)
     dirs = {"main": Path(p["main_dir"] or registry.prepare(p["main_model"], variant=variant)),
             "small": Path(p["small_dir"] or registry.prepare(p["small_model"], variant=variant))}
-    p.update(budgets(p, {m: model_mb(d) for m, d in dirs.items()}))
+    p.update(budgets(p, *footprints(dirs, p["pool_mb"])))
     systems = {m: system_prompt(load_tokenizer(d), p["system_tokens"]) for m, d in dirs.items()}
     work = Path(tempfile.mkdtemp(prefix="exp019-", dir=p["work_dir"] or None))
     out: dict = {"models": {m: str(d) for m, d in dirs.items()},

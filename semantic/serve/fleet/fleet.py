@@ -10,13 +10,16 @@ directory). A model's life, one change at a time::
 Loads run one at a time, off the event loop; requests for loaded models go on meanwhile. What to unload
 for room is decided first (:func:`plan_room`, plain data) and then run. A model is unloaded only with no
 request holding it (a :class:`Lease`); unloading closes its service, which writes its pending saves, so
-its agents' caches come back from disk when it loads again.
+its agents' caches come back from disk when it loads again, and waits until its memory is given back
+(``memory.release``).
+
+The budget holds the process's RSS (``footprint``): the runtime, every tokenizer a load kept (they outlive
+their models' unloads), and each loaded model's weights, pool and working memory.
 """
 
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import time
 from collections import Counter
@@ -24,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from semantic.serve.fleet import view
+from semantic.serve.fleet import memory, view
 from semantic.serve.fleet.plan import (FAILED, HOLDING, LOADED, LOADING, UNLOADED, UNLOADING, Resident,
                                       idle_past_ttl, plan_room)
 from semantic.serve.fleet.registry import ModelEntry, ModelOptions, Registry
@@ -61,7 +64,8 @@ class Slot:
     backend: object = None         # a Backend while loaded
     leases: int = 0
     last_used: float = 0.0         # monotonic
-    bytes: int = 0                 # weights + pool: estimated before a load, measured after
+    bytes: int = 0                 # weights + pool + working memory: estimated before a load (weights and pool
+                                   # measured after it, when they come to more)
     since: float = field(default_factory=time.monotonic)  # when the state began
     change: asyncio.Future | None = None  # the load or unload running now
     error: str | None = None
@@ -100,8 +104,12 @@ class Fleet:
     Args:
         registry: the served models and aliases.
         opener: loads one model into a Backend (blocking; called off the event loop).
-        budget_bytes: ``--models-mb``: weights and pools of all loaded models together (None: no bound).
-        estimate: a model's bytes before it loads (weights on disk + its pool).
+        budget_bytes: ``--models-mb``: the runtime, the kept tokenizers and the loaded models together
+            (None: no bound).
+        estimate: a model's bytes before it loads, all of which its unload gives back (weights on disk, its
+            pool, a turn's working memory).
+        kept: what a model's first load leaves for good (its tokenizer, kept across unloads).
+        runtime_bytes: what the process holds with no model loaded.
         context_of: a model's context length before it loads (its config's), for the listings.
         check: before room is made for a load: raises what would make it fail (so a model that cannot
             load unloads nobody), and returns its cache directory (two loaded models never share one).
@@ -112,8 +120,11 @@ class Fleet:
                  estimate: Callable[[ModelEntry], int] = lambda e: 0,
                  context_of: Callable[[ModelEntry], int | None] = lambda e: None,
                  check: Callable[[ModelEntry], str | None] = lambda e: None, shutdown_s: float = 30.0,
-                 responses_dir: Path | None = None):
+                 responses_dir: Path | None = None, kept: Callable[[ModelEntry], int] = lambda e: 0,
+                 runtime_bytes: int = 0):
         self.registry, self.opener, self.budget, self.estimate = registry, opener, budget_bytes, estimate
+        self.kept, self.runtime_bytes = kept, runtime_bytes
+        self._kept: dict[str, int] = {}  # a loaded source's kept bytes (its tokenizer), from its first load on
         self.context_of, self.check = context_of, check
         self.shutdown_s, self.responses_dir = shutdown_s, responses_dir
         self.slots: dict[str, Slot] = {i: Slot(e) for i, e in registry.entries.items()}
@@ -123,6 +134,7 @@ class Fleet:
         self._released: asyncio.Event | None = None
         self._reaper: asyncio.Task | None = None
         self._trimming: asyncio.Future | None = None  # the heap trim after a load (a reference keeps it alive)
+        memory.fix_heap_thresholds()  # before any model loads: an unloaded model's buffers go back to the system
 
     @classmethod
     def of(cls, backend) -> "Fleet":
@@ -165,17 +177,28 @@ class Fleet:
 
     # ------------------------------------------------------------ loading
 
+    @property
+    def overhead_bytes(self) -> int:
+        """What no unload gives back: the runtime and the tokenizers loads kept."""
+        return self.runtime_bytes + sum(self._kept.values())
+
     def preload(self, ids: list[str]) -> None:
         """Load ``ids`` now, before serving (no event loop yet): the pinned models. Raises what the load raises."""
-        need = sum(self.estimate(self.slots[i].entry) for i in ids)
+        entries = [self.slots[i].entry for i in ids]
+        sizes = {i: self.estimate(e) for i, e in zip(ids, entries)}
+        kept = {e.source: self.kept(e) for e in entries if e.source not in self._kept}
+        need = sum(sizes.values()) + sum(kept.values()) + self.overhead_bytes
         if self.budget is not None and need > self.budget:
             raise ModelMemoryError(f"the pinned models {', '.join(ids)} need about {need / 2**20:.0f} MB, over "
-                                   f"--models-mb {self.budget / 2**20:.0f}: raise it or pin fewer")
+                                   f"--models-mb {self.budget / 2**20:.0f} (the runtime and their tokenizers "
+                                   "included): raise it or pin fewer")
         for model_id in ids:
             slot = self.slots[model_id]
             t0 = time.monotonic()
             log.info("loading %s from %s", model_id, slot.entry.source)
+            slot.bytes = sizes[model_id]
             self._installed(slot, self.opener(slot.entry), time.monotonic() - t0)
+            self._kept.setdefault(slot.entry.source, kept.get(slot.entry.source, 0))
 
     async def acquire(self, name: "str | None | Slot") -> Lease:
         """A lease on the loaded model ``name`` reaches (or the slot a request resolved), loading it first when
@@ -212,8 +235,9 @@ class Fleet:
                 if slot.state == LOADED or self.closing:
                     return
                 need = await asyncio.to_thread(self.estimate, slot.entry)
+                keeps = 0 if slot.entry.source in self._kept else await asyncio.to_thread(self.kept, slot.entry)
                 await self._claim(slot)
-                await self._make_room(slot, need)
+                await self._make_room(slot, need, keeps)
                 self._set(slot, LOADING)
                 slot.bytes = need
                 log.info("loading %s from %s (about %.0f MB)", slot.id, slot.entry.source, need / 2**20)
@@ -229,6 +253,7 @@ class Fleet:
                     self._set(slot, UNLOADED)
                     return
                 self._installed(slot, backend, time.monotonic() - t0)
+                self._kept.setdefault(slot.entry.source, keeps)
                 await self._shrink(keep=slot)
                 # the loader's read buffers go back beside the model's first turn, not before it
                 self._trimming = asyncio.ensure_future(asyncio.to_thread(_free_memory))
@@ -251,14 +276,15 @@ class Fleet:
                 f"give {slot.id!r} as an alias ({slot.id}={other.id})"))
             raise ModelLoadError(f"the model {slot.id!r} failed to load: {slot.error}")
 
-    async def _make_room(self, slot: Slot, need: int) -> None:
+    async def _make_room(self, slot: Slot, need: int, keeps: int = 0) -> None:
         """Unload for room one model at a time, planning again after each: while one unloads, a request
-        may take the next one planned."""
+        may take the next one planned. ``keeps``: what the load will keep beyond its unload (its tokenizer,
+        when no earlier load kept it)."""
         deadline = time.monotonic() + ROOM_WAIT_S
         while True:
             if self.closing:  # room freed in the drain is not for a load: unload nothing more, load nothing
                 raise SchedulerClosedError("the server is shutting down")
-            plan = plan_room(self._resident(exclude=slot), need, self.budget)
+            plan = plan_room(self._resident(exclude=slot), need, self.budget, self.overhead_bytes + keeps)
             if plan.refuse is not None:
                 raise ModelMemoryError(f"the model {slot.id!r} does not fit this server's memory budget: "
                                        f"{plan.refuse}; raise --models-mb or unpin a model")
@@ -280,7 +306,7 @@ class Fleet:
 
     async def _shrink(self, keep: Slot) -> None:
         """After a load measured more than estimated: unload idle models until the budget holds again."""
-        while (plan := plan_room(self._resident(exclude=keep), keep.bytes, self.budget)).unload:
+        while (plan := plan_room(self._resident(exclude=keep), keep.bytes, self.budget, self.overhead_bytes)).unload:
             await self._unload(self.slots[plan.unload[0]], "lru")
 
     def _resident(self, exclude: Slot) -> list[Resident]:
@@ -290,12 +316,13 @@ class Fleet:
     def _installed(self, slot: Slot, backend, seconds: float) -> None:
         slot.backend, slot.error = backend, None
         slot.context_length = getattr(backend, "context_length", None)
-        slot.bytes = _measured(backend) or slot.bytes
+        slot.bytes = max(slot.bytes, _measured(backend))  # the estimate, or more when the weights measure more
         slot.loads += 1
         slot.load_s = round(seconds, 3)
         slot.last_used = time.monotonic()
         self._set(slot, LOADED)
-        log.info("loaded %s in %.1f s (%.0f MB weights and pool)", slot.id, seconds, slot.bytes / 2**20)
+        log.info("loaded %s in %.1f s (%.0f MB weights, pool and working memory)", slot.id, seconds,
+                 slot.bytes / 2**20)
 
     def _failed(self, slot: Slot, exc: BaseException) -> None:
         slot.error = f"{type(exc).__name__}: {exc}"[:500]
@@ -314,11 +341,12 @@ class Fleet:
         self._set(slot, UNLOADING)
         log.info("unloading %s (%s): writing its pending saves", slot.id, reason)
         t0 = time.monotonic()
+        held = memory.holders(slot.backend)
         await self._close(slot.backend)
         slot.backend = None  # the last reference: nothing here may keep the model for the collection below
         slot.unloads[reason] += 1
         self._set(slot, UNLOADED)
-        await asyncio.to_thread(_free_memory)
+        await asyncio.to_thread(_free_memory, held)
         log.info("unloaded %s in %.1f s: its agents' caches are on disk for its next load", slot.id,
                  time.monotonic() - t0)
 
@@ -410,25 +438,6 @@ def _retrieved(future: asyncio.Future) -> None:
         future.exception()
 
 
-def _free_memory() -> None:
-    """Give freed arrays back to the system: the collector first (cycles hold models), then MLX's buffer
-    cache, then glibc's heap (freed weights stay in its arenas otherwise: measured, +400 MB a switch)."""
-    gc.collect()
-    try:
-        import mlx.core as mx
-
-        mx.clear_cache()
-    except (ImportError, AttributeError):
-        pass
-    trim = getattr(_libc(), "malloc_trim", None)
-    if trim is not None:
-        trim(0)
-
-
-def _libc():
-    import ctypes
-
-    try:
-        return ctypes.CDLL(None)
-    except OSError:
-        return None
+def _free_memory(held=()) -> None:
+    """Give freed arrays back to the system once the unloaded model's are collected (``memory.release``)."""
+    memory.release(held)

@@ -1,10 +1,11 @@
 """What to unload, decided as plain data before anything runs (``semantic.serve.fleet.fleet`` runs it).
 
-A load that needs room unloads the least recently used models that are neither pinned nor busy::
+A load that needs room unloads the least recently used models that are neither pinned nor busy; what no
+unload gives back (the runtime, the tokenizers kept across unloads: ``fixed``) comes off the budget first::
 
-    budget ─────────────────────────────────────────────┐
-    [ pinned A ][ busy B ][ idle C (oldest) ][ idle D ] │ + need
-                           └ unload C first, then D, until need fits; if only B's room would do: wait
+    budget ────────────────────────────────────────────────────────┐
+    [ fixed ][ pinned A ][ busy B ][ idle C (oldest) ][ idle D ]   │ + need
+                                    └ unload C first, then D, until need fits; if only B's room would do: wait
 """
 
 from __future__ import annotations
@@ -33,15 +34,17 @@ class RoomPlan:
     refuse: str | None = None     # it can never fit: why
 
 
-def plan_room(resident: list[Resident], need: int, budget: int | None) -> RoomPlan:
-    """Which idle, unpinned models to unload, least recently used first, so ``need`` more bytes fit."""
-    used = sum(r.bytes for r in resident)
+def plan_room(resident: list[Resident], need: int, budget: int | None, fixed: int = 0) -> RoomPlan:
+    """Which idle, unpinned models to unload, least recently used first, so ``need`` more bytes fit beside
+    ``fixed`` (bytes no unload gives back)."""
+    used = fixed + sum(r.bytes for r in resident)
     if budget is None or used + need <= budget:
         return RoomPlan()
     pinned = sum(r.bytes for r in resident if r.pinned)
-    if pinned + need > budget:
-        return RoomPlan(refuse=f"it needs {need / 2**20:.0f} MB and pinned models hold {pinned / 2**20:.0f} MB "
-                               f"of --models-mb {budget / 2**20:.0f}")
+    if fixed + pinned + need > budget:
+        held = f"pinned models hold {pinned / 2**20:.0f} MB" + (
+            f" and the runtime and kept tokenizers {fixed / 2**20:.0f} MB" if fixed else "")
+        return RoomPlan(refuse=f"it needs {need / 2**20:.0f} MB and {held} of --models-mb {budget / 2**20:.0f}")
     unload, freed = [], 0
     for r in sorted((r for r in resident if not r.pinned and not r.busy), key=lambda r: r.last_used):
         if used - freed + need <= budget:

@@ -41,11 +41,13 @@ def _context(fleet, slot) -> int | None:
 
 
 def summary(fleet) -> dict:
-    """The budget, the bytes the loaded models hold, loads and unloads, and the load running now."""
+    """The budget, the bytes the loaded models hold and what no unload gives back (the runtime and the kept
+    tokenizers: ``overhead_bytes``), loads and unloads, and the load running now."""
     slots = list(fleet.slots.values())
     loading = next((s for s in slots if s.state == LOADING), None)
     return {"budget_bytes": fleet.budget,
             "resident_bytes": sum(s.bytes for s in slots if s.state in HOLDING),
+            "overhead_bytes": fleet.overhead_bytes,
             "loads": sum(s.loads for s in slots),
             "unloads": sum(sum(s.unloads.values()) for s in slots),
             "load_failures": fleet.load_failures,

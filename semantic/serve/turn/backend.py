@@ -254,6 +254,11 @@ class Backend:
             "recent": recent,
         }
 
+    def holders(self) -> list:
+        """What holds this model's memory: its weights (the model) and its KV pool. An unload waits for both
+        to be collected (``semantic.serve.fleet.memory.release``)."""
+        return [self.service.scheduler.engine.model, self.service.store.pool]
+
     def begin_shutdown(self) -> None:
         """Stop admitting: new requests get 503 from now on."""
         self.closing = True

@@ -26,9 +26,9 @@ def test_models_alternate_so_every_step_after_the_first_is_a_switch():
 
 def test_the_switching_budget_holds_one_model_and_the_concurrent_one_both():
     p = {"pool_mb": 100, "switch_models_mb": 0, "switch_fit": 0.5, "conc_models_mb": 0, "conc_slack": 0.1}
-    b = budgets(p, {"main": 1000.0, "small": 500.0})
-    assert b == {"switch_models_mb": 1100 + 300, "conc_models_mb": int(1700 * 1.1)}
-    assert 1100 <= b["switch_models_mb"] < 1100 + 600 <= b["conc_models_mb"]
+    b = budgets(p, {"main": 1100.0, "small": 600.0}, fixed_mb=200.0)
+    assert b == {"switch_models_mb": 200 + 1100 + 300, "conc_models_mb": int(1900 * 1.1)}
+    assert 200 + 1100 <= b["switch_models_mb"] < 200 + 1100 + 600 <= b["conc_models_mb"]
     assert budgets({**p, "switch_models_mb": 7, "conc_models_mb": 9}, {"main": 1.0}) == {
         "switch_models_mb": 7, "conc_models_mb": 9}
 

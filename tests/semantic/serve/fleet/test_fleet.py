@@ -24,7 +24,7 @@ from tests.fleet_helpers import MB, Opener, stand_in_fleet as _fleet, until_asyn
 @pytest.fixture(autouse=True)
 def _no_collection(monkeypatch):
     """An unload's gc.collect and mx.clear_cache give back a real model's arrays; stand-ins hold none."""
-    monkeypatch.setattr(fleet_mod, "_free_memory", lambda: None)
+    monkeypatch.setattr(fleet_mod, "_free_memory", lambda *held: None)
 
 
 # ---------------------------------------------------------------- acquire
@@ -102,8 +102,8 @@ def test_a_load_over_the_budget_unloads_the_least_recently_used_idle_model():
     assert [s.state for s in fleet.slots.values()] == [UNLOADED, LOADED, UNLOADED]
     assert {i: dict(s.unloads) for i, s in fleet.slots.items()} == {"a": {"lru": 1}, "b": {"lru": 1}, "c": {"lru": 1}}
     assert opener.opened["a"][0].closed and opener.opened["b"][0].closed and not opener.opened["b"][1].closed
-    assert fleet.summary() == {"budget_bytes": 15 * MB, "resident_bytes": 10 * MB, "loads": 4, "unloads": 3,
-                               "load_failures": 0, "loading": None, "loading_s": None}
+    assert fleet.summary() == {"budget_bytes": 15 * MB, "resident_bytes": 10 * MB, "overhead_bytes": 0, "loads": 4,
+                               "unloads": 3, "load_failures": 0, "loading": None, "loading_s": None}
 
 
 def test_a_pinned_model_is_never_unloaded_for_room():
@@ -132,6 +132,32 @@ def test_a_model_that_does_not_fit_beside_the_pinned_ones_is_refused_and_others_
     assert fleet.slots["big"].state == UNLOADED and fleet.slots["a"].state == LOADED
     with pytest.raises(ModelMemoryError, match="pinned models p, big need about 35 MB, over --models-mb 30"):
         _fleet({"p": 20, "big": 15}, budget_mb=30, pinned=("p", "big"))[0].preload(["p", "big"])
+
+
+def test_the_runtime_and_the_tokenizers_loads_kept_take_their_room_from_the_budget_after_every_unload():
+    # runtime 10 + a's tokenizer 4 + a 20 fit 40, and b (20) does not fit beside a; after a's unload its
+    # tokenizer stays: b's 20 and its own tokenizer 5 fit beside 14, and a comes back beside 19
+    fleet, opener = _fleet({"a": 20, "b": 20}, budget_mb=40, kept_mb={"a": 4, "b": 5}, runtime_mb=10)
+
+    async def run():
+        await _use(fleet, "a")
+        assert fleet.summary()["overhead_bytes"] == 14 * MB
+        await _use(fleet, "b")
+        assert fleet.slots["a"].state == UNLOADED and fleet.summary()["overhead_bytes"] == 19 * MB
+        await _use(fleet, "a")
+
+    asyncio.run(run())
+    assert fleet.slots["b"].unloads == {"lru": 1} and fleet.summary()["resident_bytes"] == 20 * MB
+    big, _ = _fleet({"a": 20, "b": 10}, budget_mb=40, kept_mb={"a": 4, "b": 17}, runtime_mb=10)
+
+    async def too_big():  # b's 10 alone fits 40, but not beside its own tokenizer's 17 and the 14 a's load left
+        await _use(big, "a")
+        with pytest.raises(ModelMemoryError, match="it needs 10 MB and pinned models hold 0 MB and the runtime "
+                                                   "and kept tokenizers 31 MB of --models-mb 40"):
+            await big.acquire("b")
+
+    asyncio.run(too_big())
+    assert big.slots["a"].state == LOADED  # nothing was unloaded for a load that could not fit
 
 
 def test_a_lease_blocks_an_unload_until_it_is_released():

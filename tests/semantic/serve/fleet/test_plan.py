@@ -32,6 +32,14 @@ def test_plan_room_never_chooses_a_pinned_model():
     assert plan_room(resident, 15 * MB, 30 * MB) == RoomPlan(unload=("a", "b"))
 
 
+def test_plan_room_counts_what_no_unload_gives_back_and_refuses_a_model_that_cannot_fit_beside_it():
+    resident = [_r("a", 10, 1), _r("b", 10, 2)]
+    assert plan_room(resident, 10 * MB, 30 * MB, fixed=5 * MB) == RoomPlan(unload=("a",))
+    assert plan_room(resident, 10 * MB, 40 * MB, fixed=10 * MB) == RoomPlan()
+    refused = plan_room(resident, 26 * MB, 30 * MB, fixed=5 * MB).refuse
+    assert refused == "it needs 26 MB and pinned models hold 0 MB and the runtime and kept tokenizers 5 MB of --models-mb 30"
+
+
 def test_plan_room_waits_when_busy_models_hold_the_room():
     resident = [_r("a", 10, 1, busy=True), _r("b", 10, 2)]
     assert plan_room(resident, 5 * MB, 20 * MB) == RoomPlan(unload=("b",))  # the idle one is enough

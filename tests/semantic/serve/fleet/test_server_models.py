@@ -22,6 +22,7 @@ import openai
 import pytest
 
 from harness.models.tiny import write_tiny_llama
+from semantic.serve.fleet import footprint
 from tests.serve_helpers import Server
 from tests.waits import wait_for
 
@@ -42,9 +43,9 @@ def dirs(tmp_path_factory):
     return out
 
 
-def _footprint(model_dir: Path) -> int:
-    """A model's weights and KV pool, as the server estimates them before a load."""
-    return sum(f.stat().st_size for f in model_dir.glob("*.safetensors")) + POOL_MB * MB
+def _footprint(model_dir: Path) -> footprint.Footprint:
+    """A model's bytes as the server estimates them before a load (weights, pool, working memory, tokenizer)."""
+    return footprint.footprint(model_dir, POOL_MB * MB)
 
 
 def _models_args(d, budget_mb: int | None = None) -> list[str]:
@@ -57,9 +58,11 @@ def _models_args(d, budget_mb: int | None = None) -> list[str]:
 @pytest.fixture(scope="module")
 def fleet(dirs, tmp_path_factory):
     """The shared server: room for the pinned ``p`` and one of ``a`` and ``b``, never both."""
-    a, b, p = (_footprint(m) for m in (dirs.a, dirs.b, dirs.p))
-    budget_mb = math.ceil((p + max(a, b)) / MB) + 1
-    assert a + b + p > budget_mb * MB, "the budget must hold only one of a and b beside p"
+    sizes = [_footprint(m) for m in (dirs.a, dirs.b, dirs.p)]
+    a, b, p = (s.loaded for s in sizes)
+    fixed = footprint.RUNTIME_BYTES + sum(s.tokenizer for s in sizes)  # the runtime, every tokenizer a load keeps
+    budget_mb = math.ceil((fixed + p + max(a, b)) / MB) + 1
+    assert fixed + a + b + p > budget_mb * MB, "the budget must hold only one of a and b beside p"
     args = _models_args(dirs, budget_mb) + [
         "--model", f"p={dirs.p}", "--model", f"bad={dirs.bad}", "--model", f"gone={dirs.gone}",
         "--model", f"broken={dirs.broken}", "--pin", "p",

@@ -1,0 +1,157 @@
+"""What a model costs a server's RSS, estimated before it loads: the one place ``--models-mb`` is counted from.
+
+``--models-mb`` bounds the process's resident set::
+
+    RSS ≈ RUNTIME_BYTES                      once per process, whatever is loaded
+        + Σ tokenizer_bytes(model)            every model loaded once: its tokenizer is kept across unloads
+        + Σ loaded_bytes(model)               every loaded model, all given back by its unload:
+            = weight files + pool + working_bytes(model)
+
+Measured on a 2-core x86 CPU (mlx 0.32.4, mlx-lm 0.32.2, transformers 5.24, tokenizers 0.23, Python 3.11)
+with ``python -m harness.memory.costs MODEL_DIR ... --pool-mb 128``, each figure in a fresh process:
+
+* **Runtime** (:data:`RUNTIME_BYTES`): the RSS with no model loaded after a tiny model loaded, ran a turn
+  and unloaded: 100 MB after the server's imports (transformers among them), 111 MB once MLX and BLAS
+  have computed (their threads and buffers). Counted 128.
+* **Tokenizer** (:func:`tokenizer_bytes`): what loading a model's tokenizer adds, the imports paid. It
+  follows ``tokenizer.json``'s size: SmolLM2 (3.4 MB file) 55 MB, Gemma 3 (31.7 MB, a 262k vocabulary)
+  378 to 441 MB over four runs, the tests' byte tokenizer (5 KB) under 2 MB. Counted 16 MB plus 14 bytes
+  per byte of the file: 64 and 460 MB.
+* **A turn's working memory** (:func:`working_bytes`): the peak RSS of a turn over the RSS before it, at
+  its largest. Its parts, from the engine's code and MLX's allocations:
+
+  - the turn's own cache: mlx-lm's caches are copies of the pool's blocks (rebuilt from them at
+    admission, pooled again at stops), so up to ``sizing.LIVE_COPY`` times the pool's size;
+  - one prefill chunk's largest array: its logits (the chunk that ends a prompt computes every
+    position's: ``chunk × vocabulary × 4`` bytes, 384 MiB for a 2048-token chunk of SmolLM2) or one
+    layer's attention scores (MLX's CPU attention materialises ``heads × chunk × context × 4`` bytes),
+    whichever is larger, plus the MLP's and the residual stream's activations; a chunk is 2048 tokens
+    (``stepbudget.SOLO_CHUNK``), or one block for a model whose sliding windows span a block or more
+    (its prefill stops at every block);
+  - MLX's buffer cache between steps (:data:`MLX_CACHE_BYTES`: 32 MB after every turn measured).
+
+  Fresh prompts of 64 / 600 / 1500 / 2048 / 2300 tokens, 128 MB pool: SmolLM2 f32 +44 / 133 / 341 / 468
+  (535 in another run) / 206 MB, estimated 598; Gemma 3 f32 (64 / 600 / 1000 / 1500) +76 / 139 / 272 /
+  247 MB, estimated 424.
+
+The estimate errs high: the longest prompt the pool holds, a full pool of live caches, the larger
+tokenizer measurement, so that RSS stays within ``--models-mb`` for any workload; a typical one sits
+below it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from semantic import defaults
+from semantic.engine.stepbudget import SOLO_CHUNK  # a prefill chunk when nothing decodes
+
+from semantic.sizing import LIVE_COPY, RUNTIME_BYTES, TOKENIZER_FIXED, TOKENIZER_PER_FILE_BYTE  # noqa: F401
+from semantic.sizing import tokenizer_bytes  # noqa: F401  (the measured constants live there, with the machine's)
+
+MB = 1 << 20
+MLX_CACHE_BYTES = 32 * MB        # MLX's buffer cache after a turn (mx.get_cache_memory), every model measured
+WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".npz")
+
+
+@dataclass(frozen=True, slots=True)
+class Footprint:
+    """One model's bytes, estimated before its load."""
+
+    weights: int     # its weight files
+    pool: int        # its KV block pool (``--pool-mb``)
+    working: int     # a turn's working memory at its largest (:func:`working_bytes`)
+    tokenizer: int   # kept after an unload (:func:`tokenizer_bytes`)
+
+    @property
+    def loaded(self) -> int:
+        """What an unload gives back: weights, pool and working memory (not the kept tokenizer)."""
+        return self.weights + self.pool + self.working
+
+
+def footprint(model_dir: Path, pool_bytes: int, *, block_tokens: int = defaults.BLOCK_TOKENS,
+              chunk: int | None = None, max_batch: int = defaults.MAX_BATCH) -> Footprint:
+    """``model_dir``'s footprint (a path that is not a directory, e.g. a hub id: its pool and nothing else
+    known before its load). ``chunk``: the server's fixed prefill chunk, if it sets one."""
+    if not model_dir.is_dir():
+        return Footprint(0, pool_bytes, 0, 0)
+    weights = sum(f.stat().st_size for f in model_dir.glob("*") if f.suffix in WEIGHT_SUFFIXES)
+    return Footprint(weights, pool_bytes, working_bytes(model_dir, pool_bytes, block_tokens=block_tokens,
+                                                        chunk=chunk, max_batch=max_batch),
+                     tokenizer_bytes(model_dir))
+
+
+def working_bytes(model_dir: Path, pool_bytes: int, *, block_tokens: int = defaults.BLOCK_TOKENS,
+                  chunk: int | None = None, max_batch: int = defaults.MAX_BATCH) -> int:
+    """A turn's working memory at its largest, from the model's config.json (see the module docstring);
+    :data:`MLX_CACHE_BYTES` alone where the config says too little."""
+    shape = _Shape.of(model_dir)
+    if shape is None:
+        return pool_bytes + MLX_CACHE_BYTES
+    token_bytes = max(1, shape.layers * 2 * shape.kv_heads * shape.head_dim * shape.act_bytes)
+    longest = max(1, min(shape.context, pool_bytes // token_bytes))  # the longest cache the pool holds
+    live = int(LIVE_COPY * min(pool_bytes, max_batch * longest * token_bytes))
+    step = chunk or SOLO_CHUNK
+    if shape.window is not None and shape.window >= block_tokens:
+        step = min(step, block_tokens)  # a sliding-window model's prefill stops at every block
+    step = min(step, longest)
+    logits = step * shape.vocab * 4
+    scores = shape.heads * step * longest * 4
+    activations = step * (3 * shape.intermediate + 4 * shape.hidden) * 4  # the MLP's three, the residual stream's
+    return live + max(logits, scores) + activations + MLX_CACHE_BYTES
+
+
+@dataclass(frozen=True, slots=True)
+class _Shape:
+    """What the working memory depends on, from config.json (a nested ``text_config`` first)."""
+
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    context: int
+    window: int | None
+    act_bytes: int   # an activation's bytes: 4 for float32 weights, else 2 (bf16 / f16, quantized scales)
+
+    @classmethod
+    def of(cls, model_dir: Path) -> "_Shape | None":
+        try:
+            doc = json.loads((model_dir / "config.json").read_text())
+        except (OSError, ValueError):
+            return None
+        if not isinstance(doc, dict):
+            return None
+        text = doc.get("text_config") if isinstance(doc.get("text_config"), dict) else {}
+        get = lambda k, d=None: text.get(k, doc.get(k, d))  # noqa: E731
+        try:
+            layers, heads = int(get("num_hidden_layers")), int(get("num_attention_heads"))
+            vocab, hidden = int(get("vocab_size")), int(get("hidden_size"))
+        except (TypeError, ValueError):
+            return None
+        kv_heads = int(get("num_key_value_heads") or heads)
+        head_dim = int(get("head_dim") or math.ceil(hidden / max(heads, 1)))
+        window = get("sliding_window")
+        return cls(layers, hidden, int(get("intermediate_size") or 4 * hidden), heads, kv_heads, head_dim, vocab,
+                   int(get("max_position_embeddings") or 32768), int(window) if isinstance(window, int) else None,
+                   _activation_bytes(model_dir))
+
+
+def _activation_bytes(model_dir: Path) -> int:
+    """4 when the first safetensors file's floating tensors are float32, else 2."""
+    for file in sorted(model_dir.glob("*.safetensors")):
+        try:
+            with open(file, "rb") as f:
+                (n,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(min(n, 1 << 26)))
+        except (OSError, struct.error, ValueError):
+            break
+        dtypes = {t.get("dtype") for k, t in header.items() if k != "__metadata__" and isinstance(t, dict)}
+        return 4 if "F32" in dtypes and not dtypes & {"BF16", "F16"} else 2
+    return 4
