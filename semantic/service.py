@@ -68,6 +68,17 @@ DEFAULT_CONTEXT = 4096   # when the model's config names no context length
 MB = 1 << 20
 
 
+def native_context(model) -> int:
+    """The model's context length: its config's (a multimodal wrapper's text config's, as Qwen3.5's), else
+    :data:`DEFAULT_CONTEXT`."""
+    args = getattr(model, "args", None)
+    for where in (args, getattr(args, "text_config", None)):
+        n = where.get("max_position_embeddings") if isinstance(where, dict) else getattr(where, "max_position_embeddings", None)
+        if n:
+            return int(n)
+    return DEFAULT_CONTEXT
+
+
 def model_fingerprint(path: Path) -> str:
     """The weights' fingerprint (:mod:`semantic.store.fingerprint`) plus the model's config."""
     h = hashlib.sha256(weights_fingerprint(path).encode())
@@ -157,7 +168,7 @@ class Service:
         self.free_system = roles.renders_mid_system(lambda msgs: render_text(tokenizer, msgs))
         self._end_texts = [t for t in (tokenizer.decode([e]) for e in sorted(self.eos)) if t]
         self.vocab_size = vocab_size(model)
-        native = getattr(getattr(model, "args", None), "max_position_embeddings", None) or DEFAULT_CONTEXT
+        native = native_context(model)
         self.context_length = int(min(max_context or native, native))
         self.pool_tokens = room.longest_cache(store.spec, store.capacity, store.block_tokens)  # what admission promises
         self.model_path: Path | None = None  # set by open()

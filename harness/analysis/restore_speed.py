@@ -147,14 +147,20 @@ def _trial(d: Path, variant: str, warm: bool) -> dict:
     t, cpu = time.perf_counter(), time.process_time()
     blocks, caches = run()
     seconds, cpu = time.perf_counter() - t, time.process_time() - cpu
-    import resource
-
-    out = {"s": seconds, "cpu_s": cpu, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    out = {"s": seconds, "cpu_s": cpu, "peak_rss_mb": _peak_rss_mb()}
     if caches is not None:
         out["tokens"] = int(caches[0].offset)
     if blocks is not None:
         out["pieces_per_layer"] = _pieces(blocks)
     return out
+
+
+def _peak_rss_mb() -> float:
+    """This process's peak resident memory (VmHWM: its own, where ru_maxrss keeps the forking parent's)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
 
 
 def _into_jobs(d: Path) -> list:

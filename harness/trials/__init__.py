@@ -20,8 +20,8 @@ from harness.trials.base import KINDS, Kind, Param, register
 # Importing a trial module registers its kind: a folder's ``trial``, or the module itself.
 MODULES = ("block_store.trial", "cache_injection", "chaos.trial", "claude_code.trial", "claude_code.two_models",
            "hybrid.trial", "multi_model.trial", "multiturn.trial", "per_sequence_extraction",
-           "persistence_roundtrip.trial", "reconstruction.trial", "responses_chain", "serving.trial",
-           "shared_tier.trial", "speculation", "step_loop", "stress", "throughput.trial", "tool_loop.trial")
+           "persistence_roundtrip.trial", "real_geometry.trial", "reconstruction.trial", "responses_chain",
+           "serving.trial", "shared_tier.trial", "speculation", "step_loop", "stress", "throughput.trial", "tool_loop.trial")
 for _module in MODULES:
     import_module(f"harness.trials.{_module}")
 

@@ -1,0 +1,295 @@
+"""EXP-020: the models and contexts users run, at real cache geometry and real lengths.
+
+Per geometry (``harness.trials.real_geometry.models``: Qwen3-Coder-30B-A3B, Llama 3.1 8B, Gemma 3 12B,
+Qwen3.5-35B-A3B caches on tiny random bfloat16 bodies) and per agent length (8K ... 128K tokens), the agent's
+cache is written synthetically (``synthetic``: random K/V of the real shapes, through our store, into the
+server's directory, under its fingerprint). Then:
+
+1. **in this process** (``inproc``): our save and restore beside mlx-lm's ``save_prompt_cache`` /
+   ``load_prompt_cache`` and the floors (an fsync'd sequential write, a sequential read cold and warm, a
+   memcpy), interleaved rep by rep;
+2. **no pool flags** (``serving.default_flags``): ``semantic serve`` started with nothing but the model and the
+   cache directory, and the agent's turn sent: served or refused, and what it said;
+3. **one server sized for the agent** (``--pool-mb`` and ``--ram-mb`` from the spec's own arithmetic,
+   ``--no-speculation`` so a decode step is one token): restores after a restart, cold (beside a cold
+   sequential read of the same files) and warm (beside a memcpy of as many bytes); the fully cached turn
+   against a decode step at that context; the cached turn right after another agent's saved turn against
+   its quiet twin; the process's RSS every 100 ms against the budget it logged.
+
+What this machine cannot hold is skipped, not attempted: a length whose server would need more than the memory
+available now (``server_factor`` x the cache's bytes; the restore reads every block and then concatenates them)
+is recorded with the reason.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+from harness.trials.base import Kind, Param, register
+
+MiB = 1 << 20
+
+
+def validate(p: dict) -> None:
+    from harness.trials.real_geometry.models import GEOMETRIES
+
+    bad = [g for g in p["geometries"] if g not in GEOMETRIES]
+    if bad:
+        raise ValueError(f"unknown geometries {bad}; known: {list(GEOMETRIES)}")
+    if any(n % 256 for n in p["lengths"]):
+        raise ValueError(f"lengths must be whole 256-token blocks: {p['lengths']}")
+
+
+def label(n: int) -> str:
+    return f"{round(n / 1024)}K"
+
+
+def mem_available() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def cache_bytes(spec, n: int) -> int:
+    """The bytes an agent of ``n`` tokens holds: every layer's held tokens' K/V (a window: its last tokens),
+    a recurrent layer's arrays."""
+    import numpy as np
+
+    from semantic.cache.spec import RECURRENT
+
+    total = 0
+    for layer in spec.layers:
+        if layer.kind == RECURRENT:
+            total += sum(math.prod(shape) * np.dtype(dt if dt != "bfloat16" else "float16").itemsize
+                         for shape, dt in layer.arrays)
+        else:
+            size = 2 if layer.dtype in ("bfloat16", "float16") else 4
+            total += layer.tokens_held(n) * layer.n_kv_heads * (layer.head_dim + layer.v_head_dim) * size
+    return total
+
+
+def pool_mb_for(spec, tokens: int) -> int:
+    """The ``--pool-mb`` whose pool holds ``tokens`` tokens in one cache by the server's own arithmetic
+    (``Service.open``: every block charged every layer's bytes per token plus a share of the snapshots;
+    ``longest_cache``: each layer group needs its blocks)."""
+    from semantic.cache import stops
+
+    bt = 256
+    grid = stops.Points(spec, bt).interval // bt
+    block_bytes = spec.token_bytes() * bt + spec.state_bytes() / grid
+    blocks = len(spec.groups()) * (tokens // bt + 4)
+    return math.ceil(blocks * block_bytes / MiB) + 16
+
+
+def run(ctx) -> None:
+    from harness.servers.targets import ROOT
+    from harness.trials.real_geometry import floors
+
+    p = ctx.params
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT.resolve()), *filter(None, [os.environ.get("PYTHONPATH")])])
+    work = Path(tempfile.mkdtemp(prefix="exp020-", dir=p["work_dir"] or None))
+    bufs = floors.Buffers()
+    out: dict = {"machine": {**floors.machine(bufs), "mem_available_bytes_at_start": mem_available(),
+                             "cpu_count": os.cpu_count(), "work_dir": str(work)},
+                 "geometries": {}, "failed": [], "skipped": []}
+    ctx.progress.total = len(p["geometries"]) * len(p["lengths"])
+    t_run = time.perf_counter()
+    try:
+        for g in p["geometries"]:
+            try:
+                out["geometries"][g] = _geometry(g, p, work / g, bufs, out, ctx)
+            except Exception as exc:  # recorded (a P0 fails); the other geometries still run
+                out["failed"].append({"part": g, "error": "".join(traceback.format_exception(exc))[-6000:]})
+                print(f"EXP-020 {g} failed: {exc}", file=sys.stderr)
+    finally:
+        if not p["keep_work_dir"]:
+            shutil.rmtree(work, ignore_errors=True)
+    out["wall_s"] = time.perf_counter() - t_run
+    _record(ctx, out)
+
+
+def _geometry(g: str, p: dict, work: Path, bufs, out: dict, ctx) -> dict:
+    import gc
+
+    import mlx.core as mx
+
+    from harness.trials.real_geometry import models
+    from semantic.service import model_fingerprint
+
+    model_dir = models.write_model(g, p["model_root"] or None)
+    model, spec = models.load_spec(model_dir)
+    del model
+    gc.collect()
+    mx.clear_cache()
+    geo = {"real": models.GEOMETRIES[g]["real"], "model_dir": str(model_dir), "fingerprint": model_fingerprint(model_dir),
+           "context": models.context_of(g), "kv_bytes_per_token": models.GEOMETRIES[g]["kv_bytes_per_token"],
+           "spec": {"layers": spec.n_layers, "kinds": {k: sum(l.kind == k for l in spec.layers) for k in
+                                                       sorted({l.kind for l in spec.layers})},
+                    "token_bytes": spec.token_bytes(), "state_bytes": spec.state_bytes(),
+                    "groups": len(spec.groups())},
+           "lengths": {}}
+    for n in p["lengths"]:
+        lab = label(n)
+        t0 = time.perf_counter()
+        try:
+            geo["lengths"][lab] = _length(g, n, p, work / lab, bufs, spec, geo, model_dir, out)
+        except Exception as exc:
+            out["failed"].append({"part": f"{g} {lab}", "error": "".join(traceback.format_exception(exc))[-6000:]})
+            print(f"EXP-020 {g} {lab} failed: {exc}", file=sys.stderr)
+        finally:
+            shutil.rmtree(work / lab, ignore_errors=True)
+            if lab in geo["lengths"]:
+                geo["lengths"][lab]["wall_s"] = time.perf_counter() - t0
+            ctx.progress.update(1)
+    return geo
+
+
+def _length(g: str, n: int, p: dict, work: Path, bufs, spec, geo: dict, model_dir: Path, out: dict) -> dict:
+    from harness.trials.real_geometry import inproc, serving
+    from harness.trials.real_geometry.synthetic import token_ids
+
+    nbytes = cache_bytes(spec, n)
+    avail = mem_available()
+    row: dict = {"tokens": n, "cache_bytes": nbytes, "mem_available_bytes": avail}
+    need = p["server_factor"] * nbytes + p["reserve_mb"] * MiB
+    if n + p["new_tokens"] + p["decode_tokens"] + 1 > geo["context"]:
+        row["skipped"] = f"{n} tokens + the turn do not fit the model's context ({geo['context']})"
+    elif need > avail:
+        row["skipped"] = (f"a server restoring {nbytes / 2**30:.1f} GiB needs about {need / 2**30:.1f} GiB "
+                          f"(x{p['server_factor']} + {p['reserve_mb']} MiB); {avail / 2**30:.1f} GiB available now")
+    if "skipped" in row:
+        out["skipped"].append({"part": f"{g} {label(n)}", "why": row["skipped"]})
+        return row
+    work.mkdir(parents=True, exist_ok=True)
+    cache_dir, inproc_dir = work / "cache", work / "inproc"
+    inproc_dir.mkdir()
+    ids = token_ids(n, p["seed"] + n)
+    prompts = serving.Growing(ids, p["new_tokens"], p["seed"] + n + 1)
+    # 1. in this process: the saves (and the server's copy of the agent), then the restores
+    row["saves"] = inproc.saves(spec, geo["fingerprint"], ids, inproc_dir, p["inproc_reps"], bufs, p["seed"],
+                                also_into=cache_dir)
+    two = 2 * nbytes + p["reserve_mb"] * MiB <= mem_available()
+    if p["inproc_reps"]:
+        row["loads"] = inproc.loads(spec, geo["fingerprint"], n, inproc_dir, p["inproc_reps"], bufs, warm=two)
+    shutil.rmtree(inproc_dir, ignore_errors=True)
+    _probe_memo(model_dir, cache_dir)
+    # 2. no pool flags
+    if p["default_flags"]:
+        row["default"] = serving.default_flags(model_dir, g, cache_dir, work / "default.log", prompts.next(),
+                                               p["request_timeout_s"])
+    # 3. a server sized for the agent
+    row["server"] = _sized_server(g, n, p, work, bufs, spec, model_dir, cache_dir, prompts, warm=two)
+    row["prompt_tokens"] = len(prompts.last)
+    _probe_memo(cache_dir, model_dir)
+    return row
+
+
+PROBE_MEMO = "batchprobe.json"
+
+
+def _probe_memo(src: Path, dst: Path) -> None:
+    """Carry the server's own batch-probe answer (``semantic.engine.batchprobe``: kept in its cache directory,
+    keyed by the mlx and mlx-lm versions) between this run's fresh cache directories and the model's: a server
+    asks once per model, as it would across restarts on one directory, not once per length (a minute's
+    forward passes on a CPU for a Gated DeltaNet model)."""
+    if (src / PROBE_MEMO).is_file() and not (dst / PROBE_MEMO).exists():
+        dst.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src / PROBE_MEMO, dst / PROBE_MEMO)
+
+
+def _sized_server(g, n, p, work, bufs, spec, model_dir, cache_dir, prompts, warm: bool) -> dict:
+    from harness.trials.real_geometry import serving
+
+    room = n + p["new_tokens"] * (2 * p["restore_reps"] + 3) + p["decode_tokens"] + 512 + p["beside_tokens"] * (p["beside_reps"] + 1)
+    pool = pool_mb_for(spec, room)
+    args = ["--pool-mb", str(pool), "--ram-mb", str(pool), "--no-speculation", *p["server_args"]]
+    s = serving.Served(model_dir, g, cache_dir, work / "server.log", args, p["request_timeout_s"])
+    res: dict = {"args": args, "restore": [], "cached": [], "beside": []}
+    s.sampler.start()
+    try:
+        s.start("start")
+        time.sleep(1.0)                         # a second of samples of the idle server
+        s.sampler.phase = "first"
+        res["first"] = s.turn(prompts.next())   # the agent's first turn on this server
+        s.wait_idle()
+        for r in range(p["restore_reps"]):
+            for cold in ((True, False) if r % 2 == 0 else (False, True)):
+                if cold or warm:
+                    res["restore"].append(serving.restore(s, prompts.next(), r, cold, bufs))
+        s.sampler.phase = "cached"
+        s.wait_idle()
+        prompt = prompts.next()
+        res["cached_first"] = s.turn(prompt)   # its new tokens computed: from here on all but the last are cached
+        res["cached"] = serving.cached_vs_decode(s, prompt, p["cached_reps"], p["decode_tokens"])
+        s.sampler.phase = "beside"
+        res["beside"] = serving.beside_save(s, prompt, p["beside_reps"], p["beside_tokens"], p["seed"] + 7 * n)
+        res["stats"] = {k: v for k, v in (s.server.stats(timeout_s=30) or {}).items() if k not in ("agents", "recent")}
+    except Exception as exc:
+        raise RuntimeError(f"{exc!r}\n--- server log ---\n{s.server.log_tail(4000)}") from exc
+    finally:
+        s.sampler.stop()
+        s.stop()
+        s.kill()
+        res["lives"] = s.lives
+        res["rss"] = _rss_summary(s.sampler.rss)
+    return res
+
+
+def _rss_summary(rows: list[dict]) -> dict:
+    """The largest RSS sample per phase and overall (and its file-backed part), and the sample count."""
+    by: dict = {}
+    for r in rows:
+        by[r["phase"]] = max(by.get(r["phase"], 0), r["rss_bytes"])
+    peak = max(rows, key=lambda r: r["rss_bytes"], default=None)
+    return {"samples": len(rows), "max_bytes": peak["rss_bytes"] if peak else None,
+            "max_file_bytes": peak["file_bytes"] if peak else None, "max_by_phase": by,
+            "trace": [[r["t"], r["phase"], r["rss_bytes"]] for r in rows[:: max(1, len(rows) // 400)]]}
+
+
+def _record(ctx, out: dict) -> None:
+    from harness.trials.real_geometry.report import checks, metrics, readme
+
+    c = checks(out)
+    ctx.results.checks(c)
+    for name, (values, unit, desc) in metrics(out).items():
+        ctx.results.metric(name, values, unit, description=desc)
+    for k in ("machine", "geometries", "failed", "skipped", "wall_s"):
+        ctx.results.output(k, out.get(k))
+    (ctx.out_dir / "README.md").write_text(readme(ctx, out, c))
+
+
+KIND = register(Kind(
+    name="real_geometry",
+    run=run,
+    validate=validate,
+    params={
+        "geometries": Param(list, ["qwen3-coder-30b-a3b", "llama-3.1-8b", "gemma-3-12b", "qwen3.5-35b-a3b"],
+                            "geometries (harness.trials.real_geometry.models.GEOMETRIES)"),
+        "lengths": Param(list, [8192, 16384, 32768, 65536, 130816], "agent lengths in tokens (whole blocks)", min=256),
+        "new_tokens": Param(int, 8, "new tokens the agent's turn sends after its cached ids", min=1),
+        "inproc_reps": Param(int, 2, "in-process rounds of each save and restore (0: no restores)", min=0),
+        "default_flags": Param(bool, True, "start a server with no pool flags and send the agent's turn"),
+        "restore_reps": Param(int, 2, "restarts per cold and per warm restore", min=0),
+        "cached_reps": Param(int, 3, "pairs of a cached turn and a longer one", min=1),
+        "decode_tokens": Param(int, 4, "extra tokens the longer turn generates (its decode steps)", min=1),
+        "beside_reps": Param(int, 3, "pairs of a cached turn beside a save and its quiet twin", min=1),
+        "beside_tokens": Param(int, 512, "the other agent's fresh tokens (prefilled, then saved)", min=1),
+        "server_factor": Param(float, 2.2, "a length runs when this many times its cache's bytes are available"),
+        "reserve_mb": Param(int, 1536, "memory left aside for the rest of the machine, MiB"),
+        "request_timeout_s": Param(float, 1800.0, "the client's bound on every request"),
+        "server_args": Param(list, [], "more arguments for the sized server"),
+        "seed": Param(int, 0, "token ids' and arrays' seed"),
+        "model_root": Param(str, "", "where the model directories go (default: ~/.cache/semantic-kv/models)"),
+        "work_dir": Param(str, "", "where caches and logs go (default: the system's temporary directory)"),
+        "keep_work_dir": Param(bool, False, "leave the work directory behind"),
+    },
+    needs_model=False,
+))
