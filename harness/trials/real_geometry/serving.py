@@ -4,7 +4,7 @@ Every turn is one ``POST /v1/completions`` whose prompt is a list of token ids (
 few new ones, more at each restart: :class:`Growing`), greedy, not streamed, its agent named by ``X-Agent-Id`` (none: an anonymous turn, not saved).
 With ``max_tokens`` 1 the turn's whole time is its time to first token. A server's resident set is sampled
 every 100 ms for its whole life (``harness.trials.multi_model.sampler``), and the lines it logs at start
-say its budget: ``loaded <id> in S s (N MB weights and pool)``.
+say its budget: ``loaded <id> in S s (N MB weights, pool and working memory)`` (before: ``weights and pool``).
 
 Phases (``run_server``), one server, restarted between reps:
 
@@ -37,7 +37,7 @@ from harness.trials.real_geometry.synthetic import agent_files, token_ids
 
 LONG = "long"
 WARM_UP = [72, 105, 10, 72]   # "Hi\nH": an anonymous 4-token turn after each start
-BUDGET_LINE = re.compile(r"loaded (?P<id>\S+) in (?P<s>[\d.]+) s \((?P<mb>\d+) MB weights and pool\)")
+BUDGET_LINE = re.compile(r"loaded (?P<id>\S+) in (?P<s>[\d.]+) s \((?P<mb>\d+) MB weights(?:,| and) pool(?: and working memory)?\)")
 POOL_LINE = re.compile(r"loaded \S+: (?P<blocks>\d+) blocks of (?P<bt>\d+) tokens \((?P<mb>\d+) MB\)")
 
 
