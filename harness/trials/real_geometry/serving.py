@@ -43,8 +43,10 @@ POOL_LINE = re.compile(r"loaded \S+: (?P<blocks>\d+) blocks of (?P<bt>\d+) token
 
 class Growing:
     """The agent's prompts: each its previous one plus ``new`` fresh token ids, so that the turn after a
-    restart is an append (a hybrid agent's regenerate right before a restart finds nothing cached after it:
-    EXP-020 reports it), and every turn ends past everything the agent has saved."""
+    restart is an append and every turn ends past everything the agent has saved. Two at least: a hybrid
+    agent whose last turn resumed from the snapshot at its prompt's last token but one (a regenerate, or an
+    append of one token right after a snapshot) finds nothing cached after a restart, and re-prefills its
+    whole history (EXP-020 reports it)."""
 
     def __init__(self, ids: list[int], new: int, seed: int):
         self.last, self.new, self.seed = list(ids), new, seed

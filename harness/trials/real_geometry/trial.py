@@ -160,7 +160,7 @@ def _length(g: str, n: int, p: dict, work: Path, bufs, spec, geo: dict, model_di
     avail = mem_available()
     row: dict = {"tokens": n, "cache_bytes": nbytes, "mem_available_bytes": avail}
     need = p["server_factor"] * nbytes + p["reserve_mb"] * MiB
-    if n + p["new_tokens"] + p["decode_tokens"] + 1 > geo["context"]:
+    if n + p["new_tokens"] * (2 * p["restore_reps"] + 4) + p["decode_tokens"] + 1 > geo["context"]:
         row["skipped"] = f"{n} tokens + the turn do not fit the model's context ({geo['context']})"
     elif need > avail:
         row["skipped"] = (f"a server restoring {nbytes / 2**30:.1f} GiB needs about {need / 2**30:.1f} GiB "
@@ -274,7 +274,7 @@ KIND = register(Kind(
         "geometries": Param(list, ["qwen3-coder-30b-a3b", "llama-3.1-8b", "gemma-3-12b", "qwen3.5-35b-a3b"],
                             "geometries (harness.trials.real_geometry.models.GEOMETRIES)"),
         "lengths": Param(list, [8192, 16384, 32768, 65536, 130816], "agent lengths in tokens (whole blocks)", min=256),
-        "new_tokens": Param(int, 8, "new tokens the agent's turn sends after its cached ids", min=1),
+        "new_tokens": Param(int, 2, "new tokens each turn after a restart appends to the agent's last prompt", min=2),
         "inproc_reps": Param(int, 2, "in-process rounds of each save and restore (0: no restores)", min=0),
         "default_flags": Param(bool, True, "start a server with no pool flags and send the agent's turn"),
         "restore_reps": Param(int, 2, "restarts per cold and per warm restore", min=0),
