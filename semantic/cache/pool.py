@@ -23,7 +23,6 @@ its blocks are recycled::
 from __future__ import annotations
 
 import hashlib
-from collections import deque
 from dataclasses import dataclass
 from typing import Sequence
 
