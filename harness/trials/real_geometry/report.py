@@ -6,7 +6,6 @@ never a ratio of medians of separate sets."""
 from __future__ import annotations
 
 from harness.common.report import fmt, median, verdict_table
-from harness.trials.real_geometry.trial import label
 
 GOAL_RESTORE_FROM = 32768       # restore goals from this length on
 GOAL_CACHED_AT = (16384, 32768)  # the cached turn's goal at these lengths
@@ -321,3 +320,8 @@ Failed: {failed}
 
 {verdict_table(verdicts)}
 """
+
+
+def label(n: int) -> str:
+    """A length as the tables write it: 8K, 128K."""
+    return f"{round(n / 1024)}K"

@@ -33,6 +33,8 @@ import traceback
 from pathlib import Path
 
 from harness.trials.base import Kind, Param, register
+from harness.trials.real_geometry.report import checks, label, metrics, readme
+from semantic import sizing
 
 MiB = 1 << 20
 
@@ -47,15 +49,8 @@ def validate(p: dict) -> None:
         raise ValueError(f"lengths must be whole 256-token blocks: {p['lengths']}")
 
 
-def label(n: int) -> str:
-    return f"{round(n / 1024)}K"
-
-
 def mem_available() -> int:
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024
-    return 0
+    return sizing.Machine.read().memory
 
 
 def cache_bytes(spec, n: int) -> int:
@@ -255,7 +250,6 @@ def _rss_summary(rows: list[dict]) -> dict:
 
 
 def _record(ctx, out: dict) -> None:
-    from harness.trials.real_geometry.report import checks, metrics, readme
 
     c = checks(out)
     ctx.results.checks(c)
