@@ -126,6 +126,16 @@ def snapshot_span(total: int, block_tokens: int) -> tuple[int, int]:
     return (total - 1) // block_tokens * block_tokens, total
 
 
+def snapshot_keys(tokens: Sequence[int], chain: Sequence[int], group: str, block_tokens: int,
+                  salt_root: int | None = None) -> tuple[int | None, int]:
+    """The parent and the pool key of ``group``'s snapshot after all of ``tokens`` (``chain``: their
+    ``chain_keys``, or more): keyed as the tail or the full block ending there (:func:`snapshot_span`)."""
+    a, b = snapshot_span(len(tokens), block_tokens)
+    parent = chain[a // block_tokens - 1] if a else salt_root
+    link = chain[a // block_tokens] if b - a == block_tokens else chain_hash(parent, tokens[a:b])
+    return parent, chain_hash(link, (), group)
+
+
 def chain_keys(token_ids: Sequence[int], block_tokens: int, salt_root: int | None = None) -> list[int]:
     """One chained key per full block of ``token_ids`` (group-independent).
 
@@ -171,9 +181,7 @@ def plan_blocks(
         if layer.snapshot_only(bt):
             if total:
                 a, b = snapshot_span(total, bt)
-                parent = chain[a // bt - 1] if a else salt_root
-                link = chain[a // bt] if b - a == bt else chain_hash(parent, tokens[a:b])
-                key = chain_hash(link, (), group)
+                parent, key = snapshot_keys(tokens, chain, group, bt, salt_root)
                 hit = pool.lookup(key, tokens[a:b], count=False)
                 misses[group] += hit is None or pool.is_free(hit)
                 out.append(PlannedBlock(group, layers, a, b, 0, key, hit, parent, snapshot=True))

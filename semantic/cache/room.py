@@ -13,7 +13,7 @@ How many blocks an agent's cache of ``n`` tokens holds at most, per group, while
 
     a group that keeps every token    ceil(n / B) + 2      its blocks, the own cache's tail, the tail copied
     a sliding window of W             min(the above, 2 x (ceil(W / B) + 1))   two windows: old and new
-    a snapshot group                  4                    the own cache's two snapshots, the turn's two
+    a snapshot group                  2 x K                the own cache's K snapshots, the turn's K
 
 The longest cache the pool can hold (:func:`longest_cache`) is what admission promises; the planner
 reserves each turn's :func:`turn_need`, which never exceeds it, so a turn admitted on an idle server
@@ -24,8 +24,11 @@ from __future__ import annotations
 
 from semantic.cache.spec import ModelCacheSpec
 
-SNAPSHOTS_HELD = 4   # a snapshot group's blocks while a turn runs: the own cache's end and end - 1, the turn's
-SNAPSHOTS_TAKEN = 2  # of those, what a turn takes: its end and end - 1 (grid checkpoints are released at once)
+# The snapshots one cache carries per snapshot group, its end included (``stops.Points.carried`` picks
+# them): as many as SNAPSHOT_BUDGET holds, at least the end and the prompt's last token but one, at most
+# one per place a later turn starts over. A Qwen3.5-35B-A3B snapshot is 64 MB: 4; an LFM2 one, 6.
+SNAPSHOT_BUDGET = 256 << 20
+MOST_CARRIED = 6
 
 
 def size(nbytes: float) -> str:
@@ -62,11 +65,18 @@ def window_blocks(spec: ModelCacheSpec, group: str, block_tokens: int) -> int | 
     return sum(-(-(b - a) // block_tokens) + 1 for a, b in layer.held_ranges(far))
 
 
+def snapshots_carried(spec: ModelCacheSpec, block_tokens: int, budget: int = SNAPSHOT_BUDGET) -> int:
+    """K: how many snapshots one cache carries per snapshot group, its end included (0: none)."""
+    costs = block_costs(spec, block_tokens)
+    state = sum(costs[g] for g in spec.snapshot_groups(block_tokens))
+    return max(2, min(MOST_CARRIED, budget // state)) if state else 0
+
+
 def held_blocks(spec: ModelCacheSpec, group: str, tokens: int, block_tokens: int) -> int:
     """Blocks of ``group`` an agent's cache of ``tokens`` tokens holds at most while its next turn runs
     (the module doc's table)."""
     if spec.layers[spec.groups()[group][0]].snapshot_only(block_tokens):
-        return SNAPSHOTS_HELD
+        return 2 * snapshots_carried(spec, block_tokens)  # the own cache's and the turn's
     grows = -(-tokens // block_tokens) + 2
     window = window_blocks(spec, group, block_tokens)
     return grows if window is None else min(grows, 2 * window)
@@ -95,12 +105,12 @@ def longest_cache(spec: ModelCacheSpec, capacity: int, block_tokens: int, ceilin
 def turn_need(spec: ModelCacheSpec, misses: dict[str, int], prompt: int, completion: int, block_tokens: int) -> int:
     """Pool bytes a turn takes at most: per group, the prompt's blocks the pool misses (``misses``, from
     ``blockplan.plan_blocks``) and the blocks its ``completion`` tokens may fill, capped by what that
-    group's cache can hold (a window, a snapshot's two)."""
+    group's cache can hold (a window; a snapshot group's K)."""
     costs = block_costs(spec, block_tokens)
     need = 0
     for group, cost in costs.items():
         if spec.layers[spec.groups()[group][0]].snapshot_only(block_tokens):
-            blocks = SNAPSHOTS_TAKEN
+            blocks = snapshots_carried(spec, block_tokens)
         else:
             # the tail block the prompt ends in is counted again: its copy, when another cache holds it
             blocks = misses.get(group, 0) + -(-(prompt + completion) // block_tokens) - prompt // block_tokens

@@ -23,6 +23,14 @@ and the engine pools the whole cache there (``engine._checkpoint``)::
   ~12 blocks of KV: every 12 blocks);
 - the turn's end is kept by the finished cache itself.
 
+A finished cache carries the snapshots a later turn starts over from (:meth:`Points.carried`), so its
+save keeps them beside its end and they survive a restart: the prompt's last token but one (a
+regenerate, a reply the client renders otherwise), the boundaries (an edit of the last message, a
+second agent on the system prompt), the position it resumed from, the grid's last stop inside the
+last message (an edit that keeps its start); then, when the budget leaves room, the state before a
+stop token. K of them in all (``room.snapshots_carried``): a big state
+(Qwen3.5-35B-A3B: 64 MB) keeps the first four, whose rereads cost most to prefill again.
+
 A sliding window of a block or more keeps the old rule: a stop at every block
 boundary, whose full blocks then serve any later position.
 """
@@ -32,6 +40,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
+from semantic.cache import room
 from semantic.cache.spec import ModelCacheSpec
 
 # the sparsest grid, in blocks: a long prefill still leaves a snapshot every 16 blocks
@@ -49,6 +58,22 @@ class Points:
         state = spec.state_bytes()
         blocks = math.ceil(state / block_bytes) if block_bytes else MAX_GRID_BLOCKS
         self.interval = block_tokens * min(max(blocks, 1), MAX_GRID_BLOCKS)
+        self.most = room.snapshots_carried(spec, block_tokens) if self.exact else 0
+
+    def carried(self, fed: int, total: int, boundaries: Sequence[int] = ()) -> tuple[int, ...]:
+        """The earlier positions whose snapshots a prompt of ``total`` tokens, resumed at ``fed``, carries
+        into its finished cache, most valuable first: the last token but one, the boundaries (latest
+        first), ``fed``, the grid's last stop after the boundaries; at most K - 1 (the end is the K-th)."""
+        if not self.exact:
+            return ()
+        out: list[int] = []
+        # the grid's last stop inside the last message: an edit that keeps the message's start resumes there
+        grid = (total - 2) // self.interval * self.interval
+        grid = grid if grid > max(boundaries, default=0) else 0
+        for p in (total - 1, *sorted(boundaries, reverse=True), fed, grid):
+            if 0 < p < total and p not in out:
+                out.append(p)
+        return tuple(out[: self.most - 1])
 
     def stops(self, fed: int, total: int, boundaries: Sequence[int] = ()) -> list[int]:
         """Positions ``p`` with ``fed < p < total`` where a prompt of ``total`` tokens,

@@ -45,7 +45,7 @@ from typing import Callable, Iterator, Sequence
 import mlx.core as mx
 from semantic.engine import batchprobe
 from semantic import compat, defaults, kinds
-from semantic.cache import convert, reuse, stops
+from semantic.cache import blockplan, convert, reuse, stops
 from semantic.cache.blocks import AgentBlocks
 from semantic.engine.stepbudget import StepBudget
 from semantic.decode.constraint import Constraint
@@ -176,26 +176,47 @@ class BatchExecutor:
         ids = request.ids
         with self.lock:
             start = reuse.choose_start(self.pool, ids, own, self._release, request.salt_root, share=share)
+        fed = start.cached
+        seq = _InFlight(next(self._uids), request, start.cached, start.source, admitted)
+        carried = self._snapshots.carried(fed, len(ids), request.boundaries)
         caches = None
         if start.cached:
             try:
                 caches = self.reconstruct_cache(start.blocks, upto=start.cached)
+                self._carry(seq, ids, [p for p in carried if p <= fed])
             finally:
                 if start.owned:
                     # the rebuilt caches hold the arrays; the pool references can go at once
                     start.blocks.release()
-        fed = start.cached
-        seq = _InFlight(next(self._uids), request, start.cached, start.source, admitted)
         stop_at = [p - fed for p in self._snapshots.stops(fed, len(ids), request.boundaries)]
         self._loop.add(
             seq.uid, request, fed, caches if caches is not None else self.spec.make_cache(), stops=stop_at,
             on_stop=lambda uid, live, n: self._checkpoint(live, ids[: fed + n], request.salt_root,
-                                                          seq if fed + n == len(ids) - 1 else None),
+                                                          seq if fed + n in carried else None),
             constraint=constraint,
         )
         self._seqs[seq.uid] = seq
         self._by_agent[request.agent_id] = seq.uid
         return seq.uid
+
+    def _carry(self, seq: _InFlight, ids: Sequence[int], at: Sequence[int]) -> None:
+        """Hold the pooled snapshots of ``ids`` at positions ``at`` (where this turn resumed, its boundaries
+        before that: the agent's own, or any agent's) for ``seq``'s finished cache to carry
+        (``stops.Points.carried``)."""
+        if not at:
+            return
+        salt, bt = seq.request.salt_root, self.pool.block_tokens
+        chain = blockplan.chain_keys(ids[: max(at)], bt, salt)
+        with self.lock:
+            found = {g: [] for g in self._snapshot_groups}
+            for p in sorted(at):
+                hits = [self.pool.lookup(blockplan.snapshot_keys(ids[:p], chain, g, bt, salt)[1],
+                                         ids[blockplan.snapshot_span(p, bt)[0]: p], count=False)
+                        for g in self._snapshot_groups]
+                if all(h is not None for h in hits):
+                    for g, h in zip(self._snapshot_groups, hits):
+                        found[g].append(self.pool.acquire(h))
+        seq.kept.append(AgentBlocks(self.spec, ids[: max(at)], found, bt, _release=self._release, salt_root=salt))
 
     def _checkpoint(self, caches: list, ids: list[int], salt_root: int | None, keep: _InFlight | None = None) -> None:
         """Pool the cache of a prompt cut at a block boundary (``ids`` ends there).
@@ -284,10 +305,13 @@ class BatchExecutor:
                 finished.append(seq)
         for seq in finished:
             if self.snapshots and seq.generated[-1] in self.stop_tokens:
-                # a template may render the history without the stop token: keep the state before it too
+                # a template may render the history without the stop token: keep the state before it too,
+                # and carry it when the budget leaves room
                 n = self._loop.held(seq.uid)
+                room_left = len(self._snapshots.carried(seq.cached, len(seq.request.ids), seq.request.boundaries)) \
+                    < self._snapshots.most - 1
                 self._checkpoint(self._loop.caches(seq.uid), [*seq.request.ids, *seq.generated][:n],
-                                 seq.request.salt_root, seq)
+                                 seq.request.salt_root, seq if room_left else None)
         if self.on_ended is not None:
             for seq in finished:
                 self._announce(seq, now)

@@ -11,6 +11,8 @@ queue, before the planner decides whether it starts::
            save) and the read is tried again; nothing can make room: the turn fails
     none (a new agent, an anonymous turn): a prefix another server published
         (a shared system prompt) is brought into the pool for the turn to hit
+    and whichever it was: a longer prefix than it and the pool give that block files on this
+        disk hold (another agent's system prompt, saved before a restart) is brought in too
 
 A cache read from its file is the turn's alone, not resident. The turn then
 starts from the longest prefix its own cache or the pool covers
@@ -22,15 +24,18 @@ planner, never while the store is asked (the store takes the pool's lock).
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Callable
 
-from semantic.cache import room
+from semantic.cache import reuse, room
 from semantic.cache.blocks import AgentBlocks
 from semantic.errors import PoolExhaustedError
 from semantic.sched.planner import StepPlan, StepPlanner
 from semantic.request import Request
 from semantic.store import AgentCacheStore
+
+log = logging.getLogger(__name__)
 
 
 class CacheOrigin:
@@ -65,7 +70,20 @@ class CacheOrigin:
         if own is None and self.store.remote is not None:
             # a prefix another server published (a shared system prompt): into the pool first
             self.store.prefetch(request.ids, request.salt_root)
+        self._from_disk(request, own)
         return own
+
+    def _from_disk(self, request: Request, own: AgentBlocks | None) -> None:
+        """Bring into the pool a longer prefix than ``own`` and the pool give when some agent's block files
+        on disk hold one (a system prompt saved before a restart); a full pool skips it."""
+        with self.store.pool_lock:
+            start = reuse.choose_start(self.store.pool, request.ids, own, salt_root=request.salt_root)
+            if start.owned:
+                start.blocks.release()
+        try:
+            self.store.load_prefix(request.ids, request.salt_root, beyond=start.cached)
+        except PoolExhaustedError:
+            log.debug("no room for a prefix from disk; the turn starts from %d tokens", start.cached)
 
     def need(self, request: Request) -> int:
         """Free pool bytes ``request``'s cache will take at most.

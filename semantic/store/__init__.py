@@ -200,6 +200,24 @@ class AgentCacheStore:
             self._budget.trim(keep=agent_id)
         return blocks
 
+    def load_prefix(self, token_ids, salt_root: int | None = None, beyond: int = 0) -> int:
+        """Bring into the pool the longest prefix of ``token_ids`` that this disk's block files hold, any
+        agent's (a system prompt another agent saved before a restart), when it is longer than ``beyond``
+        tokens; its blocks stay pooled for the turn to hit. Returns the tokens brought in (0: none).
+
+        Raises:
+            PoolExhaustedError: the pool has no room for them (nothing taken).
+        """
+        if not hasattr(self._files, "load_prefix"):  # the single-file layout shares nothing between agents
+            return 0
+        blocks = self._files.load_prefix(token_ids, salt_root, beyond, self.pool, self.pool_lock)
+        if blocks is None:
+            return 0
+        with self.pool_lock:
+            n = blocks.total_tokens
+            blocks.release()  # its keyed blocks stay in the pool's free queue, hittable until recycled
+        return n
+
     def prefetch(self, token_ids, salt_root: int | None = None) -> int:
         """Bring into the pool the leading full blocks of ``token_ids`` that it lacks and another server
         published (the holder's file, fetched, kept on local disk and loaded; its blocks stay pooled for

@@ -289,6 +289,43 @@ class BlockFiles(AgentIndex):
             os.utime(held.path)  # recency survives a restart
         return blocks
 
+    def load_prefix(self, token_ids, salt_root: int | None, beyond: int, pool: BlockPool,
+                    pool_lock: threading.RLock) -> AgentBlocks | None:
+        """The longest prefix of ``token_ids`` (its last token left to prefill) that the block files hold,
+        whoever saved them, read into ``pool`` when it is longer than ``beyond`` tokens; else None.
+
+        A manifest of the history is planned from the index alone (``BlockIndex.plan``: the files that hold
+        each stretch of it) and loaded as an agent's would be: up to its first missing file, or, for a model
+        with snapshot groups, up to the latest position where every such group finds a snapshot file
+        (a shared system prompt's end, an earlier turn's boundary)::
+
+            history        [ sys ........ | q1 .......... ]     a new agent after a restart
+            on disk        [ agent a's blocks ...
+                                    ^ a's snapshot at its system prompt's end
+            loaded         [ sys ........ )
+
+        Raises:
+            PoolExhaustedError: the pool has no room for the blocks it lacks (nothing taken).
+        """
+        tokens = tuple(map(int, token_ids[:-1]))
+        if len(tokens) <= beyond:
+            return None
+        chain = chain_keys(tokens, self.bt, salt_root)
+        with self.lock:
+            plan = self.index.plan(self.spec, tokens, chain, salt_root, {}, self.bt)
+            files = dict(self.index.infos)
+        m = Manifest("", self.fingerprint, self.spec, self.bt, tokens, salt_root, {}, plan.extents,
+                     snapshots=plan.snapshots)
+        if blockload._prefix(m, files, tails=True)[0] <= beyond:
+            return None
+
+        def infos():
+            with self.lock:
+                return dict(self.index.infos)
+
+        release = lambda bl: _locked_release(pool, pool_lock, bl)  # noqa: E731
+        return blockload.load(m, infos, pool, pool_lock, self._bad_block, release, tails=True)
+
     def _bad_block(self, info: BlockInfo, reason: str) -> None:
         with self.lock:
             self.index.drop(info.key)

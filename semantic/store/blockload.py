@@ -60,10 +60,12 @@ def whole_prefix(m: Manifest, infos: dict[int, BlockInfo]) -> int:
     return _prefix(m, infos)[0]
 
 
-def _prefix(m: Manifest, infos: dict[int, BlockInfo]) -> tuple[int, Manifest]:
+def _prefix(m: Manifest, infos: dict[int, BlockInfo], tails: bool = False) -> tuple[int, Manifest]:
     """:func:`whole_prefix`, and the manifest to load it with: ``m`` less the earlier snapshots whose files
     are not whole, or (a prefix) that with each snapshot group's last extent naming the snapshot file
-    found at that prefix, after the group's earlier snapshots before it."""
+    found at that prefix, after the group's earlier snapshots before it. ``tails``: a model without
+    snapshot groups may also stop where its files stop mid-block (another agent's history, which
+    shares a system prompt with this one, leaves its block file there)."""
     bt, chain = m.block_tokens, chain_keys(m.token_ids, m.block_tokens, m.hash_root)
     good: dict[str, list[tuple[int, int]]] = {}
     bad = m.total_tokens
@@ -97,7 +99,7 @@ def _prefix(m: Manifest, infos: dict[int, BlockInfo]) -> tuple[int, Manifest]:
                     g: (*(e for e in whole[g] if e.end < total), Extent(key, info_start, total))
                     for g, (key, info_start) in at[total].items()}})
         return 0, m
-    for total in range(bad - bad % bt, 0, -bt):
+    for total in [bad] * (tails and bad % bt > 0) + list(range(bad - bad % bt, 0, -bt)):
         if all(_covered(layer.held_ranges(total), good[g]) for g, layer in positional):
             return total, m
     return 0, m
@@ -137,7 +139,7 @@ def _covered(ranges, cover) -> bool:
 
 
 def load(m: Manifest, infos: Callable[[], dict[int, BlockInfo]], pool: BlockPool, pool_lock: AbstractContextManager,
-         on_bad: Callable[[BlockInfo, str], None], release) -> AgentBlocks | None:
+         on_bad: Callable[[BlockInfo, str], None], release, tails: bool = False) -> AgentBlocks | None:
     """``m``'s cache (or its longest whole prefix) in ``pool``; None when nothing of it loads.
 
     Args:
@@ -150,7 +152,7 @@ def load(m: Manifest, infos: Callable[[], dict[int, BlockInfo]], pool: BlockPool
     """
     for _ in range(8):
         files = infos()
-        total, at = _prefix(m, files)
+        total, at = _prefix(m, files, tails)
         if total == 0:
             return None
         try:
