@@ -26,9 +26,8 @@ and the engine pools the whole cache there (``engine._checkpoint``)::
 A finished cache carries the snapshots a later turn starts over from (:meth:`Points.carried`), so its
 save keeps them beside its end and they survive a restart: the prompt's last token but one (a
 regenerate, a reply the client renders otherwise), the boundaries (an edit of the last message, a
-second agent on the system prompt), the position it resumed from, the grid's last stop inside the
-last message (an edit that keeps its start); then, when the budget leaves room, the state before a
-stop token. K of them in all (``room.snapshots_carried``): a big state
+second agent on the system prompt), and the position it resumed from; then, when the budget leaves
+room, the state before a stop token. The grid's stops stay in the pool (a restart loses them). K of them in all (``room.snapshots_carried``): a big state
 (Qwen3.5-35B-A3B: 64 MB) keeps the first four, whose rereads cost most to prefill again.
 
 A sliding window of a block or more keeps the old rule: a stop at every block
@@ -63,14 +62,12 @@ class Points:
     def carried(self, fed: int, total: int, boundaries: Sequence[int] = ()) -> tuple[int, ...]:
         """The earlier positions whose snapshots a prompt of ``total`` tokens, resumed at ``fed``, carries
         into its finished cache, most valuable first: the last token but one, the boundaries (latest
-        first), ``fed``, the grid's last stop after the boundaries; at most K - 1 (the end is the K-th)."""
+        first), ``fed``; at most K - 1 (the end is the K-th). The grid's stops stay in the pool only:
+        one inside the last message would serve an edit that keeps its start, for one more file a turn."""
         if not self.exact:
             return ()
         out: list[int] = []
-        # the grid's last stop inside the last message: an edit that keeps the message's start resumes there
-        grid = (total - 2) // self.interval * self.interval
-        grid = grid if grid > max(boundaries, default=0) else 0
-        for p in (total - 1, *sorted(boundaries, reverse=True), fed, grid):
+        for p in (total - 1, *sorted(boundaries, reverse=True), fed):
             if 0 < p < total and p not in out:
                 out.append(p)
         return tuple(out[: self.most - 1])

@@ -1,0 +1,101 @@
+"""Every turn type resumes after a restart where it resumed in RAM, with the history re-rendered.
+
+Tiny random-weight models with recurrent layers (LFM2, Qwen3-Next) and a window shorter than a
+block (gpt-oss, window 128 under 256-token blocks): their caches resume only where a snapshot was
+kept. The client trims each reply before sending it back, so no turn ends where the server's
+cache did (a template that renders the reply otherwise does the same). An agent makes four turns,
+regenerates, edits its last message, a second agent shares the system prompt, and the agent
+regenerates turn four; then the service closes with every save done (a restart) or stays up, and
+one more turn of each type runs: an append, a regenerate, an edit of the last message, a new
+agent on the system prompt. Each reuses as many tokens from disk as from RAM, and its reply is
+the one a fresh prefill gives.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+
+from harness.models.zoo import write_tiny
+from semantic.service import Service
+from tests.cache_helpers import LOGPROB_TOL
+
+SYSTEM = {"role": "system", "content": "You are a careful coding agent. " * 6}
+
+
+def _user(i: int, extra: str = "") -> dict:
+    return {"role": "user", "content": f"step {i}: read file_{i}.py and say what it does " * 2 + extra}
+
+
+def _open(model_dir, cache_dir) -> Service:
+    return Service.open(str(model_dir), cache_dir=str(cache_dir), pool_bytes=64 << 20, disk_budget_bytes=1 << 30,
+                        echo_history=False)
+
+
+def _turn(service: Service, agent: str, messages: list[dict]):
+    plan = service.prepare(messages=messages, agent=agent, max_tokens=8)
+    done = service.submit(plan.request).result(120)
+    text = service.tokenizer.decode([t for t in done.token_ids if t not in service.eos])
+    service.remember(plan, done, text, [])
+    assert service.wait_saved(plan.request.agent_id, 60)
+    return done, text[:-2]  # the client sends the reply back trimmed: re-rendered, it differs
+
+
+def _history(service: Service) -> tuple[list[dict], list[dict]]:
+    msgs = [SYSTEM]
+    for i in range(4):
+        msgs.append(_user(i))
+        _, reply = _turn(service, "a", msgs)
+        msgs.append({"role": "assistant", "content": reply})
+    prompt4 = msgs[:-1]
+    _turn(service, "a", prompt4)                                  # a regenerate
+    _turn(service, "a", prompt4[:-1] + [_user(3, "and fix it")])  # an edit of the last message
+    _turn(service, "b", [SYSTEM, _user(9)])                       # a second agent
+    _, reply = _turn(service, "a", prompt4)                       # turn four regenerated again
+    return prompt4 + [{"role": "assistant", "content": reply}], prompt4
+
+
+NEXT = {
+    "append": lambda msgs, prompt4: ("a", msgs + [_user(5)]),
+    "regenerate": lambda msgs, prompt4: ("a", prompt4),
+    "edit": lambda msgs, prompt4: ("a", prompt4[:-1] + [_user(3, "differently")]),
+    "new agent": lambda msgs, prompt4: ("c", [SYSTEM, _user(7)]),
+}
+
+
+@pytest.fixture(scope="module", params=["lfm2", "qwen3_next", "gpt_oss"])
+def model_dir(request, tmp_path_factory):
+    return write_tiny(request.param, tmp_path_factory.mktemp(request.param) / "model")
+
+
+def test_every_turn_type_reuses_after_a_restart_what_it_reused_in_ram_and_replies_as_a_fresh_prefill(
+        model_dir, tmp_path):
+    built = tmp_path / "built"
+    service = _open(model_dir, built)
+    msgs, prompt4 = _history(service)
+    service.close(60)
+    fresh = _open(model_dir, tmp_path / "fresh")
+    try:
+        for kind, make in NEXT.items():
+            agent, messages = make(msgs, prompt4)
+            got = {}
+            for mode in ("ram", "restart"):
+                where = tmp_path / f"{kind}-{mode}"
+                shutil.copytree(built, where)
+                if mode == "ram":  # the history again in a live service: the pool holds what it made
+                    shutil.rmtree(where)
+                    live = _open(model_dir, where)
+                    _history(live)
+                else:
+                    live = _open(model_dir, where)
+                got[mode], _ = _turn(live, agent, messages)
+                live.close(60)
+            ref, _ = _turn(fresh, f"fresh-{kind}", messages)
+            assert got["restart"].cached_tokens == got["ram"].cached_tokens > 0, kind
+            for mode in ("ram", "restart"):
+                assert got[mode].token_ids == ref.token_ids, (kind, mode)
+                np.testing.assert_allclose(got[mode].logprobs, ref.logprobs, atol=LOGPROB_TOL, rtol=0)
+    finally:
+        fresh.close(60)
