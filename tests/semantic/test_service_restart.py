@@ -65,7 +65,7 @@ NEXT = {
 }
 
 
-@pytest.fixture(scope="module", params=["lfm2", "qwen3_next", "gpt_oss"])
+@pytest.fixture(scope="module", params=["lfm2", "qwen3_next", "gpt_oss", "llama", "gemma3_text"])
 def model_dir(request, tmp_path_factory):
     return write_tiny(request.param, tmp_path_factory.mktemp(request.param) / "model")
 

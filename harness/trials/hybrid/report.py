@@ -52,7 +52,8 @@ def geometry_checks(d: dict) -> dict:
         tag = "ours" if srv == OURS else srv
         for label, phases, kinds in (("append", ("warm", "agents"), ("append",)), ("regenerate", ("warm",), ("regenerate",)),
                                      ("edit", ("warm",), ("edit",)), ("shared", ("warm", "shared", "agents"), ("first",)),
-                                     ("restart", ("restart",), ("restart",))):
+                                     ("restart", ("restart",), ("restart",)),
+                                     ("restart_shared", ("restart",), ("first",))):
             ok, n = reuse_share(rows, srv, phases, kinds)
             c[f"reuse_{label}_{tag}"] = f"{ok}/{n}"
             if srv == OURS:
@@ -87,7 +88,7 @@ def checks(out: dict) -> dict:
     for k in ratio_keys:
         c[k] = _worst([gc.get(k) for gc in per.values()])
     for k in ("reuse_append_ok", "reuse_regenerate_ok", "reuse_edit_ok", "reuse_shared_ok", "reuse_restart_ok",
-              "ram_budget_held"):
+              "reuse_restart_shared_ok", "ram_budget_held"):
         c[k] = bool(per) and all(gc.get(k) for gc in per.values())
     c["errors"] = sum(gc["errors"] for gc in per.values())
     sizes = out.get("sizes") or {}

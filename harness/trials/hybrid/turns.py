@@ -8,8 +8,9 @@ each server keeps its own copy of each conversation (its own greedy replies)::
               user message changed; the conversation goes on from the edit)
     shared    new agents' first turns on the shared system prompt
     agents    12 agents round robin (mlx_lm.server keeps 10 prompt caches)
-    restart   ours SIGKILLed after its saves, started again, user 0's next turn resumed from disk; the same
-              prompt under a fresh cache salt (a cold prefill) beside it; the peers restarted alike (cold)
+    restart   ours SIGKILLed after its saves, started again, a new agent's first turn on the system prompt
+              (from disk), user 0's next turn resumed from disk; the same prompt under a fresh cache salt
+              (a cold prefill) beside it; the peers restarted alike (cold)
 
 What a turn must find cached, in prompt tokens counted with the model's own tokenizer and template
 (:func:`expected_cached`): an append, the whole previous turn (its prompt and its reply, less the one
@@ -143,6 +144,9 @@ class Workload:
             q = user_turn(user, r)
             build = lambda s: (s.histories.get(user) or [b.system]) + [q]  # noqa: E731
             ev = {"rep": rep, "pending_before_kill": pending, "cold_first": rep % 2 == 1}
+            # a new agent first, before anything reaches the pool: its system prompt can come only from disk
+            ev["new_agent"] = {n: {k: row[k] for k in ("ttft_s", "cached_tokens", "expected_cached", "reuse_ok")}
+                               for n, row in self.turn("restart", 300 + rep, 1, "first", goal_kind="shared").items()}
             if ev["cold_first"]:
                 ev["cold"] = self._cold(build, user, r, rep)
             ev["resumed"] = {n: {k: row[k] for k in ("ttft_s", "cached_tokens", "prompt_tokens", "expected_cached",
