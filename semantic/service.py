@@ -287,7 +287,7 @@ class Service:
         text, marks = None, ()
         if messages is not None:
             ids, text = self._render(agent_id if persist else None, messages, tools)
-            if self.scheduler.engine.snapshots:  # a model that resumes only where its prefill stopped
+            if self.scheduler.engine.wants_boundaries:  # resumes only where it stopped, or keeps prefixes apart
                 marks = message_boundaries(ids, messages, text, lambda m: self._template(m, tools, False),
                                            self._tokens)
         else:
@@ -445,7 +445,7 @@ class Service:
         resident = set(self.scheduler.resident_agents())
         out = []
         for agent_id in self.store.agents():
-            if agent_id.startswith(ANON) or (prefix is not None and not agent_id.startswith(prefix)):
+            if agent_id.startswith("~") or (prefix is not None and not agent_id.startswith(prefix)):  # ours, not a client's
                 continue
             with self._lock:
                 seen = self._seen.get(agent_id)

@@ -113,6 +113,10 @@ class BatchExecutor:
         self._snapshots = stops.Points(spec, pool.block_tokens)
         self.snapshots = self._snapshots.exact  # whether requests should bring their message boundaries
         self._snapshot_groups = sorted(spec.snapshot_groups(pool.block_tokens))
+        # a window of a block or more keeps only its history's end in an agent's file: the system prompt's
+        # cache is saved on its own (``Scheduler._keep_prefix``)
+        self.keeps_prefixes = any(l.windowed and not l.snapshot_only(pool.block_tokens) for l in spec.layers)
+        self.wants_boundaries = self.snapshots or self.keeps_prefixes  # requests should bring their boundaries
         used = {kinds.of(l) for l in spec.layers}
         stuck = sorted(k.name for k in used if not k.rewinds)
         # a recurrent state (or a chunked cache) cannot take rejected drafts back out: one token a step
@@ -393,6 +397,18 @@ class BatchExecutor:
         return tokens if n is None else tokens[:n]
 
     # ------------------------------------------------------------ caches
+
+    def pooled(self, ids: Sequence[int], salt_root: int | None = None) -> AgentBlocks | None:
+        """The cache of ``ids`` made of pooled blocks alone (new references the caller owns), or None when
+        the pool lacks one of them or cannot take back the cached ones."""
+        with self.lock:
+            planned = blockplan.plan_blocks(self.pool, self.spec, ids, salt_root=salt_root)
+            if not planned.blocks or any(p.hit is None for p in planned.blocks):
+                return None
+            try:
+                return blockplan.commit(self.pool, self.spec, ids, planned, lambda p: None, self._release, salt_root)
+            except PoolExhaustedError:
+                return None
 
     def reconstruct_cache(self, blocks: AgentBlocks, materialize: bool = True, upto: int | None = None) -> list:
         """Real mlx-lm cache objects, one per layer, for ``blocks`` (its first ``upto`` tokens)."""

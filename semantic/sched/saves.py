@@ -15,6 +15,7 @@ from collections import OrderedDict
 
 from semantic import cachefile
 from semantic.cache.blocks import AgentBlocks
+from semantic.store.blocklayout import PREFIX
 
 Pending = tuple[AgentBlocks, cachefile.PreparedSave]
 
@@ -34,6 +35,7 @@ class SaveState:
         self._written: OrderedDict[str, tuple[int, bool]] = OrderedDict()  # agent -> (number, ok) of its newest save done
         self._next = 0
         self.saves = self.errors = 0
+        self.prefixes = 0  # prefix entries written
         self.lost = 0  # caches dropped from RAM unsaved (``semantic.sched.planner``): their turns are not on disk
 
     def put(self, agent_id: str, blocks: AgentBlocks, prepared: cachefile.PreparedSave) -> tuple[int, Pending | None]:
@@ -62,6 +64,9 @@ class SaveState:
         if agent_id not in self._pending:
             del self._numbers[agent_id]
         self.saving = None
+        if agent_id.startswith(PREFIX):  # a prefix kept apart (``Scheduler._keep_prefix``), no agent's turn
+            self.prefixes += ok
+            return
         if ok:
             self.saves += 1
             self._failed.discard(agent_id)

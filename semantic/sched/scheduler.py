@@ -49,6 +49,7 @@ from typing import Callable, Sequence
 
 from semantic.blasshare import SHARE
 from semantic import cachefile, defaults
+from semantic.cache.blockplan import chain_keys
 from semantic.cache.blocks import AgentBlocks
 from semantic.engine.executor import BatchExecutor
 from semantic.errors import CacheError, PoolExhaustedError, QueueFullError, SchedulerClosedError
@@ -58,6 +59,7 @@ from semantic.sched.planner import SchedulerStats, StepPlan, StepPlanner, Ticket
 from semantic.request import Completion, Request
 from semantic.sched.residentview import ResidentView
 from semantic.store import AgentCacheStore
+from semantic.store.blocklayout import prefix_id
 from semantic.sched.turnfuture import TurnFuture, TurnResult  # noqa: F401  (TurnResult: semantic exports it from here)
 from semantic.sched.writebehind import WriteBehind
 
@@ -117,6 +119,7 @@ class ConcurrentScheduler(ResidentView):
         self._closing = False
         self._steps = 0
         self._worker = threading.Thread(target=self._work, name="semantic-scheduler", daemon=True)
+        self._prefixes: dict[str, set[str]] = {}  # agent -> the prefix entries its last turn saved (_keep_prefix)
         self._saver = WriteBehind(store, self.planner.saves, self._cv, lambda: self._closing and not self._worker.is_alive())
         self._worker.start()
         self._saver.start()
@@ -368,6 +371,44 @@ class ConcurrentScheduler(ResidentView):
         del replaced, blocks  # released when nothing else holds them (AgentBlocks' finalizer), outside the lock
         if not answered:
             ticket.future.answer(c)
+        if prepared is not None and self.engine.keeps_prefixes:
+            self._keep_prefix(c.request)
+
+    def _keep_prefix(self, request: Request) -> None:
+        """Save, as entries of their own, the caches a later turn of a sliding-window model starts over from
+        (a window of a block or more keeps only the end of each history in its agent's file): the prefix up to
+        the block boundary at or before the system prompt's end (a new agent), the last message's start (an
+        edit) and the prompt's last token but one (a regenerate, a reply the client renders otherwise), each
+        once; the agent's entries from its turn before go (the system prompt's stays, any agent may use it).
+        After a restart ``AgentCacheStore.load_prefix`` finds them, as the pool's blocks serve in RAM."""
+        bt, ids = self.store.block_tokens, request.ids
+        marks = [min(request.boundaries, default=0), max(request.boundaries, default=0), len(ids) - 1, len(ids)]
+        cuts = sorted({p // bt * bt for p in marks if p // bt * bt})
+        chain = chain_keys(ids, bt, request.salt_root)
+        made = {prefix_id(chain[at // bt - 1]): at for at in cuts}
+        system = min(request.boundaries, default=0) // bt * bt
+        shared = prefix_id(chain[system // bt - 1]) if system else None
+        old = self._prefixes.pop(request.agent_id, set()) - set(made) - {shared}
+        self._prefixes[request.agent_id] = set(made) - {shared}
+        for pid in old:
+            self.store.delete(pid)
+        for pid, at in made.items():
+            with self._cv:
+                known = self.planner.saves.holds(pid)
+            if known or self.store.has(pid):
+                continue
+            blocks = self.engine.pooled(ids[:at], request.salt_root)
+            if blocks is None:  # the pool no longer holds the window there
+                continue
+            try:
+                prepared = cachefile.prepare_save(blocks)
+            except CacheError as exc:
+                log.warning("a prefix of %d tokens: cannot prepare its save: %s", at, exc)
+                continue
+            with self._cv:
+                _, older = self.planner.saves.put(pid, blocks, prepared)
+                self._cv.notify_all()
+            del older, blocks
 
     def _fail_in_flight(self, exc: BaseException) -> None:
         with self._cv:

@@ -210,12 +210,21 @@ class AgentCacheStore:
         """
         if not hasattr(self._files, "load_prefix"):  # the single-file layout shares nothing between agents
             return 0
-        blocks = self._files.load_prefix(token_ids, salt_root, beyond, self.pool, self.pool_lock)
+        got = 0
+        kept = self._files.kept_prefix(token_ids, salt_root)
+        if kept is not None and kept[0] > beyond:
+            got = self._pooled(self.load(kept[1]))
+        got = max(got, self._pooled(self._files.load_prefix(token_ids, salt_root, max(beyond, got), self.pool,
+                                                            self.pool_lock)))
+        return got
+
+    def _pooled(self, blocks: AgentBlocks | None) -> int:
+        """Leave a loaded cache's blocks in the pool's free queue, hittable until recycled: its tokens."""
         if blocks is None:
             return 0
         with self.pool_lock:
             n = blocks.total_tokens
-            blocks.release()  # its keyed blocks stay in the pool's free queue, hittable until recycled
+            blocks.release()
         return n
 
     def prefetch(self, token_ids, salt_root: int | None = None) -> int:

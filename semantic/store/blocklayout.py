@@ -52,6 +52,15 @@ from semantic.store.quarantine import Quarantine
 
 log = logging.getLogger(__package__)
 
+# a system prompt's cache kept as an entry of its own, named by the chain key of its last block: a window of
+# a block or more keeps only the end of each history in its agent's file, so no agent's file rebuilds it
+PREFIX = "~prefix/"
+
+
+def prefix_id(key: int) -> str:
+    """The entry id of the prefix whose last full block has chain key ``key``."""
+    return f"{PREFIX}{key & 0xFFFFFFFFFFFFFFFF:016x}"
+
 
 class BlockFiles(AgentIndex):
     """Manifests and block files in ``directory``, for one model, spec and block size.
@@ -325,6 +334,16 @@ class BlockFiles(AgentIndex):
 
         release = lambda bl: _locked_release(pool, pool_lock, bl)  # noqa: E731
         return blockload.load(m, infos, pool, pool_lock, self._bad_block, release, tails=True)
+
+    def kept_prefix(self, token_ids, salt_root: int | None) -> tuple[int, str] | None:
+        """The longest prefix of ``token_ids`` (its last token left to prefill) kept as an entry of its own
+        (:func:`prefix_id`): its length and id, or None."""
+        chain = chain_keys(token_ids[:-1], self.bt, salt_root)
+        with self.lock:
+            for k in range(len(chain) - 1, -1, -1):
+                if prefix_id(chain[k]) in self.entries:
+                    return (k + 1) * self.bt, prefix_id(chain[k])
+        return None
 
     def _bad_block(self, info: BlockInfo, reason: str) -> None:
         with self.lock:
