@@ -11,8 +11,8 @@ queue, before the planner decides whether it starts::
            save) and the read is tried again; nothing can make room: the turn fails
     none (a new agent, an anonymous turn): a prefix another server published
         (a shared system prompt) is brought into the pool for the turn to hit
-    and whichever it was: a longer prefix than it and the pool give that block files on this
-        disk hold (another agent's system prompt, saved before a restart) is brought in too
+    unless the agent's cache was held here: a longer prefix than it and the pool give that block
+        files on this disk hold (another agent's system prompt, saved before a restart) is brought in too
 
 A cache read from its file is the turn's alone, not resident. The turn then
 starts from the longest prefix its own cache or the pool covers
@@ -66,11 +66,12 @@ class CacheOrigin:
         Raises:
             PoolExhaustedError: the file's blocks do not fit the pool and nothing can make room.
         """
-        own = self._own(request.agent_id) if request.persist else None
+        own, resident = self._own(request.agent_id) if request.persist else (None, False)
         if own is None and self.store.remote is not None:
             # a prefix another server published (a shared system prompt): into the pool first
             self.store.prefetch(request.ids, request.salt_root)
-        self._from_disk(request, own)
+        if not resident:  # a resident agent's pool holds whatever this disk could add
+            self._from_disk(request, own)
         return own
 
     def _from_disk(self, request: Request, own: AgentBlocks | None) -> None:
@@ -99,8 +100,9 @@ class CacheOrigin:
         return room.turn_need(self.store.spec, plan.misses, len(request.ids), request.max_tokens,
                               self.store.block_tokens)
 
-    def _own(self, agent_id: str) -> AgentBlocks | None:
-        """The agent's newest cache: the one held here unless another server moved on, else its file."""
+    def _own(self, agent_id: str) -> tuple[AgentBlocks | None, bool]:
+        """The agent's newest cache: the one held here unless another server moved on, else its file; and
+        whether it was held here."""
         with self._cv:
             own = self.planner.own_cache(agent_id)
         if own is not None and self.store.remote is not None and self.store.newer_elsewhere(agent_id):
@@ -110,10 +112,10 @@ class CacheOrigin:
                 own = None
             del stale  # released outside the lock
         if own is not None:
-            return own
+            return own, True
         while True:
             try:
-                return self.store.load(agent_id)  # the file (a restart, an eviction), else None
+                return self.store.load(agent_id), False  # the file (a restart, an eviction), else None
             except PoolExhaustedError:  # room for the file's blocks, else the turn fails
                 if not self._carry_out(lambda: self.planner.make_room(exclude=agent_id) or StepPlan()):
                     raise
