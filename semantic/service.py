@@ -125,7 +125,7 @@ class ServiceStats:
     spec_drafted: int = 0    # ... the tokens drafted in them ...
     spec_accepted: int = 0   # ... and those the model agreed with: each saved one decode step
     remote: dict | None = None  # the shared tier's counters (``RemoteTier.stats``), when there is one
-    spec_off: str | None = None  # why speculation cannot run on this model (recurrent layers), None: it can
+    spec_off: str | None = None  # why speculation cannot run on this model (executor.speculation_off), None: it can
     batch_off: str | None = None  # why this model decodes one sequence at a time, None: it batches
     cache_kinds: tuple[str, ...] = ()  # the model's layer kinds (global, sliding, recurrent)
 

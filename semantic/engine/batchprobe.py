@@ -33,7 +33,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from semantic import kinds
+from semantic import compat, kinds
 
 # logprobs of a batch row against the same row alone: float32 matmuls over other shapes differ by ~1e-6
 TOLERANCE = 1e-3
@@ -114,12 +114,13 @@ def replay_problem(model, spec) -> str | None:
     from semantic.decode import replay, rewind
 
     try:
-        extra, alone, caches = (31, 32, 33), [], []
+        extra, alone, caches, singles = (31, 32, 33), [], [], []
         for prompt, n in zip(_PROMPTS, (1, 2)):
             c = spec.make_cache()
             model(mx.array([prompt]), cache=c)
             single = spec.make_cache()
             model(mx.array([prompt + extra[:n]]), cache=single)
+            singles.append([compat.read_arrays(x) for x in replay.replaying(single)])  # copies: the next token moves them
             alone.append(_logprobs(model(mx.array([[11]]), cache=single)[0, -1]))
             caches.append(c)
         batch = kinds.merge(caches)
@@ -128,11 +129,15 @@ def replay_problem(model, spec) -> str | None:
         model(mx.array([extra, extra]), cache=batch)
         replay.end(batch)
         rewind.rewind(batch, (2, 1))
+        # the states themselves: a tiny model's logprobs can hide a wrong one
+        states = [(a, b) for row, single in enumerate(singles) for c, arrays in zip(replay.replaying(batch), single)
+                  for a, b in zip(c.extract(row).cache, arrays)]
+        state_drift = max(float(mx.max(mx.abs(a - b)) / (mx.max(mx.abs(b)) + 1e-6)) for a, b in states)
         together = model(mx.array([[11], [11]]), cache=batch)[:, -1]
         drift = max(float(mx.max(_gap(_logprobs(together[i]), alone[i]))) for i in range(len(_PROMPTS)))
     except Exception as exc:  # the model's code refused row lengths
         return f"its recurrent layers fail on row lengths ({type(exc).__name__}: {str(exc)[:120]})"
-    if not drift <= TOLERANCE:
-        return (f"its recurrent layers ignore a row's length (logprobs {drift:.2g} from the same row alone): "
-                f"a rejected draft cannot be replayed exactly")
+    if not (drift <= TOLERANCE and state_drift <= TOLERANCE):
+        return (f"its recurrent layers ignore a row's length (state {state_drift:.2g} of its size, logprobs "
+                f"{drift:.2g} from the same row alone): a rejected draft cannot be replayed exactly")
     return None
