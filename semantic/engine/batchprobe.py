@@ -14,8 +14,8 @@ short prompts of different lengths are decoded both ways::
 A model with recurrent layers is asked a second question (:func:`replay_problem`):
 whether its code keeps a row's padding out of its recurrent state when told
 the row's length (mlx-lm's ``ArraysCache.lengths``), which speculation needs
-(``semantic.decode.replay``); a layer that ignores it (0.32's nemotron_h scan,
-mamba) turns speculation off.
+(``semantic.decode.replay``); a layer that ignores it (nemotron_h's SSM scan,
+which both versions never hand the lengths; mamba) turns speculation off.
 
 The probe costs a few tokens' forward passes (seconds on a CPU, every load of
 a server that loads models on demand), so its answer is kept beside the
