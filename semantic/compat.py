@@ -13,6 +13,8 @@ detected by feature, not by version string:
     | ChunkedKVCache trim      | by buffer size (broken)      | by tokens held                 |
     | recurrent row lengths    | ArraysCache.lengths; its mask | ArraysCache.lengths (the mask  |
     |                          | ignores them under left pad  | takes both)                    |
+    | Mamba-2 scans and lengths| ignored (falcon_h1, mamba2,  | honoured (nemotron_h's never:  |
+    |                          | granitemoehybrid, plamo2)    | batchprobe.replay_problem asks)|
 
 Everything above this module speaks :class:`LayerState`, which is the same
 under both versions.

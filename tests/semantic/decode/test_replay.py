@@ -31,9 +31,15 @@ def model(request):
         return MODELS[request.param]()
     from harness.models import zoo  # a recurrent state nested beside attention in one layer (CacheList)
 
+    from semantic.engine.batchprobe import replay_problem
+
     if request.param not in zoo.model_types():
         pytest.skip(f"this mlx-lm has no {request.param}")
-    return zoo.build(request.param)[0]
+    m = zoo.build(request.param)[0]
+    why = replay_problem(m, ModelCacheSpec.from_model(m))
+    if why is not None:  # 0.30.4's Mamba-2 scan ignores a row's length: speculation stays off there
+        pytest.skip(f"this mlx-lm's {request.param}: {why}")
+    return m
 
 
 def _history(seed: int, n: int) -> list[int]:
