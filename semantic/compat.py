@@ -11,9 +11,9 @@ detected by feature, not by version string:
     | model path of a hub id   | utils._download              | utils._download                |
     | recurrent state          | ArraysCache, MambaCache(2)   | ArraysCache (state + padding)  |
     | ChunkedKVCache trim      | by buffer size (broken)      | by tokens held                 |
-    | recurrent row lengths    | ArraysCache.lengths; its mask | ArraysCache.lengths (the mask  |
-    |                          | ignores them under left pad  | takes both)                    |
-    | Mamba-2 scans and lengths| ignored (falcon_h1, mamba2,  | honoured (nemotron_h's never:  |
+    | recurrent row lengths    | ArraysCache.lengths; mask    | ArraysCache.lengths; mask      |
+    |                          | ignores them under left pad  | takes both                     |
+    | Mamba-2 scan and lengths | ignored (falcon_h1, mamba2,  | honoured (nemotron_h: never;   |
     |                          | granitemoehybrid, plamo2)    | batchprobe.replay_problem asks)|
 
 Everything above this module speaks :class:`LayerState`, which is the same
