@@ -254,13 +254,13 @@ class StepLoop:
         drafts = self._drafts() if self.speculation else []
         width = 1 + max(map(len, drafts), default=0)
         # a row's unused positions repeat its token: computed, then always dropped
-        rows = [[s.next_token, *d, *[s.next_token] * (width - 1 - len(d))]
-                for s, d in zip(self._rows, drafts or [[]] * len(self._rows))]
+        inputs = [[s.next_token, *d, *[s.next_token] * (width - 1 - len(d))]
+                  for s, d in zip(self._rows, drafts or [[]] * len(self._rows))]
         kept = None
         if width > 1:
             rewind.prepare(self._batch)
             kept = replay.begin(self._batch, [1 + len(d) for d in drafts])
-        out = self.model(mx.array(rows), cache=self._batch)
+        out = self.model(mx.array(inputs), cache=self._batch)
         if kept is not None:
             replay.end(self._batch)
         logits = out[:, 0, :] if width > 1 else out[:, -1, :]
@@ -275,7 +275,7 @@ class StepLoop:
         ahead_tokens = mx.argmax(ahead, axis=-1)
         mx.async_eval(tokens, logprobs, ahead_tokens, ahead)
         self.spec_steps += 1
-        return tokens, logprobs, (drafts, ahead_tokens, ahead, rows, kept)
+        return tokens, logprobs, (drafts, ahead_tokens, ahead, inputs, kept)
 
     def _drafts(self) -> list[list[int]]:
         """Each row's tokens bet to follow its next one, all cut to the length that pays for the batch."""
