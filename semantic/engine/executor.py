@@ -255,6 +255,11 @@ class BatchExecutor:
         return loop.spec_steps, loop.drafted, loop.accepted
 
     @property
+    def replays(self) -> tuple[int, int]:
+        """Replay passes that put recurrent rows back after a refused draft, and the tokens they fed again."""
+        return self._loop.replays, self._loop.replayed
+
+    @property
     def speculating(self) -> bool:
         """Whether greedy sequences may draft (on, and nothing in ``speculation_off``)."""
         return self._loop.speculation is not None
