@@ -1,6 +1,6 @@
 """Speculation on recurrent layers (``semantic.decode.replay``): what it costs and whether it stays exact.
 
-``python -m harness.analysis.recurrent_spec [--turns 1000] [--pairs 6] [--reply 48]``  (``make spec-recurrent``)
+``python -m harness.analysis.recurrent_spec [--turns 1000] [--pairs 6 4] [--reply 48]``  (``make spec-recurrent``)
 
 A random-weight model does not echo its context, so an edit-style reply (a stretch of the context
 returned with one change) cannot be provoked from it. Each turn is therefore run twice on the same
@@ -10,9 +10,11 @@ reply copies; the model never sees it). The drafter, the batch, the verification
 real ones, so acceptance follows prompt lookup over an edited copy: whole drafts taken up to the change,
 one refused there, none until its n-gram is found again. What it gives:
 
-    cost     LFM2-350M's geometry (random float32, ``harness/trials/hybrid/model.py``), 512-token context:
-             a decode step, a verify step of 1 + k tokens, and a replay of r tokens (put back + fed again)
-    turns    the same model, batch 1, ``--pairs`` edit-style turns of ``--reply`` tokens: time with
+    cost     two hybrids (random float32), 512-token context: a decode step, a verify step of 1 + k
+             tokens, and a replay of r tokens (put back + fed again); LFM2-350M's geometry
+             (``harness/trials/hybrid/model.py``: short convolutions) and a Qwen3-Next-like one
+             (:data:`QWEN3_NEXT_SMALL`: Gated DeltaNet, MoE)
+    turns    each, batch 1, ``--pairs`` edit-style turns of ``--reply`` tokens: time with
              speculation / without, acceptance rate, the share of the speculated turn spent replaying
     exact    ``--turns`` turns on each tiny hybrid (lfm2, qwen3_next), 4 rows a batch: tokens that differ
              from the same turn without speculation, and the largest logprob gap
@@ -34,6 +36,16 @@ ROOT = Path(__file__).resolve().parents[2]
 CONTEXT = 512
 # loop counters summed over turns; drafts_*: speculative rows that took their whole draft, part of it, none
 TOTALS = ("drafted", "accepted", "steps", "replays", "replayed", "drafts_whole", "drafts_part", "drafts_none")
+# Qwen3-Next-80B-A3B's layer widths (hidden 2048; Gated DeltaNet with 32 value / 16 key heads of 128, conv 4;
+# attention every 4th layer, 16 heads of 256, 2 KV heads) at 8 layers and 16 experts (4 active): 886M
+# parameters, what this CPU holds in float32; its vocabulary is SmolLM2's, as the LFM2 geometry's
+QWEN3_NEXT_SMALL = dict(
+    model_type="qwen3_next", hidden_size=2048, num_hidden_layers=8, intermediate_size=5120, num_attention_heads=16,
+    num_key_value_heads=2, head_dim=256, linear_num_value_heads=32, linear_num_key_heads=16, linear_key_head_dim=128,
+    linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=16, num_experts_per_tok=4, decoder_sparse_step=1,
+    shared_expert_intermediate_size=512, mlp_only_layers=[], moe_intermediate_size=512, rms_norm_eps=1e-6,
+    vocab_size=49152, rope_theta=10000000.0, partial_rotary_factor=0.25, max_position_embeddings=262144,
+    full_attention_interval=4, tie_word_embeddings=False)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -49,42 +61,52 @@ def main(argv: list[str] | None = None) -> None:
            "machine": {"nproc": os.cpu_count(), **{k: v for k, v in environment.machine_info().items()
                                                    if k in ("processor", "ram_gb", "system", "release")}},
            "packages": environment.packages(), "git": environment.git_info(ROOT)}
-    model = _lfm2_350m()
-    doc["cost_ms"] = _costs(model, args.rounds)
-    print("cost (ms):", json.dumps(doc["cost_ms"]))
-    doc["turns"] = _timed_turns(model, args.pairs, args.reply)
-    print("turns:", json.dumps({k: v for k, v in doc["turns"].items() if k != "pairs"}))
-    del model
+    doc["models"] = {}
+    for (name, config), pairs in zip((("lfm2-350m", _lfm2_config()), ("qwen3-next-small", QWEN3_NEXT_SMALL)),
+                                     args.pairs):
+        model = _random_model(config)
+        cost = _costs(model, args.rounds)
+        print(f"{name} cost (ms):", json.dumps(cost))
+        turns = _timed_turns(model, pairs, args.reply)
+        print(f"{name} turns:", json.dumps({k: v for k, v in turns.items() if k != "pairs"}))
+        doc["models"][name] = {"cost_ms": cost, "turns": turns}
+        del model
     doc["exact"] = {name: _exact_turns(name, args.turns) for name in ("lfm2", "qwen3_next")}
     print("exact:", json.dumps(doc["exact"]))
-    doc["differences"] = sum(e["differing_turns"] for e in doc["exact"].values()) + doc["turns"]["differing_turns"]
-    doc["ratio"] = doc["turns"]["ratio_median"]
+    doc["differences"] = (sum(e["differing_turns"] for e in doc["exact"].values())
+                          + sum(m["turns"]["differing_turns"] for m in doc["models"].values()))
+    lfm2 = doc["models"]["lfm2-350m"]["turns"]
+    doc["ratio"], doc["acceptance"] = lfm2["ratio_median"], lfm2["acceptance"]  # the goal's model
     doc["verdict"] = "PASS" if doc["ratio"] <= 0.6 and doc["differences"] == 0 else "FAIL"
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=1) + "\n")
-    print(f"ratio {doc['ratio']:.2f}, acceptance {doc['turns']['acceptance']:.2f}, "
+    print(f"ratio {doc['ratio']:.2f}, acceptance {doc['acceptance']:.2f}, "
           f"{doc['differences']} differences: {doc['verdict']} -> {args.out}")
 
 
 def _parse(argv):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--turns", type=int, default=1000, help="speculated turns per tiny model for exactness")
-    ap.add_argument("--pairs", type=int, default=6, help="timed turn pairs on LFM2-350M's geometry")
+    ap.add_argument("--pairs", type=int, nargs=2, default=[6, 4],
+                    help="timed turn pairs on LFM2-350M's geometry and on the Qwen3-Next-like one")
     ap.add_argument("--reply", type=int, default=48, help="tokens per timed reply")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--out", type=Path, default=ROOT / "results" / "recurrent_spec.json")
     return ap.parse_args(argv)
 
 
-def _lfm2_350m():
-    """LFM2-350M's geometry with N(0, 0.02²) float32 matrices, as EXP-018 builds it (no files)."""
+def _lfm2_config() -> dict:
+    from harness.trials.hybrid.model import GEOMETRIES
+
+    return dict(GEOMETRIES["lfm2-350m"])
+
+
+def _random_model(config: dict):
+    """A model of ``config`` with N(0, 0.02²) float32 matrices, as EXP-018 builds its own (no files)."""
     import mlx.core as mx
     from mlx.utils import tree_flatten, tree_unflatten
     from mlx_lm.utils import _get_classes
 
-    from harness.trials.hybrid.model import GEOMETRIES
-
-    config = dict(GEOMETRIES["lfm2-350m"])
     model_cls, args_cls = _get_classes(config)
     mx.random.seed(0)
     model = model_cls(args_cls.from_dict(config))
