@@ -219,7 +219,8 @@ def _run(model, prompts: list[list[int]], n: int, speculation, docs=None):
                            spec, stop_tokens=[], max_batch=len(prompts), speculation=speculation,
                            on_ended=ended.append)
     assert speculation is None or engine.speculation_off is None, engine.speculation_off
-    real_drafter, real_replay, real_init, spent = steploop.Drafter, replay.Pending.replay, replay.Pending.__init__, [0.0]
+    real_drafter, real_replay, real_init = steploop.Drafter, replay.Pending.replay, replay.Pending.__init__
+    spent = [0.0]
     outcomes = {"whole": 0, "part": 0, "none": 0}
 
     def counted(self, rows, kept, inputs, fed, keeps):

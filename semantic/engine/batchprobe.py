@@ -109,8 +109,8 @@ def _logprobs(row):
 def replay_problem(model, spec) -> str | None:
     """Why ``model``'s recurrent layers cannot be replayed exactly (``semantic.decode.replay``), or None.
 
-    Two rows feed three tokens, limited to 1 and 2 of them, and take the rest back out; their next
-    token must then equal each row's own decode of exactly those tokens."""
+    Two rows feed three tokens, limited to 1 and 2 of them, and take the rest back out; their
+    recurrent states and next token must then equal each row's own decode of exactly those tokens."""
     from semantic.decode import replay, rewind
 
     try:
@@ -120,7 +120,7 @@ def replay_problem(model, spec) -> str | None:
             model(mx.array([prompt]), cache=c)
             single = spec.make_cache()
             model(mx.array([prompt + extra[:n]]), cache=single)
-            singles.append([compat.read_arrays(x) for x in replay.replaying(single)])  # copies: the next token moves them
+            singles.append([compat.read_arrays(x) for x in replay.replaying(single)])  # copies, kept as they are
             alone.append(_logprobs(model(mx.array([[11]]), cache=single)[0, -1]))
             caches.append(c)
         batch = kinds.merge(caches)
@@ -131,7 +131,7 @@ def replay_problem(model, spec) -> str | None:
         rewind.rewind(batch, (2, 1))
         # the states themselves: a tiny model's logprobs can hide a wrong one
         states = [(a, b) for row, single in enumerate(singles) for c, arrays in zip(replay.replaying(batch), single)
-                  for a, b in zip(c.extract(row).cache, arrays)]
+                  for a, b in zip(compat.read_arrays(c.extract(row)), arrays)]
         state_drift = max(float(mx.max(mx.abs(a - b)) / (mx.max(mx.abs(b)) + 1e-6)) for a, b in states)
         together = model(mx.array([[11], [11]]), cache=batch)[:, -1]
         drift = max(float(mx.max(_gap(_logprobs(together[i]), alone[i]))) for i in range(len(_PROMPTS)))
