@@ -22,12 +22,12 @@ read or stepped, so a stop string that ends a row inside the step (the loop's
 ``close``) only shortens what that row replays.
 
 Why replay rather than capture the state at every drafted position while
-verifying: measured on LFM2-350M's geometry (``harness/analysis/recurrent_spec.py``,
-``results/recurrent_spec.json``, the shared 2-core CPU), a decode step takes
-482 ms, a verify step of 9 tokens 632, a replay of 1 or 4 tokens 358 or 380
-(it computes no logits); over edit-style turns at batch 1 (acceptance 0.94)
-only 4 of 44 wide steps replayed, 4.8% of the speculated turns' time, which is
-all that capturing could save. Capturing needs a per-position variant of every
+verifying: measured (``harness/analysis/recurrent_spec.py``, ``results/recurrent_spec.json``,
+the shared 2-core CPU) on LFM2-350M's geometry, a decode step takes 387 ms, a
+verify step of 9 tokens 656, a replay of 1 or 4 tokens 288 or 342 (it computes
+no logits); over edit-style turns at batch 1 (acceptance 0.94) only 4 of 44
+wide steps replayed, 4.4% of the speculated turns' time (6.6% on a
+Qwen3-Next-like geometry), which is all that capturing could save. Capturing needs a per-position variant of every
 architecture's recurrent kernel (short convolutions, gated delta rule, Mamba's
 SSD scan, each in two mlx-lm versions) and keeps a state per drafted position
 (Qwen3-Next: 2 MB a layer); a replay is the model's own forward pass, on every
