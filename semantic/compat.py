@@ -11,6 +11,10 @@ detected by feature, not by version string:
     | model path of a hub id   | utils._download              | utils._download                |
     | recurrent state          | ArraysCache, MambaCache(2)   | ArraysCache (state + padding)  |
     | ChunkedKVCache trim      | by buffer size (broken)      | by tokens held                 |
+    | recurrent row lengths    | ArraysCache.lengths; mask    | ArraysCache.lengths; mask      |
+    |                          | ignores them under left pad  | takes both                     |
+    | Mamba-2 scan and lengths | ignored (falcon_h1, mamba2,  | honoured (nemotron_h: never;   |
+    |                          | granitemoehybrid, plamo2)    | batchprobe.replay_problem asks)|
 
 Everything above this module speaks :class:`LayerState`, which is the same
 under both versions.
@@ -141,6 +145,26 @@ def build_arrays(arrays: Sequence) -> Any:
     cache = new_arrays(len(arrays))
     cache.cache = [a[...] for a in arrays]
     return cache
+
+
+def live_arrays(cache: Any) -> list:
+    """A batch recurrent cache's arrays themselves, not copies: a kept reference stays as it was, since the
+    models of both versions assign new arrays to a cache's slots and never write into the old ones."""
+    assert all(a is not None for a in cache.cache), "a batch recurrent cache is set by its rows' prefill"
+    return list(cache.cache)
+
+
+def set_live_arrays(cache: Any, arrays: Sequence) -> None:
+    cache.cache = list(arrays)
+
+
+def limit_rows(cache: Any, lengths: Sequence[int] | None) -> None:
+    """Let the next forward pass move row ``i`` of a recurrent cache by its first ``lengths[i]`` inputs only
+    (None: by all). mlx-lm's own right padding, ``ArraysCache.lengths``, in both versions; the layers
+    count it down as they run, so it is set before every pass that needs it and cleared after. 0.30.4's
+    mask reads it only while ``left_padding`` is None, which a prefilled row's cache always is."""
+    assert lengths is None or cache.left_padding is None, "lengths mask right padding of prefilled rows"
+    cache.lengths = None if lengths is None else mx.array(list(lengths))
 
 
 def flatten(caches: Sequence) -> tuple[list, tuple[int, ...]]:

@@ -124,8 +124,9 @@ class ServiceStats:
     spec_steps: int = 0      # decode steps that verified drafts (``semantic.decode.promptlookup``) ...
     spec_drafted: int = 0    # ... the tokens drafted in them ...
     spec_accepted: int = 0   # ... and those the model agreed with: each saved one decode step
+    spec_replays: int = 0    # passes that fed recurrent rows their accepted tokens again (``semantic.decode.replay``)
     remote: dict | None = None  # the shared tier's counters (``RemoteTier.stats``), when there is one
-    spec_off: str | None = None  # why speculation cannot run on this model (recurrent layers), None: it can
+    spec_off: str | None = None  # why speculation cannot run on this model (executor.speculation_off), None: it can
     batch_off: str | None = None  # why this model decodes one sequence at a time, None: it batches
     cache_kinds: tuple[str, ...] = ()  # the model's layer kinds (global, sliding, recurrent)
 
@@ -429,6 +430,7 @@ class Service:
             pool_capacity_bytes=pool.capacity_bytes, disk_budget_bytes=self.store.disk_budget,
             cache_dir=str(self.store.dir), echo_spliced=self.echo.spliced, echo_rendered=self.echo.rendered,
             spec_steps=steps, spec_drafted=drafted, spec_accepted=accepted,
+            spec_replays=self.scheduler.engine.replays[0],
             remote=self.store.remote.stats() if self.store.remote is not None else None,
             spec_off=self.scheduler.engine.speculation_off, batch_off=self.scheduler.engine.batch_off,
             cache_kinds=tuple(sorted({l.kind for l in self.store.spec.layers})),

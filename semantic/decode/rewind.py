@@ -21,7 +21,9 @@ Every batch cache the step loop uses is handled (``BatchKVCache``,
 fields both supported mlx-lm versions share. A rotating cache is put back
 in temporal order first (its ring then is a plain right-aligned buffer);
 its left padding may be negative (a full window: every slot holds a
-token), and counts from 0 when a row is shifted.
+token), and counts from 0 when a row is shifted. A recurrent state has no
+token axis to cut: its layers are skipped here and put back by
+``semantic.decode.replay``.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from typing import Sequence
 import mlx.core as mx
 from mlx_lm.models import cache as C
 
+from semantic import kinds
 from semantic.kinds.batchquant import BatchQuantizedKVCache
 
 
@@ -54,9 +57,18 @@ def rewind(batch: list, drop: Sequence[int]) -> None:
             _shift_rows(c, extra)
 
 
-def _leaves(batch: list) -> list:
+def leaves(batch: list) -> list:
     """The batch caches, a ``CacheList``'s children in its place."""
     return [leaf for c in batch for leaf in (c.caches if isinstance(c, C.CacheList) else (c,))]
+
+
+def _leaves(batch: list) -> list:
+    """The batch caches that take tokens back out (every positional one)."""
+    return [leaf for leaf in leaves(batch) if _rewinds(kinds.for_cache(leaf))]
+
+
+def _rewinds(kind) -> bool:
+    return kind is None or kind.rewinds  # None: a positional batch class, which no kind names
 
 
 def _trim_all(c, n: int) -> None:

@@ -117,22 +117,18 @@ class BatchExecutor:
         # cache is saved on its own (``Scheduler._keep_prefix``)
         self.keeps_prefixes = any(l.windowed and not l.snapshot_only(pool.block_tokens) for l in spec.layers)
         self.wants_boundaries = self.snapshots or self.keeps_prefixes  # requests should bring their boundaries
-        used = {kinds.of(l) for l in spec.layers}
-        stuck = sorted(k.name for k in used if not k.rewinds)
-        # a recurrent state (or a chunked cache) cannot take rejected drafts back out: one token a step
-        self.speculation_off = f"{' and '.join(stuck)} layers cannot take rejected drafts back" if stuck else None
-        if speculation is not None and stuck:
-            log.info("speculation is off: %s", self.speculation_off)
-            speculation = None
+        used = sorted({kinds.of(l) for l in spec.layers}, key=lambda k: k.name)
         if any(not k.batches for k in used):  # mlx-lm has no batched form of these caches
-            self.batch_off = f"{' and '.join(sorted(k.name for k in used if not k.batches))} layers have no batch form"
+            self.batch_off = f"{' and '.join(k.name for k in used if not k.batches)} layers have no batch form"
         else:
             self.batch_off = batchprobe.remembered(model, spec, probe_memo) if max_batch > 1 else None
         if self.batch_off is not None:
             log.info("one sequence at a time: %s", self.batch_off)
             max_batch = 1
-            if speculation is not None:  # drafts are taken back out of batch caches only (rewind.py)
-                self.speculation_off, speculation = f"one sequence at a time: {self.batch_off}", None
+        self.speculation_off = self._why_no_speculation(model, spec, used, probe_memo, speculation is not None)
+        if speculation is not None and self.speculation_off is not None:
+            log.info("speculation is off: %s", self.speculation_off)
+            speculation = None
         self.vocab_size = vocab_size(model)
         self.stop_tokens = frozenset(int(t) for t in (tokenizer.eos_token_ids if stop_tokens is None else stop_tokens))
         budget = StepBudget(defaults.prefill_chunk(), itl_target_s=itl_target_s, fixed=prefill_chunk)
@@ -143,6 +139,20 @@ class BatchExecutor:
         self._by_agent: dict[str, int] = {}  # agent id -> its uid in flight
         self._finished: weakref.WeakValueDictionary[int, AgentBlocks] = weakref.WeakValueDictionary()
         self.on_ended = on_ended
+
+    def _why_no_speculation(self, model, spec, used, probe_memo, asked: bool) -> str | None:
+        """Why greedy turns of this model cannot draft, or None: every kind of layer takes rejected drafts
+        back (rewind.py) or is put back and replayed (replay.py), in a batch, by code that honours the
+        recurrent rows' lengths (probed only when ``asked``: a model is not run for a setting that is off)."""
+        stuck = [k.no_speculation or f"{k.name} layers can neither rewind nor replay" for k in used
+                 if k.no_speculation or not (k.rewinds or k.replays)]
+        if stuck:
+            return "; ".join(stuck)
+        if self.batch_off is not None:  # drafts are taken back out of batch caches only
+            return f"one sequence at a time: {self.batch_off}"
+        if asked and any(k.replays for k in used):
+            return batchprobe.remembered(model, spec, probe_memo, batchprobe.replay_problem)
+        return None
 
     # ------------------------------------------------------------ requests
 
@@ -270,8 +280,13 @@ class BatchExecutor:
         return loop.spec_steps, loop.drafted, loop.accepted
 
     @property
+    def replays(self) -> tuple[int, int]:
+        """Replay passes that put recurrent rows back after a refused draft, and the tokens they fed again."""
+        return self._loop.replays, self._loop.replayed
+
+    @property
     def speculating(self) -> bool:
-        """Whether greedy sequences may draft (on, and no recurrent layer: see ``speculation_off``)."""
+        """Whether greedy sequences may draft (on, and nothing in ``speculation_off``)."""
         return self._loop.speculation is not None
 
     @property

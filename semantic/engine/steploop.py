@@ -38,7 +38,10 @@ the model's own next token, ending at a finish::
 
 The rejected inputs leave the caches (``semantic.decode.rewind``), so every
 emitted token is the one a step of width 1 would have read: greedy output
-does not change, only its pace. Sampled, constrained and penalized rows
+does not change, only its pace. Recurrent layers cannot drop inputs: their
+state from before the step is kept, and a row that accepted less than its
+whole draft is put back and fed its accepted inputs again before the batch
+is next used (``semantic.decode.replay``). Sampled, constrained and penalized rows
 never draft (they decode at position 0 as always).
 
     time ─►  | decode B | chunk a[0:64) | decode B | chunk a[64:128) | ...
@@ -63,7 +66,7 @@ import mlx.core as mx
 import numpy as np
 
 from semantic import compat, kinds
-from semantic.decode import rewind
+from semantic.decode import replay, rewind
 from semantic.engine.stepbudget import StepBudget
 from semantic.decode.constraint import Constraint
 from semantic.decode.promptlookup import Drafter, SpecConfig, batch_draft_len
@@ -131,6 +134,8 @@ class StepLoop:
         self.model = model
         self.speculation = speculation
         self.spec_steps = self.drafted = self.accepted = 0  # counters: wide steps, tokens drafted, accepted
+        self.replays = self.replayed = 0  # counters: replay passes, and their width summed (recurrent layers)
+        self._pending: replay.Pending | None = None  # the last speculative step's recurrent rows to put right
         self.stop_tokens = frozenset(stop_tokens)
         self.max_batch = max_batch
         self._waiting: deque[_Seq] = deque()   # prompts, in arrival order
@@ -179,6 +184,7 @@ class StepLoop:
         seq = self._seqs[uid]
         if seq.caches is not None:
             return seq.caches
+        self._settle()
         row = self._rows.index(seq)
         return self._row(row)
 
@@ -200,6 +206,8 @@ class StepLoop:
         if back:  # the tokens after it were read in the same step: their inputs leave the cache
             drops = [back if s is seq else 0 for s in self._rows]
             rewind.rewind(self._batch, drops)
+            if self._pending is not None:  # a recurrent state is replayed with fewer inputs
+                self._pending.cut(seq, back)
             seq.generated = generated
             seq.drafter.truncate(len(seq.ids) + generated)
             seq.next_token = seq.drafter.tokens[-1]
@@ -208,6 +216,7 @@ class StepLoop:
     def remove(self, uid: int) -> list | None:
         """Take ``uid`` out wherever it is; its :meth:`caches`, or None before its first token."""
         caches = self.caches(uid) if self._seqs[uid].generated else None
+        self._settle()
         seq = self._seqs.pop(uid)
         if seq in self._rows:
             self._drop_rows([self._rows.index(seq)])
@@ -223,6 +232,7 @@ class StepLoop:
         """Decode one token for the batch, prefill one chunk; return the tokens
         read and the finished sequences whose caches are complete."""
         started = time.perf_counter()
+        self._settle()
         self._join()
         decoded = self._decode() if self._rows else None
         firsts, prefilled = self._prefill()
@@ -243,12 +253,16 @@ class StepLoop:
                 s.history.append(s.next_token)  # fed by this forward pass: the processors' context
         drafts = self._drafts() if self.speculation else []
         width = 1 + max(map(len, drafts), default=0)
+        # a row's unused positions repeat its token: computed, then always dropped
+        inputs = [[s.next_token, *d, *[s.next_token] * (width - 1 - len(d))]
+                  for s, d in zip(self._rows, drafts or [[]] * len(self._rows))]
+        kept = None
         if width > 1:
             rewind.prepare(self._batch)
-        # a row's unused positions repeat its token: computed, then always dropped
-        inputs = mx.array([[s.next_token, *d, *[s.next_token] * (width - 1 - len(d))]
-                           for s, d in zip(self._rows, drafts or [[]] * len(self._rows))])
-        out = self.model(inputs, cache=self._batch)
+            kept = replay.begin(self._batch, [1 + len(d) for d in drafts])
+        out = self.model(mx.array(inputs), cache=self._batch)
+        if kept is not None:
+            replay.end(self._batch)
         logits = out[:, 0, :] if width > 1 else out[:, -1, :]
         if any(s.constraint is not None for s in self._rows):
             mx.async_eval(logits)  # the forward pass runs while llguidance computes the rows' masks
@@ -261,7 +275,7 @@ class StepLoop:
         ahead_tokens = mx.argmax(ahead, axis=-1)
         mx.async_eval(tokens, logprobs, ahead_tokens, ahead)
         self.spec_steps += 1
-        return tokens, logprobs, (drafts, ahead_tokens, ahead)
+        return tokens, logprobs, (drafts, ahead_tokens, ahead, inputs, kept)
 
     def _drafts(self) -> list[list[int]]:
         """Each row's tokens bet to follow its next one, all cut to the length that pays for the batch."""
@@ -358,8 +372,10 @@ class StepLoop:
             self._drop_rows(gone)
         return events, closed
 
-    def _read_speculative(self, firsts: list[int], logprobs: mx.array, drafts, ahead_tokens, ahead) -> list[Event]:
-        """Each row's accepted tokens as events; the rejected inputs leave the caches."""
+    def _read_speculative(self, firsts: list[int], logprobs: mx.array, drafts, ahead_tokens, ahead, inputs,
+                          kept) -> list[Event]:
+        """Each row's accepted tokens as events; the rejected inputs leave the caches (recurrent ones: once
+        the pending replay runs)."""
         width = 1 + ahead_tokens.shape[1]
         later = ahead_tokens.tolist()
         events, drops = [], []
@@ -381,6 +397,9 @@ class StepLoop:
                 self.accepted += taken
             drops.append(width - 1 - taken)
         rewind.rewind(self._batch, drops)
+        if kept is not None:
+            self._pending = replay.Pending(list(self._rows), kept, inputs, [1 + len(d) for d in drafts],
+                                           [width - d for d in drops])
         return events
 
     def _advance(self, seq: _Seq, token: int, logprobs: mx.array) -> Event:
@@ -413,6 +432,14 @@ class StepLoop:
             for mine, theirs in zip(self._batch, merged):
                 mine.extend(theirs)
         self._rows += joining
+
+    def _settle(self) -> None:
+        """Run the last speculative step's pending replay (recurrent rows that accepted part of a draft)."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            width = pending.replay(self.model, self._batch, self._rows)
+            self.replays += width > 0
+            self.replayed += width
 
     def _row(self, row: int) -> list:
         """Row ``row``'s caches, copied out of the batch (a batch of one: the caches themselves)."""

@@ -19,7 +19,9 @@ class Kind:
     cache_classes: tuple[str, ...] = ()  # the mlx-lm classes whose objects this kind holds
     windowed = False                     # forgets old tokens
     rewinds = True                       # a batch can take a row's rejected draft tokens back out (rewind.py)
+    replays = False                      # ... or be put back to before the step and fed the accepted ones (replay.py)
     batches = True                       # several sequences decode in one batch cache
+    no_speculation: str | None = None    # why a model with these layers cannot speculate (None: it can)
 
     def check(self, layer) -> None:
         """Raise ValueError for fields this kind does not take."""
@@ -67,6 +69,20 @@ class Kind:
 
     def batch(self, caches: list) -> Any:
         """One batch cache from single-row caches of this kind."""
+        raise NotImplementedError
+
+    # a kind that ``replays`` answers these three (``semantic.decode.replay``)
+
+    def keep(self, cache) -> Any:
+        """What a batch cache must keep before a speculative step to be put back to it afterwards."""
+        raise NotImplementedError
+
+    def limit(self, cache, lengths) -> None:
+        """Let the next forward pass move row ``i`` by its first ``lengths[i]`` inputs only (None: all)."""
+        raise NotImplementedError
+
+    def put_back(self, cache, kept, rows) -> None:
+        """Rows ``i`` with ``rows[i]`` back to ``kept`` (what :meth:`keep` returned, cut to the batch's rows now)."""
         raise NotImplementedError
 
 

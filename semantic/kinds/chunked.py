@@ -23,6 +23,8 @@ class Chunked(Positional):
     windowed = True
     rewinds = False
     batches = False
+    no_speculation = ("chunked layers decode one sequence at a time on mlx-lm's single ChunkedKVCache (it has no "
+                      "batch form), and rejected drafts leave batch caches only")
 
     def check(self, layer) -> None:
         if not compat.CHUNKED_TRIMS_TOKENS:

@@ -4,13 +4,16 @@ axis, so nothing can be cut from them: a prefix resumes only at a position where
 copied (a snapshot). A snapshot block holds ``(arrays, ())``; each array is copied on the way
 in and handed out as a new object on the way back, so a cache that writes into its arrays never
 reaches a stored snapshot (vllm-mlx #575). Batched by stacking rows (one token per row when
-decoding: no padding, no mask); a rejected speculative draft cannot be taken back out, so
-models with these layers decode without speculation."""
+decoding: no padding, no mask). A rejected speculative draft cannot be taken back out of a state,
+so a speculative step keeps the arrays from before it and limits each row to its real inputs
+(mlx-lm's right padding, ``lengths``); a row that accepted less than its whole draft is put back
+and fed its accepted tokens again (``semantic.decode.replay``)."""
 
 from __future__ import annotations
 
 import math
 
+import mlx.core as mx
 from mlx_lm.models import cache as C
 
 from semantic import compat
@@ -22,6 +25,7 @@ class Recurrent(Kind):
     name = "recurrent"
     cache_classes = (compat.ARRAYS,)
     rewinds = False
+    replays = True
 
     def check(self, layer) -> None:
         try:
@@ -83,3 +87,15 @@ class Recurrent(Kind):
     def batch(self, caches):
         batch = C.ArraysCache.merge(caches)
         return compat.build_arrays(batch.cache) if len(batch.cache) == 2 else batch  # 0.30.4: a MambaCache
+
+    def keep(self, cache):
+        return compat.live_arrays(cache)  # references: a pass assigns new arrays, it never writes into these
+
+    def limit(self, cache, lengths):
+        compat.limit_rows(cache, lengths)
+
+    def put_back(self, cache, kept, rows):
+        back = mx.array(list(rows))
+        now = compat.live_arrays(cache)
+        compat.set_live_arrays(cache, [mx.where(back.reshape(-1, *(1,) * (a.ndim - 1)), k, a)
+                                       for k, a in zip(kept, now)])

@@ -253,7 +253,7 @@ class Model(BaseModel):
     created: int
     owned_by: str = "semantic"
     cache_kinds: list[str] | None = None  # the model's layer kinds: global, sliding, recurrent (once loaded)
-    speculation: bool | None = None       # whether greedy turns may draft (off for recurrent layers)
+    speculation: bool | None = None       # whether greedy turns may draft (/v1/cache/stats says why not)
     # the server's own: loaded, loading, unloaded, unloading or failed (with its error); the names that
     # reach it; the context a request can use (its config's until it loads, then no more than the pool
     # holds); weights + pool bytes (estimated until it loads)

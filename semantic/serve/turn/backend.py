@@ -235,9 +235,10 @@ class Backend:
             # an agent's echoed reply: its generated ids, or rendered again (an edit, a restart, another client)
             "echo": {"spliced": st.echo_spliced, "rendered": st.echo_rendered},
             # prompt-lookup drafts: each accepted token is one decode step saved
-            # off_reason: why this model never drafts (recurrent layers cannot take rejected drafts back)
+            # off_reason: why this model never drafts (chunked layers; recurrent code that ignores row lengths)
+            # replays: passes that put recurrent layers back after a refused draft (semantic.decode.replay)
             "speculation": {"steps": st.spec_steps, "drafted": st.spec_drafted, "accepted": st.spec_accepted,
-                            "off_reason": st.spec_off},
+                            "replays": st.spec_replays, "off_reason": st.spec_off},
             "cache_kinds": list(st.cache_kinds),
             # off_reason: why this model decodes one sequence at a time (its code or its caches do not batch)
             "batch": {"off_reason": st.batch_off},

@@ -50,3 +50,21 @@ def test_the_probes_answer_is_kept_beside_the_caches_and_asked_again_for_other_v
     (tmp_path / batchprobe.MEMO).write_text("{not json")
     assert batchprobe.remembered(m, spec, tmp_path) == "drifts" and len(asked) == 3  # damaged: asked again
     assert batchprobe.remembered(m, spec, None) == "drifts" and len(asked) == 4       # nowhere to keep it
+
+
+def test_each_questions_answer_is_kept_beside_the_other_in_one_memo(tmp_path, monkeypatch):
+    from semantic.engine import batchprobe
+
+    m = tiny_llama()
+    spec = ModelCacheSpec.from_model(m)
+    asked = []
+
+    def replay_problem(model, s):
+        asked.append(1)
+        return "ignores lengths"
+
+    assert batchprobe.remembered(m, spec, tmp_path) is None
+    assert batchprobe.remembered(m, spec, tmp_path, replay_problem) == "ignores lengths"
+    assert batchprobe.remembered(m, spec, tmp_path, replay_problem) == "ignores lengths" and len(asked) == 1
+    monkeypatch.setattr(batchprobe, "batch_problem", lambda model, s: asked.append(2) or "drifts")
+    assert batchprobe.remembered(m, spec, tmp_path) is None and asked == [1]  # the first answer is still there

@@ -154,11 +154,28 @@ def test_a_cancelled_turn_keeps_a_cache_that_continues_exactly(model):
     assert done.cached_tokens == held
 
 
-def test_speculation_is_off_for_recurrent_models_and_on_for_windows():
+def test_speculation_is_on_for_recurrent_hybrids_and_windows():
     on = SpecConfig()
-    assert _engine(tiny_lfm2(), speculation=on).speculation_off is not None
-    eng = _engine(tiny_gpt_oss(), speculation=on)
-    assert eng.speculation_off is None and eng._loop.speculation is on
+    for m in (tiny_lfm2(), tiny_qwen3_next(), tiny_gpt_oss()):
+        eng = _engine(m, speculation=on)
+        assert eng.speculation_off is None and eng._loop.speculation is on
+
+
+@pytest.mark.parametrize("model_type, why", [
+    ("mamba", "recurrent layers ignore a row's length"),  # its scan runs over padding: no exact replay
+    ("llama4", "chunked layers decode one sequence at a time"),
+])
+def test_where_speculation_stays_off_the_engine_says_why(model_type, why):
+    from harness.models import zoo
+
+    from semantic import compat
+
+    if model_type not in zoo.model_types():
+        pytest.skip(f"this mlx-lm has no {model_type}")
+    if model_type == "llama4" and not compat.CHUNKED_TRIMS_TOKENS:
+        pytest.skip("this mlx-lm's ChunkedKVCache breaks on a chunked prefill: refused at load")
+    eng = _engine(zoo.build(model_type)[0], speculation=SpecConfig())
+    assert why in eng.speculation_off and eng._loop.speculation is None
 
 
 def test_snapshot_points_stop_at_boundaries_the_last_token_but_one_and_a_grid():
