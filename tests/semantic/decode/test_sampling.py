@@ -156,9 +156,10 @@ def test_salted_roots_never_share_blocks_but_the_same_salt_does(llama_tiny, cach
     with _scheduler(llama_tiny, cache_dir) as sched:
         again = sched.submit(Request("a2", shared + [6] + list(same.token_ids) + [1], 3, salt_root=a)).result()
         assert again.reuse == "own" and again.cached_tokens == 25 + len(same.token_ids)
-        # a2's file came back keyed under a: a hit for a, a miss for b
+        # a2's file came back keyed under a: a hit for a, a miss for a third root; b finds b1's file
         assert sched.submit(Request("x", shared + [2], 3, salt_root=a)).result().cached_tokens == 24
-        assert sched.submit(Request("y", shared + [2], 3, salt_root=b)).result().cached_tokens == 0
+        assert sched.submit(Request("z", shared + [2], 3, salt_root=salt_root_of("tenant-c"))).result().cached_tokens == 0
+        assert sched.submit(Request("y", shared + [2], 3, salt_root=b)).result().cached_tokens == 24
         ref = reference(llama_tiny, shared + [6] + list(same.token_ids) + [1], 3)
         _assert_same(again, ref)
 
