@@ -82,6 +82,7 @@ class SchedulerStats:
     over_budget_reason: str | None = None  # ... and why (the last time)
     steps: int = 0                   # engine steps of the worker: each pass ends with the budget check and a sample
     lost_caches: int = 0             # caches dropped unsaved under memory pressure (their save had failed)
+    prefix_saves: int = 0            # prefixes saved as entries of their own (``Scheduler._keep_prefix``)
 
     @property
     def token_hit_rate(self) -> float:
@@ -318,6 +319,7 @@ class StepPlanner:
             queued=self.queued, in_flight=len(self.in_flight),
             prompt_tokens=c["prompt_tokens"], cached_tokens=c["cached_tokens"],
             saves=s.saves, save_errors=s.errors, pending_saves=s.outstanding(), lost_caches=s.lost,
+            prefix_saves=s.prefixes,
             resident_agents=len(r), evictions=c["evictions"], cancelled=c["cancelled"],
             resident_bytes=r.bytes, resident_peak_bytes=r.peak_bytes, ram_budget_bytes=self.budget,
             budget_evictions=c["budget_evictions"], budget_waits=c["budget_waits"], budget_wait_s=self.budget_wait_s,

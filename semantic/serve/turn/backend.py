@@ -231,6 +231,7 @@ class Backend:
             # lost: caches dropped from RAM unsaved (their saves failed) to hold the memory bounds
             "saves": {"done": s.saves, "errors": s.save_errors, "pending": s.pending_saves,
                       "skipped": (store.disk or {}).get("skipped", 0), "lost": s.lost_caches,
+                      "prefixes": s.prefix_saves,  # a sliding window's prefixes kept on disk apart from agents
                       "errors_by_kind": (store.disk or {}).get("errors_by_kind", {})},
             # an agent's echoed reply: its generated ids, or rendered again (an edit, a restart, another client)
             "echo": {"spliced": st.echo_spliced, "rendered": st.echo_rendered},
