@@ -9,7 +9,7 @@ any prefix of it can serve. Two kinds cannot be cut back:
   of other positions rebuilds an earlier window.
 
 So the step loop ends a prefill chunk at the positions where agents resume,
-and the engine pools the whole cache there (``engine._checkpoint``)::
+and the engine pools the whole cache there (``executor._checkpoint``)::
 
     history   [ system | tools | q1 a1 | q2 a2 | q3 ]
     stops              ^ boundary      ^ boundary ^ last token - 1
