@@ -49,13 +49,13 @@ def model_checks(d: dict) -> dict:
 
 
 def checks(out: dict) -> dict:
-    """Every check, per model (prefixed with its short name)."""
+    """Every check, per model (prefixed with its short name and an underscore: criteria paths split at dots)."""
     c: dict = {"parts_failed": len(out.get("failed") or []), "errors": 0}
     for m, d in out.get("models", {}).items():
         mc = model_checks(d)
         c["errors"] += mc["errors"]
         for k, v in mc.items():
-            c[f"{short(m)}.{k}"] = v
+            c[f"{short(m)}_{k}"] = v
     return c
 
 
@@ -66,7 +66,7 @@ def readme(ctx, out: dict, c: dict) -> str:
     parts = []
     for m, d in out.get("models", {}).items():
         g = short(m)
-        q = lambda k: fmt(c.get(f"{g}.{k}"))  # noqa: E731
+        q = lambda k: fmt(c.get(f"{g}_{k}"))  # noqa: E731
         lines = ["| turn type | pairs | ours TTFT s | mlx_lm.server TTFT s | ours ÷ mlx_lm (median) | per turn | ours reuse ok | mlx_lm reuse ok |",
                  "|---|---|---|---|---|---|---|---|"]
         for kind in KINDS:
