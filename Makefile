@@ -18,7 +18,7 @@ AIPERF_ARGS ?=
 # extra requirements for .venv, e.g. PINS="mlx==0.30.3 mlx-lm==0.30.4" (the macOS workflow's matrix)
 PINS ?=
 
-.PHONY: help system-blas system-browser system-redis venv models serve serve-models serve-ttft append-profile dashboard-screenshot test test-slow test-compat exp-003 exp-004 exp-005 exp-006 exp-006-full exp-007 exp-007-full exp-008 exp-008-full exp-008-spec exp-009 exp-009-full exp-009-aiperf exp-010 exp-010-full exp-011 exp-011-full exp-012 exp-012-two-models exp-013 exp-014 exp-014-full exp-015 exp-016 exp-017 exp-018 exp-018-full exp-019 exp-019-full exp-020 exp-020-full model-matrix fuzz-blocks chunk-cost restore-speed spec-recurrent exp-throughput exp-throughput-full bench compare-versions test-install clean
+.PHONY: help system-blas system-browser system-redis venv models serve serve-models serve-ttft append-profile dashboard-screenshot test test-slow test-compat exp-003 exp-004 exp-005 exp-006 exp-006-full exp-007 exp-007-full exp-008 exp-008-full exp-008-spec exp-009 exp-009-full exp-009-aiperf exp-010 exp-010-full exp-011 exp-011-full exp-012 exp-012-two-models exp-013 exp-014 exp-014-full exp-015 exp-016 exp-017 exp-018 exp-018-full exp-019 exp-019-full exp-020 exp-020-full exp-021 exp-021-full model-matrix fuzz-blocks chunk-cost restore-speed spec-recurrent exp-throughput exp-throughput-full bench compare-versions test-install clean
 
 help:
 	@echo "make test         run the test suite (creates .venv, prepares models; a worker per core, about 9.5 min on 2 cores)"
@@ -37,6 +37,7 @@ help:
 	@echo "make exp-018      hybrid models: reuse on every turn type against mlx_lm.server; snapshot sizes"
 	@echo "make exp-019      several models behind one server: switching cost, caches across unloads, both loaded, RSS"
 	@echo "make exp-020      real models' cache geometry at real lengths: no-flag pool, restore / save against the disk, RSS"
+	@echo "make exp-021      a sliding-window model on a coding-agent trace against mlx_lm.server (Gemma 3; SmolLM2 as control)"
 	@echo "make model-matrix every mlx-lm text model type served: exact, and reused on every turn type, after SIGKILL too"
 	@echo "make fuzz-blocks  10,000 damaged block files and manifests: every load exact, an exact prefix, or a miss"
 	@echo "make chunk-cost   what a decode step and a prefill chunk cost at 0/4K/8K context"
@@ -307,6 +308,16 @@ exp-020: venv
 
 exp-020-full: venv
 	$(PY) -m harness run experiments/exp_020_real_geometry.toml
+
+# A coding-agent trace against mlx_lm.server, Gemma 3 270M (sliding window 512) and SmolLM2 as the control:
+# 3 agents x 8 turns appending ~250 tokens of tool output, sub-agents on an agent's system prompt, client TTFT
+# paired per step; one append turn profiled in-process (quick: 500-token system prompts, 2-token replies, about 8 min;
+# exp-021-full: 1000-token prompts, two sub-agents per agent, 8-token replies).
+exp-021: models
+	$(PY) -m harness run experiments/exp_021_window_trace.toml --quick
+
+exp-021-full: models
+	$(PY) -m harness run experiments/exp_021_window_trace.toml
 
 # The block layout's fuzzer at 5000 damaged directories per model (10,000 in all; make test runs 1000 each).
 # Every text model type mlx-lm ships, as a tiny random-weight model (harness/models/zoo.py), served and

@@ -256,8 +256,9 @@ def _new_object(x):
     return tuple(p[...] for p in x) if isinstance(x, (tuple, list)) else x[...]
 
 
-def temporal_rotating(state: LayerState) -> LayerState:
-    """The same rotating cache, unrolled into temporal order and cut to the window.
+def temporal_rotating(state: LayerState, cut: bool = True) -> LayerState:
+    """The same rotating cache, unrolled into temporal order and cut to the window (with ``cut``
+    False, not cut: what a multi-token call left beyond the window too).
 
     A RotatingKVCache buffer is a ring: ``keep`` pinned slots, then slots that
     are overwritten in turn at ``idx``. After a long multi-token prefill the
@@ -284,7 +285,7 @@ def temporal_rotating(state: LayerState) -> LayerState:
             order = mx.concatenate([x[..., :keep, :], x[..., idx:, :], x[..., keep:idx, :]], axis=2)
         else:
             order = x[..., :idx, :]
-        if order.shape[2] > state.max_size:
+        if cut and order.shape[2] > state.max_size:
             tail = order.shape[2] - (state.max_size - keep)
             order = mx.concatenate([order[..., :keep, :], order[..., tail:, :]], axis=2)
         return order

@@ -24,7 +24,7 @@ DATA = Path(__file__).parent / "data"
 FIXTURES = {
     "tiny-gemma3": (tiny_gemma3, None, 37, 6, 1),       # window 8: the ring wrapped
     "tiny-llama-q8": (tiny_llama, 8, 21, 6, 1),         # QuantizedKVCache, 8 bits
-    # through submit_history, which pools every block boundary of the prefill: the
+    # through submit_history, which pools the window at every block boundary of the prefill: the
     # window edge [35, 36) references the pooled block [32, 36), stored whole (stored_from)
     "tiny-gemma3-edge": (tiny_gemma3, None, 37, 6, 2),
 }

@@ -21,7 +21,8 @@ from harness.trials.base import KINDS, Kind, Param, register
 MODULES = ("block_store.trial", "cache_injection", "chaos.trial", "claude_code.trial", "claude_code.two_models",
            "hybrid.trial", "multi_model.trial", "multiturn.trial", "per_sequence_extraction",
            "persistence_roundtrip.trial", "real_geometry.trial", "reconstruction.trial", "responses_chain",
-           "serving.trial", "shared_tier.trial", "speculation", "step_loop", "stress", "throughput.trial", "tool_loop.trial")
+           "serving.trial", "shared_tier.trial", "speculation", "step_loop", "stress", "throughput.trial", "tool_loop.trial",
+           "window_trace.trial")
 for _module in MODULES:
     import_module(f"harness.trials.{_module}")
 

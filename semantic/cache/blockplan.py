@@ -211,6 +211,46 @@ def plan_blocks(
     return BlockPlan(tuple(out), sum(pool.cost(g) * n for g, n in misses.items()), misses)
 
 
+def plan_passed(
+    pool: BlockPool, spec: ModelCacheSpec, token_ids: Sequence[int], ends: Sequence[int],
+    buffers: dict[str, list[tuple[int, int]]], salt_root: int | None = None,
+) -> BlockPlan:
+    """The full blocks each positional group held after each of ``ends`` tokens that ``pool`` lacks,
+    from buffers holding the positions ``buffers[group]`` back to back (a window: what a prefill
+    chunk left, ``stops.Points.passed``). Hits are left out: there is nothing to take."""
+    bt = pool.block_tokens
+    tokens = token_ids if type(token_ids) is tuple else tuple(map(int, token_ids))
+    total = len(tokens)
+    assert ends and all(e % bt == 0 and 0 < e <= total for e in ends), (ends, total)
+    chain = chain_keys(tokens[: max(ends)], bt, salt_root)
+    out, misses = [], {}
+    for group, layers in spec.groups().items():
+        layer = spec.layers[layers[0]]
+        if layer.snapshot_only(bt):
+            continue
+        buffer = buffers[group]
+        starts = {a for e in ends for lo, hi in layer.held_ranges(e) for a in range(-(-lo // bt) * bt, hi - bt + 1, bt)}
+        misses[group] = 0
+        for a in sorted(starts):
+            key = chain_hash(chain[a // bt], (), group)
+            if pool.lookup(key, tokens[a : a + bt], count=False) is not None:
+                continue
+            misses[group] += 1
+            parent = chain[a // bt - 1] if a else salt_root
+            out.append(PlannedBlock(group, layers, a, a + bt, _shift(buffer, a, a + bt), key, None, parent))
+    return BlockPlan(tuple(out), sum(pool.cost(g) * n for g, n in misses.items()), misses)
+
+
+def _shift(buffer: list[tuple[int, int]], a: int, b: int) -> int:
+    """The shift of positions ``[a, b)`` in a buffer holding the ranges ``buffer`` back to back."""
+    buffered = 0
+    for sa, sb in buffer:
+        if sa <= a and b <= sb:
+            return sa - buffered
+        buffered += sb - sa
+    raise AssertionError(f"the buffer {buffer} does not hold [{a}, {b})")
+
+
 def _buffered(layer: LayerSpec, total: int, stored_from: int | None, position: int) -> bool:
     """Whether a buffer holding ``stored_ranges(layer, total, stored_from)`` holds ``position``."""
     return any(a <= position < b for a, b in stored_ranges(layer, total, stored_from))

@@ -15,7 +15,9 @@ unrolled, so a window of ``W`` tokens with ``keep`` pinned holds positions::
 and only those positions are stored (``LayerSpec.held_ranges``). Reconstruction
 asks the blocks for the same positions and builds a ``RotatingKVCache`` in
 that temporal order with its write index at the end, which mlx-lm continues
-exactly like the ring.
+exactly like the ring. During a prefill, :func:`keep_passed` pools the blocks
+a window held at the block boundaries a chunk passed, from the positions the
+chunk's attention left before the window too (``stops``).
 
 Reconstruction hands a layer over without a copy when its pieces are one
 consecutive run of one segment, and otherwise concatenates them (one copy).
@@ -84,6 +86,47 @@ def extract(pool: BlockPool, caches: Sequence, token_ids: Sequence[int], release
     tokens = tuple(map(int, token_ids))
     states = _read(spec, caches, len(tokens))
     planned = blockplan.plan_blocks(pool, spec, tokens, salt_root=salt_root)
+    return _store(pool, spec, tokens, planned, states, release, salt_root, earlier)
+
+
+def keep_passed(pool: BlockPool, caches: Sequence, token_ids: Sequence[int], ends: Sequence[int],
+                salt_root: int | None = None) -> int:
+    """Pool the full blocks every layer group held after each of ``ends`` tokens (block boundaries),
+    from live caches after ``len(token_ids)`` tokens that still hold them: a window's cache right after
+    a prefill chunk holds the ``window - 1`` positions before the chunk too (``stops.Points.passed``).
+
+    The new blocks are released at once: cached, hittable until the pool recycles them, so a later
+    history starting at any of ``ends`` finds its window. Returns how many were new; raises
+    :class:`PoolExhaustedError` before taking anything when the pool cannot hold them.
+    """
+    spec, bt = pool.spec, pool.block_tokens
+    tokens = tuple(map(int, token_ids))
+    total = len(tokens)
+    caches, nesting = compat.flatten(caches)
+    if nesting != spec.nesting or len(caches) != spec.n_layers:
+        raise CacheMismatchError(f"{len(caches)} layer caches nesting as {nesting}; the spec says "
+                                 f"{spec.n_layers} as {spec.nesting}")
+    states, buffers = {}, {}
+    for group, layers in spec.groups().items():
+        layer = spec.layers[layers[0]]
+        if layer.snapshot_only(bt):
+            continue
+        for i in layers:
+            states[i] = kinds.of(spec.layers[i]).buffered(i, spec.layers[i], caches[i], total)
+        keys = states[layers[0]].keys
+        held = (keys[0] if isinstance(keys, tuple) else keys).shape[2]
+        keep = [(0, layer.keep)] if layer.keep and held < total else []
+        buffers[group] = keep + [(total - held + layer.keep if keep else total - held, total)]
+    planned = blockplan.plan_passed(pool, spec, tokens, ends, buffers, salt_root)
+    if planned.blocks:
+        _store(pool, spec, tokens, planned, states, None, salt_root).release()
+    return len(planned.blocks)
+
+
+def _store(pool: BlockPool, spec: ModelCacheSpec, tokens: tuple[int, ...], planned: blockplan.BlockPlan, states,
+           release, salt_root: int | None, earlier: Sequence = ()) -> AgentBlocks:
+    """Take ``planned`` from ``pool``, copying each missed block from ``states[layer]`` (a buffer that
+    holds position ``p`` at index ``p - shift``), as one AgentBlocks."""
     pool.require_free(planned.need)
 
     # Each run of consecutive missed blocks is copied once per layer into a

@@ -1,4 +1,4 @@
-"""Where a prompt's prefill stops so its cache can be kept: the positions a later turn starts from.
+"""Where a prompt's prefill stops so its cache can be kept, and which windows a chunk passes.
 
 A global layer's cache after ``T`` tokens holds every earlier position, so
 any prefix of it can serve. Two kinds cannot be cut back:
@@ -9,7 +9,7 @@ any prefix of it can serve. Two kinds cannot be cut back:
   of other positions rebuilds an earlier window.
 
 So the step loop ends a prefill chunk at the positions where agents resume,
-and the engine pools the whole cache there (``engine._checkpoint``)::
+and the engine pools the whole cache there (``executor._checkpoint``)::
 
     history   [ system | tools | q1 a1 | q2 a2 | q3 ]
     stops              ^ boundary      ^ boundary ^ last token - 1
@@ -27,11 +27,20 @@ A finished cache carries the snapshots a later turn starts over from (:meth:`Poi
 save keeps them beside its end and they survive a restart: the prompt's last token but one (a
 regenerate, a reply the client renders otherwise), the boundaries (an edit of the last message, a
 second agent on the system prompt), and the position it resumed from; then, when the budget leaves
-room, the state before a stop token. The grid's stops stay in the pool (a restart loses them). K of them in all (``room.snapshots_carried``): a big state
+room, the state before a stop token. The grid's stops stay in the pool (a restart
+loses them). K of them in all (``room.snapshots_carried``): a big state
 (Qwen3.5-35B-A3B: 64 MB) keeps the first four, whose rereads cost most to prefill again.
 
-A sliding window of a block or more keeps the old rule: a stop at every block
-boundary, whose full blocks then serve any later position.
+A sliding window of a block or more never stops a prefill. Its full blocks serve any later
+position, so what a later turn needs is every full block the window held at some block boundary
+of the prompt; a chunk's attention leaves the newest ``W - 1`` positions before the chunk and the
+whole chunk in the cache (mlx-lm trims a ring only before the next chunk), so after each chunk
+the engine pools the blocks the window held at the boundaries inside it (:meth:`Points.passed`,
+``windowkeep``)::
+
+    chunk      [512 ............................ 2560)      window 512, blocks of 256
+    buffer  [1' .. 512 ............................ 2560)   1' = 512 - 511
+    passed     768 1024 ... 2560: the windows [256, 768) ... [2048, 2560), all in the buffer
 """
 
 from __future__ import annotations
@@ -52,7 +61,7 @@ class Points:
     def __init__(self, spec: ModelCacheSpec, block_tokens: int):
         self.block_tokens = block_tokens
         self.exact = any(l.snapshot_only(block_tokens) for l in spec.layers)
-        self.sliding_grid = any(l.windowed and not l.snapshot_only(block_tokens) for l in spec.layers)
+        self.windows = any(l.windowed and not l.snapshot_only(block_tokens) for l in spec.layers)
         block_bytes = spec.token_bytes() * block_tokens
         state = spec.state_bytes()
         blocks = math.ceil(state / block_bytes) if block_bytes else MAX_GRID_BLOCKS
@@ -75,12 +84,18 @@ class Points:
     def stops(self, fed: int, total: int, boundaries: Sequence[int] = ()) -> list[int]:
         """Positions ``p`` with ``fed < p < total`` where a prompt of ``total`` tokens,
         ``fed`` of them cached, stops to keep its cache."""
-        bt = self.block_tokens
-        out: set[int] = set()
-        if self.sliding_grid:
-            out.update(range(fed // bt * bt + bt, total, bt))
-        if self.exact:
-            out.update(boundaries)
-            out.add(total - 1)
-            out.update(range(fed // self.interval * self.interval + self.interval, total, self.interval))
+        if not self.exact:
+            return []
+        out = {*boundaries, total - 1}
+        out.update(range(fed // self.interval * self.interval + self.interval, total, self.interval))
         return sorted(p for p in out if fed < p < total)
+
+    def passed(self, fed: int, total: int, start: int, end: int) -> list[int]:
+        """The block boundaries ``p``, ``fed < p < total``, that a chunk of tokens ``[start, end)`` of
+        that prompt reaches: their windows are pooled from the cache the chunk leaves (none for a
+        model without sliding windows of a block or more)."""
+        if not self.windows:
+            return []
+        bt = self.block_tokens
+        first = max(fed, start) // bt * bt + bt
+        return list(range(first, min(end, total - 1) + 1, bt))

@@ -7,8 +7,9 @@ quantized ones through ``batchquant``), then prefills one chunk: the
 largest one when nothing decodes, else ``prefill_chunk`` tokens or what
 holds ``itl_target_s`` (``semantic.engine.stepbudget``). A long prompt therefore
 delays the others by one chunk per step, never by its whole prefill. On sliding-window models
-every prompt's chunks also end at block boundaries, where the cache is
-extracted into the pool (:meth:`BatchExecutor._checkpoint`).
+the blocks each chunk's window passed are pooled after it (:meth:`BatchExecutor._keep`); on
+models with layers that resume only from snapshots, chunks also end where those are kept
+(:meth:`BatchExecutor._checkpoint`).
 
 A :class:`~semantic.request.Request` carries the agent's whole history and
 everything else the engine reads: it decodes greedily unless its sampling
@@ -108,8 +109,7 @@ class BatchExecutor:
         spec.require_same(probe, "the spec")
         self.model, self.tokenizer, self.pool, self.spec = model, tokenizer, pool, spec
         self.lock = lock if lock is not None else threading.RLock()
-        # sliding layers lose the window of a prefix once prefill moves past it: see _checkpoint
-        self._sliding = any(l.windowed for l in spec.layers)
+        # sliding layers lose the window of a prefix once prefill moves past it: see _keep
         self._snapshots = stops.Points(spec, pool.block_tokens)
         self.snapshots = self._snapshots.exact  # whether requests should bring their message boundaries
         self._snapshot_groups = sorted(spec.snapshot_groups(pool.block_tokens))
@@ -207,6 +207,8 @@ class BatchExecutor:
             seq.uid, request, fed, caches if caches is not None else self.spec.make_cache(), stops=stop_at,
             on_stop=lambda uid, live, n: self._checkpoint(live, ids[: fed + n], request.salt_root,
                                                           seq if fed + n in carried else None),
+            on_chunk=(lambda uid, live, a, b: self._keep(live, ids, fed, a, b, request.salt_root))
+            if self._snapshots.windows else None,
             constraint=constraint,
         )
         self._seqs[seq.uid] = seq
@@ -232,18 +234,35 @@ class BatchExecutor:
                         found[g].append(self.pool.acquire(h))
         seq.kept.append(AgentBlocks(self.spec, ids[: max(at)], found, bt, _release=self._release, salt_root=salt))
 
-    def _checkpoint(self, caches: list, ids: list[int], salt_root: int | None, keep: _InFlight | None = None) -> None:
-        """Pool the cache of a prompt cut at a block boundary (``ids`` ends there).
+    def _keep(self, caches: list, ids: Sequence[int], fed: int, start: int, end: int, salt_root: int | None) -> None:
+        """Pool what a sliding window held at each block boundary a prefill chunk (prompt tokens
+        ``[start, end)``, counted from ``fed``) reached.
 
         A sliding layer keeps only its window, so a finished cache no longer
         holds the window that ended at an earlier boundary, and no other
-        agent could start from that prefix (a shared system prompt). The step
-        loop ends a chunk at each boundary and this extracts there; the
-        prefill costs the same, plus one copy of each new block::
+        agent could start from that prefix (a shared system prompt). Right after a chunk,
+        the cache still holds the ``window - 1`` positions before it as well, so every
+        window inside the chunk is there; its blocks are copied once, and the prefill
+        keeps the chunks a global-attention model uses::
 
-            prefill    [0 ...... 256)[256 ..... 512)[512 ..... 768)[768 .. 900)
-            extract         ^ at 256        ^ at 512        ^ at 768     (the rest: at the end)
-            sliding          [0, 256)       [0, 512)        [256, 768)   window 512, pooled
+            prefill    [0 ........................................ 900)   one chunk
+            keep       the windows at 256, 512, 768 (window 512): blocks [0, 256) ... [512, 768)
+                       and the global layers' blocks up to 768, as stopping there would have
+
+        The blocks are released at once: they stay hittable in the pool's free queue until it
+        recycles them. A full pool skips them.
+        """
+        ends = self._snapshots.passed(fed, len(ids), fed + start, fed + end)
+        if not ends:
+            return
+        try:
+            with self.lock:
+                convert.keep_passed(self.pool, caches, ids[: fed + end], ends, salt_root)
+        except PoolExhaustedError:
+            log.debug("pool full: the blocks before %d tokens are not kept", fed + end)
+
+    def _checkpoint(self, caches: list, ids: list[int], salt_root: int | None, keep: _InFlight | None = None) -> None:
+        """Pool the whole cache of a prompt cut where a snapshot is kept (``ids`` ends there: ``stops``).
 
         The blocks are released at once: they stay hittable in the pool's
         free queue until it recycles them; with ``keep``, that sequence holds them

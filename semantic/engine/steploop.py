@@ -14,14 +14,17 @@ same under both mlx-lm versions. One :meth:`StepLoop.step`::
               what holds an inter-token latency target) of the waiting
               sequences, in order, each chunk its own forward pass over that
               sequence's single caches; a chunk also ends at the sequence's
-              ``stops`` (block boundaries: ``on_stop`` checkpoints the cache),
-              and the step's prefill ends there unless its budget reaches the
-              next stop, so later chunks stay on the block grid
+              ``stops`` (where a snapshot is kept: ``on_stop`` checkpoints the
+              cache), and the step's prefill ends there unless its budget
+              reaches the next stop; ``on_chunk`` sees the cache after every
+              chunk (a sliding window's passed blocks are pooled there)
     read      the decode step's tokens, and the first token of every prompt
-              whose last chunk ran now (from that chunk's own logits: no
-              extra forward pass for the last prompt token)
+              whose last chunk ran now (from that chunk's own last row of
+              logits, ``lastrow``: no extra forward pass for the last prompt
+              token, and no logits for the others)
     join      sequences that got their first token join the batch caches, so
-              the next decode step includes them
+              the next decode step includes them (their last chunk's
+              ``on_chunk`` runs first, after the token was reported)
 
 Speculation (``speculation``, a :class:`~semantic.decode.promptlookup.SpecConfig`; None:
 off). A greedy sequence whose newest tokens occurred earlier in its
@@ -67,6 +70,7 @@ import numpy as np
 
 from semantic import compat, kinds
 from semantic.decode import replay, rewind
+from semantic.engine.lastrow import last_logits
 from semantic.engine.stepbudget import StepBudget
 from semantic.decode.constraint import Constraint
 from semantic.decode.promptlookup import Drafter, SpecConfig, batch_draft_len
@@ -75,6 +79,8 @@ from semantic.decode.sampling import processors_for, sampler_for
 
 # on_stop(uid, caches, fed): the sequence's live caches after ``fed`` prompt tokens, at one of its stops
 OnStop = Callable[[int, list, int], None]
+# on_chunk(uid, caches, start, end): the live caches right after the chunk of prompt tokens [start, end)
+OnChunk = Callable[[int, list, int, int], None]
 
 
 @dataclass(slots=True)
@@ -107,6 +113,8 @@ class _Seq:
     constraint: Constraint | None  # the grammar its tokens follow (None: free)
     stops: deque = field(default_factory=deque)
     on_stop: OnStop | None = None
+    on_chunk: OnChunk | None = None
+    last_chunk: tuple[int, int] | None = None  # the prompt's last chunk, its on_chunk due before it joins
     fed: int = 0                   # prompt tokens fed so far
     generated: int = 0
     next_token: int | None = None  # sampled, reported, not fed yet
@@ -148,14 +156,17 @@ class StepLoop:
 
     def add(
         self, uid: int, request: Request, fed: int, caches: list, *,
-        stops: Sequence[int] = (), on_stop: OnStop | None = None, constraint: Constraint | None = None,
+        stops: Sequence[int] = (), on_stop: OnStop | None = None, on_chunk: OnChunk | None = None,
+        constraint: Constraint | None = None,
     ) -> None:
         """Queue ``request`` for prefill, then decoding; ``caches`` hold its first ``fed`` ids.
 
         The request's ``max_tokens`` and ``sampling`` are read here, as they
         are; ``stops`` are positions counted from ``fed`` where a chunk must
-        end so that ``on_stop`` can see the cache there; ``constraint`` is
-        the request's grammar over this model's vocabulary.
+        end so that ``on_stop`` can see the cache there; ``on_chunk`` sees the
+        cache right after every chunk (the last one's before the sequence joins
+        the batch, after its first token is read); ``constraint`` is the
+        request's grammar over this model's vocabulary.
         """
         assert uid not in self._seqs, uid
         assert 0 <= fed < len(request.ids), (fed, len(request.ids))
@@ -165,7 +176,7 @@ class StepLoop:
         seq = _Seq(
             uid, prompt, caches, request.max_tokens, sampler_for(request.sampling), processors,
             list(request.ids) if processors else None, constraint, deque(sorted(set(stops))), on_stop,
-            ids=request.ids,
+            on_chunk, ids=request.ids,
         )
         self._seqs[uid] = seq
         self._waiting.append(seq)
@@ -305,14 +316,18 @@ class StepLoop:
                 at_stop = bool(seq.stops) and seq.stops[0] <= end
                 if at_stop:
                     end = seq.stops.popleft()
-                logits = self.model(mx.array([seq.prompt[seq.fed : end]]), cache=seq.caches)
+                chunk = mx.array([seq.prompt[seq.fed : end]])
+                start = seq.fed
                 budget -= end - seq.fed
                 fed += end - seq.fed
                 seq.fed = end
                 if end < len(seq.prompt):
                     # only the caches are evaluated: MLX never computes this chunk's logits
+                    self.model(chunk, cache=seq.caches)
                     mx.eval([compat.cache_arrays(c) for c in seq.caches])
                     mx.clear_cache()
+                    if seq.on_chunk is not None:
+                        seq.on_chunk(seq.uid, seq.caches, start, end)
                     if at_stop:
                         if seq.on_stop is not None:
                             seq.on_stop(seq.uid, seq.caches, end)
@@ -320,9 +335,12 @@ class StepLoop:
                         # tokens more cost a whole forward pass and put later chunks off the grid
                         if budget < (seq.stops[0] if seq.stops else len(seq.prompt)) - end:
                             budget = 0
+                else:
+                    logits = last_logits(self.model, chunk, seq.caches)
+                    seq.last_chunk = (start, end)
             if seq.fed < len(seq.prompt):
                 break  # the budget is spent
-            token, logprobs = self._sample([seq], logits[:, -1, :])
+            token, logprobs = self._sample([seq], logits)
             mx.eval(token, logprobs, [compat.cache_arrays(c) for c in seq.caches])
             self._waiting.remove(seq)
             done.append((seq, int(token.item()), logprobs[0]))
@@ -418,6 +436,10 @@ class StepLoop:
         if not self._ready:
             return
         joining, self._ready = self._ready, []
+        for s in joining:  # a batch cache keeps only the window: what the last chunk left goes first
+            if s.on_chunk is not None and s.last_chunk is not None:
+                s.on_chunk(s.uid, s.caches, *s.last_chunk)
+            s.last_chunk = None
         if self.single:  # the batch is the sequence's own caches (some kinds, or some models' code, do not batch)
             assert self._batch is None and len(joining) == 1
             self._batch, joining[0].caches = joining[0].caches, None

@@ -58,6 +58,11 @@ class Kind:
         """A live cache after ``total`` tokens as this kind's held data, checked against ``layer``."""
         raise NotImplementedError
 
+    def buffered(self, i: int, layer, cache, total: int):
+        """Everything a live cache after ``total`` tokens holds, in temporal order: its held data, and
+        for a window what the last multi-token call left before it (``stops.Points.passed``)."""
+        raise NotImplementedError
+
     def snapshot(self, held) -> tuple:
         """A copy of the held data as a snapshot block's layer data."""
         raise NotImplementedError
@@ -126,6 +131,9 @@ class Positional(Kind):
             self.check_kv(i, layer, st.keys, n, "keys")
             self.check_kv(i, layer, st.values, n, "values")
         return st
+
+    def buffered(self, i: int, layer, cache, total: int) -> compat.LayerState:
+        return self.read(i, layer, cache, total)
 
     def snapshot(self, held: compat.LayerState) -> tuple:
         return copy(held.keys), copy(held.values)

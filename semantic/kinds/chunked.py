@@ -59,6 +59,13 @@ class Chunked(Positional):
         return self.checked(i, layer, compat.LayerState(compat.CHUNKED, keys, values, st.offset, max_size=layer.window,
                                                         idx=st.offset - n), total)
 
+    def buffered(self, i, layer, cache, total):
+        st = compat.read_layer(cache)  # [start_position, offset): trimmed only before the next call
+        if st.kind != compat.CHUNKED or st.max_size != layer.window or st.offset != total:
+            raise CacheMismatchError(f"layer {i} is a {st.kind}/{st.max_size} of {st.offset} tokens; "
+                                     f"the spec says chunk {layer.window}, {total} tokens")
+        return st
+
     def build(self, i, layer, first, second, total, held):
         self.check_kv(i, layer, first, held, "keys")
         self.check_kv(i, layer, second, held, "values")

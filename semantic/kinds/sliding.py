@@ -4,8 +4,9 @@ and the newest ``window - keep``; it is read unrolled into temporal order
 
     [0, keep)  +  [T - (window - keep), T)          (all of [0, T) while T <= window)
 
-A window of a block or more resumes anywhere its pooled blocks cover (the engine stops a
-prefill at every block boundary to pool them); a shorter one only at snapshots."""
+A window of a block or more resumes anywhere its pooled blocks cover (the engine pools, after
+each prefill chunk, the blocks the window held at the block boundaries in it: ``stops``); a
+shorter one only at snapshots."""
 
 from __future__ import annotations
 
@@ -50,12 +51,22 @@ class Sliding(Positional):
         return dict(kind=self.name, window=st.max_size, keep=st.keep, **self.common_fields(st))
 
     def read(self, i, layer, cache, total):
+        return self.checked(i, layer, compat.temporal_rotating(self._state(i, layer, cache)), total)
+
+    def buffered(self, i, layer, cache, total):
+        # a multi-token call leaves up to window - 1 positions before the chunk as well
+        st = compat.temporal_rotating(self._state(i, layer, cache), cut=False)
+        if st.offset != total:
+            raise CacheMismatchError(f"layer {i} holds {st.offset} tokens but {total} token ids were given")
+        return st
+
+    def _state(self, i, layer, cache) -> compat.LayerState:
         st = compat.read_layer(cache)
         if st.kind != compat.ROTATING:
             raise CacheMismatchError(f"layer {i} is a {st.kind}; the spec says {compat.ROTATING}")
         if (st.max_size, st.keep) != (layer.window, layer.keep):
             raise CacheMismatchError(f"layer {i} window/keep {st.max_size}/{st.keep} != spec {layer.window}/{layer.keep}")
-        return self.checked(i, layer, compat.temporal_rotating(st), total)
+        return st
 
     def build(self, i, layer, first, second, total, held):
         self.check_kv(i, layer, first, held, "keys")

@@ -22,17 +22,17 @@ with ``python -m harness.memory.costs MODEL_DIR ... --pool-mb 128``, each figure
 
   - the turn's own cache: mlx-lm's caches are copies of the pool's blocks (rebuilt from them at
     admission, pooled again at stops), so up to ``sizing.LIVE_COPY`` times the pool's size;
-  - one prefill chunk's largest array: its logits (the chunk that ends a prompt computes every
-    position's: ``chunk × vocabulary × 4`` bytes, 384 MiB for a 2048-token chunk of SmolLM2) or one
-    layer's attention scores (MLX's CPU attention materialises ``heads × chunk × context × 4`` bytes),
-    whichever is larger, plus the MLP's and the residual stream's activations; a chunk is 2048 tokens
-    (``stepbudget.SOLO_CHUNK``), or one block for a model whose sliding windows span a block or more
-    (its prefill stops at every block);
+  - a step's largest array: one layer's attention scores over a prefill chunk (MLX's CPU attention
+    materialises ``heads × chunk × context × 4`` bytes; a chunk is 2048 tokens,
+    ``stepbudget.SOLO_CHUNK``, sliding windows or not) or a decode step's logits (``max_batch`` rows
+    of up to 9 positions each, a token and its drafts; a prompt's last chunk computes one row,
+    ``engine.lastrow``), whichever is larger, plus the chunk's MLP and residual-stream activations;
   - MLX's buffer cache between steps (:data:`MLX_CACHE_BYTES`: 32 MB after every turn measured).
 
   Fresh prompts of 64 / 600 / 1500 / 2048 / 2300 tokens, 128 MB pool: SmolLM2 f32 +44 / 133 / 341 / 468
   (535 in another run) / 206 MB, estimated 598; Gemma 3 f32 (64 / 600 / 1000 / 1500) +76 / 139 / 272 /
-  247 MB, estimated 424.
+  247 MB, estimated 424 (measured while a prompt's last chunk computed every row of logits, and a
+  sliding-window model's prefill stopped at every block).
 
 The estimate errs high: the longest prompt the pool holds, a full pool of live caches, the larger
 tokenizer measurement, so that RSS stays within ``--models-mb`` for any workload; a typical one sits
@@ -48,6 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from semantic import defaults
+from semantic.decode.promptlookup import SpecConfig
 from semantic.engine.stepbudget import SOLO_CHUNK  # a prefill chunk when nothing decodes
 
 from semantic.sizing import LIVE_COPY, RUNTIME_BYTES, TOKENIZER_FIXED, TOKENIZER_PER_FILE_BYTE  # noqa: F401
@@ -73,20 +74,19 @@ class Footprint:
         return self.weights + self.pool + self.working
 
 
-def footprint(model_dir: Path, pool_bytes: int, *, block_tokens: int = defaults.BLOCK_TOKENS,
-              chunk: int | None = None, max_batch: int = defaults.MAX_BATCH) -> Footprint:
+def footprint(model_dir: Path, pool_bytes: int, *, chunk: int | None = None,
+              max_batch: int = defaults.MAX_BATCH) -> Footprint:
     """``model_dir``'s footprint (a path that is not a directory, e.g. a hub id: its pool and nothing else
     known before its load). ``chunk``: the server's fixed prefill chunk, if it sets one."""
     if not model_dir.is_dir():
         return Footprint(0, pool_bytes, 0, 0)
     weights = sum(f.stat().st_size for f in model_dir.glob("*") if f.suffix in WEIGHT_SUFFIXES)
-    return Footprint(weights, pool_bytes, working_bytes(model_dir, pool_bytes, block_tokens=block_tokens,
-                                                        chunk=chunk, max_batch=max_batch),
+    return Footprint(weights, pool_bytes, working_bytes(model_dir, pool_bytes, chunk=chunk, max_batch=max_batch),
                      tokenizer_bytes(model_dir))
 
 
-def working_bytes(model_dir: Path, pool_bytes: int, *, block_tokens: int = defaults.BLOCK_TOKENS,
-                  chunk: int | None = None, max_batch: int = defaults.MAX_BATCH) -> int:
+def working_bytes(model_dir: Path, pool_bytes: int, *, chunk: int | None = None,
+                  max_batch: int = defaults.MAX_BATCH) -> int:
     """A turn's working memory at its largest, from the model's config.json (see the module docstring);
     :data:`MLX_CACHE_BYTES` alone where the config says too little."""
     shape = _Shape.of(model_dir)
@@ -95,11 +95,8 @@ def working_bytes(model_dir: Path, pool_bytes: int, *, block_tokens: int = defau
     token_bytes = max(1, shape.layers * 2 * shape.kv_heads * shape.head_dim * shape.act_bytes)
     longest = max(1, min(shape.context, pool_bytes // token_bytes))  # the longest cache the pool holds
     live = int(LIVE_COPY * min(pool_bytes, max_batch * longest * token_bytes))
-    step = chunk or SOLO_CHUNK
-    if shape.window is not None and shape.window >= block_tokens:
-        step = min(step, block_tokens)  # a sliding-window model's prefill stops at every block
-    step = min(step, longest)
-    logits = step * shape.vocab * 4
+    step = min(chunk or SOLO_CHUNK, longest)
+    logits = max_batch * (1 + SpecConfig().max_draft) * shape.vocab * 4  # a decode step's rows
     scores = shape.heads * step * longest * 4
     activations = step * (3 * shape.intermediate + 4 * shape.hidden) * 4  # the MLP's three, the residual stream's
     return live + max(logits, scores) + activations + MLX_CACHE_BYTES
@@ -117,7 +114,6 @@ class _Shape:
     head_dim: int
     vocab: int
     context: int
-    window: int | None
     act_bytes: int   # an activation's bytes: 4 for float32 weights, else 2 (bf16 / f16, quantized scales)
 
     @classmethod
@@ -137,10 +133,8 @@ class _Shape:
             return None
         kv_heads = int(get("num_key_value_heads") or heads)
         head_dim = int(get("head_dim") or math.ceil(hidden / max(heads, 1)))
-        window = get("sliding_window")
         return cls(layers, hidden, int(get("intermediate_size") or 4 * hidden), heads, kv_heads, head_dim, vocab,
-                   int(get("max_position_embeddings") or 32768), int(window) if isinstance(window, int) else None,
-                   _activation_bytes(model_dir))
+                   int(get("max_position_embeddings") or 32768), _activation_bytes(model_dir))
 
 
 def _activation_bytes(model_dir: Path) -> int:

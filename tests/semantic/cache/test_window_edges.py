@@ -1,11 +1,10 @@
 """Sliding windows: window edges shared from the pool, and every turn boundary a restart point.
 
 Tiny Gemma (window 8) in blocks of 4 tokens, so a short history already
-moves the window past a block boundary. Blocks reach the pool because
-``submit_history`` prefills a fresh prompt block by block (``engine._checkpoint``)
-and every finished turn is extracted whole; these tests assume that, and the
-lead's chunked-prefill loop keeps it (it checkpoints every boundary of every
-prefill). References run in an engine with a pool of its own, so they never
+moves the window past a block boundary. Blocks reach the pool because the
+engine pools, after every prefill chunk, the windows at the block boundaries
+it passed (``engine._keep``), and every finished turn is extracted whole; these
+tests assume that. References run in an engine with a pool of its own, so they never
 feed the pool under test.
 """
 

@@ -288,7 +288,7 @@ def test_a_sliding_edit_reuses_up_to_the_edit_from_the_window_blocks_earlier_pre
     b = engine.submit(Request("a", edited, STEPS), turn2)
     ref = engine.submit(Request("ref", edited, STEPS), share=False)
     done = _run(engine)
-    # turn 2's prefill checkpointed every block boundary: the window [2, 10) is pooled
+    # turn 2's prefill pooled the window at every block boundary it passed: [2, 10) is pooled
     assert (done[b].reuse, done[b].cached_tokens) == ("pool", 10)
     _assert_same(done[b], done[ref])
 
@@ -321,7 +321,7 @@ def test_a_sliding_window_prefix_is_pooled_at_every_block_boundary_so_other_agen
     a = engine.submit(Request("a", system + _history(12, 17), STEPS))
     ref_a = engine.submit(Request("ref-a", system + _history(12, 17), STEPS), share=False)
     done = _run(engine)
-    _assert_same(done[a], done[ref_a])  # a's prefill, cut at each boundary, changes nothing
+    _assert_same(done[a], done[ref_a])  # pooling a's passed windows changes nothing
     assert (done[a].reuse, done[a].cached_tokens, done[a].prompt_tokens) == ("none", 0, 30)
     b = engine.submit(Request("b", system + [40, 41, 42], STEPS))
     ref_b = engine.submit(Request("ref-b", system + [40, 41, 42], STEPS), share=False)

@@ -75,7 +75,7 @@ def test_gemma_agents_share_a_system_prompt_longer_than_the_sliding_window(gemma
         a1 = sched.submit(Request("a", encode(tok, [system, ask(1)]), STEPS)).result()
         b1 = sched.submit(Request("b", encode(tok, [system, ask(2)]), STEPS)).result()
     assert (a1.reuse, a1.cached_tokens) == ("none", 0)
-    # the window's blocks were pooled at each boundary of a's prefill; a's tail serves up to the question
+    # the window's blocks were pooled at each boundary a's prefill passed; a's tail serves up to the question
     a_ids, b_ids = render_chat(tok, [system, ask(1)]), render_chat(tok, [system, ask(2)])
     assert (b1.reuse, b1.cached_tokens) == ("pool", common_prefix(a_ids, b_ids)) and b1.cached_tokens > 512
     _assert_same(b1, _fresh(gemma3, [system, ask(2)]))

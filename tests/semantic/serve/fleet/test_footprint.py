@@ -37,7 +37,7 @@ def test_a_model_counts_its_weight_files_its_pool_and_a_turns_working_memory_and
 
     # token bytes 2 layers x K and V x 2 heads x 16 x 4 B = 512: the pool holds 16384 tokens, the context 4096
     live = int(fp.LIVE_COPY * min(8 * MB, 8 * 4096 * 512))  # the live caches, as measured against the pool
-    logits, scores = 2048 * 1000 * 4, 4 * 2048 * 4096 * 4
+    logits, scores = 8 * 9 * 1000 * 4, 4 * 2048 * 4096 * 4  # a decode step's 8 rows of 9 positions
     activations = 2048 * (3 * 128 + 4 * 64) * 4
     assert f.working == live + max(logits, scores) + activations + fp.MLX_CACHE_BYTES
 
@@ -46,13 +46,15 @@ def test_the_working_memory_follows_the_longest_prompt_the_pool_holds_and_the_pr
     d = _model(tmp_path, LLAMA)
     small, large = fp.working_bytes(d, 1 * MB), fp.working_bytes(d, 64 * MB)
     assert small < large  # a larger pool holds a longer prompt: its attention scores and its live cache
-    assert fp.working_bytes(d, 64 * MB, chunk=64) < large  # a fixed, smaller chunk: smaller scores and logits
+    assert fp.working_bytes(d, 64 * MB, chunk=64) < large  # a fixed, smaller chunk: smaller scores
 
 
-def test_a_sliding_window_model_prefills_a_block_at_a_time_and_half_width_activations_halve_the_cache(tmp_path):
-    windowed = _model(tmp_path, {**LLAMA, "sliding_window": 512, "vocab_size": 262144}, name="windowed")
-    # its prefill stops at every block: a 256-token block's logits, not a 2048-token chunk's
-    assert fp.working_bytes(windowed, 8 * MB) < fp.working_bytes(windowed, 8 * MB, block_tokens=1024)
+def test_a_sliding_window_model_prefills_like_any_other_and_half_width_activations_halve_the_cache(tmp_path):
+    windowed = _model(tmp_path, {**LLAMA, "sliding_window": 512}, name="windowed")
+    assert fp.working_bytes(windowed, 8 * MB) == fp.working_bytes(_model(tmp_path, LLAMA, name="global"), 8 * MB)
+    large_vocab = _model(tmp_path, {**LLAMA, "vocab_size": 262144}, name="vocab")
+    # a prompt's last chunk computes one row of logits: a decode step's 72 rows (75 MB) stay below a chunk's scores
+    assert fp.working_bytes(large_vocab, 8 * MB) == fp.working_bytes(windowed, 8 * MB)
     f32, bf16 = _model(tmp_path, LLAMA, name="f32"), _model(tmp_path, LLAMA, dtype="BF16", name="bf16")
     assert fp.working_bytes(bf16, 64 * MB) < fp.working_bytes(f32, 64 * MB)  # a token's cache is half as large
 

@@ -1,0 +1,95 @@
+"""Where one append turn's time goes in our engine, in this process: the same turn the trace makes
+(``append_tokens`` new tokens over ``cached_tokens`` an agent's own cache holds), on ``BatchExecutor``.
+
+Per rep, the turn's spans, each ended in ``mx.eval`` by the engine itself::
+
+    admit      reuse.choose_start + reconstruct the own cache from pooled blocks
+    prefill    the first step: one forward pass over the new tokens, the last row's logits, the first token
+    keep       the blocks the window passed, pooled before the sequence joins the batch (``convert.keep_passed``)
+    finish     the finished cache extracted into the pool (``convert.extract``)
+
+beside two floors on the same rebuilt cache, just before the turn: the forward pass alone
+(``lastrow.last_logits``, no engine), and mlx-lm's way (every new token but the last as a cache-only pass,
+then the last token alone: what ``mlx_lm.server`` computes before its first token).
+"""
+
+from __future__ import annotations
+
+import time
+from statistics import median
+
+import mlx.core as mx
+
+
+def profile_append(model_dir, cached_tokens: int, append_tokens: int, reps: int) -> dict:
+    from mlx_lm import load
+
+    from harness.prompts import text_of_tokens
+    from semantic import BatchExecutor, BlockPool, ModelCacheSpec, Request
+    from semantic.cache import convert
+    from semantic.engine.lastrow import last_logits
+
+    model, tok = load(str(model_dir))
+    spec = ModelCacheSpec.from_model(model)
+    pool = BlockPool(spec, capacity_bytes=1 << 30)  # allocated as blocks are made: room, never a recycle
+    eng = BatchExecutor(model, tok, pool, spec, stop_tokens=[])
+    need = cached_tokens + append_tokens * (reps + 1)
+    corpus = tok.encode(text_of_tokens(tok, need + 64))
+    assert len(corpus) >= need - 8, (len(corpus), need)
+    spans: dict[str, list[float]] = {k: [] for k in ("admit", "prefill", "keep", "finish", "forward", "mlx_lm_way")}
+    timed = {"keep": convert.keep_passed, "finish": convert.extract}
+    clock = {"keep": 0.0, "finish": 0.0}
+
+    def wrap(name):
+        def call(*a, **k):
+            t = time.perf_counter()
+            try:
+                return timed[name](*a, **k)
+            finally:
+                clock[name] += time.perf_counter() - t
+        return call
+
+    def floors(own, chunk) -> tuple[float, float]:
+        cache = convert.reconstruct(own)
+        t = time.perf_counter()
+        mx.eval(last_logits(model, chunk, cache))
+        forward = time.perf_counter() - t
+        cache = convert.reconstruct(own)
+        t = time.perf_counter()
+        model(chunk[:, :-1], cache=cache)
+        mx.eval([c.state for c in cache])
+        mx.eval(model(chunk[:, -1:], cache=cache)[:, -1, :])
+        return forward, time.perf_counter() - t
+
+    uid = eng.submit(Request("agent", corpus[:cached_tokens], 1))
+    own = {c.uid: c for c in eng.step()}[uid].blocks
+    at = cached_tokens
+    try:
+        convert.keep_passed, convert.extract = wrap("keep"), wrap("finish")
+        for rep in range(reps + 1):  # the first rep warms up
+            new = corpus[at : at + append_tokens]
+            at += append_tokens
+            forward, mlx_lm_way = floors(own, mx.array([new]))  # the same turn's compute, just before it
+            ids = list(own.token_ids) + new
+            clock.update(keep=0.0, finish=0.0)
+            first: list[float] = []
+            t0 = time.perf_counter()
+            uid = eng.submit(Request("agent", ids, 2, on_token=lambda *_: first.append(time.perf_counter())), own)
+            t1 = time.perf_counter()
+            while not first:
+                eng.step_once()
+            t2 = first[0]
+            done = {c.uid: c for c in eng.step()}[uid]
+            assert done.cached_tokens == len(own.token_ids), (done.cached_tokens, len(own.token_ids))
+            own.release()
+            own = done.blocks
+            if rep:
+                for k, v in (("admit", t1 - t0), ("prefill", t2 - t1), ("keep", clock["keep"]),
+                             ("finish", clock["finish"]), ("forward", forward), ("mlx_lm_way", mlx_lm_way)):
+                    spans[k].append(v)
+    finally:
+        convert.keep_passed, convert.extract = timed["keep"], timed["finish"]
+    n = len(own.token_ids)
+    own.release()
+    return {"cached_tokens": n - append_tokens - 2, "append_tokens": append_tokens, "reps": reps,
+            **{f"{k}_s": median(v) for k, v in spans.items()}, "samples": spans}
