@@ -378,9 +378,23 @@ def load(path, tokenizer=None):
     from mlx_lm import utils
 
     if tokenizer is None:
-        return mlx_lm.load(str(path))
-    model, _ = utils.load_model(path)
+        model, tokenizer = mlx_lm.load(str(path))
+    else:
+        model, _ = utils.load_model(path)
+    _evaluate_constants(model)
     return model, tokenizer
+
+
+def _evaluate_constants(model) -> None:
+    """Evaluate the arrays a model keeps outside its parameters (bailing_moe_linear's ``_slope``, computed
+    lazily in ``__init__``): left lazy, their graph names the loading thread's stream, and the first step on
+    the scheduler's thread fails with "There is no Stream(cpu, 0) in current thread"."""
+    import mlx.core as mx
+
+    # a module is a dict: private arrays sit among its items, outside ``parameters()``
+    arrays = [v for m in model.modules() for v in (*vars(m).values(), *m.values()) if isinstance(v, mx.array)]
+    if arrays:
+        mx.eval(arrays)
 
 
 def check_model_dir(path) -> None:

@@ -147,3 +147,26 @@ def test_temporal_rotating_continues_exactly_like_the_ring(prompt_len, decode, k
 def test_versions_are_reported():
     assert compat.MLX_LM_VERSION.count(".") >= 1
     assert compat.HAS_META_STATE == (not HAS_NEXT_GENERATED)
+
+
+def test_a_loaded_model_steps_on_another_thread_when_it_keeps_lazy_arrays_outside_its_parameters(tmp_path):
+    # bailing_moe_linear computes ``_slope`` lazily in __init__: unevaluated, it names the loading thread's stream
+    import threading
+
+    import mlx.core as mx
+
+    from harness.models.zoo import write_tiny
+
+    model, _ = compat.load(write_tiny("bailing_moe_linear", tmp_path / "model"))
+    errors = []
+
+    def step():
+        try:
+            mx.eval(model(mx.array([[1, 2, 3]]), cache=model.make_cache()))
+        except RuntimeError as exc:
+            errors.append(exc)
+
+    worker = threading.Thread(target=step)
+    worker.start()
+    worker.join(120)
+    assert not worker.is_alive() and errors == []
