@@ -19,9 +19,9 @@ same under both mlx-lm versions. One :meth:`StepLoop.step`::
               reaches the next stop; ``on_chunk`` sees the cache after every
               chunk (a sliding window's passed blocks are pooled there)
     read      the decode step's tokens, and the first token of every prompt
-              whose last chunk ran now (from that chunk's own last row of
-              logits, ``lastrow``: no extra forward pass for the last prompt
-              token, and no logits for the others)
+              whose last token ran now: it is fed alone, after the chunks
+              before it (as mlx-lm does), so only its one row of logits is
+              computed
     join      sequences that got their first token join the batch caches, so
               the next decode step includes them (their last chunk's
               ``on_chunk`` runs first, after the token was reported)
@@ -67,7 +67,6 @@ import numpy as np
 
 from semantic import compat, kinds
 from semantic.decode import rewind
-from semantic.engine.lastrow import last_logits
 from semantic.engine.stepbudget import StepBudget
 from semantic.decode.constraint import Constraint
 from semantic.decode.promptlookup import Drafter, SpecConfig, batch_draft_len
@@ -302,6 +301,10 @@ class StepLoop:
                 at_stop = bool(seq.stops) and seq.stops[0] <= end
                 if at_stop:
                     end = seq.stops.popleft()
+                elif end == len(seq.prompt) and end - seq.fed > 1:
+                    # the last token goes alone, as mlx-lm's prefill does: a pass whose logits are never read
+                    # skips the head and the last layer's work after its K/V, which costs more than one token's pass
+                    end -= 1
                 chunk = mx.array([seq.prompt[seq.fed : end]])
                 start = seq.fed
                 budget -= end - seq.fed
@@ -322,7 +325,7 @@ class StepLoop:
                         if budget < (seq.stops[0] if seq.stops else len(seq.prompt)) - end:
                             budget = 0
                 else:
-                    logits = last_logits(self.model, chunk, seq.caches)
+                    logits = self.model(chunk, cache=seq.caches)[:, -1, :]
                     seq.last_chunk = (start, end)
             if seq.fed < len(seq.prompt):
                 break  # the budget is spent
