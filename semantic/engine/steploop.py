@@ -17,14 +17,14 @@ same under both mlx-lm versions. One :meth:`StepLoop.step`::
               ``stops`` (where a snapshot is kept: ``on_stop`` checkpoints the
               cache), and the step's prefill ends there unless its budget
               reaches the next stop; ``on_chunk`` sees the cache after every
-              chunk (a sliding window's passed blocks are pooled there)
+              chunk but the last token (a sliding window's passed blocks are
+              pooled there: the last token's own pass trims the ring)
     read      the decode step's tokens, and the first token of every prompt
               whose last token ran now: it is fed alone, after the chunks
               before it (as mlx-lm does), so only its one row of logits is
               computed
     join      sequences that got their first token join the batch caches, so
-              the next decode step includes them (their last chunk's
-              ``on_chunk`` runs first, after the token was reported)
+              the next decode step includes them
 
 Speculation (``speculation``, a :class:`~semantic.decode.promptlookup.SpecConfig`; None:
 off). A greedy sequence whose newest tokens occurred earlier in its
@@ -75,7 +75,8 @@ from semantic.decode.sampling import processors_for, sampler_for
 
 # on_stop(uid, caches, fed): the sequence's live caches after ``fed`` prompt tokens, at one of its stops
 OnStop = Callable[[int, list, int], None]
-# on_chunk(uid, caches, start, end): the live caches right after the chunk of prompt tokens [start, end)
+# on_chunk(uid, caches, start, end): the live caches right after the chunk of prompt tokens [start, end),
+# every chunk before the prompt's last token
 OnChunk = Callable[[int, list, int, int], None]
 
 
@@ -110,7 +111,6 @@ class _Seq:
     stops: deque = field(default_factory=deque)
     on_stop: OnStop | None = None
     on_chunk: OnChunk | None = None
-    last_chunk: tuple[int, int] | None = None  # the prompt's last chunk, its on_chunk due before it joins
     fed: int = 0                   # prompt tokens fed so far
     generated: int = 0
     next_token: int | None = None  # sampled, reported, not fed yet
@@ -158,9 +158,9 @@ class StepLoop:
         The request's ``max_tokens`` and ``sampling`` are read here, as they
         are; ``stops`` are positions counted from ``fed`` where a chunk must
         end so that ``on_stop`` can see the cache there; ``on_chunk`` sees the
-        cache right after every chunk (the last one's before the sequence joins
-        the batch, after its first token is read); ``constraint`` is the
-        request's grammar over this model's vocabulary.
+        cache right after every chunk before the prompt's last token (which is
+        fed alone); ``constraint`` is the request's grammar over this model's
+        vocabulary.
         """
         assert uid not in self._seqs, uid
         assert 0 <= fed < len(request.ids), (fed, len(request.ids))
@@ -326,7 +326,6 @@ class StepLoop:
                             budget = 0
                 else:
                     logits = self.model(chunk, cache=seq.caches)[:, -1, :]
-                    seq.last_chunk = (start, end)
             if seq.fed < len(seq.prompt):
                 break  # the budget is spent
             token, logprobs = self._sample([seq], logits)
@@ -420,10 +419,6 @@ class StepLoop:
         if not self._ready:
             return
         joining, self._ready = self._ready, []
-        for s in joining:  # a batch cache keeps only the window: what the last chunk left goes first
-            if s.on_chunk is not None and s.last_chunk is not None:
-                s.on_chunk(s.uid, s.caches, *s.last_chunk)
-            s.last_chunk = None
         if self.single:  # the batch is the sequence's own caches (some kinds, or some models' code, do not batch)
             assert self._batch is None and len(joining) == 1
             self._batch, joining[0].caches = joining[0].caches, None
