@@ -17,14 +17,14 @@ same under both mlx-lm versions. One :meth:`StepLoop.step`::
               ``stops`` (where a snapshot is kept: ``on_stop`` checkpoints the
               cache), and the step's prefill ends there unless its budget
               reaches the next stop; ``on_chunk`` sees the cache after every
-              chunk (a sliding window's passed blocks are pooled there)
+              chunk but the last token (a sliding window's passed blocks are
+              pooled there: the last token's own pass trims the ring)
     read      the decode step's tokens, and the first token of every prompt
-              whose last chunk ran now (from that chunk's own last row of
-              logits, ``lastrow``: no extra forward pass for the last prompt
-              token, and no logits for the others)
+              whose last token ran now: it is fed alone, after the chunks
+              before it (as mlx-lm does), so only its one row of logits is
+              computed
     join      sequences that got their first token join the batch caches, so
-              the next decode step includes them (their last chunk's
-              ``on_chunk`` runs first, after the token was reported)
+              the next decode step includes them
 
 Speculation (``speculation``, a :class:`~semantic.decode.promptlookup.SpecConfig`; None:
 off). A greedy sequence whose newest tokens occurred earlier in its
@@ -70,7 +70,6 @@ import numpy as np
 
 from semantic import compat, kinds
 from semantic.decode import replay, rewind
-from semantic.engine.lastrow import last_logits
 from semantic.engine.stepbudget import StepBudget
 from semantic.decode.constraint import Constraint
 from semantic.decode.promptlookup import Drafter, SpecConfig, batch_draft_len
@@ -79,7 +78,8 @@ from semantic.decode.sampling import processors_for, sampler_for
 
 # on_stop(uid, caches, fed): the sequence's live caches after ``fed`` prompt tokens, at one of its stops
 OnStop = Callable[[int, list, int], None]
-# on_chunk(uid, caches, start, end): the live caches right after the chunk of prompt tokens [start, end)
+# on_chunk(uid, caches, start, end): the live caches right after the chunk of prompt tokens [start, end),
+# every chunk before the prompt's last token
 OnChunk = Callable[[int, list, int, int], None]
 
 
@@ -114,7 +114,6 @@ class _Seq:
     stops: deque = field(default_factory=deque)
     on_stop: OnStop | None = None
     on_chunk: OnChunk | None = None
-    last_chunk: tuple[int, int] | None = None  # the prompt's last chunk, its on_chunk due before it joins
     fed: int = 0                   # prompt tokens fed so far
     generated: int = 0
     next_token: int | None = None  # sampled, reported, not fed yet
@@ -164,9 +163,9 @@ class StepLoop:
         The request's ``max_tokens`` and ``sampling`` are read here, as they
         are; ``stops`` are positions counted from ``fed`` where a chunk must
         end so that ``on_stop`` can see the cache there; ``on_chunk`` sees the
-        cache right after every chunk (the last one's before the sequence joins
-        the batch, after its first token is read); ``constraint`` is the
-        request's grammar over this model's vocabulary.
+        cache right after every chunk before the prompt's last token (which is
+        fed alone); ``constraint`` is the request's grammar over this model's
+        vocabulary.
         """
         assert uid not in self._seqs, uid
         assert 0 <= fed < len(request.ids), (fed, len(request.ids))
@@ -316,6 +315,10 @@ class StepLoop:
                 at_stop = bool(seq.stops) and seq.stops[0] <= end
                 if at_stop:
                     end = seq.stops.popleft()
+                elif end == len(seq.prompt) and end - seq.fed > 1:
+                    # the last token goes alone, as mlx-lm's prefill does: a pass whose logits are never read
+                    # skips the head and the last layer's work after its K/V, which costs more than one token's pass
+                    end -= 1
                 chunk = mx.array([seq.prompt[seq.fed : end]])
                 start = seq.fed
                 budget -= end - seq.fed
@@ -336,8 +339,7 @@ class StepLoop:
                         if budget < (seq.stops[0] if seq.stops else len(seq.prompt)) - end:
                             budget = 0
                 else:
-                    logits = last_logits(self.model, chunk, seq.caches)
-                    seq.last_chunk = (start, end)
+                    logits = self.model(chunk, cache=seq.caches)[:, -1, :]
             if seq.fed < len(seq.prompt):
                 break  # the budget is spent
             token, logprobs = self._sample([seq], logits)
@@ -436,10 +438,6 @@ class StepLoop:
         if not self._ready:
             return
         joining, self._ready = self._ready, []
-        for s in joining:  # a batch cache keeps only the window: what the last chunk left goes first
-            if s.on_chunk is not None and s.last_chunk is not None:
-                s.on_chunk(s.uid, s.caches, *s.last_chunk)
-            s.last_chunk = None
         if self.single:  # the batch is the sequence's own caches (some kinds, or some models' code, do not batch)
             assert self._batch is None and len(joining) == 1
             self._batch, joining[0].caches = joining[0].caches, None

@@ -4,13 +4,13 @@
 Per rep, the turn's spans, each ended in ``mx.eval`` by the engine itself::
 
     admit      reuse.choose_start + reconstruct the own cache from pooled blocks
-    prefill    the first step: one forward pass over the new tokens, the last row's logits, the first token
-    keep       the blocks the window passed, pooled before the sequence joins the batch (``convert.keep_passed``)
-    finish     the finished cache extracted into the pool (``convert.extract``)
+    prefill    the first step: a cache-only pass over the new tokens but the last, the blocks the window
+               passed pooled (``convert.keep_passed``), the last token alone, the first token
+    keep       of which the pooling
+    finish     the finished cache extracted into the pool (``convert.extract``), after the first token
 
-beside two floors on the same rebuilt cache, just before the turn: the forward pass alone
-(``lastrow.last_logits``, no engine), and mlx-lm's way (every new token but the last as a cache-only pass,
-then the last token alone: what ``mlx_lm.server`` computes before its first token).
+beside the floor, just before the turn on the same rebuilt cache: the same two forward passes with no
+engine around them (what ``mlx_lm.server`` computes before its first token).
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ def profile_append(model_dir, cached_tokens: int, append_tokens: int, reps: int)
     from harness.prompts import text_of_tokens
     from semantic import BatchExecutor, BlockPool, ModelCacheSpec, Request
     from semantic.cache import convert
-    from semantic.engine.lastrow import last_logits
 
     model, tok = load(str(model_dir))
     spec = ModelCacheSpec.from_model(model)
@@ -36,7 +35,7 @@ def profile_append(model_dir, cached_tokens: int, append_tokens: int, reps: int)
     need = cached_tokens + append_tokens * (reps + 1)
     corpus = tok.encode(text_of_tokens(tok, need + 64))
     assert len(corpus) >= need - 8, (len(corpus), need)
-    spans: dict[str, list[float]] = {k: [] for k in ("admit", "prefill", "keep", "finish", "forward", "mlx_lm_way")}
+    spans: dict[str, list[float]] = {k: [] for k in ("admit", "prefill", "keep", "finish", "forward")}
     timed = {"keep": convert.keep_passed, "finish": convert.extract}
     clock = {"keep": 0.0, "finish": 0.0}
 
@@ -49,17 +48,13 @@ def profile_append(model_dir, cached_tokens: int, append_tokens: int, reps: int)
                 clock[name] += time.perf_counter() - t
         return call
 
-    def floors(own, chunk) -> tuple[float, float]:
-        cache = convert.reconstruct(own)
-        t = time.perf_counter()
-        mx.eval(last_logits(model, chunk, cache))
-        forward = time.perf_counter() - t
+    def floor(own, chunk) -> float:
         cache = convert.reconstruct(own)
         t = time.perf_counter()
         model(chunk[:, :-1], cache=cache)
         mx.eval([c.state for c in cache])
         mx.eval(model(chunk[:, -1:], cache=cache)[:, -1, :])
-        return forward, time.perf_counter() - t
+        return time.perf_counter() - t
 
     uid = eng.submit(Request("agent", corpus[:cached_tokens], 1))
     own = {c.uid: c for c in eng.step()}[uid].blocks
@@ -69,7 +64,7 @@ def profile_append(model_dir, cached_tokens: int, append_tokens: int, reps: int)
         for rep in range(reps + 1):  # the first rep warms up
             new = corpus[at : at + append_tokens]
             at += append_tokens
-            forward, mlx_lm_way = floors(own, mx.array([new]))  # the same turn's compute, just before it
+            forward = floor(own, mx.array([new]))  # the same turn's compute, just before it
             ids = list(own.token_ids) + new
             clock.update(keep=0.0, finish=0.0)
             first: list[float] = []
@@ -85,7 +80,7 @@ def profile_append(model_dir, cached_tokens: int, append_tokens: int, reps: int)
             own = done.blocks
             if rep:
                 for k, v in (("admit", t1 - t0), ("prefill", t2 - t1), ("keep", clock["keep"]),
-                             ("finish", clock["finish"]), ("forward", forward), ("mlx_lm_way", mlx_lm_way)):
+                             ("finish", clock["finish"]), ("forward", forward)):
                     spans[k].append(v)
     finally:
         convert.keep_passed, convert.extract = timed["keep"], timed["finish"]

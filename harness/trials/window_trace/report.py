@@ -43,7 +43,7 @@ def model_checks(d: dict) -> dict:
                     c[f"reuse_{kind}_ok"] = all(r["reuse_ok"] for r in goal)
     prof = d.get("profile")
     if prof:
-        for k in ("admit_s", "prefill_s", "keep_s", "finish_s", "forward_s", "mlx_lm_way_s"):
+        for k in ("admit_s", "prefill_s", "keep_s", "finish_s", "forward_s"):
             c[f"profile_{k}"] = prof[k]
     return c
 
@@ -79,9 +79,9 @@ def readme(ctx, out: dict, c: dict) -> str:
             extra = f"""
 One append turn in this process ({prof['append_tokens']} new tokens over {prof['cached_tokens']} cached, median of
 {prof['reps']}): admission (reuse + rebuild) {fmt(prof['admit_s'])} s, the prefill step to the first token
-{fmt(prof['prefill_s'])} s, keeping the passed window blocks {fmt(prof['keep_s'])} s (after the first token),
-the finished cache's extraction {fmt(prof['finish_s'])} s. The forward pass alone on the same rebuilt cache
-{fmt(prof['forward_s'])} s; mlx-lm's way (a cache-only pass, then the last token alone) {fmt(prof['mlx_lm_way_s'])} s.
+{fmt(prof['prefill_s'])} s, of which pooling the passed window blocks {fmt(prof['keep_s'])} s; the finished
+cache's extraction {fmt(prof['finish_s'])} s (after the first token). The same forward passes with no engine
+(a cache-only pass, then the last token alone, on the same rebuilt cache) {fmt(prof['forward_s'])} s.
 """
         parts.append(f"### {m} (system prompts {d['system_tokens']} tokens)\n\n" + "\n".join(lines) + "\n" + extra)
     failed = "\n".join(f"- {f['part']}: `{f['error'].strip().splitlines()[-1][:300]}`"

@@ -68,12 +68,12 @@ def test_a_lone_prompt_prefills_in_one_pass_and_one_beside_a_decoder_in_chunks(l
                     prefill_chunk=StepBudget(8, solo=256))
     loop.add(0, Request("a", _ids(1, 100), 30), 0, _spec(llama_tiny, None).make_cache())
     loop.step()
-    assert calls == [100]                     # nobody waits on it: one pass
+    assert calls == [99, 1]                   # nobody waits on it: one pass, then its last token alone
     calls.clear()
     loop.add(1, Request("b", _ids(2, 40), 2), 0, _spec(llama_tiny, None).make_cache())
     for _ in range(5):
         loop.step()
-    assert calls == [1, 8] * 5                # beside a decoder: the decoding chunk per step
+    assert calls == [1, 8] * 4 + [1, 7, 1]    # beside a decoder: the decoding chunk per step (the last token alone)
 
 
 def test_after_a_prompt_finishes_in_a_lone_step_the_next_one_gets_the_decoding_chunk(llama_tiny):
@@ -83,4 +83,4 @@ def test_after_a_prompt_finishes_in_a_lone_step_the_next_one_gets_the_decoding_c
     loop.add(0, Request("a", _ids(1, 20), 4), 0, _spec(llama_tiny, None).make_cache())
     loop.add(1, Request("b", _ids(2, 100), 4), 0, _spec(llama_tiny, None).make_cache())
     loop.step()
-    assert calls == [20, 8]                   # a's second token waits for 8 of b's tokens, not 100
+    assert calls == [19, 1, 8]                # a's second token waits for 8 of b's tokens, not 100
