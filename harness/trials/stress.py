@@ -49,6 +49,7 @@ from harness.engines import logprob_diff, make_engine as fresh_engine, open_sche
 from harness.trials.base import Kind, Param, register
 from semantic import ModelCacheSpec, Request, cachefile, store as store_mod
 from semantic.decode.promptlookup import SpecConfig
+from semantic.store.blocklayout import PREFIX
 
 CANARY_LEN = 4
 
@@ -322,7 +323,8 @@ def _parity(engine, h: list[int], r, tol: float) -> tuple[bool, float]:
 
 def _file_leaks(cache_dir: Path, canaries: dict) -> int:
     """Manifests (cache files, in the single-file layout) whose token ids hold another agent's canary, or
-    that name the wrong agent; a manifest that does not parse counts too."""
+    that name the wrong agent; a manifest that does not parse counts too. A prefix entry (``~prefix/``:
+    a window's earlier prefix, keyed by content) belongs to no agent: it leaks when it holds two canaries."""
     owned = [(path, storefiles.read_manifest(path), store_mod.manifest_name) for path in storefiles.manifests(cache_dir)]
     owned += [(path, cachefile.read_header(path), store_mod.file_name) for path in storefiles.single_files(cache_dir)]
     leaks = 0
@@ -332,6 +334,9 @@ def _file_leaks(cache_dir: Path, canaries: dict) -> int:
             continue
         own = doc.agent_id
         leaks += path.name != name_of(own)
+        if own.startswith(PREFIX):  # a prefix kept apart (a sliding window's), no agent's: one history at most
+            leaks += sum(_contains(tuple(doc.token_ids), c) for c in canaries.values()) > 1
+            continue
         leaks += any(_contains(tuple(doc.token_ids), c) for a, c in canaries.items() if a != own)
     return leaks
 
