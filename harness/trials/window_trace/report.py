@@ -96,8 +96,9 @@ cache's extraction {fmt(prof['finish_s'])} s (after the first token). The same f
 {p['tool_tokens']} tokens of tool output (a `read_file` of this repository's source); each agent a system prompt
 of its own (its first turn is cold); after round {p['subagents_after']}, {p['subagents']} sub-agent(s) per agent
 on its system prompt. Both servers load the same float32 weights on OpenBLAS; client TTFT through the OpenAI
-API, streamed, greedy, {p['max_tokens']} tokens a reply; the two servers take every step in turn, the order
-rotating step by step. Ratios are medians of the per-step pairs; "per turn" is their range.
+API, streamed, greedy, {p['max_tokens']} tokens a reply, after one unrecorded request to each server; the two
+servers take every step in turn, the order rotating step by step. Ratios are medians of the per-step pairs;
+"per turn" is their range.
 
 {chr(10).join(parts)}
 Parts that failed: {failed}

@@ -10,8 +10,9 @@ the agent's own system prompt (what a coding agent's task tool does)::
     round 2..R   a0 append  a1 append  a2 append                     + reply + ~250 tokens of tool output
     after k      s0.0 s1.0 s2.0 (sub-agents)                         the agent's system prompt is cached
 
-Every step goes to every server in an order that rotates step by step (interleaved pairs); each server
-keeps its own copy of each conversation (its own greedy replies). A row per server and step: client TTFT,
+Every step goes to every server in an order that rotates step by step (interleaved pairs), after one
+short request to each that is not recorded (a warm-up); each server keeps its own copy of each
+conversation (its own greedy replies). A row per server and step: client TTFT,
 prompt and cached tokens, and the fewest cached tokens the turn must find (an append: the previous
 turn's prompt and reply, less the one token a server may not have fed; a sub-agent: the prefix its
 prompt shares with its agent's first one).
@@ -79,7 +80,21 @@ class Trace:
     def ids(self, messages: list[dict]) -> list[int]:
         return self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
 
+    def warm_up(self) -> None:
+        """One short request to every server, not recorded: a server's first request pays one-time costs
+        (MLX kernels, the template compiled) that are no turn type's."""
+        b = self.bench
+
+        async def go():
+            for s in b.servers:
+                async with s.client() as client:
+                    rec = await b._one(s, client, "warm-up", 999, 0, "warm-up", [task(999)], extra={}, max_tokens=2)
+                assert rec.error is None, f"{s.name}'s warm-up failed: {rec.error}"
+        asyncio.run(go())
+        b.records.clear()
+
     def run(self) -> None:
+        self.warm_up()
         for r in range(1, self.rounds + 1):
             for a in range(self.agents):
                 if r == 1:
