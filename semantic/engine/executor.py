@@ -115,7 +115,7 @@ class BatchExecutor:
         self._snapshot_groups = sorted(spec.snapshot_groups(pool.block_tokens))
         # a window of a block or more keeps only its history's end in an agent's file: the system prompt's
         # cache is saved on its own (``Scheduler._keep_prefix``)
-        self.keeps_prefixes = any(l.windowed and not l.snapshot_only(pool.block_tokens) for l in spec.layers)
+        self.keeps_prefixes = self._snapshots.windows
         self.wants_boundaries = self.snapshots or self.keeps_prefixes  # requests should bring their boundaries
         used = sorted({kinds.of(l) for l in spec.layers}, key=lambda k: k.name)
         if any(not k.batches for k in used):  # mlx-lm has no batched form of these caches

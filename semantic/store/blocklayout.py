@@ -325,7 +325,7 @@ class BlockFiles(AgentIndex):
             files = dict(self.index.infos)
         m = Manifest("", self.fingerprint, self.spec, self.bt, tokens, salt_root, {}, plan.extents,
                      snapshots=plan.snapshots)
-        if blockload._prefix(m, files, tails=True)[0] <= beyond:
+        if blockload.whole_prefix(m, files, tails=True) <= beyond:
             return None
 
         def infos():

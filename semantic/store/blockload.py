@@ -54,10 +54,11 @@ from semantic.store.manifest import Extent, Manifest
 log = logging.getLogger(__package__)
 
 
-def whole_prefix(m: Manifest, infos: dict[int, BlockInfo]) -> int:
-    """The longest history prefix (the whole history, or a block boundary) every group can load
-    from the files indexed now; 0 when none (see the module doc for snapshot groups)."""
-    return _prefix(m, infos)[0]
+def whole_prefix(m: Manifest, infos: dict[int, BlockInfo], tails: bool = False) -> int:
+    """The longest history prefix (the whole history, or a block boundary; with ``tails``, also where
+    the files stop mid-block) every group can load from the files indexed now; 0 when none (see the
+    module doc for snapshot groups)."""
+    return _prefix(m, infos, tails)[0]
 
 
 def _prefix(m: Manifest, infos: dict[int, BlockInfo], tails: bool = False) -> tuple[int, Manifest]:
