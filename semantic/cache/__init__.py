@@ -3,5 +3,5 @@
 ``spec`` says what a model's cache is made of; ``blocks`` and ``pool`` hold it
 in hash-chained blocks; ``blockplan`` and ``convert`` move a cache between a
 model's cache objects and blocks, exactly; ``reuse`` finds what a new prompt
-can resume from; ``stops`` says where a prefill stops so a cache can be kept.
+can resume from; ``snapshots`` says where a prefill stops to take a snapshot (the snapshot positions).
 """

@@ -217,7 +217,7 @@ def plan_passed(
 ) -> BlockPlan:
     """The full blocks each positional group held after each of ``ends`` tokens that ``pool`` lacks,
     from buffers holding the positions ``buffers[group]`` back to back (a window: what a prefill
-    chunk left, ``stops.Points.passed``). Hits are left out: there is nothing to take."""
+    chunk left, ``SnapshotPositions.passed``). Hits are left out: there is nothing to take."""
     bt = pool.block_tokens
     tokens = token_ids if type(token_ids) is tuple else tuple(map(int, token_ids))
     total = len(tokens)

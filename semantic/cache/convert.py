@@ -17,7 +17,7 @@ asks the blocks for the same positions and builds a ``RotatingKVCache`` in
 that temporal order with its write index at the end, which mlx-lm continues
 exactly like the ring. During a prefill, :func:`keep_passed` pools the blocks
 a window held at the block boundaries a chunk passed, from the positions the
-chunk's attention left before the window too (``stops``).
+chunk's attention left before the window too (``snapshots``).
 
 Reconstruction hands a layer over without a copy when its pieces are one
 consecutive run of one segment, and otherwise concatenates them (one copy).
@@ -93,7 +93,7 @@ def keep_passed(pool: BlockPool, caches: Sequence, token_ids: Sequence[int], end
                 salt_root: int | None = None) -> int:
     """Pool the full blocks every layer group held after each of ``ends`` tokens (block boundaries),
     from live caches after ``len(token_ids)`` tokens that still hold them: a window's cache right after
-    a prefill chunk holds the ``window - 1`` positions before the chunk too (``stops.Points.passed``).
+    a prefill chunk holds the ``window - 1`` positions before the chunk too (``SnapshotPositions.passed``).
 
     The new blocks are released at once: cached, hittable until the pool recycles them, so a later
     history starting at any of ``ends`` finds its window. Returns how many were new; raises

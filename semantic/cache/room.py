@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from semantic.cache.spec import ModelCacheSpec
 
-# The snapshots one cache carries per snapshot group, its end included (``stops.Points.carried`` picks
+# The snapshots one cache carries per snapshot group, its end included (``SnapshotPositions.carried`` picks
 # them): as many as SNAPSHOT_BUDGET holds, at least the end and the prompt's last token but one, at most
 # one per place a later turn starts over. A Qwen3.5-35B-A3B snapshot is 64 MB: 4; an LFM2 one, 6.
 SNAPSHOT_BUDGET = 256 << 20

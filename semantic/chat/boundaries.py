@@ -1,6 +1,6 @@
 """Where a chat prompt's messages end, in its token ids: the positions a later turn may start over from.
 
-A model that resumes only from a snapshot (``semantic.cache.stops``) needs its
+A model that resumes only from a snapshot (``semantic.cache.snapshots``) needs its
 prefill to stop where the next request will diverge. Two places matter in
 agent traffic::
 

@@ -46,7 +46,7 @@ from typing import Callable, Iterator, Sequence
 import mlx.core as mx
 from semantic.engine import batchprobe
 from semantic import compat, defaults, kinds
-from semantic.cache import blockplan, convert, reuse, stops
+from semantic.cache import blockplan, convert, reuse, snapshots
 from semantic.cache.blocks import AgentBlocks
 from semantic.engine.stepbudget import StepBudget
 from semantic.decode.constraint import Constraint
@@ -110,13 +110,13 @@ class BatchExecutor:
         self.model, self.tokenizer, self.pool, self.spec = model, tokenizer, pool, spec
         self.lock = lock if lock is not None else threading.RLock()
         # sliding layers lose the window of a prefix once prefill moves past it: see _keep
-        self._snapshots = stops.Points(spec, pool.block_tokens)
-        self.snapshots = self._snapshots.exact  # whether requests should bring their message boundaries
+        self._positions = snapshots.SnapshotPositions(spec, pool.block_tokens)
+        self.takes_snapshots = self._positions.required  # some layers resume only from a snapshot
         self._snapshot_groups = sorted(spec.snapshot_groups(pool.block_tokens))
         # a window of a block or more keeps only its history's end in an agent's file: the system prompt's
         # cache is saved on its own (``Scheduler._keep_prefix``)
-        self.keeps_prefixes = self._snapshots.windows
-        self.wants_boundaries = self.snapshots or self.keeps_prefixes  # requests should bring their boundaries
+        self.keeps_prefixes = self._positions.windows
+        self.wants_boundaries = self.takes_snapshots or self.keeps_prefixes  # requests should bring their boundaries
         used = sorted({kinds.of(l) for l in spec.layers}, key=lambda k: k.name)
         if any(not k.batches for k in used):  # mlx-lm has no batched form of these caches
             self.batch_off = f"{' and '.join(k.name for k in used if not k.batches)} layers have no batch form"
@@ -192,7 +192,7 @@ class BatchExecutor:
             start = reuse.choose_start(self.pool, ids, own, self._release, request.salt_root, share=share)
         fed = start.cached
         seq = _InFlight(next(self._uids), request, start.cached, start.source, admitted)
-        carried = self._snapshots.carried(fed, len(ids), request.boundaries)
+        carried = self._positions.carried(fed, len(ids), request.boundaries)
         caches = None
         if start.cached:
             try:
@@ -202,13 +202,13 @@ class BatchExecutor:
                 if start.owned:
                     # the rebuilt caches hold the arrays; the pool references can go at once
                     start.blocks.release()
-        stop_at = [p - fed for p in self._snapshots.stops(fed, len(ids), request.boundaries)]
+        snapshot_at = [p - fed for p in self._positions.taken(fed, len(ids), request.boundaries)]
         self._loop.add(
-            seq.uid, request, fed, caches if caches is not None else self.spec.make_cache(), stops=stop_at,
-            on_stop=lambda uid, live, n: self._checkpoint(live, ids[: fed + n], request.salt_root,
+            seq.uid, request, fed, caches if caches is not None else self.spec.make_cache(), snapshot_at=snapshot_at,
+            on_snapshot=lambda uid, live, n: self._checkpoint(live, ids[: fed + n], request.salt_root,
                                                           seq if fed + n in carried else None),
             on_chunk=(lambda uid, live, a, b: self._keep(live, ids, fed, a, b, request.salt_root))
-            if self._snapshots.windows else None,
+            if self._positions.windows else None,
             constraint=constraint,
         )
         self._seqs[seq.uid] = seq
@@ -218,7 +218,7 @@ class BatchExecutor:
     def _carry(self, seq: _InFlight, ids: Sequence[int], at: Sequence[int]) -> None:
         """Hold the pooled snapshots of ``ids`` at positions ``at`` (where this turn resumed, its boundaries
         before that: the agent's own, or any agent's) for ``seq``'s finished cache to carry
-        (``stops.Points.carried``)."""
+        (``SnapshotPositions.carried``)."""
         if not at:
             return
         salt, bt = seq.request.salt_root, self.pool.block_tokens
@@ -252,7 +252,7 @@ class BatchExecutor:
         The blocks are released at once: they stay hittable in the pool's free queue until it
         recycles them. A full pool skips them.
         """
-        ends = self._snapshots.passed(fed, len(ids), fed + start, fed + end)
+        ends = self._positions.passed(fed, len(ids), fed + start, fed + end)
         if not ends:
             return
         try:
@@ -262,7 +262,7 @@ class BatchExecutor:
             log.debug("pool full: the blocks before %d tokens are not kept", fed + end)
 
     def _checkpoint(self, caches: list, ids: list[int], salt_root: int | None, keep: _InFlight | None = None) -> None:
-        """Pool the whole cache of a prompt cut where a snapshot is kept (``ids`` ends there: ``stops``).
+        """Pool the whole cache of a prompt cut where a snapshot is kept (``ids`` ends there: ``snapshots``).
 
         The blocks are released at once: they stay hittable in the pool's
         free queue until it recycles them; with ``keep``, that sequence holds them
@@ -272,7 +272,7 @@ class BatchExecutor:
         try:
             with self.lock:
                 blocks = convert.extract(self.pool, caches, ids, self._release, salt_root)
-            if keep is not None and self.snapshots:
+            if keep is not None and self.takes_snapshots:
                 keep.kept.append(blocks)
             else:
                 blocks.release()
@@ -342,12 +342,12 @@ class BatchExecutor:
             if seq.finish_reason is not None:
                 finished.append(seq)
         for seq in finished:
-            if self.snapshots and seq.generated[-1] in self.stop_tokens:
+            if self.takes_snapshots and seq.generated[-1] in self.stop_tokens:
                 # a template may render the history without the stop token: keep the state before it too,
                 # and carry it when the budget leaves room
                 n = self._loop.held(seq.uid)
-                room_left = len(self._snapshots.carried(seq.cached, len(seq.request.ids), seq.request.boundaries)) \
-                    < self._snapshots.most - 1
+                room_left = len(self._positions.carried(seq.cached, len(seq.request.ids), seq.request.boundaries)) \
+                    < self._positions.most - 1
                 self._checkpoint(self._loop.caches(seq.uid), [*seq.request.ids, *seq.generated][:n],
                                  seq.request.salt_root, seq if room_left else None)
         if self.on_ended is not None:

@@ -14,7 +14,7 @@ same under both mlx-lm versions. One :meth:`StepLoop.step`::
               what holds an inter-token latency target) of the waiting
               sequences, in order, each chunk its own forward pass over that
               sequence's single caches; a chunk also ends at the sequence's
-              ``stops`` (where a snapshot is kept: ``on_stop`` checkpoints the
+              ``snapshot_at`` positions (``on_snapshot`` checkpoints the
               cache), and the step's prefill ends there unless its budget
               reaches the next stop; ``on_chunk`` sees the cache after every
               chunk but the last token (a sliding window's passed blocks are
@@ -76,8 +76,8 @@ from semantic.decode.promptlookup import Drafter, SpecConfig, batch_draft_len
 from semantic.request import Request
 from semantic.decode.sampling import processors_for, sampler_for
 
-# on_stop(uid, caches, fed): the sequence's live caches after ``fed`` prompt tokens, at one of its stops
-OnStop = Callable[[int, list, int], None]
+# on_snapshot(uid, caches, fed): the sequence's live caches after ``fed`` prompt tokens, at one of its snapshot positions
+OnSnapshot = Callable[[int, list, int], None]
 # on_chunk(uid, caches, start, end): the live caches right after the chunk of prompt tokens [start, end),
 # every chunk before the prompt's last token
 OnChunk = Callable[[int, list, int, int], None]
@@ -111,8 +111,8 @@ class _Seq:
     processors: list | None
     history: list[int] | None      # every token fed or to feed: the processors' context (None without any)
     constraint: Constraint | None  # the grammar its tokens follow (None: free)
-    stops: deque = field(default_factory=deque)
-    on_stop: OnStop | None = None
+    snapshot_at: deque = field(default_factory=deque)
+    on_snapshot: OnSnapshot | None = None
     on_chunk: OnChunk | None = None
     fed: int = 0                   # prompt tokens fed so far
     generated: int = 0
@@ -155,14 +155,14 @@ class StepLoop:
 
     def add(
         self, uid: int, request: Request, fed: int, caches: list, *,
-        stops: Sequence[int] = (), on_stop: OnStop | None = None, on_chunk: OnChunk | None = None,
+        snapshot_at: Sequence[int] = (), on_snapshot: OnSnapshot | None = None, on_chunk: OnChunk | None = None,
         constraint: Constraint | None = None,
     ) -> None:
         """Queue ``request`` for prefill, then decoding; ``caches`` hold its first ``fed`` ids.
 
         The request's ``max_tokens`` and ``sampling`` are read here, as they
-        are; ``stops`` are positions counted from ``fed`` where a chunk must
-        end so that ``on_stop`` can see the cache there; ``on_chunk`` sees the
+        are; ``snapshot_at`` are positions counted from ``fed`` where a chunk must
+        end so that ``on_snapshot`` can see the cache there; ``on_chunk`` sees the
         cache right after every chunk before the prompt's last token (which is
         fed alone); ``constraint`` is the request's grammar over this model's
         vocabulary.
@@ -170,11 +170,11 @@ class StepLoop:
         assert uid not in self._seqs, uid
         assert 0 <= fed < len(request.ids), (fed, len(request.ids))
         prompt = request.ids[fed:]
-        assert all(0 < s < len(prompt) for s in stops), (stops, len(prompt))
+        assert all(0 < s < len(prompt) for s in snapshot_at), (snapshot_at, len(prompt))
         processors = processors_for(request.sampling)
         seq = _Seq(
             uid, prompt, caches, request.max_tokens, sampler_for(request.sampling), processors,
-            list(request.ids) if processors else None, constraint, deque(sorted(set(stops))), on_stop,
+            list(request.ids) if processors else None, constraint, deque(sorted(set(snapshot_at))), on_snapshot,
             on_chunk, ids=request.ids,
         )
         self._seqs[uid] = seq
@@ -312,9 +312,9 @@ class StepLoop:
         for seq in list(self._waiting)[: max(room, 0)]:
             while budget > 0 and seq.fed < len(seq.prompt):
                 end = min(len(seq.prompt), seq.fed + budget)
-                at_stop = bool(seq.stops) and seq.stops[0] <= end
-                if at_stop:
-                    end = seq.stops.popleft()
+                at_snapshot = bool(seq.snapshot_at) and seq.snapshot_at[0] <= end
+                if at_snapshot:
+                    end = seq.snapshot_at.popleft()
                 elif end == len(seq.prompt) and end - seq.fed > 1:
                     # the last token goes alone, as mlx-lm's prefill does: a pass whose logits are never read
                     # skips the head and the last layer's work after its K/V, which costs more than one token's pass
@@ -331,12 +331,12 @@ class StepLoop:
                     mx.clear_cache()
                     if seq.on_chunk is not None:
                         seq.on_chunk(seq.uid, seq.caches, start, end)
-                    if at_stop:
-                        if seq.on_stop is not None:
-                            seq.on_stop(seq.uid, seq.caches, end)
+                    if at_snapshot:
+                        if seq.on_snapshot is not None:
+                            seq.on_snapshot(seq.uid, seq.caches, end)
                         # go on only if the budget reaches the next stop (or the end): a few
                         # tokens more cost a whole forward pass and put later chunks off the grid
-                        if budget < (seq.stops[0] if seq.stops else len(seq.prompt)) - end:
+                        if budget < (seq.snapshot_at[0] if seq.snapshot_at else len(seq.prompt)) - end:
                             budget = 0
                 else:
                     logits = self.model(chunk, cache=seq.caches)[:, -1, :]

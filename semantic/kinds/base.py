@@ -60,7 +60,7 @@ class Kind:
 
     def buffered(self, i: int, layer, cache, total: int):
         """Everything a live cache after ``total`` tokens holds, in temporal order: its held data, and
-        for a window what the last multi-token call left before it (``stops.Points.passed``)."""
+        for a window what the last multi-token call left before it (``SnapshotPositions.passed``)."""
         raise NotImplementedError
 
     def snapshot(self, held) -> tuple:

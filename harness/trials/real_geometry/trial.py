@@ -75,10 +75,10 @@ def pool_mb_for(spec, tokens: int) -> int:
     """The ``--pool-mb`` whose pool holds ``tokens`` tokens in one cache by the server's own arithmetic
     (``Service.open``: every block charged every layer's bytes per token plus a share of the snapshots;
     ``longest_cache``: each layer group needs its blocks)."""
-    from semantic.cache import stops
+    from semantic.cache.snapshots import SnapshotPositions
 
     bt = 256
-    grid = stops.Points(spec, bt).interval // bt
+    grid = SnapshotPositions(spec, bt).interval // bt
     block_bytes = spec.token_bytes() * bt + spec.state_bytes() / grid
     blocks = len(spec.groups()) * (tokens // bt + 4)
     return math.ceil(blocks * block_bytes / MiB) + 16

@@ -1,5 +1,5 @@
 """What a prefill chunk passes: the windows at the block boundaries inside it, pooled from the cache
-the chunk leaves (``stops.Points.passed``, ``convert.keep_passed``). Tiny Gemma, window 8, blocks of 4."""
+the chunk leaves (``SnapshotPositions.passed``, ``convert.keep_passed``). Tiny Gemma, window 8, blocks of 4."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 from semantic import BlockPool, ModelCacheSpec, kinds
 from semantic.cache import convert, reuse
-from semantic.cache.stops import Points
+from semantic.cache.snapshots import SnapshotPositions
 from tests.cache_helpers import history
 
 pytestmark = pytest.mark.compat
@@ -26,15 +26,15 @@ def _prefill(model, ids, chunks):
 
 
 def test_the_chunks_of_a_prompt_pass_the_boundaries_a_stop_at_every_block_would_have_made(gemma_tiny):
-    pts = Points(ModelCacheSpec.from_model(gemma_tiny), BT)
-    assert pts.windows and not pts.exact and pts.stops(3, 30) == []
+    pts = SnapshotPositions(ModelCacheSpec.from_model(gemma_tiny), BT)
+    assert pts.windows and not pts.required and pts.taken(3, 30) == []
     chunks = [(3, 10), (10, 21), (21, 30)]  # fed 3 of 30: the grid 4, 8, ..., 28, never the prompt's end
     assert [pts.passed(3, 30, a, b) for a, b in chunks] == [[4, 8], [12, 16, 20], [24, 28]]
     assert pts.passed(3, 28, 21, 28) == [24]  # a boundary at the prompt's end is the finished cache's
 
 
 def test_a_model_without_windows_passes_nothing(llama_tiny):
-    assert Points(ModelCacheSpec.from_model(llama_tiny), BT).passed(0, 30, 0, 30) == []
+    assert SnapshotPositions(ModelCacheSpec.from_model(llama_tiny), BT).passed(0, 30, 0, 30) == []
 
 
 def test_a_window_cache_after_a_chunk_holds_the_window_before_the_chunk_too(gemma_tiny):
@@ -51,7 +51,7 @@ def test_every_boundary_a_chunk_passed_is_a_start_whatever_the_chunks(gemma_tiny
     spec = ModelCacheSpec.from_model(gemma_tiny)
     pool = BlockPool(spec, 64, block_tokens=BT)
     ids = history(30, seed=2)
-    pts = Points(spec, BT)
+    pts = SnapshotPositions(spec, BT)
     new = 0
     for a, b in zip([0, *chunks], [*chunks, 30]):
         cache = _prefill(gemma_tiny, ids[:b], [*[c for c in chunks if c < b]])

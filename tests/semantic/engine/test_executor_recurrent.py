@@ -13,7 +13,7 @@ from mlx_lm.generate import generate_step
 
 from semantic import BlockPool, BatchExecutor, ModelCacheSpec, Request
 from semantic.decode.promptlookup import SpecConfig
-from semantic.cache.stops import Points
+from semantic.cache.snapshots import SnapshotPositions
 from tests.tiny_models import byte_tokenizer, tiny_gpt_oss, tiny_lfm2, tiny_qwen3_next
 
 TOL = 1e-4
@@ -180,11 +180,11 @@ def test_where_speculation_stays_off_the_engine_says_why(model_type, why):
 
 def test_snapshot_points_stop_at_boundaries_the_last_token_but_one_and_a_grid():
     spec = ModelCacheSpec.from_model(tiny_lfm2())
-    pts = Points(spec, BT)
-    assert pts.exact and pts.interval == BT  # a state smaller than a block of KV: every block
-    assert pts.stops(0, 40, (21,)) == [16, 21, 32, 39]
-    assert pts.stops(20, 40, (21,)) == [21, 32, 39]
-    glob = Points(ModelCacheSpec.from_model(tiny_qwen3_next()), 4)
+    pts = SnapshotPositions(spec, BT)
+    assert pts.required and pts.interval == BT  # a state smaller than a block of KV: every block
+    assert pts.taken(0, 40, (21,)) == [16, 21, 32, 39]
+    assert pts.taken(20, 40, (21,)) == [21, 32, 39]
+    glob = SnapshotPositions(ModelCacheSpec.from_model(tiny_qwen3_next()), 4)
     assert glob.interval > 4  # a state bigger than a block of KV: a sparser grid
 
 

@@ -114,7 +114,7 @@ def test_a_long_prefill_advances_one_chunk_per_step_while_others_decode(llama_ti
     (4, [[1], [4], [4], [4], [4], [2, 1]]),  # the prompt's last token alone, in the step of the chunk before it
 ])
 def test_a_prompt_starting_off_the_block_grid_is_chunked_back_onto_it(llama_tiny, chunk, passes):
-    """A cache holding 3 tokens, 4-token blocks: the prompt's stops fall at 1, 5, 9, 13 and 17.
+    """A cache holding 3 tokens, 4-token blocks: the prompt's snapshot positions fall at 1, 5, 9, 13 and 17.
     A step's prefill ends at a stop unless its budget reaches the next one, so no forward pass
     is spent on the few tokens past a stop (each pass has a fixed cost) and chunks stay on the grid."""
     from semantic.engine.steploop import StepLoop
@@ -133,8 +133,8 @@ def test_a_prompt_starting_off_the_block_grid_is_chunked_back_onto_it(llama_tiny
     mx.eval(llama_tiny(mx.array([_ids(3, 3)]), cache=cache))
     stopped = []
     loop = StepLoop(Counting(llama_tiny), stop_tokens=[], max_batch=8, prefill_chunk=chunk)
-    loop.add(0, Request("a", _ids(3, 3) + _ids(4, 20), 1), 3, cache, stops=[1, 5, 9, 13, 17],
-             on_stop=lambda uid, caches, fed: stopped.append((fed, caches[0].offset)))
+    loop.add(0, Request("a", _ids(3, 3) + _ids(4, 20), 1), 3, cache, snapshot_at=[1, 5, 9, 13, 17],
+             on_snapshot=lambda uid, caches, fed: stopped.append((fed, caches[0].offset)))
     per_step, events = [], []
     while not events:
         calls.clear()

@@ -1,4 +1,4 @@
-"""Where a prompt's prefill stops so its cache can be kept, and which windows a chunk passes.
+"""Snapshot positions: where a prompt's prefill stops so its cache can be kept, and which windows a chunk passes.
 
 A global layer's cache after ``T`` tokens holds every earlier position, so
 any prefix of it can serve. Two kinds cannot be cut back:
@@ -12,7 +12,7 @@ So the step loop ends a prefill chunk at the positions where agents resume,
 and the engine pools the whole cache there (``executor._checkpoint``)::
 
     history   [ system | tools | q1 a1 | q2 a2 | q3 ]
-    stops              ^ boundary      ^ boundary ^ last token - 1
+    snapshots          ^ boundary      ^ boundary ^ last token - 1
               ^ ... every ``interval`` tokens (a long prefill) ...
 
 - a boundary the service found (the system prompt's end: a second agent; the
@@ -23,11 +23,11 @@ and the engine pools the whole cache there (``executor._checkpoint``)::
   ~12 blocks of KV: every 12 blocks);
 - the turn's end is kept by the finished cache itself.
 
-A finished cache carries the snapshots a later turn starts over from (:meth:`Points.carried`), so its
+A finished cache carries the snapshots a later turn starts over from (:meth:`SnapshotPositions.carried`), so its
 save keeps them beside its end and they survive a restart: the prompt's last token but one (a
 regenerate, a reply the client renders otherwise), the boundaries (an edit of the last message, a
 second agent on the system prompt), and the position it resumed from; then, when the budget leaves
-room, the state before a stop token. The grid's stops stay in the pool (a restart
+room, the state before a stop token. The grid's snapshots stay in the pool (a restart
 loses them). K of them in all (``room.snapshots_carried``): a big state
 (Qwen3.5-35B-A3B: 64 MB) keeps the first four, whose rereads cost most to prefill again.
 
@@ -35,8 +35,8 @@ A sliding window of a block or more never stops a prefill. Its full blocks serve
 position, so what a later turn needs is every full block the window held at some block boundary
 of the prompt; a chunk's attention leaves the newest ``W - 1`` positions before the chunk and the
 whole chunk in the cache (mlx-lm trims a ring only before the next chunk), so after each chunk
-the engine pools the blocks the window held at the boundaries inside it (:meth:`Points.passed`,
-``windowkeep``)::
+the engine pools the blocks the window held at the boundaries inside it (:meth:`SnapshotPositions.passed`,
+``convert.keep_passed``)::
 
     chunk      [512 ............................ 2560)      window 512, blocks of 256
     buffer  [1' .. 512 ............................ 2560)   1' = 512 - 511
@@ -55,25 +55,25 @@ from semantic.cache.spec import ModelCacheSpec
 MAX_GRID_BLOCKS = 16
 
 
-class Points:
-    """The stop positions of one model's prompts (see the module doc)."""
+class SnapshotPositions:
+    """Where one model's prompts take snapshots, and the windows their chunks pass (see the module doc)."""
 
     def __init__(self, spec: ModelCacheSpec, block_tokens: int):
         self.block_tokens = block_tokens
-        self.exact = any(l.snapshot_only(block_tokens) for l in spec.layers)
+        self.required = any(l.snapshot_only(block_tokens) for l in spec.layers)
         self.windows = any(l.windowed and not l.snapshot_only(block_tokens) for l in spec.layers)
         block_bytes = spec.token_bytes() * block_tokens
         state = spec.state_bytes()
         blocks = math.ceil(state / block_bytes) if block_bytes else MAX_GRID_BLOCKS
         self.interval = block_tokens * min(max(blocks, 1), MAX_GRID_BLOCKS)
-        self.most = room.snapshots_carried(spec, block_tokens) if self.exact else 0
+        self.most = room.snapshots_carried(spec, block_tokens) if self.required else 0
 
     def carried(self, fed: int, total: int, boundaries: Sequence[int] = ()) -> tuple[int, ...]:
         """The earlier positions whose snapshots a prompt of ``total`` tokens, resumed at ``fed``, carries
         into its finished cache, most valuable first: the last token but one, the boundaries (latest
-        first), ``fed``; at most K - 1 (the end is the K-th). The grid's stops stay in the pool only:
+        first), ``fed``; at most K - 1 (the end is the K-th). The grid's snapshots stay in the pool only:
         one inside the last message would serve an edit that keeps its start, for one more file a turn."""
-        if not self.exact:
+        if not self.required:
             return ()
         out: list[int] = []
         for p in (total - 1, *sorted(boundaries, reverse=True), fed):
@@ -81,10 +81,10 @@ class Points:
                 out.append(p)
         return tuple(out[: self.most - 1])
 
-    def stops(self, fed: int, total: int, boundaries: Sequence[int] = ()) -> list[int]:
-        """Positions ``p`` with ``fed < p < total`` where a prompt of ``total`` tokens,
-        ``fed`` of them cached, stops to keep its cache."""
-        if not self.exact:
+    def taken(self, fed: int, total: int, boundaries: Sequence[int] = ()) -> list[int]:
+        """Positions ``p`` with ``fed < p < total`` where the prefill of a prompt of ``total`` tokens,
+        ``fed`` of them cached, stops to take a snapshot."""
+        if not self.required:
             return []
         out = {*boundaries, total - 1}
         out.update(range(fed // self.interval * self.interval + self.interval, total, self.interval))
