@@ -16,7 +16,7 @@ _blas.enable_from_env()
 
 _EXPORTS = {
     "semantic.cache.blocks": ("AgentBlocks", "KVBlock"),
-    "semantic.engine.executor": ("BatchExecutor",),
+    "semantic.runner.executor": ("BatchExecutor",),
     "semantic.errors": (
         "AgentBusyError",
         "CacheCorruptError",

@@ -1,4 +1,4 @@
-"""Several engines in one process share OpenBLAS: while two step at once, each calls it single-threaded.
+"""Several models' executors in one process share OpenBLAS: while two step at once, each calls it single-threaded.
 
 OpenBLAS's threaded GEMM holds one process-wide lock, so a second model's step
 waits for the first one's whole matmul (measured on 2 cores: a 64-token
@@ -6,7 +6,7 @@ matmul 1.0 ms alone, 21 ms beside another thread's 512-token matmuls, 2.7 ms
 when both call it with one thread). Two processes never share that lock,
 which is what a server of several models is measured against::
 
-    engines stepping   OpenBLAS threads per call
+    executors stepping OpenBLAS threads per call
     1                  all of them (as a server of one model)
     2 or more          1 each: the calls run side by side on the cores
 
@@ -21,7 +21,7 @@ from contextlib import contextmanager
 
 
 class BlasShare:
-    """Counts the engines inside a step and sets OpenBLAS's threads when that count crosses 1."""
+    """Counts the executors inside a step and sets OpenBLAS's threads when that count crosses 1."""
 
     def __init__(self, setter=None, getter=None):
         self._lock = threading.Lock()
@@ -71,4 +71,4 @@ def _openblas():
     return setter, getter
 
 
-SHARE = BlasShare()  # one per process: every engine's worker steps through it
+SHARE = BlasShare()  # one per process: every executor's worker steps through it

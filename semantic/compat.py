@@ -322,7 +322,7 @@ def _rotating_extract_clamped(self, idx):
 if HAS_META_STATE and hasattr(C, "BatchRotatingKVCache"):
     C.BatchRotatingKVCache.extract = _rotating_extract_clamped
 
-# ---------------------------------------------------------------- batching (semantic.engine.steploop)
+# ---------------------------------------------------------------- batching (semantic.runner.steploop)
 
 
 def cache_arrays(cache: Any) -> list:

@@ -1,4 +1,4 @@
-"""Every knob's default, in one place: the engine, the scheduler, the server's flags and the harness read these.
+"""Every knob's default, in one place: the executor, the scheduler, the server's flags and the harness read these.
 
 A floor below the one a caller reaches takes its values as given (no
 defaults of its own), so a default never differs between floors.
@@ -10,11 +10,11 @@ MAX_TOKENS = 256         # tokens a turn may generate when its caller names no b
 MAX_BATCH = 8            # sequences decoded together in one step
 MAX_QUEUED = 64          # turns that may wait for admission before a submit is refused
 BLOCK_TOKENS = 256       # tokens per pooled KV block (the unit of sharing, saving and eviction)
-POOL_MB = 1024           # a fixed KV block pool for the harness's own engines (the server sizes its
+POOL_MB = 1024           # a fixed KV block pool for the harness's own executors (the server sizes its
                          # pool from the machine: semantic.sizing)
 RAM_SHARE = 0.75         # of the pool, the server's default budget for caches resident between turns:
                          # the rest holds turns in flight and reusable prefixes, so the budget binds
-DISK_MB = 8192           # the harness engines' cache files (the server's: semantic.sizing)
+DISK_MB = 8192           # the harness's cache files (the server's: semantic.sizing)
 
 
 def spec_position_cost() -> float:

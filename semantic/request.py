@@ -2,13 +2,13 @@
 
 A request is built once where it enters (the server's façade, a library
 caller) and checked there, in ``Request.__post_init__``; the scheduler, the
-engine and the step loop read the same object and only assert::
+executor and the step loop read the same object and only assert::
 
-    prompt ──encode()──► ids ──Request(...)──► scheduler ──► engine ──► step loop
+    prompt ──encode()──► ids ──Request(...)──► scheduler ──► executor ──► step loop
                                   │ raises InvalidRequestError / InvalidAgentIdError here, once
-    Completion ◄── engine (the one result: the scheduler and the server read it, never copy it)
+    Completion ◄── executor (the one result: the scheduler and the server read it, never copy it)
 
-The one thing a request cannot know is the model's vocabulary: the engine,
+The one thing a request cannot know is the model's vocabulary: the executor,
 which owns the model, checks the ids against it when it takes the request.
 """
 
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 MAX_AGENT_ID = 256
 
 # on_token(token, logprob, logprobs row over the vocabulary) -> True to end the turn after this token;
-# called on the engine's thread for every generated token
+# called on the worker thread for every generated token
 OnToken = Callable[[int, float, object], bool]
 
 
@@ -142,7 +142,7 @@ class Request:
             a JSON schema, a tool call); None: free.
         on_token: sees each generated token (:data:`OnToken`).
         on_admit: called once when the turn starts, with the history tokens
-            a cache covers. Both run on the engine's thread: keep them quick.
+            a cache covers. Both run on the worker thread: keep them quick.
         boundaries: positions in ``ids`` where a later turn may start over
             (message ends: the system prompt's, the last message's start);
             models that resume only from a snapshot take one there.
@@ -193,7 +193,7 @@ class Request:
 class Completion:
     """A finished turn: what was generated and what its cache did.
 
-    The engine makes it; the scheduler hands the same object to the caller
+    The executor makes it; the scheduler hands the same object to the caller
     once it has taken ``blocks`` (then None: the cache is the scheduler's,
     resident and saved); the server wraps it. Times are
     ``time.perf_counter()`` stamps; the ``_s`` properties count from the
@@ -209,7 +209,7 @@ class Completion:
     reuse: str                  # where they came from (``reuse`` sources: own, own-cut, pool, none)
     blocks: "AgentBlocks | None"  # the finished cache (None: not kept, ``cache_error`` says why, or taken)
     cache_error: str | None = None
-    admitted_at: float = 0.0    # the engine took the request
+    admitted_at: float = 0.0    # the executor took the request
     first_token_at: float = 0.0  # the first generated token was read (materialized); 0: none
     finished_at: float = 0.0    # the sequence finished, its cache extracted
     save_number: int = 0        # the scheduler's save of its cache (``SaveState.outcome``); 0: none queued

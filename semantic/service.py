@@ -1,10 +1,10 @@
-"""The engine as one server sees it: a model, its cache store and scheduler behind one object.
+"""The service: one model, its cache store and its scheduler behind the one object a server calls.
 
 The HTTP layer (``semantic.serve``) imports this module and nothing else of
 the engine::
 
     Service.open(model, budgets) ─► Service
-        prepare(messages | prompt, max_tokens, agent, tenant, ...) ─► Request   (tokenized once, fitted, checked)
+        prepare(TurnRequest) ─► PreparedTurn (the Request: tokenized once, fitted, checked)
         submit(request) ─► TurnFuture[Completion] (.tokens: sooner)   cancel(future)
         wait_saved(agent_id)   save_outcome(completion) ─► "saved" | "pending" | "failed"
         stats() ─► ServiceStats                    agents(tenant) ─► [AgentInfo]      close()
@@ -37,7 +37,7 @@ from semantic.cache import room
 from semantic.cache.blockplan import salt_root_of
 from semantic.chat.boundaries import message_boundaries
 from semantic.chat.maxtokens import fit_max_tokens
-from semantic.engine.executor import vocab_size
+from semantic.runner.executor import vocab_size
 from semantic.errors import CacheError, ContextLengthError, InvalidRequestError, SchedulerClosedError
 from semantic.store.fingerprint import weights_fingerprint
 from semantic.decode.promptlookup import SpecConfig
@@ -52,15 +52,16 @@ from semantic.sched.saves import FAILED, PENDING, SAVED
 from semantic.sched.scheduler import ConcurrentScheduler, TurnFuture
 from semantic.cache.spec import ModelCacheSpec
 from semantic.store import AgentCacheStore, StoreStats
-from semantic.chat.toolformat import ToolCall, ToolPlan, Tools, read_calls
+from semantic.chat.toolformat import ToolCall, ToolReading, Tools, read_calls
 
 log = logging.getLogger(__name__)
 
-# the HTTP layer's one door into the engine: what it names, it imports from here
+# the HTTP layer's one door into the package: what it names, it imports from here
 __all__ = [
     "ANON", "AgentInfo", "CacheError", "Completion", "ContextLengthError", "FAILED", "GREEDY", "InvalidRequestError",
-    "PENDING", "Request", "SAVED", "SAVE_FAILURES", "SamplingParams", "SchedulerClosedError", "Service",
-    "ServiceStats", "ToolCall", "ToolPlan", "Tools", "TurnPlan", "errors", "fit_max_tokens", "read_calls",
+    "PENDING", "PreparedTurn", "Request", "SAVED", "SAVE_FAILURES", "SamplingParams", "SchedulerClosedError",
+    "Service", "ServiceStats", "ToolCall", "ToolReading", "Tools", "TurnRequest", "errors", "fit_max_tokens",
+    "read_calls",
 ]
 
 ANON = "~anon/"          # anonymous agents' ids: never saved, never listed
@@ -89,12 +90,44 @@ def model_fingerprint(path: Path) -> str:
 
 
 @dataclass(frozen=True, slots=True)
-class TurnPlan:
-    """A prepared turn: the engine's Request, how its reply is read when tools are offered, and the
+class TurnRequest:
+    """What a client asks of one turn, in no API's terms: built once where it enters (an HTTP route, a
+    library caller), checked here, and prepared by :meth:`Service.prepare` into the executor's Request.
+
+    Exactly one of ``messages`` (chat: ``{"role", "content"}`` dicts, rendered with the model's chat
+    template) and ``prompt`` (text, or token ids) is set. ``max_tokens`` None: the server's default,
+    fitted to the context; with ``until_context``, all the context leaves (the Responses API's meaning).
+    ``agent``: a named agent, whose cache is kept and saved (None: anonymous). ``tenant`` and
+    ``cache_salt`` salt its block keys. ``tools``: what the model may call, and how; ``response_schema``:
+    the reply must be one JSON value matching it.
+    """
+
+    max_tokens: int | None = None
+    messages: list[dict] | None = None
+    prompt: str | list[int] | None = None
+    sampling: SamplingParams = GREEDY
+    tenant: str = ""
+    agent: str | None = None
+    cache_salt: str | None = None
+    tools: Tools | None = None
+    response_schema: dict | None = None
+    until_context: bool = False
+
+    def __post_init__(self):
+        if (self.messages is None) == (self.prompt is None):
+            raise InvalidRequestError("give exactly one of messages and prompt")
+        if self.agent is not None and (not isinstance(self.agent, str) or not self.agent):
+            raise InvalidRequestError("the agent id (prompt_cache_key, user, X-Agent-Id, metadata.user_id) must be "
+                                      "a non-empty string")
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedTurn:
+    """A turn ready to submit: the executor's Request, how its reply is read when tools are offered, and the
     template's text of its prompt (for the next turn's echo; None for a prompt that was not chat)."""
 
     request: Request
-    tools: ToolPlan | None = None
+    tools: ToolReading | None = None
     prompt_text: str | None = None
 
 
@@ -136,7 +169,7 @@ class Service:
 
     Args:
         model, tokenizer: loaded with ``mlx_lm.load``.
-        store: the agents' cache files over the engine's block pool.
+        store: the agents' cache files over the executor's block pool.
         max_context: the most prompt + completion tokens (default and
             ceiling: the model's own).
         max_batch, max_queued, prefill_chunk, itl_target_s, ram_budget_bytes: the scheduler's
@@ -250,17 +283,12 @@ class Service:
 
     # ------------------------------------------------------------ turns
 
-    def prepare(self, *, messages: list[dict] | None = None, prompt: str | list[int] | None = None,
-                max_tokens: int | None = None, sampling: SamplingParams = GREEDY, tenant: str = "",
-                agent: str | None = None, cache_salt: str | None = None, tools: Tools | None = None,
-                response_schema: dict | None = None, on_token: OnToken | None = None,
-                on_admit=None, until_context: bool = False) -> TurnPlan:
+    def prepare(self, turn: TurnRequest, *, on_token: OnToken | None = None, on_admit=None) -> PreparedTurn:
         """The turn's :class:`Request`: tokenized once (``messages`` through the chat template, or
         ``prompt`` text or ids), its max_tokens fitted (:func:`fit_max_tokens`), its cache placed;
         and how its reply is read when ``tools`` are offered (``semantic.chat.toolformat``).
+        ``on_token`` and ``on_admit`` go into the Request as they are.
 
-        ``until_context``: with no ``max_tokens``, the reply may take all the
-        context leaves (the Responses API's meaning), not the server's default.
         ``response_schema`` holds the reply to one JSON value matching it (a
         grammar, as ``tools`` may). A named agent whose messages echo the
         reply this server generated for it gets that reply's own token ids
@@ -271,35 +299,35 @@ class Service:
             InvalidRequestError: the prompt, the messages or a field is unusable
                 (ContextLengthError: it does not fit the context or the pool).
         """
-        assert (messages is None) != (prompt is None)
-        plan = toolformat.plan(tools, self.tool_format, self.tokenizer) if tools is not None else None
-        grammar = plan.grammar if plan is not None else None
-        if response_schema is not None:
-            if plan is not None and plan.reads_calls:
+        tools, messages = turn.tools, turn.messages
+        reading = toolformat.reading(tools, self.tool_format, self.tokenizer) if tools is not None else None
+        grammar = reading.grammar if reading is not None else None
+        if turn.response_schema is not None:
+            if reading is not None and reading.reads_calls:
                 raise InvalidRequestError("response_format with tools the model may call is not supported: "
                                           "set tool_choice to none, or drop response_format")
-            grammar = Grammar.json_schema(response_schema, "response_format")
+            grammar = Grammar.json_schema(turn.response_schema, "response_format")
         if grammar is not None:
             constraint.check(grammar, self.tokenizer, self.vocab_size)
-        if agent is not None:
-            agent_id, persist = self.agent_id(tenant, agent), True
+        if turn.agent is not None:
+            agent_id, persist = self.agent_id(turn.tenant, turn.agent), True
         else:
             agent_id, persist = ANON + uuid.uuid4().hex, False
         text, marks = None, ()
         if messages is not None:
             ids, text = self._render(agent_id if persist else None, messages, tools)
-            if self.scheduler.engine.wants_boundaries:  # resumes only where it stopped, or keeps prefixes apart
+            if self.scheduler.executor.wants_boundaries:  # resumes only where it stopped, or keeps prefixes apart
                 marks = message_boundaries(ids, messages, text, lambda m: self._template(m, tools, False),
                                            self._tokens)
         else:
-            ids = encode(self.tokenizer, prompt)
-        max_tokens = fit_max_tokens(len(ids), max_tokens, context_length=self.context_length,
+            ids = encode(self.tokenizer, turn.prompt)
+        max_tokens = fit_max_tokens(len(ids), turn.max_tokens, context_length=self.context_length,
                                    pool_tokens=self.pool_tokens, strict=self.strict_max_tokens,
-                                   default=None if until_context else defaults.MAX_TOKENS)
-        salt = f"{tenant}\0{cache_salt}" if tenant or cache_salt else None
-        request = Request(agent_id, ids, max_tokens, sampling=sampling, persist=persist, salt_root=salt_root_of(salt),
+                                   default=None if turn.until_context else defaults.MAX_TOKENS)
+        salt = f"{turn.tenant}\0{turn.cache_salt}" if turn.tenant or turn.cache_salt else None
+        request = Request(agent_id, ids, max_tokens, sampling=turn.sampling, persist=persist, salt_root=salt_root_of(salt),
                           grammar=grammar, on_token=on_token, on_admit=on_admit, boundaries=marks)
-        return TurnPlan(request, plan, text)
+        return PreparedTurn(request, reading, text)
 
     def _render(self, agent_id: str | None, messages: list[dict], tools: Tools | None) -> tuple[Sequence[int], str]:
         """The conversation's token ids and template text; the agent's own reply as generated when echoed."""
@@ -328,7 +356,7 @@ class Service:
     def _tokens(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def remember(self, plan: TurnPlan, completion: Completion, text: str, calls: Sequence[ToolCall],
+    def remember(self, turn: PreparedTurn, completion: Completion, text: str, calls: Sequence[ToolCall],
                  stop_sequence: str | None = None) -> None:
         """What the client was told of a named agent's turn, so that its echo next turn is the generated ids.
 
@@ -336,13 +364,13 @@ class Service:
         one, nor one a stop string cut (the generated tokens run past it).
         """
         request = completion.request
-        if (not request.persist or plan.prompt_text is None or completion.finish_reason == "cancelled"
+        if (not request.persist or turn.prompt_text is None or completion.finish_reason == "cancelled"
                 or stop_sequence is not None):
             return
         generated = tuple(completion.token_ids)
         reply = Reply(text, tuple((c.name, json.dumps(c.arguments, sort_keys=True)) for c in calls))
         closed = bool(generated) and generated[-1] in self.eos
-        said = Said(plan.prompt_text, request.ids + generated, reply, closed)
+        said = Said(turn.prompt_text, request.ids + generated, reply, closed)
         self.echo.remember(request.agent_id, said)
         if self.echo.limit:  # beside its cache file, so a restart's first turn splices as the next one would
             self.store.save_extra(request.agent_id, {"echo": said.to_json()})
@@ -424,22 +452,22 @@ class Service:
     def stats(self) -> ServiceStats:
         with self.store.pool_lock:
             pool = self.store.pool.stats()
-        steps, drafted, accepted = self.scheduler.engine.speculation
+        steps, drafted, accepted = self.scheduler.executor.speculation
         return ServiceStats(
             scheduler=self.scheduler.stats(), store=self.store.stats(), pool=pool, block_tokens=self.store.block_tokens,
             pool_capacity_bytes=pool.capacity_bytes, disk_budget_bytes=self.store.disk_budget,
             cache_dir=str(self.store.dir), echo_spliced=self.echo.spliced, echo_rendered=self.echo.rendered,
             spec_steps=steps, spec_drafted=drafted, spec_accepted=accepted,
-            spec_replays=self.scheduler.engine.replays[0],
+            spec_replays=self.scheduler.executor.replays[0],
             remote=self.store.remote.stats() if self.store.remote is not None else None,
-            spec_off=self.scheduler.engine.speculation_off, batch_off=self.scheduler.engine.batch_off,
+            spec_off=self.scheduler.executor.speculation_off, batch_off=self.scheduler.executor.batch_off,
             cache_kinds=tuple(sorted({l.kind for l in self.store.spec.layers})),
         )
 
     @property
     def speculating(self) -> bool:
         """Whether greedy turns may draft tokens (on, and the model can take rejected drafts back)."""
-        return self.scheduler.engine.speculating
+        return self.scheduler.executor.speculating
 
     def agents(self, tenant: str | None = None, limit: int = 200) -> list[AgentInfo]:
         """Named agents on disk or in RAM (of ``tenant`` only, when given), most recently used first."""

@@ -12,7 +12,7 @@ from semantic.cache.blocks import AgentBlocks
 from semantic.cache.convert import extract, reconstruct
 from tests.tiny_models import byte_tokenizer
 
-LOGPROB_TOL = 1e-4  # as tests/semantic/engine/test_executor.py: float32 tiny models, reordered sums move ~1e-6
+LOGPROB_TOL = 1e-4  # as tests/semantic/runner/test_executor.py: float32 tiny models, reordered sums move ~1e-6
 
 
 def engine(model, kv_bits=None, blocks=256, block_tokens=4, capacity_bytes=None) -> BatchExecutor:

@@ -13,8 +13,8 @@ import time
 from dataclasses import dataclass, field
 
 from semantic.serve.stream.items import Delta, Final, TokenLogprob, TopLogprob
-from semantic.serve.turn.request import GenerateRequest, Prepared
-from semantic.service import Completion, Request, fit_max_tokens
+from semantic.serve.turn.apirequest import ApiRequest, Prepared
+from semantic.service import Completion, PreparedTurn, Request, fit_max_tokens
 
 
 @dataclass
@@ -41,7 +41,7 @@ class StubBackend:
     closed_early: int = 0             # streams closed or cancelled before their Final
     shut: list[str] = field(default_factory=list)
 
-    async def prepare(self, req: GenerateRequest) -> Prepared:
+    async def prepare(self, req: ApiRequest) -> Prepared:
         text = req.prompt if isinstance(req.prompt, str) else " ".join(m["content"] or "" for m in req.messages or [])
         ids = tuple(req.prompt) if isinstance(req.prompt, list) else tuple(range(len(text.split()) + 2))
         # the service's own fitting: a budget cut to the context (refused past it when strict)
@@ -49,7 +49,7 @@ class StubBackend:
                                    strict=self.strict_max_tokens, default=None if req.until_context else 256)
         turn = Request(f"{req.tenant or 'public'}/{req.agent or 'anon'}", ids, max_tokens, sampling=req.sampling,
                        persist=req.agent is not None)
-        p = Prepared(request=req, turn=turn)
+        p = Prepared(api=req, turn=PreparedTurn(turn))
         self.prepared.append(p)
         return p
 
@@ -66,16 +66,16 @@ class StubBackend:
                     await asyncio.sleep(self.delay_s)
                 lps = [TokenLogprob(piece, i, -0.5, tuple(piece.encode()),
                                     top=(TopLogprob(piece, i, -0.5, tuple(piece.encode())),))] \
-                    if prepared.request.logprobs else []
+                    if prepared.api.logprobs else []
                 yield Delta(piece, lps)
             if self.calls:
                 yield Delta("", tool_calls=list(self.calls))
             done = True
             now = time.perf_counter()
             result = Completion(
-                request=prepared.turn, uid=0, token_ids=list(range(len(self.pieces))), logprobs=[-0.5] * len(self.pieces),
+                request=prepared.turn.request, uid=0, token_ids=list(range(len(self.pieces))), logprobs=[-0.5] * len(self.pieces),
                 finish_reason=self.finish_reason, cached_tokens=self.cached_tokens, reuse="own", blocks=None,
-                admitted_at=t0, first_token_at=prepared.turn.arrived_at + 0.01, finished_at=now)
+                admitted_at=t0, first_token_at=prepared.turn.request.arrived_at + 0.01, finished_at=now)
             yield Final(result, "".join(self.pieces), self.stop_sequence, tuple(self.calls))
         finally:
             if done:

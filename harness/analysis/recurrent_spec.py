@@ -210,7 +210,7 @@ def _run(model, prompts: list[list[int]], n: int, speculation, docs=None):
     prefill, alike in both, is left out), loop counters, seconds spent replaying)."""
     from semantic import BatchExecutor, BlockPool, ModelCacheSpec, Request
     from semantic.decode import replay
-    from semantic.engine import steploop
+    from semantic.runner import steploop
 
     spec = ModelCacheSpec.from_model(model)
     ended = []

@@ -40,17 +40,19 @@ class Script:
         self.last: dict[str, list[dict]] = {}  # agent -> its messages with the last reply
 
     def turn(self, name: str, agent: str, messages: list[dict], *, submit_only: bool = False):
-        plan = self.service.prepare(messages=messages, agent=agent, max_tokens=MAX_TOKENS)
-        future = self.service.submit(plan.request)
-        if submit_only:
-            return name, agent, messages, plan, future
-        return self.finish(name, agent, messages, plan, future)
+        from semantic.service import TurnRequest
 
-    def finish(self, name, agent, messages, plan, future):
+        prepared = self.service.prepare(TurnRequest(messages=messages, agent=agent, max_tokens=MAX_TOKENS))
+        future = self.service.submit(prepared.request)
+        if submit_only:
+            return name, agent, messages, prepared, future
+        return self.finish(name, agent, messages, prepared, future)
+
+    def finish(self, name, agent, messages, prepared, future):
         done = future.result(300)
         eos = self.service.eos
         text = self.service.tokenizer.decode([t for t in done.token_ids if t not in eos])
-        self.service.remember(plan, done, text, [])
+        self.service.remember(prepared, done, text, [])
         self.last[agent] = messages + [_msg("assistant", text)]
         print(json.dumps({"turn": name, "agent": agent, "ids": list(done.request.ids), "tokens": done.token_ids,
                           "logprobs": done.logprobs, "cached": done.cached_tokens,

@@ -48,9 +48,9 @@ def _fleet(model_dir: str, pool_mb: int):
 
 
 async def _turn(backend, ids: list[int]) -> None:
-    from semantic.serve.turn.request import GenerateRequest
+    from semantic.serve.turn.apirequest import ApiRequest
 
-    prepared = await backend.prepare(GenerateRequest(max_tokens=4, prompt=ids))
+    prepared = await backend.prepare(ApiRequest(max_tokens=4, prompt=ids))
     async for _ in backend.stream(prepared):
         pass
 

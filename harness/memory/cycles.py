@@ -32,7 +32,7 @@ import mlx.core as mx  # noqa: E402
 import semantic.serve.app  # noqa: E402,F401  the server's imports, so the RSS is a server's
 from semantic.serve.config import MB, ServeConfig  # noqa: E402
 from semantic.serve.opening import fleet_of  # noqa: E402
-from semantic.serve.turn.request import GenerateRequest  # noqa: E402
+from semantic.serve.turn.apirequest import ApiRequest  # noqa: E402
 
 
 def status_kb(key: str) -> int:
@@ -69,7 +69,7 @@ class Sampler:
 async def turn(backend, agent: str, cycle: int, words: int) -> None:
     """One greedy turn of a named agent: its cache is kept, saved and read back at its model's next load."""
     system = "You are a careful coding agent. " * words
-    req = GenerateRequest(max_tokens=8, agent=agent, messages=[
+    req = ApiRequest(max_tokens=8, agent=agent, messages=[
         {"role": "system", "content": system}, {"role": "user", "content": f"List the files, turn {cycle}."}])
     prepared = await backend.prepare(req)
     async for _ in backend.stream(prepared):

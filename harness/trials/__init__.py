@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from importlib import import_module
 
-from harness.trials.base import KINDS, Kind, Param, register
+from harness.trials.base import KINDS, TrialKind, Param, register
 
 # Importing a trial module registers its kind: a folder's ``trial``, or the module itself.
 MODULES = ("block_store.trial", "cache_injection", "chaos.trial", "claude_code.trial", "claude_code.two_models",
@@ -26,4 +26,4 @@ MODULES = ("block_store.trial", "cache_injection", "chaos.trial", "claude_code.t
 for _module in MODULES:
     import_module(f"harness.trials.{_module}")
 
-__all__ = ["KINDS", "MODULES", "Kind", "Param", "register"]
+__all__ = ["KINDS", "MODULES", "TrialKind", "Param", "register"]

@@ -27,7 +27,7 @@ class Param:
 
 
 @dataclass(slots=True, frozen=True)
-class Kind:
+class TrialKind:
     name: str
     run: Callable[[Any], None]
     params: dict[str, Param]
@@ -38,10 +38,10 @@ class Kind:
     headline: Callable[[dict], list[str]] | None = None  # the kind's own table for the console, from the results
 
 
-KINDS: dict[str, Kind] = {}
+KINDS: dict[str, TrialKind] = {}
 
 
-def register(kind: Kind) -> Kind:
+def register(kind: TrialKind) -> TrialKind:
     assert kind.name not in KINDS, f"kind {kind.name} registered twice"
     KINDS[kind.name] = kind
     return kind

@@ -12,7 +12,7 @@ from __future__ import annotations
 from harness import plots
 from harness.engines import make_engine, match_report, record_ttft, run_one, time_ttft
 from harness.prompts import history_ids
-from harness.trials.base import Kind, Param, register
+from harness.trials.base import TrialKind, Param, register
 
 
 def run(ctx) -> None:
@@ -59,7 +59,7 @@ def run(ctx) -> None:
             title=f"EXP-003 {ctx.model_name}"))
 
 
-KIND = register(Kind(
+KIND = register(TrialKind(
     name="cache_injection",
     run=run,
     params={

@@ -18,7 +18,7 @@ import mlx.core as mx
 from harness import plots
 from harness.engines import make_engine, match_report, record_ttft, run_one, time_ttft
 from harness.timing import time_once
-from harness.trials.base import Kind, Param, register
+from harness.trials.base import TrialKind, Param, register
 from semantic import Request, cachefile, compat
 
 
@@ -130,7 +130,7 @@ def _validate(p: dict) -> None:
         raise ValueError("max_tokens must be distinct, so sequences finish at different steps")
 
 
-KIND = register(Kind(
+KIND = register(TrialKind(
     name="per_sequence_extraction",
     run=run,
     params={

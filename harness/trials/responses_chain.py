@@ -35,7 +35,7 @@ from pathlib import Path
 
 from harness.servers import processes
 from harness.servers.targets import OURS, TARGETS
-from harness.trials.base import Kind, Param, register
+from harness.trials.base import TrialKind, Param, register
 
 KEYS = {"chain": "sk-chain", "chat": "sk-chat"}  # a tenant per side: no block is shared between them
 QUESTIONS = ["Which module holds the block pool?", "What does the saver do on a full disk?",
@@ -232,7 +232,7 @@ def think_checks(rows: list[dict]) -> dict:
     return checks
 
 
-KIND = register(Kind(
+KIND = register(TrialKind(
     name="responses_chain",
     run=run,
     params={

@@ -34,10 +34,10 @@ from pathlib import Path
 
 from harness.servers import processes
 from harness.servers.targets import MLX_LM, OURS, ROOT, TARGETS
-from harness.trials.base import Kind, Param, register
+from harness.trials.base import TrialKind, Param, register
 
 SIDES = ("on", "off", "mlx_lm")
-SOURCES = ("semantic/sched/scheduler.py", "semantic/sched/planner.py", "semantic/engine/executor.py", "semantic/store/__init__.py",
+SOURCES = ("semantic/sched/scheduler.py", "semantic/sched/planner.py", "semantic/runner/executor.py", "semantic/store/__init__.py",
            "semantic/cache/pool.py", "semantic/cache/blocks.py", "semantic/chat/echo.py", "semantic/service.py",
            "semantic/sched/residency.py", "semantic/chat/toolformat.py", "semantic/cache/convert.py", "semantic/cache/reuse.py")
 RENAMES = (("self", "this"), ("seq", "sequence"), ("blocks", "pages"), ("agent", "worker"), ("cache", "memo"))
@@ -147,7 +147,7 @@ def checks(rows: list[dict]) -> dict:
     return out
 
 
-KIND = register(Kind(
+KIND = register(TrialKind(
     name="speculation",
     run=run,
     params={

@@ -7,7 +7,7 @@ until it has its first token and ``warm`` tokens more. Two sides take turns
 
 - ``mlx_lm``: mlx-lm's ``BatchGenerator`` as our engine drove it before this
   loop (``prefill_step_size`` 512, prompts inserted whole);
-- ``ours``: ``BatchExecutor`` on ``semantic.engine.steploop`` (chunks of
+- ``ours``: ``BatchExecutor`` on ``semantic.runner.steploop`` (chunks of
   ``prefill_chunk`` tokens between decode steps).
 
 Per side: the decoders' inter-token latency while nothing prefills (the
@@ -31,7 +31,7 @@ import mlx.core as mx
 import numpy as np
 
 from harness import plots
-from harness.trials.base import Kind, Param, register
+from harness.trials.base import TrialKind, Param, register
 
 SIDES = ("mlx_lm", "ours")
 
@@ -243,7 +243,7 @@ def run(ctx) -> None:
             f"{ctx.model_name}: {p['decoders']} decoders beside a {p['long_tokens']}-token prefill"))
 
 
-KIND = register(Kind(
+KIND = register(TrialKind(
     name="step_loop",
     run=run,
     params={

@@ -46,7 +46,7 @@ import numpy as np
 
 from harness import plots, storefiles
 from harness.engines import logprob_diff, make_engine as fresh_engine, open_scheduler
-from harness.trials.base import Kind, Param, register
+from harness.trials.base import TrialKind, Param, register
 from semantic import ModelCacheSpec, Request, cachefile, store as store_mod
 from semantic.decode.promptlookup import SpecConfig
 from semantic.store.blocklayout import PREFIX
@@ -222,7 +222,7 @@ def run(ctx) -> None:
         sched.flush()
         w.counts["leaks"] += _file_leaks(cache_dir, w.canaries)
         stats, store_stats = sched.stats(), sched.store.stats()
-        spec_steps, drafted, accepted = sched.engine.speculation
+        spec_steps, drafted, accepted = sched.executor.speculation
     finally:
         sched.close()
         shutil.rmtree(cache_dir, ignore_errors=True)
@@ -346,7 +346,7 @@ def _validate(p: dict) -> None:
         raise ValueError("max_context must leave room for a turn after the system prefix")
 
 
-KIND = register(Kind(
+KIND = register(TrialKind(
     name="stress",
     run=run,
     params={

@@ -9,7 +9,7 @@ any prefix of it can serve. Two kinds cannot be cut back:
   of other positions rebuilds an earlier window.
 
 So the step loop ends a prefill chunk at the positions where agents resume,
-and the engine pools the whole cache there (``executor._checkpoint``)::
+and the executor pools the whole cache there (``executor._checkpoint``)::
 
     history   [ system | tools | q1 a1 | q2 a2 | q3 ]
     snapshots          ^ boundary      ^ boundary ^ last token - 1
@@ -35,7 +35,7 @@ A sliding window of a block or more never stops a prefill. Its full blocks serve
 position, so what a later turn needs is every full block the window held at some block boundary
 of the prompt; a chunk's attention leaves the newest ``W - 1`` positions before the chunk and the
 whole chunk in the cache (mlx-lm trims a ring only before the next chunk), so after each chunk
-the engine pools the blocks the window held at the boundaries inside it (:meth:`SnapshotPositions.passed`,
+the executor pools the blocks the window held at the boundaries inside it (:meth:`SnapshotPositions.passed`,
 ``convert.keep_passed``)::
 
     chunk      [512 ............................ 2560)      window 512, blocks of 256

@@ -23,7 +23,7 @@ regenerates, or goes back to an earlier branch, echoes a reply older than the la
 The service keeps each agent's last :class:`Said` beside its cache file too
 (``AgentCacheStore.save_extra``), so a restart's first turn splices as the
 next turn would have. Anything else (an edit, another client's history)
-renders as usual; the engine verifies every reused token either way, so the rendered
+renders as usual; the executor verifies every reused token either way, so the rendered
 form is always safe, only slower. ``EchoBook.spliced`` / ``rendered`` count
 the two paths.
 """

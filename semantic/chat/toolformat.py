@@ -133,7 +133,7 @@ def _generic_schema(tools: Tools) -> dict:
 
 
 @dataclass(frozen=True, slots=True)
-class ToolPlan:
+class ToolReading:
     """How a request's reply is read: which format its calls come in, and what the grammar allows."""
 
     format: ToolFormat
@@ -146,21 +146,21 @@ class ToolPlan:
         return self.tools.choice != "none"
 
 
-def plan(tools: Tools, fmt: ToolFormat, tokenizer) -> ToolPlan:
+def reading(tools: Tools, fmt: ToolFormat, tokenizer) -> ToolReading:
     """The grammar and the reading for ``tools`` on a model whose native format is ``fmt`` (module doc)."""
     if tools.choice == "none":
         if fmt.native:
-            return ToolPlan(fmt, tools, None, stop_at_call=True)
-        return ToolPlan(fmt, tools, Grammar.lark(f"start: {_ANSWER}", "answer grammar"))
+            return ToolReading(fmt, tools, None, stop_at_call=True)
+        return ToolReading(fmt, tools, Grammar.lark(f"start: {_ANSWER}", "answer grammar"))
     if tools.choice == "auto":
         if fmt.native:
-            return ToolPlan(fmt, tools, None)
+            return ToolReading(fmt, tools, None)
         lark = f"start: call | answer\ncall: %json {json.dumps(_generic_schema(tools))}\nanswer: {_ANSWER}"
-        return ToolPlan(fmt, tools, Grammar.lark(lark, "tool call grammar"))
+        return ToolReading(fmt, tools, Grammar.lark(lark, "tool call grammar"))
     if fmt.name in NATIVE_GRAMMARS:
-        return ToolPlan(fmt, tools, Grammar.lark(_native_lark(tools, fmt, tokenizer), "tool call grammar"))
+        return ToolReading(fmt, tools, Grammar.lark(_native_lark(tools, fmt, tokenizer), "tool call grammar"))
     generic = ToolFormat(GENERIC)
-    return ToolPlan(generic, tools, Grammar.json_schema(_generic_schema(tools), "tool call grammar"))
+    return ToolReading(generic, tools, Grammar.json_schema(_generic_schema(tools), "tool call grammar"))
 
 
 def _marker(text: str, tokenizer) -> str:
@@ -196,12 +196,12 @@ class ToolCall:
         return json.dumps(self.arguments, ensure_ascii=False)
 
 
-def read_calls(text: str, plan: ToolPlan) -> list[dict]:
+def read_calls(text: str, reading: ToolReading) -> list[dict]:
     """The calls in ``text`` (between a native format's markers, or a whole generic reply), as
     ``{"name", "arguments": dict}``; raises ValueError when it holds none that parse."""
-    if not plan.format.native:
+    if not reading.format.native:
         return parse_generic(text)
-    parsed = plan.format.parse(text, list(plan.tools.specs))
+    parsed = reading.format.parse(text, list(reading.tools.specs))
     calls = []
     for c in parsed if isinstance(parsed, list) else [parsed]:
         args = c.get("arguments", {}) if isinstance(c, dict) else None

@@ -1,7 +1,7 @@
 """Constrained decoding: a grammar a sequence's tokens must follow, as a per-step token mask (llguidance).
 
 A :class:`Grammar` is plain data a :class:`~semantic.request.Request` carries
-(llguidance's grammar text: from a JSON schema or a Lark grammar). The engine
+(llguidance's grammar text: from a JSON schema or a Lark grammar). The executor
 turns it into a :class:`Constraint` (an ``LLMatcher`` over the model's
 vocabulary) when the request starts; the step loop then, for that row only::
 

@@ -5,7 +5,7 @@ re-runs, the path it names again. When the newest ``n`` tokens of a
 sequence (prompt and generated) occurred earlier, the tokens that followed
 them there are a cheap guess at what comes next; the step loop feeds the
 guess beside the real next token and keeps the longest prefix the model
-agrees with (``semantic.engine.steploop``), so the output is the model's own::
+agrees with (``semantic.runner.steploop``), so the output is the model's own::
 
     context  ... def load ( path ) : ...... return load ( path ) : ?
                      └── earlier: "load ( path )" was followed by ") :" ...

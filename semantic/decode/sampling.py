@@ -5,7 +5,7 @@ takes one sampler and one list of logits processors per sequence, and calls
 a sequence's own sampler on its row alone. A sampled sequence draws from its
 own seed, re-seeded at every step from ``(seed, step)``, so the same seed
 gives the same reply whatever else shares the batch. Greedy settings (the
-default) return no sampler at all: the engine's argmax, exactly as a fresh
+default) return no sampler at all: the executor's argmax, exactly as a fresh
 prefill decodes.
 """
 
@@ -88,7 +88,7 @@ GREEDY = SamplingParams()
 
 
 def sampler_for(params: SamplingParams) -> Callable[[mx.array], mx.array] | None:
-    """The sequence's own sampler, or None for the engine's greedy argmax."""
+    """The sequence's own sampler, or None for the step loop's greedy argmax."""
     if params.temperature == 0.0:
         return None  # argmax, also after penalties
     inner = make_sampler(

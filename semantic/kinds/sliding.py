@@ -4,7 +4,7 @@ and the newest ``window - keep``; it is read unrolled into temporal order
 
     [0, keep)  +  [T - (window - keep), T)          (all of [0, T) while T <= window)
 
-A window of a block or more resumes anywhere its pooled blocks cover (the engine pools, after
+A window of a block or more resumes anywhere its pooled blocks cover (the executor pools, after
 each prefill chunk, the blocks the window held at the block boundaries in it: ``cache.snapshots``); a
 shorter one only at snapshots."""
 

@@ -27,7 +27,7 @@ every pass: the turns that finished in the step are resident by then, and
 
     resident bytes <= budget      done
     a cache already on disk       evict the least recently used one (busy or not:
-                                  the engine rebuilt a busy agent's cache at admission)
+                                  the executor rebuilt a busy agent's cache at admission)
     else, a save is under way     wait for the saver (no step meanwhile)
     else                          drop the least recently used cache whose save failed
                                   (the disk is full or gone), counted as lost
@@ -80,7 +80,7 @@ class SchedulerStats:
     budget_wait_s: float = 0.0
     over_budget_steps: int = 0       # passes that ended over the budget anyway ...
     over_budget_reason: str | None = None  # ... and why (the last time)
-    steps: int = 0                   # engine steps of the worker: each pass ends with the budget check and a sample
+    steps: int = 0                   # executor steps of the worker: each pass ends with the budget check and a sample
     lost_caches: int = 0             # caches dropped unsaved under memory pressure (their save had failed)
     prefix_saves: int = 0            # prefixes saved as entries of their own (``Scheduler._keep_prefix``)
 
@@ -135,7 +135,7 @@ class StepPlanner:
         self._queues: dict[str, deque[Ticket]] = {}
         self._ready: deque[str] = deque()          # agents with a queued turn and none in flight
         self.queued = 0
-        self.in_flight: dict[int, Ticket] = {}     # engine uid -> ticket
+        self.in_flight: dict[int, Ticket] = {}     # executor uid -> ticket
         self._busy: set[str] = set()               # agents with a turn in flight
         self.counts: Counter[str] = Counter()
         self.over_budget_reason: str | None = None
@@ -250,7 +250,7 @@ class StepPlanner:
         return StepPlan(evict=agent_id)
 
     def started(self, ticket: Ticket, uid: int, reserved: int) -> None:
-        """``ticket`` runs in the engine as ``uid``."""
+        """``ticket`` runs in the executor as ``uid``."""
         agent_id = ticket.request.agent_id
         # cancel() may have taken it off the queue while it was being admitted: end it at the next step
         ticket.cancelled = not self._take(agent_id, ticket)
@@ -271,7 +271,7 @@ class StepPlanner:
         self.counts["failed"] += 1
 
     def cancelled(self) -> list[int]:
-        """Engine uids of running turns to end before the next step."""
+        """Executor uids of running turns to end before the next step."""
         return [uid for uid, t in self.in_flight.items() if t.cancelled]
 
     def keeps(self, c: Completion) -> bool:
@@ -312,7 +312,7 @@ class StepPlanner:
         return failed
 
     def stats(self, steps: int) -> SchedulerStats:
-        """The counters and the state now; ``steps``: the worker's engine steps so far."""
+        """The counters and the state now; ``steps``: the worker's executor steps so far."""
         c, r, s = self.counts, self.residency, self.saves
         return SchedulerStats(
             submitted=c["submitted"], completed=c["completed"], failed=c["failed"], rejected=c["rejected"],

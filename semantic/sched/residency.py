@@ -3,7 +3,7 @@
 Resident bytes are the bytes of the distinct pool blocks the resident
 caches reference (:class:`DistinctBytes`): a block shared by several agents
 (a common system prompt) counts once. A sequence in flight is not resident:
-its live cache is the engine's, bounded by the batch and admission; a cache
+its live cache is the executor's, bounded by the batch and admission; a cache
 read from its file for a turn is that turn's until the turn finishes and
 its successor is put here. So resident bytes grow only when a turn finishes.
 

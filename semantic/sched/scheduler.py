@@ -1,12 +1,12 @@
-"""Many agents' turns through one engine: a worker that does what the step planner decides.
+"""Many agents' turns through one executor: a worker that does what the step planner decides.
 
 Callers on any thread (or asyncio task) submit a :class:`~semantic.request.Request`
-(an agent's whole history and everything the engine reads). One worker
-thread owns the engine and does every MLX call; a saver thread writes
+(an agent's whole history and everything the executor reads). One worker
+thread owns the executor and does every MLX call; a saver thread writes
 finished caches through the ``AgentCacheStore`` behind it::
 
     submit(a) ─► planner: queue[a] ─┐      ┌─► future(a).tokens: its last token read (no blocks yet)
-    submit(b) ─► planner: queue[b] ─┼─► worker: plan ─► admit / evict ─► engine.step_once() ─► finish
+    submit(b) ─► planner: queue[b] ─┼─► worker: plan ─► admit / evict ─► executor.step_once() ─► finish
     submit(a) ─► (waits: one turn in flight per agent, in order)      │ future(a): the Completion, its
                                                                       │ own cache resident, saved
                                                                       └─► saver: store.save (write-behind)
@@ -51,7 +51,7 @@ from semantic.blasshare import SHARE
 from semantic import cachefile, defaults
 from semantic.cache.blockplan import chain_keys
 from semantic.cache.blocks import AgentBlocks
-from semantic.engine.executor import BatchExecutor
+from semantic.runner.executor import BatchExecutor
 from semantic.errors import CacheError, PoolExhaustedError, QueueFullError, SchedulerClosedError
 from semantic.decode.promptlookup import SpecConfig
 from semantic.sched.origin import CacheOrigin
@@ -72,10 +72,10 @@ class ConcurrentScheduler(ResidentView):
     Args:
         model, tokenizer: loaded with ``mlx_lm.load``.
         store: where caches live between turns and across restarts; its
-            pool is the engine's pool.
+            pool is the executor's pool.
         max_batch: sequences in flight at once.
         max_queued: requests that may wait (all agents together).
-        prefill_chunk: prompt tokens per step, fixed; None: a step budget (``semantic.engine.stepbudget``).
+        prefill_chunk: prompt tokens per step, fixed; None: a step budget (``semantic.runner.stepbudget``).
         itl_target_s: with a step budget, the step time to hold while sequences decode; None: the
             device's chunk then.
         write_behind: save each finished cache on the saver thread (True),
@@ -108,12 +108,12 @@ class ConcurrentScheduler(ResidentView):
             max_batch=max_batch, max_queued=max_queued, capacity=store.capacity, budget=ram_budget_bytes
         )
         self.store, self.tokenizer, self.write_behind = store, tokenizer, write_behind
-        self._make_engine = lambda: BatchExecutor(
+        self._make_executor = lambda: BatchExecutor(
             model, tokenizer, store.pool, store.spec, max_batch=max_batch,
             prefill_chunk=prefill_chunk, itl_target_s=itl_target_s, stop_tokens=stop_tokens, lock=store.pool_lock,
             speculation=speculation, on_ended=self._ended, probe_memo=store.dir,
         )
-        self.engine = self._make_engine()
+        self.executor = self._make_executor()
         self._cv = threading.Condition()
         self.origin = CacheOrigin(store, self.planner, self._cv, self._plan)
         self._closing = False
@@ -311,7 +311,7 @@ class ConcurrentScheduler(ResidentView):
 
     def _start(self, ticket: Ticket, own: AgentBlocks | None, need: int) -> None:
         try:
-            uid = self.engine.submit(ticket.request, own)
+            uid = self.executor.submit(ticket.request, own)
         except Exception as exc:
             self._fail(ticket, exc)
             return
@@ -320,7 +320,7 @@ class ConcurrentScheduler(ResidentView):
         on_admit = ticket.request.on_admit
         if on_admit is not None:
             try:
-                on_admit(self.engine.cached_tokens(uid))
+                on_admit(self.executor.cached_tokens(uid))
             except Exception:  # a caller's bug: its turn still runs
                 log.exception("on_admit of agent %r raised", ticket.request.agent_id)
 
@@ -331,28 +331,28 @@ class ConcurrentScheduler(ResidentView):
         ticket.future.answer(exc=exc)  # unless cancelled meanwhile
 
     def _ended(self, c: Completion) -> None:
-        """The engine read a turn's last token: answer its ``tokens`` future now, before its cache is done."""
+        """The executor read a turn's last token: answer its ``tokens`` future now, before its cache is done."""
         with self._cv:
             ticket = self.planner.in_flight.get(c.uid)
         if ticket is not None and not ticket.future.tokens.done():
             ticket.future.tokens.set_result(c)
 
     def _step(self) -> None:
-        """End the cancelled turns, then one engine step; a failed step fails its turns."""
+        """End the cancelled turns, then one executor step; a failed step fails its turns."""
         try:
             with self._cv:
                 cancelled = self.planner.cancelled()
             for uid in cancelled:
-                completion = self.engine.cancel(uid)
+                completion = self.executor.cancel(uid)
                 if completion is not None:
                     self._finish(completion)
             if not self.planner.in_flight:
                 return
-            with SHARE.stepping():  # another model's engine in this process may be stepping too
-                for completion in self.engine.step_once():
+            with SHARE.stepping():  # another model's executor in this process may be stepping too
+                for completion in self.executor.step_once():
                     self._finish(completion)
         except Exception as exc:  # the batch is lost; fail its requests, keep serving
-            log.exception("engine step failed")
+            log.exception("executor step failed")
             self._fail_in_flight(exc)
 
     def _finish(self, c: Completion) -> None:
@@ -371,7 +371,7 @@ class ConcurrentScheduler(ResidentView):
         del replaced, blocks  # released when nothing else holds them (AgentBlocks' finalizer), outside the lock
         if not answered:
             ticket.future.answer(c)
-        if prepared is not None and self.engine.keeps_prefixes:
+        if prepared is not None and self.executor.keeps_prefixes:
             self._keep_prefix(c.request)
 
     def _keep_prefix(self, request: Request) -> None:
@@ -397,7 +397,7 @@ class ConcurrentScheduler(ResidentView):
                 known = self.planner.saves.holds(pid)
             if known or self.store.has(pid):
                 continue
-            blocks = self.engine.pooled(ids[:at], request.salt_root)
+            blocks = self.executor.pooled(ids[:at], request.salt_root)
             if blocks is None:  # the pool no longer holds the window there
                 continue
             try:
@@ -414,7 +414,7 @@ class ConcurrentScheduler(ResidentView):
         with self._cv:
             failed = self.planner.fail_in_flight()
             self._cv.notify_all()
-        self.engine = self._make_engine()  # over the same pool: stored caches stay valid
+        self.executor = self._make_executor()  # over the same pool: stored caches stay valid
         for ticket in failed:
             ticket.future.answer(exc=exc)
 

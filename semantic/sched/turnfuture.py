@@ -14,7 +14,7 @@ from concurrent.futures import Future
 
 from semantic.request import Completion
 
-TurnResult = Completion  # what a turn's future gives: the engine's Completion, its blocks kept by the scheduler
+TurnResult = Completion  # what a turn's future gives: the executor's Completion, its blocks kept by the scheduler
 
 
 class TurnFuture(Future):

@@ -42,7 +42,7 @@ class ServeConfig:
     max_batch: int = defaults.MAX_BATCH
     max_queued: int = defaults.MAX_QUEUED
     max_context: int | None = None
-    prefill_chunk: int | None = None  # prompt tokens per step, fixed; None: a step budget (semantic.engine.stepbudget)
+    prefill_chunk: int | None = None  # prompt tokens per step, fixed; None: a step budget (semantic.runner.stepbudget)
     itl_target_ms: float | None = None  # with the budget: the step time held while others decode
     max_body_mb: float = 4.0
     log_level: str = "info"

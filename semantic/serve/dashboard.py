@@ -38,7 +38,7 @@ def cache_stats(request: Request, model: str | None = None, state: ServeState = 
     now has its name and state only.
 
     A plain ``def``: FastAPI runs it on a worker thread, so stats() waiting on
-    the engine's locks never stalls the event loop (and every stream with it).
+    the service's locks never stalls the event loop (and every stream with it).
     """
     fleet = state.models
     try:

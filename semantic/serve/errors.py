@@ -18,37 +18,37 @@ from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from semantic.service import errors as engine
+from semantic.service import errors as semantic_errors
 
 log = logging.getLogger("semantic.serve")
 
 
 @dataclass(frozen=True, slots=True)
-class Kind:
-    """One kind of error: its usual status and its ``type`` in each API."""
+class ErrorType:
+    """One type of error: its usual status and its ``type`` in each API."""
 
     status: int
     openai: str
     anthropic: str
 
 
-INVALID = Kind(400, "invalid_request_error", "invalid_request_error")
-AUTH = Kind(401, "authentication_error", "authentication_error")
-NOT_FOUND = Kind(404, "not_found_error", "not_found_error")
-CONFLICT = Kind(409, "invalid_request_error", "invalid_request_error")
-TOO_LARGE = Kind(413, "invalid_request_error", "request_too_large")
-RATE_LIMIT = Kind(429, "rate_limit_error", "rate_limit_error")
-SERVER = Kind(500, "server_error", "api_error")
-UNAVAILABLE = Kind(503, "service_unavailable", "overloaded_error")
+INVALID = ErrorType(400, "invalid_request_error", "invalid_request_error")
+AUTH = ErrorType(401, "authentication_error", "authentication_error")
+NOT_FOUND = ErrorType(404, "not_found_error", "not_found_error")
+CONFLICT = ErrorType(409, "invalid_request_error", "invalid_request_error")
+TOO_LARGE = ErrorType(413, "invalid_request_error", "request_too_large")
+RATE_LIMIT = ErrorType(429, "rate_limit_error", "rate_limit_error")
+SERVER = ErrorType(500, "server_error", "api_error")
+UNAVAILABLE = ErrorType(503, "service_unavailable", "overloaded_error")
 
 
 class ApiError(HTTPException):
     """An error answer. An HTTPException, so FastAPI passes it through body parsing."""
 
-    def __init__(self, kind: Kind, message: str, *, param: str | None = None, code: str | None = None,
+    def __init__(self, error_type: ErrorType, message: str, *, param: str | None = None, code: str | None = None,
                  status: int | None = None, headers: dict[str, str] | None = None):
-        super().__init__(status or kind.status, message, headers)
-        self.kind, self.message, self.param, self.code = kind, message, param, code
+        super().__init__(status or error_type.status, message, headers)
+        self.type, self.message, self.param, self.code = error_type, message, param, code
 
 
 def invalid(message: str, param: str | None = None) -> ApiError:
@@ -62,8 +62,8 @@ def is_anthropic(path: str) -> bool:
 
 def error_body(path: str, err: ApiError) -> dict:
     if is_anthropic(path):
-        return {"type": "error", "error": {"type": err.kind.anthropic, "message": err.message}}
-    return {"error": {"message": err.message, "type": err.kind.openai, "param": err.param, "code": err.code}}
+        return {"type": "error", "error": {"type": err.type.anthropic, "message": err.message}}
+    return {"error": {"message": err.message, "type": err.type.openai, "param": err.param, "code": err.code}}
 
 
 def error_response(path: str, err: ApiError) -> Response:
@@ -78,20 +78,20 @@ def sse_error(path: str, err: ApiError) -> bytes:
     return f"event: error\ndata: {body}\n\n".encode() if is_anthropic(path) else f"data: {body}\n\n".encode()
 
 
-def from_engine(exc: engine.CacheError) -> ApiError:
-    """The answer to an error the engine raised on purpose."""
-    if isinstance(exc, engine.QueueFullError):
+def from_semantic(exc: semantic_errors.CacheError) -> ApiError:
+    """The answer to an error the engine (``semantic.errors``) raised on purpose."""
+    if isinstance(exc, semantic_errors.QueueFullError):
         return ApiError(RATE_LIMIT, "the server's queue is full; retry shortly", code="rate_limit_exceeded",
                         headers={"Retry-After": "1"})
-    if isinstance(exc, engine.SchedulerClosedError):
+    if isinstance(exc, semantic_errors.SchedulerClosedError):
         return ApiError(UNAVAILABLE, "the server is shutting down", code="shutting_down")
-    if isinstance(exc, engine.PoolExhaustedError):
+    if isinstance(exc, semantic_errors.PoolExhaustedError):
         return ApiError(UNAVAILABLE, "the KV-cache pool is full; retry shortly", code="pool_exhausted",
                         headers={"Retry-After": "1"})
-    if isinstance(exc, engine.AgentBusyError):
+    if isinstance(exc, semantic_errors.AgentBusyError):
         return ApiError(CONFLICT, f"this agent already has a request in flight: {exc}", code="agent_busy")
-    if isinstance(exc, (engine.InvalidRequestError, engine.InvalidAgentIdError)):
-        code = "context_length_exceeded" if isinstance(exc, engine.ContextLengthError) else None
+    if isinstance(exc, (semantic_errors.InvalidRequestError, semantic_errors.InvalidAgentIdError)):
+        code = "context_length_exceeded" if isinstance(exc, semantic_errors.ContextLengthError) else None
         return ApiError(INVALID, str(exc) or "invalid request", code=code)
     log.error("engine error: %r", exc)
     return ApiError(SERVER, "the server could not complete the request")
@@ -99,8 +99,8 @@ def from_engine(exc: engine.CacheError) -> ApiError:
 
 def from_stream(exc: Exception) -> ApiError:
     """The answer to an error raised mid-stream, after the 200 went out."""
-    if isinstance(exc, engine.CacheError):
-        return from_engine(exc)
+    if isinstance(exc, semantic_errors.CacheError):
+        return from_semantic(exc)
     log.exception("error while streaming")
     return ApiError(SERVER, "the server could not complete the request")
 
@@ -108,10 +108,10 @@ def from_stream(exc: Exception) -> ApiError:
 def from_http(exc: HTTPException) -> ApiError:
     if isinstance(exc, ApiError):
         return exc
-    kind = {401: AUTH, 404: NOT_FOUND, 413: TOO_LARGE, 429: RATE_LIMIT, 503: UNAVAILABLE}.get(exc.status_code)
-    kind = kind or (SERVER if exc.status_code >= 500 else INVALID)
+    type_ = {401: AUTH, 404: NOT_FOUND, 413: TOO_LARGE, 429: RATE_LIMIT, 503: UNAVAILABLE}.get(exc.status_code)
+    type_ = type_ or (SERVER if exc.status_code >= 500 else INVALID)
     message = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
-    return ApiError(kind, message, status=exc.status_code, headers=exc.headers)
+    return ApiError(type_, message, status=exc.status_code, headers=exc.headers)
 
 
 def from_validation(exc: RequestValidationError) -> ApiError:
@@ -141,12 +141,12 @@ def install(app: FastAPI) -> None:
     async def on_validation(request: Request, exc: RequestValidationError) -> Response:
         return error_response(request.url.path, from_validation(exc))
 
-    async def on_engine(request: Request, exc: engine.CacheError) -> Response:
-        return error_response(request.url.path, from_engine(exc))
+    async def on_semantic(request: Request, exc: semantic_errors.CacheError) -> Response:
+        return error_response(request.url.path, from_semantic(exc))
 
     app.add_exception_handler(HTTPException, on_http)
     app.add_exception_handler(RequestValidationError, on_validation)
-    app.add_exception_handler(engine.CacheError, on_engine)
+    app.add_exception_handler(semantic_errors.CacheError, on_semantic)
 
 
 class ClientGone(Exception):

@@ -92,7 +92,7 @@ class AgentCacheStore:
             are left alone and not indexed.
         disk_budget_bytes: bytes of files the store may keep (a soft
             limit: the file just saved is never deleted to meet it).
-        pool: the block pool loaded caches go into (the engine's pool).
+        pool: the block pool loaded caches go into (the executor's pool).
         durable: fsync each file and the directory on save.
         remote: a tier shared with other servers of the model: a ``redis://`` URL, or a
             :class:`semantic.store.remote.RemoteTier` (for its options, such as a budget); None: this machine only.

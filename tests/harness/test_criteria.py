@@ -8,7 +8,7 @@ import tomllib
 import pytest
 
 from harness import cli, config
-from harness.trials.base import KINDS, Kind
+from harness.trials.base import KINDS, TrialKind
 
 CHECK_CRITERIA = """
 [[criteria]]
@@ -30,7 +30,7 @@ threshold = {stretch}
 @pytest.fixture
 def answer_kind(monkeypatch):
     """A kind without a model that records checks.answer = 42."""
-    kind = Kind(name="answer", run=lambda ctx: ctx.results.check("answer", 42), params={}, needs_model=False)
+    kind = TrialKind(name="answer", run=lambda ctx: ctx.results.check("answer", 42), params={}, needs_model=False)
     monkeypatch.setitem(KINDS, "answer", kind)
     return kind
 
@@ -71,7 +71,7 @@ def test_a_run_that_breaks_exits_two(monkeypatch, tmp_path):
     def broken(ctx):
         raise RuntimeError("the machine caught fire")
 
-    monkeypatch.setitem(KINDS, "answer", Kind(name="answer", run=broken, params={}, needs_model=False))
+    monkeypatch.setitem(KINDS, "answer", TrialKind(name="answer", run=broken, params={}, needs_model=False))
     assert cli.main(["run", _config(tmp_path, ""), "--out", str(tmp_path / "out")]) == 2
 
 
@@ -87,7 +87,7 @@ def test_the_console_shows_verdicts_and_where_the_json_went_and_metrics_only_wit
         ctx.results.check("answer", 42)
         ctx.results.metric("answer_ms", [1.0, 2.0], "ms")
 
-    monkeypatch.setitem(KINDS, "answer", Kind(name="answer", run=timed, params={}, needs_model=False))
+    monkeypatch.setitem(KINDS, "answer", TrialKind(name="answer", run=timed, params={}, needs_model=False))
     _run(tmp_path, must=42, stretch=0)
     out = capsys.readouterr().out
     assert "stretch [FAIL] the stretch goal" in out and "results: " in out and "answer_ms" not in out

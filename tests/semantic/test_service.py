@@ -16,14 +16,14 @@ from harness.models.tiny import write_tiny_llama
 from semantic import ContextLengthError, InvalidRequestError
 from semantic.cache import room
 from semantic.cache.blockplan import salt_root_of
-from semantic.service import ANON, DEFAULT_CONTEXT, Service, fit_max_tokens, native_context
+from semantic.service import ANON, DEFAULT_CONTEXT, Service, TurnRequest, fit_max_tokens, native_context
 
 pytestmark = pytest.mark.compat
 
 
 def _prepare(service, **kw):
-    """The turn's Request (the reading plan beside it is for tools, tested elsewhere)."""
-    return service.prepare(**kw).request
+    """The turn's Request (the tools' reading beside it, tested elsewhere)."""
+    return service.prepare(TurnRequest(**kw)).request
 
 
 @pytest.fixture
@@ -122,8 +122,8 @@ def test_tool_choice_none_keeps_the_generic_tools_note_so_the_prompt_and_its_cac
 
     weather = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
     ask = [{"role": "user", "content": "Weather?"}]
-    auto = service.prepare(messages=ask, tools=Tools((weather,), "auto"))
-    none = service.prepare(messages=ask, tools=Tools((weather,), "none"))
+    auto = service.prepare(TurnRequest(messages=ask, tools=Tools((weather,), "auto")))
+    none = service.prepare(TurnRequest(messages=ask, tools=Tools((weather,), "none")))
     assert auto.request.ids == none.request.ids and "get_weather" in none.prompt_text
     assert none.request.grammar.source == "answer grammar" and not none.tools.reads_calls
 
@@ -132,7 +132,7 @@ def test_the_final_chunk_is_sent_before_the_cache_is_extracted_and_the_next_turn
     from semantic.cache import convert
     from semantic.serve.turn.backend import Backend
     from semantic.serve.stream.items import Final
-    from semantic.serve.turn.request import GenerateRequest
+    from semantic.serve.turn.apirequest import ApiRequest
 
     backend = Backend(service, model_id="tiny")
     gate, extracted = threading.Event(), threading.Event()
@@ -149,12 +149,12 @@ def test_the_final_chunk_is_sent_before_the_cache_is_extracted_and_the_next_turn
     ids = list(range(1, 40))
 
     async def turns():
-        first = await backend.prepare(GenerateRequest(max_tokens=3, prompt=ids, agent="a"))
+        first = await backend.prepare(ApiRequest(max_tokens=3, prompt=ids, agent="a"))
         items = [item async for item in backend.stream(first)]
         final = items[-1]
         assert isinstance(final, Final) and not extracted.is_set()  # the cache is kept after the answer
         n = final.completion_tokens
-        follow = await backend.prepare(GenerateRequest(max_tokens=2, prompt=ids + list(final.result.token_ids) + [5],
+        follow = await backend.prepare(ApiRequest(max_tokens=2, prompt=ids + list(final.result.token_ids) + [5],
                                                        agent="a"))
         second = asyncio.ensure_future(_final_of(backend.stream(follow)))
         await asyncio.sleep(0.05)

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from harness.models.zoo import write_tiny
-from semantic.service import Service
+from semantic.service import Service, TurnRequest
 from tests.cache_helpers import LOGPROB_TOL
 
 SYSTEM = {"role": "system", "content": "You are a careful coding agent. " * 6}
@@ -40,11 +40,11 @@ def _open(model_dir, cache_dir) -> Service:
 
 
 def _turn(service: Service, agent: str, messages: list[dict]):
-    plan = service.prepare(messages=messages, agent=agent, max_tokens=8)
-    done = service.submit(plan.request).result(120)
+    prepared = service.prepare(TurnRequest(messages=messages, agent=agent, max_tokens=8))
+    done = service.submit(prepared.request).result(120)
     text = service.tokenizer.decode([t for t in done.token_ids if t not in service.eos])
-    service.remember(plan, done, text, [])
-    assert service.wait_saved(plan.request.agent_id, 60)
+    service.remember(prepared, done, text, [])
+    assert service.wait_saved(prepared.request.agent_id, 60)
     return done, text[:-2]  # the client sends the reply back trimmed: re-rendered, it differs
 
 
@@ -113,7 +113,7 @@ def test_every_turn_type_reuses_after_a_restart_what_it_reused_in_ram_and_replie
             elif kind in ("edit", "new agent") and "window" in model_dir.parent.name:
                 # the window is kept at the block boundary before the message's start (the system prompt's end);
                 # RAM may resume at one inside the next message's role header, which the new history keeps too
-                marks = fresh.prepare(messages=prompt4, agent="probe").request.boundaries
+                marks = fresh.prepare(TurnRequest(messages=prompt4, agent="probe")).request.boundaries
                 at = (max(marks) if kind == "edit" else min(marks)) // BT_WINDOW * BT_WINDOW
                 assert got["ram"].cached_tokens >= got["restart"].cached_tokens == at > 0
             else:

@@ -32,7 +32,7 @@ import traceback
 from pathlib import Path
 
 from harness.common.report import fmt, verdict_table
-from harness.trials.base import Kind, Param, register
+from harness.trials.base import TrialKind, Param, register
 from harness.trials.block_store import disk_phases, time_phases
 from harness.trials.block_store.checks import all_checks, replies_differing
 from harness.trials.block_store.servers import start_servers, stop_all
@@ -175,7 +175,7 @@ _TABLE = (("bytes written per turn / KV added, max", "write_amp_{}_max"),
           ("reps whose cached turn overlapped a save's writes", "beside_overlapped_{}"))
 
 
-KIND = register(Kind(
+KIND = register(TrialKind(
     name="block_store",
     run=run,
     validate=validate,

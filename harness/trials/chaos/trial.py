@@ -37,7 +37,7 @@ from pathlib import Path
 from harness import storefiles
 from harness.common.report import verdict_table
 from harness.servers.ours import OurServer
-from harness.trials.base import Kind, Param, register
+from harness.trials.base import TrialKind, Param, register
 from harness.trials.chaos import fs
 from harness.trials.chaos.agents import AgentParams, Fleet
 from harness.trials.chaos.checks import answered_turns, checks, rss_checks
@@ -284,7 +284,7 @@ def _validate(p: dict) -> None:
         raise ValueError("corrupt counts SIGKILLs that also damage a file: at most sigkill")
 
 
-KIND = register(Kind(
+KIND = register(TrialKind(
     name="chaos",
     run=run,
     params={

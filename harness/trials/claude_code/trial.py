@@ -35,7 +35,7 @@ from harness import plots
 from harness.common.report import ratio
 from harness.servers import processes, venvs
 from harness.servers.targets import OURS, TARGETS
-from harness.trials.base import Kind, Param, register
+from harness.trials.base import TrialKind, Param, register
 from harness.trials.claude_code import session as cc
 from harness.trials.claude_code.proxy import LoggingProxy
 
@@ -333,7 +333,7 @@ def _validate(p: dict) -> None:
         raise ValueError("steps must hold at least one prompt and 1 < restart_before <= len(steps) + 1")
 
 
-KIND = register(Kind(
+KIND = register(TrialKind(
     name="claude_code",
     run=run,
     params={

@@ -29,7 +29,7 @@ from pathlib import Path
 from harness import plots
 from harness.servers import processes
 from harness.servers.targets import OURS, TARGETS
-from harness.trials.base import Kind, Param, register
+from harness.trials.base import TrialKind, Param, register
 from harness.trials.claude_code import session as cc
 from harness.trials.claude_code.model_routes import count_by_model, kind_of
 from harness.trials.claude_code.proxy import LoggingProxy
@@ -253,7 +253,7 @@ def _validate(p: dict) -> None:
         raise ValueError("small_agent needs a name and a prompt (and a model: haiku, the point of the session)")
 
 
-KIND = register(Kind(
+KIND = register(TrialKind(
     name="claude_code_models",
     run=run,
     params={

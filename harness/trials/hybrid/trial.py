@@ -23,7 +23,7 @@ import tempfile
 import traceback
 from pathlib import Path
 
-from harness.trials.base import Kind, Param, register
+from harness.trials.base import TrialKind, Param, register
 
 PHASES = ("warm", "shared", "agents", "restart")
 
@@ -166,7 +166,7 @@ def _record(ctx, out: dict) -> None:
     (ctx.out_dir / "README.md").write_text(readme(ctx, out, c))
 
 
-KIND = register(Kind(
+KIND = register(TrialKind(
     name="hybrid_reuse",
     run=run,
     validate=validate,

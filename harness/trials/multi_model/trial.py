@@ -23,7 +23,7 @@ import tempfile
 import traceback
 from pathlib import Path
 
-from harness.trials.base import Kind, Param, register
+from harness.trials.base import TrialKind, Param, register
 
 PHASES = ("switching", "concurrent")
 MB = 2**20
@@ -163,7 +163,7 @@ def _plot(ctx, out: dict) -> None:
     ctx.plots.append(plots.save(fig, ctx.plot_path("memory"), dpi=110))
 
 
-KIND = register(Kind(
+KIND = register(TrialKind(
     name="multi_model",
     run=run,
     params={

@@ -31,7 +31,7 @@ from harness.common.children import run_child
 from harness.engines import fresh_first_token, logprob_diff, make_engine, open_scheduler
 from harness.prompts import question, system_prompt, text_of_tokens, user_history
 from harness.prompts import shared_prefix as _common_len  # the name _sharing's benchmark id was made with
-from harness.trials.base import Kind, Param, register
+from harness.trials.base import TrialKind, Param, register
 from semantic import Request, encode, render_chat
 
 
@@ -227,7 +227,7 @@ def _validate(p: dict) -> None:
         raise ValueError(f"reference_turns must lie in 1..{p['rounds']}")
 
 
-KIND = register(Kind(
+KIND = register(TrialKind(
     name="multiturn",
     run=run,
     params={

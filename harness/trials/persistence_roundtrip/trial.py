@@ -19,7 +19,7 @@ from harness import plots
 from harness.common.children import run_child
 from harness.engines import logprob_diff, make_engine, run_one
 from harness.prompts import history_ids
-from harness.trials.base import Kind, Param, register
+from harness.trials.base import TrialKind, Param, register
 from harness.trials.persistence_roundtrip import speed
 from semantic import cachefile
 
@@ -64,7 +64,7 @@ def run(ctx) -> None:
             ctx.plot_path("speed"), "p50 ms", f"EXP-005 {s['name']}: {s['file_mb']:.0f} MB file"))
 
 
-KIND = register(Kind(
+KIND = register(TrialKind(
     name="persistence_roundtrip",
     run=run,
     params={

@@ -32,7 +32,7 @@ import time
 import traceback
 from pathlib import Path
 
-from harness.trials.base import Kind, Param, register
+from harness.trials.base import TrialKind, Param, register
 from harness.trials.real_geometry.report import checks, label, metrics, readme
 from semantic import sizing
 
@@ -191,7 +191,7 @@ PROBE_MEMO = "batchprobe.json"
 
 
 def _probe_memo(src: Path, dst: Path) -> None:
-    """Carry the server's own batch-probe answer (``semantic.engine.batchprobe``: kept in its cache directory,
+    """Carry the server's own batch-probe answer (``semantic.runner.batchprobe``: kept in its cache directory,
     keyed by the mlx and mlx-lm versions) between this run's fresh cache directories and the model's: a server
     asks once per model, as it would across restarts on one directory, not once per length (a minute's
     forward passes on a CPU for a Gated DeltaNet model)."""
@@ -260,7 +260,7 @@ def _record(ctx, out: dict) -> None:
     (ctx.out_dir / "README.md").write_text(readme(ctx, out, c))
 
 
-KIND = register(Kind(
+KIND = register(TrialKind(
     name="real_geometry",
     run=run,
     validate=validate,

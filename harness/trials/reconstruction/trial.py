@@ -40,7 +40,7 @@ import numpy as np
 
 from harness.synthetic import GEMMA3_12B, live_caches
 from harness.timing import time_interleaved
-from harness.trials.base import Kind, Param, register
+from harness.trials.base import TrialKind, Param, register
 from harness.trials.reconstruction.report import expected_p95_table, summarize
 from semantic import BlockPool, ModelCacheSpec, Request, compat
 from semantic.cache import convert
@@ -216,7 +216,7 @@ def run(ctx) -> None:
         _with_model(ctx)
 
 
-KIND = register(Kind(
+KIND = register(TrialKind(
     name="reconstruction",
     run=run,
     params={

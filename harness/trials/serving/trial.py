@@ -24,7 +24,7 @@ from harness.servers import phases as P
 from harness.servers import venvs
 from harness.servers.loadgen import chat, chat_counter
 from harness.servers.targets import MLX_LM, OURS, TARGETS, ServingError
-from harness.trials.base import Kind, Param, register
+from harness.trials.base import TrialKind, Param, register
 from harness.trials.serving.report import record
 
 ALL_PHASES = ("warm", "five_turns", "agents", "shared", "restart", "concurrency", "matched")
@@ -188,7 +188,7 @@ def _validate(p: dict) -> None:
         raise ValueError(f"five_turns_targets must include {OURS!r} (its replies are checked)")
 
 
-KIND = register(Kind(
+KIND = register(TrialKind(
     name="serving",
     run=run,
     params={

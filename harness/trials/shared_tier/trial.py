@@ -32,7 +32,7 @@ from harness.common.report import verdict_table
 from harness.prompts import shared_prefix
 from harness.servers.client import client
 from harness.servers.ours import OurServer
-from harness.trials.base import Kind, Param, register
+from harness.trials.base import TrialKind, Param, register
 from harness.trials.chaos.agents import openai_turn
 from harness.trials.shared_tier.redis_server import RedisMissing, RedisServer
 
@@ -328,7 +328,7 @@ full blocks). Under Redis faults: {c['fault_turns']} turns, {c['fault_failed_req
 """)
 
 
-KIND = register(Kind(
+KIND = register(TrialKind(
     name="shared_tier",
     run=run,
     params={

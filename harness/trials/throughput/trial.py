@@ -22,7 +22,7 @@ import numpy as np
 
 from harness import plots
 from harness.common.children import run_child
-from harness.trials.base import Kind, Param, register
+from harness.trials.base import TrialKind, Param, register
 from harness.trials.throughput import child
 
 # side name -> (model variant, SEMANTIC_BLAS value); the first is the baseline
@@ -95,7 +95,7 @@ def _validate(p: dict) -> None:
         raise ValueError("goal_tokens must be one of prefill_tokens")
 
 
-KIND = register(Kind(
+KIND = register(TrialKind(
     name="throughput",
     run=run,
     params={

@@ -38,7 +38,7 @@ from harness import plots
 from harness.common.report import median, ratio
 from harness.servers import processes
 from harness.servers.targets import MLX_LM, OURS, TARGETS
-from harness.trials.base import Kind, Param, register
+from harness.trials.base import TrialKind, Param, register
 from harness.trials.tool_loop import loops as T
 
 # side -> (server, its settings, the APIs it serves here)
@@ -370,7 +370,7 @@ def _validate(p: dict) -> None:
         raise ValueError(f"sides must include 'echo' and name known sides ({list(SIDES)}), not {p['sides']}")
 
 
-KIND = register(Kind(
+KIND = register(TrialKind(
     name="tool_loop",
     run=run,
     params={

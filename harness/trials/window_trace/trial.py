@@ -18,7 +18,7 @@ import tempfile
 import traceback
 from pathlib import Path
 
-from harness.trials.base import Kind, Param, register
+from harness.trials.base import TrialKind, Param, register
 
 
 def run(ctx) -> None:
@@ -100,7 +100,7 @@ def _record(ctx, out: dict) -> None:
     (ctx.out_dir / "README.md").write_text(readme(ctx, out, c))
 
 
-KIND = register(Kind(
+KIND = register(TrialKind(
     name="window_trace",
     run=run,
     params={

@@ -19,7 +19,7 @@ from starlette.responses import Response
 from semantic.service import SamplingParams
 from semantic.serve.anthropic import protocol as an
 from semantic.serve.stream.items import Delta, Final
-from semantic.serve.turn.request import GenerateRequest
+from semantic.serve.turn.apirequest import ApiRequest
 from semantic.serve.anthropic.messages import (
     anthropic_format, anthropic_messages, anthropic_tools, tool_definitions, tool_references,
 )
@@ -64,7 +64,7 @@ def _refuse_unsupported(body: an.CountTokensRequest) -> None:
 
 
 def _conversation(body: an.CountTokensRequest, keep_billing_header: bool):
-    """The request's messages and tools in the engine's form (``conversation``)."""
+    """The request's messages and tools in the service's form (``conversation``)."""
     _refuse_unsupported(body)
     if not body.messages:
         raise invalid("messages must hold at least one message", "messages")
@@ -79,10 +79,10 @@ def _conversation(body: an.CountTokensRequest, keep_billing_header: bool):
     return messages, tools, schema
 
 
-def _request(body: an.MessagesRequest, request: Request, state: ServeState) -> GenerateRequest:
+def _request(body: an.MessagesRequest, request: Request, state: ServeState) -> ApiRequest:
     given = {"temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k}
     messages, tools, schema = _conversation(body, state.config.keep_billing_header)
-    return GenerateRequest(
+    return ApiRequest(
         max_tokens=body.max_tokens, messages=messages,
         sampling=SamplingParams(**{k: v for k, v in given.items() if v is not None}),
         stop=tuple(body.stop_sequences or ()), tenant=tenant_of(request), api="anthropic.messages",
@@ -213,7 +213,7 @@ async def count_tokens(body: an.CountTokensRequest, request: Request,
                        state: ServeState = Depends(serve_state)) -> Response:
     slot = resolve_model(state, body.model)
     messages, tools, schema = _conversation(body, state.config.keep_billing_header)
-    req = GenerateRequest(max_tokens=1, messages=messages, tenant=tenant_of(request), tools=tools,
+    req = ApiRequest(max_tokens=1, messages=messages, tenant=tenant_of(request), tools=tools,
                           response_schema=schema)
     backend = await use_model(state, request, slot)
     out = an.CountTokens(input_tokens=len((await backend.prepare(req)).ids))

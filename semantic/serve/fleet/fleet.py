@@ -8,7 +8,7 @@ directory). A model's life, one change at a time::
          └── failed ◄────────┘ (bad path, foreign format: its requests get the reason)  ◄─────────────┘
 
 Loads run one at a time, off the event loop; requests for loaded models go on meanwhile. What to unload
-for room is decided first (:func:`plan_room`, plain data) and then run. A model is unloaded only with no
+for room is decided first (:func:`~semantic.serve.fleet.unloads.choose_unloads`, plain data) and then run. A model is unloaded only with no
 request holding it (a :class:`Lease`); unloading closes its service, which writes its pending saves, so
 its agents' caches come back from disk when it loads again, and waits until its memory is given back
 (``memory.release``).
@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Callable
 
 from semantic.serve.fleet import memory, view
-from semantic.serve.fleet.plan import (FAILED, HOLDING, LOADED, LOADING, UNLOADED, UNLOADING, Resident,
-                                      idle_past_ttl, plan_room)
+from semantic.serve.fleet.unloads import (FAILED, HOLDING, LOADED, LOADING, UNLOADED, UNLOADING, Resident,
+                                      idle_past_ttl, choose_unloads)
 from semantic.serve.fleet.registry import ModelEntry, ModelOptions, Registry
 from semantic.service import SchedulerClosedError
 
@@ -284,14 +284,14 @@ class Fleet:
         while True:
             if self.closing:  # room freed in the drain is not for a load: unload nothing more, load nothing
                 raise SchedulerClosedError("the server is shutting down")
-            plan = plan_room(self._resident(exclude=slot), need, self.budget, self.overhead_bytes + keeps)
-            if plan.refuse is not None:
+            unloads = choose_unloads(self._resident(exclude=slot), need, self.budget, self.overhead_bytes + keeps)
+            if unloads.refuse is not None:
                 raise ModelMemoryError(f"the model {slot.id!r} does not fit this server's memory budget: "
-                                       f"{plan.refuse}; raise --models-mb or unpin a model")
-            if plan.unload:
-                await self._unload(self.slots[plan.unload[0]], "lru")
+                                       f"{unloads.refuse}; raise --models-mb or unpin a model")
+            if unloads.unload:
+                await self._unload(self.slots[unloads.unload[0]], "lru")
                 continue
-            if not plan.wait:
+            if not unloads.wait:
                 return
             if time.monotonic() >= deadline:
                 raise ModelMemoryError(f"the model {slot.id!r} waited {ROOM_WAIT_S:.0f} s for room under "
@@ -306,8 +306,8 @@ class Fleet:
 
     async def _shrink(self, keep: Slot) -> None:
         """After a load measured more than estimated: unload idle models until the budget holds again."""
-        while (plan := plan_room(self._resident(exclude=keep), keep.bytes, self.budget, self.overhead_bytes)).unload:
-            await self._unload(self.slots[plan.unload[0]], "lru")
+        while (unloads := choose_unloads(self._resident(exclude=keep), keep.bytes, self.budget, self.overhead_bytes)).unload:
+            await self._unload(self.slots[unloads.unload[0]], "lru")
 
     def _resident(self, exclude: Slot) -> list[Resident]:
         return [Resident(s.id, s.bytes, s.entry.options.pinned, s.leases > 0 or s.state != LOADED, s.last_used)

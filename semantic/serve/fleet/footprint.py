@@ -18,7 +18,7 @@ with ``python -m harness.memory.costs MODEL_DIR ... --pool-mb 128``, each figure
   378 to 441 MB over four runs, the tests' byte tokenizer (5 KB) under 2 MB. Counted 16 MB plus 14 bytes
   per byte of the file: 64 and 460 MB.
 * **A turn's working memory** (:func:`working_bytes`): the peak RSS of a turn over the RSS before it, at
-  its largest. Its parts, from the engine's code and MLX's allocations:
+  its largest. Its parts, from the executor's code and MLX's allocations:
 
   - the turn's own cache: mlx-lm's caches are copies of the pool's blocks (rebuilt from them at
     admission, pooled again at stops), so up to ``sizing.LIVE_COPY`` times the pool's size;
@@ -49,7 +49,7 @@ from pathlib import Path
 
 from semantic import defaults
 from semantic.decode.promptlookup import SpecConfig
-from semantic.engine.stepbudget import SOLO_CHUNK  # a prefill chunk when nothing decodes
+from semantic.runner.stepbudget import SOLO_CHUNK  # a prefill chunk when nothing decodes
 
 from semantic.sizing import LIVE_COPY, RUNTIME_BYTES, TOKENIZER_FIXED, TOKENIZER_PER_FILE_BYTE  # noqa: F401
 from semantic.sizing import tokenizer_bytes  # noqa: F401  (the measured constants live there, with the machine's)

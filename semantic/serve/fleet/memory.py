@@ -10,7 +10,7 @@ models it held came to 1.3 GB:
   model's weights and KV blocks come from per-thread arenas whose free tops ``malloc_trim`` does not give
   back: about 25 MB more RSS per switch cycle (8 MB with 50 and 75 MB test models). Thresholds held fixed
   (:func:`fix_heap_thresholds`) keep large blocks in mappings of their own, unmapped when freed.
-* **A collection that ran too early.** A closed service's scheduler, engine and store reference each
+* **A collection that ran too early.** A closed service's scheduler, executor and store reference each
   other; the executor thread that ran the close drops its reference to the service just after the unload
   resumes, so the unload's one ``gc.collect`` could find the cycle still reachable (3 of 40 unloads in one run)
   and the model stayed until some later collection, beside the next one loaded: MLX's peak rose by

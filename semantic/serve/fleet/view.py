@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 
-from semantic.serve.fleet.plan import FAILED, HOLDING, LOADED, LOADING
+from semantic.serve.fleet.unloads import FAILED, HOLDING, LOADED, LOADING
 
 log = logging.getLogger("semantic.serve")
 

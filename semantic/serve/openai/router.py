@@ -1,6 +1,6 @@
 """OpenAI-compatible routes: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``, ``/health``.
 
-Each route turns the request into a :class:`GenerateRequest`, runs a
+Each route turns the request into a :class:`ApiRequest`, runs a
 :class:`~semantic.serve.turn.turn.Turn`, and writes OpenAI's exact shapes back;
 ``usage.prompt_tokens_details.cached_tokens`` says what the cache did.
 """
@@ -17,7 +17,7 @@ from starlette.responses import JSONResponse, Response
 from semantic.service import SamplingParams
 from semantic.serve.openai import protocol as oa
 from semantic.serve.stream.items import Delta, Final, TokenLogprob
-from semantic.serve.turn.request import GenerateRequest
+from semantic.serve.turn.apirequest import ApiRequest
 from semantic.serve.openai.messages import openai_call, openai_tools, response_schema
 from semantic.serve.errors import from_stream, invalid, sse_error
 from semantic.serve.state import ServeState, serve_state, tenant_of
@@ -121,7 +121,7 @@ async def chat_completions(body: oa.ChatCompletionRequest, request: Request,
     if body.top_logprobs and not body.logprobs:
         raise invalid("top_logprobs needs logprobs: true", "top_logprobs")
     want_logprobs = bool(body.logprobs)
-    req = GenerateRequest(
+    req = ApiRequest(
         max_tokens=body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens,
         messages=_chat_messages(body),
         sampling=sampling(body, (body.top_logprobs or 0) if want_logprobs else 0),
@@ -197,7 +197,7 @@ async def completions(body: oa.CompletionRequest, request: Request,
     if body.logit_bias:
         raise invalid("logit_bias is not supported by this server", "logit_bias")
     want_logprobs = body.logprobs is not None
-    req = GenerateRequest(
+    req = ApiRequest(
         max_tokens=body.max_tokens, prompt=_one_prompt(body.prompt),
         sampling=sampling(body, body.logprobs or 0), stop=_stops(body.stop), logprobs=want_logprobs,
         tenant=tenant_of(request), agent=agent_of(request, body.prompt_cache_key, body.user),

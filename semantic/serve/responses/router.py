@@ -34,7 +34,7 @@ from semantic.serve.responses import protocol as rs
 from semantic.serve.responses.messages import hosted_tools, namespace_of, responses_format, responses_input, responses_tools
 from semantic.serve.errors import NOT_FOUND, ApiError, from_stream, invalid, sse_error
 from semantic.serve.stream.items import Delta, Final
-from semantic.serve.turn.request import GenerateRequest
+from semantic.serve.turn.apirequest import ApiRequest
 from semantic.serve.state import ServeState, serve_state, tenant_of
 from semantic.serve.stream.sse import EventStream, event
 from semantic.serve.turn.turn import Turn, resolve_model, salt_of, use_model
@@ -93,7 +93,7 @@ async def create(body: rs.ResponsesRequest, request: Request, state: ServeState 
     new = responses_input(body.input)
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
     given = {"temperature": body.temperature, "top_p": body.top_p}
-    req = GenerateRequest(
+    req = ApiRequest(
         max_tokens=body.max_output_tokens, messages=system + before + new, tenant=tenant, agent=agent,
         cache_salt=salt_of(request),
         sampling=SamplingParams(**{k: v for k, v in given.items() if v is not None}), api="openai.responses",

@@ -1,7 +1,7 @@
 """What a turn's stream carries back to the routes: text deltas, then one final with the usage.
 
-The backend answers a :class:`~semantic.serve.turn.request.Prepared` with
-:class:`Delta` items and one :class:`Final`, which wraps the engine's
+The backend answers a :class:`~semantic.serve.turn.apirequest.Prepared` with
+:class:`Delta` items and one :class:`Final`, which wraps the executor's
 :class:`~semantic.request.Completion`.
 """
 
@@ -45,7 +45,7 @@ class Delta:
 
 @dataclass(frozen=True, slots=True)
 class Final:
-    """The end of a turn, always the last item of a stream: the engine's Completion and its text."""
+    """The end of a turn, always the last item of a stream: the executor's Completion and its text."""
 
     result: Completion
     text: str                     # the whole reply's content, cut before a stop string, its tool calls apart

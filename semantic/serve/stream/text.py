@@ -8,7 +8,7 @@ the tail that could still begin one is held back until it cannot::
     streamed        "... the answer is 42"          held back: "\n\nUs"
     next token "er:" -> stop found at "\n\nUser:": the turn ends, text cut before it
 
-Runs on the scheduler's worker thread (it is the engine's ``on_token``), so
+Runs on the scheduler's worker thread (it is the request's ``on_token``), so
 each call is a little string work and, only when logprobs are asked for, a
 top-k over the token's row.
 """

@@ -20,7 +20,7 @@ import secrets
 
 from typing import Sequence
 
-from semantic.service import ToolCall, ToolPlan, read_calls
+from semantic.service import ToolCall, ToolReading, read_calls
 
 log = logging.getLogger(__name__)
 
@@ -39,21 +39,21 @@ def held_back(text: str, stops: Sequence[str]) -> int:
 class CallSplitter:
     """Splits one reply into content and :class:`ToolCall` s (see the module doc)."""
 
-    def __init__(self, plan: ToolPlan, id_prefix: str = "call_"):
-        self.plan, self.id_prefix = plan, id_prefix
+    def __init__(self, reading: ToolReading, id_prefix: str = "call_"):
+        self.reading, self.id_prefix = reading, id_prefix
         self.buffer = ""            # text not yet emitted: a possible marker's start, or a call's body
         self.in_call = False
-        self.decided = plan.format.native  # a generic reply is content or a call from its first character
+        self.decided = reading.format.native  # a generic reply is content or a call from its first character
         self.calls: list[ToolCall] = []
 
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
         """New content to emit, and the calls completed by ``text``."""
         self.buffer += text
-        if not self.plan.format.native:
+        if not self.reading.format.native:
             return self._generic()
         out, calls = "", []
         while True:
-            fmt = self.plan.format
+            fmt = self.reading.format
             if not self.in_call:
                 at = self.buffer.find(fmt.start)
                 if at == -1:
@@ -96,12 +96,12 @@ class CallSplitter:
 
     def _parse(self, body: str) -> list[ToolCall] | None:
         try:
-            found = read_calls(body, self.plan)
+            found = read_calls(body, self.reading)
         except (ValueError, TypeError) as exc:
             log.warning("a tool call did not parse (%s): kept as text", exc)
             return None
         calls = [ToolCall(self.id_prefix + secrets.token_hex(12), c["name"], c["arguments"]) for c in found]
-        if not self.plan.tools.parallel:
+        if not self.reading.tools.parallel:
             calls = calls[: max(0, 1 - len(self.calls))]
         self.calls += calls
         return calls

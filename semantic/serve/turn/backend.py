@@ -1,11 +1,11 @@
-"""The one object the HTTP layer talks to: the engine's thread bridged to asyncio, text out.
+"""The one object the HTTP layer talks to: the service's worker thread bridged to asyncio, text out.
 
-The routes (``openai_api``, ``anthropic_api``) turn an API's JSON into a
-:class:`GenerateRequest` and a stream of :class:`Delta` / :class:`Final`
-back into that API's JSON; the engine is ``semantic.service``, and this
-module is the only one here that imports it::
+The routes (``semantic.serve.openai``, ``anthropic``, ``responses``) turn an API's JSON into an
+:class:`ApiRequest` and a stream of :class:`Delta` / :class:`Final` back into that API's JSON; the
+:class:`Service` (``semantic.service``) does the rest, and this module is the only one of the HTTP
+layer that calls it::
 
-    route ─► GenerateRequest ─► Backend.prepare ─► Prepared (the turn's Request: tokenized off the loop)
+    route ─► ApiRequest ─► Backend.prepare ─► Prepared (the turn's Request: tokenized off the loop)
                                       │ raises InvalidRequestError / ContextLengthError (400)
           ◄── Delta … Final ◄── Backend.stream ◄── Service (the scheduler's worker thread)
                                       │ raises QueueFullError (429), SchedulerClosedError (503)
@@ -22,7 +22,7 @@ from pathlib import Path
 
 from semantic.service import FAILED, PENDING, SchedulerClosedError, Service
 from semantic.serve.stream.items import Final
-from semantic.serve.turn.request import GenerateRequest, Prepared
+from semantic.serve.turn.apirequest import ApiRequest, Prepared
 from semantic.serve.stream.text import TextStream
 from semantic.serve.stream.thinking import ThinkSplitter, opens_in_reasoning
 from semantic.serve.stream.toolcalls import CallSplitter
@@ -62,7 +62,7 @@ class Backend:
     """A :class:`Service` for the HTTP routes: ``prepare``, ``stream``, ``stats``, shutdown.
 
     Args:
-        service: the engine (model, caches, scheduler).
+        service: the model, its caches and its scheduler.
         model_id: the name clients use.
         sync_saves: a named agent's Final waits until its cache file is written, and says whether it
             was ("saved" / "failed"); without it, a Final says "pending" (saved behind the reply).
@@ -93,25 +93,20 @@ class Backend:
 
     # ------------------------------------------------------------ requests
 
-    async def prepare(self, req: GenerateRequest) -> Prepared:
+    async def prepare(self, req: ApiRequest) -> Prepared:
         """Tokenize and check ``req`` off the event loop; nothing is queued. Raises InvalidRequestError (400)."""
         relay = _Relay(asyncio.get_running_loop())
-        prepared = await asyncio.to_thread(
-            self.service.prepare, messages=req.messages, prompt=req.prompt, max_tokens=req.max_tokens,
-            sampling=req.sampling, tenant=req.tenant, agent=req.agent, cache_salt=req.cache_salt, tools=req.tools,
-            response_schema=req.response_schema, on_token=relay.on_token, on_admit=relay.on_admit,
-            until_context=req.until_context,
-        )
-        plan = prepared.tools
-        splitter = CallSplitter(plan, "toolu_" if req.api.startswith("anthropic") else "call_") \
-            if plan is not None and plan.reads_calls else None
-        quiet = (plan.format.start,) if plan is not None and plan.stop_at_call else ()
+        turn = await asyncio.to_thread(self.service.prepare, req, on_token=relay.on_token, on_admit=relay.on_admit)
+        reading = turn.tools
+        splitter = CallSplitter(reading, "toolu_" if req.api.startswith("anthropic") else "call_") \
+            if reading is not None and reading.reads_calls else None
+        quiet = (reading.format.start,) if reading is not None and reading.stop_at_call else ()
         relay.text = TextStream(self.service.tokenizer, req.stop, req.logprobs,
                                 req.sampling.top_logprobs if req.logprobs else 0, self.service.eos, splitter, quiet,
-                                self._thinker(req, prepared.prompt_text))
-        return Prepared(req, prepared.request, relay, prepared, self)
+                                self._thinker(req, turn.prompt_text))
+        return Prepared(req, turn, relay, self)
 
-    def _thinker(self, req: GenerateRequest, prompt_text: str | None) -> ThinkSplitter | None:
+    def _thinker(self, req: ApiRequest, prompt_text: str | None) -> ThinkSplitter | None:
         """A chat reply of a model with think markers is split into reasoning and content."""
         tok = self.service.tokenizer
         if req.messages is None or not getattr(tok, "has_thinking", False):
@@ -133,7 +128,7 @@ class Backend:
         """The turn's deltas, then its :class:`Final`. Closing this generator early cancels the turn."""
         if self.closing:
             raise SchedulerClosedError("the server is shutting down")
-        turn, relay = prepared.turn, prepared.relay
+        turn, relay = prepared.turn.request, prepared.relay
         future = self.service.submit(turn)
         # the answer ends when the last token is read; the cache is kept after it (the agent's next turn waits)
         tokens = future.tokens
@@ -180,13 +175,13 @@ class Backend:
     def _final(self, prepared: Prepared, result, text: TextStream, saved: str | None) -> Final:
         final = Final(result, text.content, text.stop_sequence, tuple(text.calls), text.reasoning,
                       text.reasoning_tokens, saved)
-        self.service.remember(prepared.plan, result, final.text, final.tool_calls, final.stop_sequence)
+        self.service.remember(prepared.turn, result, final.text, final.tool_calls, final.stop_sequence)
         with self._lock:
             self._generated += final.completion_tokens
             self._recent.append({
                 "at": time.time(), "ttft_s": final.ttft_s, "prompt_tokens": final.prompt_tokens,
                 "cached_tokens": final.cached_tokens, "completion_tokens": final.completion_tokens,
-                "api": prepared.request.api or ("chat" if prepared.request.messages is not None else "completions"),
+                "api": prepared.api.api or ("chat" if prepared.api.messages is not None else "completions"),
             })
         return final
 
@@ -259,7 +254,7 @@ class Backend:
     def holders(self) -> list:
         """What holds this model's memory: its weights (the model) and its KV pool. An unload waits for both
         to be collected (``semantic.serve.fleet.memory.release``)."""
-        return [self.service.scheduler.engine.model, self.service.store.pool]
+        return [self.service.scheduler.executor.model, self.service.store.pool]
 
     def begin_shutdown(self) -> None:
         """Stop admitting: new requests get 503 from now on."""

@@ -1,6 +1,6 @@
 """One turn through the backend, the same for every API: run, relay, count.
 
-The routes build a :class:`GenerateRequest` and await ``backend.prepare``
+The routes build a :class:`ApiRequest` and await ``backend.prepare``
 (tokenized off the event loop, its output budget fitted); a :class:`Turn`
 pulls :class:`Delta` / :class:`Final` items from the backend, times the gaps
 between deltas and counts the final usage, and is always closed, so a turn
@@ -15,7 +15,7 @@ import time
 from starlette.requests import Request
 
 from semantic.serve.stream.items import Delta, Final, TokenLogprob
-from semantic.serve.turn.request import Prepared
+from semantic.serve.turn.apirequest import Prepared
 from semantic.serve.errors import NOT_FOUND, UNAVAILABLE, ApiError
 from semantic.serve.fleet.fleet import ModelLoadError, ModelMemoryError, ModelNotFoundError, Slot
 from semantic.serve.state import ServeState
@@ -158,7 +158,7 @@ class Turn:
 
     def abort(self, exc: BaseException) -> None:
         """End the turn at once with ``exc``: a response not yet begun answers its status (a 503 for a
-        SchedulerClosedError), a stream its error event; the engine's turn is cancelled."""
+        SchedulerClosedError), a stream its error event; the scheduler's turn is cancelled."""
         self._backend.abort(self.prepared, exc)
 
     async def close(self) -> None:

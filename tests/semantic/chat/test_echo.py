@@ -13,7 +13,7 @@ import json
 import pytest
 
 from harness.models.tiny import write_tiny_tool_llama
-from semantic.service import SamplingParams, Service, Tools
+from semantic.service import SamplingParams, Service, Tools, TurnRequest
 from semantic.serve.stream.toolcalls import CallSplitter
 
 pytestmark = pytest.mark.compat
@@ -34,35 +34,35 @@ def _service(model_dir, tmp_path, echo: bool) -> Service:
 
 
 def _turn(service: Service, messages: list[dict], tools: Tools):
-    plan = service.prepare(messages=messages, agent="a", tools=tools, max_tokens=120)
-    done = service.submit(plan.request).result(60)
-    splitter = CallSplitter(plan.tools)
+    prepared = service.prepare(TurnRequest(messages=messages, agent="a", tools=tools, max_tokens=120))
+    done = service.submit(prepared.request).result(60)
+    splitter = CallSplitter(prepared.tools)
     text, calls = splitter.feed(service.tokenizer.decode([t for t in done.token_ids if t not in service.eos]))
     rest, more = splitter.finish()
     calls += more
-    service.remember(plan, done, text + rest, calls)
-    return plan, done, text + rest, calls
+    service.remember(prepared, done, text + rest, calls)
+    return prepared, done, text + rest, calls
 
 
 def _loop(service: Service):
     ask = [{"role": "user", "content": "Weather in Oslo?"}]
     required = Tools((WEATHER,), "required", parallel=False)
-    plan1, done1, text, calls = _turn(service, ask, required)
+    prepared1, done1, text, calls = _turn(service, ask, required)
     assert done1.finish_reason == "stop" and [c.name for c in calls] == ["get_weather"]
     echoed = {"role": "assistant", "content": text or None, "tool_calls": [
         {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": json.loads(c.arguments_json)}}
         for c in calls]}
     history = ask + [echoed, {"role": "tool", "tool_call_id": calls[0].id, "content": "sunny, 21 C"}]
-    plan2, done2, _, _ = _turn(service, history, Tools((WEATHER,), "auto"))
-    return plan1, done1, plan2, done2
+    prepared2, done2, _, _ = _turn(service, history, Tools((WEATHER,), "auto"))
+    return prepared1, done1, prepared2, done2
 
 
 def test_an_echoed_tool_call_is_the_generated_ids_and_the_whole_turn_is_reused(model_dir, tmp_path):
     service = _service(model_dir, tmp_path, echo=True)
     try:
-        plan1, done1, plan2, done2 = _loop(service)
-        turn1 = plan1.request.ids + tuple(done1.token_ids)  # what the agent's cache holds
-        assert plan2.request.ids[: len(turn1)] == turn1
+        prepared1, done1, prepared2, done2 = _loop(service)
+        turn1 = prepared1.request.ids + tuple(done1.token_ids)  # what the agent's cache holds
+        assert prepared2.request.ids[: len(turn1)] == turn1
         assert done2.cached_tokens == len(turn1)  # all of it: nothing re-prefilled
         assert (service.echo.spliced, service.echo.rendered) == (1, 0)
     finally:
@@ -72,11 +72,11 @@ def test_an_echoed_tool_call_is_the_generated_ids_and_the_whole_turn_is_reused(m
 def _sampled_first_turn(service: Service):
     """A sampled first turn of agent a, remembered: a random byte-level reply that is not UTF-8."""
     ask = [{"role": "user", "content": "Say something."}]
-    plan = service.prepare(messages=ask, agent="a", max_tokens=24, sampling=SamplingParams(temperature=1.0, seed=5))
-    done = service.submit(plan.request).result(60)
+    prepared = service.prepare(TurnRequest(messages=ask, agent="a", max_tokens=24, sampling=SamplingParams(temperature=1.0, seed=5)))
+    done = service.submit(prepared.request).result(60)
     text = service.tokenizer.decode([t for t in done.token_ids if t not in service.eos])
-    service.remember(plan, done, text, [])
-    return ask, plan, done, text
+    service.remember(prepared, done, text, [])
+    return ask, prepared, done, text
 
 
 def test_a_reply_that_does_not_re_tokenize_the_same_is_reused_whole_only_with_echo(model_dir, tmp_path):
@@ -86,11 +86,11 @@ def test_a_reply_that_does_not_re_tokenize_the_same_is_reused_whole_only_with_ec
     for echo in (True, False):
         service = _service(model_dir, tmp_path, echo=echo)
         try:
-            ask, plan1, done1, text = _sampled_first_turn(service)
-            plan2 = service.prepare(messages=ask + [{"role": "assistant", "content": text},
-                                                    {"role": "user", "content": "And?"}], agent="a", max_tokens=4)
-            cached[echo] = service.submit(plan2.request).result(60).cached_tokens
-            turn1 = len(plan1.request.ids) + len(done1.token_ids)
+            ask, prepared1, done1, text = _sampled_first_turn(service)
+            prepared2 = service.prepare(TurnRequest(messages=ask + [{"role": "assistant", "content": text},
+                                                    {"role": "user", "content": "And?"}], agent="a", max_tokens=4))
+            cached[echo] = service.submit(prepared2.request).result(60).cached_tokens
+            turn1 = len(prepared1.request.ids) + len(done1.token_ids)
         finally:
             service.close(30)
     assert "\ufffd" in text
@@ -105,14 +105,14 @@ def test_an_edited_history_or_another_reply_is_rendered_as_usual(model_dir, tmp_
         other = {"role": "assistant", "content": None, "tool_calls": [
             {"id": "x", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}
         result = {"role": "tool", "tool_call_id": "x", "content": "rain"}
-        plan, _, _, _ = _turn(service, ask + [other, result], Tools((WEATHER,), "auto"))
+        prepared, _, _, _ = _turn(service, ask + [other, result], Tools((WEATHER,), "auto"))
         edited = [{"role": "user", "content": "Weather in Bergen?"}]
         same = {"role": "assistant", "content": text or None, "tool_calls": [
             {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls]}
-        service.prepare(messages=edited + [same, result], agent="a", tools=Tools((WEATHER,), "auto"))
+        service.prepare(TurnRequest(messages=edited + [same, result], agent="a", tools=Tools((WEATHER,), "auto")))
         assert service.echo.spliced == 0 and service.echo.rendered == 2
-        rendered = service.tokenizer.encode(plan.prompt_text, add_special_tokens=False)
-        assert list(plan.request.ids) == rendered  # the template's own form, token for token
+        rendered = service.tokenizer.encode(prepared.prompt_text, add_special_tokens=False)
+        assert list(prepared.request.ids) == rendered  # the template's own form, token for token
     finally:
         service.close(30)
 
@@ -122,22 +122,22 @@ def test_after_a_restart_the_echoed_reply_is_still_the_generated_ids_and_the_who
     ask = [{"role": "user", "content": "Say something."}]
     first = _service(model_dir, tmp_path, echo=True)
     try:
-        plan1 = first.prepare(messages=ask, agent="a", max_tokens=24, sampling=SamplingParams(temperature=1.0, seed=5))
-        done1 = first.submit(plan1.request).result(60)
+        prepared1 = first.prepare(TurnRequest(messages=ask, agent="a", max_tokens=24, sampling=SamplingParams(temperature=1.0, seed=5)))
+        done1 = first.submit(prepared1.request).result(60)
         text = first.tokenizer.decode([t for t in done1.token_ids if t not in first.eos])
-        first.remember(plan1, done1, text, [])
-        assert first.wait_saved(plan1.request.agent_id, 30)
+        first.remember(prepared1, done1, text, [])
+        assert first.wait_saved(prepared1.request.agent_id, 30)
     finally:
         first.close(30)
     restarted = _service(model_dir, tmp_path, echo=True)  # a new process over the same directory
     try:
-        plan2 = restarted.prepare(messages=ask + [{"role": "assistant", "content": text},
-                                                  {"role": "user", "content": "And?"}], agent="a", max_tokens=4)
-        done2 = restarted.submit(plan2.request).result(60)
+        prepared2 = restarted.prepare(TurnRequest(messages=ask + [{"role": "assistant", "content": text},
+                                                  {"role": "user", "content": "And?"}], agent="a", max_tokens=4))
+        done2 = restarted.submit(prepared2.request).result(60)
     finally:
         restarted.close(30)
     assert "\ufffd" in text
-    assert done2.cached_tokens == len(plan1.request.ids) + len(done1.token_ids)
+    assert done2.cached_tokens == len(prepared1.request.ids) + len(done1.token_ids)
     assert (restarted.echo.spliced, restarted.echo.rendered) == (1, 0)
 
 
@@ -145,13 +145,13 @@ def test_a_regenerate_after_a_later_turn_still_splices_the_earlier_reply_as_gene
     # the book keeps a few turns per agent: regenerating turn 2 echoes turn 1's reply, not the last one
     service = _service(model_dir, tmp_path, echo=True)
     try:
-        ask, plan1, done1, text = _sampled_first_turn(service)
+        ask, prepared1, done1, text = _sampled_first_turn(service)
         ask2 = ask + [{"role": "assistant", "content": text}, {"role": "user", "content": "And?"}]
-        plan2 = service.prepare(messages=ask2, agent="a", max_tokens=6)
-        done2 = service.submit(plan2.request).result(60)
-        service.remember(plan2, done2, service.tokenizer.decode([t for t in done2.token_ids if t not in service.eos]), [])
-        regen = service.prepare(messages=ask2, agent="a", max_tokens=6)  # the same turn 2 again
-        assert regen.request.ids == plan2.request.ids  # turn 1's reply spliced as generated, like the first time
+        prepared2 = service.prepare(TurnRequest(messages=ask2, agent="a", max_tokens=6))
+        done2 = service.submit(prepared2.request).result(60)
+        service.remember(prepared2, done2, service.tokenizer.decode([t for t in done2.token_ids if t not in service.eos]), [])
+        regen = service.prepare(TurnRequest(messages=ask2, agent="a", max_tokens=6))  # the same turn 2 again
+        assert regen.request.ids == prepared2.request.ids  # turn 1's reply spliced as generated, like the first time
     finally:
         service.close(30)
     assert "\ufffd" in text

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from semantic.decode.constraint import Constraint
-from semantic.chat.toolformat import GENERIC, ToolFormat, Tools, generic_messages, plan
+from semantic.chat.toolformat import GENERIC, ToolFormat, Tools, generic_messages, reading
 from tests.tiny_models import byte_tokenizer
 
 pytestmark = pytest.mark.compat
@@ -26,7 +26,7 @@ def test_the_tools_note_stays_in_the_system_turn_whatever_the_choice():
 
 
 def test_choice_none_answers_and_cannot_open_a_call():
-    p = plan(Tools(SPECS, "none"), ToolFormat(GENERIC), None)
+    p = reading(Tools(SPECS, "none"), ToolFormat(GENERIC), None)
     assert not p.reads_calls and p.grammar is not None
     allowed = Constraint(p.grammar, byte_tokenizer(), 256).allowed()
     assert not allowed[ord("{")] and not allowed[ord(" ")] and allowed[ord("T")]

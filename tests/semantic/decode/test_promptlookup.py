@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 
 from semantic import BatchExecutor, BlockPool, ModelCacheSpec, Request
-from semantic.engine import steploop
+from semantic.runner import steploop
 from semantic.decode import rewind
 from semantic.decode.promptlookup import Drafter, SpecConfig, batch_draft_len
 from semantic.decode.sampling import SamplingParams
 from tests.tiny_models import byte_tokenizer
-from tests.semantic.engine.test_steploop import TOL, TOL_QUANTIZED, generate_step_reference
+from tests.semantic.runner.test_steploop import TOL, TOL_QUANTIZED, generate_step_reference
 
 pytestmark = pytest.mark.compat
 

@@ -15,8 +15,8 @@ import pytest
 from semantic import BatchExecutor, BlockPool, ModelCacheSpec, Request
 from semantic.decode import replay
 from semantic.decode.promptlookup import Drafter, SpecConfig
-from semantic.engine import steploop
-from tests.semantic.engine.test_steploop import TOL, generate_step_reference
+from semantic.runner import steploop
+from tests.semantic.runner.test_steploop import TOL, generate_step_reference
 from tests.tiny_models import byte_tokenizer, tiny_lfm2, tiny_qwen3_next
 
 pytestmark = pytest.mark.compat
@@ -31,7 +31,7 @@ def model(request):
         return MODELS[request.param]()
     from harness.models import zoo  # a recurrent state nested beside attention in one layer (CacheList)
 
-    from semantic.engine.batchprobe import replay_problem
+    from semantic.runner.batchprobe import replay_problem
 
     if request.param not in zoo.model_types():
         pytest.skip(f"this mlx-lm has no {request.param}")

@@ -203,7 +203,7 @@ def test_scheduler_streams_cancels_and_keeps_anonymous_turns_out_of_the_store(ll
 def test_a_cancel_landing_while_a_turn_is_admitted_loses_no_other_turn(llama_tiny, cache_dir):
     with _scheduler(llama_tiny, cache_dir) as sched:
         box = {}
-        submit = sched.engine.submit
+        submit = sched.executor.submit
 
         def admit_then_cancel(*args, **kw):
             # a wrapper, because only here can a cancel land inside _admit's window (after the
@@ -213,7 +213,7 @@ def test_a_cancel_landing_while_a_turn_is_admitted_loses_no_other_turn(llama_tin
                 box["done"] = sched.cancel(box["first"])
             return uid
 
-        sched.engine.submit = admit_then_cancel
+        sched.executor.submit = admit_then_cancel
         history = _ids(13, 15)
         box["first"] = sched.submit(Request("r", history, 20))
         second = sched.submit(Request("r", history + [3], 4))

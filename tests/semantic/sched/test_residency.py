@@ -136,13 +136,13 @@ def test_the_budget_holds_after_every_step_across_many_turns_of_many_agents(gemm
     working_set = len(agents) * int(sum(l.token_bytes() * l.tokens_held(60) for l in spec.layers))
     budget = working_set // 4
     with _scheduler(gemma_tiny, cache_dir, budget=budget, max_batch=4) as sched:
-        samples, real_step = [], sched.engine.step_once
+        samples, real_step = [], sched.executor.step_once
 
         def sampled_step():  # on the worker, before each step: the state the last pass left
             samples.append((sched.resident_bytes(), sched.resident_bytes(recount=True)))
             return real_step()
 
-        sched.engine.step_once = sampled_step
+        sched.executor.step_once = sampled_step
         history = {a: system + _ids(200 + i, 4) for i, a in enumerate(agents)}
         turns = []
         for round_ in range(6):

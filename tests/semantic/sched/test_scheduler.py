@@ -131,8 +131,8 @@ def test_asyncio_callers_await_their_results(llama_tiny, cache_dir):
 def test_a_full_queue_rejects_at_once_or_waits_with_a_timeout(llama_tiny, cache_dir):
     sched = _scheduler(llama_tiny, cache_dir, max_queued=2, max_batch=1)
     gate = threading.Event()
-    real_step = sched.engine.step_once
-    sched.engine.step_once = lambda: (gate.wait(30), real_step())[1]  # holds the batch so the queue fills
+    real_step = sched.executor.step_once
+    sched.executor.step_once = lambda: (gate.wait(30), real_step())[1]  # holds the batch so the queue fills
     futures = [sched.submit(Request("a", _ids(1, 6), 2))]
     assert until(lambda: sched.stats().in_flight == 1)  # admitted: in flight, not queued
     futures += [sched.submit(Request("a", _ids(2, 6), 2)), sched.submit(Request("b", _ids(3, 6), 2))]
@@ -214,7 +214,7 @@ def test_render_chat_needs_messages_and_a_template():
 
 def test_a_failing_step_fails_only_the_turns_in_flight_and_the_scheduler_keeps_serving(llama_tiny, cache_dir):
     with _scheduler(llama_tiny, cache_dir) as sched:
-        broken = sched.engine
+        broken = sched.executor
 
         def boom():
             raise RuntimeError("device lost")
@@ -223,7 +223,7 @@ def test_a_failing_step_fails_only_the_turns_in_flight_and_the_scheduler_keeps_s
         lost = sched.submit(Request("a", _ids(1, 6), 2))
         with pytest.raises(RuntimeError, match="device lost"):
             lost.result(30)
-        assert sched.engine is not broken  # a fresh engine over the same pool
+        assert sched.executor is not broken  # a fresh engine over the same pool
         again = sched.submit(Request("a", _ids(1, 6), 2)).result(30)
         assert sched.stats().failed == 1
     _assert_same(again, reference(llama_tiny, _ids(1, 6), 2))

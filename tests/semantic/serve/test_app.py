@@ -101,7 +101,7 @@ def test_unknown_role_is_refused_and_developer_is_system():
                                           {"role": "user", "content": [{"type": "text", "text": "a"},
                                                                        {"type": "text", "text": "b"}]}]))
     assert ok.status_code == 200
-    assert backend.prepared[-1].request.messages == [{"role": "system", "content": "be brief"},
+    assert backend.prepared[-1].api.messages == [{"role": "system", "content": "be brief"},
                                                      {"role": "user", "content": "a\nb"}]
 
 
@@ -144,7 +144,7 @@ def test_a_max_tokens_past_the_context_is_cut_to_what_it_leaves_and_the_header_s
         assert r.status_code == 200 and r.headers["x-max-tokens-clamped"] == "60"
     backend = StubBackend()
     r = client(backend).post(CHAT, json=chat(max_completion_tokens=61))
-    assert r.status_code == 200 and backend.prepared[-1].turn.max_tokens == 60
+    assert r.status_code == 200 and backend.prepared[-1].turn.request.max_tokens == 60
     r = client().post(CHAT, json=chat(max_tokens=60))
     assert r.status_code == 200 and "x-max-tokens-clamped" not in r.headers  # it fit: nothing was cut
 
@@ -173,12 +173,12 @@ def test_claude_codes_real_first_request_is_accepted_as_it_was_sent():
     r = client(backend).post(MSG + "?beta=true", json=body, headers={
         "anthropic-beta": "claude-code-20250219,context-management-2025-06-27,advanced-tool-use-2025-11-20"})
     assert r.status_code == 200, r.text
-    req = backend.prepared[-1].request
+    req = backend.prepared[-1].api
     roles = [m["role"] for m in req.messages]
     assert roles[0] == "system" and "system" in roles[1:]  # the environment block, where it stood
     assert not any(m["role"] == "system" and m["content"].startswith("x-anthropic-billing-header") for m in req.messages)
     assert "DeferredToolPlaceholder" not in req.tools.names and "Bash" in req.tools.names  # defer_loading honoured
-    assert req.max_tokens == 32000 and backend.prepared[-1].turn.max_tokens < 32000  # cut, not refused
+    assert req.max_tokens == 32000 and backend.prepared[-1].turn.request.max_tokens < 32000  # cut, not refused
 
 
 def test_an_unknown_field_is_a_400_naming_it_on_both_apis():
@@ -204,7 +204,7 @@ def test_advisory_fields_are_accepted_and_change_nothing():
                   {"service_tier": "auto"}, {"context_management": {"edits": [{"type": "clear_thinking_20251015",
                                                                                "keep": "all"}]}}):
         assert client(backend).post(MSG, json=msg(**extra)).status_code == 200, extra
-    assert all(p.request.response_schema is None for p in backend.prepared)
+    assert all(p.api.response_schema is None for p in backend.prepared)
 
 
 def test_fields_this_server_cannot_honour_are_refused_by_name():
@@ -230,7 +230,7 @@ def test_anthropic_output_format_reaches_the_backend_as_the_replys_schema():
                   {"output_format": {"type": "json_schema", "schema": schema}}):
         backend = StubBackend()
         assert client(backend).post(MSG, json=msg(**extra)).status_code == 200
-        assert backend.prepared[-1].request.response_schema == schema
+        assert backend.prepared[-1].api.response_schema == schema
     both = {"output_config": {"format": {"type": "json_schema", "schema": schema}},
             "output_format": {"type": "json_schema", "schema": schema}}
     anthropic_error(client().post(MSG, json=msg(**both)), 400, "invalid_request_error")
@@ -242,10 +242,10 @@ def test_system_and_developer_turns_inside_the_conversation_reach_the_backend_wh
                           {"role": "assistant", "content": "a1"}, {"role": "system", "content": "s2"},
                           {"role": "user", "content": "u2"}])
     assert client(backend).post(CHAT, json=body).status_code == 200
-    assert [m["role"] for m in backend.prepared[-1].request.messages] == ["user", "system", "assistant", "system", "user"]
+    assert [m["role"] for m in backend.prepared[-1].api.messages] == ["user", "system", "assistant", "system", "user"]
     body = msg(messages=[{"role": "user", "content": "u1"}, {"role": "system", "content": [{"type": "text", "text": "env"}]}])
     assert client(backend).post(MSG, json=body).status_code == 200
-    assert backend.prepared[-1].request.messages[-1] == {"role": "system", "content": "env"}
+    assert backend.prepared[-1].api.messages[-1] == {"role": "system", "content": "env"}
 
 
 def test_anthropic_non_text_blocks_are_refused_clearly_and_cache_control_is_accepted():
@@ -257,7 +257,7 @@ def test_anthropic_non_text_blocks_are_refused_clearly_and_cache_control_is_acce
     assert "'image'" in err["message"] and "text" in err["message"]
     r = c.post(MSG, json=msg(system=[{"type": "text", "text": "sys", "cache_control": {"type": "ephemeral"}}]))
     assert r.status_code == 200
-    assert backend.prepared[-1].request.messages[0] == {"role": "system", "content": "sys"}
+    assert backend.prepared[-1].api.messages[0] == {"role": "system", "content": "sys"}
 
 
 # ---- auth, limits, load, shutdown ------------------------------------------
@@ -271,7 +271,7 @@ def test_keys_are_required_in_either_header_and_name_the_tenant():
     anthropic_error(c.post(MSG, json=msg(), headers={"x-api-key": "nope"}), 401, "authentication_error")
     assert c.post(CHAT, json=chat(), headers={"Authorization": "Bearer k1"}).status_code == 200
     assert c.post(MSG, json=msg(), headers={"x-api-key": "k2"}).status_code == 200
-    assert [p.request.tenant for p in backend.streamed] == [tenant_id("k1"), tenant_id("k2")]
+    assert [p.api.tenant for p in backend.streamed] == [tenant_id("k1"), tenant_id("k2")]
     assert tenant_id("k1") != tenant_id("k2") and "k1" not in tenant_id("k1")
 
 
@@ -421,9 +421,9 @@ def test_cancelled_finish_is_stop_on_the_wire():
 def test_default_max_tokens_is_capped_by_the_context():
     backend = StubBackend(context_length=64)
     client(backend).post(CHAT, json=chat())
-    assert backend.streamed[-1].turn.max_tokens == 64 - 4 and backend.streamed[-1].ids == (0, 1, 2, 3)
+    assert backend.streamed[-1].turn.request.max_tokens == 64 - 4 and backend.streamed[-1].ids == (0, 1, 2, 3)
     client(backend).post(CHAT, json=chat(max_completion_tokens=5, max_tokens=9))
-    assert backend.streamed[-1].turn.max_tokens == 5
+    assert backend.streamed[-1].turn.request.max_tokens == 5
 
 
 def test_sampling_stop_and_agent_reach_the_request():
@@ -432,17 +432,17 @@ def test_sampling_stop_and_agent_reach_the_request():
     c.post(CHAT, json=chat(temperature=0.7, top_p=0.9, top_k=5, min_p=0.1, seed=3, stop="END",
                            frequency_penalty=0.5, presence_penalty=0.25, repetition_penalty=1.1,
                            user="u", prompt_cache_key="pk", cache_salt="salt"))
-    req = backend.prepared[-1].request
+    req = backend.prepared[-1].api
     s = req.sampling
     assert (s.temperature, s.top_p, s.top_k, s.min_p, s.seed) == (0.7, 0.9, 5, 0.1, 3)
     assert (s.frequency_penalty, s.presence_penalty, s.repetition_penalty) == (0.5, 0.25, 1.1)
     assert req.stop == ("END",) and req.agent == "pk" and req.cache_salt == "salt"
     c.post(CHAT, json=chat(user="u"), headers={"X-Agent-Id": "h"})
-    assert backend.prepared[-1].request.agent == "u"
+    assert backend.prepared[-1].api.agent == "u"
     c.post(CHAT, json=chat(), headers={"X-Agent-Id": "h"})
-    assert backend.prepared[-1].request.agent == "h"
+    assert backend.prepared[-1].api.agent == "h"
     c.post(MSG, json=msg(metadata={"user_id": "m"}, stop_sequences=["a", "b"]))
-    assert backend.prepared[-1].request.agent == "m" and backend.prepared[-1].request.stop == ("a", "b")
+    assert backend.prepared[-1].api.agent == "m" and backend.prepared[-1].api.stop == ("a", "b")
 
 
 def test_chat_logprobs_shape():
@@ -461,9 +461,9 @@ def test_completions_take_text_or_token_ids_and_one_prompt():
     assert body["choices"][0]["text"] == "Hello world" and body["usage"]["prompt_tokens"] == 3
     assert body["choices"][0]["logprobs"]["tokens"] == ["Hel", "lo", " world"]
     assert body["choices"][0]["logprobs"]["text_offset"] == [0, 3, 5]
-    assert backend.prepared[-1].request.prompt == [5, 6, 7]
+    assert backend.prepared[-1].api.prompt == [5, 6, 7]
     assert c.post("/v1/completions", json={"prompt": ["once"]}).status_code == 200
-    assert backend.prepared[-1].request.prompt == "once"
+    assert backend.prepared[-1].api.prompt == "once"
     openai_error(c.post("/v1/completions", json={"prompt": ["a", "b"]}), 400, "invalid_request_error")
     openai_error(c.post("/v1/completions", json={"prompt": "a", "echo": True}), 400, "invalid_request_error")
 
@@ -717,7 +717,7 @@ def test_openai_tool_calls_replace_the_content_and_finish_with_tool_calls():
     assert message["tool_calls"] == [
         {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}},
         {"id": "call_2", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}]
-    assert backend.prepared[-1].request.tools.choice == "required"
+    assert backend.prepared[-1].api.tools.choice == "required"
 
 
 def test_openai_streamed_tool_calls_are_whole_indexed_deltas():
@@ -786,17 +786,17 @@ def test_a_response_has_openais_shape_and_is_stored_for_its_follow_up():
     assert doc["usage"]["input_tokens_details"]["cached_tokens"] == 3
     assert c.get(f"{RESP}/{doc['id']}").json()["id"] == doc["id"]
     r = c.post(RESP, json={"model": "stub-model", "input": "and then?", "previous_response_id": doc["id"]})
-    sent = backend.prepared[-1].request
+    sent = backend.prepared[-1].api
     assert [m["role"] for m in sent.messages] == ["user", "assistant", "user"]  # instructions are not carried over
-    assert sent.agent == backend.prepared[0].request.agent and sent.agent.startswith("responses-resp_")
+    assert sent.agent == backend.prepared[0].api.agent and sent.agent.startswith("responses-resp_")
 
 
 def test_a_response_without_max_output_tokens_may_take_all_the_context_leaves():
     backend = StubBackend(context_length=64)
     assert client(backend).post(RESP, json={"input": "hi there"}).status_code == 200
-    assert backend.prepared[-1].turn.max_tokens == 64 - 4  # not the chat routes' default
+    assert backend.prepared[-1].turn.request.max_tokens == 64 - 4  # not the chat routes' default
     assert client(backend).post(RESP, json={"input": "hi there", "max_output_tokens": 8}).status_code == 200
-    assert backend.prepared[-1].turn.max_tokens == 8
+    assert backend.prepared[-1].turn.request.max_tokens == 8
 
 
 def test_a_streamed_response_sends_the_event_sequence_in_order():
@@ -816,7 +816,7 @@ def test_a_missing_or_evicted_previous_response_is_a_404_that_says_which():
                        "not_found_error")
     assert err["code"] == "response_not_found"
     first = c.post(RESP, json={"input": "x"}).json()
-    backend.evicted_agents.add(backend.prepared[-1].request.agent)
+    backend.evicted_agents.add(backend.prepared[-1].api.agent)
     err = openai_error(c.post(RESP, json={"input": "y", "previous_response_id": first["id"]}), 404, "not_found_error")
     assert err["code"] == "response_evicted"
     openai_error(c.get(f"{RESP}/{first['id']}"), 404, "not_found_error")  # the record went with its cache
@@ -845,7 +845,7 @@ def test_codexs_real_first_request_is_accepted_its_namespaced_tools_offered_and_
     r = client(backend).post(RESP, json=body)
     assert r.status_code == 200, r.text[:500]
     assert r.headers["x-tools-not-offered"] == "web_search"
-    sent = backend.prepared[-1].request
+    sent = backend.prepared[-1].api
     assert {"exec_command", "close_agent"} <= set(sent.tools.names)  # close_agent came from the namespace
     assert sent.agent == body["prompt_cache_key"] and [m["role"] for m in sent.messages] == [
         "system", "system", "user", "user"]

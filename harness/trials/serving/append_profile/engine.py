@@ -19,7 +19,7 @@ def engine_part(model_dir: Path, trials: int, cached: int, new: int, max_tokens:
     """A warm turn caches the prefix on both sides; then each trial's append on ours (traced) and on
     mlx-lm's, in alternating order; then the micro-benchmarks."""
     service = _open(model_dir)
-    model, tok = service.scheduler.engine.model, service.tokenizer
+    model, tok = service.scheduler.executor.model, service.tokenizer
     rows, ref_rows = [], []
     msgs, tool = conversation(tok, cached, new, 0)
     first = tokens_of(tok, msgs)
@@ -35,10 +35,10 @@ def engine_part(model_dir: Path, trials: int, cached: int, new: int, max_tokens:
             else:
                 ref_rows.append(reference(model, service.eos, ref_cache, appended[len(prefix):], max_tokens))
             progress(f"trial {trial + 1}/{trials} {side}: {(rows if side == 'ours' else ref_rows)[-1]['ttft_ms']} ms TTFT")
-    hidden = micro(model, tok, prefix, appended, msgs, tool, service.scheduler.engine.prefill_chunk)
+    hidden = micro(model, tok, prefix, appended, msgs, tool, service.scheduler.executor.prefill_chunk)
     service.close()
     return {"ours": rows, "mlx_lm": ref_rows, "micro": hidden, "cached_tokens": len(prefix),
-            "new_tokens": len(appended) - len(prefix), "prefill_chunk": service.scheduler.engine.prefill_chunk}
+            "new_tokens": len(appended) - len(prefix), "prefill_chunk": service.scheduler.executor.prefill_chunk}
 
 
 def _open(model_dir: Path):
@@ -67,6 +67,8 @@ def _traced(service, agent: str, first: list[int], appended: list[int], max_toke
 
 def turn(service, agent: str, ids, budget: int, stamps: dict | None = None):
     """One turn through the service; with ``stamps``, when each of its events happened."""
+    from semantic.service import TurnRequest
+
     def on_token(token, logprob, row):
         if stamps is not None:
             stamps.setdefault("first_token", time.perf_counter())
@@ -77,9 +79,9 @@ def turn(service, agent: str, ids, budget: int, stamps: dict | None = None):
         if stamps is not None:
             stamps["admitted"] = time.perf_counter()
 
-    plan = service.prepare(prompt=list(ids), max_tokens=budget, agent=agent, on_token=on_token, on_admit=on_admit)
+    prepared = service.prepare(TurnRequest(prompt=list(ids), max_tokens=budget, agent=agent), on_token=on_token, on_admit=on_admit)
     t0 = time.perf_counter()
-    future = service.submit(plan.request)
+    future = service.submit(prepared.request)
     tokens = getattr(future, "tokens", None)
     if stamps is not None:
         stamps["submit"] = t0

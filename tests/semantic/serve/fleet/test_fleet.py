@@ -1,5 +1,5 @@
 """The fleet of one server's models (``semantic.serve.fleet.fleet``): loads on demand, room under a budget, leases,
-failures, the idle reaper, shutdown (the decisions it runs, as plain data: test_fleet_plan.py).
+failures, the idle reaper, shutdown (the decisions it runs, as plain data: test_unloads.py).
 
 The fleet is driven on its own event loop (``asyncio.run``) with stand-ins for the models' Backends
 (``tests/fleet_helpers``): the fleet only opens, leases, measures and closes backends, so what it must get right

@@ -9,7 +9,7 @@ from mlx_lm.generate import generate_step
 
 from harness.models import zoo
 from semantic import BlockPool, BatchExecutor, ModelCacheSpec, Request
-from semantic.engine.batchprobe import batch_problem
+from semantic.runner.batchprobe import batch_problem
 from tests.tiny_models import byte_tokenizer, tiny_llama
 
 
@@ -37,7 +37,7 @@ def test_a_model_whose_code_fails_or_drifts_in_a_batch_decodes_one_sequence_at_a
 
 
 def test_the_probes_answer_is_kept_beside_the_caches_and_asked_again_for_other_versions(tmp_path, monkeypatch):
-    from semantic.engine import batchprobe
+    from semantic.runner import batchprobe
 
     m = tiny_llama()
     spec = ModelCacheSpec.from_model(m)
@@ -53,7 +53,7 @@ def test_the_probes_answer_is_kept_beside_the_caches_and_asked_again_for_other_v
 
 
 def test_each_questions_answer_is_kept_beside_the_other_in_one_memo(tmp_path, monkeypatch):
-    from semantic.engine import batchprobe
+    from semantic.runner import batchprobe
 
     m = tiny_llama()
     spec = ModelCacheSpec.from_model(m)

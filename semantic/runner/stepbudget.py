@@ -1,7 +1,7 @@
 """How many prompt tokens one step of the loop prefills: a step budget, not a fixed chunk.
 
 A step is one decode forward pass for the generating sequences, then
-prefill chunks (``semantic.engine.steploop``). Its prompt tokens trade the
+prefill chunks (``semantic.runner.steploop``). Its prompt tokens trade the
 decoders' inter-token latency against the prompt's time to first token::
 
     nothing decodes         the largest chunk (``solo``): nobody waits, and each

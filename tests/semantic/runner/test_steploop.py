@@ -117,7 +117,7 @@ def test_a_prompt_starting_off_the_block_grid_is_chunked_back_onto_it(llama_tiny
     """A cache holding 3 tokens, 4-token blocks: the prompt's snapshot positions fall at 1, 5, 9, 13 and 17.
     A step's prefill ends at a stop unless its budget reaches the next one, so no forward pass
     is spent on the few tokens past a stop (each pass has a fixed cost) and chunks stay on the grid."""
-    from semantic.engine.steploop import StepLoop
+    from semantic.runner.steploop import StepLoop
 
     calls: list[int] = []
 
@@ -206,7 +206,7 @@ def test_batch_quantized_cache_rows_hold_the_solo_caches_bytes_through_merge_ext
 
 
 def test_the_engine_says_what_a_lone_turns_prefill_steps_by(llama_tiny):
-    from semantic.engine.stepbudget import SOLO_CHUNK
+    from semantic.runner.stepbudget import SOLO_CHUNK
 
     spec = _spec(llama_tiny, 8)
 

@@ -9,7 +9,7 @@ same under both mlx-lm versions. One :meth:`StepLoop.step`::
     decode    one forward pass: the last token of every generating sequence
               (B rows, left-padded batch caches: BatchKVCache,
               BatchRotatingKVCache, batchquant.BatchQuantizedKVCache)
-    prefill   then at most the step's budget of prompt tokens (``semantic.engine.stepbudget``:
+    prefill   then at most the step's budget of prompt tokens (``semantic.runner.stepbudget``:
               the largest chunk when nothing decodes, else a fixed chunk or
               what holds an inter-token latency target) of the waiting
               sequences, in order, each chunk its own forward pass over that
@@ -70,7 +70,7 @@ import numpy as np
 
 from semantic import compat, kinds
 from semantic.decode import replay, rewind
-from semantic.engine.stepbudget import StepBudget
+from semantic.runner.stepbudget import StepBudget
 from semantic.decode.constraint import Constraint
 from semantic.decode.promptlookup import Drafter, SpecConfig, batch_draft_len
 from semantic.request import Request

@@ -18,7 +18,7 @@ HOLDING = (LOADED, LOADING, UNLOADING)  # the states that hold a model's memory 
 
 @dataclass(frozen=True, slots=True)
 class Resident:
-    """A model holding memory, as :func:`plan_room` sees it."""
+    """A model holding memory, as :func:`choose_unloads` sees it."""
 
     id: str
     bytes: int
@@ -28,23 +28,23 @@ class Resident:
 
 
 @dataclass(frozen=True, slots=True)
-class RoomPlan:
+class Unloads:
     unload: tuple[str, ...] = ()  # least recently used first
     wait: bool = False            # busy models hold the room: plan again once a request ends
     refuse: str | None = None     # it can never fit: why
 
 
-def plan_room(resident: list[Resident], need: int, budget: int | None, fixed: int = 0) -> RoomPlan:
+def choose_unloads(resident: list[Resident], need: int, budget: int | None, fixed: int = 0) -> Unloads:
     """Which idle, unpinned models to unload, least recently used first, so ``need`` more bytes fit beside
     ``fixed`` (bytes no unload gives back)."""
     used = fixed + sum(r.bytes for r in resident)
     if budget is None or used + need <= budget:
-        return RoomPlan()
+        return Unloads()
     pinned = sum(r.bytes for r in resident if r.pinned)
     if fixed + pinned + need > budget:
         held = f"pinned models hold {pinned / 2**20:.0f} MB" + (
             f" and the runtime and kept tokenizers {fixed / 2**20:.0f} MB" if fixed else "")
-        return RoomPlan(refuse=f"it needs {need / 2**20:.0f} MB and {held} of --models-mb {budget / 2**20:.0f}")
+        return Unloads(refuse=f"it needs {need / 2**20:.0f} MB and {held} of --models-mb {budget / 2**20:.0f}")
     unload, freed = [], 0
     for r in sorted((r for r in resident if not r.pinned and not r.busy), key=lambda r: r.last_used):
         if used - freed + need <= budget:
@@ -52,8 +52,8 @@ def plan_room(resident: list[Resident], need: int, budget: int | None, fixed: in
         unload.append(r.id)
         freed += r.bytes
     if used - freed + need <= budget:
-        return RoomPlan(unload=tuple(unload))
-    return RoomPlan(wait=True)
+        return Unloads(unload=tuple(unload))
+    return Unloads(wait=True)
 
 
 def idle_past_ttl(slots: list, now: float) -> list[str]:

@@ -20,7 +20,7 @@ which both versions never hand the lengths; mamba) turns speculation off.
 The probe costs a few tokens' forward passes (seconds on a CPU, every load of
 a server that loads models on demand), so its answer is kept beside the
 model's caches (:func:`remembered`) for the same mlx and mlx-lm versions; it
-is the reason the engine runs such a model one sequence at a time
+is the reason the executor runs such a model one sequence at a time
 (``BatchExecutor``).
 """
 

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from semantic import Request
-from semantic.engine.stepbudget import FLOOR, StepBudget
-from semantic.engine.steploop import StepLoop
-from tests.semantic.engine.test_steploop import _spec
+from semantic.runner.stepbudget import FLOOR, StepBudget
+from semantic.runner.steploop import StepLoop
+from tests.semantic.runner.test_steploop import _spec
 
 pytestmark = pytest.mark.compat
 

@@ -1,18 +1,18 @@
 """Continuous batching with pooled caches in and out.
 
-Every sequence runs through one :class:`~semantic.engine.steploop.StepLoop`: each
+Every sequence runs through one :class:`~semantic.runner.steploop.StepLoop`: each
 step decodes one token for every generating sequence in one forward pass
 (``KVCache``, ``RotatingKVCache`` and ``QuantizedKVCache`` layers alike; the
 quantized ones through ``batchquant``), then prefills one chunk: the
 largest one when nothing decodes, else ``prefill_chunk`` tokens or what
-holds ``itl_target_s`` (``semantic.engine.stepbudget``). A long prompt therefore
+holds ``itl_target_s`` (``semantic.runner.stepbudget``). A long prompt therefore
 delays the others by one chunk per step, never by its whole prefill. On sliding-window models
 the blocks each chunk's window passed are pooled after it (:meth:`BatchExecutor._keep`); on
 models with layers that resume only from snapshots, chunks also end where those are kept
 (:meth:`BatchExecutor._checkpoint`).
 
 A :class:`~semantic.request.Request` carries the agent's whole history and
-everything else the engine reads: it decodes greedily unless its sampling
+everything else the executor reads: it decodes greedily unless its sampling
 says otherwise (greedy rows share one argmax), its ``on_token`` sees every
 token as it is read and may end it there (a stop string), and
 :meth:`BatchExecutor.cancel` ends one from outside. A sequence ended
@@ -27,7 +27,7 @@ its agent's previous cache or the pool covers (``reuse``), so only the rest
 is prefilled. Each agent has at most one request in flight; a second submit
 raises :class:`AgentBusyError` (queueing belongs to ``scheduler``).
 
-Threads: the engine itself is driven by one thread. Its pool may be shared
+Threads: the executor itself is driven by one thread. Its pool may be shared
 (with an ``AgentCacheStore``); every pool use here, and every release of the
 AgentBlocks it returns, holds ``lock``.
 """
@@ -44,11 +44,11 @@ from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 import mlx.core as mx
-from semantic.engine import batchprobe
+from semantic.runner import batchprobe
 from semantic import compat, defaults, kinds
 from semantic.cache import blockplan, convert, reuse, snapshots
 from semantic.cache.blocks import AgentBlocks
-from semantic.engine.stepbudget import StepBudget
+from semantic.runner.stepbudget import StepBudget
 from semantic.decode.constraint import Constraint
 from semantic.errors import (
     AgentBusyError,
@@ -61,14 +61,14 @@ from semantic.decode.promptlookup import SpecConfig
 from semantic.cache.pool import BlockPool
 from semantic.request import Completion, Request
 from semantic.cache.spec import ModelCacheSpec
-from semantic.engine.steploop import StepLoop
+from semantic.runner.steploop import StepLoop
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
 class _InFlight:
-    """A request the engine is running: what it started from and what it generated so far."""
+    """A request the executor is running: what it started from and what it generated so far."""
 
     uid: int
     request: Request
@@ -165,7 +165,7 @@ class BatchExecutor:
         agent's shared system prompt, an earlier branch), as
         :func:`reuse.choose_start` decides; the rest is prefilled. ``own`` is
         only read; the caller keeps its reference. ``share=False`` with no
-        ``own`` is a fresh prefill. Nothing changes in the engine when this raises.
+        ``own`` is a fresh prefill. Nothing changes in the executor when this raises.
 
         Raises:
             AgentBusyError: the agent has a request in flight here.
@@ -294,7 +294,7 @@ class BatchExecutor:
 
     @property
     def speculation(self) -> tuple[int, int, int]:
-        """Speculative decode steps, tokens drafted, and drafted tokens accepted, since this engine started."""
+        """Speculative decode steps, tokens drafted, and drafted tokens accepted, since this executor started."""
         loop = self._loop
         return loop.spec_steps, loop.drafted, loop.accepted
 
