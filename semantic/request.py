@@ -137,7 +137,7 @@ class Request:
             agent); False: an anonymous turn, whose blocks stay only in the
             pool's free queue for later hits.
         salt_root: the chain root of the tenant's block keys
-            (``blockplan.salt_root_of``); None: unsalted.
+            (``blockclaim.salt_root_of``); None: unsalted.
         grammar: what the generated tokens must follow (``semantic.decode.constraint``:
             a JSON schema, a tool call); None: free.
         on_token: sees each generated token (:data:`OnToken`).
@@ -174,7 +174,7 @@ class Request:
         if not isinstance(self.sampling, SamplingParams):
             raise InvalidRequestError(f"sampling must be SamplingParams, got {type(self.sampling).__name__}")
         if self.salt_root is not None and (isinstance(self.salt_root, bool) or not isinstance(self.salt_root, int)):
-            raise InvalidRequestError(f"salt_root must be an integer (blockplan.salt_root_of) or None, got {self.salt_root!r}")
+            raise InvalidRequestError(f"salt_root must be an integer (blockclaim.salt_root_of) or None, got {self.salt_root!r}")
         if self.grammar is not None and not isinstance(self.grammar, Grammar):
             raise InvalidRequestError(f"grammar must be a semantic.decode.constraint.Grammar, got {type(self.grammar).__name__}")
         try:

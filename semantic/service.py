@@ -34,7 +34,7 @@ from semantic import compat, defaults, errors, sizing
 from semantic.chat import roles, toolformat
 from semantic.decode import constraint
 from semantic.cache import room
-from semantic.cache.blockplan import salt_root_of
+from semantic.cache.blockclaim import salt_root_of
 from semantic.chat.boundaries import message_boundaries
 from semantic.chat.maxtokens import fit_max_tokens
 from semantic.runner.executor import vocab_size

@@ -114,7 +114,7 @@ class AgentBlocks:
     block_tokens: int
     _release: Callable[[list[KVBlock]], None] | None = field(default=None, repr=False)
     _finalizer: Any = field(default=None, repr=False)
-    salt_root: int | None = None   # the hash chain's salt (a tenant's), None unsalted: see blockplan.chain_keys
+    salt_root: int | None = None   # the hash chain's salt (a tenant's), None unsalted: see blockclaim.chain_keys
 
     def __post_init__(self):
         self.token_ids = tuple(map(int, self.token_ids))

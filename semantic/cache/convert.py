@@ -1,6 +1,6 @@
 """Exact conversion between live mlx-lm caches and pooled blocks.
 
-Extraction cuts each layer group's K/V at block boundaries (``blockplan``,
+Extraction cuts each layer group's K/V at block boundaries (``blockclaim``,
 shared with cache-file loading). Full blocks are looked up by their chained
 key first: a hit takes a reference instead of a copy, so history an agent
 already stored, or a prefix another agent stored, is never copied twice.
@@ -30,7 +30,7 @@ from typing import Sequence
 
 import mlx.core as mx
 
-from semantic.cache import blockplan
+from semantic.cache import blockclaim
 from semantic import compat, kinds
 from semantic.cache.blocks import AgentBlocks, Segment, SegmentView, segment_runs
 from semantic.errors import CacheMismatchError
@@ -79,14 +79,14 @@ def extract(pool: BlockPool, caches: Sequence, token_ids: Sequence[int], release
     :class:`PoolExhaustedError` before taking any block or copying anything.
     ``release`` is what the returned AgentBlocks calls to give its blocks
     back (default ``pool.release``; a locked one when threads share the pool).
-    ``salt_root`` salts the block keys (``blockplan.chain_keys``). ``earlier``: snapshot blocks of
-    this history at earlier positions to carry as well (``blockplan.commit``).
+    ``salt_root`` salts the block keys (``blockclaim.chain_keys``). ``earlier``: snapshot blocks of
+    this history at earlier positions to carry as well (``blockclaim.commit``).
     """
     spec = pool.spec
     tokens = tuple(map(int, token_ids))
     states = _read(spec, caches, len(tokens))
-    planned = blockplan.plan_blocks(pool, spec, tokens, salt_root=salt_root)
-    return _store(pool, spec, tokens, planned, states, release, salt_root, earlier)
+    claim = blockclaim.claim_blocks(pool, spec, tokens, salt_root=salt_root)
+    return _store(pool, spec, tokens, claim, states, release, salt_root, earlier)
 
 
 def keep_passed(pool: BlockPool, caches: Sequence, token_ids: Sequence[int], ends: Sequence[int],
@@ -117,24 +117,24 @@ def keep_passed(pool: BlockPool, caches: Sequence, token_ids: Sequence[int], end
         held = (keys[0] if isinstance(keys, tuple) else keys).shape[2]
         keep = [(0, layer.keep)] if layer.keep and held < total else []
         buffers[group] = keep + [(total - held + layer.keep if keep else total - held, total)]
-    planned = blockplan.plan_passed(pool, spec, tokens, ends, buffers, salt_root)
-    if planned.blocks:
-        _store(pool, spec, tokens, planned, states, None, salt_root).release()
-    return len(planned.blocks)
+    claim = blockclaim.claim_passed(pool, spec, tokens, ends, buffers, salt_root)
+    if claim.blocks:
+        _store(pool, spec, tokens, claim, states, None, salt_root).release()
+    return len(claim.blocks)
 
 
-def _store(pool: BlockPool, spec: ModelCacheSpec, tokens: tuple[int, ...], planned: blockplan.BlockPlan, states,
+def _store(pool: BlockPool, spec: ModelCacheSpec, tokens: tuple[int, ...], claim: blockclaim.BlockClaim, states,
            release, salt_root: int | None, earlier: Sequence = ()) -> AgentBlocks:
-    """Take ``planned`` from ``pool``, copying each missed block from ``states[layer]`` (a buffer that
+    """Take ``claim`` from ``pool``, copying each missed block from ``states[layer]`` (a buffer that
     holds position ``p`` at index ``p - shift``), as one AgentBlocks."""
-    pool.require_free(planned.need)
+    pool.require_free(claim.need)
 
     # Each run of consecutive missed blocks is copied once per layer into a
     # segment; its blocks hold views, which reconstruction hands over whole.
     views: dict[int, tuple[dict, SegmentView]] = {}
     fresh = []
-    for run in blockplan.miss_runs(planned.blocks):
-        first, last = planned.blocks[run[0]], planned.blocks[run[-1]]
+    for run in blockclaim.miss_runs(claim.blocks):
+        first, last = claim.blocks[run[0]], claim.blocks[run[-1]]
         if first.snapshot:  # the group's whole cache at its end: a copy of every layer, no segment
             assert len(run) == 1 and first.end == len(tokens), (run, first)
             data = {i: kinds.of(spec.layers[i]).snapshot(states[i]) for i in first.layers}
@@ -148,14 +148,14 @@ def _store(pool: BlockPool, spec: ModelCacheSpec, tokens: tuple[int, ...], plann
             seg.layer_data[i] = (_slice(st.keys, lo, hi, True), _slice(st.values, lo, hi, True))
             fresh.append(seg.layer_data[i])
         for idx in run:
-            p = planned.blocks[idx]
+            p = claim.blocks[idx]
             s0 = p.start - p.shift - lo
             data = {i: (_slice(k, s0, s0 + p.end - p.start, False), _slice(v, s0, s0 + p.end - p.start, False))
                     for i, (k, v) in seg.layer_data.items()}
             views[idx] = (data, SegmentView(seg, s0, dict(data)))
     mx.eval(fresh, [d for d, _ in views.values()])  # slices evaluate to views: no copy
-    index = {id(p): i for i, p in enumerate(planned.blocks)}
-    return blockplan.commit(pool, spec, tokens, planned, lambda p: views[index[id(p)]], release, salt_root, earlier)
+    index = {id(p): i for i, p in enumerate(claim.blocks)}
+    return blockclaim.commit(pool, spec, tokens, claim, lambda p: views[index[id(p)]], release, salt_root, earlier)
 
 
 def _one_segment(pieces: list, layer: int):

@@ -38,7 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from semantic.cache import blockplan, convert
+from semantic.cache import blockclaim, convert
 from semantic.cache.blocks import AgentBlocks, KVBlock
 from semantic.cache.pool import BlockPool
 
@@ -100,7 +100,7 @@ def _candidates(pool: BlockPool, ids: tuple[int, ...], own: AgentBlocks | None, 
                 if blk.start < same and (g not in whole or blk.end <= same):
                     out[g].append(_Candidate(blk, min(blk.end, same), True))
                     seen.add(id(blk))
-    chain = blockplan.chain_keys(ids, bt, salt_root)
+    chain = blockclaim.chain_keys(ids, bt, salt_root)
     for g in out:
         for k in range(len(ids) // bt + 1):
             if k * bt >= len(ids) - 1:

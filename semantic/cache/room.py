@@ -104,7 +104,7 @@ def longest_cache(spec: ModelCacheSpec, capacity: int, block_tokens: int, ceilin
 
 def turn_need(spec: ModelCacheSpec, misses: dict[str, int], prompt: int, completion: int, block_tokens: int) -> int:
     """Pool bytes a turn takes at most: per group, the prompt's blocks the pool misses (``misses``, from
-    ``blockplan.plan_blocks``) and the blocks its ``completion`` tokens may fill, capped by what that
+    ``blockclaim.claim_blocks``) and the blocks its ``completion`` tokens may fill, capped by what that
     group's cache can hold (a window; a snapshot group's K)."""
     costs = block_costs(spec, block_tokens)
     need = 0

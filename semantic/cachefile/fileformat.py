@@ -19,7 +19,7 @@ The document holds the format version, model fingerprint, cache spec, the
 exact token ids, each layer's cache type and meta, an xxh3-128 per tensor,
 and the mlx / mlx-lm versions that wrote it. Version 2 adds ``stored_from``:
 per sliding group whose cache referenced a pooled full block at its window
-edge (``blockplan``), the position its tensors start at, before the
+edge (``blockclaim``), the position its tensors start at, before the
 window, so that agents reloaded from disk share that block again::
 
     window 512 at T = 900     held  [388 ................ 900)
@@ -60,7 +60,7 @@ import mlx.core as mx
 import xxhash
 
 from semantic import compat
-from semantic.cache.blockplan import stored_ranges
+from semantic.cache.blockclaim import stored_ranges
 from semantic.errors import CacheCorruptError, CacheError, UnsupportedCacheError
 from semantic.cache.spec import RECURRENT, LayerSpec, ModelCacheSpec
 

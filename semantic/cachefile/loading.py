@@ -4,7 +4,7 @@ A load checks the header against the layout the document implies and the
 file size, and every tensor it reads against its checksum, before any block
 reaches the pool; anything wrong raises :class:`CacheCorruptError`. Nothing
 is ever unpickled. It goes through the pool's hash-chained lookup
-(``blockplan``): full blocks the pool already holds are shared and their
+(``blockclaim``): full blocks the pool already holds are shared and their
 tensors are not even read. Each group's tensors become one segment
 (``blocks.Segment``) that the loaded blocks are views of, so reconstruction
 hands it over without a copy.
@@ -20,7 +20,7 @@ from typing import Iterable
 import mlx.core as mx
 import xxhash
 
-from semantic.cache.blockplan import BlockPlan, PlannedBlock, chain_keys, commit, miss_runs, plan_blocks, stored_ranges
+from semantic.cache.blockclaim import BlockClaim, ClaimedBlock, chain_keys, commit, miss_runs, claim_blocks, stored_ranges
 from semantic.cache.blocks import AgentBlocks, KVBlock, LayerKV, Segment, SegmentView
 from semantic.cachefile.atomic import hasher
 from semantic.cachefile.fileformat import HASH, MX_DTYPES, CacheFileInfo, TensorSlot, read_header
@@ -104,7 +104,7 @@ class _FileBlocks:
             self.by_layer.setdefault(s.layer, {})[(s.side, s.part)] = s.name
         self.arrays: dict[str, mx.array] = {}
 
-    def needed(self, planned: Iterable[PlannedBlock]) -> list[TensorSlot]:
+    def needed(self, planned: Iterable[ClaimedBlock]) -> list[TensorSlot]:
         """Unread tensors of every group with a block that missed the pool."""
         groups = {p.group for p in planned if p.hit is None}
         return [s for g, slots in self.by_group.items() if g in groups for s in slots if s.name not in self.arrays]
@@ -133,7 +133,7 @@ class _FileBlocks:
             return kv  # the buffer is the window: no copy
         return _map(kv, lambda x: mx.contiguous(mx.concatenate([x[..., p:q, :] for p, q in cuts], axis=2)))
 
-    def block_data(self, planned: BlockPlan) -> dict[int, tuple[dict[int, LayerKV], SegmentView]]:
+    def block_data(self, planned: BlockClaim) -> dict[int, tuple[dict[int, LayerKV], SegmentView]]:
         """For each missed planned block (by index): its layer views and where they sit in their segment
         (a snapshot: its layers' whole window, no segment)."""
         out, made = {}, []
@@ -238,10 +238,10 @@ def _load_once(path: str, pool: BlockPool, fingerprint: str | None, lock: Abstra
     source = _FileBlocks(info)
     chain = chain_keys(info.token_ids, pool.block_tokens, info.hash_root)  # re-keyed under its own salt
     with lock:
-        planned = plan_blocks(pool, info.spec, info.token_ids, chain, info.hash_root, info.stored_from)
+        planned = claim_blocks(pool, info.spec, info.token_ids, chain, info.hash_root, info.stored_from)
     source.read(source.needed(planned.blocks))  # the slow part, outside the lock
     with lock:
-        planned = plan_blocks(pool, info.spec, info.token_ids, chain, info.hash_root, info.stored_from)
+        planned = claim_blocks(pool, info.spec, info.token_ids, chain, info.hash_root, info.stored_from)
         late = source.needed(planned.blocks)  # hits that were recycled meanwhile
         if late:
             source.read(late)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from semantic.cache.blockplan import block_spans, snapshot_span
+from semantic.cache.blockclaim import block_spans, snapshot_span
 from semantic.cache.blocks import AgentBlocks, KVBlock, segment_runs
 from semantic.cachefile import atomic
 from semantic.cachefile.fileformat import (
@@ -32,7 +32,7 @@ from semantic.cache.spec import ModelCacheSpec
 
 def stored_from(blocks: AgentBlocks) -> dict[str, int]:
     """Per sliding group whose first window block starts before the window (a shared
-    edge block, see ``blockplan``), where that block starts: the file stores it whole."""
+    edge block, see ``blockclaim``), where that block starts: the file stores it whole."""
     out = {}
     for group, layers in blocks.spec.groups().items():
         layer = blocks.spec.layers[layers[0]]
@@ -87,7 +87,7 @@ def _sources(blocks: AgentBlocks, slots: list[TensorSlot], edges: dict[str, int]
 def earlier_snapshots(blocks: AgentBlocks) -> list[KVBlock]:
     """The snapshot blocks ``blocks`` carries before each snapshot group's last one (its snapshots at earlier
     positions of the same history: where a regenerate, or a client that re-renders the reply, resumes),
-    checked: each a snapshot span (``blockplan.snapshot_span``) of the history's tokens, ends ascending."""
+    checked: each a snapshot span (``blockclaim.snapshot_span``) of the history's tokens, ends ascending."""
     out = []
     spec, total, bt = blocks.spec, blocks.total_tokens, blocks.block_tokens
     for group, layers in spec.groups().items():

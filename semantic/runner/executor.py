@@ -46,7 +46,7 @@ from typing import Callable, Iterator, Sequence
 import mlx.core as mx
 from semantic.runner import batchprobe
 from semantic import compat, defaults, kinds
-from semantic.cache import blockplan, convert, reuse, snapshots
+from semantic.cache import blockclaim, convert, reuse, snapshots
 from semantic.cache.blocks import AgentBlocks
 from semantic.runner.stepbudget import StepBudget
 from semantic.decode.constraint import Constraint
@@ -222,12 +222,12 @@ class BatchExecutor:
         if not at:
             return
         salt, bt = seq.request.salt_root, self.pool.block_tokens
-        chain = blockplan.chain_keys(ids[: max(at)], bt, salt)
+        chain = blockclaim.chain_keys(ids[: max(at)], bt, salt)
         with self.lock:
             found = {g: [] for g in self._snapshot_groups}
             for p in sorted(at):
-                hits = [self.pool.lookup(blockplan.snapshot_keys(ids[:p], chain, g, bt, salt)[1],
-                                         ids[blockplan.snapshot_span(p, bt)[0]: p], count=False)
+                hits = [self.pool.lookup(blockclaim.snapshot_keys(ids[:p], chain, g, bt, salt)[1],
+                                         ids[blockclaim.snapshot_span(p, bt)[0]: p], count=False)
                         for g in self._snapshot_groups]
                 if all(h is not None for h in hits):
                     for g, h in zip(self._snapshot_groups, hits):
@@ -436,11 +436,11 @@ class BatchExecutor:
         """The cache of ``ids`` made of pooled blocks alone (new references the caller owns), or None when
         the pool lacks one of them or cannot take back the cached ones."""
         with self.lock:
-            planned = blockplan.plan_blocks(self.pool, self.spec, ids, salt_root=salt_root)
-            if not planned.blocks or any(p.hit is None for p in planned.blocks):
+            claim = blockclaim.claim_blocks(self.pool, self.spec, ids, salt_root=salt_root)
+            if not claim.blocks or any(p.hit is None for p in claim.blocks):
                 return None
             try:
-                return blockplan.commit(self.pool, self.spec, ids, planned, lambda p: None, self._release, salt_root)
+                return blockclaim.commit(self.pool, self.spec, ids, claim, lambda p: None, self._release, salt_root)
             except PoolExhaustedError:
                 return None
 

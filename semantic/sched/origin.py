@@ -96,8 +96,8 @@ class CacheOrigin:
             The prompt's blocks the pool misses plus those its generated tokens may fill, in bytes
             (``semantic.cache.room.turn_need``).
         """
-        plan = self.store.plan(request.ids, request.salt_root)
-        return room.turn_need(self.store.spec, plan.misses, len(request.ids), request.max_tokens,
+        claim = self.store.claim(request.ids, request.salt_root)
+        return room.turn_need(self.store.spec, claim.misses, len(request.ids), request.max_tokens,
                               self.store.block_tokens)
 
     def _own(self, agent_id: str) -> tuple[AgentBlocks | None, bool]:

@@ -49,7 +49,7 @@ from typing import Callable, Sequence
 
 from semantic.blasshare import SHARE
 from semantic import cachefile, defaults
-from semantic.cache.blockplan import chain_keys
+from semantic.cache.blockclaim import chain_keys
 from semantic.cache.blocks import AgentBlocks
 from semantic.runner.executor import BatchExecutor
 from semantic.errors import CacheError, PoolExhaustedError, QueueFullError, SchedulerClosedError

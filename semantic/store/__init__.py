@@ -41,7 +41,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from semantic.cache import blockplan
+from semantic.cache import blockclaim
 from semantic import cachefile
 from semantic.cache.blocks import AgentBlocks
 from semantic.store.diskhealth import DiskHealth
@@ -356,11 +356,11 @@ class AgentCacheStore:
         with self.pool_lock:
             return self.pool.free_bytes
 
-    def plan(self, token_ids, salt_root: int | None = None) -> blockplan.BlockPlan:
+    def claim(self, token_ids, salt_root: int | None = None) -> blockclaim.BlockClaim:
         """What a cache of ``token_ids`` (keyed under ``salt_root``) would take from the pool now (its blocks
         already pooled are shared): bytes, and blocks missed per group."""
         with self.pool_lock:
-            return blockplan.plan_blocks(self.pool, self.spec, token_ids, salt_root=salt_root)
+            return blockclaim.claim_blocks(self.pool, self.spec, token_ids, salt_root=salt_root)
 
     def _check_live(self, blocks: AgentBlocks) -> None:
         """Refuse blocks that were released or that live in another pool."""

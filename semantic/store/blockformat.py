@@ -32,7 +32,7 @@ it; a file that fails is :class:`CacheCorruptError`.
 A *snapshot* file (format version 2, ``"snapshot": true``) holds a group that
 resumes only from a snapshot (``LayerSpec.snapshot_only``: a recurrent group,
 a window shorter than a block) as its whole cache after ``end`` tokens, not
-positions: ``start`` is the block start (``blockplan.snapshot_span``) and its
+positions: ``start`` is the block start (``blockclaim.snapshot_span``) and its
 tokens run from there to ``end``, but only a history whose tokens match all
 of them serves from it (never a prefix)::
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from semantic.cache.blockplan import snapshot_span, stored_ranges
+from semantic.cache.blockclaim import snapshot_span, stored_ranges
 from semantic.cache.spec import ModelCacheSpec
 from semantic.store.blockformat import BlockInfo, block_key, snapshot_key
 from semantic.store.manifest import Extent
@@ -50,7 +50,7 @@ class NewBlock:
 
 
 @dataclass(frozen=True, slots=True)
-class SavePlan:
+class SaveFiles:
     extents: dict[str, tuple[Extent, ...]]
     new: tuple[NewBlock, ...]
     reused: frozenset[int]
@@ -128,10 +128,10 @@ class BlockIndex:
                 unique += info.nbytes
         return shared, unique
 
-    # ------------------------------------------------------------ planning a save
+    # ------------------------------------------------------------ a save's files
 
-    def plan(self, spec: ModelCacheSpec, tokens: Sequence[int], chain: Sequence[int], salt_root: int | None,
-             stored_from: dict[str, int], bt: int, earlier: dict[str, Sequence[int]] | None = None) -> SavePlan:
+    def files_for(self, spec: ModelCacheSpec, tokens: Sequence[int], chain: Sequence[int], salt_root: int | None,
+             stored_from: dict[str, int], bt: int, earlier: dict[str, Sequence[int]] | None = None) -> SaveFiles:
         """The extents of a history and the block files it lacks (nothing changes; the caller pins).
         ``earlier``: per snapshot group, the ends of its snapshots before the history's end, ascending."""
         extents, new, reused, snapshots = {}, [], set(), set()
@@ -166,7 +166,7 @@ class BlockIndex:
                     p = u
                 buffered += b - a
             extents[group] = tuple(out)
-        return SavePlan(extents, tuple(new), frozenset(reused), frozenset(snapshots))
+        return SaveFiles(extents, tuple(new), frozenset(reused), frozenset(snapshots))
 
     def _snapshot(self, group, tokens, chain, salt_root, bt, new: list, reused: set) -> tuple[Extent, ...]:
         """A snapshot group's extent after all of ``tokens``: the file of its cache then (reused when indexed)."""

@@ -35,7 +35,7 @@ from pathlib import Path
 import xxhash
 
 from semantic import cachefile
-from semantic.cache.blockplan import chain_keys
+from semantic.cache.blockclaim import chain_keys
 from semantic.cache.blocks import AgentBlocks
 from semantic.cachefile import atomic
 from semantic.cachefile.fileformat import ST_DTYPES
@@ -132,11 +132,11 @@ class BlockFiles(AgentIndex):
         holds, and the manifest (headers add a few KiB per file)."""
         chain = chain_keys(blocks.token_ids, self.bt, blocks.salt_root)
         with self.lock:
-            plan = self.index.plan(self.spec, blocks.token_ids, chain, blocks.salt_root, prepared.stored_from, self.bt,
+            files = self.index.files_for(self.spec, blocks.token_ids, chain, blocks.salt_root, prepared.stored_from, self.bt,
                                    _earlier_ends(prepared))
         per_group = {g: sum(self.spec.layers[i].token_bytes() for i in layers) for g, layers in self.spec.groups().items()}
         return int(sum(_snapshot_bytes(self.spec, nb) if nb.snapshot else (nb.end - nb.start) * per_group[nb.group]
-                       for nb in plan.new)) + 8 * len(blocks.token_ids)
+                       for nb in files.new)) + 8 * len(blocks.token_ids)
 
     def write(self, agent_id: str, blocks: AgentBlocks, prepared: cachefile.PreparedSave) -> Held:
         """Write the block files ``blocks`` lacks on disk, then the agent's manifest; not indexed yet
@@ -148,14 +148,14 @@ class BlockFiles(AgentIndex):
         tokens = blocks.token_ids
         chain = chain_keys(tokens, self.bt, blocks.salt_root)
         with self.lock:
-            plan = self.index.plan(self.spec, tokens, chain, blocks.salt_root, prepared.stored_from, self.bt,
+            files = self.index.files_for(self.spec, tokens, chain, blocks.salt_root, prepared.stored_from, self.bt,
                                    _earlier_ends(prepared))
-            self.index.pin(plan.reused)
-        pins, written = set(plan.reused), 0
+            self.index.pin(files.reused)
+        pins, written = set(files.reused), 0
         try:
-            if plan.new:
+            if files.new:
                 self.blocks_dir.mkdir(exist_ok=True)
-            for nb in plan.new:
+            for nb in files.new:
                 with self.files_lock:  # not while a collector deletes an old copy of it
                     info = self._write_block(nb, tokens, prepared)
                     with self.lock:
@@ -163,7 +163,7 @@ class BlockFiles(AgentIndex):
                         self.index.pin([info.key])
                 written += info.nbytes
                 pins.add(info.key)
-            if plan.new and self.durable:
+            if files.new and self.durable:
                 atomic.fsync_path(str(self.blocks_dir))
             path = self.dir / manifest_name(agent_id)
             while True:  # again if save_extra came while this save held the agent: its note goes in too
@@ -171,7 +171,7 @@ class BlockFiles(AgentIndex):
                     extra = self.extras.get(agent_id)
                     self._extra_stale.discard(agent_id)
                 m = Manifest(agent_id, self.fingerprint, self.spec, self.bt, tokens, blocks.salt_root,
-                             dict(prepared.stored_from), plan.extents, extra, snapshots=plan.snapshots)
+                             dict(prepared.stored_from), files.extents, extra, snapshots=files.snapshots)
                 n = manifest.write(str(path), m, self.durable)
                 with self.lock:
                     if agent_id not in self._extra_stale:
@@ -303,7 +303,7 @@ class BlockFiles(AgentIndex):
         """The longest prefix of ``token_ids`` (its last token left to prefill) that the block files hold,
         whoever saved them, read into ``pool`` when it is longer than ``beyond`` tokens; else None.
 
-        A manifest of the history is planned from the index alone (``BlockIndex.plan``: the files that hold
+        A manifest of the history is planned from the index alone (``BlockIndex.files_for``: the files that hold
         each stretch of it) and loaded as an agent's would be: up to its first missing file, or, for a model
         with snapshot groups, up to the latest position where every such group finds a snapshot file
         (a shared system prompt's end, an earlier turn's boundary)::
@@ -321,10 +321,10 @@ class BlockFiles(AgentIndex):
             return None
         chain = chain_keys(tokens, self.bt, salt_root)
         with self.lock:
-            plan = self.index.plan(self.spec, tokens, chain, salt_root, {}, self.bt)
+            chosen = self.index.files_for(self.spec, tokens, chain, salt_root, {}, self.bt)
             files = dict(self.index.infos)
-        m = Manifest("", self.fingerprint, self.spec, self.bt, tokens, salt_root, {}, plan.extents,
-                     snapshots=plan.snapshots)
+        m = Manifest("", self.fingerprint, self.spec, self.bt, tokens, salt_root, {}, chosen.extents,
+                     snapshots=chosen.snapshots)
         if blockload.whole_prefix(m, files, tails=True) <= beyond:
             return None
 

@@ -3,7 +3,7 @@
 ::
 
     manifest ─► extents per group ─► which prefix is whole on disk (files indexed, each fitting the history)
-             ─► plan against the pool (``blockplan``): pooled blocks are shared, never read
+             ─► plan against the pool (``blockclaim``): pooled blocks are shared, never read
              ─► per run of missed blocks of a group, one array per layer and part sized for the run (a segment);
                 its files read straight into their rows, each tensor hashed as it arrives (``blockread``)
              ─► commit: the run's blocks are views of its segment, so a layer reconstructs with no copy
@@ -16,7 +16,7 @@ short must still hold every group's window at the cut, else the load misses.
 A group that resumes only from a snapshot (``manifest``: ``snapshots``) loads
 from its snapshot file after the whole history, and from nothing else of the
 manifest; the snapshots it lists before that (where a regenerate resumes) are
-loaded too, as earlier snapshot blocks of the same group (``blockplan.commit``'s
+loaded too, as earlier snapshot blocks of the same group (``blockclaim.commit``'s
 ``earlier``), each from the pool when it holds it, else from its file; one whose
 file is damaged or lost is left out, and only it. When the last snapshot file,
 or a positional block before the end, is lost, the history resumes where every
@@ -41,7 +41,7 @@ from typing import Callable, Sequence
 
 import mlx.core as mx
 
-from semantic.cache.blockplan import PlannedBlock, chain_keys, commit, plan_blocks, snapshot_span
+from semantic.cache.blockclaim import ClaimedBlock, chain_keys, commit, claim_blocks, snapshot_span
 from semantic.cache.blocks import AgentBlocks, LayerKV, Segment, SegmentView
 from semantic.cachefile.fileformat import MX_DTYPES, QPARTS
 from semantic.errors import CacheCorruptError
@@ -181,7 +181,7 @@ def _load_prefix(m: Manifest, total: int, files, pool, pool_lock, release) -> Ag
     chain = chain_keys(tokens, m.block_tokens, m.hash_root)
 
     def plans():
-        planned = plan_blocks(pool, m.spec, tokens, chain, m.hash_root, stored_from)
+        planned = claim_blocks(pool, m.spec, tokens, chain, m.hash_root, stored_from)
         return planned, _earlier_plans(m, total, pool, chain)
 
     with pool_lock:
@@ -202,21 +202,21 @@ def _load_prefix(m: Manifest, total: int, files, pool, pool_lock, release) -> Ag
             mine = [p.hit if p.hit is not None else pool.allocate(
                 p.group, p.start, tokens[p.start:p.end], got[_where(p)][0], p.key, parent=p.parent) for p in earlier]
             held += [b for b, p in zip(mine, earlier) if p.hit is None]
-            planned = plan_blocks(pool, m.spec, tokens, chain, m.hash_root, stored_from)  # fresh: the hits held
+            planned = claim_blocks(pool, m.spec, tokens, chain, m.hash_root, stored_from)  # fresh: the hits held
             return commit(pool, m.spec, tokens, planned, lambda p: got[_where(p)], release=release,
                           salt_root=m.hash_root, earlier=mine)
         finally:
             pool.release(held)
 
 
-def _where(p: PlannedBlock) -> tuple:
+def _where(p: ClaimedBlock) -> tuple:
     """A planned block's place, the same in a fresh plan of the same history."""
     return p.group, p.start, p.end, p.snapshot
 
 
-def _earlier_plans(m: Manifest, total: int, pool: BlockPool, chain) -> list[PlannedBlock]:
+def _earlier_plans(m: Manifest, total: int, pool: BlockPool, chain) -> list[ClaimedBlock]:
     """The snapshot blocks of the manifest's snapshots before ``total`` (``m``'s snapshot groups' earlier
-    extents), planned as ``plan_blocks`` plans a snapshot after their end: pooled ones hit, never read."""
+    extents), planned as ``claim_blocks`` plans a snapshot after their end: pooled ones hit, never read."""
     bt, out = m.block_tokens, []
     by_end: dict[int, set[str]] = {}
     for g in m.snapshots:
@@ -224,7 +224,7 @@ def _earlier_plans(m: Manifest, total: int, pool: BlockPool, chain) -> list[Plan
             if e.end < total:
                 by_end.setdefault(e.end, set()).add(g)
     for end, groups in sorted(by_end.items()):
-        planned = plan_blocks(pool, m.spec, m.token_ids[:end], chain[: end // bt], m.hash_root)
+        planned = claim_blocks(pool, m.spec, m.token_ids[:end], chain[: end // bt], m.hash_root)
         out.extend(p for p in planned.blocks if p.snapshot and p.group in groups)
     return out
 
@@ -239,7 +239,7 @@ def _snapshot_extent(m: Manifest, p) -> Extent:
     return e
 
 
-def _restore(m: Manifest, planned: Sequence[PlannedBlock], files: dict[int, BlockInfo], got: dict) -> None:
+def _restore(m: Manifest, planned: Sequence[ClaimedBlock], files: dict[int, BlockInfo], got: dict) -> None:
     """Read the missed blocks of ``planned`` that ``got`` lacks into it, by :func:`_where`: each block's
     K/V per layer and, for a positional block, its :class:`SegmentView` (a snapshot's is None).
 
@@ -252,13 +252,13 @@ def _restore(m: Manifest, planned: Sequence[PlannedBlock], files: dict[int, Bloc
         _Bad: a file failed its checks (nothing is added to ``got``).
         _Unreadable: a file could not be read now.
     """
-    runs: list[list[PlannedBlock]] = []
+    runs: list[list[ClaimedBlock]] = []
     prev = None  # the index of the last block to read
     for idx, p in enumerate(planned):
         if p.hit is not None or _where(p) in got:
             continue
         last = runs[-1][-1] if runs and prev == idx - 1 else None
-        # a run goes on where the group's held buffer does (``blockplan.block_spans``: position - shift)
+        # a run goes on where the group's held buffer does (``blockclaim.block_spans``: position - shift)
         if (last is not None and not p.snapshot and not last.snapshot and last.group == p.group
                 and last.end - last.shift == p.start - p.shift):
             runs[-1].append(p)
@@ -296,7 +296,7 @@ class _Fill:
     made, each block's K/V per layer and its segment view (None: a snapshot)."""
 
     def __init__(self, slots, rows: dict[int, list[tuple[int, int, int]] | None],
-                 blocks: Callable[["_Fill"], list[tuple[PlannedBlock, dict[int, LayerKV], SegmentView | None]]]):
+                 blocks: Callable[["_Fill"], list[tuple[ClaimedBlock, dict[int, LayerKV], SegmentView | None]]]):
         self.slots, self.rows, self.blocks = list(slots), rows, blocks
         self.arrays: dict[str, mx.array] = {}
 
@@ -312,7 +312,7 @@ class _Fill:
         return tuple(tuple(a[f"layer.{i}.{side}.{q}"] for q in QPARTS) for side in ("keys", "values"))
 
 
-def _run_fill(m: Manifest, run: list[PlannedBlock], files: dict[int, BlockInfo]) -> _Fill:
+def _run_fill(m: Manifest, run: list[ClaimedBlock], files: dict[int, BlockInfo]) -> _Fill:
     """A run of missed positional blocks: one array per layer and part over the run's held-buffer
     rows ``[first.start - first.shift, last.end - last.shift)``, each block's files read into its rows."""
     first, last = run[0], run[-1]
@@ -344,7 +344,7 @@ def _rows(side, a: int, b: int):
     return side if a == 0 and b == side.shape[2] else side[..., a:b, :]
 
 
-def _snapshot_fill(m: Manifest, p: PlannedBlock, files: dict[int, BlockInfo]) -> _Fill:
+def _snapshot_fill(m: Manifest, p: ClaimedBlock, files: dict[int, BlockInfo]) -> _Fill:
     """A snapshot block in the pool's format (``convert``): a recurrent layer's ``(arrays, ())``, a short
     window's ``(keys, values)`` of the tokens it holds after ``p.end``, in temporal order."""
     if p.group in m.snapshots:

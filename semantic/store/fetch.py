@@ -22,7 +22,7 @@ import os
 import threading
 from typing import Callable
 
-from semantic.cache import blockplan
+from semantic.cache import blockclaim
 from semantic.cache.blocks import AgentBlocks
 from semantic.errors import (CacheCorruptError, CacheFormatError, CacheMismatchError, InvalidAgentIdError,
                              PoolExhaustedError)
@@ -67,7 +67,7 @@ class RemoteFetch:
             blocks: the cache saved (its chain keys let others find its blocks).
         """
         if self.remote is not None:  # behind this call: read and sent by its thread
-            chain = blockplan.chain_keys(blocks.token_ids, self.pool.block_tokens, blocks.salt_root)
+            chain = blockclaim.chain_keys(blocks.token_ids, self.pool.block_tokens, blocks.salt_root)
             self.remote.publish(agent_id, held.path, version, chain, self.files.block_paths(held.keys))
 
     def newer_elsewhere(self, agent_id: str) -> bool:
@@ -120,7 +120,7 @@ class RemoteFetch:
         """
         if self.remote is None:
             return 0
-        chain = blockplan.chain_keys(token_ids, self.pool.block_tokens, salt_root)
+        chain = blockclaim.chain_keys(token_ids, self.pool.block_tokens, salt_root)
         have = self._pooled(token_ids, chain, salt_root)
         if have == len(chain):
             return 0
@@ -144,7 +144,7 @@ class RemoteFetch:
         """Leading full blocks that every group holding them (global layers) has pooled."""
         bt = self.pool.block_tokens
         with self.pool_lock:
-            plan = blockplan.plan_blocks(self.pool, self.files.spec, token_ids, chain, salt_root=salt_root)
+            plan = blockclaim.claim_blocks(self.pool, self.files.spec, token_ids, chain, salt_root=salt_root)
         have = len(chain)
         for group in {p.group for p in plan.blocks if not p.snapshot}:  # a snapshot is no leading block
             spans = [p for p in plan.blocks if p.group == group]

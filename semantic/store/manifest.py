@@ -16,7 +16,7 @@ An extent ``[key, a, b)`` uses positions ``a..b`` of the block file ``key``
 (any part of it: a history may use a prefix of another's block). A group that
 resumes only from a snapshot (``LayerSpec.snapshot_only``) has one extent per
 snapshot the cache carries, ``[key, s, t]``: the snapshot file of its cache
-after ``t`` tokens, ``s`` the block start before ``t`` (``blockplan.snapshot_span``),
+after ``t`` tokens, ``s`` the block start before ``t`` (``blockclaim.snapshot_span``),
 ends ascending, the last after all ``T`` tokens (the earlier ones: where a
 regenerate, or a client that re-renders the reply, resumes); such groups are
 listed in ``"snapshots"``. A manifest without that list was written before
@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 import xxhash
 
 from semantic import cachefile, compat
-from semantic.cache.blockplan import snapshot_span, stored_ranges
+from semantic.cache.blockclaim import snapshot_span, stored_ranges
 from semantic.cachefile import atomic
 from semantic.errors import CacheCorruptError, CacheFormatError, CacheMismatchError
 from semantic.cache.spec import RECURRENT, ModelCacheSpec

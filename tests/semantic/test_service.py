@@ -15,7 +15,7 @@ import pytest
 from harness.models.tiny import write_tiny_llama
 from semantic import ContextLengthError, InvalidRequestError
 from semantic.cache import room
-from semantic.cache.blockplan import salt_root_of
+from semantic.cache.blockclaim import salt_root_of
 from semantic.service import ANON, DEFAULT_CONTEXT, Service, TurnRequest, fit_max_tokens, native_context
 
 pytestmark = pytest.mark.compat

@@ -31,7 +31,7 @@ from semantic.cache.reuse import common_prefix
 PACKAGE = Path(semantic.__file__).parent
 PROJECTS = ("billing-service", "log-indexer", "render-farm", "feature-store", "auth-gateway", "etl-scheduler")
 # the files a read_file returns slices of: our own source, deterministic and code-shaped
-SOURCES = ("cache/pool.py", "cache/reuse.py", "runner/steploop.py", "cache/blockplan.py", "runner/executor.py",
+SOURCES = ("cache/pool.py", "cache/reuse.py", "runner/steploop.py", "cache/blockclaim.py", "runner/executor.py",
            "cache/convert.py", "store/blocklayout.py", "sched/scheduler.py")
 REPLY_SLACK = 1  # a server may leave the reply's last token unfed (mlx-lm's prompt cache does)
 

@@ -137,7 +137,7 @@ def test_pooled_tails_are_indexed_under_their_parent_until_recycled(gemma_tiny):
 
 @pytest.mark.parametrize("salt", [None, "tenant"])
 def test_a_pooled_branch_is_reachable_only_under_its_own_root(gemma_tiny, salt):
-    from semantic.cache.blockplan import salt_root_of
+    from semantic.cache.blockclaim import salt_root_of
 
     eng = engine(gemma_tiny)
     ids = history(13, seed=7)

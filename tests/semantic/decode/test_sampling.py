@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from semantic import AgentCacheStore, BlockPool, BatchExecutor, ConcurrentScheduler, ModelCacheSpec, Request
-from semantic.cache.blockplan import salt_root_of
+from semantic.cache.blockclaim import salt_root_of
 from semantic.errors import InvalidRequestError
 from semantic.decode.sampling import SamplingParams
 from tests.tiny_models import byte_tokenizer

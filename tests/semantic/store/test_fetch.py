@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from semantic import AgentCacheStore
-from semantic.cache import blockplan
+from semantic.cache import blockclaim
 from semantic.store.remote import RemoteTier
 from tests.cache_helpers import assert_identical, engine, generate, history
 from tests.redis_helpers import RedisServer
@@ -64,7 +64,7 @@ def test_a_prefix_saved_on_one_server_is_prefetched_into_another_servers_pool(ll
     assert s1.remote.flush(10)
     newcomer = shared + [9, 9, 9]
     assert s2.prefetch(newcomer) == 10 and s2.prefetch(newcomer) == 0  # the second time: all pooled already
-    plan = blockplan.plan_blocks(s2.pool, s2.spec, newcomer)
+    plan = blockclaim.claim_blocks(s2.pool, s2.spec, newcomer)
     assert sum(p.hit is not None for p in plan.blocks) == 10  # the newcomer's turn will start from them
     assert s2.prefetch(newcomer, salt_root=12345) == 0  # another tenant's root: no pointer matches
 

@@ -23,7 +23,7 @@ needs::
                        ^ pooled full block, shared (positions 256..387 unused)
                       without it: [388 .. 512) private partial
 
-:func:`plan_blocks` looks every block up without taking anything;
+:func:`claim_blocks` looks every block up without taking anything;
 :func:`commit` checks the pool can hold the misses, then acquires the hits
 and allocates the misses with data from a callback. A caller may read data
 between the two (``cachefile.load`` reads only the blocks that missed).
@@ -40,7 +40,7 @@ from semantic.cache.spec import LayerSpec, ModelCacheSpec
 
 
 @dataclass(frozen=True, slots=True)
-class PlannedBlock:
+class ClaimedBlock:
     """Tokens ``[start, end)`` of one layer group.
 
     Position ``p`` sits at index ``p - shift`` of a layer's stored (unrolled)
@@ -61,11 +61,11 @@ class PlannedBlock:
 
 
 @dataclass(frozen=True, slots=True)
-class BlockPlan:
+class BlockClaim:
     """The blocks of one history, and what taking them costs: ``need`` bytes of the pool's free
     blocks (``room``), ``misses`` blocks per group."""
 
-    blocks: tuple[PlannedBlock, ...]
+    blocks: tuple[ClaimedBlock, ...]
     need: int
     misses: dict[str, int] = field(default_factory=dict)
 
@@ -155,10 +155,10 @@ def salt_root_of(salt: str | bytes | None) -> int | None:
     return chain_hash(None, (), "salt:" + (salt.hex() if isinstance(salt, bytes) else salt))
 
 
-def plan_blocks(
+def claim_blocks(
     pool: BlockPool, spec: ModelCacheSpec, token_ids: Sequence[int], chain: Sequence[int] | None = None,
     salt_root: int | None = None, stored_from: dict[str, int] | None = None,
-) -> BlockPlan:
+) -> BlockClaim:
     """Look up every keyed block of ``token_ids`` in ``pool``; change nothing.
 
     ``chain`` is ``chain_keys(token_ids, pool.block_tokens, salt_root)``, when the
@@ -184,7 +184,7 @@ def plan_blocks(
                 parent, key = snapshot_keys(tokens, chain, group, bt, salt_root)
                 hit = pool.lookup(key, tokens[a:b], count=False)
                 misses[group] += hit is None or pool.is_free(hit)
-                out.append(PlannedBlock(group, layers, a, b, 0, key, hit, parent, snapshot=True))
+                out.append(ClaimedBlock(group, layers, a, b, 0, key, hit, parent, snapshot=True))
             continue
         spans = block_spans(layer, total, bt, stored_from.get(group))
         edge = window_edge(layer, total, bt)
@@ -207,14 +207,14 @@ def plan_blocks(
                     key = parent = None
             # a cached hit is charged as free: acquiring it takes free bytes
             misses[group] += hit is None or pool.is_free(hit)
-            out.append(PlannedBlock(group, layers, a, b, shift, key, hit, parent))
-    return BlockPlan(tuple(out), sum(pool.cost(g) * n for g, n in misses.items()), misses)
+            out.append(ClaimedBlock(group, layers, a, b, shift, key, hit, parent))
+    return BlockClaim(tuple(out), sum(pool.cost(g) * n for g, n in misses.items()), misses)
 
 
-def plan_passed(
+def claim_passed(
     pool: BlockPool, spec: ModelCacheSpec, token_ids: Sequence[int], ends: Sequence[int],
     buffers: dict[str, list[tuple[int, int]]], salt_root: int | None = None,
-) -> BlockPlan:
+) -> BlockClaim:
     """The full blocks each positional group held after each of ``ends`` tokens that ``pool`` lacks,
     from buffers holding the positions ``buffers[group]`` back to back (a window: what a prefill
     chunk left, ``SnapshotPositions.passed``). Hits are left out: there is nothing to take."""
@@ -237,8 +237,8 @@ def plan_passed(
                 continue
             misses[group] += 1
             parent = chain[a // bt - 1] if a else salt_root
-            out.append(PlannedBlock(group, layers, a, a + bt, _shift(buffer, a, a + bt), key, None, parent))
-    return BlockPlan(tuple(out), sum(pool.cost(g) * n for g, n in misses.items()), misses)
+            out.append(ClaimedBlock(group, layers, a, a + bt, _shift(buffer, a, a + bt), key, None, parent))
+    return BlockClaim(tuple(out), sum(pool.cost(g) * n for g, n in misses.items()), misses)
 
 
 def _shift(buffer: list[tuple[int, int]], a: int, b: int) -> int:
@@ -256,14 +256,14 @@ def _buffered(layer: LayerSpec, total: int, stored_from: int | None, position: i
     return any(a <= position < b for a, b in stored_ranges(layer, total, stored_from))
 
 
-def miss_runs(planned: Sequence[PlannedBlock]) -> list[list[int]]:
+def miss_runs(claim: Sequence[ClaimedBlock]) -> list[list[int]]:
     """Indices of the missed blocks, in runs of consecutive blocks of one group
     (each run becomes one segment)."""
     runs: list[list[int]] = []
-    for idx, p in enumerate(planned):
+    for idx, p in enumerate(claim):
         if p.hit is not None:
             continue
-        if runs and runs[-1][-1] == idx - 1 and planned[idx - 1].group == p.group and not p.snapshot:
+        if runs and runs[-1][-1] == idx - 1 and claim[idx - 1].group == p.group and not p.snapshot:
             runs[-1].append(idx)
         else:
             runs.append([idx])
@@ -274,13 +274,13 @@ def commit(
     pool: BlockPool,
     spec: ModelCacheSpec,
     token_ids: Sequence[int],
-    planned: BlockPlan,
-    data: Callable[[PlannedBlock], tuple[dict[int, LayerKV], SegmentView | None]],
+    claim: BlockClaim,
+    data: Callable[[ClaimedBlock], tuple[dict[int, LayerKV], SegmentView | None]],
     release: Callable[[list[KVBlock]], None] | None = None,
     salt_root: int | None = None,
     earlier: Sequence[KVBlock] = (),
 ) -> AgentBlocks:
-    """Take ``planned`` from ``pool`` as one agent's blocks.
+    """Take ``claim`` from ``pool`` as one agent's blocks.
 
     ``earlier`` are snapshot blocks of the same history at earlier positions (live: their holder
     keeps a reference until this returns), which the agent carries too, before its own snapshot
@@ -289,26 +289,26 @@ def commit(
     ``data(p)`` gives each missed block's K/V per layer and, when those are
     views into a segment, the block's :class:`blocks.SegmentView`, else None. It is called for every miss before anything is taken, so
     :class:`PoolExhaustedError` (the pool cannot hold the misses) or an error
-    from ``data`` leaves the pool untouched. The plan must be fresh: nothing may have used the pool since
-    :func:`plan_blocks` made it. ``release`` (default ``pool.release``) is what the
+    from ``data`` leaves the pool untouched. The claim must be fresh: nothing may have used the pool since
+    :func:`claim_blocks` made it. ``release`` (default ``pool.release``) is what the
     returned AgentBlocks calls to give its blocks back; ``salt_root`` is the chain root
-    ``planned`` was keyed with.
+    ``claim`` was keyed with.
     """
     tokens = token_ids if type(token_ids) is tuple else tuple(map(int, token_ids))
-    pool.require_free(planned.need)
+    pool.require_free(claim.need)
     # all data first, so a failing callback leaves the pool untouched
-    fresh = {i: data(p) for i, p in enumerate(planned.blocks) if p.hit is None}
-    keyed = [p for p in planned.blocks if p.key is not None]
+    fresh = {i: data(p) for i, p in enumerate(claim.blocks) if p.hit is None}
+    keyed = [p for p in claim.blocks if p.key is not None]
     pool.record_lookups(hits=sum(p.hit is not None for p in keyed), misses=sum(p.hit is None for p in keyed))
     groups: dict[str, list[KVBlock]] = {g: [] for g in spec.groups()}
-    ends = {p.group: p.end for p in planned.blocks if p.snapshot}
+    ends = {p.group: p.end for p in claim.blocks if p.snapshot}
     for b in sorted(earlier, key=lambda b: b.end):
         assert b.group in ends and b.token_ids == tokens[b.start : b.end], (b.group, b.start, b.end)
         if b.end < ends[b.group] and all(o.end != b.end for o in groups[b.group]):
             groups[b.group].append(pool.acquire(b))
-    # every hit held before any block is made: making one recycles cached blocks, never a planned hit
-    held = {i: pool.acquire(p.hit) for i, p in enumerate(planned.blocks) if p.hit is not None}
-    for i, p in enumerate(planned.blocks):
+    # every hit held before any block is made: making one recycles cached blocks, never a claimed hit
+    held = {i: pool.acquire(p.hit) for i, p in enumerate(claim.blocks) if p.hit is not None}
+    for i, p in enumerate(claim.blocks):
         if i in held:
             groups[p.group].append(held[i])
         else:
