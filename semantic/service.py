@@ -38,6 +38,7 @@ from semantic.cache.blockclaim import salt_root_of
 from semantic.chat.boundaries import message_boundaries
 from semantic.chat.maxtokens import fit_max_tokens
 from semantic.runner.executor import vocab_size
+from semantic.modelconfig import ModelConfig
 from semantic.errors import CacheError, ContextLengthError, InvalidRequestError, SchedulerClosedError
 from semantic.store.fingerprint import weights_fingerprint
 from semantic.decode.promptlookup import SpecConfig
@@ -65,19 +66,7 @@ __all__ = [
 ]
 
 ANON = "~anon/"          # anonymous agents' ids: never saved, never listed
-DEFAULT_CONTEXT = 4096   # when the model's config names no context length
 MB = 1 << 20
-
-
-def native_context(model) -> int:
-    """The model's context length: its config's (a multimodal wrapper's text config's, as Qwen3.5's), else
-    :data:`DEFAULT_CONTEXT`."""
-    args = getattr(model, "args", None)
-    for where in (args, getattr(args, "text_config", None)):
-        n = where.get("max_position_embeddings") if isinstance(where, dict) else getattr(where, "max_position_embeddings", None)
-        if n:
-            return int(n)
-    return DEFAULT_CONTEXT
 
 
 def model_fingerprint(path: Path) -> str:
@@ -202,7 +191,7 @@ class Service:
         self.free_system = roles.renders_mid_system(lambda msgs: render_text(tokenizer, msgs))
         self._end_texts = [t for t in (tokenizer.decode([e]) for e in sorted(self.eos)) if t]
         self.vocab_size = vocab_size(model)
-        native = native_context(model)
+        native = ModelConfig.of_model(model).context
         self.context_length = int(min(max_context or native, native))
         self.pool_tokens = room.longest_cache(store.spec, store.capacity, store.block_tokens)  # what admission promises
         self.model_path: Path | None = None  # set by open()
@@ -246,10 +235,9 @@ class Service:
         where = Path(cache_dir).expanduser() if cache_dir else root / fingerprint
         budgets = None
         if pool_bytes is None or disk_budget_bytes is None:
-            args = dict(vars(getattr(loaded, "args", None) or {}))
-            shape = sizing.ModelShape.from_config(args, weights, scheduling.get("max_context"))
             # a tokenizer kept from an earlier load is resident already, and counted by the fleet
-            budgets = sizing.derive(spec, shape, machine=machine, disk_free_bytes=sizing.disk_free(where),
+            budgets = sizing.derive(spec, ModelConfig.of_model(loaded), weights=weights, machine=machine,
+                                    disk_free_bytes=sizing.disk_free(where), context=scheduling.get("max_context"),
                                     block_tokens=block_tokens, share=share,
                                     chunk=scheduling.get("prefill_chunk") or defaults.prefill_chunk(),
                                     tokenizer=0 if kept_tokenizer else sizing.tokenizer_bytes(path))

@@ -8,7 +8,7 @@ its reserve of max(3 GiB, 5%), and its disk budget of min(30 GiB, free / 4)::
     - reserve   max(3 GiB, 5% of the machine): the system, other processes, what the formula misses
     - fixed     every model's weights and tokenizer (``tokenizer_bytes``), and the process's runtime
                 (``RUNTIME_BYTES``); measured as ``semantic.serve.fleet.footprint`` says
-    - working   a prefill chunk's activations at the longest context (its attention scores, logits)
+    - working   a step's activations at the longest context (``step_bytes``: attention scores, logits)
     = left      shared by the models, each its pool and the live copies of its caches in turns
                 (``LIVE_COPY`` times them): a turn extends its cache in mlx-lm's own arrays while the pool
                 keeps the blocks it came from
@@ -28,6 +28,7 @@ from pathlib import Path
 from semantic import defaults
 from semantic.cache import room
 from semantic.cache.spec import ModelCacheSpec
+from semantic.modelconfig import ModelConfig
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -136,27 +137,18 @@ def disk_free(where: str | Path) -> int:
     return shutil.disk_usage(p).free
 
 
-@dataclass(frozen=True, slots=True)
-class ModelShape:
-    """What a model's working memory depends on, beyond its cache: read from its config."""
-
-    weights: int            # bytes of its parameters
-    context: int            # the context it serves (its own, under any max_context)
-    q_heads: int = 32
-    vocab: int = 32_000
-
-    @classmethod
-    def from_config(cls, config: dict, weights: int, context: int | None = None) -> "ModelShape":
-        cfg = {**config, **(config.get("text_config") or {})}
-        native = cfg.get("max_position_embeddings") or 4096
-        return cls(weights=weights, context=int(min(context or native, native)),
-                   q_heads=int(cfg.get("num_attention_heads") or 32), vocab=int(cfg.get("vocab_size") or 32_000))
-
-
-def working_bytes(shape: ModelShape, tokens: int, chunk: int) -> int:
-    """A prefill chunk's activations at ``tokens`` of context: its attention scores and their softmax
-    in float32 (MLX's CPU attention materializes them; Metal's fused kernel needs less) and its logits."""
-    return 2 * chunk * tokens * shape.q_heads * 4 + chunk * shape.vocab * 4
+def step_bytes(config: ModelConfig, tokens: int, chunk: int, max_batch: int = 1, drafts: int = 0) -> int:
+    """A step's activations at their largest, at ``tokens`` of context: one layer's attention scores over a
+    prefill chunk of ``chunk`` tokens in float32 (MLX's CPU attention materializes ``heads x chunk x tokens``;
+    Metal's fused kernel needs less) or a decode step's logits (``max_batch`` rows of a token and its
+    ``drafts``), whichever is larger, plus the chunk's MLP and residual-stream activations. Measured against
+    RSS in ``semantic.serve.fleet.footprint``."""
+    heads = config.heads or 32
+    hidden = config.hidden or 0
+    scores = heads * chunk * tokens * 4
+    logits = max_batch * (1 + drafts) * (config.vocab or 32_000) * 4
+    activations = chunk * (3 * (config.intermediate or 0) + 4 * hidden) * 4
+    return max(scores, logits) + activations
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,26 +187,28 @@ class Budgets:
                 f"agent of {self.longest:,} tokens or {self.agents} of {self.typical:,}")
 
 
-def derive(spec: ModelCacheSpec, shape: ModelShape, *, machine: Machine, disk_free_bytes: int,
-           block_tokens: int = defaults.BLOCK_TOKENS, chunk: int = 64, share: Share = Share(),
-           tokenizer: int = TOKENIZER_BYTES) -> Budgets:
-    """The pool, RAM and disk budgets of one model (one of ``share.models`` sharing ``share.memory``)."""
+def derive(spec: ModelCacheSpec, config: ModelConfig, *, weights: int, machine: Machine, disk_free_bytes: int,
+           context: int | None = None, block_tokens: int = defaults.BLOCK_TOKENS, chunk: int = 64,
+           share: Share = Share(), tokenizer: int = TOKENIZER_BYTES) -> Budgets:
+    """The pool, RAM and disk budgets of one model of ``weights`` bytes (one of ``share.models`` sharing
+    ``share.memory``), serving ``context`` tokens at most (None: its config's)."""
+    context = min(context or config.context, config.context)
     memory, models, others_fixed = share.memory, share.models, share.others_fixed
     if memory is None:
         reserve = max(RESERVE_FLOOR, int(RESERVE_SHARE * machine.total))
         memory = machine.memory - reserve
     else:
         reserve = 0
-    fixed = shape.weights + tokenizer + RUNTIME_BYTES
-    want = min(shape.context, DEFAULT_LONGEST)
-    working = working_bytes(shape, want, chunk)
+    fixed = weights + tokenizer + RUNTIME_BYTES
+    want = min(context, DEFAULT_LONGEST)
+    working = step_bytes(config, want, chunk)
     left = memory - fixed - others_fixed - working
     pool = max(0, int(left / ((1 + LIVE_COPY) * models)))
-    longest = min(room.longest_cache(spec, pool, block_tokens), shape.context)
+    longest = min(room.longest_cache(spec, pool, block_tokens), context)
     if longest < want:  # the chunk's scores shrink with the context they cover: size them again
-        working = working_bytes(shape, longest, chunk)
+        working = step_bytes(config, longest, chunk)
         pool = max(0, int((memory - fixed - others_fixed - working) / ((1 + LIVE_COPY) * models)))
-        longest = min(room.longest_cache(spec, pool, block_tokens), shape.context)
+        longest = min(room.longest_cache(spec, pool, block_tokens), context)
     typical = min(TYPICAL_AGENT, longest)
     agents = pool // room.cache_bytes(spec, typical, block_tokens) if typical else 0
     disk = int(min(DISK_CEILING, disk_free_bytes * DISK_SHARE))

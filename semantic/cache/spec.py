@@ -20,6 +20,7 @@ from mlx_lm.models import cache as C
 
 from semantic import compat, kinds
 from semantic.errors import CacheMismatchError, UnsupportedCacheError
+from semantic.modelconfig import ModelConfig
 from semantic.kinds import CHUNKED, GLOBAL, RECURRENT, SLIDING  # noqa: F401
 from semantic.kinds.base import DTYPES as _DTYPES
 
@@ -242,7 +243,7 @@ class ModelCacheSpec:
         Sliding layers come from ``layer_types`` when present, else from
         Gemma 3's ``sliding_window_pattern`` (every N-th layer global).
         """
-        cfg = {**config, **config.get("text_config", {})}
+        cfg = ModelConfig.from_dict(config).values
         n = int(cfg["num_hidden_layers"])
         heads = int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"])
         head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])

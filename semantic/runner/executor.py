@@ -46,6 +46,7 @@ from typing import Callable, Iterator, Sequence
 import mlx.core as mx
 from semantic.runner import batchprobe
 from semantic import compat, defaults, kinds
+from semantic.modelconfig import ModelConfig
 from semantic.cache import blockclaim, convert, reuse, snapshots
 from semantic.cache.blocks import AgentBlocks
 from semantic.runner.stepbudget import StepBudget
@@ -470,9 +471,4 @@ class BatchExecutor:
 def vocab_size(model) -> int:
     """The model's vocabulary size: its config's (a multimodal wrapper's text config's), else the
     width of its logits for one token."""
-    args = getattr(model, "args", None)
-    for where in (args, getattr(args, "text_config", None)):
-        n = where.get("vocab_size") if isinstance(where, dict) else getattr(where, "vocab_size", None)
-        if n:
-            return int(n)
-    return int(model(mx.array([[0]])).shape[-1])
+    return ModelConfig.of_model(model).vocab or int(model(mx.array([[0]])).shape[-1])

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from semantic import defaults, sizing
+from semantic.modelconfig import ModelConfig
 from semantic.serve.config import MB, ServeConfig
 from semantic.serve.fleet import footprint
 from semantic.serve.fleet.fleet import Fleet
@@ -73,12 +74,9 @@ def footprint_of(entry: ModelEntry, config: ServeConfig, registry: Registry | No
 
 def context_of(entry: ModelEntry) -> int | None:
     """Before a load: the context the model will serve (its config's, under its max_context), if its dir says."""
-    try:
-        doc = json.loads((Path(entry.source).expanduser() / "config.json").read_text())
-    except (OSError, ValueError):
-        return entry.options.max_context
-    native = doc.get("max_position_embeddings") or (doc.get("text_config") or {}).get("max_position_embeddings")
-    if not isinstance(native, int):
+    config = ModelConfig.read(Path(entry.source).expanduser())
+    native = config.int("max_position_embeddings") if config is not None else None
+    if native is None:
         return entry.options.max_context
     return min(native, entry.options.max_context or native)
 

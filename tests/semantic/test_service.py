@@ -16,7 +16,7 @@ from harness.models.tiny import write_tiny_llama
 from semantic import ContextLengthError, InvalidRequestError
 from semantic.cache import room
 from semantic.cache.blockclaim import salt_root_of
-from semantic.service import ANON, DEFAULT_CONTEXT, Service, TurnRequest, fit_max_tokens, native_context
+from semantic.service import ANON, Service, TurnRequest, fit_max_tokens
 
 pytestmark = pytest.mark.compat
 
@@ -47,16 +47,6 @@ def test_a_budget_is_cut_to_what_the_context_leaves_and_a_prompt_with_no_room_is
     assert fit_max_tokens(100, None, context_length=512, pool_tokens=150) == 50
     assert fit_max_tokens(100, 400, context_length=512, pool_tokens=150) == 50
     assert fit_max_tokens(100, None, context_length=4096, default=None) == 3996  # open-ended: all that is left
-
-
-def test_the_context_is_the_config_s_or_its_text_config_s():
-    from types import SimpleNamespace as NS
-
-    assert native_context(NS(args=NS(max_position_embeddings=131072))) == 131072
-    # a multimodal wrapper (Qwen3.5, Gemma 3): mlx-lm keeps the text model's config as a dict
-    assert native_context(NS(args=NS(model_type="qwen3_5", text_config={"max_position_embeddings": 262144}))) == 262144
-    assert native_context(NS(args=NS(model_type="x", text_config={}))) == DEFAULT_CONTEXT
-    assert native_context(NS()) == DEFAULT_CONTEXT
 
 
 def test_a_strict_budget_past_the_context_or_the_pool_is_refused_as_the_hosted_apis_do():

@@ -5,6 +5,7 @@ from __future__ import annotations
 from semantic import sizing
 from semantic.cache import room
 from semantic.cache.spec import LayerSpec, ModelCacheSpec
+from semantic.modelconfig import ModelConfig
 
 GiB = 1 << 30
 QWEN3_CODER_30B = ModelCacheSpec(tuple(LayerSpec("global", 4, 128, 128, "bfloat16") for _ in range(48)))
@@ -15,8 +16,8 @@ GEMMA3_12B = ModelCacheSpec(tuple(
 
 def _derive(spec, memory_gib, *, weights=0, context=262_144, share=sizing.Share(), disk_gib=68):
     machine = sizing.Machine(memory_gib * GiB, 24 * GiB, "stated")
-    shape = sizing.ModelShape(weights=weights, context=context, q_heads=32, vocab=151_936)
-    return sizing.derive(spec, shape, machine=machine, disk_free_bytes=disk_gib * GiB, share=share)
+    config = ModelConfig.from_dict({"num_attention_heads": 32, "vocab_size": 151_936, "max_position_embeddings": context})
+    return sizing.derive(spec, config, weights=weights, machine=machine, disk_free_bytes=disk_gib * GiB, share=share)
 
 
 def test_a_24_gb_machine_holds_far_more_than_the_old_fixed_pool_at_qwen3_coder_geometry():

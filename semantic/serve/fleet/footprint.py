@@ -42,7 +42,6 @@ below it.
 from __future__ import annotations
 
 import json
-import math
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,7 +51,8 @@ from semantic.decode.promptlookup import SpecConfig
 from semantic.runner.stepbudget import SOLO_CHUNK  # a prefill chunk when nothing decodes
 
 from semantic.sizing import LIVE_COPY, RUNTIME_BYTES, TOKENIZER_FIXED, TOKENIZER_PER_FILE_BYTE  # noqa: F401
-from semantic.sizing import tokenizer_bytes  # noqa: F401  (the measured constants live there, with the machine's)
+from semantic.sizing import step_bytes, tokenizer_bytes  # noqa: F401  (the measured constants live there)
+from semantic.modelconfig import ModelConfig
 
 MB = 1 << 20
 MLX_CACHE_BYTES = 32 * MB        # MLX's buffer cache after a turn (mx.get_cache_memory), every model measured
@@ -87,54 +87,17 @@ def footprint(model_dir: Path, pool_bytes: int, *, chunk: int | None = None,
 
 def working_bytes(model_dir: Path, pool_bytes: int, *, chunk: int | None = None,
                   max_batch: int = defaults.MAX_BATCH) -> int:
-    """A turn's working memory at its largest, from the model's config.json (see the module docstring);
+    """A turn's working memory at its largest, from the model's config.json (see the module docstring):
+    the live copies of the caches, a step's activations (``sizing.step_bytes``) and MLX's buffer cache;
     :data:`MLX_CACHE_BYTES` alone where the config says too little."""
-    shape = _Shape.of(model_dir)
-    if shape is None:
+    config = ModelConfig.read(model_dir)
+    if config is None or not (config.layers and config.heads and config.vocab and config.hidden):
         return pool_bytes + MLX_CACHE_BYTES
-    token_bytes = max(1, shape.layers * 2 * shape.kv_heads * shape.head_dim * shape.act_bytes)
-    longest = max(1, min(shape.context, pool_bytes // token_bytes))  # the longest cache the pool holds
+    token_bytes = max(1, config.layers * 2 * config.kv_heads * config.head_dim * _activation_bytes(model_dir))
+    longest = max(1, min(config.context, pool_bytes // token_bytes))  # the longest cache the pool holds
     live = int(LIVE_COPY * min(pool_bytes, max_batch * longest * token_bytes))
     step = min(chunk or SOLO_CHUNK, longest)
-    logits = max_batch * (1 + SpecConfig().max_draft) * shape.vocab * 4  # a decode step's rows
-    scores = shape.heads * step * longest * 4
-    activations = step * (3 * shape.intermediate + 4 * shape.hidden) * 4  # the MLP's three, the residual stream's
-    return live + max(logits, scores) + activations + MLX_CACHE_BYTES
-
-
-@dataclass(frozen=True, slots=True)
-class _Shape:
-    """What the working memory depends on, from config.json (a nested ``text_config`` first)."""
-
-    layers: int
-    hidden: int
-    intermediate: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
-    context: int
-    act_bytes: int   # an activation's bytes: 4 for float32 weights, else 2 (bf16 / f16, quantized scales)
-
-    @classmethod
-    def of(cls, model_dir: Path) -> "_Shape | None":
-        try:
-            doc = json.loads((model_dir / "config.json").read_text())
-        except (OSError, ValueError):
-            return None
-        if not isinstance(doc, dict):
-            return None
-        text = doc.get("text_config") if isinstance(doc.get("text_config"), dict) else {}
-        get = lambda k, d=None: text.get(k, doc.get(k, d))  # noqa: E731
-        try:
-            layers, heads = int(get("num_hidden_layers")), int(get("num_attention_heads"))
-            vocab, hidden = int(get("vocab_size")), int(get("hidden_size"))
-        except (TypeError, ValueError):
-            return None
-        kv_heads = int(get("num_key_value_heads") or heads)
-        head_dim = int(get("head_dim") or math.ceil(hidden / max(heads, 1)))
-        return cls(layers, hidden, int(get("intermediate_size") or 4 * hidden), heads, kv_heads, head_dim, vocab,
-                   int(get("max_position_embeddings") or 32768), _activation_bytes(model_dir))
+    return live + step_bytes(config, longest, step, max_batch, SpecConfig().max_draft) + MLX_CACHE_BYTES
 
 
 def _activation_bytes(model_dir: Path) -> int:
