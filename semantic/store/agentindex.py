@@ -1,4 +1,4 @@
-"""The agents a cache directory holds, least recently used first: what both layouts index alike.
+"""The agents a cache directory holds, least recently used first: what both layouts index, name and delete alike.
 
 Each indexed agent has an entry (its file, or its manifest and the block files it names), a version
 (the ``time_ns`` of its save, a fetched copy's own, or after a startup scan its file's mtime), and a
@@ -8,14 +8,36 @@ store's ``lock``; the others take it themselves, never during file I/O.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import re
 import threading
 import time
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
+from semantic import cachefile
 from semantic.cache.spec import ModelCacheSpec
+from semantic.cachefile import atomic
+from semantic.request import validate_agent_id
 from semantic.store.quarantine import Quarantine
+
+EXTRA_SUFFIX = ".json"  # an agent's small JSON document beside its cache file: <cache file name>.json
+
+
+def file_name(agent_id: str) -> str:
+    """The file name that holds ``agent_id``'s cache (never a path).
+
+    Raises:
+        InvalidAgentIdError: see :func:`request.validate_agent_id`.
+    """
+    validate_agent_id(agent_id)
+    slug = re.sub(r"[^a-z0-9_-]+", "-", agent_id.lower()).strip("-")[:32] or "agent"
+    digest = hashlib.sha256(agent_id.encode()).hexdigest()[:24]
+    return f"{slug}-{digest}{cachefile.SUFFIX}"
+
+
 
 
 class AgentIndex:
@@ -82,3 +104,30 @@ class AgentIndex:
             self.hits += 1
             if agent_id in self.entries:
                 self.entries.move_to_end(agent_id)
+
+    def forget(self, agent_id: str) -> None:
+        """Drop the agent from the index (its file is gone or refused), counting a miss."""
+        with self.lock:
+            self.pop(agent_id)
+            self.misses += 1
+
+    def refuse(self, agent_id: str, path: Path, reason: str) -> None:
+        """The agent's file failed its checks: forget the agent and set the file aside (``quarantine``)."""
+        self.forget(agent_id)
+        self.quarantine.set_aside(path, reason)
+
+    def pop(self, agent_id: str):
+        """Remove the agent's entry, its version kept (under the lock); each layout adds its own bookkeeping."""
+        return self.entries.pop(agent_id, None)
+
+
+def delete(path) -> None:
+    """Delete an agent's file (a cache file or a manifest), then the extra document a cache file may keep
+    beside it (a read-only directory keeps that).
+
+    Raises:
+        OSError: the file could not be deleted (its extra document is left too).
+    """
+    atomic.unlink_quietly(path)
+    with contextlib.suppress(OSError):
+        atomic.unlink_quietly(str(path) + EXTRA_SUFFIX)

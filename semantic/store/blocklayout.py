@@ -19,7 +19,7 @@ deletes its manifest and the files no other manifest names. A block file that
 fails its checks is quarantined: every agent that uses it resumes from the
 blocks before it.
 
-Same interface as :class:`semantic.store.files.AgentFiles` (the single-file
+Same interface as :class:`semantic.store.filelayout.AgentFiles` (the single-file
 layout, kept for comparison): the store holds one or the other.
 """
 
@@ -46,7 +46,7 @@ from semantic.store import blockformat, blockload, blockscan, manifest
 from semantic.store.blockformat import BlockInfo
 from semantic.store.agentindex import AgentIndex
 from semantic.store.blockindex import BlockIndex, Held, NewBlock
-from semantic.store.files import EXTRA_SUFFIX
+from semantic.store.agentindex import EXTRA_SUFFIX, delete
 from semantic.store.manifest import Manifest, manifest_name
 from semantic.store.quarantine import Quarantine
 
@@ -235,9 +235,7 @@ class BlockFiles(AgentIndex):
             held = self.entries.get(agent_id)
         if held is None:
             return False
-        atomic.unlink_quietly(held.path)
-        if held.legacy:
-            atomic.unlink_quietly(str(held.path) + EXTRA_SUFFIX)
+        delete(held.path)
         with self.lock:
             self.pop(agent_id)
             self.extras.pop(agent_id, None)
@@ -263,8 +261,7 @@ class BlockFiles(AgentIndex):
         try:
             m = manifest.read(str(held.path), self.spec, self.fingerprint, self.bt)
         except CacheCorruptError as exc:
-            self.forget(agent_id)
-            self.quarantine.set_aside(held.path, exc.reason)
+            self.refuse(agent_id, held.path, exc.reason)
             return None
         except (CacheMismatchError, CacheFormatError, FileNotFoundError) as exc:
             log.warning("agent %r: cannot load %s: %s", agent_id, held.path, exc)
@@ -276,8 +273,7 @@ class BlockFiles(AgentIndex):
                 self.misses += 1
             return None
         if m.agent_id != agent_id:  # replaced behind our back by another agent's manifest
-            self.forget(agent_id)
-            self.quarantine.set_aside(held.path, f"file name does not match its agent id {m.agent_id!r}")
+            self.refuse(agent_id, held.path, f"file name does not match its agent id {m.agent_id!r}")
             return None
 
         def infos():
@@ -354,10 +350,9 @@ class BlockFiles(AgentIndex):
             self.on_remote_bad(info.key)
 
     def forget(self, agent_id: str) -> None:
-        """Drop the agent from the index (its manifest is gone or refused), counting a miss."""
-        with self.lock:
-            self.pop(agent_id)
-            self.misses += 1
+        """Drop the agent from the index (its manifest is gone or refused), counting a miss; the block files
+        only it used go."""
+        super().forget(agent_id)
         self.collect()
 
     # ------------------------------------------------------------ from another server

@@ -21,7 +21,7 @@ from semantic.errors import CacheCorruptError, CacheFormatError, CacheMismatchEr
 from semantic.cache.pool import BlockPool
 from semantic.store import blockformat, manifest
 from semantic.store.blockformat import BLOCK_SUFFIX
-from semantic.store.files import EXTRA_SUFFIX, file_name
+from semantic.store.agentindex import EXTRA_SUFFIX, file_name
 from semantic.store.blockindex import Held
 from semantic.store.manifest import MANIFEST_SUFFIX, manifest_name
 

@@ -20,7 +20,7 @@ import threading
 from pathlib import Path
 
 from semantic.store.diskhealth import DiskHealth
-from semantic.store.files import AgentFiles
+from semantic.store.filelayout import AgentFiles
 
 log = logging.getLogger(__package__)  # the store's one logger: its lines keep the name they had
 

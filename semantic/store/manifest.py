@@ -47,7 +47,7 @@ from semantic.cache.blockclaim import snapshot_span, stored_ranges
 from semantic.cachefile import atomic
 from semantic.errors import CacheCorruptError, CacheFormatError, CacheMismatchError
 from semantic.cache.spec import RECURRENT, ModelCacheSpec
-from semantic.store.files import file_name
+from semantic.store.agentindex import file_name
 
 MANIFEST_SUFFIX = ".kvm"
 MANIFEST_VERSION = 4  # cache files were versions 1 and 2: one number line for the store's layouts

@@ -21,11 +21,9 @@ again once it is usable. Each indexed agent also has a version: the
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import os
-import re
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,25 +33,9 @@ from semantic.cache.blocks import AgentBlocks
 from semantic.cachefile import atomic
 from semantic.errors import CacheCorruptError, CacheMismatchError, InvalidAgentIdError
 from semantic.cache.pool import BlockPool
-from semantic.request import validate_agent_id
-from semantic.store.agentindex import AgentIndex
+from semantic.store.agentindex import EXTRA_SUFFIX, AgentIndex, delete, file_name
 
 log = logging.getLogger(__package__)  # the store's one logger: its lines keep the name they had
-
-EXTRA_SUFFIX = ".json"  # an agent's small JSON document beside its cache file: <cache file name>.json
-
-
-def file_name(agent_id: str) -> str:
-    """The file name that holds ``agent_id``'s cache (never a path).
-
-    Raises:
-        InvalidAgentIdError: see :func:`request.validate_agent_id`.
-    """
-    validate_agent_id(agent_id)
-    slug = re.sub(r"[^a-z0-9_-]+", "-", agent_id.lower()).strip("-")[:32] or "agent"
-    digest = hashlib.sha256(agent_id.encode()).hexdigest()[:24]
-    return f"{slug}-{digest}{cachefile.SUFFIX}"
-
 
 @dataclass(slots=True)
 class OnDisk:
@@ -84,10 +66,6 @@ class AgentFiles(AgentIndex):
             The version recorded.
         """
         return self.stamp(agent_id, entry, version)
-
-    def pop(self, agent_id: str) -> OnDisk | None:
-        """Forget the agent's file, if indexed; its version stays (under the lock)."""
-        return self.entries.pop(agent_id, None)
 
     def total_bytes(self) -> int:
         """Bytes of the indexed files (under the lock)."""
@@ -129,7 +107,7 @@ class AgentFiles(AgentIndex):
             entry = self.entries.get(agent_id)
         if entry is None:
             return False
-        self.remove(entry.path)
+        delete(entry.path)
         with self.lock:
             self.entries.pop(agent_id, None)
         return True
@@ -198,15 +176,6 @@ class AgentFiles(AgentIndex):
         except OSError:
             pass
         return blocks
-
-    def remove(self, path: Path) -> None:
-        """Delete a cache file, then the extra document beside it.
-
-        Raises:
-            OSError: the cache file could not be deleted (its extra document is left too).
-        """
-        atomic.unlink_quietly(path)
-        _unlink_extra(path)
 
     def save_extra(self, agent_id: str, doc: dict) -> bool:
         """Keep a small JSON document beside the agent's cache file; False if it could not be written."""
@@ -281,27 +250,15 @@ class AgentFiles(AgentIndex):
                 raise CacheCorruptError(entry.path, f"file name does not match its agent id {owner!r}")
             return cachefile.load(entry.path, pool, model_fingerprint=self.fingerprint, lock=pool_lock)
         except CacheCorruptError as exc:
-            self._forget(agent_id)
-            self.quarantine.set_aside(entry.path, exc.reason)
+            self.refuse(agent_id, entry.path, exc.reason)
             return None
         except (CacheMismatchError, FileNotFoundError) as exc:
             # replaced by another model's file, or removed behind our back
             log.warning("agent %r: cannot load %s: %s", agent_id, entry.path, exc)
-            self._forget(agent_id)
+            self.forget(agent_id)
             return None
         except OSError as exc:  # unreadable now (permissions, I/O): a miss; the file may read again later
             log.warning("agent %r: cannot read %s: %s", agent_id, entry.path, exc)
             with self.lock:
                 self.misses += 1
             return None
-
-    def _forget(self, agent_id: str) -> None:
-        with self.lock:
-            self.entries.pop(agent_id, None)
-            self.misses += 1
-
-
-def _unlink_extra(cache_path: Path) -> None:
-    """Delete the extra document beside a cache file, if any (a read-only directory keeps it)."""
-    with contextlib.suppress(OSError):
-        atomic.unlink_quietly(str(cache_path) + EXTRA_SUFFIX)
