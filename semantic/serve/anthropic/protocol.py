@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
+from semantic.serve.cachesave import CacheSaveUsage
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class _In(BaseModel):
@@ -105,19 +106,11 @@ class MessagesRequest(CountTokensRequest):
 # ---- responses -------------------------------------------------------------
 
 
-class Usage(BaseModel):
+class Usage(CacheSaveUsage):
     input_tokens: int                 # prompt tokens not read from a cache
     output_tokens: int
     cache_read_input_tokens: int      # prompt tokens read from a cache
     cache_creation_input_tokens: int = 0
-    cache_save: str | None = None     # ours: a named agent's "saved", "pending" or "failed"; absent otherwise
-
-    @model_serializer(mode="wrap")
-    def _drop_no_save(self, handler):
-        out = handler(self)
-        if out.get("cache_save") is None:
-            out.pop("cache_save", None)
-        return out
 
 
 class TextBlock(BaseModel):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Literal, Union
 
+from semantic.serve.cachesave import CacheSaveUsage
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 
@@ -108,19 +109,11 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int
 
 
-class Usage(BaseModel):
+class Usage(CacheSaveUsage):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
-    cache_save: str | None = None  # ours: a named agent's "saved", "pending" or "failed"; absent otherwise
-
-    @model_serializer(mode="wrap")
-    def _drop_no_save(self, handler):
-        out = handler(self)
-        if out.get("cache_save") is None:
-            out.pop("cache_save", None)
-        return out
 
 
 class TopLogprobOut(BaseModel):
@@ -237,7 +230,7 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None
 
 
-class Completion(BaseModel):
+class CompletionResponse(BaseModel):
     id: str
     object: Literal["text_completion"] = "text_completion"
     created: int

@@ -207,7 +207,7 @@ async def completions(body: oa.CompletionRequest, request: Request,
     rid, created, model = f"cmpl-{secrets.token_hex(12)}", int(time.time()), backend.model_id
     if not body.stream:
         final, tokens = await turn.run(request)
-        out = oa.Completion(id=rid, created=created, model=model, usage=usage(final), choices=[
+        out = oa.CompletionResponse(id=rid, created=created, model=model, usage=usage(final), choices=[
             oa.CompletionChoice(text=final.text, logprobs=_legacy_logprobs(tokens, 0) if want_logprobs else None,
                                 finish_reason=wire_finish(final.finish_reason))])
         return _json(out, turn.headers)
@@ -227,15 +227,15 @@ async def _completion_events(turn: Turn, path: str, rid: str, created: int, mode
                 # the legacy completion has no reasoning field: its text only, as the reply unstreamed
                 if item.text or item.logprobs:
                     lp = _legacy_logprobs(item.logprobs, offset) if want_logprobs else None
-                    yield _sse(oa.Completion(id=rid, created=created, model=model, choices=[
+                    yield _sse(oa.CompletionResponse(id=rid, created=created, model=model, choices=[
                         oa.CompletionChoice(text=item.text, logprobs=lp, finish_reason=None)]), include_usage)
                     offset += len(item.text)
                 continue
-            yield _sse(oa.Completion(id=rid, created=created, model=model, choices=[
+            yield _sse(oa.CompletionResponse(id=rid, created=created, model=model, choices=[
                 oa.CompletionChoice(text="", logprobs=None, finish_reason=wire_finish(item.finish_reason))]),
                 include_usage)
             if include_usage:
-                yield _sse(oa.Completion(id=rid, created=created, model=model, choices=[], usage=usage(item)), True)
+                yield _sse(oa.CompletionResponse(id=rid, created=created, model=model, choices=[], usage=usage(item)), True)
             break
         yield DONE
     except Exception as exc:
