@@ -18,10 +18,10 @@ AIPERF_ARGS ?=
 # extra requirements for .venv, e.g. PINS="mlx==0.30.3 mlx-lm==0.30.4" (the macOS workflow's matrix)
 PINS ?=
 
-.PHONY: help system-blas system-browser system-redis venv models serve serve-models serve-ttft append-profile dashboard-screenshot test test-slow test-compat exp-003 exp-004 exp-005 exp-006 exp-006-full exp-007 exp-007-full exp-008 exp-008-full exp-008-spec exp-009 exp-009-full exp-009-aiperf exp-010 exp-010-full exp-011 exp-011-full exp-012 exp-012-two-models exp-013 exp-014 exp-014-full exp-015 exp-016 exp-017 exp-018 exp-018-full exp-019 exp-019-full exp-020 exp-020-full exp-021 exp-021-full model-matrix fuzz-blocks chunk-cost restore-speed spec-recurrent exp-throughput exp-throughput-full bench compare-versions test-install clean
+.PHONY: code-map help system-blas system-browser system-redis venv models serve serve-models serve-ttft append-profile dashboard-screenshot test test-slow test-compat exp-003 exp-004 exp-005 exp-006 exp-006-full exp-007 exp-007-full exp-008 exp-008-full exp-008-spec exp-009 exp-009-full exp-009-aiperf exp-010 exp-010-full exp-011 exp-011-full exp-012 exp-012-two-models exp-013 exp-014 exp-014-full exp-015 exp-016 exp-017 exp-018 exp-018-full exp-019 exp-019-full exp-020 exp-020-full exp-021 exp-021-full model-matrix fuzz-blocks chunk-cost restore-speed spec-recurrent exp-throughput exp-throughput-full bench compare-versions test-install clean
 
 help:
-	@echo "make test         run the test suite (creates .venv, prepares models; a worker per core, about 9.5 min on 2 cores)"
+	@echo "make test         run the test suite (creates .venv, prepares models; a worker per core; timings: docs/tests.md)"
 	@echo "make test-slow    the long soaks and experiments' quick runs (chaos, shared tier, block store, serving, stress)"
 	@echo "make exp-006      run the EXP-006 measurement"
 	@echo "make exp-007      multi-turn agents: cached vs re-prefill TTFT, sharing, restart"
@@ -52,6 +52,7 @@ help:
 	@echo "make serve-ttft   TTFT of a cached agent turn vs the same turn uncached, through HTTP"
 	@echo "make append-profile  where a cached 300-over-2K append turn's time goes, ours vs mlx-lm"
 	@echo "make test-compat  the tests of mlx-lm's API again under mlx 0.30.3 / mlx-lm 0.30.4"
+	@echo "make code-map     write docs/code-map.md from the tree (tests/test_docs.py fails when it is stale)"
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -96,6 +97,10 @@ system-browser:
 
 models: venv
 	$(PY) -m harness models prepare all
+
+# The module map, generated from the tree (tests/test_docs.py checks it is current).
+code-map: venv
+	$(PY) -m harness.codemap
 
 # The pyramid: `make test` proves behaviour (unit, the real models, servers on tiny models, one short
 # end-to-end per capability); `make test-slow` runs the soaks and the experiments' quick runs;

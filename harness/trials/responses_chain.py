@@ -1,6 +1,6 @@
 """EXP-013: the Responses API's ``previous_response_id`` chain against the chat path, and a thinking model's history.
 
-**The chain** (a real model, ``chain_models``). One server (ours). Each
+**The chain** (a real model, :func:`_chains`). One server (ours). Each
 conversation is ``turns`` user messages under a long set of instructions,
 sent two ways, turn by turn in alternation (the first side swaps each turn):
 

@@ -13,7 +13,7 @@ holds for this history; what none holds becomes a new block file::
 A group that resumes only from a snapshot has one extent per snapshot the
 cache carries: the snapshot files of its cache after earlier positions of the
 history (where a regenerate resumes), then after the whole history
-(``blockfile.snapshot_key``), each written unless some save of the same
+(``blockformat.snapshot_key``), each written unless some save of the same
 history wrote it already.
 
 A file is referenced by every manifest whose extents name it, and pinned

@@ -5,7 +5,7 @@
     <cache dir>/
         <slug>-<digest>.kvm          one manifest per agent (``manifest``): its tokens and extents
         blocks-<model digest>/
-            <key>.kvb                block files (``blockfile``), shared by every manifest that names them:
+            <key>.kvb                block files (``blockformat``), shared by every manifest that names them:
                                      positions of a group, or a snapshot of a group that resumes only from one
                                      (one file per snapshot the agent's cache carries)
         quarantine/                  files that failed their checks

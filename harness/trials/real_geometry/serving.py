@@ -6,7 +6,7 @@ With ``max_tokens`` 1 the turn's whole time is its time to first token. A server
 every 100 ms for its whole life (``harness.trials.multi_model.sampler``), and the lines it logs at start
 say its budget: ``loaded <id> in S s (N MB weights, pool and working memory)`` (before: ``weights and pool``).
 
-Phases (``run_server``), one server, restarted between reps:
+Phases, one server, restarted between reps:
 
 - **restore cold**: SIGTERM, the agent's files dropped from the page cache, start, one tiny anonymous turn
   (the process's first forward pass is no part of a restore), then the agent's turn beside a sequential read

@@ -56,7 +56,7 @@ def tool_result(turn: int) -> str:
 
 
 def billing_header() -> str:
-    """A Claude-Code-like first system block: its ``cch`` changes on every request."""
+    """A Claude-Code-like first system block: its ``cch=`` field changes on every request."""
     return f"{BILLING_HEADER} cc_version=2.0.14.{secrets.token_hex(2)}; cc_entrypoint=cli; cch={secrets.token_hex(3)};"
 
 

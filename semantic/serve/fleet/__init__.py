@@ -1,2 +1,2 @@
-"""The served models: which names reach them (``registry``), what to unload for a load (``plan``, plain data),
+"""The served models: which names reach them (``registry``), what to unload for a load (``unloads``, plain data),
 the fleet that loads, leases and unloads them (``fleet``) and how it shows them (``view``)."""

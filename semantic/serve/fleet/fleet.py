@@ -73,7 +73,7 @@ class Slot:
     unloads: Counter = field(default_factory=Counter)  # by reason
     load_s: float | None = None    # the last load's time
     context_length: int | None = None
-    key: str | None = None         # its cache directory (``key_of``), once asked
+    key: str | None = None         # its cache directory (the ``check`` it was opened with), once asked
 
     @property
     def id(self) -> str:

@@ -1,6 +1,6 @@
 """OpenAI's Responses API wire protocol: the request model (every field named) and the output's pieces.
 
-The response object is built as plain dicts (``responses_api``): the openai
+The response object is built as plain dicts (``responses.router``): the openai
 SDK parses it into its own models, and the stored copy is the same JSON.
 """
 

@@ -1,6 +1,6 @@
 """OpenAI's Responses API: ``POST /v1/responses`` (streamed or not), ``GET`` and ``DELETE /v1/responses/{id}``.
 
-The server holds the conversation: a stored response (``responses_store``)
+The server holds the conversation: a stored response (``responses.store``)
 is its messages and the agent whose cache holds them, so a follow-up naming
 it with ``previous_response_id`` sends only what is new and its prompt is
 the agent's cache plus the new input. A chain with no ``prompt_cache_key``

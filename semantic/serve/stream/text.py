@@ -39,7 +39,7 @@ class TextStream:
     """One turn's text as it is generated: detokenized incrementally (mlx-lm's
     streaming detokenizer), cut exactly before the first stop string, and
     held back while its tail could still begin one. With a ``splitter``
-    (``toolstream``) the text is then split into content and tool calls;
+    (``stream.toolcalls``) the text is then split into content and tool calls;
     ``quiet_stops`` end the text like stop strings but are not reported as
     one (a tool call the request does not allow). Runs on the worker thread."""
 

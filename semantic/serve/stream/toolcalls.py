@@ -1,7 +1,7 @@
 """A reply's text split into content and tool calls as it streams: no marker ever reaches the content.
 
 Native formats wrap each call in markers; text that could still begin one is
-held back, the way a stop string's first characters are (``textstream``)::
+held back, the way a stop string's first characters are (``stream.text``)::
 
     text so far       "Let me check.<tool_c"          start marker "<tool_call>"
     content           "Let me check."                  held back: "<tool_c"
