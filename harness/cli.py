@@ -75,6 +75,16 @@ def _compare(args) -> int:
     return compare.main(args.results, factor=args.factor, alpha=args.alpha)
 
 
+def _compare_commits(args) -> int:
+    """EXP-022 with ``ref`` (and ``new``) set: this checkout against an earlier commit, every turn type."""
+    sets = [f"params.ref={json.dumps(args.ref)}", f"params.new={json.dumps(args.new)}", *args.set]
+    if args.models:
+        sets.append("params.models=" + json.dumps(args.models.split(",")))
+    run_args = argparse.Namespace(config="exp_022_commit_compare", set=sets, quick=args.quick, out=args.out,
+                                  verbose=False, strict=False)
+    return _run(run_args)
+
+
 def _report(args) -> int:
     from harness import console, old_names
 
@@ -128,6 +138,16 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--factor", type=float, default=1.10, help="median ratio that counts as a change (default 1.10)")
     c.add_argument("--alpha", type=float, default=0.01, help="Mann-Whitney U significance level (default 0.01)")
     c.set_defaults(func=_compare)
+
+    cc = sub.add_parser("compare-commits", help="this checkout against an earlier commit: every turn type, "
+                        "paired on this machine (EXP-022); exit 1 on a turn type slower beyond noise with --strict")
+    cc.add_argument("ref", help="the earlier commit (a sha, a tag, HEAD~3; '.' compares this checkout with itself)")
+    cc.add_argument("--new", default=".", help="the new side (default '.': this checkout as it stands)")
+    cc.add_argument("--models", default="", help="comma-separated models (default: the config's)")
+    cc.add_argument("--quick", action="store_true", help="the config's short version")
+    cc.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="any other override")
+    cc.add_argument("--out", default="results", help="results root (default: results)")
+    cc.set_defaults(func=_compare_commits)
 
     rep = sub.add_parser("report", help="print verdicts and medians of result files or folders")
     rep.add_argument("results", nargs="+")
