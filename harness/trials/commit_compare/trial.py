@@ -20,6 +20,7 @@ import traceback
 from pathlib import Path
 
 from harness.trials.base import Param, TrialKind, register
+from harness.trials.commit_compare.workload import KINDS
 
 HYBRIDS = ("lfm2-350m",)   # served as random-weight models at that geometry
 MB = 1 << 20
@@ -106,7 +107,7 @@ def _serve(model: str, p: dict, new, old, work: Path) -> dict:
                   {}, p["max_tokens"], {})
     w = Workload(bench, tok, agents=p["agents"], rounds=p["rounds"], system_tokens=p["system_tokens"],
                  tool_tokens=p["tool_tokens"], max_tokens=p["max_tokens"], decode_tokens=p["decode_tokens"],
-                 batch_rows=p["batch_rows"], decode_reps=p["decode_reps"])
+                 batch_rows=p["batch_rows"], decode_reps=p["decode_reps"], kinds=tuple(p["kinds"]))
     targets = [_target("new", new), _target("old", old)]
     try:
         bench.start_all(targets, {t.name: settings for t in targets}, "run")
@@ -149,6 +150,8 @@ KIND = register(TrialKind(
         "new": Param(str, ".", "the new side: '.' for this checkout as it stands, or another commit"),
         "models": Param(list, ["smollm2-135m", "gemma3-270m", "lfm2-350m"],
                         "registered models, or a hybrid geometry (lfm2-350m: random weights)", nonempty=True),
+        "kinds": Param(list, list(KINDS), "the turn types run (a narrower set bisects faster)", KINDS,
+                       nonempty=True),
         "agents": Param(int, 4, "agents per round, each a system prompt of its own", min=2),
         "rounds": Param(int, 2, "rounds of every agent's turns", min=1),
         "system_tokens": Param(int, 1200, "each agent's system prompt", min=16),

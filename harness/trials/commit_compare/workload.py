@@ -36,11 +36,13 @@ class Workload:
     """The turns on one :class:`Bench` of two servers; ``rows``: one per server and step."""
 
     def __init__(self, bench: Bench, tok, *, agents: int, rounds: int, system_tokens: int, tool_tokens: int,
-                 max_tokens: int, decode_tokens: int, batch_rows: int, decode_reps: int):
+                 max_tokens: int, decode_tokens: int, batch_rows: int, decode_reps: int,
+                 kinds: tuple[str, ...] = KINDS):
         self.bench, self.tok = bench, tok
         self.agents, self.rounds, self.system_tokens, self.tool_tokens = agents, rounds, system_tokens, tool_tokens
         self.max_tokens, self.decode_tokens, self.batch_rows, self.decode_reps = (
             max_tokens, decode_tokens, batch_rows, decode_reps)
+        self.kinds = kinds   # the turn types run (a first turn always: every other starts from one)
         self.rows: list[dict] = []
         self.pair = 0
 
@@ -49,26 +51,36 @@ class Workload:
     def run(self) -> None:
         self.warm_up()
         everyone = []
+        want = self.kinds.__contains__
         for r in range(self.rounds):
             users = [self._user(r, a) for a in range(self.agents)]
             for a, u in enumerate(users):
                 system = system_prompt(self.tok, r * self.agents + a, self.system_tokens)
                 self.step(u, "first", lambda s, system=system, a=a: [system, task(a)])
-                self.step(u, "append", lambda s, u=u, a=a: s.histories[u] + [tool_output(self.tok, a, 1, self.tool_tokens)])
-                self.step(u, "regenerate", lambda s, u=u: s.histories[u][:-1], keep=False)
-                self.step(u, "edit", lambda s, u=u, a=a: s.histories[u][:-2] + [
-                    tool_output(self.tok, a, 2, self.tool_tokens)], keep=False)
-                self.step(u + 50, "subagent", lambda s, system=system, a=a: [system, task(a, 0)])
+                if want("append") or want("regenerate") or want("edit"):
+                    self.step(u, "append", lambda s, u=u, a=a: s.histories[u] + [
+                        tool_output(self.tok, a, 1, self.tool_tokens)])
+                if want("regenerate"):
+                    self.step(u, "regenerate", lambda s, u=u: s.histories[u][:-1], keep=False)
+                if want("edit"):
+                    self.step(u, "edit", lambda s, u=u, a=a: s.histories[u][:-2] + [
+                        tool_output(self.tok, a, 2, self.tool_tokens)], keep=False)
+                if want("subagent"):
+                    self.step(u + 50, "subagent", lambda s, system=system, a=a: [system, task(a, 0)])
             # every agent but the last has seen the others' turns since its own: its cache left RAM
-            for a, u in enumerate(users[:-1]):
+            for a, u in enumerate(users[:-1] if want("return") else []):
                 self.step(u, "return", lambda s, u=u, a=a: s.histories[u] + [tool_output(self.tok, a, 3, self.tool_tokens)])
             everyone += [(a, u) for a, u in enumerate(users)]
         for rep in range(self.decode_reps):
-            self.decode(1, 900 + rep)
-            self.decode(self.batch_rows, 920 + rep * self.batch_rows)
-        self.bench.restart_all(signal.SIGTERM, "run", settle_s=1.0)
-        for a, u in everyone:
-            self.step(u, "restart", lambda s, u=u, a=a: s.histories[u] + [tool_output(self.tok, a, 4, self.tool_tokens)])
+            if want("decode_b1"):
+                self.decode(1, 900 + rep)
+            if want("decode_batch"):
+                self.decode(self.batch_rows, 920 + rep * self.batch_rows)
+        if want("restart"):
+            self.bench.restart_all(signal.SIGTERM, "run", settle_s=1.0)
+            for a, u in everyone:
+                self.step(u, "restart", lambda s, u=u, a=a: s.histories[u] + [
+                    tool_output(self.tok, a, 4, self.tool_tokens)])
 
     @staticmethod
     def _user(round_: int, agent: int) -> int:
