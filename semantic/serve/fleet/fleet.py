@@ -134,7 +134,20 @@ class Fleet:
         self._released: asyncio.Event | None = None
         self._reaper: asyncio.Task | None = None
         self._trimming: asyncio.Future | None = None  # the heap trim after a load (a reference keeps it alive)
-        memory.fix_heap_thresholds()  # before any model loads: an unloaded model's buffers go back to the system
+        if self.unloads:  # before any model loads: an unloaded model's buffers go back to the system
+            memory.fix_heap_thresholds()
+
+    @property
+    def unloads(self) -> bool:
+        """Whether a model of this fleet is ever unloaded: several models (or a folder of them), a memory
+        budget or an idle TTL.
+        Only then are glibc's heap thresholds fixed (``memory``): they return freed buffers to the system at
+        once, so every large allocation after is fresh pages to fault in (a sub-agent's turn on SmolLM2
+        faulted 50K pages instead of 3K-10K, 1.3-1.5x its CPU time): a server that never unloads keeps
+        glibc's own."""
+        entries = list(self.registry.entries.values())
+        return (self.budget is not None or len(entries) > 1 or self.registry.models_dir is not None
+                or any(e.options.idle_ttl_s and not e.options.pinned for e in entries))
 
     @classmethod
     def of(cls, backend) -> "Fleet":

@@ -27,6 +27,18 @@ def _no_collection(monkeypatch):
     monkeypatch.setattr(fleet_mod, "_free_memory", lambda *held: None)
 
 
+def test_only_a_fleet_that_unloads_models_fixes_the_heap_thresholds(monkeypatch):
+    """Fixed thresholds return an unloaded model's memory, and make every large allocation fresh pages:
+    a server of one model that never unloads it keeps glibc's own."""
+    fixed = []
+    monkeypatch.setattr(fleet_mod.memory, "fix_heap_thresholds", lambda: fixed.append(True) or True)
+    assert not _fleet({"a": 10})[0].unloads and fixed == []
+    assert not _fleet({"a": 10}, ttl={"a": 60}, pinned=("a",))[0].unloads and fixed == []
+    for fleet, _ in (_fleet({"a": 10, "b": 10}), _fleet({"a": 10}, budget_mb=100), _fleet({"a": 10}, ttl={"a": 60})):
+        assert fleet.unloads
+    assert len(fixed) == 3
+
+
 # ---------------------------------------------------------------- acquire
 
 
