@@ -20,8 +20,11 @@ continuation, so the comparison ends there (:meth:`Reference.check`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
+
+import json
+import os
 
 import mlx.core as mx
 
@@ -39,6 +42,31 @@ FLOOR = 1e-5
 CEILING = 0.05
 
 
+def tolerance(noise: float) -> float:
+    """What two correct computations may differ by, given the spread ``noise`` measured between two others."""
+    return max(SAFETY * noise, FLOOR)
+
+
+def spread(xs, ys) -> float:
+    """The largest |x - y| over paired arrays (mlx or numpy): the noise between two correct computations."""
+    import numpy as np
+
+    worst = 0.0
+    for x, y in zip(xs, ys, strict=True):
+        a, b = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
+        assert a.shape == b.shape, f"shapes {a.shape} and {b.shape}"
+        worst = max(worst, float(np.max(np.abs(a - b), initial=0.0)))
+    return worst
+
+
+def assert_within(xs, ys, noise: float, what: str = "") -> None:
+    """Assert that paired arrays differ by at most the tolerance a measured ``noise`` gives."""
+    tol, d = tolerance(noise), spread(xs, ys)
+    _log(what, noise, tol, d, {})
+    assert noise <= CEILING, f"{what}: the measured noise {noise:.2e} is not float noise"
+    assert d <= tol, f"{what}: |Δ| {d:.2e} > tolerance {tol:.2e} (noise {noise:.2e})"
+
+
 @dataclass(frozen=True)
 class Reference:
     """A greedy generation as mlx-lm computes it, with the spread of its logprobs measured here."""
@@ -47,10 +75,16 @@ class Reference:
     logprobs: list[float]        # of each chosen token
     margins: list[float]         # top-1 minus top-2 logprob at each step
     noise: float                 # the largest |Δ logprob| of a variant (module doc)
+    spreads: dict = field(default_factory=dict)  # each variant's |Δ logprob|, by name ("chunk3", "rows2")
 
     @property
     def tolerance(self) -> float:
-        return max(SAFETY * self.noise, FLOOR)
+        return tolerance(self.noise)
+
+    def first(self, n: int) -> "Reference":
+        """The first ``n`` steps: a greedy generation's prefix is the shorter generation (its noise
+        measured over more steps, never less)."""
+        return Reference(self.tokens[:n], self.logprobs[:n], self.margins[:n], self.noise, self.spreads)
 
     def check(self, tokens: Sequence[int], logprobs: Sequence[float], what: str = "") -> int:
         """Assert that ``tokens`` and ``logprobs`` are this reference's, within the tolerance; returns
@@ -58,17 +92,35 @@ class Reference:
         tol = self.tolerance
         assert self.noise <= CEILING, f"{what}: the reference's own noise {self.noise:.2e} is not float noise"
         assert len(tokens) == len(self.tokens), f"{what}: {len(tokens)} tokens, the reference has {len(self.tokens)}"
-        for i, (t, lp) in enumerate(zip(tokens, logprobs)):
-            if t != self.tokens[i]:
-                assert self.margins[i] <= tol, (
-                    f"{what}: step {i} chose {t}, the reference {self.tokens[i]} by a margin of "
-                    f"{self.margins[i]:.2e} (tolerance {tol:.2e}, noise {self.noise:.2e}); "
-                    f"tokens {list(tokens)} vs {self.tokens}")
-                return i  # a near-tie went the other way: what follows is another continuation
-            assert abs(lp - self.logprobs[i]) <= tol, (
-                f"{what}: step {i} logprob {lp:.7f} vs the reference's {self.logprobs[i]:.7f}: "
-                f"|Δ| {abs(lp - self.logprobs[i]):.2e} > tolerance {tol:.2e} (noise {self.noise:.2e})")
-        return len(tokens)
+        worst = 0.0
+        try:
+            for i, (t, lp) in enumerate(zip(tokens, logprobs)):
+                if t != self.tokens[i]:
+                    assert self.margins[i] <= tol, (
+                        f"{what}: step {i} chose {t}, the reference {self.tokens[i]} by a margin of "
+                        f"{self.margins[i]:.2e} (tolerance {tol:.2e}, noise {self.noise:.2e}); "
+                        f"tokens {list(tokens)} vs {self.tokens}")
+                    return i  # a near-tie went the other way: what follows is another continuation
+                worst = max(worst, abs(lp - self.logprobs[i]))
+                assert abs(lp - self.logprobs[i]) <= tol, (
+                    f"{what}: step {i} logprob {lp:.7f} vs the reference's {self.logprobs[i]:.7f}: "
+                    f"|Δ| {abs(lp - self.logprobs[i]):.2e} > tolerance {tol:.2e} (noise {self.noise:.2e})")
+            return len(tokens)
+        finally:
+            _log(what, self.noise, tol, worst, self.spreads)
+
+
+def _log(what: str, noise: float, tol: float, deviation: float, spreads: dict) -> None:
+    """With SEMANTIC_NOISE_LOG set, one JSON line per comparison (the test, the noise, the deviation
+    found): how docs/tests.md's table of measured noise is made."""
+    path = os.environ.get("SEMANTIC_NOISE_LOG")
+    if path:
+        doc = {"test": os.environ.get("PYTEST_CURRENT_TEST", "").removesuffix(" (call)"), "what": what,
+               "noise": noise, "tolerance": tol, "deviation": deviation, "spreads": spreads,
+               "coretype": os.environ.get("OPENBLAS_CORETYPE", ""),
+               "threads": os.environ.get("OPENBLAS_NUM_THREADS", "")}
+        with open(path, "a") as f:
+            f.write(json.dumps(doc) + "\n")
 
 
 def _greedy_chunked(model, ids: Sequence[int], n: int, make_cache: Callable[[], list], chunk: int):
@@ -108,24 +160,34 @@ def _spread(ref, other) -> float:
 _memo: dict = {}
 
 
-def reference(model, ids: Sequence[int], n: int, make_cache: Callable[[], list], key=None) -> Reference:
+def reference(model, ids: Sequence[int], n: int, make_cache: Callable[[], list], key=None,
+              chunks: Sequence[int] = CHUNKS, rows: int = ROWS) -> Reference:
     """mlx-lm's greedy generation of ``n`` tokens after ``ids`` in caches from ``make_cache``, and its
     noise on this machine (module doc). ``key`` names the cache geometry for the memo (None: not
-    memoized); a test comparing several runs with one reference measures it once."""
-    memo_key = (id(model), key, tuple(ids), n) if key is not None else None
+    memoized); a test comparing several runs with one reference measures it once, and a shorter one
+    on the same ids is its prefix. ``chunks`` and ``rows`` choose the variants (rows 0: none)."""
+    ids = [int(t) for t in ids]
+    memo_key = (id(model), key, tuple(ids), tuple(chunks), rows) if key is not None else None
     if memo_key in _memo:
-        return _memo[memo_key]
+        held, out = _memo[memo_key]
+        if held is model and len(out.tokens) >= n:
+            return out.first(n)
     ref = _greedy_chunked(model, ids, n, make_cache, max(len(ids), 1))
-    variants = [_greedy_chunked(model, ids, n, make_cache, c) for c in CHUNKS if c < len(ids) - 1]
-    variants.append(_greedy_rows(model, ids, n, make_cache, ROWS))
+    variants = {f"chunk{c}": _greedy_chunked(model, ids, n, make_cache, c)
+                for c in sorted(set(chunks)) if c < len(ids) - 1}
+    if rows > 1:
+        variants[f"rows{rows}"] = _greedy_rows(model, ids, n, make_cache, rows)
+    assert variants, "no variant to measure the noise against"
     tokens = [t for t, _ in ref]
     top2 = [mx.topk(row, 2) for _, row in ref]
+    spreads = {name: _spread(ref, v) for name, v in variants.items()}
     out = Reference(
         tokens=tokens,
         logprobs=[row[t].item() for t, row in ref],
         margins=[abs(a - b) for a, b in (t.tolist() for t in top2)],
-        noise=max(_spread(ref, v) for v in variants),
+        noise=max(spreads.values()),
+        spreads=spreads,
     )
     if memo_key is not None:
-        _memo[memo_key] = out
+        _memo[memo_key] = (model, out)  # held: the model's id is never another's while its entry lives
     return out

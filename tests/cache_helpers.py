@@ -1,5 +1,7 @@
 """Helpers shared by the persistence and store tests: real AgentBlocks from
-the engine on tiny models, synthetic ones in any geometry, and comparisons."""
+the engine on tiny models, synthetic ones in any geometry, and comparisons;
+mlx-lm's own greedy generation, with the noise of its logprobs measured on
+this machine, that every test comparing logprobs holds a turn against."""
 
 from __future__ import annotations
 
@@ -7,12 +9,36 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models import cache as mlx_cache
 
+from harness import noise
 from semantic import BlockPool, BatchExecutor, ModelCacheSpec, Request, compat
 from semantic.cache.blocks import AgentBlocks
 from semantic.cache.convert import extract, reconstruct
 from tests.tiny_models import byte_tokenizer
 
-LOGPROB_TOL = 1e-4  # as tests/semantic/engine/test_executor.py: float32 tiny models, reordered sums move ~1e-6
+
+
+def reference(model, ids, n: int, kv_bits: int | None = None, spec: ModelCacheSpec | None = None,
+              **variants) -> noise.Reference:
+    """mlx-lm's generate_step: ``n`` greedy tokens after ``ids`` in fresh caches of ``spec`` (default: the
+    model's, ``kv_bits`` KV as the tests' engines make it), with its noise here (harness/noise.py);
+    memoized, so a test holding several turns against one history measures it once."""
+    spec = spec if spec is not None else ModelCacheSpec.from_model(model, kv_bits=kv_bits, kv_group_size=32)
+    return noise.reference(model, list(ids), n, spec.make_cache, key=spec, **variants)
+
+
+def check(model, done, kv_bits: int | None = None, spec: ModelCacheSpec | None = None, what: str = "",
+          **variants) -> noise.Reference:
+    """Assert that a Completion is mlx-lm's greedy generation after its prompt: its tokens (but after a
+    near-tie), its logprobs within the measured tolerance. Returns the reference."""
+    ref = reference(model, done.request.ids, len(done.token_ids), kv_bits, spec, **variants)
+    ref.check(done.token_ids, done.logprobs, what or done.request.agent_id)
+    return ref
+
+
+def check_engine(eng: BatchExecutor, *done, what: str = "") -> None:
+    """:func:`check` for each of an engine's Completions, in the caches of the engine's own spec."""
+    for d in done:
+        check(eng.model, d, spec=eng.spec, what=what)
 
 
 def engine(model, kv_bits=None, blocks=256, block_tokens=4, capacity_bytes=None) -> BatchExecutor:
