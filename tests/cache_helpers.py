@@ -1,5 +1,7 @@
 """Helpers shared by the persistence and store tests: real AgentBlocks from
-the engine on tiny models, synthetic ones in any geometry, and comparisons."""
+the engine on tiny models, synthetic ones in any geometry, and comparisons;
+mlx-lm's own greedy generation, with the noise of its logprobs measured on
+this machine, that every test comparing logprobs holds a turn against."""
 
 from __future__ import annotations
 
@@ -7,12 +9,56 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models import cache as mlx_cache
 
+from harness import noise
 from semantic import BlockPool, BatchExecutor, ModelCacheSpec, Request, compat
 from semantic.cache.blocks import AgentBlocks
 from semantic.cache.convert import extract, reconstruct
 from tests.tiny_models import byte_tokenizer
 
-LOGPROB_TOL = 1e-4  # as tests/semantic/runner/test_executor.py: float32 tiny models, reordered sums move ~1e-6
+
+
+def reference(model, ids, n: int, kv_bits: int | None = None, spec: ModelCacheSpec | None = None,
+              real: bool = False) -> noise.Reference:
+    """mlx-lm's generate_step: ``n`` greedy tokens after ``ids`` in fresh caches of ``spec`` (default: the
+    model's, ``kv_bits`` KV as the tests' engines make it), with its noise here (harness/noise.py);
+    memoized, so a test holding several turns against one history measures it once.
+
+    ``real``: a real model (SmolLM2, Gemma 3 270M), whose variants of a several-hundred-token prompt cost
+    seconds each: its noise is measured on one chunking of about four passes (``noise.few_passes``),
+    which on these f32 models moved logprobs as far as any other chunking or batch (docs/tests.md)."""
+    spec = spec if spec is not None else ModelCacheSpec.from_model(model, kv_bits=kv_bits, kv_group_size=32)
+    variants = noise.few_passes(ids) if real else {}
+    return noise.reference(model, list(ids), n, spec.make_cache, key=spec, **variants)
+
+
+def check(model, done, kv_bits: int | None = None, spec: ModelCacheSpec | None = None, what: str = "",
+          real: bool = False) -> noise.Reference:
+    """Assert that a Completion is mlx-lm's greedy generation after its prompt: its tokens (but after a
+    near-tie), its logprobs within the measured tolerance. Returns the reference."""
+    ref = reference(model, done.request.ids, len(done.token_ids), kv_bits, spec, real)
+    ref.check(done.token_ids, done.logprobs, what or done.request.agent_id)
+    return ref
+
+
+def fresh(model, ids, max_tokens: int, kv_bits: int | None = None):
+    """A fresh prefill of ``ids`` in an engine of its own: a pool of its own, nothing reused."""
+    eng = engine(model, kv_bits, blocks=64)
+    uid = eng.submit(Request("fresh", list(ids), max_tokens), share=False)
+    return run(eng)[uid]
+
+
+def assert_like_fresh(model, got, ref, kv_bits: int | None = None) -> None:
+    """A turn and a fresh prefill of its prompt (:func:`fresh`): the same tokens, and both mlx-lm's own
+    generation within its measured noise."""
+    assert list(got.token_ids) == list(ref.token_ids)
+    check(model, got, kv_bits, what="turn")
+    check(model, ref, kv_bits, what="fresh prefill")
+
+
+def check_engine(eng: BatchExecutor, *done, what: str = "", real: bool = False) -> None:
+    """:func:`check` for each of an engine's Completions, in the caches of the engine's own spec."""
+    for d in done:
+        check(eng.model, d, spec=eng.spec, what=what, real=real)
 
 
 def engine(model, kv_bits=None, blocks=256, block_tokens=4, capacity_bytes=None) -> BatchExecutor:

@@ -7,6 +7,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from harness import noise
 from semantic import BlockPool, ModelCacheSpec, kinds
 from semantic.cache import convert, reuse
 from semantic.cache.snapshots import SnapshotPositions
@@ -78,6 +79,9 @@ def test_a_passed_block_holds_the_keys_and_values_a_stop_there_would_have_pooled
     passed, stopped = BlockPool(spec, 64, block_tokens=BT), BlockPool(spec, 64, block_tokens=BT)
     assert convert.keep_passed(passed, _prefill(gemma_tiny, ids, []), ids, [12]) == 3 + 2  # global [0, 12), window [4, 12)
     convert.extract(stopped, _prefill(gemma_tiny, ids[:12], []), ids[:12]).release()
-    # one 30-token chunk against a 12-token one: the same K/V up to float32 summation order
-    for x, y in zip(_rebuilt(passed, ids[:12]), _rebuilt(stopped, ids[:12]), strict=True):
-        np.testing.assert_allclose(x, y, atol=1e-5, rtol=0)
+    # one 30-token chunk against a 12-token one: the same K/V up to float32 summation order, as far as
+    # the 12 tokens prefilled in two chunks move from one (another correct computation) on this machine
+    split = BlockPool(spec, 64, block_tokens=BT)
+    convert.extract(split, _prefill(gemma_tiny, ids[:12], [5]), ids[:12]).release()
+    want = _rebuilt(stopped, ids[:12])
+    noise.assert_within(_rebuilt(passed, ids[:12]), want, noise.spread(_rebuilt(split, ids[:12]), want), "passed")

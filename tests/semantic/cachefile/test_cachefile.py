@@ -27,8 +27,8 @@ from semantic.cache import convert
 from semantic.cachefile import atomic
 from semantic.cachefile import DOC_HASH_KEY, DOC_KEY, FORMAT_VERSION
 from tests.cache_helpers import (
-    LOGPROB_TOL,
     assert_identical,
+    check_engine,
     engine,
     generate,
     history,
@@ -77,7 +77,7 @@ def test_a_loaded_cache_is_bit_identical_and_continues_like_a_fresh_prefill(
     done = run(eng)
     assert done[cont].cached_tokens == n + 6
     assert done[cont].token_ids == done[ref].token_ids
-    np.testing.assert_allclose(done[cont].logprobs, done[ref].logprobs, atol=LOGPROB_TOL, rtol=0)
+    check_engine(eng, done[cont], done[ref])  # both mlx-lm's own generation, within its measured noise
 
 
 def test_loading_into_a_pool_that_holds_the_prefix_shares_its_full_blocks(gemma_file):

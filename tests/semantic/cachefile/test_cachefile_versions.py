@@ -8,11 +8,10 @@ under each version (see tests/data/README.md). ``make test`` runs this under
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from semantic import Request, cachefile
-from tests.cache_helpers import LOGPROB_TOL, engine, run, weights_fingerprint
+from tests.cache_helpers import check_engine, engine, run, weights_fingerprint
 from tests.persistence_fixtures import DATA, FIXTURES, expected, model_for
 
 pytestmark = pytest.mark.compat
@@ -45,4 +44,4 @@ def test_a_file_from_either_version_loads_and_continues_like_a_fresh_prefill(pat
     done = run(eng)
     assert done[cont].cached_tokens == loaded.total_tokens
     assert done[cont].token_ids == done[ref].token_ids
-    np.testing.assert_allclose(done[cont].logprobs, done[ref].logprobs, atol=LOGPROB_TOL, rtol=0)
+    check_engine(eng, done[cont], done[ref])  # both mlx-lm's own generation, within its measured noise

@@ -2,8 +2,8 @@
 on tiny random-weight models.
 
 An early-ended sequence keeps the cache of exactly the tokens it computed: the
-next turn from it must equal a fresh prefill (``reference``, tolerance 1e-4 as
-in ``test_scheduler``).
+next turn from it must equal a fresh prefill (``fresh``), both held against
+mlx-lm's own generation within the noise measured beside it (``tests.cache_helpers``).
 """
 
 from __future__ import annotations
@@ -17,10 +17,14 @@ from semantic import AgentCacheStore, BlockPool, BatchExecutor, ConcurrentSchedu
 from semantic.cache.blockclaim import salt_root_of
 from semantic.errors import InvalidRequestError
 from semantic.decode.sampling import SamplingParams
+from tests.cache_helpers import assert_like_fresh, fresh
 from tests.tiny_models import byte_tokenizer
-from tests.semantic.sched.test_scheduler import _assert_same, _ids, reference
 
 pytestmark = pytest.mark.compat
+
+
+def _ids(seed: int, n: int) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed).integers(1, 250, n)]
 
 
 def _engine(model, kv_bits=None, blocks=256, block_tokens=4):
@@ -63,9 +67,9 @@ def test_on_token_sees_every_token_and_can_end_the_sequence_with_an_exact_cache(
     uid2 = engine.submit(Request("a", nxt, 5), c.blocks)
     c2 = {x.uid: x for x in engine.step()}[uid2]
     assert c2.cached_tokens == len(history) + 4
-    fresh = _engine(model, bits)  # a fresh prefill with the same cache spec (8-bit KV included)
-    ref_uid = fresh.submit(Request("ref", nxt, 5))
-    _assert_same(c2, {x.uid: x for x in fresh.step()}[ref_uid])
+    again = _engine(model, bits)  # a fresh prefill with the same cache spec (8-bit KV included)
+    ref_uid = again.submit(Request("ref", nxt, 5))
+    assert_like_fresh(model, c2, {x.uid: x for x in again.step()}[ref_uid], bits)
 
 
 def test_cancel_ends_a_sequence_in_flight_keeping_what_it_computed(llama_tiny):
@@ -82,9 +86,7 @@ def test_cancel_ends_a_sequence_in_flight_keeping_what_it_computed(llama_tiny):
     nxt = history + c.token_ids + [7, 8, 9]
     uid2 = engine.submit(Request("a", nxt, 4), c.blocks)
     c2 = {x.uid: x for x in engine.step()}[uid2]
-    ref = reference(llama_tiny, nxt, 4)
-    assert c2.token_ids == ref.token_ids
-    np.testing.assert_allclose(c2.logprobs, ref.logprobs, atol=1e-4, rtol=0)
+    assert_like_fresh(llama_tiny, c2, fresh(llama_tiny, nxt, 4))
 
 
 def test_cancel_before_the_first_token_keeps_no_cache(llama_tiny):
@@ -121,9 +123,7 @@ def test_greedy_stays_exact_beside_sampled_and_penalized_sequences(llama_tiny):
     engine.submit(Request("s", _ids(10, 9), 8, sampling=SamplingParams(temperature=0.9, seed=1)))
     p = engine.submit(Request("p", history, 8, sampling=SamplingParams(repetition_penalty=1.5, frequency_penalty=1.0)))
     done = {c.uid: c for c in engine.step()}
-    ref = reference(llama_tiny, history, 8)
-    assert done[g].token_ids == ref.token_ids
-    np.testing.assert_allclose(done[g].logprobs, ref.logprobs, atol=1e-4, rtol=0)
+    assert_like_fresh(llama_tiny, done[g], fresh(llama_tiny, history, 8))
     assert len(done[p].token_ids) == 8
 
 
@@ -160,8 +160,7 @@ def test_salted_roots_never_share_blocks_but_the_same_salt_does(llama_tiny, cach
         assert sched.submit(Request("x", shared + [2], 3, salt_root=a)).result().cached_tokens == 24
         assert sched.submit(Request("z", shared + [2], 3, salt_root=salt_root_of("tenant-c"))).result().cached_tokens == 0
         assert sched.submit(Request("y", shared + [2], 3, salt_root=b)).result().cached_tokens == 24
-        ref = reference(llama_tiny, shared + [6] + list(same.token_ids) + [1], 3)
-        _assert_same(again, ref)
+        assert_like_fresh(llama_tiny, again, fresh(llama_tiny, shared + [6] + list(same.token_ids) + [1], 3))
 
 
 def test_scheduler_streams_cancels_and_keeps_anonymous_turns_out_of_the_store(llama_tiny, cache_dir):
@@ -191,7 +190,7 @@ def test_scheduler_streams_cancels_and_keeps_anonymous_turns_out_of_the_store(ll
         nxt = history + list(r.token_ids) + [4, 5]
         follow = sched.submit(Request("c", nxt, 3)).result()
         assert follow.reuse in ("own", "pool") and follow.cached_tokens >= len(history) + len(r.token_ids) - 1
-        _assert_same(follow, reference(llama_tiny, nxt, 3))
+        assert_like_fresh(llama_tiny, follow, fresh(llama_tiny, nxt, 3))
         # anonymous: pooled prefixes are used, nothing is stored or kept resident
         anon = sched.submit(Request("anon-1", nxt + [6], 3, persist=False)).result()
         assert anon.cached_tokens >= 24

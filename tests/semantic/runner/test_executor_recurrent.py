@@ -1,22 +1,21 @@
 """Models that resume only from snapshots: recurrent layers (qwen3_next's Gated DeltaNet, lfm2's short
 convolutions) and a sliding window shorter than a block (gpt_oss). Every turn type an agent makes
-starts from a cache and must equal a fresh prefill of the same ids: the same greedy tokens, and
-logprobs within 1e-4 (float32 on this CPU; only the chunking of the attention matmuls differs, the
-recurrent state is carried token by token and comes out bit-equal)."""
+starts from a cache and must equal a fresh prefill of the same ids: mlx-lm's generate_step's greedy
+tokens, and logprobs within the spread its chunked and batched variants show on this machine
+(``tests.cache_helpers.reference``; only the chunking of the attention matmuls differs, the recurrent
+state is carried token by token and comes out bit-equal)."""
 
 from __future__ import annotations
 
-import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.generate import generate_step
 
 from semantic import BlockPool, BatchExecutor, ModelCacheSpec, Request
 from semantic.decode.promptlookup import SpecConfig
 from semantic.cache.snapshots import SnapshotPositions
+from tests.cache_helpers import check
 from tests.tiny_models import byte_tokenizer, tiny_gpt_oss, tiny_lfm2, tiny_qwen3_next
 
-TOL = 1e-4
 BT = 16
 pytestmark = pytest.mark.compat
 MODELS = {"qwen3_next": tiny_qwen3_next, "lfm2": tiny_lfm2, "gpt_oss": tiny_gpt_oss}
@@ -48,14 +47,6 @@ def _engine(model, blocks=400, **kw):
                                 stop_tokens=[], **kw)
 
 
-def _fresh(model, ids, n):
-    toks, lps = [], []
-    for tok, lp in generate_step(mx.array(ids), model, max_tokens=n):
-        toks.append(int(tok))
-        lps.append(float(lp[int(tok)]))
-    return toks, lps
-
-
 def _ids(n, seed):
     return [int(x) for x in np.random.default_rng(seed).integers(1, 250, n)]
 
@@ -68,9 +59,7 @@ def _turn(eng, model, agent, ids, own=None, n=6, boundaries=()):
 
 
 def _assert_fresh(model, done):
-    ref, ref_lps = _fresh(model, list(done.request.ids), len(done.token_ids))
-    assert done.token_ids == ref
-    assert np.max(np.abs(np.array(done.logprobs) - ref_lps)) < TOL
+    check(model, done, spec=ModelCacheSpec.from_model(model))
 
 
 def test_every_turn_type_resumes_from_a_snapshot_and_equals_a_fresh_prefill(model):
@@ -209,7 +198,7 @@ def test_a_rebuilt_full_window_never_writes_into_the_pooled_blocks_it_came_from(
 
 
 def test_8_bit_kv_on_a_hybrids_attention_layers_resumes_exactly_like_its_own_fresh_turn():
-    # a quantized cache is not mlx-lm's float prefill: compare a resumed turn with the same engine's fresh one
+    # the reference quantizes as the engine does: mlx-lm's generate_step in caches of the same 8-bit spec
     m = tiny_qwen3_next(heads=2, kv_heads=1, head_dim=32)  # heads a group of 32 divides
     spec = ModelCacheSpec.from_model(m, kv_bits=8, kv_group_size=32)
     assert {l.kind for l in spec.layers} == {"recurrent", "global"} and spec.quantized
@@ -224,7 +213,8 @@ def test_8_bit_kv_on_a_hybrids_attention_layers_resumes_exactly_like_its_own_fre
     (fresh,) = list(eng.step())
     assert resumed.cached_tokens == len(first_ids) + len(first.token_ids) and fresh.cached_tokens == 0
     assert resumed.token_ids == fresh.token_ids
-    assert np.max(np.abs(np.array(resumed.logprobs) - fresh.logprobs)) < 1e-2  # 8-bit K/V rounding, in both
+    check(m, resumed, spec=spec, what="resumed")  # 8-bit K/V amplifies the noise: measured in the same caches
+    check(m, fresh, spec=spec, what="fresh")
 
 
 def test_a_finished_cache_carries_the_prompts_and_the_pre_stop_snapshots_so_a_re_rendered_reply_resumes():

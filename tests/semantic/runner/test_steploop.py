@@ -1,13 +1,13 @@
 """The step loop: chunked prefill between batched decode steps, quantized KV batched.
 
 The reference is mlx-lm's own single-sequence ``generate_step`` (one prompt,
-one cache of the same type, greedy), not our loop. Tiny models run in
-float32; batching and chunking change the summation order only, which moves
-a logprob by about 1e-6 (1e-4 leaves room and still catches a wrong token).
-A quantized row in a batch holds the same packed bytes as the solo cache
-(tested below), but quantized_matmul's sums over other shapes (a 1-token
-chunk against mlx-lm's one-shot prefill) move a logprob by up to about 2e-4
-on these models: 1e-3 there, still far below a wrong token's effect.
+one cache of the same type, greedy), not our loop. Batching and chunking
+change the summation order only; how far that moves a logprob here is
+measured beside the reference (mlx-lm's own chunked and batched variants,
+``harness/noise.py``) and the turn must stay within a few times that. A
+quantized row in a batch holds the same packed bytes as the solo cache
+(tested below), but 8-bit KV amplifies those reordered sums: its measured
+noise, and so its tolerance, is larger.
 """
 
 from __future__ import annotations
@@ -15,16 +15,14 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.generate import generate_step
 
-from semantic import BlockPool, BatchExecutor, ModelCacheSpec, Request, compat, kinds
+from semantic import BlockPool, BatchExecutor, ModelCacheSpec, Request, kinds
 from semantic.kinds.batchquant import BatchQuantizedKVCache
+from tests.cache_helpers import reference
 from tests.tiny_models import byte_tokenizer
 
 pytestmark = pytest.mark.compat
 
-TOL = 1e-4
-TOL_QUANTIZED = 1e-3
 # prompt lengths around the tiny models' 4-token blocks and gemma's 8-token window
 PROMPTS = {"a": 7, "b": 21, "c": 37}
 
@@ -45,16 +43,6 @@ def _engine(model, bits, chunk, max_batch=8):
     )
 
 
-def generate_step_reference(model, bits, ids: list[int], n: int) -> tuple[list[int], list[float]]:
-    """mlx-lm's own greedy generation of ``n`` tokens after ``ids``, in a fresh cache of the spec's types."""
-    cache = _spec(model, bits).make_cache()
-    tokens, logprobs = [], []
-    for (tok, lp), _ in zip(generate_step(mx.array(ids), model, prompt_cache=cache, sampler=lambda x: mx.argmax(x, -1)), range(n)):
-        tokens.append(int(tok))
-        logprobs.append(lp[int(tok)].item())
-    return tokens, logprobs
-
-
 @pytest.fixture(params=["llama", "llama-q8", "llama-q4", "gemma", "gemma-q8"])
 def model_and_bits(request, llama_tiny, gemma_tiny):
     name, _, q = request.param.partition("-q")
@@ -66,7 +54,6 @@ def test_chunked_prefill_in_a_batch_equals_mlx_lm_for_every_cache_type(model_and
     """Chunks end inside blocks (3, 5, 13), at their edges (4, 8) and past the window (13, 64);
     every turn equals mlx-lm's own generation, the first and the one continuing from pooled blocks."""
     model, bits = model_and_bits
-    tol = TOL_QUANTIZED if bits else TOL
     engine = _engine(model, bits, chunk)
     hist = {a: _ids(i, n) for i, (a, n) in enumerate(PROMPTS.items())}
     uids = {a: engine.submit(Request(a, h, 6)) for a, h in hist.items()}
@@ -74,7 +61,7 @@ def test_chunked_prefill_in_a_batch_equals_mlx_lm_for_every_cache_type(model_and
     nxt = {}
     for a, h in hist.items():
         c = first[uids[a]]
-        assert (c.token_ids, pytest.approx(c.logprobs, abs=tol)) == generate_step_reference(model, bits, h, 6)
+        reference(model, h, 6, bits).check(c.token_ids, c.logprobs, f"{a} first turn")
         assert c.blocks.token_ids == tuple(h + c.token_ids)  # the last token was fed too
         nxt[a] = (h + c.token_ids + _ids(9, 5), c.blocks)
     uids = {a: engine.submit(Request(a, h, 5), own) for a, (h, own) in nxt.items()}
@@ -82,7 +69,7 @@ def test_chunked_prefill_in_a_batch_equals_mlx_lm_for_every_cache_type(model_and
     for a, (h, _) in nxt.items():
         c = second[uids[a]]
         assert c.cached_tokens >= len(h) - 5
-        assert (c.token_ids, pytest.approx(c.logprobs, abs=tol)) == generate_step_reference(model, bits, h, 5)
+        reference(model, h, 5, bits).check(c.token_ids, c.logprobs, f"{a} second turn")
 
 
 def test_a_long_prefill_advances_one_chunk_per_step_while_others_decode(llama_tiny):

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from semantic import AgentCacheStore, BlockPool, ConcurrentScheduler, ModelCacheSpec, Request
+from tests.cache_helpers import assert_like_fresh, fresh
 from tests.tiny_models import byte_tokenizer
-from tests.semantic.sched.test_scheduler import _assert_same, _ids, reference
 
 pytestmark = pytest.mark.compat
 
@@ -26,6 +26,10 @@ def _scheduler(model, cache_dir, budget, blocks=512, **kw):
     spec = ModelCacheSpec.from_model(model)
     store = AgentCacheStore(cache_dir, spec, "tiny", 10**9, pool=BlockPool(spec, blocks, BT))
     return ConcurrentScheduler(model, byte_tokenizer(), store, stop_tokens=[], ram_budget_bytes=budget, **kw)
+
+
+def _ids(seed: int, n: int) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed).integers(1, 250, n)]
 
 
 def _bytes(model, tokens: int) -> int:
@@ -68,7 +72,7 @@ def test_an_evicted_agent_continues_from_its_file_exactly(llama_tiny, cache_dir)
         r2 = _turn(sched, "a", h2, max_tokens=3)
         assert sched.store.stats().disk_hits == 1
     assert (r2.reuse, r2.cached_tokens, r2.prompt_tokens) == ("own", 16, 3)
-    _assert_same(r2, reference(llama_tiny, h2, 3))
+    assert_like_fresh(llama_tiny, r2, fresh(llama_tiny, h2, 3))
 
 
 def test_unsaved_caches_are_never_evicted_the_worker_waits_for_the_saver(llama_tiny, cache_dir):
@@ -125,7 +129,7 @@ def test_when_no_save_succeeds_the_budget_drops_unsaved_caches_as_lost_and_the_n
     assert saved == "failed" and dropped and stats.lost_caches >= 1
     assert stats.over_budget_steps == 0 and stats.resident_bytes <= budget and stats.save_errors >= 1
     assert r2.reuse in ("pool", "none")  # its own cache is gone; blocks left in the pool may still serve
-    _assert_same(r2, reference(llama_tiny, follow, 3))
+    assert_like_fresh(llama_tiny, r2, fresh(llama_tiny, follow, 3))
 
 
 def test_the_budget_holds_after_every_step_across_many_turns_of_many_agents(gemma_tiny, cache_dir):
@@ -159,7 +163,7 @@ def test_the_budget_holds_after_every_step_across_many_turns_of_many_agents(gemm
     assert stats.resident_peak_bytes <= budget and stats.over_budget_steps == 0
     assert stats.budget_evictions > 0 and stats.steps >= len(samples)
     for h, r in turns[-8:]:  # the last round: most of it from evicted agents' files
-        _assert_same(r, reference(gemma_tiny, h, len(r.token_ids)))
+        assert_like_fresh(gemma_tiny, r, fresh(gemma_tiny, h, len(r.token_ids)))
 
 
 def test_a_budget_needs_write_behind_and_a_byte_count(llama_tiny, cache_dir):

@@ -12,6 +12,8 @@ import httpx
 import openai
 import pytest
 
+from semantic.service import Service
+from tests.cache_helpers import reference
 from tests.serve_helpers import Server
 
 pytestmark = pytest.mark.integration
@@ -83,26 +85,50 @@ def plain_server(smollm2_dir, tmp_path_factory):
     assert s.stop_cleanly(), s.log()
 
 
-def test_a_reply_that_copies_its_context_is_the_same_with_speculation_streamed_and_not(server, plain_server):
+def _reference(model_dir, tmp_path, messages, n):
+    """mlx-lm's generate_step on the ids a server renders ``messages`` to (an in-process Service over the same
+    model renders them), with its noise measured here; and each reference token's text, as a reply lists it."""
+    service = Service.open(str(model_dir), cache_dir=str(tmp_path / "ref"), pool_bytes=64 << 20,
+                           disk_budget_bytes=1 << 30)
+    try:
+        ids = service.prepare(messages=messages, max_tokens=n).request.ids
+        engine = service.scheduler.engine
+        ref = reference(engine.model, ids, n, spec=engine.spec, real=True)
+        return ref, [service.tokenizer.decode([t]) for t in ref.tokens]
+    finally:
+        service.close(60)
+
+
+def _check(ref, want, pieces, logprobs, what):
+    """A reply's tokens (by their text) and logprobs against the reference (its noise measured here)."""
+    assert len(pieces) == len(want), what
+    ref.check([t if p == w else -1 for t, p, w in zip(ref.tokens, pieces, want)], logprobs, what)
+
+
+def test_a_reply_that_copies_its_context_is_the_same_with_speculation_streamed_and_not(server, plain_server,
+                                                                                       smollm2_dir, tmp_path):
     def ask(s, stream):
         client = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=300)
         kw = dict(model="smollm2", messages=EDIT, max_tokens=120, temperature=0, logprobs=True)
         if not stream:
             r = client.chat.completions.create(**kw)
-            return r.choices[0].message.content, [t.logprob for t in r.choices[0].logprobs.content]
-        text, lps = "", []
+            content = r.choices[0].logprobs.content
+            return r.choices[0].message.content, [t.logprob for t in content], [t.token for t in content]
+        text, content = "", []
         for chunk in client.chat.completions.create(**kw, stream=True):
             if chunk.choices:
                 text += chunk.choices[0].delta.content or ""
-                lps += [t.logprob for t in (chunk.choices[0].logprobs.content if chunk.choices[0].logprobs else [])]
-        return text, lps
+                content += chunk.choices[0].logprobs.content if chunk.choices[0].logprobs else []
+        return text, [t.logprob for t in content], [t.token for t in content]
 
-    plain_text, plain_lps = ask(plain_server, stream=False)
+    plain_text, plain_lps, plain_pieces = ask(plain_server, stream=False)
+    ref, pieces = _reference(smollm2_dir, tmp_path, EDIT, len(plain_lps))
+    _check(ref, pieces, plain_pieces, plain_lps, "without speculation")
     before = httpx.get(server.url + "/v1/cache/stats").json()["speculation"]["accepted"]
     for stream in (False, True):
-        text, lps = ask(server, stream)
+        text, lps, got = ask(server, stream)
         assert text == plain_text
-        assert lps == pytest.approx(plain_lps, abs=1e-3)
+        _check(ref, pieces, got, lps, f"speculating, {'streamed' if stream else 'whole'}")
     spec = httpx.get(server.url + "/v1/cache/stats").json()["speculation"]
     assert spec["accepted"] - before > 20  # the reply copies the code: most of it came in drafted runs
     assert httpx.get(plain_server.url + "/v1/cache/stats").json()["speculation"]["drafted"] == 0

@@ -11,14 +11,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 import xxhash
 
-from semantic import AgentCacheStore, BlockPool, Request
+from semantic import AgentCacheStore, Request
 from semantic.cachefile import DOC_HASH_KEY, DOC_KEY
 from semantic.store import blockformat, blocklayout, blockload, blockread, file_name, manifest, manifest_name
-from tests.cache_helpers import LOGPROB_TOL, assert_identical, engine, generate, history, run
+from tests.cache_helpers import assert_identical, check_engine, engine, generate, history, run
 
 pytestmark = pytest.mark.compat
 
@@ -64,7 +63,7 @@ def _continues_like_a_fresh_prefill(eng, loaded, tokens):
     ref = eng.submit(Request("ref", [*tokens, 3, 4], 6), share=False)
     out = run(eng)
     assert out[cont].token_ids == out[ref].token_ids
-    np.testing.assert_allclose(out[cont].logprobs, out[ref].logprobs, atol=LOGPROB_TOL, rtol=0)
+    check_engine(eng, out[cont], out[ref])  # both mlx-lm's own generation, within its measured noise
     return out[cont].blocks
 
 

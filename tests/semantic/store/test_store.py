@@ -22,7 +22,7 @@ from semantic import (
 )
 from semantic import cachefile
 from semantic.store import LAYOUTS, QUARANTINE_DIR, file_name
-from tests.cache_helpers import LOGPROB_TOL, assert_identical, engine, generate, history, run
+from tests.cache_helpers import assert_identical, check_engine, engine, generate, history, run
 
 pytestmark = pytest.mark.compat
 
@@ -68,7 +68,7 @@ def test_a_saved_cache_survives_a_restart_and_continues_like_a_fresh_prefill(
     ref = after.submit(Request("ref", list(done.blocks.token_ids) + [3, 4], 12), share=False)
     out = run(after)
     assert out[cont].token_ids == out[ref].token_ids
-    np.testing.assert_allclose(out[cont].logprobs, out[ref].logprobs, atol=LOGPROB_TOL, rtol=0)
+    check_engine(after, out[cont], out[ref])  # both mlx-lm's own generation, within its measured noise
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
