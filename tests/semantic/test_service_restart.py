@@ -125,7 +125,7 @@ def test_every_turn_type_reuses_after_a_restart_what_it_reused_in_ram_and_replie
             else:
                 assert got["restart"].cached_tokens == got["ram"].cached_tokens > 0, kind
             edited_at = got["restart"].cached_tokens if kind == "edit" else edited_at
-            spec = fresh.scheduler.engine.spec
+            spec = fresh.scheduler.executor.spec
             for mode in ("ram", "restart"):
                 assert got[mode].token_ids == ref.token_ids, (kind, mode)
                 check(ref_model, got[mode], spec=spec, what=f"{kind} {mode}")

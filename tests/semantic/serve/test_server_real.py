@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from semantic.service import Service
+from semantic.service import Service, TurnRequest
 from tests.cache_helpers import reference
 from tests.serve_helpers import Server
 
@@ -91,9 +91,9 @@ def _reference(model_dir, tmp_path, messages, n):
     service = Service.open(str(model_dir), cache_dir=str(tmp_path / "ref"), pool_bytes=64 << 20,
                            disk_budget_bytes=1 << 30)
     try:
-        ids = service.prepare(messages=messages, max_tokens=n).request.ids
-        engine = service.scheduler.engine
-        ref = reference(engine.model, ids, n, spec=engine.spec, real=True)
+        ids = service.prepare(TurnRequest(messages=messages, max_tokens=n)).request.ids
+        executor = service.scheduler.executor
+        ref = reference(executor.model, ids, n, spec=executor.spec, real=True)
         return ref, [service.tokenizer.decode([t]) for t in ref.tokens]
     finally:
         service.close(60)
