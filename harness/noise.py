@@ -25,6 +25,7 @@ from typing import Callable, Sequence
 
 import json
 import os
+import time
 
 import mlx.core as mx
 
@@ -87,6 +88,7 @@ class Reference:
     noise: float                 # the largest |Δ logprob| of a variant (module doc)
     spreads: dict = field(default_factory=dict)  # each variant's |Δ logprob|, by name ("chunk3", "rows2")
     prompt: int = 0                                # the prompt's length, in tokens
+    seconds: float = 0.0                           # CPU seconds the reference and its variants took (0: memoized)
 
     @property
     def tolerance(self) -> float:
@@ -118,16 +120,17 @@ class Reference:
                     f"|Δ| {abs(lp - self.logprobs[i]):.2e} > tolerance {tol:.2e} (noise {self.noise:.2e})")
             return len(tokens)
         finally:
-            _log(what, self.noise, tol, worst, self.spreads, self.prompt)
+            _log(what, self.noise, tol, worst, self.spreads, self.prompt, self.seconds)
 
 
-def _log(what: str, noise: float, tol: float, deviation: float, spreads: dict, prompt: int = 0) -> None:
+def _log(what: str, noise: float, tol: float, deviation: float, spreads: dict, prompt: int = 0,
+         seconds: float = 0.0) -> None:
     """With SEMANTIC_NOISE_LOG set, one JSON line per comparison (the test, the noise, the deviation
     found): how docs/tests.md's table of measured noise is made."""
     path = os.environ.get("SEMANTIC_NOISE_LOG")
     if path:
         doc = {"test": os.environ.get("PYTEST_CURRENT_TEST", "").removesuffix(" (call)"), "what": what,
-               "noise": noise, "tolerance": tol, "deviation": deviation, "spreads": spreads, "prompt": prompt,
+               "noise": noise, "tolerance": tol, "deviation": deviation, "spreads": spreads, "prompt": prompt, "seconds": seconds,
                "coretype": os.environ.get("OPENBLAS_CORETYPE", ""),
                "threads": os.environ.get("OPENBLAS_NUM_THREADS", "")}
         with open(path, "a") as f:
@@ -206,6 +209,7 @@ def reference(model, ids: Sequence[int], n: int, make_cache: Callable[[], list],
         held, out = _memo[memo_key]
         if held is model and len(out.tokens) >= n:
             return out.first(n)
+    started = time.process_time()
     ref = _greedy_chunked(model, ids, n, make_cache, max(len(ids), 1))
     fit = -(-(len(ids) - 1) // MAX_PASSES)
     chosen = {f"chunk{max(c, fit)}" for c in chunks} | {f"rows{r}" for r in rows}
@@ -229,6 +233,7 @@ def reference(model, ids: Sequence[int], n: int, make_cache: Callable[[], list],
         noise=max(measured),
         spreads=spreads,
         prompt=len(ids),
+        seconds=time.process_time() - started,
     )
     if memo_key is not None:
         _memo[memo_key] = (model, out)  # held: the model's id is never another's while its entry lives
