@@ -300,9 +300,6 @@ class StepLoop:
         if seq.drafter is None:  # built at its first decode step, not before its first token
             assert seq.generated == 1, seq.generated
             seq.drafter = Drafter((*seq.ids, seq.next_token), self.speculation)
-            # that step stays narrow: a client waits on it for its first text (a detokenizer holds back a
-            # first token that may join the next), and a wide step would make it wait for the drafts too
-            return []
         # all accepted, the step reads len(draft) + 1 tokens: no more than the budget leaves
         return seq.drafter.propose(seq.max_tokens - seq.generated - 1)
 

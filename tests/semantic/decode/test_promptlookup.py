@@ -141,28 +141,6 @@ def test_a_stop_string_inside_a_speculative_step_keeps_the_cache_of_exactly_its_
         reference(model, h2, 6).check(c2.token_ids, c2.logprobs, "after the stop")
 
 
-def test_a_sequence_s_first_decode_step_feeds_its_token_alone_then_drafts(llama_tiny, monkeypatch):
-    """The client waits on the first decode step for its first text: it is never widened by drafts, even
-    when a drafter always has some and every draft is taken whole."""
-    monkeypatch.setattr(steploop, "Drafter", NoisyDrafter)
-    monkeypatch.setattr(steploop, "batch_draft_len", lambda rows, cost: max(n for _, n in rows))
-    engine = _engine(llama_tiny, None)
-    widths, real = [], engine._loop.model
-
-    def model(inputs, cache):
-        widths.append(inputs.shape[1])
-        return real(inputs, cache=cache)
-
-    engine._loop.model = model
-    engine.submit(Request("a", _history(3, 30), 12))
-    list(engine.step())
-    fed, k = 0, 0
-    while fed < 30:  # the prompt's chunks, its last token alone among them
-        fed, k = fed + widths[k], k + 1
-    decode = widths[k:]
-    assert fed == 30 and decode[0] == 1 and max(decode) > 1  # narrow first, drafts after
-
-
 def test_sampled_and_penalized_neighbours_never_draft_and_change_nothing_for_a_greedy_row(llama_tiny):
     h = _history(1, 23)
     engine = _engine(llama_tiny, None)
