@@ -18,7 +18,7 @@ AIPERF_ARGS ?=
 # extra requirements for .venv, e.g. PINS="mlx==0.30.3 mlx-lm==0.30.4" (the macOS workflow's matrix)
 PINS ?=
 
-.PHONY: code-map compare-commits help system-blas system-browser system-redis venv models serve serve-models serve-ttft append-profile dashboard-screenshot test test-numerics test-slow test-compat exp-003 exp-004 exp-005 exp-006 exp-006-full exp-007 exp-007-full exp-008 exp-008-full exp-008-spec exp-009 exp-009-full exp-009-aiperf exp-010 exp-010-full exp-011 exp-011-full exp-012 exp-012-two-models exp-013 exp-014 exp-014-full exp-015 exp-016 exp-017 exp-018 exp-018-full exp-019 exp-019-full exp-020 exp-020-full exp-021 exp-021-full model-matrix fuzz-blocks chunk-cost restore-speed spec-recurrent exp-throughput exp-throughput-full bench compare-versions test-install clean
+.PHONY: code-map compare-commits help system-blas system-browser system-redis venv models serve serve-models serve-ttft append-profile dashboard-screenshot test test-numerics test-slow test-compat exp-003 exp-004 exp-005 exp-006 exp-006-full exp-007 exp-007-full exp-008 exp-008-full exp-008-spec exp-009 exp-009-full exp-009-aiperf exp-010 exp-010-full exp-011 exp-011-full exp-012 exp-012-two-models exp-013 exp-014 exp-014-full exp-015 exp-016 exp-017 exp-018 exp-018-full exp-019 exp-019-full exp-020 exp-020-full exp-021 exp-021-full exp-023 exp-023-full model-matrix fuzz-blocks chunk-cost restore-speed spec-recurrent exp-throughput exp-throughput-full bench compare-versions test-install clean
 
 help:
 	@echo "make test         run the test suite (creates .venv, prepares models; a worker per core; timings: docs/tests.md)"
@@ -337,6 +337,14 @@ exp-021: models
 
 exp-021-full: models
 	$(PY) -m harness run experiments/exp_021_window_trace.toml
+
+# EXP-023: copies of an agent's cache a server holds (RSS from outside), ours at TREES and mlx_lm.server.
+TREES ?= ["."]
+exp-023: models
+	$(PY) -m harness run experiments/exp_023_one_copy.toml --quick --set 'params.trees=$(TREES)'
+
+exp-023-full: models
+	$(PY) -m harness run experiments/exp_023_one_copy.toml --set 'params.trees=$(TREES)'
 
 # The block layout's fuzzer at 5000 damaged directories per model (10,000 in all; make test runs 1000 each).
 # Every text model type mlx-lm ships, as a tiny random-weight model (harness/models/zoo.py), served and

@@ -20,6 +20,7 @@ from harness.trials.base import KINDS, TrialKind, Param, register
 # Importing a trial module registers its kind: a folder's ``trial``, or the module itself.
 MODULES = ("block_store.trial", "cache_injection", "chaos.trial", "claude_code.trial", "claude_code.two_models",
            "commit_compare.trial",
+           "memory_copies.trial",
            "hybrid.trial", "multi_model.trial", "multiturn.trial", "per_sequence_extraction",
            "persistence_roundtrip.trial", "real_geometry.trial", "reconstruction.trial", "responses_chain",
            "serving.trial", "shared_tier.trial", "speculation", "step_loop", "stress", "throughput.trial", "tool_loop.trial",
