@@ -202,6 +202,8 @@ def dangling() -> list[tuple[str, str]]:
     bad = set()
     for where, raw in _mentions():
         name = raw.strip().split("(")[0]
+        if re.fullmatch(r"[0-9a-f]{7,40}", name) and re.search(r"\d", name):
+            continue  # a commit's id
         if re.fullmatch(r"(semantic|harness|tests)(\.\w+)+", name):
             ok = _resolves(name, known)
         elif re.fullmatch(r"[\w/.\-]+\.py", name):
