@@ -27,7 +27,7 @@ import signal
 import time
 
 from harness.servers.phases import Bench, Server
-from harness.trials.window_trace.trace import system_prompt, task, tool_output
+from harness.trials.window_trace.trace import system_prompt, task, tool_output, warm_up
 
 KINDS = ("first", "append", "regenerate", "edit", "subagent", "return", "restart", "decode_b1", "decode_batch")
 
@@ -87,17 +87,7 @@ class Workload:
         return 1000 * (round_ + 1) + agent
 
     def warm_up(self) -> None:
-        """One short request to every server, not recorded: a server's first request pays one-time costs
-        (MLX kernels, the template compiled) that are no turn type's."""
-        b = self.bench
-
-        async def go():
-            for s in b.servers:
-                async with s.client() as client:
-                    rec = await b._one(s, client, "warm-up", 999, 0, "warm-up", [task(999)], extra={}, max_tokens=2)
-                assert rec.error is None, f"{s.name}'s warm-up failed: {rec.error}"
-        asyncio.run(go())
-        b.records.clear()
+        warm_up(self.bench)
 
     # ------------------------------------------------------------ steps
 

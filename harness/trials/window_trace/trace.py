@@ -45,6 +45,19 @@ def system_prompt(tok, agent: int, n_tokens: int) -> dict:
     return {"role": "system", "content": text_of_tokens(tok, n_tokens, offset=977 * agent, prefix=head)}
 
 
+def warm_up(b) -> None:
+    """One short request to every server of Bench ``b``, not recorded: a server's first request pays
+    one-time costs (MLX kernels, the template compiled) that are no turn type's."""
+
+    async def go():
+        for s in b.servers:
+            async with s.client() as client:
+                rec = await b._one(s, client, "warm-up", 999, 0, "warm-up", [task(999)], extra={}, max_tokens=2)
+            assert rec.error is None, f"{s.name}'s warm-up failed: {rec.error}"
+    asyncio.run(go())
+    b.records.clear()
+
+
 def task(agent: int, sub: int | None = None) -> dict:
     who = f"sub-task {sub} of agent {agent}" if sub is not None else f"task of agent {agent}"
     return {"role": "user", "content": f"New {who}: find why the cache tests fail after the last change and "
@@ -81,17 +94,7 @@ class Trace:
         return self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
 
     def warm_up(self) -> None:
-        """One short request to every server, not recorded: a server's first request pays one-time costs
-        (MLX kernels, the template compiled) that are no turn type's."""
-        b = self.bench
-
-        async def go():
-            for s in b.servers:
-                async with s.client() as client:
-                    rec = await b._one(s, client, "warm-up", 999, 0, "warm-up", [task(999)], extra={}, max_tokens=2)
-                assert rec.error is None, f"{s.name}'s warm-up failed: {rec.error}"
-        asyncio.run(go())
-        b.records.clear()
+        warm_up(self.bench)
 
     def run(self) -> None:
         self.warm_up()
