@@ -3,10 +3,10 @@
 Each step of the workload is a pair (the two servers took it back to back), so a turn type's ratio is
 the median of its pairs' ratios, never a ratio of two medians. Its spread is a bootstrap interval of that
 median (``CONFIDENCE``, resampling the pairs); a turn type of at least ``MIN_PAIRS`` pairs is **slower**
-when the whole interval lies above ``1 + tolerance`` and **faster** when it lies below ``1 - tolerance``,
-else within noise. The
-Wilcoxon signed-rank p-value of the log ratios (scipy) stands beside it, as asv's compare puts a
-Mann-Whitney test beside its factor. A run of one commit against itself measures the comparison's own
+when the whole interval lies above ``1 + tolerance`` and the Wilcoxon signed-rank test of the log ratios
+(scipy) rejects no change (p <= ``SIGNIFICANCE``), **faster** likewise below ``1 - tolerance``, else within
+noise: a factor and a test together, as asv's compare and ``harness compare`` flag. The interval alone
+flagged a commit against itself (decode at batch 4, 1.067x over 5 pairs all one way, p 0.062). A run of one commit against itself measures the comparison's own
 noise: every interval should straddle 1.
 """
 
@@ -22,6 +22,7 @@ from harness.trials.commit_compare.workload import KINDS
 CONFIDENCE = 0.90
 RESAMPLES = 2000
 MIN_PAIRS = 5          # fewer pairs give an interval, not a verdict
+SIGNIFICANCE = 0.05    # with 5 pairs the smallest two-sided Wilcoxon p is 0.0625: 6 pairs at least to flag
 METRICS = {"ttft": "ttft_s", "total": "total_s"}   # decode rows: "pace" (seconds per token after the first)
 
 
@@ -47,8 +48,8 @@ def summarize(ratios: list[float], tolerance: float, seed: int = 0) -> dict:
     except ValueError:
         p = 1.0
     lo, hi = math.exp(lo), math.exp(hi)
-    verdict = ("few pairs" if len(x) < MIN_PAIRS else "slower" if lo > 1 + tolerance
-               else "faster" if hi < 1 - tolerance else "noise")
+    verdict = ("few pairs" if len(x) < MIN_PAIRS else "noise" if p > SIGNIFICANCE
+               else "slower" if lo > 1 + tolerance else "faster" if hi < 1 - tolerance else "noise")
     return {"ratio": float(math.exp(np.median(x))), "low": lo, "high": hi, "pairs": len(x), "p": p,
             "verdict": verdict}
 

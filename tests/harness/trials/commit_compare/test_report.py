@@ -32,6 +32,11 @@ def test_a_shift_beyond_the_noise_is_slower_and_jitter_around_one_is_noise():
     assert faster["verdict"] == "faster" and faster["ratio"] == 0.8
 
 
+def test_an_interval_above_the_tolerance_without_a_significant_test_is_noise():
+    s = report.summarize([1.07, 1.05, 1.30, 1.45, 1.06], tolerance=0.03)   # a commit against itself, once
+    assert s["low"] > 1.03 and s["p"] > report.SIGNIFICANCE and s["verdict"] == "noise"
+
+
 def test_too_few_pairs_give_an_interval_but_no_verdict():
     s = report.summarize([1.5, 1.6, 1.4], tolerance=0.03)
     assert s["verdict"] == "few pairs" and s["pairs"] == 3 and s["ratio"] == 1.5
