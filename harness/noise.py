@@ -162,6 +162,26 @@ def _greedy_rows(model, ids: Sequence[int], n: int, make_cache: Callable[[], lis
     return out
 
 
+def _greedy_forced(model, ids: Sequence[int], tokens: Sequence[int], make_cache: Callable[[], list], chunk: int):
+    """The reference's own tokens scored by one prefill of the whole sequence in chunks of ``chunk``
+    (teacher forcing): each chosen token's logprob from a pass over many positions where the reference
+    decoded one token a step. What the engine does when it verifies drafts or prefills a turn after a
+    reply; a pass costs about one decode step, so this variant costs a few prefills, not ``n`` steps."""
+    seq, start = list(ids) + list(tokens[:-1]), len(ids) - 1
+    cache, out, pos = make_cache(), [], 0
+    while pos < len(seq):
+        end = min(pos + chunk, len(seq)) if pos >= start else min(pos + chunk, start)
+        logits = model(mx.array([seq[pos:end]]), cache=cache)[0]
+        if end <= start:  # the prompt: only the cache (mlx-lm's prefill evaluates no logits)
+            mx.eval([c.state for c in cache])
+        else:
+            rows = logits[max(start - pos, 0):]
+            lp = rows - mx.logsumexp(rows, axis=-1, keepdims=True)
+            out.extend((int(t), lp[i]) for i, t in enumerate(tokens[max(pos, start) - start:end - start]))
+        pos = end
+    return out
+
+
 def _spread(ref, other) -> float:
     worst = 0.0
     for (t, row), (u, other_row) in zip(ref, other):
@@ -173,10 +193,11 @@ def _spread(ref, other) -> float:
 
 def few_passes(ids: Sequence[int]) -> dict:
     """The variants for a reference that must stay cheap (a real model's, or one of hundreds in the model
-    matrix): one chunking of about four passes, no batch. Each variant of a several-hundred-token prompt
-    costs seconds on a real model; on these float32 models one such chunking moved logprobs as far as the
-    others did, or nearly (docs/tests.md)."""
-    return {"chunks": (max(min(16, len(ids) // 2), -(-len(ids) // 4), 1),), "rows": ()}
+    matrix): the prompt and the reference's own tokens prefilled in chunks of about a quarter of the prompt
+    (:func:`_greedy_forced`), no batch. A decoding variant costs its ``n`` decode steps again, seconds on a
+    real model; on these float32 models one such chunking moved logprobs as far as the others did, or
+    nearly (docs/tests.md)."""
+    return {"chunks": (), "rows": (), "forced": (max(min(16, len(ids) // 2), -(-len(ids) // 4), 1),)}
 
 
 _memo: dict = {}
@@ -194,17 +215,18 @@ def _survey() -> set[str]:
 
 
 def reference(model, ids: Sequence[int], n: int, make_cache: Callable[[], list], key=None,
-              chunks: Sequence[int] = CHUNKS, rows: Sequence[int] = ROWS) -> Reference:
+              chunks: Sequence[int] = CHUNKS, rows: Sequence[int] = ROWS, forced: Sequence[int] = ()) -> Reference:
     """mlx-lm's greedy generation of ``n`` tokens after ``ids`` in caches from ``make_cache``, and its
     noise on this machine (module doc). ``key`` names the cache geometry for the memo (None: not
     memoized); a test comparing several runs with one reference measures it once, and a shorter one
-    on the same ids is its prefix. ``chunks`` and ``rows`` choose the variants.
+    on the same ids is its prefix. ``chunks``, ``rows`` and ``forced`` (the reference's tokens prefilled
+    in chunks of that size: :func:`_greedy_forced`) choose the variants.
 
     With SEMANTIC_NOISE_SURVEY set, more variants run (:func:`_survey`) and their spreads are logged
     (SEMANTIC_NOISE_LOG) beside the chosen ones, which alone make the noise: how CHUNKS and ROWS
     were chosen."""
     ids = [int(t) for t in ids]
-    memo_key = (id(model), key, tuple(ids), tuple(chunks), tuple(rows)) if key is not None else None
+    memo_key = (id(model), key, tuple(ids), tuple(chunks), tuple(rows), tuple(forced)) if key is not None else None
     if memo_key in _memo:
         held, out = _memo[memo_key]
         if held is model and len(out.tokens) >= n:
@@ -212,12 +234,14 @@ def reference(model, ids: Sequence[int], n: int, make_cache: Callable[[], list],
     started = time.process_time()
     ref = _greedy_chunked(model, ids, n, make_cache, max(len(ids), 1))
     fit = -(-(len(ids) - 1) // MAX_PASSES)
-    chosen = {f"chunk{max(c, fit)}" for c in chunks} | {f"rows{r}" for r in rows}
+    chosen = {f"chunk{max(c, fit)}" for c in chunks} | {f"rows{r}" for r in rows} | {f"forced{max(c, fit)}" for c in forced}
     names = chosen | _survey()
     spreads = {}
     for name in sorted(names):
-        size = int(name.removeprefix("chunk").removeprefix("rows"))
-        if name.startswith("chunk"):
+        size = int(name.removeprefix("chunk").removeprefix("rows").removeprefix("forced"))
+        if name.startswith("forced"):
+            spreads[name] = _spread(ref, _greedy_forced(model, ids, [t for t, _ in ref], make_cache, size))
+        elif name.startswith("chunk"):
             if size >= len(ids) - 1:
                 continue  # the one-shot prefill again
             spreads[name] = _spread(ref, _greedy_chunked(model, ids, n, make_cache, size))

@@ -23,8 +23,8 @@ def reference(model, ids, n: int, kv_bits: int | None = None, spec: ModelCacheSp
     model's, ``kv_bits`` KV as the tests' engines make it), with its noise here (harness/noise.py);
     memoized, so a test holding several turns against one history measures it once.
 
-    ``real``: a real model (SmolLM2, Gemma 3 270M), whose variants of a several-hundred-token prompt cost
-    seconds each: its noise is measured on one chunking of about four passes (``noise.few_passes``),
+    ``real``: a real model (SmolLM2, Gemma 3 270M), whose decoding variants cost seconds each: its noise is
+    measured on one teacher-forced prefill in chunks of about a quarter of the prompt (``noise.few_passes``),
     which on these f32 models moved logprobs as far as any other chunking or batch (docs/tests.md)."""
     spec = spec if spec is not None else ModelCacheSpec.from_model(model, kv_bits=kv_bits, kv_group_size=32)
     variants = noise.few_passes(ids) if real else {}

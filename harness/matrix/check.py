@@ -170,7 +170,7 @@ def _compare(model_dir: Path, turns: dict[str, dict], wants: dict[str, int]) -> 
     out = []
     for name, t in turns.items():
         # generate_step's own caches, as the turn would get from mlx_lm.server; turns of ~900 tokens, hundreds
-        # of them in the whole matrix: the noise of one chunking of about four passes
+        # of them in the whole matrix: the noise of one teacher-forced prefill (noise.few_passes)
         ref = noise.reference(model, t["ids"], len(t["tokens"]), lambda: make_prompt_cache(model),
                               **noise.few_passes(t["ids"]))
         try:
