@@ -116,8 +116,8 @@ test: models system-browser system-redis
 # The numerically sensitive tests (the engine, decoding, caches, cache kinds) again under other OpenBLAS kernels and
 # thread counts: their tolerances are measured where they run (harness/noise.py), so they must hold under any.
 # harness.blaskernels lists what runs here (each core type tried first: one this CPU lacks the instructions for, or
-# its default kernels, which make test ran, is skipped with a NOTE), then 2 threads; the tiny models only (the real
-# models' f32 noise is the same few ulps under every kernel), a worker per core as in make test.
+# its default kernels, which make test ran on 1 thread, is skipped with a NOTE; the first that runs gets 2 threads);
+# the tiny models only (the real models' f32 noise is the same few ulps under every kernel), a worker per core.
 NUMERICS := tests/semantic/runner tests/semantic/decode tests/semantic/cache tests/semantic/kinds
 test-numerics: models
 	@configs="$$($(PY) -m harness.blaskernels)" || exit 1; \

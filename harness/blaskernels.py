@@ -38,23 +38,23 @@ def corename(env: dict | None = None) -> str | None:
 
 
 def configs() -> list[dict]:
-    """The configurations to run here: each core type that runs and differs from the default, then the
-    default kernels on 2 threads."""
+    """The configurations to run here: each core type that runs and differs from the default, the first of
+    them on 2 threads and the others on 1 (make test runs the default kernels on 1), or the default kernels
+    on 2 threads where no other core type runs: every kernel and both thread counts, each suite run once."""
     default = corename()
     out = []
     for core in CORETYPES:
-        env = {"OPENBLAS_CORETYPE": core, "OPENBLAS_NUM_THREADS": "1"}
-        probe = _run(env, PROBE)
+        env = {"OPENBLAS_CORETYPE": core, "OPENBLAS_NUM_THREADS": "2" if not out else "1"}
+        probe = _run({**env, "OPENBLAS_NUM_THREADS": "1"}, PROBE)
         if probe.returncode != 0:
             why = "Illegal instruction" if probe.returncode == -4 else f"exit {probe.returncode}"
             print(f"NOTE: OPENBLAS_CORETYPE={core} does not run on this CPU ({why}): skipped", file=sys.stderr)
-        elif default is not None and corename(env) == default:
+        elif default is not None and corename({**env, "OPENBLAS_NUM_THREADS": "1"}) == default:
             print(f"NOTE: OPENBLAS_CORETYPE={core} is this CPU's default kernels (make test runs them): skipped",
                   file=sys.stderr)
         else:
             out.append(env)
-    out.append({"OPENBLAS_NUM_THREADS": "2"})
-    return out
+    return out or [{"OPENBLAS_NUM_THREADS": "2"}]
 
 
 if __name__ == "__main__":
