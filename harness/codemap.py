@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import importlib.util
 import re
+import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -132,7 +134,8 @@ METHODS = {"to_markdown", "groupby"}  # pandas', which the harness's tables call
 
 
 def _known_names() -> set[str]:
-    """Every name the tree's code uses or defines, its modules' and folders' names, and the libraries'."""
+    """Every name the tree's code uses or defines, its modules' and folders' names (the libraries':
+    :func:`_library_names`)."""
     known: set[str] = set(EXTERNAL) | METHODS
     for path in _sources():
         known.add(path.stem)
@@ -151,6 +154,14 @@ def _known_names() -> set[str]:
                 known.update(re.split(r"[./\-]", n.value))
                 known.add(n.value)
                 known.add(f"semantic_{n.value}")  # a Prometheus metric, named from its short name
+    return known
+
+
+@functools.cache
+def _library_names() -> frozenset[str]:
+    """The modules, functions and classes of :data:`LIBRARIES` and MLX's names: parsing them takes seconds, so
+    only a mention the tree does not explain looks here, once a process."""
+    known = set()
     for lib in LIBRARIES:
         spec = importlib.util.find_spec(lib)
         if spec is None or not spec.submodule_search_locations:
@@ -165,7 +176,7 @@ def _known_names() -> set[str]:
     import mlx.core as mx
 
     known.update(dir(mx))
-    return known
+    return frozenset(known)
 
 
 def _sources() -> list[Path]:
@@ -198,23 +209,34 @@ def dangling() -> list[tuple[str, str]]:
     a dotted ``semantic...`` name that imports nothing, a path ending in ``.py`` that is no file, a lowercase name that nothing in the
     tree or its libraries defines or uses (a module renamed or removed since)."""
     known = _known_names()
-    files = {str(p.relative_to(ROOT)) for p in ROOT.rglob("*") if not {".venv", ".git"} & set(p.parts)}
+    files = _files()
     bad = set()
     for where, raw in _mentions():
         name = raw.strip().split("(")[0]
         if re.fullmatch(r"[0-9a-f]{7,40}", name) and re.search(r"\d", name):
             continue  # a commit's id
         if re.fullmatch(r"(semantic|harness|tests)(\.\w+)+", name):
-            ok = _resolves(name, known)
+            ok = _resolves(name, known) or _resolves(name, known | _library_names())
         elif re.fullmatch(r"[\w/.\-]+\.py", name):
-            ok = name in known or any(f == name or f.endswith("/" + name) for f in files)
+            ok = name in known or any(f == name or f.endswith("/" + name) for f in files) or name in _library_names()
         elif re.fullmatch(r"[a-z][a-z0-9_]*(\.[a-z_][a-z0-9_]*)*", name):
-            ok = all(part in known for part in name.split("."))
+            ok = all(part in known or part in _library_names() for part in name.split("."))
         else:
             continue
         if not ok:
             bad.add((where, name))
     return sorted(bad)
+
+
+def _files() -> set[str]:
+    """The checkout's files, tracked or new, as git lists them: not what a run left beside them (the
+    compared commits' worktrees under ``.peers/``, the venvs), which a clean clone lacks."""
+    try:
+        out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                             capture_output=True, text=True, check=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {str(p.relative_to(ROOT)) for p in ROOT.rglob("*") if not {".venv", ".git"} & set(p.parts)}
+    return set(out.splitlines())
 
 
 def _resolves(dotted: str, known: set[str]) -> bool:
