@@ -20,7 +20,7 @@ from tests.tiny_models import byte_tokenizer
 def reference(model, ids, n: int, kv_bits: int | None = None, spec: ModelCacheSpec | None = None,
               real: bool = False) -> noise.Reference:
     """mlx-lm's generate_step: ``n`` greedy tokens after ``ids`` in fresh caches of ``spec`` (default: the
-    model's, ``kv_bits`` KV as the tests' engines make it), with its noise here (harness/noise.py);
+    model's, ``kv_bits`` KV as the tests' executors make it), with its noise here (harness/noise.py);
     memoized, so a test holding several turns against one history measures it once.
 
     ``real``: a real model (SmolLM2, Gemma 3 270M), whose decoding variants cost seconds each: its noise is
@@ -41,10 +41,10 @@ def check(model, done, kv_bits: int | None = None, spec: ModelCacheSpec | None =
 
 
 def fresh(model, ids, max_tokens: int, kv_bits: int | None = None):
-    """A fresh prefill of ``ids`` in an engine of its own: a pool of its own, nothing reused."""
-    eng = engine(model, kv_bits, blocks=64)
-    uid = eng.submit(Request("fresh", list(ids), max_tokens), share=False)
-    return run(eng)[uid]
+    """A fresh prefill of ``ids`` in a batch executor of its own: a pool of its own, nothing reused."""
+    executor = make_executor(model, kv_bits, blocks=64)
+    uid = executor.submit(Request("fresh", list(ids), max_tokens), share=False)
+    return run(executor)[uid]
 
 
 def assert_like_fresh(model, got, ref, kv_bits: int | None = None) -> None:
@@ -55,32 +55,32 @@ def assert_like_fresh(model, got, ref, kv_bits: int | None = None) -> None:
     check(model, ref, kv_bits, what="fresh prefill")
 
 
-def check_engine(eng: BatchExecutor, *done, what: str = "", real: bool = False) -> None:
-    """:func:`check` for each of an engine's Completions, in the caches of the engine's own spec."""
+def check_executor(executor: BatchExecutor, *done, what: str = "", real: bool = False) -> None:
+    """:func:`check` for each of an executor's Completions, in the caches of its own spec."""
     for d in done:
-        check(eng.model, d, spec=eng.spec, what=what, real=real)
+        check(executor.model, d, spec=executor.spec, what=what, real=real)
 
 
-def engine(model, kv_bits=None, blocks=256, block_tokens=4, capacity_bytes=None) -> BatchExecutor:
-    """An engine over a pool of ``blocks`` blocks of the costliest group, or of ``capacity_bytes``."""
+def make_executor(model, kv_bits=None, blocks=256, block_tokens=4, capacity_bytes=None) -> BatchExecutor:
+    """A batch executor over a pool of ``blocks`` blocks of the costliest group, or of ``capacity_bytes``."""
     spec = ModelCacheSpec.from_model(model, kv_bits=kv_bits, kv_group_size=32)
     pool = (BlockPool(spec, block_tokens=block_tokens, capacity_bytes=capacity_bytes) if capacity_bytes
             else BlockPool(spec, blocks, block_tokens=block_tokens))
     return BatchExecutor(model, byte_tokenizer(), pool, spec, stop_tokens=[])
 
 
-def run(eng: BatchExecutor) -> dict:
-    return {c.uid: c for c in eng.step()}
+def run(executor: BatchExecutor) -> dict:
+    return {c.uid: c for c in executor.step()}
 
 
 def history(n: int, seed: int | None = None) -> list[int]:
     return [int(t) for t in np.random.default_rng(n if seed is None else seed).integers(1, 250, n)]
 
 
-def generate(eng: BatchExecutor, agent: str, prompt, max_tokens: int, *, share: bool = False):
+def generate(executor: BatchExecutor, agent: str, prompt, max_tokens: int, *, share: bool = False):
     """``share``: start from what the pool holds of ``prompt`` (as the engine serves), not a full prefill."""
-    uid = eng.submit(Request(agent, prompt, max_tokens), share=share)
-    return run(eng)[uid]
+    uid = executor.submit(Request(agent, prompt, max_tokens), share=share)
+    return run(executor)[uid]
 
 
 def arrays(blocks: AgentBlocks) -> list[np.ndarray]:

@@ -30,13 +30,13 @@ def digest(blocks) -> str:
 def main(model: str, path: str, T: list[int], steps: int) -> dict:
     loaded = models.load(model)
     spec = ModelCacheSpec.from_model(loaded.model)
-    engine = BatchExecutor(loaded.model, loaded.tokenizer, BlockPool(spec, 64), spec, stop_tokens=[])
+    executor = BatchExecutor(loaded.model, loaded.tokenizer, BlockPool(spec, 64), spec, stop_tokens=[])
     t0 = time.perf_counter()
-    cache = cachefile.load(path, engine.pool, model_fingerprint=loaded.fingerprint)
+    cache = cachefile.load(path, executor.pool, model_fingerprint=loaded.fingerprint)
     load_ms = (time.perf_counter() - t0) * 1e3
-    cached_uid = engine.submit(Request("agent", [*cache.token_ids, *T], steps), cache, share=False)
-    fresh_uid = engine.submit(Request("fresh", list(cache.token_ids) + T, steps), share=False)
-    done = {c.uid: c for c in engine.step()}
+    cached_uid = executor.submit(Request("agent", [*cache.token_ids, *T], steps), cache, share=False)
+    fresh_uid = executor.submit(Request("fresh", list(cache.token_ids) + T, steps), share=False)
+    done = {c.uid: c for c in executor.step()}
     side = lambda c: {  # noqa: E731
         "tokens": c.token_ids, "logprobs": c.logprobs, "prompt_tokens": c.prompt_tokens, "cached_tokens": c.cached_tokens,
     }

@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from semantic import Request, cachefile, compat
-from tests.cache_helpers import engine, generate, history, run, weights_fingerprint
+from tests.cache_helpers import make_executor, generate, history, run, weights_fingerprint
 from tests.tiny_models import tiny_gemma3, tiny_llama
 
 DATA = Path(__file__).parent / "data"
@@ -49,13 +49,13 @@ def write() -> list[Path]:
     paths = []
     for name, (build, kv_bits, n, gen, _) in FIXTURES.items():
         model = build()
-        eng = engine(model, kv_bits)
+        executor = make_executor(model, kv_bits)
         if name.endswith("-edge"):
-            uid = eng.submit(Request(name, history(n), gen))
-            done = run(eng)[uid]
+            uid = executor.submit(Request(name, history(n), gen))
+            done = run(executor)[uid]
             assert cachefile.prepare(done.blocks).stored_from, "the fixture must reference a pooled edge block"
         else:
-            done = generate(eng, name, history(n), gen)
+            done = generate(executor, name, history(n), gen)
         path = fixture_path(name)
         cachefile.save(path, done.blocks, model_fingerprint=weights_fingerprint(model), agent_id=name)
         paths.append(path)

@@ -214,11 +214,11 @@ def _run(model, prompts: list[list[int]], n: int, speculation, docs=None):
 
     spec = ModelCacheSpec.from_model(model)
     ended = []
-    engine = BatchExecutor(model, _Tokenizer(), BlockPool(spec, 64 + 8 * sum(map(len, prompts)) // 16,
+    executor = BatchExecutor(model, _Tokenizer(), BlockPool(spec, 64 + 8 * sum(map(len, prompts)) // 16,
                                                           block_tokens=16),
                            spec, stop_tokens=[], max_batch=len(prompts), speculation=speculation,
                            on_ended=ended.append)
-    assert speculation is None or engine.speculation_off is None, engine.speculation_off
+    assert speculation is None or executor.speculation_off is None, executor.speculation_off
     real_drafter, real_replay, real_init = steploop.Drafter, replay.Pending.replay, replay.Pending.__init__
     spent = [0.0]
     outcomes = {"whole": 0, "part": 0, "none": 0}
@@ -238,12 +238,12 @@ def _run(model, prompts: list[list[int]], n: int, speculation, docs=None):
 
     steploop.Drafter, replay.Pending.replay, replay.Pending.__init__ = _seeded(docs or {}), timed_replay, counted
     try:
-        uids = [engine.submit(Request(f"a{i}", p, n), None, share=False) for i, p in enumerate(prompts)]
-        done = {c.uid: c for c in engine.step()}
+        uids = [executor.submit(Request(f"a{i}", p, n), None, share=False) for i, p in enumerate(prompts)]
+        done = {c.uid: c for c in executor.step()}
         took = max(c.finished_at for c in ended) - min(c.first_token_at for c in ended)
     finally:
         steploop.Drafter, replay.Pending.replay, replay.Pending.__init__ = real_drafter, real_replay, real_init
-    loop = engine._loop
+    loop = executor._loop
     counters = {"steps": loop.spec_steps, "drafted": loop.drafted, "accepted": loop.accepted,
                 "replays": loop.replays, "replayed": loop.replayed, **{f"drafts_{k}": v for k, v in outcomes.items()}}
     return [done[u] for u in uids], took, counters, spent[0]

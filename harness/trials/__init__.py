@@ -7,7 +7,7 @@ declaration (``harness.trials.base``). An experiment with more than one piece
 is a folder: ``trial.py`` declares the kind, beside it its checks, report,
 servers and child processes. What trials share is outside this folder:
 ``harness.servers`` (servers as processes, their clients and phases),
-``harness.common`` (child processes, report tables), ``harness.engines``,
+``harness.common`` (child processes, report tables), ``harness.executors``,
 ``harness.prompts``, ``harness.synthetic``, ``harness.baseline``.
 """
 

@@ -10,22 +10,22 @@ of each is measured, interleaved, after materialization.
 from __future__ import annotations
 
 from harness import plots
-from harness.engines import make_engine, match_report, record_ttft, run_one, time_ttft
+from harness.executors import make_executor, match_report, record_ttft, run_one, time_ttft
 from harness.prompts import history_ids
 from harness.trials.base import TrialKind, Param, register
 
 
 def run(ctx) -> None:
     p, tok, res = ctx.params, ctx.loaded.tokenizer, ctx.results
-    engine = make_engine(ctx.loaded)
+    executor = make_executor(ctx.loaded)
     prompt = history_ids(tok, p["history_tokens"]) + tok.encode(p["prompt"], add_special_tokens=False)
-    turn1 = run_one(engine, "agent", prompt, None, p["max_tokens"])
+    turn1 = run_one(executor, "agent", prompt, None, p["max_tokens"])
     blocks = turn1.blocks
-    caches = engine.reconstruct_cache(blocks)
+    caches = executor.reconstruct_cache(blocks)
     followup = tok.encode(p["followup"], add_special_tokens=False)
 
-    with_cache = run_one(engine, "agent", followup, blocks, p["continue_tokens"])
-    without = run_one(engine, "fresh", list(blocks.token_ids) + followup, None, p["continue_tokens"])
+    with_cache = run_one(executor, "agent", followup, blocks, p["continue_tokens"])
+    without = run_one(executor, "fresh", list(blocks.token_ids) + followup, None, p["continue_tokens"])
     report = match_report(with_cache, without)
     res.output("turn1_text", turn1.text)
     res.output("with_cache_text", with_cache.text)
@@ -42,7 +42,7 @@ def run(ctx) -> None:
     res.check("outputs_match", report["tokens_equal"])
     res.check("max_abs_logprob_diff", report["max_abs_logprob_diff"])
 
-    samples = record_ttft(ctx, engine, (followup, blocks), (list(blocks.token_ids) + followup,),
+    samples = record_ttft(ctx, executor, (followup, blocks), (list(blocks.token_ids) + followup,),
                           "reconstruct the blocks, prefill the follow-up, sample the first token",
                           "prefill history + turn 1 + follow-up, sample the first token")
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from harness import plots
-from harness.engines import make_engine, match_report, record_ttft, run_one, time_ttft
+from harness.executors import make_executor, match_report, record_ttft, run_one, time_ttft
 from harness.timing import time_once
 from harness.trials.base import TrialKind, Param, register
 from semantic import Request, cachefile, compat
@@ -38,12 +38,12 @@ def run(ctx) -> None:
     p = ctx.params
     if len(p["prompts"]) != len(p["max_tokens"]):
         raise ValueError("params.prompts and params.max_tokens need the same length")
-    engine = make_engine(ctx.loaded)
-    finished = _finish_in_one_batch(ctx, engine)
+    executor = make_executor(ctx.loaded)
+    finished = _finish_in_one_batch(ctx, executor)
     with tempfile.TemporaryDirectory(prefix="exp004-") as tmp:
-        reloaded_engine = make_engine(ctx.loaded)
-        save_ms, load_ms, (cont, blocks, full) = _save_reload_continue(ctx, engine, reloaded_engine, finished, Path(tmp))
-        samples = record_ttft(ctx, reloaded_engine, (cont, blocks), (full,),
+        reloaded_executor = make_executor(ctx.loaded)
+        save_ms, load_ms, (cont, blocks, full) = _save_reload_continue(ctx, executor, reloaded_executor, finished, Path(tmp))
+        samples = record_ttft(ctx, reloaded_executor, (cont, blocks), (full,),
                               "reloaded cache of the last sequence: reconstruct, prefill the continuation, first token",
                               "fresh prefill of the same tokens, first token")
 
@@ -57,19 +57,19 @@ def run(ctx) -> None:
             ctx.plot_path("save-load"), ylabel="mean ms per cache", title=f"EXP-004 {ctx.model_name}: save and reload"))
 
 
-def _finish_in_one_batch(ctx, engine) -> list[tuple]:
+def _finish_in_one_batch(ctx, executor) -> list[tuple]:
     """Run every prompt in one batch, step by step; (step, Completion, still in flight) as each finishes.
     Records the finish order and whether each finished while others were still running."""
     p, tok, res = ctx.params, ctx.loaded.tokenizer, ctx.results
     agents = [f"seq{i}" for i in range(len(p["prompts"]))]
     for agent, prompt, n in zip(agents, p["prompts"], p["max_tokens"]):
-        engine.submit(Request(agent, tok.encode(prompt), n), share=False)
+        executor.submit(Request(agent, tok.encode(prompt), n), share=False)
 
     finished, step = [], 0
-    while engine.in_flight:
+    while executor.in_flight:
         step += 1
-        for c in engine.step_once():
-            finished.append((step, c, engine.in_flight))
+        for c in executor.step_once():
+            finished.append((step, c, executor.in_flight))
     order = [c.agent_id for _, c, _ in finished]
     expected = [a for _, a in sorted(zip(p["max_tokens"], agents))]
     res.output("finish_order", [
@@ -80,17 +80,17 @@ def _finish_in_one_batch(ctx, engine) -> list[tuple]:
     return finished
 
 
-def _save_reload_continue(ctx, engine, reloaded_engine, finished: list[tuple], tmp: Path) -> tuple[list, list, tuple]:
-    """Each finished cache: check its layers, save it, load it into ``reloaded_engine``'s pool, compare,
+def _save_reload_continue(ctx, executor, reloaded_executor, finished: list[tuple], tmp: Path) -> tuple[list, list, tuple]:
+    """Each finished cache: check its layers, save it, load it into ``reloaded_executor``'s pool, compare,
     and continue it against a fresh prefill. Returns the save and load times and, for the last
     sequence, (continuation ids, reloaded blocks, full ids)."""
     p, tok, res = ctx.params, ctx.loaded.tokenizer, ctx.results
     caches_info, layers_ok = [], True
     save_ms, load_ms, identical, continuations = [], [], True, []
     for _, c, _ in finished:
-        caches = engine.reconstruct_cache(c.blocks)
+        caches = executor.reconstruct_cache(c.blocks)
         types = [type(x).__name__ for x in caches]
-        layers_ok &= types == [l.cache_kind for l in engine.spec.layers]
+        layers_ok &= types == [l.cache_kind for l in executor.spec.layers]
         path = tmp / f"{c.agent_id}.safetensors"
         box = {}
 
@@ -98,18 +98,18 @@ def _save_reload_continue(ctx, engine, reloaded_engine, finished: list[tuple], t
             cachefile.save(path, c.blocks, model_fingerprint=ctx.loaded.fingerprint)
 
         def load():  # into the second engine's empty pool: every tensor is read and verified
-            box["blocks"] = cachefile.load(path, reloaded_engine.pool, model_fingerprint=ctx.loaded.fingerprint)
+            box["blocks"] = cachefile.load(path, reloaded_executor.pool, model_fingerprint=ctx.loaded.fingerprint)
 
         save_ms.append(time_once(save)[0])
         load_ms.append(time_once(load)[0])
         reloaded = box["blocks"]
-        identical &= reloaded.token_ids == c.blocks.token_ids and _same_caches(caches, reloaded_engine.reconstruct_cache(reloaded))
+        identical &= reloaded.token_ids == c.blocks.token_ids and _same_caches(caches, reloaded_executor.reconstruct_cache(reloaded))
         caches_info.append({"agent": c.agent_id, "layers": len(caches), "layer_types": sorted(set(types)),
                             "tokens": c.blocks.total_tokens, "bytes": c.blocks.nbytes, "file_bytes": path.stat().st_size})
 
         cont = tok.encode(p["continuation"], add_special_tokens=False)
-        with_cache = run_one(reloaded_engine, c.agent_id, cont, reloaded, p["continue_tokens"])
-        fresh = run_one(reloaded_engine, c.agent_id + "-fresh", list(reloaded.token_ids) + cont, None, p["continue_tokens"])
+        with_cache = run_one(reloaded_executor, c.agent_id, cont, reloaded, p["continue_tokens"])
+        fresh = run_one(reloaded_executor, c.agent_id + "-fresh", list(reloaded.token_ids) + cont, None, p["continue_tokens"])
         continuations.append({"agent": c.agent_id, "text": with_cache.text, "fresh_text": fresh.text, **match_report(with_cache, fresh)})
         last = (cont, reloaded, list(reloaded.token_ids) + cont)
     res.output("caches", caches_info)

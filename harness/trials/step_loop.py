@@ -62,33 +62,33 @@ def _interleave_ours(loaded, p: dict, trial: int, chunk: int | None = None, itl_
 
     spec = ModelCacheSpec.from_model(loaded.model)
     need = (p["long_tokens"] + p["decoders"] * (p["decoder_prompt"] + 4 * p["warm"] + 2048)) // 256 + 16
-    engine = BatchExecutor(
+    executor = BatchExecutor(
         loaded.model, loaded.tokenizer, BlockPool(spec, need), spec, stop_tokens=[],
         prefill_chunk=chunk or p["prefill_chunk"] or None, max_batch=p["decoders"] + 1,
         itl_target_s=itl_target_ms / 1000 if itl_target_ms else None,
     )
-    vocab = engine.vocab_size
+    vocab = executor.vocab_size
     stamps = {i: [] for i in range(p["decoders"])}
     long_first = []
 
     def stamp(i):
         return lambda token, lp, row: stamps[i].append(time.perf_counter()) and False
 
-    uids = [engine.submit(Request(f"d{i}", _prompt(100 * trial + i, p["decoder_prompt"], vocab), 100_000, on_token=stamp(i))) for i in range(p["decoders"])]
+    uids = [executor.submit(Request(f"d{i}", _prompt(100 * trial + i, p["decoder_prompt"], vocab), 100_000, on_token=stamp(i))) for i in range(p["decoders"])]
     while min(len(s) for s in stamps.values()) < p["warm"]:
-        engine.step_once()
+        executor.step_once()
     t0 = time.perf_counter()
-    engine.submit(Request("long", _prompt(7 + trial, p["long_tokens"], vocab), 2,
+    executor.submit(Request("long", _prompt(7 + trial, p["long_tokens"], vocab), 2,
                           on_token=lambda token, lp, row: long_first.append(time.perf_counter()) and False))
     while not long_first:
-        engine.step_once()
+        executor.step_once()
     t1 = long_first[0]
     after = {i: len(s) for i, s in stamps.items()}
     while min(len(s) - after[i] for i, s in stamps.items()) < p["warm"]:
-        engine.step_once()
+        executor.step_once()
     for u in uids:
-        engine.cancel(u)
-    list(engine.step())
+        executor.cancel(u)
+    list(executor.step())
     return _window(stamps, t0, t1, p["long_tokens"])
 
 
@@ -130,12 +130,12 @@ def _quantized_batched(loaded, p: dict, trial: int) -> dict:
 
     spec = ModelCacheSpec.from_model(loaded.model, kv_bits=p["q_bits"], kv_group_size=p["q_group"])
     pool = BlockPool(spec, p["q_agents"] * ((p["q_prompt"] + p["q_tokens"]) // 256 + 2))
-    engine = BatchExecutor(loaded.model, loaded.tokenizer, pool, spec, stop_tokens=[],
+    executor = BatchExecutor(loaded.model, loaded.tokenizer, pool, spec, stop_tokens=[],
                                   max_batch=p["q_agents"], prefill_chunk=p["q_agents"] * p["q_prompt"])
     stamps = []
     for i in range(p["q_agents"]):
-        engine.submit(Request(f"q{i}", _prompt(1000 * trial + i, p["q_prompt"], engine.vocab_size), p["q_tokens"], on_token=lambda *a: stamps.append(time.perf_counter()) and False))
-    done = list(engine.step())
+        executor.submit(Request(f"q{i}", _prompt(1000 * trial + i, p["q_prompt"], executor.vocab_size), p["q_tokens"], on_token=lambda *a: stamps.append(time.perf_counter()) and False))
+    done = list(executor.step())
     first = stamps[p["q_agents"] - 1]  # every agent has its first token: decoding starts
     tokens = len(stamps) - p["q_agents"]
     held = sum(c.blocks.nbytes for c in done)

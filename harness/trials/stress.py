@@ -45,7 +45,7 @@ from pathlib import Path
 import numpy as np
 
 from harness import plots, storefiles
-from harness.engines import logprob_diff, make_engine as fresh_engine, open_scheduler
+from harness.executors import logprob_diff, make_executor as fresh_executor, open_scheduler
 from harness.trials.base import TrialKind, Param, register
 from semantic import ModelCacheSpec, Request, cachefile, store as store_mod
 from semantic.decode.promptlookup import SpecConfig
@@ -254,7 +254,7 @@ def _record_budget(ctx, stats, budget: int | None, working_set: int) -> None:
 
 
 def _parity_checks(loaded, w: _Workload) -> tuple[list[dict], float]:
-    fresh = fresh_engine(loaded, w.p["pool_blocks"])
+    fresh = fresh_executor(loaded, w.p["pool_blocks"])
     parity, max_diff = [], 0.0
     n = len(w.eligible) if w.p["parity_every_turn"] else w.p["parity_samples"]
     for index, a, h, r, edited in _choose_parity(w.eligible, n):
@@ -311,10 +311,10 @@ def _choose_parity(eligible: list[tuple], n: int) -> list[tuple]:
     return sorted(chosen, key=lambda t: t[0])
 
 
-def _parity(engine, h: list[int], r, tol: float) -> tuple[bool, float]:
+def _parity(executor, h: list[int], r, tol: float) -> tuple[bool, float]:
     """The turn again as a fresh prefill in an engine of its own."""
-    uid = engine.submit(Request("parity", h, len(r.token_ids)), share=False)
-    ref = {c.uid: c for c in engine.step()}[uid]
+    uid = executor.submit(Request("parity", h, len(r.token_ids)), share=False)
+    ref = {c.uid: c for c in executor.step()}[uid]
     if ref.blocks is not None:
         ref.blocks.release()
     diff = logprob_diff(ref.logprobs, r.logprobs)

@@ -7,7 +7,7 @@ import threading
 from semantic.blasshare import BlasShare
 
 
-def test_a_second_engine_stepping_sets_one_thread_and_the_last_one_left_gets_them_all_back():
+def test_a_second_executor_stepping_sets_one_thread_and_the_last_one_left_gets_them_all_back():
     calls = []
     share = BlasShare(setter=calls.append, getter=lambda: 4)
     with share.stepping():

@@ -13,13 +13,13 @@ import sys
 from pathlib import Path
 
 from harness import device, models
-from harness.engines import fresh_first_token, logprob_diff, make_engine, open_scheduler
+from harness.executors import fresh_first_token, logprob_diff, make_executor, open_scheduler
 from semantic import Request, encode, render_chat
 
 
 def main(spec: dict) -> dict:
     loaded = models.load(spec["model"], spec["variant"])
-    fresh = make_engine(loaded, spec["pool_blocks"])
+    fresh = make_executor(loaded, spec["pool_blocks"])
     fresh_first_token(fresh, loaded.tokenizer.encode("warm up the kernels"))
     sched = open_scheduler(loaded, Path(spec["cache_dir"]), spec["pool_blocks"], write_behind=False)
     turns, results = {}, {}

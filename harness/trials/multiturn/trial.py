@@ -28,7 +28,7 @@ from pathlib import Path
 
 from harness import plots
 from harness.common.children import run_child
-from harness.engines import fresh_first_token, logprob_diff, make_engine, open_scheduler
+from harness.executors import fresh_first_token, logprob_diff, make_executor, open_scheduler
 from harness.prompts import question, system_prompt, text_of_tokens, user_history
 from harness.prompts import shared_prefix as _common_len  # the name _sharing's benchmark id was made with
 from harness.trials.base import TrialKind, Param, register
@@ -67,7 +67,7 @@ def run(ctx) -> None:
     ref_turns = set(p["reference_turns"] or range(1, rounds + 1))
     system = system_prompt(tok, p["system_tokens"])
     convo = {u: [system, *user_history(tok, u, p["history_tokens"])] for u in range(users)}
-    fresh = make_engine(loaded, p["pool_blocks"])
+    fresh = make_executor(loaded, p["pool_blocks"])
     fresh_first_token(fresh, tok.encode("warm up the kernels", add_special_tokens=True))
     per_turn, concurrent_ttft, decode_tps = [], [], []
     ctx.progress.total = rounds + 3

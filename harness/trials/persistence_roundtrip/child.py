@@ -14,19 +14,19 @@ import time
 from pathlib import Path
 
 from harness import device, models
-from harness.engines import make_engine
+from harness.executors import make_executor
 from semantic import Request, cachefile
 
 
 def main(model: str, variant: str, path: str, T: list[int], steps: int) -> dict:
     loaded = models.load(model, variant)
-    engine = make_engine(loaded, 64)
+    executor = make_executor(loaded, 64)
     t0 = time.perf_counter()
-    cache = cachefile.load(path, engine.pool, model_fingerprint=loaded.fingerprint)
+    cache = cachefile.load(path, executor.pool, model_fingerprint=loaded.fingerprint)
     load_ms = (time.perf_counter() - t0) * 1e3
-    cached_uid = engine.submit(Request("agent", [*cache.token_ids, *T], steps), cache, share=False)
-    fresh_uid = engine.submit(Request("fresh", list(cache.token_ids) + T, steps), share=False)
-    done = {c.uid: c for c in engine.step()}
+    cached_uid = executor.submit(Request("agent", [*cache.token_ids, *T], steps), cache, share=False)
+    fresh_uid = executor.submit(Request("fresh", list(cache.token_ids) + T, steps), share=False)
+    done = {c.uid: c for c in executor.step()}
     side = lambda c: {"tokens": c.token_ids, "logprobs": c.logprobs, "prompt_tokens": c.prompt_tokens}  # noqa: E731
     return {"load_ms": load_ms, "cached": side(done[cached_uid]), "fresh": side(done[fresh_uid])}
 

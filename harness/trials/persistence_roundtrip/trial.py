@@ -17,7 +17,7 @@ from pathlib import Path
 
 from harness import plots
 from harness.common.children import run_child
-from harness.engines import logprob_diff, make_engine, run_one
+from harness.executors import logprob_diff, make_executor, run_one
 from harness.prompts import history_ids
 from harness.trials.base import TrialKind, Param, register
 from harness.trials.persistence_roundtrip import speed
@@ -26,8 +26,8 @@ from semantic import cachefile
 
 def run(ctx) -> None:
     p, tok, res = ctx.params, ctx.loaded.tokenizer, ctx.results
-    engine = make_engine(ctx.loaded)
-    first = run_one(engine, "agent", history_ids(tok, p["history_tokens"]), None, p["max_tokens"])
+    executor = make_executor(ctx.loaded)
+    first = run_one(executor, "agent", history_ids(tok, p["history_tokens"]), None, p["max_tokens"])
     T = tok.encode(p["continuation"], add_special_tokens=False)
     with tempfile.TemporaryDirectory(prefix="exp005-") as tmp:
         path = Path(tmp) / "agent.safetensors"

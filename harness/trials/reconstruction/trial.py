@@ -278,27 +278,27 @@ def _with_model(ctx) -> None:
     engine tests' job), the model and engine are real.
     """
     from harness import models
-    from harness.engines import make_engine, time_ttft
+    from harness.executors import make_executor, time_ttft
 
     p, res = ctx.params, ctx.results
     loaded = models.load(p["model"], ctx.config.model_variant)
     spec = ModelCacheSpec.from_model(loaded.model)
-    engine = make_engine(loaded, 256)
+    executor = make_executor(loaded, 256)
     proto = dataclasses.replace(ctx.config.protocol, trials=min(ctx.config.protocol.trials, p["model_trials"]),
                                 warmup=min(ctx.config.protocol.warmup, 1))
     follow = loaded.tokenizer.encode(" Continue.", add_special_tokens=False)
 
     def blocks_of(tokens: int, salt: int):
         ids = [int(t) for t in np.random.default_rng(tokens + salt).integers(100, 20000, tokens)]
-        return convert.extract(engine.pool, live_caches(spec, tokens, seed=salt), ids)
+        return convert.extract(executor.pool, live_caches(spec, tokens, seed=salt), ids)
 
     # Benchmark 3: reconstruct + prefill the follow-up + 10 tokens + extract at finish
     for n in p["round_trip_blocks"]:
         blocks = blocks_of(n * BLOCK, 1)
 
         def round_trip():
-            engine.submit(Request("rt", [*blocks.token_ids, *follow], 10), blocks, share=False)
-            for c in engine.step():
+            executor.submit(Request("rt", [*blocks.token_ids, *follow], 10), blocks, share=False)
+            for c in executor.step():
                 c.blocks.release()
 
         s = time_interleaved({"round_trip": round_trip}, proto)["round_trip"]
@@ -309,7 +309,7 @@ def _with_model(ctx) -> None:
     rows = []
     for L in p["reuse_prompt_lengths"]:
         blocks = blocks_of(L, 2)
-        s = time_ttft(engine, (follow, blocks), (list(blocks.token_ids) + follow,), proto, None)
+        s = time_ttft(executor, (follow, blocks), (list(blocks.token_ids) + follow,), proto, None)
         a = res.timing(f"reuse/L{L}/cached_ttft_ms", s["cached"], lazy_gap=False)
         b = res.timing(f"reuse/L{L}/direct_ttft_ms", s["fresh"], lazy_gap=False)
         rows.append({"prompt_tokens": L, "cached_p50_ms": a["stats"]["median"], "direct_p50_ms": b["stats"]["median"],

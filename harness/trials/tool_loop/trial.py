@@ -307,14 +307,14 @@ def _decode_trial(loaded, prompts: list[list[int]], tokens: int, grammar) -> dic
 
     spec = ModelCacheSpec.from_model(loaded.model)
     blocks = sum((len(q) + tokens) // 256 + 2 for q in prompts)
-    engine = BatchExecutor(loaded.model, loaded.tokenizer, BlockPool(spec, blocks), spec, stop_tokens=[],
+    executor = BatchExecutor(loaded.model, loaded.tokenizer, BlockPool(spec, blocks), spec, stop_tokens=[],
                                   max_batch=len(prompts), prefill_chunk=sum(map(len, prompts)))
     stamps: dict[int, list[float]] = {i: [] for i in range(len(prompts))}
     for i, q in enumerate(prompts):
         # the stamp is taken once the engine has read the token: it is materialized
-        engine.submit(Request(f"d{i}", q, tokens, grammar=grammar,
+        executor.submit(Request(f"d{i}", q, tokens, grammar=grammar,
                               on_token=lambda tok, lp, row, i=i: stamps[i].append(time.perf_counter()) and False))
-    done = list(engine.step())
+    done = list(executor.step())
     for c in done:
         c.blocks.release()
     start = max(s[0] for s in stamps.values())

@@ -31,7 +31,7 @@ def profile_append(model_dir, cached_tokens: int, append_tokens: int, reps: int)
     model, tok = load(str(model_dir))
     spec = ModelCacheSpec.from_model(model)
     pool = BlockPool(spec, capacity_bytes=1 << 30)  # allocated as blocks are made: room, never a recycle
-    eng = BatchExecutor(model, tok, pool, spec, stop_tokens=[])
+    executor = BatchExecutor(model, tok, pool, spec, stop_tokens=[])
     need = cached_tokens + append_tokens * (reps + 1)
     corpus = tok.encode(text_of_tokens(tok, need + 64))
     assert len(corpus) >= need - 8, (len(corpus), need)
@@ -56,8 +56,8 @@ def profile_append(model_dir, cached_tokens: int, append_tokens: int, reps: int)
         mx.eval(model(chunk[:, -1:], cache=cache)[:, -1, :])
         return time.perf_counter() - t
 
-    uid = eng.submit(Request("agent", corpus[:cached_tokens], 1))
-    own = {c.uid: c for c in eng.step()}[uid].blocks
+    uid = executor.submit(Request("agent", corpus[:cached_tokens], 1))
+    own = {c.uid: c for c in executor.step()}[uid].blocks
     at = cached_tokens
     try:
         convert.keep_passed, convert.extract = wrap("keep"), wrap("finish")
@@ -69,12 +69,12 @@ def profile_append(model_dir, cached_tokens: int, append_tokens: int, reps: int)
             clock.update(keep=0.0, finish=0.0)
             first: list[float] = []
             t0 = time.perf_counter()
-            uid = eng.submit(Request("agent", ids, 2, on_token=lambda *_: first.append(time.perf_counter())), own)
+            uid = executor.submit(Request("agent", ids, 2, on_token=lambda *_: first.append(time.perf_counter())), own)
             t1 = time.perf_counter()
             while not first:
-                eng.step_once()
+                executor.step_once()
             t2 = first[0]
-            done = {c.uid: c for c in eng.step()}[uid]
+            done = {c.uid: c for c in executor.step()}[uid]
             assert done.cached_tokens == len(own.token_ids), (done.cached_tokens, len(own.token_ids))
             own.release()
             own = done.blocks

@@ -114,14 +114,14 @@ def test_round_trip_one_block_real_smollm2(benchmark, smollm2):
     from semantic import BatchExecutor
 
     spec = ModelCacheSpec.from_model(smollm2.model)
-    engine = BatchExecutor(smollm2.model, smollm2.tokenizer, BlockPool(spec, 16), spec, stop_tokens=[])
-    uid = engine.submit(Request("a", list(range(1000, 1256)), 1), share=False)
-    blocks = {c.uid: c for c in engine.step()}[uid].blocks
+    executor = BatchExecutor(smollm2.model, smollm2.tokenizer, BlockPool(spec, 16), spec, stop_tokens=[])
+    uid = executor.submit(Request("a", list(range(1000, 1256)), 1), share=False)
+    blocks = {c.uid: c for c in executor.step()}[uid].blocks
     follow = smollm2.tokenizer.encode(" Continue.", add_special_tokens=False)
 
     def round_trip():
-        engine.submit(Request("a", [*blocks.token_ids, *follow], 10), blocks, share=False)
-        for c in engine.step():
+        executor.submit(Request("a", [*blocks.token_ids, *follow], 10), blocks, share=False)
+        for c in executor.step():
             c.blocks.release()
 
     benchmark.pedantic(round_trip, rounds=3, iterations=1, warmup_rounds=1)

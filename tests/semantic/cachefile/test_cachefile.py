@@ -28,8 +28,8 @@ from semantic.cachefile import atomic
 from semantic.cachefile import DOC_HASH_KEY, DOC_KEY, FORMAT_VERSION
 from tests.cache_helpers import (
     assert_identical,
-    check_engine,
-    engine,
+    check_executor,
+    make_executor,
     generate,
     history,
     run,
@@ -45,11 +45,11 @@ STEPS = 16
 @pytest.fixture
 def gemma_file(gemma_tiny, tmp_path):
     """A tiny Gemma cache of 43 tokens (window 8 wrapped) saved to disk."""
-    eng = engine(gemma_tiny)
-    done = generate(eng, "a", history(37), 6)
+    executor = make_executor(gemma_tiny)
+    done = generate(executor, "a", history(37), 6)
     path = tmp_path / "a.safetensors"
     cachefile.save(path, done.blocks, model_fingerprint="tiny-gemma")
-    return path, done.blocks, eng
+    return path, done.blocks, executor
 
 
 # ---------------------------------------------------------------- round trips
@@ -64,25 +64,25 @@ def test_a_loaded_cache_is_bit_identical_and_continues_like_a_fresh_prefill(
     llama_tiny, gemma_tiny, tmp_path, which, kv_bits, n
 ):
     model = llama_tiny if which == "llama" else gemma_tiny
-    first = generate(engine(model, kv_bits), "a", history(n), 6)
+    first = generate(make_executor(model, kv_bits), "a", history(n), 6)
     path = tmp_path / "a.safetensors"
     cachefile.save(path, first.blocks, model_fingerprint="tiny")
 
-    eng = engine(model, kv_bits)  # a fresh pool, as after a restart
-    loaded = cachefile.load(path, eng.pool, model_fingerprint="tiny")
+    executor = make_executor(model, kv_bits)  # a fresh pool, as after a restart
+    loaded = cachefile.load(path, executor.pool, model_fingerprint="tiny")
     assert_identical(loaded, first.blocks)
     T = [11, 12, 13]
-    cont = eng.submit(Request("a", [*loaded.token_ids, *T], STEPS), loaded, share=False)
-    ref = eng.submit(Request("b", list(first.blocks.token_ids) + T, STEPS), share=False)
-    done = run(eng)
+    cont = executor.submit(Request("a", [*loaded.token_ids, *T], STEPS), loaded, share=False)
+    ref = executor.submit(Request("b", list(first.blocks.token_ids) + T, STEPS), share=False)
+    done = run(executor)
     assert done[cont].cached_tokens == n + 6
     assert done[cont].token_ids == done[ref].token_ids
-    check_engine(eng, done[cont], done[ref])  # both mlx-lm's own generation, within its measured noise
+    check_executor(executor, done[cont], done[ref])  # both mlx-lm's own generation, within its measured noise
 
 
 def test_loading_into_a_pool_that_holds_the_prefix_shares_its_full_blocks(gemma_file):
-    path, original, eng = gemma_file
-    pool = eng.pool
+    path, original, executor = gemma_file
+    pool = executor.pool
     before = pool.stats()
     loaded = cachefile.load(path, pool)
     assert_identical(loaded, original)
@@ -102,8 +102,8 @@ def _address(a) -> int:
 
 
 def test_a_file_loads_as_one_segment_per_group_that_reconstruction_hands_over_without_a_copy(gemma_file):
-    path, original, eng = gemma_file
-    loaded = cachefile.load(path, BlockPool(eng.spec, 64, block_tokens=4))
+    path, original, executor = gemma_file
+    loaded = cachefile.load(path, BlockPool(executor.spec, 64, block_tokens=4))
     for group, blocks in loaded.groups.items():
         segments = {id(b.segment_view.segment) for b in blocks}
         assert len(segments) == 1, group
@@ -118,13 +118,13 @@ def test_a_file_loads_as_one_segment_per_group_that_reconstruction_hands_over_wi
 
 
 def test_after_a_partial_hit_each_run_of_missed_blocks_gets_a_compact_segment(gemma_file):
-    path, original, eng = gemma_file
-    pool = eng.pool  # it holds the original's blocks: the full ones hit
+    path, original, executor = gemma_file
+    pool = executor.pool  # it holds the original's blocks: the full ones hit
     loaded = cachefile.load(path, pool)
     missed = [b for b in loaded.unique_blocks() if not any(b is o for o in original.unique_blocks())]
     assert missed == []  # tails are keyed and the window edge is the pooled block [32, 36): all hits
     assert_identical(loaded, original)
-    other = BlockPool(eng.spec, 64, block_tokens=4)
+    other = BlockPool(executor.spec, 64, block_tokens=4)
     for b in cachefile.load(path, other).unique_blocks():  # into an empty pool: one compact segment per group
         assert b.segment_view.segment.n_tokens == (11 if b.group.startswith("sliding") else 43)
 
@@ -254,10 +254,10 @@ DAMAGE = {
 
 @pytest.mark.parametrize("case", sorted(DAMAGE))
 def test_each_kind_of_damage_raises_cache_corrupt_error_naming_file_and_reason(gemma_file, case):
-    path, _, eng = gemma_file
+    path, _, executor = gemma_file
     damage, reason = DAMAGE[case]
     damage(path)
-    fresh = BlockPool(eng.spec, 64, block_tokens=4)
+    fresh = BlockPool(executor.spec, 64, block_tokens=4)
     with pytest.raises(CacheCorruptError, match=reason) as err:
         cachefile.load(path, fresh)
     assert err.value.path == str(path) and str(path) in str(err.value)
@@ -265,9 +265,9 @@ def test_each_kind_of_damage_raises_cache_corrupt_error_naming_file_and_reason(g
 
 
 def test_a_failed_load_leaves_the_pool_unchanged(gemma_file):
-    path, _, eng = gemma_file
+    path, _, executor = gemma_file
     _flip(path, offset_from_end=1)  # the last tensor: every other one verifies first
-    pool = BlockPool(eng.spec, 64, block_tokens=4)
+    pool = BlockPool(executor.spec, 64, block_tokens=4)
     before = pool.stats()
     with pytest.raises(CacheCorruptError, match="checksum mismatch"):
         cachefile.load(path, pool)
@@ -275,9 +275,9 @@ def test_a_failed_load_leaves_the_pool_unchanged(gemma_file):
 
 
 def test_another_model_or_spec_raises_cache_mismatch_error(gemma_file, llama_tiny):
-    path, _, eng = gemma_file
+    path, _, executor = gemma_file
     with pytest.raises(CacheMismatchError, match="written for model 'tiny-gemma', not 'other'"):
-        cachefile.load(path, BlockPool(eng.spec, 64, block_tokens=4), model_fingerprint="other")
+        cachefile.load(path, BlockPool(executor.spec, 64, block_tokens=4), model_fingerprint="other")
     llama = ModelCacheSpec.from_model(llama_tiny)
     with pytest.raises(CacheMismatchError, match="another cache spec"):
         cachefile.load(path, BlockPool(llama, 64, block_tokens=4))
@@ -287,8 +287,8 @@ def test_another_model_or_spec_raises_cache_mismatch_error(gemma_file, llama_tin
 
 
 def test_a_pool_too_small_raises_before_taking_any_block(gemma_file):
-    path, _, eng = gemma_file
-    pool = BlockPool(eng.spec, 5, block_tokens=4)
+    path, _, executor = gemma_file
+    pool = BlockPool(executor.spec, 5, block_tokens=4)
     with pytest.raises(PoolExhaustedError, match=r"of free blocks \(14 of 4 tokens\)"):
         cachefile.load(path, pool)
     assert pool.stats().used == 0
@@ -298,16 +298,16 @@ def test_a_pool_too_small_raises_before_taking_any_block(gemma_file):
 
 
 def test_saving_replaces_the_old_file_and_leaves_no_temporary_file(gemma_file, gemma_tiny):
-    path, original, eng = gemma_file
-    longer = generate(eng, "a", list(original.token_ids) + [5, 6], 3).blocks
+    path, original, executor = gemma_file
+    longer = generate(executor, "a", list(original.token_ids) + [5, 6], 3).blocks
     cachefile.save(path, longer, model_fingerprint="tiny-gemma")
     cachefile.settle()  # the replaced file is deleted in the background
     assert os.listdir(path.parent) == [path.name]
-    assert_identical(cachefile.load(path, BlockPool(eng.spec, 64, block_tokens=4)), longer)
+    assert_identical(cachefile.load(path, BlockPool(executor.spec, 64, block_tokens=4)), longer)
 
 
 def test_a_save_that_fails_midway_keeps_the_old_file(gemma_file, monkeypatch):
-    path, original, eng = gemma_file
+    path, original, executor = gemma_file
     before = path.read_bytes()
     calls = []
     write = atomic._Writer.write
@@ -326,7 +326,7 @@ def test_a_save_that_fails_midway_keeps_the_old_file(gemma_file, monkeypatch):
 
 
 def test_released_blocks_and_bad_arguments_are_refused(gemma_file, tmp_path):
-    path, original, eng = gemma_file
+    path, original, executor = gemma_file
     with pytest.raises(InvalidRequestError, match="model_fingerprint"):
         cachefile.save(tmp_path / "x.safetensors", original, model_fingerprint="")
     original.release()

@@ -20,7 +20,7 @@ import xxhash
 
 from semantic import BlockPool, CacheError, cachefile
 from semantic.cachefile import DOC_HASH_KEY, DOC_KEY
-from tests.cache_helpers import assert_identical, engine, generate, history
+from tests.cache_helpers import assert_identical, make_executor, generate, history
 from tests.fuzzing import cases
 
 pytestmark = pytest.mark.compat
@@ -73,8 +73,8 @@ def test_every_mutated_file_loads_bit_identically_or_raises_a_cache_error(
     llama_tiny, gemma_tiny, tmp_path, which, kv_bits, n
 ):
     model = gemma_tiny if which == "gemma" else llama_tiny
-    eng = engine(model, kv_bits)
-    original = generate(eng, "a", history(n), 6).blocks
+    executor = make_executor(model, kv_bits)
+    original = generate(executor, "a", history(n), 6).blocks
     path = tmp_path / "a.safetensors"
     cachefile.save(path, original, model_fingerprint="fuzz")
     raw = path.read_bytes()
@@ -83,7 +83,7 @@ def test_every_mutated_file_loads_bit_identically_or_raises_a_cache_error(
     for case in range(CASES):
         mutated = _mutate(raw, rng)
         path.write_bytes(mutated)
-        pool = BlockPool(eng.spec, 64, block_tokens=4)
+        pool = BlockPool(executor.spec, 64, block_tokens=4)
         try:
             loaded = cachefile.load(path, pool, model_fingerprint="fuzz")
         except CacheError:
@@ -127,8 +127,8 @@ def _edit(tree, rng: np.random.Generator):
 def test_headers_edited_behind_a_valid_checksum_load_identically_or_raise_a_cache_error(gemma_tiny, tmp_path):
     """Token ids are not edited: new ids with a recomputed checksum are a
     forgery, which checksums (unlike signatures) cannot tell from the truth."""
-    eng = engine(gemma_tiny)
-    original = generate(eng, "a", history(21), 4).blocks
+    executor = make_executor(gemma_tiny)
+    original = generate(executor, "a", history(21), 4).blocks
     path = tmp_path / "a.safetensors"
     cachefile.save(path, original, model_fingerprint="fuzz")
     raw = path.read_bytes()
@@ -147,7 +147,7 @@ def test_headers_edited_behind_a_valid_checksum_load_identically_or_raise_a_cach
         blob = json.dumps(h).encode()
         path.write_bytes(struct.pack("<Q", len(blob)) + blob + data)
         try:
-            loaded = cachefile.load(path, BlockPool(eng.spec, 64, block_tokens=4), model_fingerprint="fuzz")
+            loaded = cachefile.load(path, BlockPool(executor.spec, 64, block_tokens=4), model_fingerprint="fuzz")
         except CacheError:
             refused += 1
             continue

@@ -48,11 +48,11 @@ def test_a_cache_saved_here_and_loaded_in_a_fresh_process_continues_like_a_fresh
     loaded = request.getfixturevalue(which)
     name, n_history, n_generated = CASES[which]
     spec = ModelCacheSpec.from_model(loaded.model)
-    engine = BatchExecutor(loaded.model, loaded.tokenizer, BlockPool(spec, 64), spec, stop_tokens=[])
+    executor = BatchExecutor(loaded.model, loaded.tokenizer, BlockPool(spec, 64), spec, stop_tokens=[])
     S = loaded.tokenizer.encode(HISTORY)[:n_history]
     assert len(S) == n_history, "harness/data/history.txt is too short for this case"
-    uid = engine.submit(Request("agent", S, n_generated), share=False)
-    first = {c.uid: c for c in engine.step()}[uid]
+    uid = executor.submit(Request("agent", S, n_generated), share=False)
+    first = {c.uid: c for c in executor.step()}[uid]
     if which == "gemma3":
         window = spec.layers[0].window
         assert first.blocks.total_tokens > window == 512

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from semantic import Request, cachefile
-from tests.cache_helpers import check_engine, engine, run, weights_fingerprint
+from tests.cache_helpers import check_executor, make_executor, run, weights_fingerprint
 from tests.persistence_fixtures import DATA, FIXTURES, expected, model_for
 
 pytestmark = pytest.mark.compat
@@ -34,14 +34,14 @@ def test_fixtures_cover_every_readable_format_version_and_both_supported_mlx_lm_
 def test_a_file_from_either_version_loads_and_continues_like_a_fresh_prefill(path):
     info = cachefile.read_header(path)
     model, kv_bits = model_for(info.agent_id)
-    eng = engine(model, kv_bits)
-    loaded = cachefile.load(path, eng.pool, model_fingerprint=weights_fingerprint(model))
+    executor = make_executor(model, kv_bits)
+    loaded = cachefile.load(path, executor.pool, model_fingerprint=weights_fingerprint(model))
     _, _, history_len, generated, _ = FIXTURES[info.agent_id]
     assert loaded.total_tokens == history_len + generated
     T = [21, 22, 23]
-    cont = eng.submit(Request("a", [*loaded.token_ids, *T], STEPS), loaded, share=False)
-    ref = eng.submit(Request("b", list(loaded.token_ids) + T, STEPS), share=False)
-    done = run(eng)
+    cont = executor.submit(Request("a", [*loaded.token_ids, *T], STEPS), loaded, share=False)
+    ref = executor.submit(Request("b", list(loaded.token_ids) + T, STEPS), share=False)
+    done = run(executor)
     assert done[cont].cached_tokens == loaded.total_tokens
     assert done[cont].token_ids == done[ref].token_ids
-    check_engine(eng, done[cont], done[ref])  # both mlx-lm's own generation, within its measured noise
+    check_executor(executor, done[cont], done[ref])  # both mlx-lm's own generation, within its measured noise

@@ -29,7 +29,7 @@ SCHEMA = {
 }
 
 
-def _engine(model, stop=(255,), max_batch=8):
+def _executor(model, stop=(255,), max_batch=8):
     spec = ModelCacheSpec.from_model(model)
     return BatchExecutor(model, byte_tokenizer(), BlockPool(spec, 256, 4), spec, stop_tokens=list(stop),
                                 max_batch=max_batch)
@@ -39,29 +39,29 @@ def _ids(seed: int, n: int) -> list[int]:
     return [int(t) for t in np.random.default_rng(seed).integers(1, 250, n)]
 
 
-def _text(engine, c) -> str:
-    return engine.tokenizer.decode([t for t in c.token_ids if t != 255])
+def _text(executor, c) -> str:
+    return executor.tokenizer.decode([t for t in c.token_ids if t != 255])
 
 
 @pytest.mark.parametrize("which", ["llama", "gemma"])
 def test_a_json_schema_grammar_makes_a_random_model_write_a_matching_object_and_stop(llama_tiny, gemma_tiny, which):
-    engine = _engine(llama_tiny if which == "llama" else gemma_tiny)
+    executor = _executor(llama_tiny if which == "llama" else gemma_tiny)
     grammar = Grammar.json_schema(SCHEMA)
-    uids = [engine.submit(Request(f"a{i}", _ids(i, 9 + i), 200, grammar=grammar), share=False) for i in range(3)]
-    done = {c.uid: c for c in engine.step()}
+    uids = [executor.submit(Request(f"a{i}", _ids(i, 9 + i), 200, grammar=grammar), share=False) for i in range(3)]
+    done = {c.uid: c for c in executor.step()}
     for uid in uids:
         c = done[uid]
         assert c.finish_reason == "stop" and len(c.token_ids) < 200  # the grammar ended it, not the budget
-        jsonschema.validate(json.loads(_text(engine, c)), SCHEMA)
+        jsonschema.validate(json.loads(_text(executor, c)), SCHEMA)
 
 
 def test_a_sampled_constrained_sequence_still_matches_its_schema(llama_tiny):
-    engine = _engine(llama_tiny)
+    executor = _executor(llama_tiny)
     grammar = Grammar.json_schema(SCHEMA)
     hot = SamplingParams(temperature=1.0, seed=7)
-    uid = engine.submit(Request("s", _ids(3, 12), 200, sampling=hot, grammar=grammar), share=False)
-    c = {c.uid: c for c in engine.step()}[uid]
-    jsonschema.validate(json.loads(_text(engine, c)), SCHEMA)
+    uid = executor.submit(Request("s", _ids(3, 12), 200, sampling=hot, grammar=grammar), share=False)
+    c = {c.uid: c for c in executor.step()}[uid]
+    jsonschema.validate(json.loads(_text(executor, c)), SCHEMA)
 
 
 def test_a_free_sequence_beside_a_constrained_one_is_bit_for_bit_unchanged(llama_tiny):
@@ -69,29 +69,29 @@ def test_a_free_sequence_beside_a_constrained_one_is_bit_for_bit_unchanged(llama
     long = Grammar.lark('start: /[a-z]{100}/')
 
     def run(neighbour_grammar):
-        engine = _engine(llama_tiny, stop=())
-        free = engine.submit(Request("free", _ids(1, 11), 20), share=False)
-        other = engine.submit(Request("other", _ids(2, 7), 20, grammar=neighbour_grammar), share=False)
-        done = {c.uid: c for c in engine.step()}
-        return done[free], done[other], engine
+        executor = _executor(llama_tiny, stop=())
+        free = executor.submit(Request("free", _ids(1, 11), 20), share=False)
+        other = executor.submit(Request("other", _ids(2, 7), 20, grammar=neighbour_grammar), share=False)
+        done = {c.uid: c for c in executor.step()}
+        return done[free], done[other], executor
 
     alone_free, alone_other, _ = run(None)
-    beside_free, constrained, engine = run(long)
+    beside_free, constrained, executor = run(long)
     assert beside_free.token_ids == alone_free.token_ids
     assert np.array_equal(np.array(beside_free.logprobs), np.array(alone_free.logprobs))  # bit for bit
-    assert set(_text(engine, constrained)) <= set("abcdefghijklmnopqrstuvwxyz") and len(constrained.token_ids) == 20
+    assert set(_text(executor, constrained)) <= set("abcdefghijklmnopqrstuvwxyz") and len(constrained.token_ids) == 20
     assert constrained.token_ids != alone_other.token_ids
 
 
 def test_a_grammar_the_tokenizer_cannot_use_is_refused_before_anything_changes(llama_tiny):
-    engine = _engine(llama_tiny)
+    executor = _executor(llama_tiny)
     bad = Grammar.lark('start: "x" undefined_rule')
     with pytest.raises(InvalidRequestError, match="cannot be used for decoding"):
-        check(bad, engine.tokenizer, engine.vocab_size)
-    before = engine.pool.stats()
+        check(bad, executor.tokenizer, executor.vocab_size)
+    before = executor.pool.stats()
     with pytest.raises(InvalidRequestError, match="cannot be used for decoding"):
-        engine.submit(Request("a", [1, 2, 3], 4, grammar=bad))
-    assert engine.in_flight == 0 and engine.pool.stats() == before
+        executor.submit(Request("a", [1, 2, 3], 4, grammar=bad))
+    assert executor.in_flight == 0 and executor.pool.stats() == before
     with pytest.raises(InvalidRequestError, match="JSON schema must be an object"):
         Grammar.json_schema(["not", "a", "schema"])
     with pytest.raises(InvalidRequestError, match="grammar must be"):

@@ -34,7 +34,7 @@ def _history(seed: int, n: int) -> list[int]:
     return (phrase * n)[:n]
 
 
-def _engine(model, bits, chunk=8, spec=SpecConfig(max_draft=4)):
+def _executor(model, bits, chunk=8, spec=SpecConfig(max_draft=4)):
     s = ModelCacheSpec.from_model(model, kv_bits=bits, kv_group_size=32)
     return BatchExecutor(model, byte_tokenizer(), BlockPool(s, 1024, block_tokens=4), s,
                                 stop_tokens=[], prefill_chunk=chunk, max_batch=8, speculation=spec)
@@ -78,18 +78,18 @@ def ragged(monkeypatch):
     return seen
 
 
-def _two_turns(engine, model, bits, n1=24, n2=10):
+def _two_turns(executor, model, bits, n1=24, n2=10):
     hist = {a: _history(i, n) for i, (a, n) in enumerate(PROMPTS.items())}
-    uids = {a: engine.submit(Request(a, h, n1)) for a, h in hist.items()}
-    first = {c.uid: c for c in engine.step()}
+    uids = {a: executor.submit(Request(a, h, n1)) for a, h in hist.items()}
+    first = {c.uid: c for c in executor.step()}
     nxt = {}
     for a, h in hist.items():
         c = first[uids[a]]
         reference(model, h, n1, bits).check(c.token_ids, c.logprobs, f"{a} first turn")
         assert c.blocks.token_ids == tuple(h + c.token_ids)
         nxt[a] = (h + c.token_ids + _history(9 + len(a), 6), c.blocks)
-    uids = {a: engine.submit(Request(a, h, n2), own) for a, (h, own) in nxt.items()}
-    second = {c.uid: c for c in engine.step()}
+    uids = {a: executor.submit(Request(a, h, n2), own) for a, (h, own) in nxt.items()}
+    second = {c.uid: c for c in executor.step()}
     for a, (h, _) in nxt.items():
         c = second[uids[a]]
         assert c.cached_tokens >= len(h) - 6
@@ -99,9 +99,9 @@ def _two_turns(engine, model, bits, n1=24, n2=10):
 @pytest.mark.parametrize("chunk", [3, 64])
 def test_speculation_keeps_greedy_tokens_logprobs_and_caches_for_every_cache_type(model_and_bits, chunk):
     model, bits = model_and_bits
-    engine = _engine(model, bits, chunk)
-    _two_turns(engine, model, bits)
-    loop = engine._loop
+    executor = _executor(model, bits, chunk)
+    _two_turns(executor, model, bits)
+    loop = executor._loop
     assert loop.spec_steps > 0 and loop.accepted > 0  # the tiny models repeat: drafts were taken
 
 
@@ -109,9 +109,9 @@ def test_any_drafts_at_all_leave_the_output_unchanged(model_and_bits, monkeypatc
     model, bits = model_and_bits
     monkeypatch.setattr(steploop, "Drafter", NoisyDrafter)
     monkeypatch.setattr(steploop, "batch_draft_len", lambda rows, cost: max(n for _, n in rows))  # every draft whole
-    engine = _engine(model, bits)
-    _two_turns(engine, model, bits)
-    loop = engine._loop
+    executor = _executor(model, bits)
+    _two_turns(executor, model, bits)
+    loop = executor._loop
     assert loop.drafted > loop.accepted > 0  # drafts were both taken and refused ...
     assert ragged["ragged"] > 3              # ... by rows of one step in different numbers
 
@@ -119,7 +119,7 @@ def test_any_drafts_at_all_leave_the_output_unchanged(model_and_bits, monkeypatc
 def test_a_stop_string_inside_a_speculative_step_keeps_the_cache_of_exactly_its_tokens(llama_tiny, gemma_tiny):
     for model in (llama_tiny, gemma_tiny):
         h = _history(4, 30)
-        plain = _engine(model, None, spec=None)
+        plain = _executor(model, None, spec=None)
         plain.submit(Request("a", h, 20))
         [full] = list(plain.step())
         cut = 7  # ends inside a step that read several tokens
@@ -128,35 +128,35 @@ def test_a_stop_string_inside_a_speculative_step_keeps_the_cache_of_exactly_its_
             seen.append(token)
             return len(seen) == cut
 
-        engine = _engine(model, None)
-        engine.submit(Request("a", h, 20, on_token=stop_at))
-        [c] = list(engine.step())
-        assert engine._loop.accepted > 0
+        executor = _executor(model, None)
+        executor.submit(Request("a", h, 20, on_token=stop_at))
+        [c] = list(executor.step())
+        assert executor._loop.accepted > 0
         assert c.token_ids == full.token_ids[:cut] and c.finish_reason == "stop"
         assert c.blocks.token_ids == tuple(h + c.token_ids)  # the stop token was fed, nothing after it
         h2 = h + c.token_ids + _history(5, 4)
-        engine.submit(Request("a", h2, 6), c.blocks)
-        [c2] = list(engine.step())
+        executor.submit(Request("a", h2, 6), c.blocks)
+        [c2] = list(executor.step())
         assert c2.cached_tokens >= len(h) + cut - 4
         reference(model, h2, 6).check(c2.token_ids, c2.logprobs, "after the stop")
 
 
 def test_sampled_and_penalized_neighbours_never_draft_and_change_nothing_for_a_greedy_row(llama_tiny):
     h = _history(1, 23)
-    engine = _engine(llama_tiny, None)
-    engine.submit(Request("greedy", h, 16))
-    engine.submit(Request("sampled", _history(2, 23), 16, sampling=SamplingParams(temperature=0.8, seed=3)))
-    engine.submit(Request("penalized", _history(3, 23), 16, sampling=SamplingParams(repetition_penalty=1.3)))
+    executor = _executor(llama_tiny, None)
+    executor.submit(Request("greedy", h, 16))
+    executor.submit(Request("sampled", _history(2, 23), 16, sampling=SamplingParams(temperature=0.8, seed=3)))
+    executor.submit(Request("penalized", _history(3, 23), 16, sampling=SamplingParams(repetition_penalty=1.3)))
     drafting = {}
-    real = engine._loop._propose
+    real = executor._loop._propose
 
     def spy(seq):
         out = real(seq)
         drafting.setdefault(seq.uid, []).append(len(out))
         return out
 
-    engine._loop._propose = spy
-    done = {c.request.agent_id: c for c in engine.step()}
+    executor._loop._propose = spy
+    done = {c.request.agent_id: c for c in executor.step()}
     reference(llama_tiny, h, 16).check(done["greedy"].token_ids, done["greedy"].logprobs, "greedy")
     by_uid = {c.uid: c.request.agent_id for c in done.values()}
     drafted = {by_uid[u]: sum(n) for u, n in drafting.items()}

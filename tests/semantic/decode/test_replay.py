@@ -47,7 +47,7 @@ def _history(seed: int, n: int) -> list[int]:
     return (phrase * n)[:n]
 
 
-def _engine(model, spec=SpecConfig(max_draft=4)):
+def _executor(model, spec=SpecConfig(max_draft=4)):
     s = ModelCacheSpec.from_model(model)
     return BatchExecutor(model, byte_tokenizer(), BlockPool(s, 2048, block_tokens=4), s,
                          stop_tokens=[], prefill_chunk=8, max_batch=8, speculation=spec)
@@ -90,16 +90,16 @@ def outcomes(monkeypatch):
     return seen
 
 
-def _turns(engine, n1=24, n2=10) -> list:
+def _turns(executor, n1=24, n2=10) -> list:
     """Two turns of every prompt in one batch, the second from the first's blocks."""
     hist = {a: _history(i, n) for i, (a, n) in enumerate(PROMPTS.items())}
-    uids = {a: engine.submit(Request(a, h, n1)) for a, h in hist.items()}
-    first = {c.uid: c for c in engine.step()}
+    uids = {a: executor.submit(Request(a, h, n1)) for a, h in hist.items()}
+    first = {c.uid: c for c in executor.step()}
     out = [first[uids[a]] for a in hist]
-    uids = {c.request.agent_id: engine.submit(Request(c.request.agent_id, [*c.request.ids, *c.token_ids,
+    uids = {c.request.agent_id: executor.submit(Request(c.request.agent_id, [*c.request.ids, *c.token_ids,
                                                                            *_history(9, 6)], n2), c.blocks)
             for c in out}
-    second = {c.uid: c for c in engine.step()}
+    second = {c.uid: c for c in executor.step()}
     return out + [second[uids[a]] for a in hist]
 
 
@@ -113,25 +113,25 @@ def _assert_same(model, spec_turns, plain_turns):
 
 def test_drafts_accepted_wholly_in_part_or_not_at_all_leave_a_recurrent_batch_unchanged(model, monkeypatch,
                                                                                          outcomes):
-    plain = _turns(_engine(model, spec=None))
+    plain = _turns(_executor(model, spec=None))
     monkeypatch.setattr(steploop, "Drafter", oracle([[*t.request.ids, *t.token_ids] for t in plain]))
     monkeypatch.setattr(steploop, "batch_draft_len", lambda rows, cost: max(n for _, n in rows))
-    engine = _engine(model)
-    assert engine.speculation_off is None
-    _assert_same(model, _turns(engine), plain)
+    executor = _executor(model)
+    assert executor.speculation_off is None
+    _assert_same(model, _turns(executor), plain)
     drafted = [(fed, kept) for fed, kept in outcomes if fed > 1]
     assert any(kept == fed for fed, kept in drafted)          # whole drafts accepted: no replay
     assert any(1 < kept < fed for fed, kept in drafted)       # part of one: replayed
     assert any(kept == 1 for fed, kept in drafted)            # none of it: replayed
     assert any(fed == 1 for fed, _ in outcomes)               # a row without a draft beside drafting ones
-    assert engine._loop.replays > 0
+    assert executor._loop.replays > 0
 
 
 def test_real_drafts_on_a_repeating_context_are_accepted_and_change_nothing(model):
-    plain = _turns(_engine(model, spec=None))
-    engine = _engine(model)
-    _assert_same(model, _turns(engine), plain)
-    loop = engine._loop
+    plain = _turns(_executor(model, spec=None))
+    executor = _executor(model)
+    _assert_same(model, _turns(executor), plain)
+    loop = executor._loop
     if model.model_type == "lfm2":  # the tiny lfm2 echoes its repeating prompts: its drafts are taken
         assert loop.spec_steps > 0 and loop.accepted > 0
 
@@ -140,17 +140,17 @@ def test_a_turn_equals_mlx_lms_own_greedy_generation(model, monkeypatch):
     h = _history(7, 30)
     ref = reference(model, h, 16)
     monkeypatch.setattr(steploop, "Drafter", oracle([h + ref.tokens]))
-    engine = _engine(model)
-    engine.submit(Request("a", h, 16))
-    [c] = list(engine.step())
+    executor = _executor(model)
+    executor.submit(Request("a", h, 16))
+    [c] = list(executor.step())
     ref.check(c.token_ids, c.logprobs, "speculating")
-    assert engine._loop.accepted > 0
+    assert executor._loop.accepted > 0
 
 
 def test_a_stop_string_inside_a_speculative_step_replays_only_up_to_its_token(monkeypatch):
     model = tiny_lfm2()
     h = _history(4, 30)
-    plain = _engine(model, spec=None)
+    plain = _executor(model, spec=None)
     plain.submit(Request("a", h, 20))
     [full] = list(plain.step())
     monkeypatch.setattr(steploop, "Drafter", oracle([h + full.token_ids], wrong=0.0))
@@ -162,14 +162,14 @@ def test_a_stop_string_inside_a_speculative_step_replays_only_up_to_its_token(mo
             seen.append(token)
             return len(seen) == cut
 
-        engine = _engine(model)
-        engine.submit(Request("a", h, 20, on_token=stop_at))
-        [c] = list(engine.step())
+        executor = _executor(model)
+        executor.submit(Request("a", h, 20, on_token=stop_at))
+        [c] = list(executor.step())
         assert c.token_ids == full.token_ids[:cut] and c.finish_reason == "stop"
         assert c.blocks.token_ids == tuple(h + c.token_ids)  # the stop token was fed, nothing after it
         h2 = h + c.token_ids + _history(5, 4)
-        engine.submit(Request("a", h2, 6), c.blocks)
-        [c2] = list(engine.step())
+        executor.submit(Request("a", h2, 6), c.blocks)
+        [c2] = list(executor.step())
         assert c2.cached_tokens >= len(h) + cut - 4
         reference(model, h2, 6).check(c2.token_ids, c2.logprobs, f"after a stop at {cut}")
     assert cuts and all(b > 0 for b in cuts)

@@ -27,7 +27,7 @@ def _ids(seed: int, n: int) -> list[int]:
     return [int(t) for t in np.random.default_rng(seed).integers(1, 250, n)]
 
 
-def _engine(model, kv_bits=None, blocks=256, block_tokens=4):
+def _executor(model, kv_bits=None, blocks=256, block_tokens=4):
     spec = ModelCacheSpec.from_model(model, kv_bits=kv_bits, kv_group_size=32)
     return BatchExecutor(model, byte_tokenizer(), BlockPool(spec, blocks, block_tokens), spec, stop_tokens=[])
 
@@ -45,7 +45,7 @@ def model_and_bits(request, llama_tiny, gemma_tiny):
 
 def test_on_token_sees_every_token_and_can_end_the_sequence_with_an_exact_cache(model_and_bits):
     model, bits = model_and_bits
-    engine = _engine(model, bits)
+    executor = _executor(model, bits)
     history = _ids(3, 23)
     seen = []
 
@@ -53,49 +53,49 @@ def test_on_token_sees_every_token_and_can_end_the_sequence_with_an_exact_cache(
         seen.append((token, logprob, logprobs.shape[-1]))
         return len(seen) == 4  # a stop string found in the fourth token
 
-    uid = engine.submit(Request("a", history, 30, on_token=on_token))
-    other = engine.submit(Request("b", _ids(4, 9), 12))  # keeps decoding in the same batch
-    done = {c.uid: c for c in engine.step()}
+    uid = executor.submit(Request("a", history, 30, on_token=on_token))
+    other = executor.submit(Request("b", _ids(4, 9), 12))  # keeps decoding in the same batch
+    done = {c.uid: c for c in executor.step()}
     c = done[uid]
     assert c.finish_reason == "stop" and len(c.token_ids) == 4
     assert [t for t, _, _ in seen] == c.token_ids and [lp for _, lp, _ in seen] == c.logprobs
-    assert seen[0][2] == engine.vocab_size
+    assert seen[0][2] == executor.vocab_size
     assert c.blocks is not None and c.blocks.token_ids == tuple(history + c.token_ids)
     assert len(done[other].token_ids) == 12
     # the kept cache continues exactly like a fresh prefill of the same history
     nxt = history + c.token_ids + _ids(5, 6)
-    uid2 = engine.submit(Request("a", nxt, 5), c.blocks)
-    c2 = {x.uid: x for x in engine.step()}[uid2]
+    uid2 = executor.submit(Request("a", nxt, 5), c.blocks)
+    c2 = {x.uid: x for x in executor.step()}[uid2]
     assert c2.cached_tokens == len(history) + 4
-    again = _engine(model, bits)  # a fresh prefill with the same cache spec (8-bit KV included)
+    again = _executor(model, bits)  # a fresh prefill with the same cache spec (8-bit KV included)
     ref_uid = again.submit(Request("ref", nxt, 5))
     assert_like_fresh(model, c2, {x.uid: x for x in again.step()}[ref_uid], bits)
 
 
 def test_cancel_ends_a_sequence_in_flight_keeping_what_it_computed(llama_tiny):
-    engine = _engine(llama_tiny)
+    executor = _executor(llama_tiny)
     history = _ids(6, 17)
-    uid = engine.submit(Request("a", history, 40))
+    uid = executor.submit(Request("a", history, 40))
     for _ in range(3):
-        assert engine.step_once() == []
-    c = engine.cancel(uid)
+        assert executor.step_once() == []
+    c = executor.cancel(uid)
     assert c.finish_reason == "cancelled" and len(c.token_ids) == 3
     # everything the model was fed: the newest token was read and streamed, not fed yet
     assert c.blocks.token_ids == tuple(history + c.token_ids[:-1])
-    assert engine.in_flight == 0 and engine.cancel(uid) is None
+    assert executor.in_flight == 0 and executor.cancel(uid) is None
     nxt = history + c.token_ids + [7, 8, 9]
-    uid2 = engine.submit(Request("a", nxt, 4), c.blocks)
-    c2 = {x.uid: x for x in engine.step()}[uid2]
+    uid2 = executor.submit(Request("a", nxt, 4), c.blocks)
+    c2 = {x.uid: x for x in executor.step()}[uid2]
     assert_like_fresh(llama_tiny, c2, fresh(llama_tiny, nxt, 4))
 
 
 def test_cancel_before_the_first_token_keeps_no_cache(llama_tiny):
-    engine = _engine(llama_tiny)
-    uid = engine.submit(Request("a", _ids(7, 30), 5))
-    c = engine.cancel(uid)
+    executor = _executor(llama_tiny)
+    uid = executor.submit(Request("a", _ids(7, 30), 5))
+    c = executor.cancel(uid)
     assert c.finish_reason == "cancelled" and c.token_ids == [] and c.blocks is None
     assert "before its first token" in c.cache_error
-    assert engine.pool.stats().used == 0
+    assert executor.pool.stats().used == 0
 
 
 def test_a_seed_reproduces_a_sampled_reply_whatever_shares_the_batch(llama_tiny):
@@ -103,11 +103,11 @@ def test_a_seed_reproduces_a_sampled_reply_whatever_shares_the_batch(llama_tiny)
     history = _ids(8, 12)
 
     def run(neighbours: int, params=hot):
-        engine = _engine(llama_tiny)
-        uid = engine.submit(Request("s", history, 12, sampling=params))
+        executor = _executor(llama_tiny)
+        uid = executor.submit(Request("s", history, 12, sampling=params))
         for i in range(neighbours):
-            engine.submit(Request(f"n{i}", _ids(20 + i, 5 + i), 12, sampling=SamplingParams(temperature=0.7)))
-        return {c.uid: c for c in engine.step()}[uid].token_ids
+            executor.submit(Request(f"n{i}", _ids(20 + i, 5 + i), 12, sampling=SamplingParams(temperature=0.7)))
+        return {c.uid: c for c in executor.step()}[uid].token_ids
 
     alone = run(0)
     assert run(3) == alone
@@ -117,12 +117,12 @@ def test_a_seed_reproduces_a_sampled_reply_whatever_shares_the_batch(llama_tiny)
 
 
 def test_greedy_stays_exact_beside_sampled_and_penalized_sequences(llama_tiny):
-    engine = _engine(llama_tiny)
+    executor = _executor(llama_tiny)
     history = _ids(9, 14)
-    g = engine.submit(Request("g", history, 8))
-    engine.submit(Request("s", _ids(10, 9), 8, sampling=SamplingParams(temperature=0.9, seed=1)))
-    p = engine.submit(Request("p", history, 8, sampling=SamplingParams(repetition_penalty=1.5, frequency_penalty=1.0)))
-    done = {c.uid: c for c in engine.step()}
+    g = executor.submit(Request("g", history, 8))
+    executor.submit(Request("s", _ids(10, 9), 8, sampling=SamplingParams(temperature=0.9, seed=1)))
+    p = executor.submit(Request("p", history, 8, sampling=SamplingParams(repetition_penalty=1.5, frequency_penalty=1.0)))
+    done = {c.uid: c for c in executor.step()}
     assert_like_fresh(llama_tiny, done[g], fresh(llama_tiny, history, 8))
     assert len(done[p].token_ids) == 8
 

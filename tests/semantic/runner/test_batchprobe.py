@@ -24,12 +24,12 @@ def test_a_model_whose_code_fails_or_drifts_in_a_batch_decodes_one_sequence_at_a
         pytest.skip(f"this mlx-lm has no {model_type}")
     m, _ = zoo.build(model_type)
     spec = ModelCacheSpec.from_model(m)
-    eng = BatchExecutor(m, byte_tokenizer(), BlockPool(spec, 200, block_tokens=16), spec, stop_tokens=[])
-    assert eng.batch_off is not None
+    executor = BatchExecutor(m, byte_tokenizer(), BlockPool(spec, 200, block_tokens=16), spec, stop_tokens=[])
+    assert executor.batch_off is not None
     rng = np.random.default_rng(0)
     for i, n in enumerate((9, 33, 70)):
-        eng.submit(Request(f"r{i}", [int(x) for x in rng.integers(1, 250, n)], 5), None)
-    done = list(eng.step())
+        executor.submit(Request(f"r{i}", [int(x) for x in rng.integers(1, 250, n)], 5), None)
+    done = list(executor.step())
     assert len(done) == 3
     for d in done:
         ref = [int(t) for t, _ in generate_step(mx.array(list(d.request.ids)), m, max_tokens=len(d.token_ids))]

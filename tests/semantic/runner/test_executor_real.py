@@ -26,7 +26,7 @@ import pytest
 
 import harness
 from semantic import BlockPool, BatchExecutor, ModelCacheSpec, Request, compat
-from tests.cache_helpers import check_engine
+from tests.cache_helpers import check_executor
 
 pytestmark = [pytest.mark.integration, pytest.mark.compat]
 
@@ -34,21 +34,21 @@ STEPS = 32
 HISTORY = (Path(harness.__file__).parent / "data" / "history.txt").read_text()
 
 
-def _engine(loaded, kv_bits=None, blocks=64, prefill_chunk=None):
+def _executor(loaded, kv_bits=None, blocks=64, prefill_chunk=None):
     spec = ModelCacheSpec.from_model(loaded.model, kv_bits=kv_bits, kv_group_size=64)
     pool = BlockPool(spec, blocks)
     # No stop tokens: every sequence runs exactly max_tokens steps.
     return BatchExecutor(loaded.model, loaded.tokenizer, pool, spec, stop_tokens=[], prefill_chunk=prefill_chunk)
 
 
-def _run(engine):
-    return {c.uid: c for c in engine.step()}
+def _run(executor):
+    return {c.uid: c for c in executor.step()}
 
 
-def _assert_same(engine, cached, fresh):
+def _assert_same(executor, cached, fresh):
     assert len(cached.token_ids) == STEPS
     assert cached.token_ids == fresh.token_ids
-    check_engine(engine, cached, fresh, real=True)
+    check_executor(executor, cached, fresh, real=True)
 
 
 def _history(tokenizer, n):
@@ -57,54 +57,54 @@ def _history(tokenizer, n):
     return ids[:n]
 
 
-def _continue_and_compare(engine, agent, first, T):
+def _continue_and_compare(executor, agent, first, T):
     """Continue ``first`` (a Completion) with T, beside a fresh prefill of the same tokens."""
     S_gen = list(first.blocks.token_ids)
-    cached_uid = engine.submit(Request(agent, [*first.blocks.token_ids, *T], STEPS), first.blocks, share=False)
-    fresh_uid = engine.submit(Request(agent + "-fresh", S_gen + T, STEPS), share=False)
-    done = _run(engine)
+    cached_uid = executor.submit(Request(agent, [*first.blocks.token_ids, *T], STEPS), first.blocks, share=False)
+    fresh_uid = executor.submit(Request(agent + "-fresh", S_gen + T, STEPS), share=False)
+    done = _run(executor)
     cached, fresh = done[cached_uid], done[fresh_uid]
     assert (cached.prompt_tokens, cached.cached_tokens) == (len(T), len(S_gen))
     assert fresh.prompt_tokens == len(S_gen) + len(T)
-    _assert_same(engine, cached, fresh)
+    _assert_same(executor, cached, fresh)
     return cached, fresh
 
 
 def test_gemma3_continues_exactly_after_its_sliding_window_wrapped(gemma3):
-    engine = _engine(gemma3)
-    window = engine.spec.layers[0].window
-    assert window == 512 and {l.kind for l in engine.spec.layers} == {"sliding", "global"}
+    executor = _executor(gemma3)
+    window = executor.spec.layers[0].window
+    assert window == 512 and {l.kind for l in executor.spec.layers} == {"sliding", "global"}
     S = _history(gemma3.tokenizer, 530)
-    uid = engine.submit(Request("a", S, 4), share=False)
-    first = _run(engine)[uid]
+    uid = executor.submit(Request("a", S, 4), share=False)
+    first = _run(executor)[uid]
     assert first.blocks.total_tokens == 534  # past the window: the ring has wrapped
 
     # Sliding layers hold only the last 512 positions; global layers hold all.
-    sliding = next(i for i, l in enumerate(engine.spec.layers) if l.kind == "sliding")
-    glob = next(i for i, l in enumerate(engine.spec.layers) if l.kind == "global")
+    sliding = next(i for i, l in enumerate(executor.spec.layers) if l.kind == "sliding")
+    glob = next(i for i, l in enumerate(executor.spec.layers) if l.kind == "global")
     # (the window's edge references the pooled block [0, 256) that covers it; reconstruction slices)
-    rebuilt = engine.reconstruct_cache(first.blocks)
+    rebuilt = executor.reconstruct_cache(first.blocks)
     held = lambda i: compat.read_layer(rebuilt[i]).keys.shape[2]  # noqa: E731
     assert (held(sliding), held(glob)) == (512, 534)
 
     T = gemma3.tokenizer.encode(" Ilse read the note twice and", add_special_tokens=False)
-    cached, _ = _continue_and_compare(engine, "a", first, T)
-    caches = engine.reconstruct_cache(cached.blocks)
+    cached, _ = _continue_and_compare(executor, "a", first, T)
+    caches = executor.reconstruct_cache(cached.blocks)
     assert compat.read_layer(caches[sliding]).offset == 534 + len(T) + STEPS
 
 
 def test_smollm2_batch_of_three_finishes_at_different_steps_and_each_continues(smollm2):
     """EXP-004: sequences of different lengths finish independently, each
     cache is extracted as it finishes, and each continues exactly."""
-    engine = _engine(smollm2, prefill_chunk=512)  # every prompt fits the first step's chunk budget
+    executor = _executor(smollm2, prefill_chunk=512)  # every prompt fits the first step's chunk budget
     ids = smollm2.tokenizer.encode(HISTORY)
     prompts = {"short": ids[:20], "medium": ids[100:145], "long": ids[200:280]}
     limits = {"short": 7, "medium": 3, "long": 5}
-    uids = {a: engine.submit(Request(a, p, limits[a]), share=False) for a, p in prompts.items()}
+    uids = {a: executor.submit(Request(a, p, limits[a]), share=False) for a, p in prompts.items()}
     finished, step = {}, 0
-    while engine.in_flight:
+    while executor.in_flight:
         step += 1
-        for c in engine.step_once():
+        for c in executor.step_once():
             finished[c.agent_id] = (step, c)
     # The first step prefills and samples one token each; each then reads its
     # last token on step max_tokens and finishes one step later, once that
@@ -117,24 +117,24 @@ def test_smollm2_batch_of_three_finishes_at_different_steps_and_each_continues(s
     pairs = {}
     for agent, (_, c) in finished.items():
         pairs[agent] = (
-            engine.submit(Request(agent, [*c.blocks.token_ids, *T], STEPS), c.blocks, share=False),
-            engine.submit(Request(agent + "-fresh", list(c.blocks.token_ids) + T, STEPS), share=False),
+            executor.submit(Request(agent, [*c.blocks.token_ids, *T], STEPS), c.blocks, share=False),
+            executor.submit(Request(agent + "-fresh", list(c.blocks.token_ids) + T, STEPS), share=False),
         )
-    done = _run(engine)
+    done = _run(executor)
     for agent, (cached_uid, fresh_uid) in pairs.items():
-        _assert_same(engine, done[cached_uid], done[fresh_uid])
+        _assert_same(executor, done[cached_uid], done[fresh_uid])
 
 
 def test_two_agents_sharing_a_512_token_prefix_hold_its_blocks_once(smollm2):
-    engine = _engine(smollm2)
-    pool = engine.pool
+    executor = _executor(smollm2)
+    pool = executor.pool
     prefix = _history(smollm2.tokenizer, 512)
     tok = smollm2.tokenizer
     sa = tok.encode(" Question: who was Ilse?", add_special_tokens=False)
     sb = tok.encode(" Question: what did the keeper leave?", add_special_tokens=False)
-    ua = engine.submit(Request("a", prefix + sa, 3), share=False)
-    ub = engine.submit(Request("b", prefix + sb, 3), share=False)
-    done = _run(engine)
+    ua = executor.submit(Request("a", prefix + sa, 3), share=False)
+    ub = executor.submit(Request("b", prefix + sb, 3), share=False)
+    done = _run(executor)
     a, b = done[ua].blocks, done[ub].blocks
 
     # 512 tokens = two full 256-token blocks, stored once with two references;
@@ -149,12 +149,12 @@ def test_two_agents_sharing_a_512_token_prefix_hold_its_blocks_once(smollm2):
     Ta = tok.encode(" Answer briefly.", add_special_tokens=False)
     Tb = tok.encode(" Answer in one sentence.", add_special_tokens=False)
     uids = {
-        "a": (engine.submit(Request("a", [*a.token_ids, *Ta], STEPS), a, share=False), engine.submit(Request("a-fresh", list(a.token_ids) + Ta, STEPS), share=False)),
-        "b": (engine.submit(Request("b", [*b.token_ids, *Tb], STEPS), b, share=False), engine.submit(Request("b-fresh", list(b.token_ids) + Tb, STEPS), share=False)),
+        "a": (executor.submit(Request("a", [*a.token_ids, *Ta], STEPS), a, share=False), executor.submit(Request("a-fresh", list(a.token_ids) + Ta, STEPS), share=False)),
+        "b": (executor.submit(Request("b", [*b.token_ids, *Tb], STEPS), b, share=False), executor.submit(Request("b-fresh", list(b.token_ids) + Tb, STEPS), share=False)),
     }
-    done = _run(engine)
+    done = _run(executor)
     for cached_uid, fresh_uid in uids.values():
-        _assert_same(engine, done[cached_uid], done[fresh_uid])
+        _assert_same(executor, done[cached_uid], done[fresh_uid])
 
 
 def test_smollm2_quantized_cache_continues_exactly_in_the_solo_lane(real_variant):
@@ -165,10 +165,10 @@ def test_smollm2_quantized_cache_continues_exactly_in_the_solo_lane(real_variant
     # turns those 1e-7 differences into about 0.03 nats at the first token: enough
     # to flip a near-tie. The same f32 weights on the reference BLAS are bit-exact.
     smollm2 = real_variant("smollm2-135m", "quantized")
-    engine = _engine(smollm2, kv_bits=8)
-    assert engine.spec.quantized
+    executor = _executor(smollm2, kv_bits=8)
+    assert executor.spec.quantized
     S = _history(smollm2.tokenizer, 60)
-    uid = engine.submit(Request("q", S, 4), share=False)
-    first = _run(engine)[uid]
+    uid = executor.submit(Request("q", S, 4), share=False)
+    first = _run(executor)[uid]
     T = smollm2.tokenizer.encode(" The archivist", add_special_tokens=False)
-    _continue_and_compare(engine, "q", first, T)
+    _continue_and_compare(executor, "q", first, T)

@@ -41,7 +41,7 @@ def model(request):
     return request.param, zoo.build(request.param)[0]
 
 
-def _engine(model, blocks=400, **kw):
+def _executor(model, blocks=400, **kw):
     spec = ModelCacheSpec.from_model(model)
     return BatchExecutor(model, byte_tokenizer(), BlockPool(spec, blocks, block_tokens=BT), spec,
                                 stop_tokens=[], **kw)
@@ -51,9 +51,9 @@ def _ids(n, seed):
     return [int(x) for x in np.random.default_rng(seed).integers(1, 250, n)]
 
 
-def _turn(eng, model, agent, ids, own=None, n=6, boundaries=()):
-    eng.submit(Request(agent, ids, n, boundaries=boundaries), own)
-    (done,) = list(eng.step())
+def _turn(executor, model, agent, ids, own=None, n=6, boundaries=()):
+    executor.submit(Request(agent, ids, n, boundaries=boundaries), own)
+    (done,) = list(executor.step())
     _assert_fresh(model, done)
     return done
 
@@ -64,36 +64,36 @@ def _assert_fresh(model, done):
 
 def test_every_turn_type_resumes_from_a_snapshot_and_equals_a_fresh_prefill(model):
     _, m = model
-    eng = _engine(m)
+    executor = _executor(m)
     system = _ids(40, 1)
-    first = _turn(eng, m, "a", system + _ids(15, 2), boundaries=(40,))
+    first = _turn(executor, m, "a", system + _ids(15, 2), boundaries=(40,))
     assert first.cached_tokens == 0
     append = first.request.ids + tuple(first.token_ids) + tuple(_ids(9, 3))
-    second = _turn(eng, m, "a", append, first.blocks)
+    second = _turn(executor, m, "a", append, first.blocks)
     assert second.cached_tokens == len(first.request.ids) + len(first.token_ids)  # the whole previous turn
-    regen = _turn(eng, m, "a", append, second.blocks)
+    regen = _turn(executor, m, "a", append, second.blocks)
     assert regen.cached_tokens == len(append) - 1  # the whole prompt but the token that gives the logits
     edited = append[:-9] + tuple(_ids(7, 4))
-    edit = _turn(eng, m, "a", edited, regen.blocks, boundaries=(len(append) - 9,))
+    edit = _turn(executor, m, "a", edited, regen.blocks, boundaries=(len(append) - 9,))
     assert edit.cached_tokens == len(append) - 9  # everything before the edited message
-    other = _turn(eng, m, "b", system + _ids(12, 5))
+    other = _turn(executor, m, "b", system + _ids(12, 5))
     assert other.cached_tokens == 40  # the shared system prompt
 
 
 def test_a_batch_of_agents_of_different_lengths_each_equals_its_fresh_prefill(model):
     _, m = model
-    eng = _engine(m)
+    executor = _executor(m)
     prompts = {f"r{i}": _ids(n, 10 + i) for i, n in enumerate((9, 37, 70))}
     for agent, ids in prompts.items():
-        eng.submit(Request(agent, ids, 5 + len(ids) % 4), None)
-    done = list(eng.step())
+        executor.submit(Request(agent, ids, 5 + len(ids) % 4), None)
+    done = list(executor.step())
     assert len(done) == 3
     for d in done:
         _assert_fresh(m, d)
     # again, each from its own snapshot, all three in one batch
     for d in done:
-        eng.submit(Request(d.agent_id, d.request.ids + tuple(d.token_ids) + (7, 8, 9), 6), d.blocks)
-    again = list(eng.step())
+        executor.submit(Request(d.agent_id, d.request.ids + tuple(d.token_ids) + (7, 8, 9), 6), d.blocks)
+    again = list(executor.step())
     for d in again:
         assert d.cached_tokens == d.history_tokens - 3
         _assert_fresh(m, d)
@@ -103,23 +103,23 @@ def test_a_sampled_neighbour_changes_nothing_for_a_greedy_sequence(model):
     from semantic.decode.sampling import SamplingParams
 
     _, m = model
-    eng = _engine(m)
+    executor = _executor(m)
     greedy = _ids(30, 20)
-    eng.submit(Request("g", greedy, 8), None)
-    eng.submit(Request("s", _ids(21, 21), 8, sampling=SamplingParams(temperature=1.0, seed=3)), None)
-    done = {d.agent_id: d for d in eng.step()}
+    executor.submit(Request("g", greedy, 8), None)
+    executor.submit(Request("s", _ids(21, 21), 8, sampling=SamplingParams(temperature=1.0, seed=3)), None)
+    done = {d.agent_id: d for d in executor.step()}
     _assert_fresh(m, done["g"])
 
 
 def test_a_stored_snapshot_is_a_copy_that_later_decoding_never_changes(model):
     _, m = model
-    eng = _engine(m)
-    first = _turn(eng, m, "a", _ids(30, 30), n=4)
+    executor = _executor(m)
+    first = _turn(executor, m, "a", _ids(30, 30), n=4)
     before = {b.block_id: [np.array(x) for kv in b.layer_data.values() for side in kv
                            for x in (side if isinstance(side, tuple) else (side,))]
               for blocks in first.blocks.groups.values() for b in blocks}
     for _ in range(2):  # two more turns decode from (rebuilt copies of) it
-        _turn(eng, m, "a", first.request.ids + tuple(first.token_ids) + (3, 4), first.blocks, n=8)
+        _turn(executor, m, "a", first.request.ids + tuple(first.token_ids) + (3, 4), first.blocks, n=8)
     for blocks in first.blocks.groups.values():
         for b in blocks:
             after = [np.array(x) for kv in b.layer_data.values() for side in kv
@@ -129,32 +129,32 @@ def test_a_stored_snapshot_is_a_copy_that_later_decoding_never_changes(model):
 
 def test_a_cancelled_turn_keeps_a_cache_that_continues_exactly(model):
     _, m = model
-    eng = _engine(m)
+    executor = _executor(m)
     ids = _ids(25, 40)
-    uid = eng.submit(Request("a", ids, 50), None)
+    uid = executor.submit(Request("a", ids, 50), None)
     for _ in range(4):
-        eng.step_once()
-    cut = eng.cancel(uid)
+        executor.step_once()
+    cut = executor.cancel(uid)
     assert cut.finish_reason == "cancelled" and cut.blocks is not None
     held = cut.blocks.total_tokens
     assert held == len(ids) + len(cut.token_ids) - 1  # the newest token was never fed
     nxt = tuple(ids) + tuple(cut.token_ids) + (5,)
-    done = _turn(eng, m, "a", nxt, cut.blocks)
+    done = _turn(executor, m, "a", nxt, cut.blocks)
     assert done.cached_tokens == held
 
 
 def test_speculation_is_on_for_recurrent_hybrids_and_windows():
     on = SpecConfig()
     for m in (tiny_lfm2(), tiny_qwen3_next(), tiny_gpt_oss()):
-        eng = _engine(m, speculation=on)
-        assert eng.speculation_off is None and eng._loop.speculation is on
+        executor = _executor(m, speculation=on)
+        assert executor.speculation_off is None and executor._loop.speculation is on
 
 
 @pytest.mark.parametrize("model_type, why", [
     ("mamba", "recurrent layers ignore a row's length"),  # its scan runs over padding: no exact replay
     ("llama4", "chunked layers decode one sequence at a time"),
 ])
-def test_where_speculation_stays_off_the_engine_says_why(model_type, why):
+def test_where_speculation_stays_off_the_executor_says_why(model_type, why):
     from harness.models import zoo
 
     from semantic import compat
@@ -163,8 +163,8 @@ def test_where_speculation_stays_off_the_engine_says_why(model_type, why):
         pytest.skip(f"this mlx-lm has no {model_type}")
     if model_type == "llama4" and not compat.CHUNKED_TRIMS_TOKENS:
         pytest.skip("this mlx-lm's ChunkedKVCache breaks on a chunked prefill: refused at load")
-    eng = _engine(zoo.build(model_type)[0], speculation=SpecConfig())
-    assert why in eng.speculation_off and eng._loop.speculation is None
+    executor = _executor(zoo.build(model_type)[0], speculation=SpecConfig())
+    assert why in executor.speculation_off and executor._loop.speculation is None
 
 
 def test_snapshot_points_stop_at_boundaries_the_last_token_but_one_and_a_grid():
@@ -184,13 +184,13 @@ def test_a_rebuilt_full_window_never_writes_into_the_pooled_blocks_it_came_from(
 
     m = tiny_gemma3(window=8)
     spec = ModelCacheSpec.from_model(m)
-    eng = BatchExecutor(m, byte_tokenizer(), BlockPool(spec, 400, block_tokens=8), spec, stop_tokens=[])
+    executor = BatchExecutor(m, byte_tokenizer(), BlockPool(spec, 400, block_tokens=8), spec, stop_tokens=[])
     ids = _ids(24, 50)
-    first = _turn(eng, m, "a", ids, n=1)
+    first = _turn(executor, m, "a", ids, n=1)
     snap = {b.block_id: [np.array(x) for kv in b.layer_data.values() for x in kv]
             for blocks in first.blocks.groups.values() for b in blocks}
     for extra in ((3, 4), (5, 6)):
-        _turn(eng, m, "a", tuple(ids) + tuple(first.token_ids) + extra, first.blocks, n=6)
+        _turn(executor, m, "a", tuple(ids) + tuple(first.token_ids) + extra, first.blocks, n=6)
     for blocks in first.blocks.groups.values():
         for b in blocks:
             assert all(np.array_equal(x, np.array(y)) for x, y in
@@ -202,15 +202,15 @@ def test_8_bit_kv_on_a_hybrids_attention_layers_resumes_exactly_like_its_own_fre
     m = tiny_qwen3_next(heads=2, kv_heads=1, head_dim=32)  # heads a group of 32 divides
     spec = ModelCacheSpec.from_model(m, kv_bits=8, kv_group_size=32)
     assert {l.kind for l in spec.layers} == {"recurrent", "global"} and spec.quantized
-    eng = BatchExecutor(m, byte_tokenizer(), BlockPool(spec, 400, block_tokens=BT), spec, stop_tokens=[])
+    executor = BatchExecutor(m, byte_tokenizer(), BlockPool(spec, 400, block_tokens=BT), spec, stop_tokens=[])
     first_ids = _ids(40, 60)
-    eng.submit(Request("a", first_ids, 6), None)
-    (first,) = list(eng.step())
+    executor.submit(Request("a", first_ids, 6), None)
+    (first,) = list(executor.step())
     nxt = tuple(first_ids) + tuple(first.token_ids) + (9, 8, 7)
-    eng.submit(Request("a", nxt, 6), first.blocks)
-    (resumed,) = list(eng.step())
-    eng.submit(Request("b", nxt, 6), None, share=False)
-    (fresh,) = list(eng.step())
+    executor.submit(Request("a", nxt, 6), first.blocks)
+    (resumed,) = list(executor.step())
+    executor.submit(Request("b", nxt, 6), None, share=False)
+    (fresh,) = list(executor.step())
     assert resumed.cached_tokens == len(first_ids) + len(first.token_ids) and fresh.cached_tokens == 0
     assert resumed.token_ids == fresh.token_ids
     check(m, resumed, spec=spec, what="resumed")  # 8-bit K/V amplifies the noise: measured in the same caches
@@ -220,19 +220,19 @@ def test_8_bit_kv_on_a_hybrids_attention_layers_resumes_exactly_like_its_own_fre
 def test_a_finished_cache_carries_the_prompts_and_the_pre_stop_snapshots_so_a_re_rendered_reply_resumes():
     m = tiny_qwen3_next()
     ids = _ids(40, 70)
-    probe = _engine(m)
+    probe = _executor(m)
     probe.submit(Request("p", ids, 6), None)
     (dry,) = list(probe.step())
     stop = dry.token_ids[2]
-    eng = _engine(m)
-    eng.stop_tokens = eng._loop.stop_tokens = frozenset([stop])
-    eng.submit(Request("a", ids, 20), None)
-    (first,) = list(eng.step())
+    executor = _executor(m)
+    executor.stop_tokens = executor._loop.stop_tokens = frozenset([stop])
+    executor.submit(Request("a", ids, 20), None)
+    (first,) = list(executor.step())
     assert first.token_ids[-1] == stop and first.finish_reason == "stop"
     snaps = [b.end for b in first.blocks.groups["recurrent"]]
     total = len(ids) + len(first.token_ids)
     assert snaps == [len(ids) - 1, total - 1, total]  # a regenerate, a reply without its stop token, the whole turn
     # the client sends the reply back without the stop token (its template renders its own end)
     again = tuple(ids) + tuple(first.token_ids[:-1]) + (10, 11, 12)
-    done = _turn(eng, m, "a", again, first.blocks)
+    done = _turn(executor, m, "a", again, first.blocks)
     assert done.cached_tokens == total - 1 and done.reuse == "own-cut"

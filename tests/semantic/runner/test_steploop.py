@@ -35,7 +35,7 @@ def _spec(model, bits):
     return ModelCacheSpec.from_model(model, kv_bits=bits, kv_group_size=32)
 
 
-def _engine(model, bits, chunk, max_batch=8):
+def _executor(model, bits, chunk, max_batch=8):
     spec = _spec(model, bits)
     return BatchExecutor(
         model, byte_tokenizer(), BlockPool(spec, 512, block_tokens=4), spec,
@@ -54,18 +54,18 @@ def test_chunked_prefill_in_a_batch_equals_mlx_lm_for_every_cache_type(model_and
     """Chunks end inside blocks (3, 5, 13), at their edges (4, 8) and past the window (13, 64);
     every turn equals mlx-lm's own generation, the first and the one continuing from pooled blocks."""
     model, bits = model_and_bits
-    engine = _engine(model, bits, chunk)
+    executor = _executor(model, bits, chunk)
     hist = {a: _ids(i, n) for i, (a, n) in enumerate(PROMPTS.items())}
-    uids = {a: engine.submit(Request(a, h, 6)) for a, h in hist.items()}
-    first = {c.uid: c for c in engine.step()}
+    uids = {a: executor.submit(Request(a, h, 6)) for a, h in hist.items()}
+    first = {c.uid: c for c in executor.step()}
     nxt = {}
     for a, h in hist.items():
         c = first[uids[a]]
         reference(model, h, 6, bits).check(c.token_ids, c.logprobs, f"{a} first turn")
         assert c.blocks.token_ids == tuple(h + c.token_ids)  # the last token was fed too
         nxt[a] = (h + c.token_ids + _ids(9, 5), c.blocks)
-    uids = {a: engine.submit(Request(a, h, 5), own) for a, (h, own) in nxt.items()}
-    second = {c.uid: c for c in engine.step()}
+    uids = {a: executor.submit(Request(a, h, 5), own) for a, (h, own) in nxt.items()}
+    second = {c.uid: c for c in executor.step()}
     for a, (h, _) in nxt.items():
         c = second[uids[a]]
         assert c.cached_tokens >= len(h) - 5
@@ -73,7 +73,7 @@ def test_chunked_prefill_in_a_batch_equals_mlx_lm_for_every_cache_type(model_and
 
 
 def test_a_long_prefill_advances_one_chunk_per_step_while_others_decode(llama_tiny):
-    engine = _engine(llama_tiny, None, chunk=4)
+    executor = _executor(llama_tiny, None, chunk=4)
     read = {"short": 0, "long": 0}
 
     def counter(agent):
@@ -82,14 +82,14 @@ def test_a_long_prefill_advances_one_chunk_per_step_while_others_decode(llama_ti
             return False
         return count
 
-    engine.submit(Request("short", _ids(1, 6), 40, on_token=counter("short")))
+    executor.submit(Request("short", _ids(1, 6), 40, on_token=counter("short")))
     while read["short"] == 0:  # 6 prompt tokens: two steps of at most 4
-        engine.step_once()
-    engine.submit(Request("long", _ids(2, 41), 2, on_token=counter("long")))
+        executor.step_once()
+    executor.submit(Request("long", _ids(2, 41), 2, on_token=counter("long")))
     decoder_tokens_per_step = []
     while read["long"] == 0:
         before = read["short"]
-        engine.step_once()
+        executor.step_once()
         decoder_tokens_per_step.append(read["short"] - before)
     assert len(decoder_tokens_per_step) == -(-41 // 4)  # 11 chunks of at most 4 tokens, one per step
     assert decoder_tokens_per_step == [1] * 11  # the decoder got its token at every one of those steps
@@ -144,13 +144,13 @@ def test_quantized_sequences_share_one_forward_pass_per_step(llama_tiny):
             return self.model(inputs, cache=cache)
 
     spec = _spec(llama_tiny, 8)
-    engine = BatchExecutor(
+    executor = BatchExecutor(
         llama_tiny, byte_tokenizer(), BlockPool(spec, 256, block_tokens=4), spec, stop_tokens=[], prefill_chunk=64
     )
-    engine.model = engine._loop.model = Counting(llama_tiny)
+    executor.model = executor._loop.model = Counting(llama_tiny)
     for i in range(4):
-        engine.submit(Request(f"q{i}", _ids(i, 9 + i), 8))
-    done = list(engine.step())
+        executor.submit(Request(f"q{i}", _ids(i, 9 + i), 8))
+    done = list(executor.step())
     assert len(done) == 4
     decode = [s for s in calls if s[0] == 4]
     # 4 prompts prefilled in one step (2 forwards of their own each, the last token alone), then 7 + 1
@@ -192,14 +192,14 @@ def test_batch_quantized_cache_rows_hold_the_solo_caches_bytes_through_merge_ext
     assert mask.shape[-1] == batch._idx + 1 and not mask[1, 0, 0, 0].item() and mask[0, 0, 0, 0].item()
 
 
-def test_the_engine_says_what_a_lone_turns_prefill_steps_by(llama_tiny):
+def test_the_executor_says_what_a_lone_turns_prefill_steps_by(llama_tiny):
     from semantic.runner.stepbudget import SOLO_CHUNK
 
     spec = _spec(llama_tiny, 8)
 
-    def engine(**kw):
+    def executor(**kw):
         return BatchExecutor(llama_tiny, byte_tokenizer(), BlockPool(spec, 16, block_tokens=4), spec,
                                     stop_tokens=[], **kw)
 
-    assert engine(prefill_chunk=64).prefill_chunk == 64  # a fixed chunk, decoding or not
-    assert engine().prefill_chunk == SOLO_CHUNK           # the step budget's, with nothing decoding
+    assert executor(prefill_chunk=64).prefill_chunk == 64  # a fixed chunk, decoding or not
+    assert executor().prefill_chunk == SOLO_CHUNK           # the step budget's, with nothing decoding

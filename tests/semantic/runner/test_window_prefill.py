@@ -12,7 +12,7 @@ import pytest
 from mlx_lm.models import gemma3_text
 
 from semantic.cache import convert
-from tests.cache_helpers import check, engine, history, run
+from tests.cache_helpers import check, make_executor, history, run
 from semantic import BatchExecutor, Request
 from tests.tiny_models import tiny_gemma3
 
@@ -47,45 +47,45 @@ def _same(got, ref, model):
     check(model, ref, what="fresh prefill")
 
 
-def _turn(eng, agent, ids, own=None):
-    uid = eng.submit(Request(agent, ids, STEPS), own)
-    return run(eng)[uid]
+def _turn(executor, agent, ids, own=None):
+    uid = executor.submit(Request(agent, ids, STEPS), own)
+    return run(executor)[uid]
 
 
 def _fresh(model, ids):
-    eng = engine(model)
-    uid = eng.submit(Request("ref", ids, STEPS), share=False)
-    return run(eng)[uid]
+    executor = make_executor(model)
+    uid = executor.submit(Request("ref", ids, STEPS), share=False)
+    return run(executor)[uid]
 
 
 # window 10: the window's edge starts mid-block, a shared full block or a private partial
 @pytest.mark.parametrize("window", [8, 10])
 def test_every_turn_type_reuses_what_block_boundary_stops_reused_with_one_extraction_a_turn(counted, window):
     model = tiny_gemma3(window=window)
-    eng = engine(model)
+    executor = make_executor(model)
     system = history(14, seed=21)
     t1 = system + history(16, seed=22)                                   # 30 tokens: the window moved far past 0
     counted["passes"].clear()
-    first = _turn(eng, "a", t1)
+    first = _turn(executor, "a", t1)
     assert counted["passes"] == [29, 1, 1, 1, 1]  # one chunk, the last token, decoding (stops: seven of 4 and one of 2)
     t2 = list(first.blocks.token_ids) + history(9, seed=23)               # append: a tool's output
-    second = _turn(eng, "a", t2, own=first.blocks)
+    second = _turn(executor, "a", t2, own=first.blocks)
     first.blocks.release()
-    again = _turn(eng, "a", t2, own=second.blocks)                        # regenerate: all but the last token
+    again = _turn(executor, "a", t2, own=second.blocks)                        # regenerate: all but the last token
     branch = list(second.blocks.token_ids)
     second.blocks.release()
     edited = t2[:33] + [45, 46, 47, 48, 49]                               # the last message edited
-    edit = _turn(eng, "a", edited, own=again.blocks)
+    edit = _turn(executor, "a", edited, own=again.blocks)
     again.blocks.release()
-    back = _turn(eng, "a", branch + [50, 51, 52], own=edit.blocks)        # back to the first branch
+    back = _turn(executor, "a", branch + [50, 51, 52], own=edit.blocks)        # back to the first branch
     sub = system + history(6, seed=24)                                    # a sub-agent on the shared system prompt
-    b = _turn(eng, "b", sub)
+    b = _turn(executor, "b", sub)
     other = history(14, seed=25)                                         # another prompt, still decoding when
-    d = eng.submit(Request("d", other + history(12, seed=26), 40))        # a sub-agent on it arrives
-    eng.step_once(), eng.step_once()
+    d = executor.submit(Request("d", other + history(12, seed=26), 40))        # a sub-agent on it arrives
+    executor.step_once(), executor.step_once()
     c_ids = other + history(7, seed=27)
-    c = eng.submit(Request("c", c_ids, STEPS))
-    done = run(eng)
+    c = executor.submit(Request("c", c_ids, STEPS))
+    done = run(executor)
     turns = [(first, t1), (second, t2), (again, t2), (edit, edited), (back, branch + [50, 51, 52]), (b, sub),
              (done[c], c_ids)]
     # first, append, regenerate, edit, back to a branch, sub-agent, sub-agent beside a decoding one
@@ -97,14 +97,14 @@ def test_every_turn_type_reuses_what_block_boundary_stops_reused_with_one_extrac
 
 def test_a_prefill_of_several_chunks_pools_every_block_its_window_passes(counted):
     model = tiny_gemma3(window=8)
-    base = engine(model)
-    eng = BatchExecutor(model, base.tokenizer, base.pool, base.spec, stop_tokens=[], prefill_chunk=10)
+    base = make_executor(model)
+    executor = BatchExecutor(model, base.tokenizer, base.pool, base.spec, stop_tokens=[], prefill_chunk=10)
     long = history(41, seed=31)
     counted["passes"].clear()
-    _turn(eng, "a", long).blocks.release()
+    _turn(executor, "a", long).blocks.release()
     assert counted["passes"][:5] == [10, 10, 10, 10, 1]  # stopping at every block: ten passes of 4, one of 1
     # the window at 37 is [29, 37): blocks [28, 32) and [32, 36) passed in the chunk [30, 40)
-    got = {n: _turn(eng, f"b{n}", long[:n] + [7, 7, 7]) for n in (9, 13, 23, 30, 37)}
+    got = {n: _turn(executor, f"b{n}", long[:n] + [7, 7, 7]) for n in (9, 13, 23, 30, 37)}
     assert {n: g.cached_tokens for n, g in got.items()} == {9: 9, 13: 13, 23: 23, 30: 30, 37: 37}
     assert counted["extracts"] == 6  # one a turn (checkpoints too: 18)
     for n, g in got.items():

@@ -175,12 +175,12 @@ def test_a_budget_needs_write_behind_and_a_byte_count(llama_tiny, cache_dir):
 
 def test_resident_bytes_count_a_block_shared_by_two_agents_once(llama_tiny):
     from semantic.sched.residency import Residency
-    from tests.cache_helpers import engine, generate, history
+    from tests.cache_helpers import generate, history, make_executor
 
-    eng = engine(llama_tiny, blocks=512)
+    executor = make_executor(llama_tiny, blocks=512)
     prefix = history(16)
-    a = generate(eng, "a", prefix + [1], 2).blocks
-    b = generate(eng, "b", prefix + [2], 2).blocks
+    a = generate(executor, "a", prefix + [1], 2).blocks
+    b = generate(executor, "b", prefix + [2], 2).blocks
     resident = Residency()
     resident.put("a", a)
     resident.put("b", b)

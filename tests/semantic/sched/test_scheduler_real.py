@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness.engines import open_scheduler
+from harness.executors import open_scheduler
 from harness.prompts import system_prompt, text_of_tokens
 from semantic import ModelCacheSpec, Request, encode, render_chat
 from semantic.cache.reuse import common_prefix

@@ -319,7 +319,7 @@ def test_a_full_queue_is_429_with_retry_after_even_for_streams():
     assert r.headers["retry-after"] == "1"
 
 
-def test_engine_refusals_map_to_statuses():
+def test_executor_refusals_map_to_statuses():
     openai_error(client(StubBackend(refuse=SchedulerClosedError())).post(CHAT, json=chat()), 503,
                  "service_unavailable")
     openai_error(client(StubBackend(refuse=AgentBusyError("a"))).post(CHAT, json=chat()), 409,

@@ -29,7 +29,7 @@ import xxhash
 from semantic import AgentCacheStore, BlockPool
 from semantic.cachefile import DOC_HASH_KEY, DOC_KEY
 from semantic.store import manifest, manifest_name
-from tests.cache_helpers import assert_identical, engine, generate, history
+from tests.cache_helpers import assert_identical, make_executor, generate, history
 from tests.fuzzing import cases
 from tests.semantic.store.test_blocklayout import _rechecksum, _shared, _store
 from tests.semantic.cachefile.test_cachefile_fuzz import _edit, _mutate
@@ -162,7 +162,7 @@ def _damage(d: Path, rng: np.random.Generator, after_startup: bool) -> str:
     return "file deleted"
 
 
-def _originals(eng, seed: int) -> dict:
+def _originals(executor, seed: int) -> dict:
     """Agents "a" and "b" on a shared prompt of 14 tokens: b's third block holds two of a's tokens.
 
     b starts from the pool, as the engine serves, so its K/V at the shared positions are a's bit for
@@ -171,13 +171,13 @@ def _originals(eng, seed: int) -> dict:
     while b's save names a's block file for those positions (their tokens are the same): a load then
     rightly returns a's K/V there, and no exact comparison with b's own could hold."""
     prompt = history(14, seed=seed)
-    return {a: generate(eng, a, [*prompt, *history(9 + i, seed=seed + i)], 4, share=True).blocks
+    return {a: generate(executor, a, [*prompt, *history(9 + i, seed=seed + i)], 4, share=True).blocks
             for i, a in enumerate("ab")}
 
 
 def test_the_second_agent_holds_the_first_agents_kv_where_their_histories_agree(llama_tiny):
-    eng = engine(llama_tiny, 8)
-    o = _originals(eng, 2026_11_25)
+    executor = make_executor(llama_tiny, 8)
+    o = _originals(executor, 2026_11_25)
     for group, blocks in o["b"].groups.items():
         theirs = {x.start: x for x in o["a"].groups[group]}
         b = next(x for x in blocks if x.start == 12)  # tokens 12 and 13 shared, 14 and 15 not
@@ -191,13 +191,13 @@ def test_the_second_agent_holds_the_first_agents_kv_where_their_histories_agree(
 def fuzz(model, kv_bits, cases: int, seed: int, workdir: Path) -> Counter:
     """Save two agents on a shared prompt, then damage and load ``cases`` times; outcome counts
     (raises AssertionError at the first load that is neither exact, an exact prefix, nor a miss)."""
-    eng = engine(model, kv_bits)
-    originals = _originals(eng, seed)
+    executor = make_executor(model, kv_bits)
+    originals = _originals(executor, seed)
     pristine = workdir / "pristine"
-    store = AgentCacheStore(pristine, eng.spec, FP, 10**9, pool=eng.pool, durable=False)
+    store = AgentCacheStore(pristine, executor.spec, FP, 10**9, pool=executor.pool, durable=False)
     for a, c in originals.items():
         store.save(a, c)
-    undamaged = AgentCacheStore(pristine, eng.spec, FP, 10**9, pool=BlockPool(eng.spec, 64, block_tokens=4),
+    undamaged = AgentCacheStore(pristine, executor.spec, FP, 10**9, pool=BlockPool(executor.spec, 64, block_tokens=4),
                                 durable=False)
     for a, c in originals.items():  # the oracle: without damage, every load is exact
         loaded = undamaged.load(a)
@@ -209,14 +209,14 @@ def fuzz(model, kv_bits, cases: int, seed: int, workdir: Path) -> Counter:
     seen = Counter()
     for case in range(cases):
         _restore(d, files)
-        pool = BlockPool(eng.spec, 64, block_tokens=4)
+        pool = BlockPool(executor.spec, 64, block_tokens=4)
         after_startup, what = rng.random() < 0.4, "startup"  # after startup: only the load's checks stand
         try:
             if after_startup:
-                store = AgentCacheStore(d, eng.spec, FP, 10**9, pool=pool, durable=False)
+                store = AgentCacheStore(d, executor.spec, FP, 10**9, pool=pool, durable=False)
             what = _damage(d, rng, after_startup) + (" after startup" if after_startup else "")
             if not after_startup:
-                store = AgentCacheStore(d, eng.spec, FP, 10**9, pool=pool, durable=False)
+                store = AgentCacheStore(d, executor.spec, FP, 10**9, pool=pool, durable=False)
             got = {a: store.load(a) for a in (("a", "b") if rng.random() < 0.5 else ("b", "a"))}
         except Exception as exc:  # noqa: BLE001 - the point of the test
             raise AssertionError(f"case {case} ({what}): {type(exc).__name__}: {exc}") from exc
@@ -250,9 +250,9 @@ def test_every_damaged_block_file_or_manifest_loads_exactly_as_an_exact_prefix_o
 
 
 def test_a_manifest_naming_another_groups_block_file_is_refused_not_loaded(gemma_tiny, tmp_path):
-    eng = engine(gemma_tiny)
-    c = generate(eng, "a", history(29), 1).blocks
-    _store(eng, tmp_path).save("a", c)
+    executor = make_executor(gemma_tiny)
+    c = generate(executor, "a", history(29), 1).blocks
+    _store(executor, tmp_path).save("a", c)
 
     def swap(doc):  # same positions, same tokens, another group: only the group tells the files apart
         ex = doc["extents"]
@@ -261,17 +261,17 @@ def test_a_manifest_naming_another_groups_block_file_is_refused_not_loaded(gemma
         mine[0], theirs[0] = theirs[0], mine[0]
 
     _rechecksum(tmp_path / manifest_name("a"), swap)
-    again = _store(engine(gemma_tiny), tmp_path)
+    again = _store(make_executor(gemma_tiny), tmp_path)
     assert again.load("a") is None  # the sliding window's first block is gone: no prefix holds the window
     assert again.stats().misses == 1 and again.pool.stats().used == 0
 
 
 def test_a_manifest_replaced_by_another_agents_after_startup_is_refused_not_served(llama_tiny, tmp_path):
-    eng = engine(llama_tiny)
-    caches = _shared(eng, 2)
-    store = _store(eng, tmp_path)
+    executor = make_executor(llama_tiny)
+    caches = _shared(executor, 2)
+    store = _store(executor, tmp_path)
     for a, c in caches.items():
         store.save(a, c)
-    again = _store(engine(llama_tiny), tmp_path)
+    again = _store(make_executor(llama_tiny), tmp_path)
     (tmp_path / manifest_name("a")).write_bytes((tmp_path / manifest_name("b")).read_bytes())
     assert again.load("a") is None and again.stats().quarantined == 1

@@ -24,7 +24,7 @@ from semantic.cachefile.fileformat import MX_DTYPES
 from semantic.errors import CacheCorruptError
 from semantic.store import blockformat, blockread, manifest_name
 from semantic.store import manifest as manifest_mod
-from tests.cache_helpers import engine, generate, history, run
+from tests.cache_helpers import make_executor, generate, history, run
 from tests.tiny_models import tiny_gpt_oss, tiny_lfm2
 
 pytestmark = pytest.mark.compat
@@ -40,8 +40,8 @@ def _model(name, llama_tiny, gemma_tiny):
     return _BUILT[name]
 
 
-def _store(eng, path):
-    return AgentCacheStore(path, eng.spec, FP, 10**9, pool=eng.pool, durable=False, layout="blocks")
+def _store(executor, path):
+    return AgentCacheStore(path, executor.spec, FP, 10**9, pool=executor.pool, durable=False, layout="blocks")
 
 
 def _one_segment_per_layer(blocks) -> None:
@@ -90,12 +90,12 @@ def _infos(path: Path, spec) -> dict[int, blockformat.BlockInfo]:
 def test_a_restore_into_preallocated_segments_is_bit_identical_to_the_saved_cache(
         llama_tiny, gemma_tiny, tmp_path, monkeypatch, which, kv_bits, bt, n):
     model = _model(which, llama_tiny, gemma_tiny)
-    eng = engine(model, kv_bits, block_tokens=bt)
-    saved = generate(eng, "a", history(n - 1), 1).blocks
+    executor = make_executor(model, kv_bits, block_tokens=bt)
+    saved = generate(executor, "a", history(n - 1), 1).blocks
     assert saved.total_tokens % bt  # a tail block, and (sliding) a window edge inside a block
-    _store(eng, tmp_path).save("a", saved)
+    _store(executor, tmp_path).save("a", saved)
 
-    after = engine(model, kv_bits, block_tokens=bt)  # a restart: an empty pool, every block read from its file
+    after = make_executor(model, kv_bits, block_tokens=bt)  # a restart: an empty pool, every block read from its file
     loaded = _store(after, tmp_path).load("a")
     _one_segment_per_layer(loaded)
     _identical_without_concatenating(loaded, saved, monkeypatch)
@@ -105,19 +105,19 @@ def test_reconstruct_after_a_restore_hands_each_layer_over_without_concatenating
                                                                                    monkeypatch):
     # three turns, each ending mid-block: blocks stitched from two or three files, read into one segment
     for model in (llama_tiny, gemma_tiny):
-        eng = engine(model)
-        first = generate(eng, "a", history(21), 1).blocks
-        store = _store(eng, tmp_path / str(id(model)))
+        executor = make_executor(model)
+        first = generate(executor, "a", history(21), 1).blocks
+        store = _store(executor, tmp_path / str(id(model)))
         store.save("a", first)
         turns = [first]
         for k, add in enumerate((3, 6)):
-            uid = eng.submit(Request("a", [*turns[-1].token_ids, *history(add - 1, seed=k)], 1), turns[-1], share=False)
-            turns.append(run(eng)[uid].blocks)
+            uid = executor.submit(Request("a", [*turns[-1].token_ids, *history(add - 1, seed=k)], 1), turns[-1], share=False)
+            turns.append(run(executor)[uid].blocks)
             store.save("a", turns[-1])
-        extents = manifest_mod.read(str(tmp_path / str(id(model)) / manifest_name("a")), eng.spec, FP, 4).extents["global"]
+        extents = manifest_mod.read(str(tmp_path / str(id(model)) / manifest_name("a")), executor.spec, FP, 4).extents["global"]
         assert len({e.key for e in extents}) > len({e.start // 4 for e in extents})  # some block has several files
 
-        after = engine(model)
+        after = make_executor(model)
         loaded = _store(after, tmp_path / str(id(model))).load("a")
         _one_segment_per_layer(loaded)
         _identical_without_concatenating(loaded, turns[-1], monkeypatch)
@@ -128,17 +128,17 @@ def test_reconstruct_after_a_restore_hands_each_layer_over_without_concatenating
 
 def test_a_corrupted_block_in_the_middle_of_a_run_is_quarantined_and_the_load_resumes_from_the_blocks_before_it(
         llama_tiny, tmp_path, monkeypatch):
-    eng = engine(llama_tiny)
-    saved = generate(eng, "a", history(39), 1).blocks  # ten blocks of 4
-    _store(eng, tmp_path).save("a", saved)
-    m = manifest_mod.read(str(tmp_path / manifest_name("a")), eng.spec, FP, 4)
+    executor = make_executor(llama_tiny)
+    saved = generate(executor, "a", history(39), 1).blocks  # ten blocks of 4
+    _store(executor, tmp_path).save("a", saved)
+    m = manifest_mod.read(str(tmp_path / manifest_name("a")), executor.spec, FP, 4)
     bad = m.extents["global"][5]  # positions 20..24
-    path = _infos(tmp_path, eng.spec)[bad.key].path
+    path = _infos(tmp_path, executor.spec)[bad.key].path
     raw = bytearray(Path(path).read_bytes())
     raw[-len(raw) // 3] ^= 0xFF  # a tensor's byte in the file's middle: the header still checks
     Path(path).write_bytes(bytes(raw))
 
-    after = engine(llama_tiny)
+    after = make_executor(llama_tiny)
     again = _store(after, tmp_path)
     loaded = again.load("a")
     assert loaded.token_ids == saved.token_ids[: bad.start] == saved.token_ids[:20]
@@ -151,22 +151,22 @@ def test_a_corrupted_block_in_the_middle_of_a_run_is_quarantined_and_the_load_re
     turn = run(after)[uid].blocks
     again.save("a", turn)
     assert Path(path).exists()
-    assert _store(engine(llama_tiny), tmp_path).load("a").token_ids == turn.token_ids
+    assert _store(make_executor(llama_tiny), tmp_path).load("a").token_ids == turn.token_ids
 
 
 # ---------------------------------------------------------------- the reader
 
 
 def _one_file(llama_tiny, tmp_path):
-    eng = engine(llama_tiny)
-    saved = generate(eng, "a", history(7), 1).blocks  # two blocks of 4
-    _store(eng, tmp_path).save("a", saved)
-    info = min(_infos(tmp_path, eng.spec).values(), key=lambda i: i.start)
-    return eng, info
+    executor = make_executor(llama_tiny)
+    saved = generate(executor, "a", history(7), 1).blocks  # two blocks of 4
+    _store(executor, tmp_path).save("a", saved)
+    info = min(_infos(tmp_path, executor.spec).values(), key=lambda i: i.start)
+    return executor, info
 
 
 def test_rows_of_a_file_no_array_takes_are_read_only_to_be_hashed_and_still_checked(llama_tiny, tmp_path):
-    eng, info = _one_file(llama_tiny, tmp_path)
+    executor, info = _one_file(llama_tiny, tmp_path)
     assert (info.start, info.end) == (0, 4)
     whole = {s.name: mx.zeros(s.shape, dtype=MX_DTYPES[s.dtype]) for s in info.slots}
     part = {s.name: mx.zeros((1, s.shape[1], 5, s.shape[3]), dtype=MX_DTYPES[s.dtype]) for s in info.slots}
@@ -186,7 +186,7 @@ def test_rows_of_a_file_no_array_takes_are_read_only_to_be_hashed_and_still_chec
 
 
 def test_a_file_shorter_than_its_layout_is_corrupt_and_a_missing_one_is_unreadable(llama_tiny, tmp_path):
-    eng, info = _one_file(llama_tiny, tmp_path)
+    executor, info = _one_file(llama_tiny, tmp_path)
     dests = {s.name: mx.zeros(s.shape, dtype=MX_DTYPES[s.dtype]) for s in info.slots}
     mx.eval(list(dests.values()))
     into = blockread.Into(info, {k: blockread.writable(a) for k, a in dests.items()})

@@ -7,7 +7,7 @@ import pytest
 from semantic import AgentCacheStore
 from semantic.cache import blockclaim
 from semantic.store.remote import RemoteTier
-from tests.cache_helpers import assert_identical, engine, generate, history
+from tests.cache_helpers import assert_identical, make_executor, generate, history
 from tests.redis_helpers import RedisServer
 
 
@@ -18,13 +18,13 @@ def redis_server(tmp_path):
     server.stop()
 
 
-def _store(eng, path, server, fingerprint="tiny-model", disk_budget=10**9):
-    return AgentCacheStore(path, eng.spec, fingerprint, disk_budget, pool=eng.pool, durable=False,
+def _store(executor, path, server, fingerprint="tiny-model", disk_budget=10**9):
+    return AgentCacheStore(path, executor.spec, fingerprint, disk_budget, pool=executor.pool, durable=False,
                            remote=RemoteTier(server.url, fingerprint, timeout_s=0.5))
 
 
 def test_an_agent_saved_on_one_server_loads_on_another_and_back_newest_first(llama_tiny, tmp_path, redis_server):
-    e1, e2 = engine(llama_tiny, blocks=256), engine(llama_tiny, blocks=256)
+    e1, e2 = make_executor(llama_tiny, blocks=256), make_executor(llama_tiny, blocks=256)
     s1, s2 = _store(e1, tmp_path / "one", redis_server), _store(e2, tmp_path / "two", redis_server)
     turn1 = generate(e1, "public/a", history(20), 4).blocks
     s1.save("public/a", turn1)
@@ -40,7 +40,7 @@ def test_an_agent_saved_on_one_server_loads_on_another_and_back_newest_first(lla
 
 def test_a_damaged_or_foreign_remote_value_is_refused_dropped_and_the_local_file_still_loads(
         llama_tiny, tmp_path, redis_server):
-    e1 = engine(llama_tiny, blocks=256)
+    e1 = make_executor(llama_tiny, blocks=256)
     s1 = _store(e1, tmp_path / "one", redis_server)
     mine = generate(e1, "public/a", history(20), 4).blocks
     s1.save("public/a", mine)
@@ -50,14 +50,14 @@ def test_a_damaged_or_foreign_remote_value_is_refused_dropped_and_the_local_file
     client.hset(key, mapping={"v": str(2**62), "data": b"not a cache file"})
     assert_identical(s1.load("public/a"), mine)
     assert client.exists(key) == 0 and s1.remote.stats()["verify_failures"] == 1
-    other = _store(engine(llama_tiny, blocks=256), tmp_path / "other", redis_server, fingerprint="another-model")
+    other = _store(make_executor(llama_tiny, blocks=256), tmp_path / "other", redis_server, fingerprint="another-model")
     other.remote.publish("public/b", next((tmp_path / "one").glob("*.kvm")), 1)
     assert other.remote.flush(10)
     assert s1.load("public/b") is None  # another model's key space: never even fetched
 
 
 def test_a_prefix_saved_on_one_server_is_prefetched_into_another_servers_pool(llama_tiny, tmp_path, redis_server):
-    e1, e2 = engine(llama_tiny, blocks=256), engine(llama_tiny, blocks=256)
+    e1, e2 = make_executor(llama_tiny, blocks=256), make_executor(llama_tiny, blocks=256)
     s1, s2 = _store(e1, tmp_path / "one", redis_server), _store(e2, tmp_path / "two", redis_server)
     shared = history(40)  # ten full 4-token blocks
     s1.save("public/first", generate(e1, "public/first", shared, 4).blocks)
@@ -70,7 +70,7 @@ def test_a_prefix_saved_on_one_server_is_prefetched_into_another_servers_pool(ll
 
 
 def test_a_file_fetched_from_elsewhere_keeps_the_local_disk_within_its_budget(llama_tiny, tmp_path, redis_server):
-    e1, e2 = engine(llama_tiny, blocks=256), engine(llama_tiny, blocks=256)
+    e1, e2 = make_executor(llama_tiny, blocks=256), make_executor(llama_tiny, blocks=256)
     s1 = _store(e1, tmp_path / "one", redis_server)
     caches = {a: generate(e1, a, history(40, seed=i), 4).blocks for i, a in enumerate(("public/a", "public/b"))}
     for agent, blocks in caches.items():
@@ -86,7 +86,7 @@ def test_a_file_fetched_from_elsewhere_keeps_the_local_disk_within_its_budget(ll
 
 def test_another_server_fetches_only_the_blocks_its_disk_lacks_and_no_value_exceeds_a_block(
         llama_tiny, tmp_path, redis_server):
-    e1, e2 = engine(llama_tiny, blocks=256), engine(llama_tiny, blocks=256)
+    e1, e2 = make_executor(llama_tiny, blocks=256), make_executor(llama_tiny, blocks=256)
     s1, s2 = _store(e1, tmp_path / "one", redis_server), _store(e2, tmp_path / "two", redis_server)
     shared = history(24)  # six full 4-token blocks every agent below starts with
     a = generate(e1, "public/a", shared + [5, 6], 4).blocks

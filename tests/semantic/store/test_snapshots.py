@@ -32,7 +32,7 @@ from semantic.errors import CacheCorruptError, PoolExhaustedError, UnsupportedCa
 from semantic.store.remote import Fetched
 from semantic.cache.spec import RECURRENT, LayerSpec
 from semantic.store import blockformat, blockload, blockread, manifest, manifest_name
-from tests.cache_helpers import arrays, check_engine, engine, generate, history, run
+from tests.cache_helpers import arrays, check_executor, make_executor, generate, history, run
 from tests.redis_helpers import RedisServer
 from tests.tiny_models import tiny_gpt_oss, tiny_lfm2, tiny_qwen3_next
 
@@ -64,12 +64,12 @@ def model(request):
 # ---------------------------------------------------------------- helpers
 
 
-def _engine(model, blocks=256):
-    return engine(model, blocks=blocks, block_tokens=BT)
+def _executor(model, blocks=256):
+    return make_executor(model, blocks=blocks, block_tokens=BT)
 
 
-def _store(eng, path, layout="blocks", remote=None):
-    return AgentCacheStore(path, eng.spec, FP, 10**9, pool=eng.pool, durable=False, layout=layout, remote=remote)
+def _store(executor, path, layout="blocks", remote=None):
+    return AgentCacheStore(path, executor.spec, FP, 10**9, pool=executor.pool, durable=False, layout=layout, remote=remote)
 
 
 def _snapshot_group(spec) -> str:
@@ -94,18 +94,18 @@ def _manifest(path: Path, spec, agent: str) -> manifest.Manifest:
     return manifest.read(str(path / manifest_name(agent)), spec, FP, BT)
 
 
-def _continues_like_a_fresh_prefill(eng, loaded, tokens, cached=None, tail=(3, 4)):
+def _continues_like_a_fresh_prefill(executor, loaded, tokens, cached=None, tail=(3, 4)):
     """A turn on ``tokens`` + ``tail`` from ``loaded`` (all of it, or a prefix: the rest is prefilled) against one
     from nothing: the same greedy tokens, logprobs within the measured tolerance. ``cached``: where it must start (default:
     all of ``loaded``; an earlier snapshot of it when ``tokens`` leave its history there)."""
     cached = loaded.total_tokens if cached is None else cached
     assert tuple(tokens[:cached]) == loaded.token_ids[:cached]
-    cont = eng.submit(Request("cont", [*tokens, *tail], 6), loaded, share=False)
-    ref = eng.submit(Request("ref", [*tokens, *tail], 6), share=False)
-    out = run(eng)
+    cont = executor.submit(Request("cont", [*tokens, *tail], 6), loaded, share=False)
+    ref = executor.submit(Request("ref", [*tokens, *tail], 6), share=False)
+    out = run(executor)
     assert out[cont].cached_tokens == cached
     assert out[cont].token_ids == out[ref].token_ids
-    check_engine(eng, out[cont], out[ref])  # both mlx-lm's own generation, within its measured noise
+    check_executor(executor, out[cont], out[ref])  # both mlx-lm's own generation, within its measured noise
     return out[cont].blocks
 
 
@@ -119,12 +119,12 @@ def _damage_tensors(path: str) -> None:
 
 
 def test_a_saved_agent_reloads_after_a_restart_with_every_snapshot_and_continues_like_a_fresh_prefill(model, tmp_path):
-    eng = _engine(model)
+    executor = _executor(model)
     prompt = history(45, seed=1)
-    done = generate(eng, "a", prompt, 4)
-    store = _store(eng, tmp_path)
+    done = generate(executor, "a", prompt, 4)
+    store = _store(executor, tmp_path)
     store.save("a", done.blocks)
-    spec, total = eng.spec, done.blocks.total_tokens
+    spec, total = executor.spec, done.blocks.total_tokens
     group = _snapshot_group(spec)
     assert _ends(done.blocks, group) == [len(prompt) - 1, total]  # the engine keeps where a regenerate resumes
 
@@ -147,7 +147,7 @@ def test_a_saved_agent_reloads_after_a_restart_with_every_snapshot_and_continues
     on_disk = sum(p.stat().st_size for p in tmp_path.rglob("*") if p.is_file())
     assert store.stats().disk_bytes == on_disk  # the snapshot files count in the budget
 
-    fresh = _engine(model)  # a restart: a new pool, a new store over the same directory
+    fresh = _executor(model)  # a restart: a new pool, a new store over the same directory
     loaded = _store(fresh, tmp_path).load("a")
     assert loaded is not None and loaded.total_tokens == total
     assert _ends(loaded, group) == [len(prompt) - 1, total]
@@ -176,42 +176,42 @@ def assert_identical_snapshot(a, b, upto=None, group=None) -> None:
 
 
 def test_a_turn_after_a_load_writes_a_new_snapshot_and_collects_the_one_no_manifest_names(model, tmp_path):
-    eng = _engine(model)
-    store = _store(eng, tmp_path)
-    first = generate(eng, "a", history(30, seed=3), 2).blocks
+    executor = _executor(model)
+    store = _store(executor, tmp_path)
+    first = generate(executor, "a", history(30, seed=3), 2).blocks
     store.save("a", first)
-    old = _snapshot_files(tmp_path, eng.spec)
+    old = _snapshot_files(tmp_path, executor.spec)
     assert [o.end for o in old] == [29, first.total_tokens]
-    uid = eng.submit(Request("a", [*first.token_ids, 9, 8, 7], 2), first, share=False)
-    second = run(eng)[uid].blocks
+    uid = executor.submit(Request("a", [*first.token_ids, 9, 8, 7], 2), first, share=False)
+    second = run(executor)[uid].blocks
     store.save("a", second)
-    new = _snapshot_files(tmp_path, eng.spec)
+    new = _snapshot_files(tmp_path, executor.spec)
     # where it resumed (the first turn's end: carried), where a regenerate resumes, its end
     assert [n.end for n in new] == [first.total_tokens, first.total_tokens + 2, second.total_tokens]
     assert not Path(old[0].path).exists() and store.stats().collected >= 1
-    fresh = _engine(model)
+    fresh = _executor(model)
     _continues_like_a_fresh_prefill(fresh, _store(fresh, tmp_path).load("a"), list(second.token_ids))
     assert store.delete("a") and not list(tmp_path.glob("blocks-*/*.kvb"))  # every file goes with its agent
 
 
-def _only_last(eng, blocks):
+def _only_last(executor, blocks):
     """``blocks`` with each snapshot group's last snapshot only (a cache as builds before several snapshots had)."""
     from semantic.cache.blocks import AgentBlocks
 
-    snap = {_snapshot_group(eng.spec)}
-    groups = {g: [eng.pool.acquire(b) for b in (bl[-1:] if g in snap else bl)] for g, bl in blocks.groups.items()}
-    return AgentBlocks(eng.spec, blocks.token_ids, groups, BT, _release=eng.pool.release, salt_root=blocks.salt_root)
+    snap = {_snapshot_group(executor.spec)}
+    groups = {g: [executor.pool.acquire(b) for b in (bl[-1:] if g in snap else bl)] for g, bl in blocks.groups.items()}
+    return AgentBlocks(executor.spec, blocks.token_ids, groups, BT, _release=executor.pool.release, salt_root=blocks.salt_root)
 
 
-def _carrying(eng, model, blocks, end):
+def _carrying(executor, model, blocks, end):
     """``blocks`` carrying a snapshot after its first ``end`` tokens too (the model run on them, extracted)."""
     from semantic.cache import convert
 
-    caches = eng.spec.make_cache()
+    caches = executor.spec.make_cache()
     model(mx.array([list(blocks.token_ids[:end])]), cache=caches)
-    at = convert.extract(eng.pool, caches, blocks.token_ids[:end])
-    group = _snapshot_group(eng.spec)
-    out = convert.extract(eng.pool, convert.reconstruct(blocks), blocks.token_ids,
+    at = convert.extract(executor.pool, caches, blocks.token_ids[:end])
+    group = _snapshot_group(executor.spec)
+    out = convert.extract(executor.pool, convert.reconstruct(blocks), blocks.token_ids,
                           earlier=[*blocks.groups[group][:-1], *at.groups[group]])
     at.release()
     return out
@@ -219,16 +219,16 @@ def _carrying(eng, model, blocks, end):
 
 def test_a_manifest_with_one_snapshot_per_group_still_loads(tmp_path):
     model = _model("qwen3_next")
-    eng = _engine(model)
-    done = generate(eng, "a", history(45, seed=13), 3).blocks
-    one = _only_last(eng, done)
-    store = _store(eng, tmp_path)
+    executor = _executor(model)
+    done = generate(executor, "a", history(45, seed=13), 3).blocks
+    one = _only_last(executor, done)
+    store = _store(executor, tmp_path)
     store.save("a", one)
-    group = _snapshot_group(eng.spec)
+    group = _snapshot_group(executor.spec)
     doc = json.loads(json.loads((tmp_path / manifest_name("a")).read_bytes())[manifest.DOC_KEY])
     assert doc["format_version"] == manifest.MANIFEST_VERSION and [row[2] for row in doc["extents"][group]] == [done.total_tokens]
-    assert "a" in _store(eng, tmp_path).agents()  # indexed at startup, as before
-    fresh = _engine(model)
+    assert "a" in _store(executor, tmp_path).agents()  # indexed at startup, as before
+    fresh = _executor(model)
     loaded = _store(fresh, tmp_path).load("a")
     assert loaded is not None and _ends(loaded, group) == [done.total_tokens]
     assert_identical_snapshot(loaded, done)
@@ -242,36 +242,36 @@ def test_a_manifest_with_one_snapshot_per_group_still_loads(tmp_path):
     lambda ex: [[ex[0][0], ex[0][1] + 1, ex[0][2]], ex[1]],  # not the span a snapshot at its end has
 ])
 def test_a_manifest_whose_snapshot_extents_are_out_of_order_or_misplaced_is_refused(tmp_path, extents):
-    eng = _engine(_model("lfm2"))
-    _store(eng, tmp_path).save("a", generate(eng, "a", history(45, seed=14), 3).blocks)
-    group = _snapshot_group(eng.spec)
+    executor = _executor(_model("lfm2"))
+    _store(executor, tmp_path).save("a", generate(executor, "a", history(45, seed=14), 3).blocks)
+    group = _snapshot_group(executor.spec)
     doc = json.loads(json.loads((tmp_path / manifest_name("a")).read_bytes())[manifest.DOC_KEY])
     doc["extents"][group] = extents(doc["extents"][group])
     text = json.dumps(doc)
     raw = json.dumps({manifest.DOC_KEY: text, manifest.HASH_KEY: xxhash.xxh3_128(text.encode()).hexdigest()})
     with pytest.raises(CacheCorruptError, match="snapshot"):
-        manifest.parse("m", raw.encode(), eng.spec, FP, BT)
+        manifest.parse("m", raw.encode(), executor.spec, FP, BT)
 
 
 def test_a_snapshot_at_another_agents_end_is_that_agents_file_and_each_snapshot_resumes_exactly(model, tmp_path):
-    eng = _engine(model)
-    store = _store(eng, tmp_path)
-    sys = generate(eng, "sys", SYSTEM, 1).blocks
+    executor = _executor(model)
+    store = _store(executor, tmp_path)
+    sys = generate(executor, "sys", SYSTEM, 1).blocks
     store.save("sys", sys)
     before = {p.name for p in tmp_path.glob("blocks-*/*.kvb")}
     prompt = [*sys.token_ids, *history(30, seed=15)]
-    mine = _carrying(eng, model, generate(eng, "a", prompt, 3).blocks, sys.total_tokens)
-    group = _snapshot_group(eng.spec)
+    mine = _carrying(executor, model, generate(executor, "a", prompt, 3).blocks, sys.total_tokens)
+    group = _snapshot_group(executor.spec)
     ends = [sys.total_tokens, len(prompt) - 1, mine.total_tokens]
     assert _ends(mine, group) == ends
     store.save("a", mine)
-    m = _manifest(tmp_path, eng.spec, "a")
+    m = _manifest(tmp_path, executor.spec, "a")
     assert [e.end for e in m.extents[group]] == ends
-    assert m.extents[group][0] == _manifest(tmp_path, eng.spec, "sys").extents[group][-1]  # sys's file, not a copy
+    assert m.extents[group][0] == _manifest(tmp_path, executor.spec, "sys").extents[group][-1]  # sys's file, not a copy
     assert len({p.name for p in tmp_path.glob("blocks-*/*.kvb")} - before) == len(m.keys() - set(
-        _manifest(tmp_path, eng.spec, "sys").keys()))
+        _manifest(tmp_path, executor.spec, "sys").keys()))
 
-    fresh = _engine(model)
+    fresh = _executor(model)
     loaded = _store(fresh, tmp_path).load("a")
     assert loaded is not None and _ends(loaded, group) == ends
     other = mine.token_ids[sys.total_tokens] ^ 1
@@ -282,21 +282,21 @@ def test_a_snapshot_at_another_agents_end_is_that_agents_file_and_each_snapshot_
 
 def test_a_load_that_the_pool_cannot_hold_with_its_earlier_snapshots_takes_nothing(tmp_path, monkeypatch):
     model = _model("lfm2")
-    eng = _engine(model)
-    done = generate(eng, "a", history(45, seed=16), 3).blocks
-    _store(eng, tmp_path).save("a", done)
+    executor = _executor(model)
+    done = generate(executor, "a", history(45, seed=16), 3).blocks
+    _store(executor, tmp_path).save("a", done)
     n = len(done.unique_blocks())
-    group = _snapshot_group(eng.spec)
+    group = _snapshot_group(executor.spec)
     assert len(done.groups[group]) == 2
-    costs = room.block_costs(eng.spec, BT)
+    costs = room.block_costs(executor.spec, BT)
     # room for all but one snapshot block: the final plan alone would fit
-    small = engine(model, block_tokens=BT, capacity_bytes=sum(costs[b.group] for b in done.unique_blocks())
+    small = make_executor(model, block_tokens=BT, capacity_bytes=sum(costs[b.group] for b in done.unique_blocks())
                    - costs[group])
     before = small.pool.free_count
     with pytest.raises(PoolExhaustedError):
         _store(small, tmp_path).load("a")
     assert small.pool.free_count == before and small.pool.stats().used == 0
-    enough = engine(model, block_tokens=BT, capacity_bytes=sum(costs[b.group] for b in done.unique_blocks()))
+    enough = make_executor(model, block_tokens=BT, capacity_bytes=sum(costs[b.group] for b in done.unique_blocks()))
     loaded = _store(enough, tmp_path).load("a")
     assert loaded is not None and _ends(loaded, group) == _ends(done, group) and enough.pool.free_bytes == 0
     loaded.release()
@@ -311,22 +311,22 @@ def test_a_load_that_the_pool_cannot_hold_with_its_earlier_snapshots_takes_nothi
 
 def test_a_system_prompt_snapshot_is_one_file_for_every_agent_that_ends_there(tmp_path):
     model = _model("lfm2")
-    eng = _engine(model)
-    store = _store(eng, tmp_path)
-    a = generate(eng, "a", SYSTEM, 1).blocks  # a cache of the system prompt alone
+    executor = _executor(model)
+    store = _store(executor, tmp_path)
+    a = generate(executor, "a", SYSTEM, 1).blocks  # a cache of the system prompt alone
     store.save("a", a)
     files, written = {p.name for p in tmp_path.glob("blocks-*/*.kvb")}, store.stats().written_bytes
-    b = generate(eng, "b", SYSTEM, 1).blocks
+    b = generate(executor, "b", SYSTEM, 1).blocks
     store.save("b", b)
     assert {p.name for p in tmp_path.glob("blocks-*/*.kvb")} == files  # nothing written twice
     assert store.stats().written_bytes - written == (tmp_path / manifest_name("b")).stat().st_size
-    snaps = _snapshot_files(tmp_path, eng.spec)
+    snaps = _snapshot_files(tmp_path, executor.spec)
     assert [s.end for s in snaps] == [len(SYSTEM) - 1, a.total_tokens]
-    assert _manifest(tmp_path, eng.spec, "a").keys() == _manifest(tmp_path, eng.spec, "b").keys()
+    assert _manifest(tmp_path, executor.spec, "a").keys() == _manifest(tmp_path, executor.spec, "b").keys()
     assert store.stats().disk_shared_bytes >= sum(s.nbytes for s in snaps)
     store.delete("a")
     assert all(Path(s.path).exists() for s in snaps)  # b still names them
-    fresh = _engine(model)
+    fresh = _executor(model)
     loaded = _store(fresh, tmp_path).load("b")
     assert loaded.token_ids == b.token_ids == a.token_ids  # the prompt and the greedy token it fed
     _continues_like_a_fresh_prefill(fresh, loaded, list(loaded.token_ids))
@@ -335,15 +335,15 @@ def test_a_system_prompt_snapshot_is_one_file_for_every_agent_that_ends_there(tm
 @pytest.mark.parametrize("which", ["snapshots", "positional"])
 def test_a_damaged_file_is_quarantined_and_the_agent_resumes_exactly_from_the_system_prompts_snapshot(tmp_path, which):
     model = _model("qwen3_next")
-    eng = _engine(model)
-    store = _store(eng, tmp_path)
-    sys = generate(eng, "sys", SYSTEM, 1).blocks  # the system prompt and the token it fed: 38
+    executor = _executor(model)
+    store = _store(executor, tmp_path)
+    sys = generate(executor, "sys", SYSTEM, 1).blocks  # the system prompt and the token it fed: 38
     store.save("sys", sys)
-    mine = generate(eng, "a", [*sys.token_ids, *history(40, seed=4)], 3).blocks
+    mine = generate(executor, "a", [*sys.token_ids, *history(40, seed=4)], 3).blocks
     store.save("a", mine)
-    m = _manifest(tmp_path, eng.spec, "a")
-    group = _snapshot_group(eng.spec)
-    infos = {i.key: i for i in _infos(tmp_path, eng.spec)}
+    m = _manifest(tmp_path, executor.spec, "a")
+    group = _snapshot_group(executor.spec)
+    infos = {i.key: i for i in _infos(tmp_path, executor.spec)}
     if which == "snapshots":  # both of the agent's own: the prompt's, and the turn's end
         damaged = list(m.extents[group])
         assert [e.end for e in damaged] == [sys.total_tokens + 40 - 1, mine.total_tokens]
@@ -352,7 +352,7 @@ def test_a_damaged_file_is_quarantined_and_the_agent_resumes_exactly_from_the_sy
     for e in damaged:
         _damage_tensors(infos[e.key].path)
 
-    fresh = _engine(model)
+    fresh = _executor(model)
     again = _store(fresh, tmp_path)
     loaded = again.load("a")
     assert again.stats().quarantined == len(damaged) and not any(Path(infos[e.key].path).exists() for e in damaged)
@@ -362,21 +362,21 @@ def test_a_damaged_file_is_quarantined_and_the_agent_resumes_exactly_from_the_sy
 
 def test_a_damaged_last_snapshot_resumes_exactly_from_the_agents_earlier_one(tmp_path):
     model = _model("qwen3_next")
-    eng = _engine(model)
-    store = _store(eng, tmp_path)
-    store.save("sys", generate(eng, "sys", SYSTEM, 1).blocks)  # another snapshot to fall back on, further back
+    executor = _executor(model)
+    store = _store(executor, tmp_path)
+    store.save("sys", generate(executor, "sys", SYSTEM, 1).blocks)  # another snapshot to fall back on, further back
     prompt = [*SYSTEM, *history(40, seed=4)]
-    mine = generate(eng, "a", prompt, 3).blocks
+    mine = generate(executor, "a", prompt, 3).blocks
     store.save("a", mine)
-    group = _snapshot_group(eng.spec)
-    last = _manifest(tmp_path, eng.spec, "a").extents[group][-1]
-    path = next(i.path for i in _infos(tmp_path, eng.spec) if i.key == last.key)
+    group = _snapshot_group(executor.spec)
+    last = _manifest(tmp_path, executor.spec, "a").extents[group][-1]
+    path = next(i.path for i in _infos(tmp_path, executor.spec) if i.key == last.key)
     _damage_tensors(path)
 
-    fresh = _engine(model)
+    fresh = _executor(model)
     again = _store(fresh, tmp_path)
-    m = _manifest(tmp_path, eng.spec, "a")
-    assert blockload.whole_prefix(m, {i.key: i for i in _infos(tmp_path, eng.spec)}) == mine.total_tokens  # not yet known
+    m = _manifest(tmp_path, executor.spec, "a")
+    assert blockload.whole_prefix(m, {i.key: i for i in _infos(tmp_path, executor.spec)}) == mine.total_tokens  # not yet known
     loaded = again.load("a")
     assert again.stats().quarantined == 1 and not Path(path).exists()
     assert loaded is not None and loaded.total_tokens == len(prompt) - 1 and _ends(loaded, group) == [len(prompt) - 1]
@@ -384,22 +384,22 @@ def test_a_damaged_last_snapshot_resumes_exactly_from_the_agents_earlier_one(tmp
     # files, which a prefill of another length computed)
     assert_identical_snapshot(loaded, mine, upto=len(prompt) - 1, group=group)
     _continues_like_a_fresh_prefill(fresh, loaded, list(mine.token_ids))
-    assert blockload.whole_prefix(m, {i.key: i for i in _infos(tmp_path, eng.spec)}) == len(prompt) - 1
+    assert blockload.whole_prefix(m, {i.key: i for i in _infos(tmp_path, executor.spec)}) == len(prompt) - 1
 
 
 def test_a_damaged_earlier_snapshot_drops_only_itself(tmp_path):
     model = _model("lfm2")
-    eng = _engine(model)
-    store = _store(eng, tmp_path)
+    executor = _executor(model)
+    store = _store(executor, tmp_path)
     prompt = history(45, seed=12)
-    mine = generate(eng, "a", prompt, 3).blocks
+    mine = generate(executor, "a", prompt, 3).blocks
     store.save("a", mine)
-    group = _snapshot_group(eng.spec)
-    first = _manifest(tmp_path, eng.spec, "a").extents[group][0]
-    path = next(i.path for i in _infos(tmp_path, eng.spec) if i.key == first.key)
+    group = _snapshot_group(executor.spec)
+    first = _manifest(tmp_path, executor.spec, "a").extents[group][0]
+    path = next(i.path for i in _infos(tmp_path, executor.spec) if i.key == first.key)
     _damage_tensors(path)
 
-    fresh = _engine(model)
+    fresh = _executor(model)
     again = _store(fresh, tmp_path)
     loaded = again.load("a")
     assert again.stats().quarantined == 1 and not Path(path).exists()
@@ -409,32 +409,32 @@ def test_a_damaged_earlier_snapshot_drops_only_itself(tmp_path):
     _continues_like_a_fresh_prefill(fresh, loaded, list(mine.token_ids))
     # its next save lists only what it carries: a manifest of whole files again
     again.save("a", loaded)
-    assert [e.end for e in _manifest(tmp_path, eng.spec, "a").extents[group]] == [mine.total_tokens]
+    assert [e.end for e in _manifest(tmp_path, executor.spec, "a").extents[group]] == [mine.total_tokens]
 
 
 
 def test_a_damaged_snapshot_with_no_other_to_fall_back_on_is_a_miss(tmp_path):
     model = _model("gpt_oss")
-    eng = _engine(model)
-    store = _store(eng, tmp_path)
-    mine = generate(eng, "a", history(50, seed=5), 2).blocks
+    executor = _executor(model)
+    store = _store(executor, tmp_path)
+    mine = generate(executor, "a", history(50, seed=5), 2).blocks
     store.save("a", mine)
-    snaps = _snapshot_files(tmp_path, eng.spec)
+    snaps = _snapshot_files(tmp_path, executor.spec)
     assert len(snaps) == 2
     for snap in snaps:  # the prompt's and the turn's: one after the other, each quarantined
         _damage_tensors(snap.path)
-    again = _store(_engine(model), tmp_path)
+    again = _store(_executor(model), tmp_path)
     assert again.load("a") is None and again.stats().quarantined == 2
-    m = _manifest(tmp_path, eng.spec, "a")
-    assert blockload.whole_prefix(m, {i.key: i for i in _infos(tmp_path, eng.spec)}) == 0
+    m = _manifest(tmp_path, executor.spec, "a")
+    assert blockload.whole_prefix(m, {i.key: i for i in _infos(tmp_path, executor.spec)}) == 0
 
 
 def test_a_snapshot_file_serves_only_a_history_that_matches_all_its_tokens(tmp_path):
     model = _model("lfm2")
-    eng = _engine(model)
-    a = generate(eng, "a", SYSTEM, 1).blocks
-    _store(eng, tmp_path).save("a", a)
-    snap = _snapshot_files(tmp_path, eng.spec)[-1]
+    executor = _executor(model)
+    a = generate(executor, "a", SYSTEM, 1).blocks
+    _store(executor, tmp_path).save("a", a)
+    snap = _snapshot_files(tmp_path, executor.spec)[-1]
     tokens, end = list(a.token_ids[snap.block_start:]), a.total_tokens
     assert snap.usable_end(tokens, snap.parent, end) == end
     assert snap.usable_end(tokens[:-1] + [tokens[-1] ^ 1], snap.parent, end) == snap.start  # never a prefix
@@ -466,7 +466,7 @@ def test_a_manifest_with_a_short_windows_positional_extents_still_loads_and_its_
     tokens = history(50, seed=6)
     with monkeypatch.context() as patch:
         _positional_short_window(patch)
-        old = _engine(model)
+        old = _executor(model)
         done = generate(old, "a", tokens, 3).blocks
         want = arrays(done)  # its caches, rebuilt as that build did
         _store(old, tmp_path).save("a", done)
@@ -477,7 +477,7 @@ def test_a_manifest_with_a_short_windows_positional_extents_still_loads_and_its_
         assert not any(i.snapshot for i in _infos(tmp_path, old.spec))
         old_files = {p.name for p in tmp_path.glob("blocks-*/*.kvb")}
 
-    fresh = _engine(model)
+    fresh = _executor(model)
     store = _store(fresh, tmp_path)
     m = _manifest(tmp_path, fresh.spec, "a")
     assert m.snapshots == frozenset()
@@ -498,13 +498,13 @@ def test_a_short_window_cache_file_of_the_single_file_layout_still_loads_in_both
     tokens = history(50, seed=7)
     with monkeypatch.context() as patch:
         _positional_short_window(patch)
-        old = _engine(model)
+        old = _executor(model)
         done = generate(old, "a", tokens, 3).blocks
         want = arrays(done)
         for d in ("file", "blocks"):
             _store(old, tmp_path / d, layout="file").save("a", done)
     for d in ("file", "blocks"):  # the block layout converts it on its first load
-        fresh = _engine(model)
+        fresh = _executor(model)
         loaded = _store(fresh, tmp_path / d, layout=d).load("a")
         assert loaded is not None and loaded.token_ids == done.token_ids
         _same_arrays(arrays(loaded), want)
@@ -515,10 +515,10 @@ def test_a_short_window_cache_file_of_the_single_file_layout_still_loads_in_both
 def test_the_single_file_layout_refuses_recurrent_layers_naming_them_and_the_blocks_layout(tmp_path):
     from semantic import cachefile
 
-    eng = _engine(_model("lfm2"))
+    executor = _executor(_model("lfm2"))
     with pytest.raises(UnsupportedCacheError, match=r"recurrent.*layout='blocks'"):
-        _store(eng, tmp_path, layout="file")
-    blocks = generate(eng, "a", SYSTEM, 1).blocks
+        _store(executor, tmp_path, layout="file")
+    blocks = generate(executor, "a", SYSTEM, 1).blocks
     with pytest.raises(UnsupportedCacheError, match="recurrent"):
         cachefile.save(tmp_path / "a.safetensors", blocks, model_fingerprint=FP)
     assert not list(tmp_path.iterdir())
@@ -572,7 +572,7 @@ class _MemoryTier:
 
 
 def _through_the_tier(model, tmp_path, tier_for):
-    e1, e2 = _engine(model), _engine(model)
+    e1, e2 = _executor(model), _executor(model)
     s1, s2 = _store(e1, tmp_path / "one", remote=tier_for()), _store(e2, tmp_path / "two", remote=tier_for())
     done = generate(e1, "public/a", [*SYSTEM, *history(20, seed=8)], 3).blocks
     s1.save("public/a", done)

@@ -1,4 +1,4 @@
-"""Our engine as the kinds drive it: an engine or a scheduler over a pool of its own, one
+"""Our engine as the kinds drive it: a batch executor or a scheduler over a pool of its own, one
 request run to its end, first-token timing, and how two completions' logprobs are compared."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from harness.timing import Samples, time_interleaved
 from semantic import AgentBlocks, AgentCacheStore, BlockPool, BatchExecutor, ConcurrentScheduler, ModelCacheSpec, Request
 
 
-def make_engine(loaded, blocks: int = 256) -> BatchExecutor:
-    """An engine over a pool of its own (``blocks`` blocks): its requests reuse nothing from any other engine."""
+def make_executor(loaded, blocks: int = 256) -> BatchExecutor:
+    """A batch executor over a pool of its own (``blocks`` blocks): its requests reuse nothing from any other."""
     spec = ModelCacheSpec.from_model(loaded.model)
     # No stop tokens: runs are exactly max_tokens long, so they compare step for step.
     return BatchExecutor(loaded.model, loaded.tokenizer, BlockPool(spec, blocks), spec, stop_tokens=[])
@@ -31,10 +31,10 @@ def open_scheduler(loaded, cache_dir: Path, blocks: int, max_batch: int = 8, wri
                                speculation=speculation)
 
 
-def run_one(engine: BatchExecutor, agent: str, prompt: list[int], cache: AgentBlocks | None, max_tokens: int):
+def run_one(executor: BatchExecutor, agent: str, prompt: list[int], cache: AgentBlocks | None, max_tokens: int):
     """Prefill ``prompt`` after ``cache`` (None: from nothing, no pooled prefix either) and generate."""
-    uid = engine.submit(Request(agent, _after(cache, prompt), max_tokens), cache, share=False)
-    return {c.uid: c for c in engine.step()}[uid]
+    uid = executor.submit(Request(agent, _after(cache, prompt), max_tokens), cache, share=False)
+    return {c.uid: c for c in executor.step()}[uid]
 
 
 def _after(cache: AgentBlocks | None, prompt: list[int]) -> list[int]:
@@ -54,18 +54,18 @@ def match_report(a, b) -> dict:
             "steps": len(a.token_ids)}
 
 
-def fresh_first_token(engine: BatchExecutor, ids: list[int]):
+def fresh_first_token(executor: BatchExecutor, ids: list[int]):
     """Prefill ``ids`` from nothing and sample one token; the Completion (its ``ttft_s`` is
     submit to the materialized first token). Its blocks are released at once."""
-    uid = engine.submit(Request("fresh", ids, 1), share=False)
-    done = {c.uid: c for c in engine.step()}[uid]
+    uid = executor.submit(Request("fresh", ids, 1), share=False)
+    done = {c.uid: c for c in executor.step()}[uid]
     assert done.cached_tokens == 0
     if done.blocks is not None:
         done.blocks.release()
     return done
 
 
-def time_ttft(engine: BatchExecutor, cached: tuple, fresh: tuple, protocol, progress) -> dict[str, Samples]:
+def time_ttft(executor: BatchExecutor, cached: tuple, fresh: tuple, protocol, progress) -> dict[str, Samples]:
     """Time submit + first step (prefill and first token) for a cached and a fresh request, interleaved.
 
     ``cached`` is (continuation ids, blocks); ``fresh`` is (full ids,). The
@@ -74,14 +74,14 @@ def time_ttft(engine: BatchExecutor, cached: tuple, fresh: tuple, protocol, prog
     """
 
     def drain():
-        for c in engine.step():
+        for c in executor.step():
             if c.blocks is not None:
                 c.blocks.release()
 
     def first_token(agent, prompt, cache):
         def call():
-            engine.submit(Request(agent, _after(cache, prompt), 2), cache, share=False)
-            engine.step_once()
+            executor.submit(Request(agent, _after(cache, prompt), 2), cache, share=False)
+            executor.step_once()
         return call
 
     out = time_interleaved(
@@ -94,13 +94,13 @@ def time_ttft(engine: BatchExecutor, cached: tuple, fresh: tuple, protocol, prog
     return out
 
 
-def record_ttft(ctx, engine: BatchExecutor, cached: tuple, fresh: tuple, cached_what: str, fresh_what: str):
+def record_ttft(ctx, executor: BatchExecutor, cached: tuple, fresh: tuple, cached_what: str, fresh_what: str):
     """Time first tokens with :func:`time_ttft` over the config's protocol and record them as
     ``ttft_injected_ms`` and ``ttft_fresh_ms`` (described by ``cached_what`` and ``fresh_what``), their
     comparison ``ttft`` and the check ``speedup_p50``. Returns the samples."""
     res = ctx.results
     ctx.progress.total = ctx.config.protocol.trials
-    samples = time_ttft(engine, cached, fresh, ctx.config.protocol, ctx.progress.update)
+    samples = time_ttft(executor, cached, fresh, ctx.config.protocol, ctx.progress.update)
     res.timing("ttft_injected_ms", samples["cached"], cached_what)
     res.timing("ttft_fresh_ms", samples["fresh"], fresh_what)
     cmp = res.compare("ttft", "ttft_injected_ms", "ttft_fresh_ms")
