@@ -4,7 +4,7 @@ save, load in a fresh process, continue, and match a fresh prefill.
 This process generates from history S and saves the cache file; a new
 Python process (tests/persistence_e2e_child.py) loads the model and the
 file, and runs in one batch the cached continuation with T and a fresh
-prefill of S + generated + T, 32 greedy steps each. Its loaded cache must be
+prefill of S + generated + T, 16 greedy steps each. Its loaded cache must be
 bit-identical to the one saved (equal digests), and the two sequences must
 give the same tokens, both mlx-lm's own generate_step of that history (run
 here) within the spread its chunked and batched variants show on this device.
@@ -12,7 +12,7 @@ here) within the spread its chunked and batched variants show on this device.
 Tolerance: both models compute in float32 here (see test_executor_real.py);
 the two sides differ only in summation order (one long prefill against the
 cached history plus a short one, batch padding), which moves a logprob by
-about 1e-5 over 32 steps on CPU, measured beside the reference
+about 1e-5 on CPU, measured beside the reference
 (``tests.cache_helpers.reference``); a wrong, missing or shifted token moves
 logprobs by whole nats. Prefills are slow on a CPU (about 0.1 s per token),
 so S is short for SmolLM2 and just past Gemma's 512-token window.
@@ -32,11 +32,13 @@ from semantic import BlockPool, BatchExecutor, ModelCacheSpec, Request, cachefil
 from tests.cache_helpers import reference
 from tests.persistence_e2e_child import digest
 
-pytestmark = [pytest.mark.integration, pytest.mark.compat]
+# Not `compat`: under mlx-lm 0.30.4 the tiny models' tests take the same paths through its API (cache classes,
+# generate_step, files); these add the real weights' numerics, which do not depend on mlx-lm's version.
+pytestmark = [pytest.mark.integration]
 
 ROOT = Path(__file__).resolve().parents[3]
 HISTORY = (Path(harness.__file__).parent / "data" / "history.txt").read_text()
-STEPS = 32
+STEPS = 16
 CASES = {  # fixture: (registry name, history tokens, generated before saving)
     "smollm2": ("smollm2-135m", 48, 8),
     "gemma3": ("gemma3-270m", 530, 4),  # 534 > 512: every sliding layer's ring has wrapped

@@ -2,15 +2,16 @@
 blocks equals a fresh prefill of the same tokens.
 
 For each case: generate from S, take the Completion's blocks, continue with
-new tokens T for 32 greedy steps, and compare with a fresh prefill of
-S + generated + T run in the same batch. Both models compute in float32 here
+new tokens T for 16 greedy steps (a wrong, missing or shifted cached token
+shows at the first; the rest read what the continuation itself wrote), and
+compare with a fresh prefill of S + generated + T run in the same batch. Both models compute in float32 here
 (on a CPU the f32 variant: the GGUF weights dequantized once, matmuls on
 OpenBLAS; activations and caches are float32). The two sides differ only in
 summation order (one long prefill against cached history plus a short one,
 batch padding, BLAS blocking that depends on the row count), so both are
 held against mlx-lm's own generate_step of that history, within the spread
 its chunked and batched variants show on this device
-(``tests.cache_helpers.reference``; about 1e-5 over 32 steps on a CPU): a
+(``tests.cache_helpers.reference``; about 1e-5 on a CPU): a
 wrong, missing or shifted token moves logprobs by whole nats.
 
 These runs are slow on a CPU (about 0.1 s per prefilled token), so each test
@@ -28,9 +29,11 @@ import harness
 from semantic import BlockPool, BatchExecutor, ModelCacheSpec, Request, compat
 from tests.cache_helpers import check_executor
 
-pytestmark = [pytest.mark.integration, pytest.mark.compat]
+# Not `compat`: under mlx-lm 0.30.4 the tiny models' tests take the same paths through its API (cache classes,
+# generate_step, files); these add the real weights' numerics, which do not depend on mlx-lm's version.
+pytestmark = [pytest.mark.integration]
 
-STEPS = 32
+STEPS = 16
 HISTORY = (Path(harness.__file__).parent / "data" / "history.txt").read_text()
 
 

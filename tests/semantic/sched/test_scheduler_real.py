@@ -20,7 +20,9 @@ from semantic import ModelCacheSpec, Request, encode, render_chat
 from semantic.cache.reuse import common_prefix
 from tests.cache_helpers import check
 
-pytestmark = [pytest.mark.integration, pytest.mark.compat]
+# Not `compat`: under mlx-lm 0.30.4 the tiny models' tests take the same paths through its API (cache classes,
+# generate_step, files); these add the real weights' numerics, which do not depend on mlx-lm's version.
+pytestmark = [pytest.mark.integration]
 
 STEPS = 8
 

@@ -109,7 +109,7 @@ def test_a_reply_that_copies_its_context_is_the_same_with_speculation_streamed_a
                                                                                        smollm2_dir, tmp_path):
     def ask(s, stream):
         client = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=300)
-        kw = dict(model="smollm2", messages=EDIT, max_tokens=120, temperature=0, logprobs=True)
+        kw = dict(model="smollm2", messages=EDIT, max_tokens=64, temperature=0, logprobs=True)
         if not stream:
             r = client.chat.completions.create(**kw)
             content = r.choices[0].logprobs.content
