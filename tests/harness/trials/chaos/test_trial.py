@@ -22,7 +22,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 def test_nothing_is_lost_and_nothing_fails_under_a_short_chaos_run(smollm2_dir, tmp_path):
-    config = load_config("exp_015_chaos", quick=True, overrides=[f"params.model_dir={smollm2_dir}"])
+    # a shorter calm last life than [quick]'s (its RSS goal is not judged here); every fault as in [quick]
+    config = load_config("exp_015_chaos", quick=True, overrides=[f"params.model_dir={smollm2_dir}", "params.calm_turns=20",
+                                                                  "params.rss_baseline_turns=10"])
     (path,) = run(config, tmp_path / "results")
     doc = json.loads(path.read_text())
     c, out = doc["checks"], doc["outputs"]
