@@ -53,11 +53,11 @@ def _row(ttft, before, after=None, final=None):
             "admitted_ms": 1.0, "before_last_token": before, "after_last_token": after or {}}
 
 
-def test_the_executor_summary_takes_medians_and_counts_a_label_a_turn_did_not_hit_as_zero():
-    executor = {"ours": [_row(10.0, {"a": 1.0}), _row(30.0, {"a": 3.0, "b": 2.0}, {"c": 4.0}), _row(20.0, {"a": 2.0})],
+def test_the_engine_summary_takes_medians_and_counts_a_label_a_turn_did_not_hit_as_zero():
+    eng = {"ours": [_row(10.0, {"a": 1.0}), _row(30.0, {"a": 3.0, "b": 2.0}, {"c": 4.0}), _row(20.0, {"a": 2.0})],
            "mlx_lm": [{"ttft_ms": 12.0, "last_token_ms": 50.0}, {"ttft_ms": 14.0, "last_token_ms": 70.0}],
            "micro": {"x": 1.5}}
-    s = summarize({"engine": executor})["engine"]
+    s = summarize({"engine": eng})["engine"]
     assert (s["ours_ttft_ms"], s["ours_last_token_ms"], s["ours_completion_ms"]) == (20.0, 120.0, 140.0)
     assert s["ours_tokens_final_ms"] is None            # no turn stamped it
     assert (s["mlx_lm_ttft_ms"], s["mlx_lm_last_token_ms"]) == (13.0, 60.0)
