@@ -17,14 +17,15 @@ same under both mlx-lm versions. One :meth:`StepLoop.step`::
               ``snapshot_at`` positions (``on_snapshot`` checkpoints the
               cache), and the step's prefill ends there unless its budget
               reaches the next stop; ``on_chunk`` sees the cache after every
-              chunk but the last token (a sliding window's passed blocks are
-              pooled there: the last token's own pass trims the ring)
+              chunk (a sliding window's passed blocks are pooled there, before
+              a one-token pass trims the ring)
     read      the decode step's tokens, and the first token of every prompt
-              whose last token ran now: it is fed alone, after the chunks
-              before it (as mlx-lm does), so only its one row of logits is
-              computed
+              whose last chunk ran now: a short last chunk is one pass whose
+              head computes only its last row (``lastrow``), a long one leaves
+              its last token to a pass of its own, as mlx-lm does
     join      sequences that got their first token join the batch caches, so
-              the next decode step includes them
+              the next decode step includes them (their last chunk's
+              ``on_chunk`` runs first, after the token was reported)
 
 Speculation (``speculation``, a :class:`~semantic.decode.promptlookup.SpecConfig`; None:
 off). A greedy sequence whose newest tokens occurred earlier in its
@@ -70,6 +71,7 @@ import numpy as np
 
 from semantic import compat, kinds
 from semantic.decode import replay, rewind
+from semantic.runner import lastrow
 from semantic.runner.stepbudget import StepBudget
 from semantic.decode.constraint import Constraint
 from semantic.decode.promptlookup import Drafter, SpecConfig, batch_draft_len
@@ -120,6 +122,7 @@ class _Seq:
     closing: bool = False          # finished: in the batch only to feed ``next_token``
     ids: tuple = ()                # the request's whole history: a drafter's context
     drafter: Drafter | None = None # greedy and free sequences, once they decode with speculation on
+    last_chunk: tuple[int, int] | None = None  # the prompt's last chunk: its on_chunk is due before it joins
 
     @property
     def can_draft(self) -> bool:
@@ -231,6 +234,7 @@ class StepLoop:
         if seq in self._rows:
             self._drop_rows([self._rows.index(seq)])
         elif seq in self._ready:
+            self._last_chunk_seen(seq)
             self._ready.remove(seq)
         else:
             self._waiting.remove(seq)
@@ -315,9 +319,10 @@ class StepLoop:
                 at_snapshot = bool(seq.snapshot_at) and seq.snapshot_at[0] <= end
                 if at_snapshot:
                     end = seq.snapshot_at.popleft()
-                elif end == len(seq.prompt) and end - seq.fed > 1:
-                    # the last token goes alone, as mlx-lm's prefill does: a pass whose logits are never read
-                    # skips the head and the last layer's work after its K/V, which costs more than one token's pass
+                elif end == len(seq.prompt) and end - seq.fed > lastrow.ONE_PASS_TOKENS:
+                    # a long last chunk leaves its last token alone, as mlx-lm's prefill does: a pass whose logits
+                    # are never read skips the last layer's work after its K/V, which costs more than one
+                    # token's pass there (a short one is one pass, its head on the last row: lastrow.py)
                     end -= 1
                 chunk = mx.array([seq.prompt[seq.fed : end]])
                 start = seq.fed
@@ -339,7 +344,8 @@ class StepLoop:
                         if budget < (seq.snapshot_at[0] if seq.snapshot_at else len(seq.prompt)) - end:
                             budget = 0
                 else:
-                    logits = self.model(chunk, cache=seq.caches)[:, -1, :]
+                    logits = lastrow.last_logits(self.model, chunk, seq.caches)
+                    seq.last_chunk = (start, end)
             if seq.fed < len(seq.prompt):
                 break  # the budget is spent
             token, logprobs = self._sample([seq], logits)
@@ -438,6 +444,8 @@ class StepLoop:
         if not self._ready:
             return
         joining, self._ready = self._ready, []
+        for s in joining:  # a batch cache keeps only the window: what the last chunk left is seen first
+            self._last_chunk_seen(s)
         if self.single:  # the batch is the sequence's own caches (some kinds, or some models' code, do not batch)
             assert self._batch is None and len(joining) == 1
             self._batch, joining[0].caches = joining[0].caches, None
@@ -452,6 +460,13 @@ class StepLoop:
             for mine, theirs in zip(self._batch, merged):
                 mine.extend(theirs)
         self._rows += joining
+
+    @staticmethod
+    def _last_chunk_seen(seq: _Seq) -> None:
+        """``on_chunk`` for the prompt's last chunk, after its first token was reported."""
+        if seq.on_chunk is not None and seq.last_chunk is not None:
+            seq.on_chunk(seq.uid, seq.caches, *seq.last_chunk)
+        seq.last_chunk = None
 
     def _settle(self) -> None:
         """Run the last speculative step's pending replay (recurrent rows that accepted part of a draft)."""

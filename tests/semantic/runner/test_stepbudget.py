@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from semantic import Request
+from semantic.runner import lastrow
 from semantic.runner.stepbudget import FLOOR, StepBudget
 from semantic.runner.steploop import StepLoop
 from tests.semantic.runner.test_steploop import _spec
@@ -68,12 +69,22 @@ def test_a_lone_prompt_prefills_in_one_pass_and_one_beside_a_decoder_in_chunks(l
                     prefill_chunk=StepBudget(8, solo=256))
     loop.add(0, Request("a", _ids(1, 100), 30), 0, _spec(llama_tiny, None).make_cache())
     loop.step()
-    assert calls == [99, 1]                   # nobody waits on it: one pass, then its last token alone
+    assert calls == [100]                     # nobody waits on it: one pass, its head on the last row
     calls.clear()
     loop.add(1, Request("b", _ids(2, 40), 2), 0, _spec(llama_tiny, None).make_cache())
     for _ in range(5):
         loop.step()
-    assert calls == [1, 8] * 4 + [1, 7, 1]    # beside a decoder: the decoding chunk per step (the last token alone)
+    assert calls == [1, 8] * 5                # beside a decoder: the decoding chunk per step
+
+
+def test_a_last_chunk_longer_than_one_pass_pays_for_leaves_its_last_token_to_a_pass_of_its_own(llama_tiny):
+    calls: list[int] = []
+    loop = StepLoop(_Counting(llama_tiny, calls), stop_tokens=[], max_batch=4,
+                    prefill_chunk=StepBudget(8, solo=1024))
+    n = lastrow.ONE_PASS_TOKENS + 44
+    loop.add(0, Request("a", _ids(1, n), 2), 0, _spec(llama_tiny, None).make_cache())
+    loop.step()
+    assert calls == [n - 1, 1]                # as mlx-lm's prefill: a pass whose logits are never read, then the last
 
 
 def test_after_a_prompt_finishes_in_a_lone_step_the_next_one_gets_the_decoding_chunk(llama_tiny):
@@ -83,4 +94,4 @@ def test_after_a_prompt_finishes_in_a_lone_step_the_next_one_gets_the_decoding_c
     loop.add(0, Request("a", _ids(1, 20), 4), 0, _spec(llama_tiny, None).make_cache())
     loop.add(1, Request("b", _ids(2, 100), 4), 0, _spec(llama_tiny, None).make_cache())
     loop.step()
-    assert calls == [19, 1, 8]                # a's second token waits for 8 of b's tokens, not 100
+    assert calls == [20, 8]                   # a's second token waits for 8 of b's tokens, not 100

@@ -96,9 +96,9 @@ def test_a_long_prefill_advances_one_chunk_per_step_while_others_decode(llama_ti
 
 
 @pytest.mark.parametrize("chunk, passes", [
-    (6, [[1, 4], [4], [4], [4], [2, 1]]),  # after a stop the rest of the budget (1, 2) waits for the next step
-    (8, [[1, 4], [4, 4], [4, 2, 1]]),      # 4 left after a stop reaches the next one: the step goes on
-    (4, [[1], [4], [4], [4], [4], [2, 1]]),  # the prompt's last token alone, in the step of the chunk before it
+    (6, [[1, 4], [4], [4], [4], [3]]),   # after a stop the rest of the budget (1, 2) waits for the next step
+    (8, [[1, 4], [4, 4], [4, 3]]),       # 4 left after a stop reaches the next one: the step goes on
+    (4, [[1], [4], [4], [4], [4], [3]]),
 ])
 def test_a_prompt_starting_off_the_block_grid_is_chunked_back_onto_it(llama_tiny, chunk, passes):
     """A cache holding 3 tokens, 4-token blocks: the prompt's snapshot positions fall at 1, 5, 9, 13 and 17.
@@ -153,9 +153,9 @@ def test_quantized_sequences_share_one_forward_pass_per_step(llama_tiny):
     done = list(executor.step())
     assert len(done) == 4
     decode = [s for s in calls if s[0] == 4]
-    # 4 prompts prefilled in one step (2 forwards of their own each, the last token alone), then 7 + 1
-    # closing steps of one forward each for all 4
-    assert len(calls) == 4 * 2 + 8 and [s[1] for s in decode] == [1] * 8
+    # 4 prompts prefilled in one step (a forward of their own each), then 7 + 1 closing steps of one
+    # forward each for all 4
+    assert len(calls) == 4 + 8 and [s[1] for s in decode] == [1] * 8
     assert any(isinstance(c, BatchQuantizedKVCache) for c in kinds.merge([_spec(llama_tiny, 8).make_cache()]))
 
 

@@ -67,7 +67,7 @@ def test_every_turn_type_reuses_what_block_boundary_stops_reused_with_one_extrac
     t1 = system + history(16, seed=22)                                   # 30 tokens: the window moved far past 0
     counted["passes"].clear()
     first = _turn(executor, "a", t1)
-    assert counted["passes"] == [29, 1, 1, 1, 1]  # one chunk, the last token, decoding (stops: seven of 4 and one of 2)
+    assert counted["passes"] == [30, 1, 1, 1]  # one chunk, then decoding (stops: seven of 4 tokens and one of 2)
     t2 = list(first.blocks.token_ids) + history(9, seed=23)               # append: a tool's output
     second = _turn(executor, "a", t2, own=first.blocks)
     first.blocks.release()
