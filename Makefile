@@ -55,10 +55,12 @@ help:
 	@echo "make test-compat  the tests of mlx-lm's API again under mlx 0.30.3 / mlx-lm 0.30.4"
 	@echo "make code-map     write docs/code-map.md from the tree (tests/test_docs.py fails when it is stale)"
 
+# Installed with uv (from PyPI, into the venv): the same versions as pip resolves, in seconds instead of
+# about 2.5 minutes. `make test-install` keeps plain pip, as a user's `pip install .` runs.
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev]' $(PINS)
+	$(PY) -m pip install -q uv
+	$(PY) -m uv pip install -q --python $(PY) -e '.[dev]' $(PINS)
 	touch $@
 
 # MLX on Linux computes float32 matmuls on OpenBLAS when it is installed (semantic/blas.py):
@@ -108,7 +110,7 @@ code-map: venv
 # `make test-compat` runs what touches mlx-lm's API again under its oldest supported version.
 # make test and make test-compat run a worker per core (pytest-xdist; a module's tests stay in one worker, so
 # they share its servers and models), each calling OpenBLAS single-threaded: two workers never wait on
-# each other's BLAS threads. The experiments' quick runs in make test-slow run one at a time, as measured.
+# each other's BLAS threads. make test-slow runs its soaks and experiments' quick runs the same way (below).
 PARALLEL := -n auto --maxprocesses 4 --dist loadfile
 test: models system-browser system-redis
 	OPENBLAS_NUM_THREADS=1 $(PY) $(PYTEST) -m "not slow" $(PARALLEL) $(PYTEST_ARGS)
@@ -127,10 +129,12 @@ test-numerics: models
 	done
 
 # The fuzzers run again here with their full counts (a sample of each in `make test`: tests/fuzzing.py),
-# a worker per core as in make test; then the soaks and the experiments' quick runs, one at a time.
+# a worker per core as in make test; then the soaks and the experiments' quick runs, a worker per core too:
+# they judge that every phase and fault runs, is measured and loses nothing, never the figures (those come
+# from `make exp-0NN`, run alone), and each picks free ports and a directory of its own.
 test-slow: models system-browser system-redis
 	SEMANTIC_FUZZ=full OPENBLAS_NUM_THREADS=1 $(PY) $(PYTEST) -m "fuzz and not slow" $(PARALLEL) $(PYTEST_ARGS)
-	$(PY) $(PYTEST) -m slow $(PYTEST_ARGS)
+	OPENBLAS_NUM_THREADS=1 $(PY) $(PYTEST) -m slow -n auto --maxprocesses 4 --dist load $(PYTEST_ARGS)
 
 # The prepared model this device computes with (f32 on a CPU: the last line `models path` prints).
 SERVE_MODEL ?= smollm2-135m
@@ -163,8 +167,8 @@ dashboard-screenshot: venv system-browser
 
 $(COMPAT_STAMP): pyproject.toml
 	test -x $(COMPAT_PY) || $(PYTHON) -m venv $(COMPAT_VENV)
-	$(COMPAT_PY) -m pip install -q --upgrade pip
-	$(COMPAT_PY) -m pip install -q -e '.[dev]' $(COMPAT_PINS)
+	$(COMPAT_PY) -m pip install -q uv
+	$(COMPAT_PY) -m uv pip install -q --python $(COMPAT_PY) -e '.[dev]' $(COMPAT_PINS)
 	touch $@
 
 test-compat: system-blas system-browser system-redis $(COMPAT_STAMP) models
