@@ -4,13 +4,14 @@
 Per rep, the turn's spans, each ended in ``mx.eval`` by the engine itself::
 
     admit      reuse.choose_start + reconstruct the own cache from pooled blocks
-    prefill    the first step: a cache-only pass over the new tokens but the last, the blocks the window
-               passed pooled (``convert.keep_passed``), the last token alone, the first token
+    prefill    the first step: the new tokens' forward pass (up to 256 of them one pass with its head on
+               the last row, ``runner.lastrow``; more, a cache-only pass and the last token alone), the
+               blocks the window passed pooled (``convert.keep_passed``), the first token
     keep       of which the pooling
     finish     the finished cache extracted into the pool (``convert.extract``), after the first token
 
-beside the floor, just before the turn on the same rebuilt cache: the same two forward passes with no
-engine around them (what ``mlx_lm.server`` computes before its first token).
+beside the floor, just before the turn on the same rebuilt cache: the same forward passes with no
+engine around them (``mlx_lm.server`` computes a cache-only pass and the last token alone).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ def profile_append(model_dir, cached_tokens: int, append_tokens: int, reps: int)
     from harness.prompts import text_of_tokens
     from semantic import BatchExecutor, BlockPool, ModelCacheSpec, Request
     from semantic.cache import convert
+    from semantic.runner import lastrow
 
     model, tok = load(str(model_dir))
     spec = ModelCacheSpec.from_model(model)
@@ -51,9 +53,12 @@ def profile_append(model_dir, cached_tokens: int, append_tokens: int, reps: int)
     def floor(own, chunk) -> float:
         cache = convert.reconstruct(own)
         t = time.perf_counter()
-        model(chunk[:, :-1], cache=cache)
-        mx.eval([c.state for c in cache])
-        mx.eval(model(chunk[:, -1:], cache=cache)[:, -1, :])
+        if chunk.shape[1] <= lastrow.ONE_PASS_TOKENS:  # the passes the step loop makes for this chunk
+            mx.eval(lastrow.last_logits(model, chunk, cache))
+        else:
+            model(chunk[:, :-1], cache=cache)
+            mx.eval([c.state for c in cache])
+            mx.eval(model(chunk[:, -1:], cache=cache)[:, -1, :])
         return time.perf_counter() - t
 
     uid = executor.submit(Request("agent", corpus[:cached_tokens], 1))

@@ -81,7 +81,8 @@ One append turn in this process ({prof['append_tokens']} new tokens over {prof['
 {prof['reps']}): admission (reuse + rebuild) {fmt(prof['admit_s'])} s, the prefill step to the first token
 {fmt(prof['prefill_s'])} s, of which pooling the passed window blocks {fmt(prof['keep_s'])} s; the finished
 cache's extraction {fmt(prof['finish_s'])} s (after the first token). The same forward passes with no engine
-(a cache-only pass, then the last token alone, on the same rebuilt cache) {fmt(prof['forward_s'])} s.
+(the passes the step loop makes: one with its head on the last row up to 256 tokens, else a cache-only
+pass and the last token alone; on the same rebuilt cache) {fmt(prof['forward_s'])} s.
 """
         parts.append(f"### {m} (system prompts {d['system_tokens']} tokens)\n\n" + "\n".join(lines) + "\n" + extra)
     failed = "\n".join(f"- {f['part']}: `{f['error'].strip().splitlines()[-1][:300]}`"

@@ -25,8 +25,8 @@ with ``python -m harness.memory.costs MODEL_DIR ... --pool-mb 128``, each figure
   - a step's largest array: one layer's attention scores over a prefill chunk (MLX's CPU attention
     materialises ``heads × chunk × context × 4`` bytes; a chunk is 2048 tokens,
     ``stepbudget.SOLO_CHUNK``, sliding windows or not) or a decode step's logits (``max_batch`` rows
-    of up to 9 positions each, a token and its drafts; a prompt's last token is fed alone, so its
-    prefill computes one row), whichever is larger, plus the chunk's MLP and residual-stream activations;
+    of up to 9 positions each, a token and its drafts; a prompt's last chunk computes one row of
+    logits, ``runner.lastrow``, or feeds its last token alone), whichever is larger, plus the chunk's MLP and residual-stream activations;
   - MLX's buffer cache between steps (:data:`MLX_CACHE_BYTES`: 32 MB after every turn measured).
 
   Fresh prompts of 64 / 600 / 1500 / 2048 / 2300 tokens, 128 MB pool: SmolLM2 f32 +44 / 133 / 341 / 468
