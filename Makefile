@@ -131,10 +131,12 @@ test-numerics: models
 # The fuzzers run again here with their full counts (a sample of each in `make test`: tests/fuzzing.py),
 # a worker per core as in make test; then the soaks and the experiments' quick runs, a worker per core too:
 # they judge that every phase and fault runs, is measured and loses nothing, never the figures (those come
-# from `make exp-0NN`, run alone), and each picks free ports and a directory of its own.
+# from `make exp-0NN`, run alone), and each picks free ports and a directory of its own; last, alone, the
+# ones whose servers' lives last a set time (marker `alone`: the chaos soak).
 test-slow: models system-browser system-redis
 	SEMANTIC_FUZZ=full OPENBLAS_NUM_THREADS=1 $(PY) $(PYTEST) -m "fuzz and not slow" $(PARALLEL) $(PYTEST_ARGS)
-	OPENBLAS_NUM_THREADS=1 $(PY) $(PYTEST) -m slow -n auto --maxprocesses 4 --dist load $(PYTEST_ARGS)
+	OPENBLAS_NUM_THREADS=1 $(PY) $(PYTEST) -m "slow and not alone" -n auto --maxprocesses 4 --dist load $(PYTEST_ARGS)
+	$(PY) $(PYTEST) -m "slow and alone" $(PYTEST_ARGS)
 
 # The prepared model this device computes with (f32 on a CPU: the last line `models path` prints).
 SERVE_MODEL ?= smollm2-135m
