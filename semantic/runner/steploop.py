@@ -345,7 +345,8 @@ class StepLoop:
                             budget = 0
                 else:
                     logits = lastrow.last_logits(self.model, chunk, seq.caches)
-                    seq.last_chunk = (start, end)
+                    if end - start > 1:  # a one-token pass trimmed the ring: nothing passed is left to see
+                        seq.last_chunk = (start, end)
             if seq.fed < len(seq.prompt):
                 break  # the budget is spent
             token, logprobs = self._sample([seq], logits)
