@@ -9,7 +9,9 @@ from collections import defaultdict
 from pathlib import Path
 
 from harness.trials.serving.append_profile.report import progress
-from harness.trials.serving.append_profile.turns import ROOT, conversation
+from harness.trials.serving.append_profile.turns import conversation
+
+CHECKOUT = Path(__file__).resolve().parents[4]   # this checkout's root: its ``semantic`` is the server's
 
 
 def http_part(model_dir: Path, trials: int, cached: int, new: int, max_tokens: int, workdir: Path,
@@ -57,7 +59,7 @@ def _start(servers: dict, model_dir: Path, workdir: Path, before: Path | None) -
     path = os.environ.get("PYTHONPATH")
     for name, kind, checkout in sides:
         # each of ours imports ``semantic`` from its own checkout
-        os.environ["PYTHONPATH"] = str(Path(checkout or ROOT).resolve())
+        os.environ["PYTHONPATH"] = str(Path(checkout or CHECKOUT).resolve())
         servers[name] = processes.start(TARGETS[kind], model_dir, processes.free_port(),
                                         workdir / name.replace(".", "_").replace("@", "_"), model_id="model")
     if path is None:

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[3]
+import semantic
+
+SOURCE = Path(semantic.__file__).parent   # the installed package: the files exist wherever the harness runs
 SYSTEM = ("You are a coding agent in a Python repository. Tools: read_file(path), run_tests(pattern), "
           "apply_patch(diff). Keep answers short and never invent file names.")
 # what the agent read (its first turn) and what a tool answered (the append): the project's own source
-READ_FILE = ROOT / "semantic" / "scheduler.py"
-TOOL_OUTPUT = ROOT / "semantic" / "planner.py"
+READ_FILE = SOURCE / "sched" / "scheduler.py"
+TOOL_OUTPUT = SOURCE / "sched" / "planner.py"
 
 
 def conversation(tokenizer, cached: int, new: int, trial: int) -> tuple[list[dict], str]:

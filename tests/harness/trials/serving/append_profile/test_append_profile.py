@@ -79,3 +79,16 @@ def test_the_http_summary_is_each_servers_medians_and_the_median_of_each_trials_
     assert h["semantic"] == {"ttft_s": 1.5, "last_token_s": 3.0, "turn_s": 4.5, "n": 2, "cached_tokens": [2000, 2001]}
     assert h["ratio_semantic_over_mlx_lm"] == pytest.approx({"ttft_s": 0.625, "last_token_s": 0.625, "turn_s": 0.625})
     assert "ratio_mlx_lm.server_over_mlx_lm" not in h and h["load"] == [0.5, 0.6, 0.7, 0.8]
+
+
+def test_the_profiled_turns_material_and_every_traced_function_exist():
+    from harness.trials.serving.append_profile import __main__, over_http, turns  # noqa: F401 (the flags' imports)
+
+    assert turns.READ_FILE.is_file() and turns.TOOL_OUTPUT.is_file()
+    assert (over_http.CHECKOUT / "semantic" / "__init__.py").is_file()
+    tracer = Tracer()
+    tracer.install()   # raises on a module or function that is gone
+    try:
+        assert len(tracer._undo) == len(tracing.TRACED)
+    finally:
+        tracer.uninstall()
