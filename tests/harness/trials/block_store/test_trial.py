@@ -23,9 +23,12 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 def test_both_layouts_are_measured_in_one_run_and_the_measurements_are_sane(smollm2_dir, tmp_path):
     has_flag = server_accepts("--cache-layout")
-    # fewer repetitions than [quick]: this judges that every phase runs and measures, not the figures
+    # fewer repetitions and shorter prompts than [quick] (each 1,000 cold tokens is ~13 s a server on one
+    # core): this judges that every phase runs and measures, not the figures
     overrides = [f"params.model_dir={smollm2_dir}", f"params.work_dir={tmp_path}", "params.wa_turns=2",
-                 "params.restart_reps=1"]
+                 "params.restart_reps=1", "params.wa_system_tokens=300", "params.wa_history_tokens=300",
+                 "params.restart_short_tokens=300", "params.restart_long_tokens=600", "params.fg_tokens=600",
+                 "params.fg_reps=2"]
     if not has_flag:
         overrides.append('params.layout_flag=""')
     config = load_config("exp_017_block_store", quick=True, overrides=overrides)
