@@ -22,7 +22,8 @@ def test_every_turn_type_is_measured_on_a_hybrid_and_ours_reuses_within_a_life(s
     config = load_config("exp_018_hybrid", quick=True, overrides=[
         f"params.tokenizer_dir={smollm2_dir}", f"params.work_dir={tmp_path}", f"params.model_root={tmp_path}",
         'params.peers=["mlx_lm.server"]', "params.agents=4", "params.store_reps=1",
-        "params.rounds=2", "params.restart_reps=1"])  # fewer repetitions: each phase still measured
+        "params.rounds=2", "params.restart_reps=1", "params.system_tokens=300"])  # fewer repetitions and a
+    # shorter shared prompt (one whole block and a tail): each phase still measured
     (path,) = run(config, tmp_path / "results")
     doc = json.loads(path.read_text())
     c, out = doc["checks"], doc["outputs"]
