@@ -159,8 +159,11 @@ serve-ttft: models
 
 # One cached append turn (~300 new tokens over ~2K cached) traced span by span, against mlx-lm's
 # generate_step in-process and mlx_lm.server over HTTP (5 samples a side, interleaved; about 10 min).
+# PROFILE_ARGS='--cached 500 --new 35' profiles a sub-agent-sized turn instead (docs/cpu-speed.md).
+PROFILE_ARGS ?=
+PROFILE_JSON ?= results/exp_009_serving/long_append_profile.json
 append-profile: models
-	$(PY) -m harness.trials.serving.append_profile --trials 5 --http --json results/exp_009_serving/long_append_profile.json
+	$(PY) -m harness.trials.serving.append_profile --trials 5 --http --json $(PROFILE_JSON) $(PROFILE_ARGS)
 
 # Refresh the dashboard screenshots in docs/ (live tiny-model servers in Chromium: one model, and three).
 dashboard-screenshot: venv system-browser
