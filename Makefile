@@ -18,7 +18,7 @@ AIPERF_ARGS ?=
 # extra requirements for .venv, e.g. PINS="mlx==0.30.3 mlx-lm==0.30.4" (the macOS workflow's matrix)
 PINS ?=
 
-.PHONY: code-map compare-commits help system-blas system-browser system-redis venv models serve serve-models serve-ttft append-profile dashboard-screenshot test test-numerics test-slow test-compat exp-003 exp-004 exp-005 exp-006 exp-006-full exp-007 exp-007-full exp-008 exp-008-full exp-008-spec exp-009 exp-009-full exp-009-aiperf exp-010 exp-010-full exp-011 exp-011-full exp-012 exp-012-two-models exp-013 exp-014 exp-014-full exp-015 exp-016 exp-017 exp-018 exp-018-full exp-019 exp-019-full exp-020 exp-020-full exp-021 exp-021-full exp-023 exp-023-full model-matrix fuzz-blocks chunk-cost restore-speed spec-recurrent exp-throughput exp-throughput-full bench compare-versions test-install clean
+.PHONY: code-map compare-commits help system-blas system-browser system-redis venv models serve serve-models serve-ttft serve-hops append-profile dashboard-screenshot test test-numerics test-slow test-compat exp-003 exp-004 exp-005 exp-006 exp-006-full exp-007 exp-007-full exp-008 exp-008-full exp-008-spec exp-009 exp-009-full exp-009-aiperf exp-010 exp-010-full exp-011 exp-011-full exp-012 exp-012-two-models exp-013 exp-014 exp-014-full exp-015 exp-016 exp-017 exp-018 exp-018-full exp-019 exp-019-full exp-020 exp-020-full exp-021 exp-021-full exp-023 exp-023-full model-matrix fuzz-blocks chunk-cost restore-speed spec-recurrent exp-throughput exp-throughput-full bench compare-versions test-install clean
 
 help:
 	@echo "make test         run the test suite (creates .venv, prepares models; a worker per core; timings: docs/tests.md)"
@@ -156,6 +156,10 @@ serve-models: models
 # Client-side TTFT of an agent's cached turn against the same turn uncached, over HTTP.
 serve-ttft: models
 	$(PY) -m harness.serve_ttft --model $(SERVE_MODEL) --json results/serve_ttft.json
+
+# Where a sub-agent's first token goes inside our server, hop by hop on one clock (docs/cpu-speed.md).
+serve-hops: models
+	$(PY) -m harness.trials.serving.hops run --model $(SERVE_MODEL) --json results/serve_hops.json
 
 # One cached append turn (~300 new tokens over ~2K cached) traced span by span, against mlx-lm's
 # generate_step in-process and mlx_lm.server over HTTP (5 samples a side, interleaved; about 10 min).

@@ -1,0 +1,218 @@
+"""Where a streamed turn's first token goes inside our server, hop by hop, timed from one clock.
+
+``semantic serve`` runs under this module (``serve``), which stamps (wall clock, so the client's stamps
+line up) each hop of a chat turn before handing over to the server's own ``main``::
+
+    arrived     the POST's first bytes reach uvicorn's protocol
+    handler     the route's first check ran (FastAPI routed it, pydantic parsed the body)
+    prepared    ``Backend.prepare`` returned (chat template, tokenizer, agent id, off the event loop)
+    admitted    the scheduler starts the turn (its cache found in the pool or on disk)
+    prefilled   the step loop's prefill that fed the prompt's last tokens returned (its first token sampled)
+    token       the first token's callback ran on the scheduler's thread
+    chunk       the first content chunk was handed to the stream
+
+Then (``run``) one agent's first turn caches a system prompt, and each timed turn is a new agent's on
+it with a short task (a sub-agent), streamed through the OpenAI SDK; per hop the median ms after the
+POST arrived, and the client's own first content chunk.
+
+    python -m harness.trials.serving.hops run --model smollm2-135m --system-tokens 500 --turns 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+HOPS = ("arrived", "handler", "prepared", "admitted", "prefilled", "token", "chunk")
+STAMPS_ENV = "HARNESS_HOPS_STAMPS"  # the file the stamped server appends its stamps to
+
+
+def install(write) -> list:
+    """Wrap the server's functions so each hop calls ``write(hop)``; returns the undo list
+    ``[(owner, attr, original)]``."""
+    from uvicorn.protocols.http import h11_impl
+
+    from semantic.runner import steploop
+    from semantic.sched import scheduler
+    from semantic.serve.openai import router
+    from semantic.serve.turn import backend
+
+    undo = []
+
+    def wrap(owner, attr, make):
+        orig = getattr(owner, attr)
+        setattr(owner, attr, make(orig))
+        undo.append((owner, attr, orig))
+
+    def arrived(orig):
+        def data_received(self, data):
+            if data[:5] == b"POST ":
+                write("arrived")
+            return orig(self, data)
+        return data_received
+
+    def handler(orig):
+        def checks(*a, **k):
+            write("handler")
+            return orig(*a, **k)
+        return checks
+
+    def prepared(orig):
+        async def prepare(self, req):
+            out = await orig(self, req)
+            write("prepared")
+            return out
+        return prepare
+
+    def admitted(orig):
+        def start(self, *a, **k):
+            write("admitted")
+            return orig(self, *a, **k)
+        return start
+
+    def prefilled(orig):
+        def prefill(self):
+            done, fed = orig(self)
+            if done:
+                write("prefilled")
+            return done, fed
+        return prefill
+
+    def token(orig):
+        def on_token(self, *a, **k):
+            if not getattr(self, "_hops_seen", False):
+                self._hops_seen = True
+                write("token")
+            return orig(self, *a, **k)
+        return on_token
+
+    def chunk(orig):
+        def sse(c, *a, **k):
+            if c.choices and c.choices[0].delta.content:
+                write("chunk")
+            return orig(c, *a, **k)
+        return sse
+
+    wrap(h11_impl.H11Protocol, "data_received", arrived)
+    wrap(router, "_common_checks", handler)
+    wrap(backend.Backend, "prepare", prepared)
+    wrap(scheduler.ConcurrentScheduler, "_start", admitted)
+    wrap(steploop.StepLoop, "_prefill", prefilled)
+    wrap(backend._Relay, "on_token", token)
+    wrap(router, "_sse", chunk)
+    return undo
+
+
+def uninstall(undo: list) -> None:
+    for owner, attr, orig in reversed(undo):
+        setattr(owner, attr, orig)
+    undo.clear()
+
+
+def hop_table(turns: list[dict]) -> dict:
+    """Per hop, the median ms after the POST arrived over ``turns`` (each ``{"client_t0", "client_first",
+    "stamps": {hop: t}}``, wall-clock seconds); ``client_to_arrival`` is how long the request took to reach
+    the server, ``client_first`` the client's own first content chunk, after the arrival too."""
+    rows = [t for t in turns if "arrived" in t["stamps"]]
+    out = {}
+    for hop in HOPS:
+        ms = [(t["stamps"][hop] - t["stamps"]["arrived"]) * 1000 for t in rows if hop in t["stamps"]]
+        out[hop] = round(statistics.median(ms), 1) if ms else None
+    first = [(t["client_first"] - t["stamps"]["arrived"]) * 1000 for t in rows if t["client_first"] is not None]
+    out["client_first"] = round(statistics.median(first), 1) if first else None
+    out["client_to_arrival"] = round(statistics.median((t["stamps"]["arrived"] - t["client_t0"]) * 1000
+                                                       for t in rows), 1) if rows else None
+    return out
+
+
+def _serve(argv: list[str]) -> int:
+    """``semantic serve`` with every hop stamped into the file ``$HARNESS_HOPS_STAMPS`` names."""
+    import semantic.blas
+
+    semantic.blas.enable()  # before anything imports mlx, as the server's own main does
+    path, lock = os.environ[STAMPS_ENV], threading.Lock()
+    out = open(path, "a")
+
+    def write(hop: str) -> None:
+        with lock:
+            out.write(json.dumps([hop, time.time()]) + "\n")
+            out.flush()
+
+    install(write)
+    from semantic.serve.cli import main
+
+    return main(argv)
+
+
+def _run(a) -> dict:
+    from harness import models
+    from harness.prompts import system_prompt
+    from harness.servers import processes
+    from harness.servers.client import client, stream_turn
+    from harness.servers.targets import OURS, TARGETS
+    from harness.trials.window_trace.trace import task
+    from mlx_lm.utils import load_tokenizer
+
+    model_dir = models.prepared_dir(a.model, models.default_variant(None))
+    system = system_prompt(load_tokenizer(model_dir), a.system_tokens)
+    work = Path(tempfile.mkdtemp(prefix="hops-"))
+    stamps = work / "stamps.jsonl"
+    stamps.touch()
+    ours = TARGETS[OURS]
+    stamped = dataclasses.replace(
+        ours, command=lambda l: [*(x if x != "semantic.serve" else "harness.trials.serving.hops" for x in
+                                   ours.command(l)[:3]), "serve", *ours.command(l)[3:]],
+        env=lambda l: {**ours.env(l), STAMPS_ENV: str(stamps)})
+    srv = processes.start(stamped, model_dir, processes.free_port(), work / "server")
+    turns = []
+    try:
+        cl = client(srv.url, 600.0)
+        stream_turn(cl, srv.model, [system, task(0)], 2, agent="hops-first")  # caches the system prompt
+        for k in range(a.turns):
+            seen = len(stamps.read_text().splitlines())
+            t0 = time.time()
+            got = stream_turn(cl, srv.model, [system, task(0, k)], a.max_tokens, agent=f"hops-sub-{k}")
+            time.sleep(0.2)  # the stamps after the reply (none are timed) are flushed
+            stamped_now: dict = {}
+            for line in stamps.read_text().splitlines()[seen:]:
+                hop, t = json.loads(line)
+                stamped_now.setdefault(hop, t)
+            turns.append({"client_t0": t0, "client_first": t0 + got.ttft_s, "stamps": stamped_now,
+                          "prompt_tokens": got.prompt_tokens, "cached_tokens": got.cached_tokens})
+            print(f"turn {k + 1}/{a.turns}: {got.cached_tokens}/{got.prompt_tokens} cached, first content "
+                  f"{got.ttft_s * 1000:.0f} ms at the client", flush=True)
+    finally:
+        srv.stop()
+    return {"model": a.model, "system_tokens": a.system_tokens, "turns": turns, "hops_ms": hop_table(turns)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:
+        return _serve(argv[1:])
+    p = argparse.ArgumentParser(prog="python -m harness.trials.serving.hops", description=__doc__.split("\n\n")[0])
+    p.add_argument("command", choices=["run"])
+    p.add_argument("--model", default="smollm2-135m", help="a registered model name (prepared by `make models`)")
+    p.add_argument("--system-tokens", type=int, default=500, help="the shared system prompt's tokens")
+    p.add_argument("--turns", type=int, default=10, help="timed sub-agent turns")
+    p.add_argument("--max-tokens", type=int, default=4)
+    p.add_argument("--json", type=Path, help="write the turns and the table here")
+    a = p.parse_args(argv)
+    result = _run(a)
+    print(json.dumps(result["hops_ms"], indent=1))
+    if a.json:
+        a.json.parent.mkdir(parents=True, exist_ok=True)
+        a.json.write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
