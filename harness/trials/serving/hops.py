@@ -24,6 +24,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -191,6 +192,7 @@ def _run(a) -> dict:
                   f"{got.ttft_s * 1000:.0f} ms at the client", flush=True)
     finally:
         srv.stop()
+        shutil.rmtree(work, ignore_errors=True)
     return {"model": a.model, "system_tokens": a.system_tokens, "turns": turns, "hops_ms": hop_table(turns)}
 
 
