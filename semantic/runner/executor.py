@@ -47,8 +47,8 @@ import mlx.core as mx
 from semantic.runner import batchprobe
 from semantic import compat, defaults, kinds
 from semantic.modelconfig import ModelConfig
-from semantic.cache import blockclaim, convert, reuse, snapshots
 from semantic.cache.blocks import AgentBlocks
+from semantic.cache.manager import CacheManager
 from semantic.runner.stepbudget import StepBudget
 from semantic.decode.constraint import Constraint
 from semantic.errors import (
@@ -110,10 +110,11 @@ class BatchExecutor:
         spec.require_same(probe, "the spec")
         self.model, self.tokenizer, self.pool, self.spec = model, tokenizer, pool, spec
         self.lock = lock if lock is not None else threading.RLock()
+        self.cache_manager = CacheManager(pool, spec, self.lock)  # every pool and cache-object move goes through it
         # sliding layers lose the window of a prefix once prefill moves past it: see _keep
-        self._positions = snapshots.SnapshotPositions(spec, pool.block_tokens)
+        self._positions = self.cache_manager.positions
         self.takes_snapshots = self._positions.required  # some layers resume only from a snapshot
-        self._snapshot_groups = sorted(spec.snapshot_groups(pool.block_tokens))
+        self._snapshot_groups = self.cache_manager.snapshot_groups
         # a window of a block or more keeps only its history's end in an agent's file: the system prompt's
         # cache is saved on its own (``Scheduler._keep_prefix``)
         self.keeps_prefixes = self._positions.windows
@@ -164,7 +165,7 @@ class BatchExecutor:
         agent's previous cache, which may have diverged: an edited
         conversation) or, with ``share``, any pooled block covers (another
         agent's shared system prompt, an earlier branch), as
-        :func:`reuse.choose_start` decides; the rest is prefilled. ``own`` is
+        ``CacheManager.start`` decides; the rest is prefilled. ``own`` is
         only read; the caller keeps its reference. ``share=False`` with no
         ``own`` is a fresh prefill. Nothing changes in the executor when this raises.
 
@@ -189,8 +190,7 @@ class BatchExecutor:
         constraint = Constraint(request.grammar, self.tokenizer, self.vocab_size) if request.grammar else None
         admitted = time.perf_counter()
         ids = request.ids
-        with self.lock:
-            start = reuse.choose_start(self.pool, ids, own, self._release, request.salt_root, share=share)
+        start = self.cache_manager.start(ids, own, request.salt_root, share)
         fed = start.cached
         seq = _InFlight(next(self._uids), request, start.cached, start.source, admitted)
         carried = self._positions.carried(fed, len(ids), request.boundaries)
@@ -220,20 +220,9 @@ class BatchExecutor:
         """Hold the pooled snapshots of ``ids`` at positions ``at`` (where this turn resumed, its boundaries
         before that: the agent's own, or any agent's) for ``seq``'s finished cache to carry
         (``SnapshotPositions.carried``)."""
-        if not at:
-            return
-        salt, bt = seq.request.salt_root, self.pool.block_tokens
-        chain = blockclaim.chain_keys(ids[: max(at)], bt, salt)
-        with self.lock:
-            found = {g: [] for g in self._snapshot_groups}
-            for p in sorted(at):
-                hits = [self.pool.lookup(blockclaim.snapshot_keys(ids[:p], chain, g, bt, salt)[1],
-                                         ids[blockclaim.snapshot_span(p, bt)[0]: p], count=False)
-                        for g in self._snapshot_groups]
-                if all(h is not None for h in hits):
-                    for g, h in zip(self._snapshot_groups, hits):
-                        found[g].append(self.pool.acquire(h))
-        seq.kept.append(AgentBlocks(self.spec, ids[: max(at)], found, bt, _release=self._release, salt_root=salt))
+        kept = self.cache_manager.carry(ids, at, seq.request.salt_root)
+        if kept is not None:
+            seq.kept.append(kept)
 
     def _keep(self, caches: list, ids: Sequence[int], fed: int, start: int, end: int, salt_root: int | None) -> None:
         """Pool what a sliding window held at each block boundary a prefill chunk (prompt tokens
@@ -257,8 +246,7 @@ class BatchExecutor:
         if not ends:
             return
         try:
-            with self.lock:
-                convert.keep_passed(self.pool, caches, ids[: fed + end], ends, salt_root)
+            self.cache_manager.keep_passed(caches, ids[: fed + end], ends, salt_root)
         except PoolExhaustedError:
             log.debug("pool full: the blocks before %d tokens are not kept", fed + end)
 
@@ -271,18 +259,13 @@ class BatchExecutor:
         skips the checkpoint.
         """
         try:
-            with self.lock:
-                blocks = convert.extract(self.pool, caches, ids, self._release, salt_root)
+            blocks = self.cache_manager.extract(caches, ids, salt_root)
             if keep is not None and self.takes_snapshots:
                 keep.kept.append(blocks)
             else:
                 blocks.release()
         except PoolExhaustedError:
             log.debug("pool full: no checkpoint at %d tokens", len(ids))
-
-    def _release(self, blocks) -> None:
-        with self.lock:
-            self.pool.release(blocks)
 
     # ------------------------------------------------------------ driving
 
@@ -403,9 +386,7 @@ class BatchExecutor:
             if caches is None:
                 raise CacheError("ended before its first token: no exact cache to keep")
             earlier = [b for kept in seq.kept for g in self._snapshot_groups for b in kept.groups[g]]
-            with self.lock:
-                blocks = convert.extract(self.pool, caches, self._held(seq, caches, held), self._release,
-                                         seq.request.salt_root, earlier)
+            blocks = self.cache_manager.extract(caches, self._held(seq, caches, held), seq.request.salt_root, earlier)
             self._finished[seq.uid] = blocks
         except CacheError as exc:
             error = f"{type(exc).__name__}: {exc}"
@@ -436,19 +417,11 @@ class BatchExecutor:
     def pooled(self, ids: Sequence[int], salt_root: int | None = None) -> AgentBlocks | None:
         """The cache of ``ids`` made of pooled blocks alone (new references the caller owns), or None when
         the pool lacks one of them or cannot take back the cached ones."""
-        with self.lock:
-            claim = blockclaim.claim_blocks(self.pool, self.spec, ids, salt_root=salt_root)
-            if not claim.blocks or any(p.hit is None for p in claim.blocks):
-                return None
-            try:
-                return blockclaim.commit(self.pool, self.spec, ids, claim, lambda p: None, self._release, salt_root)
-            except PoolExhaustedError:
-                return None
+        return self.cache_manager.pooled(ids, salt_root)
 
     def reconstruct_cache(self, blocks: AgentBlocks, materialize: bool = True, upto: int | None = None) -> list:
         """Real mlx-lm cache objects, one per layer, for ``blocks`` (its first ``upto`` tokens)."""
-        self.spec.require_same(blocks.spec, "these blocks")
-        return convert.reconstruct(blocks, materialize=materialize, upto=upto)
+        return self.cache_manager.rebuild(blocks, materialize=materialize, upto=upto)
 
     def extract_cache(self, uid: int) -> AgentBlocks:
         """The cache of a sequence as AgentBlocks.
@@ -463,9 +436,7 @@ class BatchExecutor:
                 raise UnknownSequenceError(f"no sequence {uid} in flight or finished with live blocks")
             return blocks
         caches = self._loop.caches(uid)
-        with self.lock:
-            return convert.extract(self.pool, caches, self._held(seq, caches, self._loop.held(uid)), self._release,
-                                   seq.request.salt_root)
+        return self.cache_manager.extract(caches, self._held(seq, caches, self._loop.held(uid)), seq.request.salt_root)
 
 
 def vocab_size(model) -> int:

@@ -1,0 +1,95 @@
+"""The executor's one door into the cache: where a turn starts, what its prefill pools, what its end keeps.
+
+The step loop computes in mlx-lm's cache objects; the pool keeps 256-token blocks. Between them a turn
+asks five things, and each is a method here (the pool's lock held for it, as its callers share the pool)::
+
+    start         the longest reusable prefix of a prompt: the agent's own cache or pooled blocks (reuse)
+    rebuild       cache objects for those blocks (convert.reconstruct)
+    carry         the pooled snapshots a resumed turn's finished cache must hold on to (snapshots)
+    keep_passed   a sliding window's blocks that a prefill chunk moved past, pooled before the ring drops them
+    extract       a cache (finished, a checkpoint, in flight) stored as pooled blocks (convert.extract)
+
+``pooled`` finds a prompt's cache made of pooled blocks alone, and ``release`` gives blocks back. Nothing
+here decides when: the executor says when a turn starts, a chunk ends or a sequence finishes.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Sequence
+
+from semantic.cache import blockclaim, convert, reuse, snapshots
+from semantic.cache.blocks import AgentBlocks
+from semantic.cache.pool import BlockPool
+from semantic.cache.spec import ModelCacheSpec
+from semantic.errors import PoolExhaustedError
+
+
+class CacheManager:
+    """A pool of one model's cache geometry, as its executor's turns use it (module doc)."""
+
+    def __init__(self, pool: BlockPool, spec: ModelCacheSpec, lock: threading.RLock):
+        self.pool, self.spec, self.lock = pool, spec, lock
+        # where a prefill stops to take a snapshot, and which positions a finished cache carries
+        self.positions = snapshots.SnapshotPositions(spec, pool.block_tokens)
+        self.snapshot_groups = sorted(spec.snapshot_groups(pool.block_tokens))
+
+    def release(self, blocks) -> None:
+        with self.lock:
+            self.pool.release(blocks)
+
+    def start(self, ids: Sequence[int], own: AgentBlocks | None, salt_root: int | None, share: bool) -> reuse.Reuse:
+        """The longest reusable prefix of ``ids`` (:func:`reuse.choose_start`); pool references only for a
+        result the caller then owns (``owned``)."""
+        with self.lock:
+            return reuse.choose_start(self.pool, ids, own, self.release, salt_root, share=share)
+
+    def rebuild(self, blocks: AgentBlocks, materialize: bool = True, upto: int | None = None) -> list:
+        """Real mlx-lm cache objects, one per layer, for ``blocks`` (its first ``upto`` tokens)."""
+        self.spec.require_same(blocks.spec, "these blocks")
+        return convert.reconstruct(blocks, materialize=materialize, upto=upto)
+
+    def carry(self, ids: Sequence[int], at: Sequence[int], salt_root: int | None) -> AgentBlocks | None:
+        """The pooled snapshots of ``ids`` at positions ``at`` that every snapshot group has (new references
+        the caller owns), for a resumed turn's finished cache to carry; None when ``at`` is empty."""
+        if not at:
+            return None
+        bt = self.pool.block_tokens
+        chain = blockclaim.chain_keys(ids[: max(at)], bt, salt_root)
+        with self.lock:
+            found = {g: [] for g in self.snapshot_groups}
+            for p in sorted(at):
+                hits = [self.pool.lookup(blockclaim.snapshot_keys(ids[:p], chain, g, bt, salt_root)[1],
+                                         ids[blockclaim.snapshot_span(p, bt)[0]: p], count=False)
+                        for g in self.snapshot_groups]
+                if all(h is not None for h in hits):
+                    for g, h in zip(self.snapshot_groups, hits):
+                        found[g].append(self.pool.acquire(h))
+        return AgentBlocks(self.spec, ids[: max(at)], found, bt, _release=self.release, salt_root=salt_root)
+
+    def keep_passed(self, caches: list, ids: Sequence[int], ends: Sequence[int], salt_root: int | None) -> None:
+        """Pool the full blocks every layer group held after each of ``ends`` tokens (``convert.keep_passed``);
+        a full pool keeps none of them."""
+        with self.lock:
+            convert.keep_passed(self.pool, caches, ids, ends, salt_root)
+
+    def extract(self, caches: list, ids: Sequence[int], salt_root: int | None, earlier: Sequence = ()) -> AgentBlocks:
+        """``caches`` (holding ``ids``) stored as pooled blocks the caller owns (``convert.extract``).
+
+        Raises:
+            PoolExhaustedError: the pool cannot hold the new blocks (nothing was taken).
+        """
+        with self.lock:
+            return convert.extract(self.pool, caches, ids, self.release, salt_root, earlier)
+
+    def pooled(self, ids: Sequence[int], salt_root: int | None = None) -> AgentBlocks | None:
+        """The cache of ``ids`` made of pooled blocks alone (new references the caller owns), or None when
+        the pool lacks one of them or cannot take back the cached ones."""
+        with self.lock:
+            claim = blockclaim.claim_blocks(self.pool, self.spec, ids, salt_root=salt_root)
+            if not claim.blocks or any(p.hit is None for p in claim.blocks):
+                return None
+            try:
+                return blockclaim.commit(self.pool, self.spec, ids, claim, lambda p: None, self.release, salt_root)
+            except PoolExhaustedError:
+                return None
