@@ -168,10 +168,13 @@ def _run(a) -> dict:
     stamps = work / "stamps.jsonl"
     stamps.touch()
     ours = TARGETS[OURS]
-    stamped = dataclasses.replace(
-        ours, command=lambda l: [*(x if x != "semantic.serve" else "harness.trials.serving.hops" for x in
-                                   ours.command(l)[:3]), "serve", *ours.command(l)[3:]],
-        env=lambda l: {**ours.env(l), STAMPS_ENV: str(stamps)})
+
+    def command(launch) -> list[str]:  # python -m semantic.serve ARGS -> python -m <this module> serve ARGS
+        python, flag, module, *args = ours.command(launch)
+        assert (flag, module) == ("-m", "semantic.serve"), (flag, module)
+        return [python, flag, "harness.trials.serving.hops", "serve", *args]
+
+    stamped = dataclasses.replace(ours, command=command, env=lambda l: {**ours.env(l), STAMPS_ENV: str(stamps)})
     srv = processes.start(stamped, model_dir, processes.free_port(), work / "server")
     turns = []
     try:
