@@ -51,6 +51,7 @@ help:
 	@echo "make serve        serve SmolLM2 over the OpenAI and Anthropic APIs (SERVE_ARGS=\"--port 8080 --api-key K\")"
 	@echo "make serve-models two models behind one server (Gemma 3 270M main, SmolLM2 small; Claude Code aliases)"
 	@echo "make serve-ttft   TTFT of a cached agent turn vs the same turn uncached, through HTTP"
+	@echo "make serve-hops   where a sub-agent's first token goes inside our server, hop by hop"
 	@echo "make append-profile  where a cached 300-over-2K append turn's time goes, ours vs mlx-lm"
 	@echo "make test-compat  the tests of mlx-lm's API again under mlx 0.30.3 / mlx-lm 0.30.4"
 	@echo "make code-map     write docs/code-map.md from the tree (tests/test_docs.py fails when it is stale)"

@@ -53,6 +53,14 @@ def install(write) -> list:
         setattr(owner, attr, make(orig))
         undo.append((owner, attr, orig))
 
+    def before(hop):
+        def make(orig):
+            def call(*a, **k):
+                write(hop)
+                return orig(*a, **k)
+            return call
+        return make
+
     def arrived(orig):
         def data_received(self, data):
             if data[:5] == b"POST ":
@@ -60,24 +68,12 @@ def install(write) -> list:
             return orig(self, data)
         return data_received
 
-    def handler(orig):
-        def checks(*a, **k):
-            write("handler")
-            return orig(*a, **k)
-        return checks
-
     def prepared(orig):
         async def prepare(self, req):
             out = await orig(self, req)
             write("prepared")
             return out
         return prepare
-
-    def admitted(orig):
-        def start(self, *a, **k):
-            write("admitted")
-            return orig(self, *a, **k)
-        return start
 
     def prefilled(orig):
         def prefill(self):
@@ -103,9 +99,9 @@ def install(write) -> list:
         return sse
 
     wrap(h11_impl.H11Protocol, "data_received", arrived)
-    wrap(router, "_common_checks", handler)
+    wrap(router, "_common_checks", before("handler"))
     wrap(backend.Backend, "prepare", prepared)
-    wrap(scheduler.ConcurrentScheduler, "_start", admitted)
+    wrap(scheduler.ConcurrentScheduler, "_start", before("admitted"))
     wrap(steploop.StepLoop, "_prefill", prefilled)
     wrap(backend._Relay, "on_token", token)
     wrap(router, "_sse", chunk)
@@ -153,6 +149,20 @@ def _serve(argv: list[str]) -> int:
     return main(argv)
 
 
+def _wait_idle(srv, timeout_s: float = 60.0) -> None:
+    """Poll the server's stats until no turn is queued or in flight and no save is pending (at most
+    ``timeout_s``)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        doc = srv.stats()
+        busy = doc["requests"]["queued"] + doc["requests"]["in_flight"] + doc["saves"]["pending"]
+        if not busy:
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the server is still busy after {timeout_s:.0f} s: {doc['requests']}, {doc['saves']}")
+        time.sleep(0.02)
+
+
 def _run(a) -> dict:
     from harness import models
     from harness.prompts import system_prompt
@@ -180,15 +190,18 @@ def _run(a) -> dict:
     try:
         cl = client(srv.url, 600.0)
         stream_turn(cl, srv.model, [system, task(0)], 2, agent="hops-first")  # caches the system prompt
+        seen = len(stamps.read_text().splitlines())
         for k in range(a.turns):
-            seen = len(stamps.read_text().splitlines())
             t0 = time.time()
             got = stream_turn(cl, srv.model, [system, task(0, k)], a.max_tokens, agent=f"hops-sub-{k}")
-            time.sleep(0.2)  # the stamps after the reply (none are timed) are flushed
+            # every hop was stamped and flushed before its first chunk left the server: all are in the file
+            lines = stamps.read_text().splitlines()
             stamped_now: dict = {}
-            for line in stamps.read_text().splitlines()[seen:]:
+            for line in lines[seen:]:
                 hop, t = json.loads(line)
                 stamped_now.setdefault(hop, t)
+            seen = len(lines)
+            _wait_idle(srv)  # each sub-agent arrives at an idle server, not beside the last one's save
             turns.append({"client_t0": t0, "client_first": t0 + got.ttft_s, "stamps": stamped_now,
                           "prompt_tokens": got.prompt_tokens, "cached_tokens": got.cached_tokens})
             print(f"turn {k + 1}/{a.turns}: {got.cached_tokens}/{got.prompt_tokens} cached, first content "

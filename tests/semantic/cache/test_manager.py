@@ -28,12 +28,17 @@ def _prefilled(model, spec, ids):
     return caches
 
 
-def test_an_extracted_cache_is_where_the_next_turn_starts_and_rebuilds_to_the_same_arrays():
+def _extracted(ids):
+    """A manager over a tiny llama's pool, the caches of ``ids`` prefilled, and their extracted blocks."""
     model = tiny_llama(seed=3)
     m = _manager(model)
-    ids = list(range(1, 19))                      # 4 whole blocks of 4 and a tail of 2
     caches = _prefilled(model, m.spec, ids)
-    blocks = m.extract(caches, ids, salt_root=None)
+    return m, caches, m.extract(caches, ids, salt_root=None)
+
+
+def test_an_extracted_cache_is_where_the_next_turn_starts_and_rebuilds_to_the_same_arrays():
+    ids = list(range(1, 19))                      # 4 whole blocks of 4 and a tail of 2
+    m, caches, blocks = _extracted(ids)
     assert blocks.total_tokens == len(ids)
     start = m.start([*ids, 40, 41], blocks, salt_root=None, share=True)
     assert start.cached == len(ids) and start.blocks is blocks and not start.owned  # its own cache, read
@@ -46,10 +51,8 @@ def test_an_extracted_cache_is_where_the_next_turn_starts_and_rebuilds_to_the_sa
 
 
 def test_another_agent_starts_from_the_pooled_blocks_and_owns_its_references():
-    model = tiny_llama(seed=3)
-    m = _manager(model)
     ids = list(range(1, 19))
-    blocks = m.extract(_prefilled(model, m.spec, ids), ids, salt_root=None)
+    m, _, blocks = _extracted(ids)
     start = m.start([*ids[:16], 90, 91, 92], None, salt_root=None, share=True)
     assert (start.cached, start.owned) == (16, True)  # the four whole blocks; the tail is the first agent's
     assert m.start([*ids[:16], 90, 91, 92], None, salt_root=None, share=False).cached == 0  # sharing off
@@ -60,10 +63,8 @@ def test_another_agent_starts_from_the_pooled_blocks_and_owns_its_references():
 
 
 def test_pooled_is_none_unless_every_block_of_the_prompt_is_in_the_pool():
-    model = tiny_llama(seed=3)
-    m = _manager(model)
     ids = list(range(1, 17))
-    blocks = m.extract(_prefilled(model, m.spec, ids), ids, salt_root=None)
+    m, _, blocks = _extracted(ids)
     held = m.pooled(ids)
     assert held is not None and held.total_tokens == 16
     assert m.pooled([*ids[:8], 99, 98, 97, 96]) is None
