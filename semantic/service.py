@@ -433,7 +433,8 @@ class Service:
         c: Completion = future.result()
         if c.cache_saved:
             with self._lock:
-                self._seen[c.agent_id] = (c.history_tokens + len(c.token_ids), time.time())
+                # the cache holds the history and every generated token but the last, never fed
+                self._seen[c.agent_id] = (c.history_tokens + len(c.token_ids) - 1, time.time())
 
     # ------------------------------------------------------------ state
 

@@ -11,7 +11,8 @@ phase in a fresh child, and then holds every turn against
   chunks on this machine, times SAFETY), recorded per turn with that noise;
 - reused: the turn's cache covered what an agent server should keep::
 
-    append, branch     the whole previous turn of that branch (prompt + reply), with the echo;
+    append, branch     the whole previous turn of that branch (prompt + reply but its last token, which
+                       is never fed), with the echo;
                        without it, at least the previous prompt but its last token
     regenerate         the whole prompt but its last token
     edit               everything before the edited message
@@ -112,7 +113,7 @@ def _wants(turns: dict[str, dict], echo: bool) -> dict[str, int]:
     """What each turn should have reused (see the module doc)."""
     def whole(prev: str) -> int:
         t = turns[prev]
-        return len(t["ids"]) + len(t["tokens"]) if echo else len(t["ids"]) - 1
+        return len(t["ids"]) + len(t["tokens"]) - 1 if echo else len(t["ids"]) - 1
 
     def mark(name: str, other: str, pick) -> int:
         # where the service found the message boundary; a model that resumes anywhere has none

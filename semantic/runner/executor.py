@@ -309,7 +309,7 @@ class BatchExecutor:
     def step_once(self) -> list[Completion]:
         """One step of the loop: a token for every generating request, one
         prefill chunk for the waiting ones; return those that finished."""
-        events, closed = self._loop.step()
+        events = self._loop.step()
         now = time.perf_counter()  # the tokens were read: materialized
         cut: set[int] = set()  # a stop string ended these: a speculative step's later tokens are not theirs
         finished = []
@@ -321,24 +321,16 @@ class BatchExecutor:
             seq.finish_reason = e.finish_reason
             if self._record(seq, e.token, e.logprobs) and e.finish_reason is None:
                 seq.finish_reason = "stop"  # a stop string: ends after this token, like a stop token
-                self._loop.close(seq.uid, len(seq.generated))
                 cut.add(e.uid)
             if seq.finish_reason is not None:
                 finished.append(seq)
-        for seq in finished:
-            if self.takes_snapshots and seq.generated[-1] in self.stop_tokens:
-                # a template may render the history without the stop token: keep the state before it too,
-                # and carry it when the budget leaves room
-                n = self._loop.held(seq.uid)
-                room_left = len(self._positions.carried(seq.cached, len(seq.request.ids), seq.request.boundaries)) \
-                    < self._positions.most - 1
-                self._checkpoint(self._loop.caches(seq.uid), [*seq.request.ids, *seq.generated][:n],
-                                 seq.request.salt_root, seq if room_left else None)
         if self.on_ended is not None:
             for seq in finished:
                 self._announce(seq, now)
-        # a finished sequence's cache is complete one step later, once its last token is fed
-        return [self._finish(self._seqs[c.uid], self._seqs[c.uid].finish_reason, c.caches) for c in closed]
+        # the last token is never fed: the cache ends before it, where a template that renders the
+        # history without a stop token resumes too
+        closed = [self._loop.finish(seq.uid, len(seq.generated)) for seq in finished]
+        return [self._finish(self._seqs[c.uid], self._seqs[c.uid].finish_reason, c.caches, c.held) for c in closed]
 
     def _announce(self, seq: _InFlight, now: float) -> None:
         """Tell ``on_ended`` that ``seq``'s tokens are final: a Completion without blocks, before its cache is."""

@@ -52,10 +52,12 @@ never draft (they decode at position 0 as always).
              a decoder waits one chunk per step, never the whole prefill
 
 A token is reported as soon as it is read. A sequence that has finished
-(a stop token, its length) stays in the batch for one more decode step so
-that its last token is fed too, as mlx-lm's own loop does: its finished
-cache then holds the prompt and every generated token, and comes back as a
-:class:`Closed` from that step. Sequences decode greedily unless they bring
+(a stop token, its length) leaves the batch in the step that read its last
+token, as a :class:`Closed` whose caches hold the prompt and every generated
+token but that last one, which was never fed (as in vLLM and mlx-lm's
+server): feeding it would cost a whole decode step after the reply, and the
+next turn waits behind that step, while its own prefill takes the one token
+more at no visible cost. Sequences decode greedily unless they bring
 a sampler; logits processors see the whole token history.
 """
 
@@ -97,10 +99,12 @@ class Event:
 
 @dataclass(slots=True)
 class Closed:
-    """A finished sequence, its last token fed: per-layer caches of its prompt and every generated token."""
+    """A finished sequence: per-layer caches of its first ``held`` tokens (the prompt and every generated
+    token but the last)."""
 
     uid: int
     caches: list
+    held: int
 
 
 @dataclass(slots=True)
@@ -119,14 +123,14 @@ class _Seq:
     fed: int = 0                   # prompt tokens fed so far
     generated: int = 0
     next_token: int | None = None  # sampled, reported, not fed yet
-    closing: bool = False          # finished: in the batch only to feed ``next_token``
+    done: bool = False             # its last token was read: it leaves in this step
     ids: tuple = ()                # the request's whole history: a drafter's context
     drafter: Drafter | None = None # greedy and free sequences, once they decode with speculation on
     last_chunk: tuple[int, int] | None = None  # the prompt's last chunk: its on_chunk is due before it joins
 
     @property
     def can_draft(self) -> bool:
-        return self.sampler is None and not self.processors and self.constraint is None and not self.closing
+        return self.sampler is None and not self.processors and self.constraint is None
 
 
 class StepLoop:
@@ -208,12 +212,11 @@ class StepLoop:
             return len(seq.ids) - len(seq.prompt) + seq.fed
         return len(seq.ids) + seq.generated - 1  # the newest token is fed by the next step
 
-    def close(self, uid: int, generated: int | None = None) -> None:
-        """Finish ``uid`` after its newest token (a stop string), or after its ``generated``-th when a
-        speculative step read more: that token is fed at the next step, and its caches come back
-        then as a :class:`Closed`."""
+    def finish(self, uid: int, generated: int | None = None) -> Closed:
+        """Take ``uid`` out after its newest token (its last, or a stop string's), or after its
+        ``generated``-th when a speculative step read more; its caches hold every token before that one."""
         seq = self._seqs[uid]
-        assert seq.generated, "close() ends a generating sequence; remove() one still prefilling"
+        assert seq.generated, "finish() ends a generating sequence; remove() one still prefilling"
         back = 0 if generated is None else seq.generated - generated
         assert 0 <= back < seq.generated, (generated, seq.generated)
         if back:  # the tokens after it were read in the same step: their inputs leave the cache
@@ -222,9 +225,18 @@ class StepLoop:
             if self._pending is not None:  # a recurrent state is replayed with fewer inputs
                 self._pending.cut(seq, back)
             seq.generated = generated
-            seq.drafter.truncate(len(seq.ids) + generated)
-            seq.next_token = seq.drafter.tokens[-1]
-        seq.closing = True
+        held = self.held(uid)
+        if seq in self._rows:
+            self._settle()
+            row = self._rows.index(seq)
+            caches = self._row(row)
+            self._drop_rows([row])
+        else:  # its first token, read in this step
+            self._last_chunk_seen(seq)
+            self._ready.remove(seq)
+            caches, seq.caches = seq.caches, None
+        del self._seqs[uid]
+        return Closed(uid, caches, held)
 
     def remove(self, uid: int) -> list | None:
         """Take ``uid`` out wherever it is; its :meth:`caches`, or None before its first token."""
@@ -242,23 +254,22 @@ class StepLoop:
 
     # ------------------------------------------------------------ one step
 
-    def step(self) -> tuple[list[Event], list[Closed]]:
-        """Decode one token for the batch, prefill one chunk; return the tokens
-        read and the finished sequences whose caches are complete."""
+    def step(self) -> list[Event]:
+        """Decode one token for the batch, prefill one chunk; return the tokens read. A sequence whose
+        event has a ``finish_reason`` stays until the caller takes it out with :meth:`finish` (at that
+        token, or at an earlier one of the same step: a stop string)."""
+        assert not any(s.done for s in [*self._rows, *self._ready]), "finish() every sequence that ended"
         started = time.perf_counter()
         self._settle()
         self._join()
         decoded = self._decode() if self._rows else None
         firsts, prefilled = self._prefill()
-        events: list[Event] = []
-        closed: list[Closed] = []
-        if decoded is not None:
-            events, closed = self._read_decoded(*decoded)
+        events = self._read_decoded(*decoded) if decoded is not None else []
         for seq, token, logprobs in firsts:
             events.append(self._advance(seq, token, logprobs))
             self._ready.append(seq)
         self.budget.observe(time.perf_counter() - started, decoded is not None, prefilled)  # every token was read
-        return events, closed
+        return events
 
     def _decode(self):
         """Queue the batch's forward pass: (tokens, logprobs) at position 0, and the speculative outputs or None."""
@@ -371,9 +382,9 @@ class StepLoop:
         if any(s.constraint is not None for s in seqs):
             logits = _constrain(seqs, logits)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        if any(s.sampler is not None and not s.closing for s in seqs):
+        if any(s.sampler is not None for s in seqs):
             tokens = mx.concatenate(
-                [s.sampler(logprobs[i : i + 1]) if s.sampler is not None and not s.closing
+                [s.sampler(logprobs[i : i + 1]) if s.sampler is not None
                  else mx.argmax(logprobs[i : i + 1], axis=-1)
                  for i, s in enumerate(seqs)]
             )
@@ -381,23 +392,11 @@ class StepLoop:
             tokens = mx.argmax(logprobs, axis=-1)
         return tokens, logprobs
 
-    def _read_decoded(self, tokens: mx.array, logprobs: mx.array, spec) -> tuple[list[Event], list[Closed]]:
+    def _read_decoded(self, tokens: mx.array, logprobs: mx.array, spec) -> list[Event]:
         ids = tokens.tolist()
-        closing = [s.closing for s in self._rows]  # these fed their last token in this step
         if spec is not None:
-            events = self._read_speculative(ids, logprobs, *spec)
-        else:
-            events = [self._advance(s, t, logprobs[row])
-                      for row, (s, t) in enumerate(zip(self._rows, ids)) if not closing[row]]
-        closed, gone = [], []
-        for row, seq in enumerate(self._rows):
-            if closing[row]:
-                closed.append(Closed(seq.uid, self._row(row)))
-                del self._seqs[seq.uid]
-                gone.append(row)
-        if gone:
-            self._drop_rows(gone)
-        return events, closed
+            return self._read_speculative(ids, logprobs, *spec)
+        return [self._advance(s, t, logprobs[row]) for row, (s, t) in enumerate(zip(self._rows, ids))]
 
     def _read_speculative(self, firsts: list[int], logprobs: mx.array, drafts, ahead_tokens, ahead, inputs,
                           kept) -> list[Event]:
@@ -407,9 +406,6 @@ class StepLoop:
         later = ahead_tokens.tolist()
         events, drops = [], []
         for row, (seq, draft) in enumerate(zip(self._rows, drafts)):
-            if seq.closing:  # fed its last token at position 0: only that one stays
-                drops.append(width - 1)
-                continue
             token, row_logprobs, taken = firsts[row], logprobs[row], 0
             while True:
                 event = self._advance(seq, token, row_logprobs)
@@ -436,7 +432,7 @@ class StepLoop:
             seq.drafter.extend((token,))
         done = seq.constraint is not None and seq.constraint.advance(token)  # the grammar is complete
         reason = "stop" if token in self.stop_tokens or done else "length" if seq.generated >= seq.max_tokens else None
-        seq.closing = reason is not None
+        seq.done = reason is not None
         return Event(seq.uid, token, logprobs, reason)
 
     # ------------------------------------------------------------ the batch
@@ -496,6 +492,6 @@ def _constrain(seqs: list[_Seq], logits: mx.array) -> mx.array:
     """Mask each constrained row to the tokens its grammar allows; other rows stay exactly as they were."""
     allowed = np.ones(logits.shape, dtype=bool)
     for i, s in enumerate(seqs):
-        if s.constraint is not None and not s.closing:  # a closing row's token is never used
+        if s.constraint is not None:
             allowed[i] = s.constraint.allowed()
     return mx.where(mx.array(allowed), logits, -mx.inf)

@@ -2,8 +2,8 @@
 
 A turn's ``tokens`` future resolves as soon as its last token is read, with
 everything a client is told (the tokens, the finish reason, the cached and
-prompt counts); the future itself resolves one step later, once the last
-token is fed, the cache extracted and its save prepared. The agent's next
+prompt counts); the future itself resolves once the cache is extracted
+and its save prepared, in the same step. The agent's next
 turn waits for the second: it always starts from the whole cache of the one
 before (``semantic.sched.scheduler``).
 """

@@ -99,9 +99,10 @@ def test_a_turn_through_the_facade_is_listed_with_its_cached_tokens(service):
     again = service.submit(_prepare(service, prompt=list(range(1, 40)) + first.token_ids + [5], agent="a",
                                            max_tokens=2)).result(60)
     n = len(first.token_ids)
-    assert again.cached_tokens == 39 + n and again.reuse == "own"  # the prompt and the reply, all but the new token
+    # the prompt and the reply, all but the reply's last token (never fed) and the new token
+    assert again.cached_tokens == 39 + n - 1 and again.reuse == "own"
     (info,) = service.agents("")
-    assert (info.agent_id, info.cached_tokens, info.resident) == ("public/a", 39 + n + 1 + len(again.token_ids), True)
+    assert (info.agent_id, info.cached_tokens, info.resident) == ("public/a", 39 + n + 1 + len(again.token_ids) - 1, True)
     assert service.agents("other") == []
     stats = service.stats()
     assert stats.scheduler.completed == 2 and stats.store.disk_agents == 1 and stats.pool.capacity_bytes == service.store.capacity
@@ -153,7 +154,7 @@ def test_the_final_chunk_is_sent_before_the_cache_is_extracted_and_the_next_turn
         return n, await asyncio.wait_for(second, 60)
 
     n, again = asyncio.run(turns())
-    assert again.cached_tokens == len(ids) + n and again.result.reuse == "own"
+    assert again.cached_tokens == len(ids) + n - 1 and again.result.reuse == "own"  # the reply's last token is never fed
 
 
 async def _final_of(stream):

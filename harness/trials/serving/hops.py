@@ -13,7 +13,10 @@ line up) each hop of a chat turn before handing over to the server's own ``main`
 
 Then (``run``) one agent's first turn caches a system prompt, and each timed turn is a new agent's on
 it with a short task (a sub-agent), streamed through the OpenAI SDK; per hop the median ms after the
-POST arrived, and the client's own first content chunk.
+POST arrived, and the client's own first content chunk. The turns alternate between two arrivals: at
+an idle server (its stats polled until no turn or save is pending) and back to back, sent as soon as the
+last reply ended (as a task tool starts its next sub-agent), where whatever the server still does for
+the turn before delays the admission.
 
     python -m harness.trials.serving.hops run --model smollm2-135m --system-tokens 500 --turns 10
 """
@@ -34,6 +37,7 @@ from pathlib import Path
 
 HOPS = ("arrived", "handler", "prepared", "admitted", "prefilled", "token", "chunk")
 STAMPS_ENV = "HARNESS_HOPS_STAMPS"  # the file the stamped server appends its stamps to
+ARRIVALS = ("idle", "back_to_back")  # the timed turns alternate between them
 
 
 def install(write) -> list:
@@ -191,7 +195,10 @@ def _run(a) -> dict:
         cl = client(srv.url, 600.0)
         stream_turn(cl, srv.model, [system, task(0)], 2, agent="hops-first")  # caches the system prompt
         seen = len(stamps.read_text().splitlines())
-        for k in range(a.turns):
+        for k in range(2 * a.turns):
+            arrival = ARRIVALS[k % 2]
+            if arrival == "idle":
+                _wait_idle(srv)  # not beside the last one's save
             t0 = time.time()
             got = stream_turn(cl, srv.model, [system, task(0, k)], a.max_tokens, agent=f"hops-sub-{k}")
             # every hop was stamped and flushed before its first chunk left the server: all are in the file
@@ -201,15 +208,15 @@ def _run(a) -> dict:
                 hop, t = json.loads(line)
                 stamped_now.setdefault(hop, t)
             seen = len(lines)
-            _wait_idle(srv)  # each sub-agent arrives at an idle server, not beside the last one's save
-            turns.append({"client_t0": t0, "client_first": t0 + got.ttft_s, "stamps": stamped_now,
+            turns.append({"arrival": arrival, "client_t0": t0, "client_first": t0 + got.ttft_s, "stamps": stamped_now,
                           "prompt_tokens": got.prompt_tokens, "cached_tokens": got.cached_tokens})
-            print(f"turn {k + 1}/{a.turns}: {got.cached_tokens}/{got.prompt_tokens} cached, first content "
-                  f"{got.ttft_s * 1000:.0f} ms at the client", flush=True)
+            print(f"turn {k + 1}/{2 * a.turns} ({arrival}): {got.cached_tokens}/{got.prompt_tokens} cached, first "
+                  f"content {got.ttft_s * 1000:.0f} ms at the client", flush=True)
     finally:
         srv.stop()
         shutil.rmtree(work, ignore_errors=True)
-    return {"model": a.model, "system_tokens": a.system_tokens, "turns": turns, "hops_ms": hop_table(turns)}
+    return {"model": a.model, "system_tokens": a.system_tokens, "turns": turns,
+            "hops_ms": {arrival: hop_table([t for t in turns if t["arrival"] == arrival]) for arrival in ARRIVALS}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -220,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("command", choices=["run"])
     p.add_argument("--model", default="smollm2-135m", help="a registered model name (prepared by `make models`)")
     p.add_argument("--system-tokens", type=int, default=500, help="the shared system prompt's tokens")
-    p.add_argument("--turns", type=int, default=10, help="timed sub-agent turns")
+    p.add_argument("--turns", type=int, default=10, help="timed sub-agent turns of each arrival")
     p.add_argument("--max-tokens", type=int, default=4)
     p.add_argument("--json", type=Path, help="write the turns and the table here")
     a = p.parse_args(argv)

@@ -43,15 +43,16 @@ def _turn(executor, agent, ids, own=None, max_tokens=STEPS):
 def test_two_agents_sharing_a_prefix_longer_than_the_window_hold_its_edge_block_once(gemma_tiny):
     executor = make_executor(gemma_tiny)
     shared = history(18, seed=1)
-    a = _turn(executor, "a", shared + [7, 8], max_tokens=2)  # 22 tokens: the window holds [14, 22)
+    # 21 tokens (the last generated is never fed): the window holds [13, 21)
+    a = _turn(executor, "a", shared + [7, 8], max_tokens=2)
     b = _turn(executor, "b", shared + [9, 10], max_tokens=2)
     edge_a, edge_b = a.blocks.groups["sliding-w8-k0"][0], b.blocks.groups["sliding-w8-k0"][0]
-    assert edge_a is edge_b and (edge_a.start, edge_a.end) == (12, 16)  # the pooled block covering 14
+    assert edge_a is edge_b and (edge_a.start, edge_a.end) == (12, 16)  # the pooled block covering 13
     assert executor.pool.refcount(edge_a) == 2
-    assert [(x.start, x.end) for x in a.blocks.groups["sliding-w8-k0"]] == [(12, 16), (16, 20), (20, 22)]
+    assert [(x.start, x.end) for x in a.blocks.groups["sliding-w8-k0"]] == [(12, 16), (16, 20), (20, 21)]
     for done, ids in ((a, shared + [7, 8]), (b, shared + [9, 10])):
         _same(done, _fresh(gemma_tiny, ids, 2), gemma_tiny)
-        nxt = list(done.blocks.token_ids) + [3, 4, 5]
+        nxt = ids + done.token_ids + [3, 4, 5]
         _same(_turn(executor, "c", nxt, own=done.blocks), _fresh(gemma_tiny, nxt), gemma_tiny)
 
 
@@ -60,20 +61,20 @@ def test_regenerate_edit_and_return_to_a_branch_reuse_everything_before_the_dive
     where it differs from something cached, and continues exactly like a fresh prefill."""
     executor = make_executor(gemma_tiny)
     t1 = history(13, seed=2)
-    first = _turn(executor, "a", t1, max_tokens=3)                       # 16 tokens, the window moved past 8
-    t2 = list(first.blocks.token_ids) + [41, 42, 43, 44]
+    first = _turn(executor, "a", t1, max_tokens=3)                       # 15 tokens, the window moved past 8
+    t2 = t1 + first.token_ids + [41, 42, 43, 44]
     second = _turn(executor, "a", t2, own=first.blocks, max_tokens=3)    # append: the whole own cache
     first.blocks.release()  # the scheduler keeps only the newest cache of an agent
     again = _turn(executor, "a", t2, own=second.blocks, max_tokens=3)    # regenerate: all but the last token
-    second_tokens = list(second.blocks.token_ids)
     second.blocks.release()
     edited = t2[:16] + [45, 46, 47, 48]
     edit = _turn(executor, "a", edited, own=again.blocks, max_tokens=3)  # the last message edited
     again.blocks.release()
-    t3 = second_tokens + [46, 47, 48]
+    t3 = t2 + second.token_ids + [46, 47, 48]
     back = _turn(executor, "a", t3, own=edit.blocks, max_tokens=3)       # turn 3 of the first branch
     got = [(c.cached_tokens, len(ids)) for c, ids in ((first, t1), (second, t2), (again, t2), (edit, edited), (back, t3))]
-    assert got == [(0, 13), (16, 20), (19, 20), (16, 20), (23, 26)]
+    # a reply's last token is never fed: the next turn prefills it with its own
+    assert got == [(0, 13), (15, 20), (19, 20), (16, 20), (22, 26)]
     # the original turn 2's tail was released, but stayed in the pool, reachable by its tokens
     assert back.reuse == "pool"
     for c, ids in ((first, t1), (second, t2), (again, t2), (edit, edited), (back, t3)):
@@ -82,7 +83,7 @@ def test_regenerate_edit_and_return_to_a_branch_reuse_everything_before_the_dive
 
 def test_an_edit_before_the_window_reaches_back_through_pooled_blocks(gemma_tiny):
     executor = make_executor(gemma_tiny)
-    first = _turn(executor, "a", history(21, seed=3), max_tokens=6)     # 27 tokens; window [19, 27)
+    first = _turn(executor, "a", history(21, seed=3), max_tokens=6)     # 26 tokens; window [18, 26)
     edited = list(first.blocks.token_ids[:10]) + [99, 30, 31]
     got = _turn(executor, "a", edited, own=first.blocks)
     assert got.cached_tokens == 10                                  # [2, 10) from blocks pooled at turn 1
@@ -103,7 +104,7 @@ def test_a_file_with_a_shared_edge_reloads_shared(gemma_tiny, tmp_path):
     assert fresh.pool.refcount(edges[0]) == 2
     for a in "ab":
         assert_identical(loaded[a], done[a].blocks)
-        nxt = list(loaded[a].token_ids) + [5, 6]
+        nxt = [*done[a].request.ids, *done[a].token_ids, 5, 6]
         _same(_turn(fresh, a, nxt, own=loaded[a]), _fresh(gemma_tiny, nxt), gemma_tiny)
 
 
@@ -119,15 +120,16 @@ def test_a_referenced_edge_block_survives_the_pool_recycling_everything_else(gem
     assert executor.pool.refcount(edge) == 1 and executor.pool.stats().cached < 24
     after = [np.array(x) for x in convert.reconstruct(keep.blocks)[0].state]
     assert all(np.array_equal(x, y) for x, y in zip(before, after))
-    nxt = list(keep.blocks.token_ids) + [3, 4]
+    nxt = shared + [1, 2] + keep.token_ids + [3, 4]
     _same(_turn(executor, "a", nxt, own=keep.blocks), _fresh(gemma_tiny, nxt), gemma_tiny)
 
 
 def test_pooled_tails_are_indexed_under_their_parent_until_recycled(gemma_tiny):
     executor = make_executor(gemma_tiny, blocks=12)
-    done = _turn(executor, "a", history(6, seed=6), max_tokens=1)  # 7 tokens: [0, 4) and the tail [4, 7)
+    # 6 tokens (the one generated is never fed): [0, 4) and the tail [4, 6)
+    done = _turn(executor, "a", history(6, seed=6), max_tokens=1)
     tail = done.blocks.groups["global"][-1]
-    assert (tail.start, tail.n_tokens) == (4, 3) and tail.token_hash is not None
+    assert (tail.start, tail.n_tokens) == (4, 2) and tail.token_hash is not None
     parent = done.blocks.groups["global"][0]
     assert executor.pool.children(tail.parent, "global") == [tail] and tail.parent != parent.parent
     done.blocks.release()
@@ -147,7 +149,7 @@ def test_a_pooled_branch_is_reachable_only_under_its_own_root(gemma_tiny, salt):
     run(executor)[uid].blocks.release()
     uid = executor.submit(Request("b", ids + [1, 2], 1, salt_root=salt_root_of(salt)))
     got = run(executor)[uid]
-    assert got.cached_tokens == (13 if salt else 0)  # a's 16 tokens start like b's 15 for 13
+    assert got.cached_tokens == (13 if salt else 0)  # a's 15 tokens start like b's 15 for 13
 
 
 @pytest.mark.parametrize("block_tokens", [3, 4, 16])

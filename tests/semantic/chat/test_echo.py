@@ -61,9 +61,10 @@ def test_an_echoed_tool_call_is_the_generated_ids_and_the_whole_turn_is_reused(m
     service = _service(model_dir, tmp_path, echo=True)
     try:
         prepared1, done1, prepared2, done2 = _loop(service)
-        turn1 = prepared1.request.ids + tuple(done1.token_ids)  # what the agent's cache holds
+        turn1 = prepared1.request.ids + tuple(done1.token_ids)  # the whole turn, echoed back
         assert prepared2.request.ids[: len(turn1)] == turn1
-        assert done2.cached_tokens == len(turn1)  # all of it: nothing re-prefilled
+        # all the agent's cache holds: everything but the reply's last token, never fed
+        assert done2.cached_tokens == len(turn1) - 1
         assert (service.echo.spliced, service.echo.rendered) == (1, 0)
     finally:
         service.close(30)
@@ -90,7 +91,7 @@ def test_a_reply_that_does_not_re_tokenize_the_same_is_reused_whole_only_with_ec
             prepared2 = service.prepare(TurnRequest(messages=ask + [{"role": "assistant", "content": text},
                                                     {"role": "user", "content": "And?"}], agent="a", max_tokens=4))
             cached[echo] = service.submit(prepared2.request).result(60).cached_tokens
-            turn1 = len(prepared1.request.ids) + len(done1.token_ids)
+            turn1 = len(prepared1.request.ids) + len(done1.token_ids) - 1  # its cache: the last token is never fed
         finally:
             service.close(30)
     assert "\ufffd" in text
@@ -137,7 +138,7 @@ def test_after_a_restart_the_echoed_reply_is_still_the_generated_ids_and_the_who
     finally:
         restarted.close(30)
     assert "\ufffd" in text
-    assert done2.cached_tokens == len(prepared1.request.ids) + len(done1.token_ids)
+    assert done2.cached_tokens == len(prepared1.request.ids) + len(done1.token_ids) - 1  # the last token is never fed
     assert (restarted.echo.spliced, restarted.echo.rendered) == (1, 0)
 
 

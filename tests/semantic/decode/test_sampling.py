@@ -60,13 +60,14 @@ def test_on_token_sees_every_token_and_can_end_the_sequence_with_an_exact_cache(
     assert c.finish_reason == "stop" and len(c.token_ids) == 4
     assert [t for t, _, _ in seen] == c.token_ids and [lp for _, lp, _ in seen] == c.logprobs
     assert seen[0][2] == executor.vocab_size
-    assert c.blocks is not None and c.blocks.token_ids == tuple(history + c.token_ids)
+    # the stop string's token is never fed: the cache ends right before it
+    assert c.blocks is not None and c.blocks.token_ids == tuple(history + c.token_ids[:-1])
     assert len(done[other].token_ids) == 12
     # the kept cache continues exactly like a fresh prefill of the same history
     nxt = history + c.token_ids + _ids(5, 6)
     uid2 = executor.submit(Request("a", nxt, 5), c.blocks)
     c2 = {x.uid: x for x in executor.step()}[uid2]
-    assert c2.cached_tokens == len(history) + 4
+    assert c2.cached_tokens == len(history) + 3
     again = _executor(model, bits)  # a fresh prefill with the same cache spec (8-bit KV included)
     ref_uid = again.submit(Request("ref", nxt, 5))
     assert_like_fresh(model, c2, {x.uid: x for x in again.step()}[ref_uid], bits)
@@ -155,7 +156,8 @@ def test_salted_roots_never_share_blocks_but_the_same_salt_does(llama_tiny, cach
     # after a restart the files come back under their own roots
     with _scheduler(llama_tiny, cache_dir) as sched:
         again = sched.submit(Request("a2", shared + [6] + list(same.token_ids) + [1], 3, salt_root=a)).result()
-        assert again.reuse == "own" and again.cached_tokens == 25 + len(same.token_ids)
+        # a2's reply's last token was never fed
+        assert again.reuse == "own" and again.cached_tokens == 25 + len(same.token_ids) - 1
         # a2's file came back keyed under a: a hit for a, a miss for a third root; b finds b1's file
         assert sched.submit(Request("x", shared + [2], 3, salt_root=a)).result().cached_tokens == 24
         assert sched.submit(Request("z", shared + [2], 3, salt_root=salt_root_of("tenant-c"))).result().cached_tokens == 0

@@ -63,13 +63,13 @@ def test_continuing_from_reconstructed_blocks_equals_a_fresh_prefill(llama_tiny,
     T = [11, 12, 13, 14, 15]
     uid = executor.submit(Request("a", S, 6), share=False)
     first = _run(executor)[uid]
-    assert first.blocks.total_tokens == len(S) + 6
+    assert first.blocks.total_tokens == len(S) + 5  # the last generated token is never fed
 
-    cached_uid = executor.submit(Request("a", [*first.blocks.token_ids, *T], STEPS), first.blocks, share=False)
+    cached_uid = executor.submit(Request("a", S + first.token_ids + T, STEPS), first.blocks, share=False)
     fresh_uid = executor.submit(Request("b", S + first.token_ids + T, STEPS), share=False)
     done = _run(executor)
     cached, fresh = done[cached_uid], done[fresh_uid]
-    assert (cached.prompt_tokens, cached.cached_tokens) == (len(T), len(S) + 6)
+    assert (cached.prompt_tokens, cached.cached_tokens) == (1 + len(T), len(S) + 5)
     assert fresh.prompt_tokens == len(S) + 6 + len(T)
     assert len(cached.token_ids) == STEPS
     _assert_same(executor, cached, fresh)
@@ -87,7 +87,8 @@ def test_a_batch_of_three_finishes_independently_and_each_continues(llama_tiny):
     assert all(by_agent[a].uid == uids[a] for a in prompts)
 
     more = [5, 6, 7]
-    cont = {a: executor.submit(Request(a, [*by_agent[a].blocks.token_ids, *more], 12), by_agent[a].blocks, share=False) for a in prompts}
+    cont = {a: executor.submit(Request(a, prompts[a] + by_agent[a].token_ids + more, 12), by_agent[a].blocks, share=False)
+            for a in prompts}
     ref = {a: executor.submit(Request(f"{a}-fresh", prompts[a] + by_agent[a].token_ids + more, 12), share=False) for a in prompts}
     done = _run(executor)
     for a in prompts:
@@ -106,8 +107,8 @@ def test_two_agents_with_a_common_prefix_hold_it_once_and_both_continue(gemma_ti
     assert [executor.pool.refcount(x) for x in shared] == [2, 2, 2]
     assert executor.pool.stats().shared >= 3
 
-    ca = executor.submit(Request("a", [*a.token_ids, 9, 9], 16), a, share=False)
-    cb = executor.submit(Request("b", [*b.token_ids, 8, 8], 16), b, share=False)
+    ca = executor.submit(Request("a", prefix + [1, 2] + done[ua].token_ids + [9, 9], 16), a, share=False)
+    cb = executor.submit(Request("b", prefix + [3] + done[ub].token_ids + [8, 8], 16), b, share=False)
     fa = executor.submit(Request("fa", prefix + [1, 2] + done[ua].token_ids + [9, 9], 16), share=False)
     fb = executor.submit(Request("fb", prefix + [3] + done[ub].token_ids + [8, 8], 16), share=False)
     out = _run(executor)
@@ -119,10 +120,11 @@ def test_a_full_sequence_prompt_prefills_only_what_the_cache_lacks(llama_tiny):
     executor = _executor(llama_tiny)
     uid = executor.submit(Request("a", encode(executor.tokenizer, "hello there"), 3), share=False)
     first = _run(executor)[uid]
-    full = list(first.blocks.token_ids) + list(b" again")
+    full = [*first.request.ids, *first.token_ids, *b" again"]
     again = executor.submit(Request("a", full, 4), first.blocks, share=False)
     c = _run(executor)[again]
-    assert (c.prompt_tokens, c.cached_tokens) == (6, len(first.blocks.token_ids))
+    # the reply's last token was never fed: it is prefilled with the new ones
+    assert (c.prompt_tokens, c.cached_tokens) == (1 + 6, len(first.blocks.token_ids)) == (7, len(full) - 7)
     assert c.text == executor.tokenizer.decode(c.token_ids)
 
 
@@ -228,7 +230,7 @@ def test_a_prompt_reuses_the_longest_pooled_prefix_of_any_agent_and_matches_a_fr
     assert (done[b].cached_tokens, done[b].prompt_tokens) == (expect_cached, len(prompt) - expect_cached)
     assert done[ref].cached_tokens == 0
     _assert_same(executor, done[b], done[ref])
-    assert first.blocks.total_tokens == shared_len + max_tokens
+    assert first.blocks.total_tokens == shared_len + max_tokens - 1
 
 
 def test_no_pooled_prefix_means_a_full_prefill(llama_tiny):
@@ -252,8 +254,8 @@ def _edit(cached: list[int], at: int | None) -> list[int]:
     "which,first_len,edit_at,expect_source,expect_cached",
     [
         ("llama", 21, 9, "own-cut", 9),    # global layers: cut exactly at the first difference
-        ("llama", 21, None, "own", 27),    # nothing edited: the whole previous cache (21 + 6 generated)
-        ("gemma", 1, 5, "own-cut", 5),     # 7 tokens, window 8 never moved: the cut is exact
+        ("llama", 21, None, "own", 26),    # nothing edited: the whole previous cache (21 + 5 of 6 generated)
+        ("gemma", 1, 5, "own-cut", 5),     # 6 tokens, window 8 never moved: the cut is exact
         ("gemma", 21, 9, "pool", 9),       # window moved past the cut: the window ending at 9, from blocks pooled at turn 1
         ("gemma", 21, 3, "pool", 3),       # ... pooled block [0, 4) cut after 3 tokens
     ],
@@ -264,8 +266,9 @@ def test_an_edited_history_reuses_only_what_precedes_the_edit_and_matches_a_fres
     model = llama_tiny if which == "llama" else gemma_tiny
     executor = _executor(model)  # block_tokens = 4, window 8 for gemma
     uid = executor.submit(Request("a", _history(first_len, first_len), 6))
-    own = _run(executor)[uid].blocks
-    edited = _edit(list(own.token_ids), edit_at)
+    first = _run(executor)[uid]
+    own = first.blocks
+    edited = _edit(list(first.request.ids) + first.token_ids, edit_at)
     b = executor.submit(Request("a", edited, STEPS), own)
     ref = executor.submit(Request("ref", edited, STEPS), share=False)
     done = _run(executor)
@@ -274,7 +277,7 @@ def test_an_edited_history_reuses_only_what_precedes_the_edit_and_matches_a_fres
     assert got.prompt_tokens == len(edited) - expect_cached
     _assert_same(executor, got, done[ref])
     # the new cache is the edited history plus its reply: nothing of the old tail survives
-    assert list(got.blocks.token_ids) == edited + got.token_ids
+    assert list(got.blocks.token_ids) == edited + got.token_ids[:-1]
 
 
 def test_a_sliding_edit_reuses_up_to_the_edit_from_the_window_blocks_earlier_prefills_pooled(gemma_tiny):
@@ -296,10 +299,10 @@ def test_a_sliding_edit_reuses_up_to_the_edit_from_the_window_blocks_earlier_pre
 def test_the_own_cache_of_a_sliding_layer_is_refused_once_its_window_has_moved_past_the_cut(gemma_tiny):
     executor = _executor(gemma_tiny)
     uid = executor.submit(Request("a", _history(3, 21), 6))
-    own = _run(executor)[uid].blocks  # 27 tokens; window 8 holds [19, 27)
+    own = _run(executor)[uid].blocks  # 26 tokens; window 8 holds [18, 26)
     from semantic.cache import convert
 
-    assert convert.covers(own, 27) and not convert.covers(own, 20)
+    assert convert.covers(own, 26) and not convert.covers(own, 20)
     with pytest.raises(CacheMismatchError):
         convert.reconstruct(own, upto=20)
 

@@ -62,12 +62,13 @@ def _history(tokenizer, n):
 
 def _continue_and_compare(executor, agent, first, T):
     """Continue ``first`` (a Completion) with T, beside a fresh prefill of the same tokens."""
-    S_gen = list(first.blocks.token_ids)
-    cached_uid = executor.submit(Request(agent, [*first.blocks.token_ids, *T], STEPS), first.blocks, share=False)
+    S_gen = [*first.request.ids, *first.token_ids]
+    cached_uid = executor.submit(Request(agent, S_gen + T, STEPS), first.blocks, share=False)
     fresh_uid = executor.submit(Request(agent + "-fresh", S_gen + T, STEPS), share=False)
     done = _run(executor)
     cached, fresh = done[cached_uid], done[fresh_uid]
-    assert (cached.prompt_tokens, cached.cached_tokens) == (len(T), len(S_gen))
+    # the reply's last token was never fed: it is prefilled with T
+    assert (cached.prompt_tokens, cached.cached_tokens) == (1 + len(T), len(S_gen) - 1)
     assert fresh.prompt_tokens == len(S_gen) + len(T)
     _assert_same(executor, cached, fresh)
     return cached, fresh
@@ -80,7 +81,7 @@ def test_gemma3_continues_exactly_after_its_sliding_window_wrapped(gemma3):
     S = _history(gemma3.tokenizer, 530)
     uid = executor.submit(Request("a", S, 4), share=False)
     first = _run(executor)[uid]
-    assert first.blocks.total_tokens == 534  # past the window: the ring has wrapped
+    assert first.blocks.total_tokens == 533  # past the window: the ring has wrapped (the last token is never fed)
 
     # Sliding layers hold only the last 512 positions; global layers hold all.
     sliding = next(i for i, l in enumerate(executor.spec.layers) if l.kind == "sliding")
@@ -88,12 +89,12 @@ def test_gemma3_continues_exactly_after_its_sliding_window_wrapped(gemma3):
     # (the window's edge references the pooled block [0, 256) that covers it; reconstruction slices)
     rebuilt = executor.reconstruct_cache(first.blocks)
     held = lambda i: compat.read_layer(rebuilt[i]).keys.shape[2]  # noqa: E731
-    assert (held(sliding), held(glob)) == (512, 534)
+    assert (held(sliding), held(glob)) == (512, 533)
 
     T = gemma3.tokenizer.encode(" Ilse read the note twice and", add_special_tokens=False)
     cached, _ = _continue_and_compare(executor, "a", first, T)
     caches = executor.reconstruct_cache(cached.blocks)
-    assert compat.read_layer(caches[sliding]).offset == 534 + len(T) + STEPS
+    assert compat.read_layer(caches[sliding]).offset == 534 + len(T) + STEPS - 1  # its last token never fed
 
 
 def test_smollm2_batch_of_three_finishes_at_different_steps_and_each_continues(smollm2):
@@ -110,18 +111,18 @@ def test_smollm2_batch_of_three_finishes_at_different_steps_and_each_continues(s
         for c in executor.step_once():
             finished[c.agent_id] = (step, c)
     # The first step prefills and samples one token each; each then reads its
-    # last token on step max_tokens and finishes one step later, once that
-    # token is fed too, while the others keep going.
-    assert {a: s for a, (s, _) in finished.items()} == {a: n + 1 for a, n in limits.items()}
+    # last token on step max_tokens and finishes in that step (that token is
+    # never fed), while the others keep going.
+    assert {a: s for a, (s, _) in finished.items()} == limits
     for agent, (_, c) in finished.items():
-        assert c.uid == uids[agent] and c.blocks.total_tokens == len(prompts[agent]) + limits[agent]
+        assert c.uid == uids[agent] and c.blocks.total_tokens == len(prompts[agent]) + limits[agent] - 1
 
     T = smollm2.tokenizer.encode(" The keeper wrote", add_special_tokens=False)
     pairs = {}
     for agent, (_, c) in finished.items():
         pairs[agent] = (
-            executor.submit(Request(agent, [*c.blocks.token_ids, *T], STEPS), c.blocks, share=False),
-            executor.submit(Request(agent + "-fresh", list(c.blocks.token_ids) + T, STEPS), share=False),
+            executor.submit(Request(agent, [*prompts[agent], *c.token_ids, *T], STEPS), c.blocks, share=False),
+            executor.submit(Request(agent + "-fresh", [*prompts[agent], *c.token_ids, *T], STEPS), share=False),
         )
     done = _run(executor)
     for agent, (cached_uid, fresh_uid) in pairs.items():
@@ -139,6 +140,8 @@ def test_two_agents_sharing_a_512_token_prefix_hold_its_blocks_once(smollm2):
     ub = executor.submit(Request("b", prefix + sb, 3), share=False)
     done = _run(executor)
     a, b = done[ua].blocks, done[ub].blocks
+    # the conversations: the blocks lack each reply's last token, never fed
+    ha, hb = [*prefix, *sa, *done[ua].token_ids], [*prefix, *sb, *done[ub].token_ids]
 
     # 512 tokens = two full 256-token blocks, stored once with two references;
     # each agent's tail (suffix + generated) is its own partial block.
@@ -152,8 +155,8 @@ def test_two_agents_sharing_a_512_token_prefix_hold_its_blocks_once(smollm2):
     Ta = tok.encode(" Answer briefly.", add_special_tokens=False)
     Tb = tok.encode(" Answer in one sentence.", add_special_tokens=False)
     uids = {
-        "a": (executor.submit(Request("a", [*a.token_ids, *Ta], STEPS), a, share=False), executor.submit(Request("a-fresh", list(a.token_ids) + Ta, STEPS), share=False)),
-        "b": (executor.submit(Request("b", [*b.token_ids, *Tb], STEPS), b, share=False), executor.submit(Request("b-fresh", list(b.token_ids) + Tb, STEPS), share=False)),
+        "a": (executor.submit(Request("a", ha + Ta, STEPS), a, share=False), executor.submit(Request("a-fresh", ha + Ta, STEPS), share=False)),
+        "b": (executor.submit(Request("b", hb + Tb, STEPS), b, share=False), executor.submit(Request("b-fresh", hb + Tb, STEPS), share=False)),
     }
     done = _run(executor)
     for cached_uid, fresh_uid in uids.values():

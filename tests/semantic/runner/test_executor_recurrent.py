@@ -69,8 +69,10 @@ def test_every_turn_type_resumes_from_a_snapshot_and_equals_a_fresh_prefill(mode
     first = _turn(executor, m, "a", system + _ids(15, 2), boundaries=(40,))
     assert first.cached_tokens == 0
     append = first.request.ids + tuple(first.token_ids) + tuple(_ids(9, 3))
-    second = _turn(executor, m, "a", append, first.blocks)
-    assert second.cached_tokens == len(first.request.ids) + len(first.token_ids)  # the whole previous turn
+    # its new message's start marked, as the service does: the first turn's cache ends one token before it
+    second = _turn(executor, m, "a", append, first.blocks, boundaries=(len(append) - 9,))
+    # the whole previous turn but its reply's last token, never fed
+    assert second.cached_tokens == len(first.request.ids) + len(first.token_ids) - 1
     regen = _turn(executor, m, "a", append, second.blocks)
     assert regen.cached_tokens == len(append) - 1  # the whole prompt but the token that gives the logits
     edited = append[:-9] + tuple(_ids(7, 4))
@@ -95,7 +97,7 @@ def test_a_batch_of_agents_of_different_lengths_each_equals_its_fresh_prefill(mo
         executor.submit(Request(d.agent_id, d.request.ids + tuple(d.token_ids) + (7, 8, 9), 6), d.blocks)
     again = list(executor.step())
     for d in again:
-        assert d.cached_tokens == d.history_tokens - 3
+        assert d.cached_tokens == d.history_tokens - 4  # the 3 new tokens and the reply's last one, never fed
         _assert_fresh(m, d)
 
 
@@ -211,13 +213,14 @@ def test_8_bit_kv_on_a_hybrids_attention_layers_resumes_exactly_like_its_own_fre
     (resumed,) = list(executor.step())
     executor.submit(Request("b", nxt, 6), None, share=False)
     (fresh,) = list(executor.step())
-    assert resumed.cached_tokens == len(first_ids) + len(first.token_ids) and fresh.cached_tokens == 0
+    # the reply's last token was never fed
+    assert resumed.cached_tokens == len(first_ids) + len(first.token_ids) - 1 and fresh.cached_tokens == 0
     assert resumed.token_ids == fresh.token_ids
     check(m, resumed, spec=spec, what="resumed")  # 8-bit K/V amplifies the noise: measured in the same caches
     check(m, fresh, spec=spec, what="fresh")
 
 
-def test_a_finished_cache_carries_the_prompts_and_the_pre_stop_snapshots_so_a_re_rendered_reply_resumes():
+def test_a_finished_cache_carries_the_prompts_snapshot_and_ends_before_the_stop_so_a_re_rendered_reply_resumes():
     m = tiny_qwen3_next()
     ids = _ids(40, 70)
     probe = _executor(m)
@@ -231,8 +234,9 @@ def test_a_finished_cache_carries_the_prompts_and_the_pre_stop_snapshots_so_a_re
     assert first.token_ids[-1] == stop and first.finish_reason == "stop"
     snaps = [b.end for b in first.blocks.groups["recurrent"]]
     total = len(ids) + len(first.token_ids)
-    assert snaps == [len(ids) - 1, total - 1, total]  # a regenerate, a reply without its stop token, the whole turn
+    # a regenerate, and the whole turn: the stop token is never fed, so it ends where a reply without it does
+    assert snaps == [len(ids) - 1, total - 1] and first.blocks.total_tokens == total - 1
     # the client sends the reply back without the stop token (its template renders its own end)
     again = tuple(ids) + tuple(first.token_ids[:-1]) + (10, 11, 12)
     done = _turn(executor, m, "a", again, first.blocks)
-    assert done.cached_tokens == total - 1 and done.reuse == "own-cut"
+    assert done.cached_tokens == total - 1 and done.reuse == "own"  # the finished cache whole, no snapshot cut

@@ -67,12 +67,13 @@ def test_every_turn_type_reuses_what_block_boundary_stops_reused_with_one_extrac
     t1 = system + history(16, seed=22)                                   # 30 tokens: the window moved far past 0
     counted["passes"].clear()
     first = _turn(executor, "a", t1)
-    assert counted["passes"] == [30, 1, 1, 1]  # one chunk, then decoding (stops: seven of 4 tokens and one of 2)
-    t2 = list(first.blocks.token_ids) + history(9, seed=23)               # append: a tool's output
+    # one chunk, then decoding (stops: seven of 4 tokens and one of 2); the last token is never fed
+    assert counted["passes"] == [30, 1, 1]
+    t2 = t1 + first.token_ids + history(9, seed=23)                       # append: a tool's output
     second = _turn(executor, "a", t2, own=first.blocks)
     first.blocks.release()
     again = _turn(executor, "a", t2, own=second.blocks)                        # regenerate: all but the last token
-    branch = list(second.blocks.token_ids)
+    branch = t2 + second.token_ids
     second.blocks.release()
     edited = t2[:33] + [45, 46, 47, 48, 49]                               # the last message edited
     edit = _turn(executor, "a", edited, own=again.blocks)
@@ -89,7 +90,8 @@ def test_every_turn_type_reuses_what_block_boundary_stops_reused_with_one_extrac
     turns = [(first, t1), (second, t2), (again, t2), (edit, edited), (back, branch + [50, 51, 52]), (b, sub),
              (done[c], c_ids)]
     # first, append, regenerate, edit, back to a branch, sub-agent, sub-agent beside a decoding one
-    assert [t.cached_tokens for t, _ in turns] == [0, 33, 41, 33, 45, 14, 14]
+    # (append and back to a branch: all but the previous reply's last token, never fed)
+    assert [t.cached_tokens for t, _ in turns] == [0, 32, 41, 33, 44, 14, 14]
     assert counted["extracts"] == 8  # one a turn (a checkpoint at every block boundary: 27)
     for got, ids in turns:
         _same(got, _fresh(model, ids), model)

@@ -44,14 +44,15 @@ def _turn(sched, agent, history, max_tokens=2):
 
 
 def test_the_budget_evicts_the_least_recently_used_saved_cache(llama_tiny, cache_dir):
-    h = {a: _ids(i, 14) for i, a in enumerate("abc")}  # 14 + 2 generated = 16 tokens each, nothing shared
+    # 14 + 2 generated, the last never fed = 15 tokens each, nothing shared
+    h = {a: _ids(i, 14) for i, a in enumerate("abc")}
     with _scheduler(llama_tiny, cache_dir, budget=_bytes(llama_tiny, 40)) as sched:
         r_a = _turn(sched, "a", h["a"])
         _turn(sched, "b", h["b"])
         a2 = h["a"] + list(r_a.token_ids) + [7, 8]
-        _turn(sched, "a", a2)  # a (20 tokens) is now used more recently than b (16)
+        _turn(sched, "a", a2)  # a (19 tokens) is now used more recently than b (15)
         assert sched.stats().budget_evictions == 0
-        _turn(sched, "c", h["c"])  # 52 tokens > 40: one goes, and it is b, the least recently used
+        _turn(sched, "c", h["c"])  # 49 tokens > 40: one goes, and it is b, the least recently used
         resident = {x: sched.resident_cache(x) is not None for x in "abc"}
         stats = sched.stats()
         with sched.store.pool_lock:
@@ -59,7 +60,7 @@ def test_the_budget_evicts_the_least_recently_used_saved_cache(llama_tiny, cache
         held = {id(b) for x in "abc" if (c := sched.resident_cache(x)) is not None for b in c.unique_blocks()}
         assert used == len(held)  # the one RAM tier holds every block in use: nothing is kept twice
     assert resident == {"a": True, "b": False, "c": True}
-    assert stats.budget_evictions == 1 and stats.resident_bytes == _bytes(llama_tiny, 36)
+    assert stats.budget_evictions == 1 and stats.resident_bytes == _bytes(llama_tiny, 34)
     assert stats.resident_peak_bytes <= stats.ram_budget_bytes == _bytes(llama_tiny, 40)
 
 
@@ -71,7 +72,7 @@ def test_an_evicted_agent_continues_from_its_file_exactly(llama_tiny, cache_dir)
         h2 = _ids(1, 14) + list(r1.token_ids) + [3, 4, 5]
         r2 = _turn(sched, "a", h2, max_tokens=3)
         assert sched.store.stats().disk_hits == 1
-    assert (r2.reuse, r2.cached_tokens, r2.prompt_tokens) == ("own", 16, 3)
+    assert (r2.reuse, r2.cached_tokens, r2.prompt_tokens) == ("own", 15, 4)  # the reply's last token is never fed
     assert_like_fresh(llama_tiny, r2, fresh(llama_tiny, h2, 3))
 
 

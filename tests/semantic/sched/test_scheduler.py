@@ -55,8 +55,9 @@ def test_turns_of_one_agent_run_in_order_one_at_a_time_and_each_reuses_the_last(
         f2, f3 = sched.submit(Request("a", h2, 3)), sched.submit(Request("a", h3, 3))
         r2, r3 = f2.result(30), f3.result(30)
     assert (r1.reuse, r1.cached_tokens) == ("none", 0)
-    assert (r2.reuse, r2.cached_tokens, r2.prompt_tokens) == ("own", 13, 5)
-    # turn 3 saw turn 2's cache (h2 + reply), cut where h3 differs from it
+    # the reply's last token is never fed: it is prefilled with the new ones
+    assert (r2.reuse, r2.cached_tokens, r2.prompt_tokens) == ("own", 12, 6)
+    # turn 3 saw turn 2's cache (h2 + reply but its last token), cut where h3 differs from it
     assert r3.reuse == "own-cut" and r3.cached_tokens == len(h2)
     assert r3.latency_s - r3.queued_s >= 0 and r3.queued_s > 0
     for r, h in ((r1, h1), (r2, h2), (r3, h3)):
@@ -153,7 +154,7 @@ def test_a_small_pool_evicts_saved_agents_and_reloads_them_from_disk(llama_tiny,
         stats = sched.stats()
     assert stats.failed == 0 and sched.store.stats().disk_hits > 0 and sched.stats().resident_agents < 4
     for a, r in second.items():
-        assert r.cached_tokens == 16
+        assert r.cached_tokens == 15  # 14 + 2 generated, the last never fed
         assert_like_fresh(llama_tiny, r, fresh(llama_tiny, nxt[a], 2))
 
 
@@ -166,7 +167,7 @@ def test_conversations_continue_from_disk_after_a_restart(gemma_tiny, cache_dir)
     with _scheduler(gemma_tiny, cache_dir) as restarted:  # a new pool, store and engine: only the file remains
         r2 = restarted.submit(Request("a", h2, 6)).result(30)
         assert restarted.store.stats().disk_hits == 1
-    assert (r2.reuse, r2.cached_tokens) == ("own", 24)
+    assert (r2.reuse, r2.cached_tokens) == ("own", 23)  # 20 + 4 generated, the last never fed
     assert_like_fresh(gemma_tiny, r2, fresh(gemma_tiny, h2, 6))
 
 
@@ -229,12 +230,12 @@ def _held_worker(sched):
     return gate, reached
 
 
-def test_a_turns_tokens_are_answered_before_its_cache_is_fed_and_extracted(llama_tiny, cache_dir):
+def test_a_turns_tokens_are_answered_before_its_cache_is_extracted(llama_tiny, cache_dir):
     with _scheduler(llama_tiny, cache_dir) as sched:
         gate, reached = _held_worker(sched)
         h1 = _ids(3, 10)
         future = sched.submit(Request("a", h1, 3))
-        early = future.tokens.result(30)  # while the worker is still to feed the last token and extract
+        early = future.tokens.result(30)  # while the worker is still to extract the cache
         assert not future.done() and early.blocks is None
         gate.set()
         full = future.result(30)
@@ -258,8 +259,9 @@ def test_a_follow_up_sent_when_the_tokens_are_final_waits_for_and_reuses_the_who
         assert admitted == [] and sched.holds("a")  # one turn in flight per agent: the second waits
         gate.set()
         r2 = f2.result(30)
-    assert (r2.reuse, r2.cached_tokens, r2.prompt_tokens) == ("own", len(h1) + 3, 5)
-    assert admitted == [len(h1) + 3]
+    # the whole cache: h1 and the reply but its last token, never fed (prefilled with the new ones)
+    assert (r2.reuse, r2.cached_tokens, r2.prompt_tokens) == ("own", len(h1) + 2, 6)
+    assert admitted == [len(h1) + 2]
     assert_like_fresh(llama_tiny, r2, fresh(llama_tiny, h2, 3))
 
 
@@ -273,7 +275,7 @@ def test_a_turn_whose_tokens_are_final_is_not_cancelled_and_keeps_its_whole_cach
         gate.set()
         done = future.result(30)
         assert done.finish_reason == "length" and sched.stats().cancelled == 0
-        assert sched.resident_cache("a").total_tokens == len(h1) + 3
+        assert sched.resident_cache("a").total_tokens == len(h1) + 2  # the reply's last token is never fed
 
 
 def test_a_queued_cancel_and_a_failed_turn_answer_both_futures(llama_tiny, cache_dir):

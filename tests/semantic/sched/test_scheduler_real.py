@@ -100,10 +100,11 @@ def test_gemma_regenerate_edit_and_return_to_a_branch_reuse_up_to_the_divergence
     ids = {k: render_chat(tok, m) for k, m in (("t1", t1), ("t2", t2), ("edited", edited), ("t3", t3))}
     assert len(ids["t1"]) > 512
     cached = [r.cached_tokens for r in (r1, r2, again, r2e, r3)]
-    held2 = ids["t2"] + list(r2.token_ids)  # what turn 2's cache held (also the regenerate's: greedy)
+    # what turn 2's cache held (also the regenerate's: greedy): the reply's last token is never fed
+    held2 = ids["t2"] + list(r2.token_ids[:-1])
     assert cached == [
         0,
-        common_prefix(ids["t2"], ids["t1"] + list(r1.token_ids)),
+        common_prefix(ids["t2"], ids["t1"] + list(r1.token_ids[:-1])),
         len(ids["t2"]) - 1,                            # all but the token that must be prefilled
         common_prefix(ids["edited"], held2),           # up to the edited message
         common_prefix(ids["t3"], held2),               # the first branch, released twice over, still pooled

@@ -220,7 +220,8 @@ def _tool_loop(server: Server, agent: str, echo) -> tuple:
 def test_a_named_agents_tool_result_turn_reads_the_whole_previous_turn_from_cache(hermes):
     before = hermes.stats()["echo"]["spliced"]
     first, second = _tool_loop(hermes, "echo-verbatim", lambda arguments: arguments)
-    assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens + first.usage.completion_tokens
+    # the whole previous turn but the reply's last token, which is never fed
+    assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens + first.usage.completion_tokens - 1
     assert hermes.stats()["echo"]["spliced"] == before + 1
 
 
@@ -232,7 +233,7 @@ def test_echoed_tool_calls_cache_more_than_the_same_history_rendered_again(herme
 
     first, echo = _tool_loop(hermes, "echo-sorted", resorted)
     again, rendered = _tool_loop(hermes_no_echo, "echo-sorted", resorted)
-    turn = first.usage.prompt_tokens + first.usage.completion_tokens
+    turn = first.usage.prompt_tokens + first.usage.completion_tokens - 1  # the reply's last token is never fed
     assert (again.usage.prompt_tokens, again.usage.completion_tokens) == (first.usage.prompt_tokens,
                                                                           first.usage.completion_tokens)
     assert echo.usage.prompt_tokens_details.cached_tokens >= turn
@@ -269,7 +270,8 @@ def test_anthropic_streamed_tool_use_then_a_tool_result_turn_read_from_cache(ser
                      {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "Sunny."}]}]
     second = client.messages.create(max_tokens=8, messages=history, **kw)
     assert second.stop_reason in ("end_turn", "max_tokens", "tool_use")
-    turn = first.usage.input_tokens + first.usage.cache_read_input_tokens + first.usage.output_tokens
+    # the whole previous turn but the reply's last token, which is never fed
+    turn = first.usage.input_tokens + first.usage.cache_read_input_tokens + first.usage.output_tokens - 1
     assert second.usage.cache_read_input_tokens >= turn
 
 

@@ -89,11 +89,11 @@ def _rechecksum(path: Path, edit) -> None:
 def test_a_turn_writes_only_the_positions_it_added_and_its_manifest(llama_tiny, gemma_tiny, tmp_path, which, kv_bits, n, add):
     model = gemma_tiny if which == "gemma" else llama_tiny
     executor = make_executor(model, kv_bits)
-    first = generate(executor, "a", history(n - 1), 1).blocks
+    first = generate(executor, "a", history(n), 1).blocks  # n tokens: the generated one is never fed
     store = _store(executor, tmp_path)
     store.save("a", first)
     before, written = _kvbs(tmp_path), store.stats().written_bytes
-    second = _turn(executor, "a", first, history(add - 1, seed=99))
+    second = _turn(executor, "a", first, history(add, seed=99))
     assert second.total_tokens == n + add
     store.save("a", second)
 
@@ -145,9 +145,10 @@ def test_agents_on_a_shared_prompt_store_its_blocks_once_and_each_continues_like
 def test_a_history_ending_mid_block_uses_a_prefix_of_another_agents_partial_block_file(llama_tiny, tmp_path):
     executor = make_executor(llama_tiny)
     prompt = history(10, seed=8)
-    x = generate(executor, "x", prompt, 5).blocks  # 15 tokens: its last file holds [12, 15)
-    y = generate(executor, "y", prompt, 3).blocks  # greedy: x's first 13 tokens
-    z = generate(executor, "z", [*x.token_ids[:13], 77, 78], 1).blocks  # x's first 13, then its own
+    # each cache holds its prompt and every generated token but the last (never fed)
+    x = generate(executor, "x", prompt, 6).blocks  # 15 tokens: its last file holds [12, 15)
+    y = generate(executor, "y", prompt, 4).blocks  # greedy: x's first 13 tokens
+    z = generate(executor, "z", [*x.token_ids[:13], 77, 78], 2).blocks  # x's first 13, then its own
     assert y.token_ids == x.token_ids[:13] and z.token_ids[:13] == y.token_ids
     store = _store(executor, tmp_path)
     store.save("x", x)

@@ -91,7 +91,7 @@ def test_a_restore_into_preallocated_segments_is_bit_identical_to_the_saved_cach
         llama_tiny, gemma_tiny, tmp_path, monkeypatch, which, kv_bits, bt, n):
     model = _model(which, llama_tiny, gemma_tiny)
     executor = make_executor(model, kv_bits, block_tokens=bt)
-    saved = generate(executor, "a", history(n - 1), 1).blocks
+    saved = generate(executor, "a", history(n), 1).blocks  # n tokens: the generated one is never fed
     assert saved.total_tokens % bt  # a tail block, and (sliding) a window edge inside a block
     _store(executor, tmp_path).save("a", saved)
 

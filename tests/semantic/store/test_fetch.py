@@ -26,7 +26,9 @@ def _store(executor, path, server, fingerprint="tiny-model", disk_budget=10**9):
 def test_an_agent_saved_on_one_server_loads_on_another_and_back_newest_first(llama_tiny, tmp_path, redis_server):
     e1, e2 = make_executor(llama_tiny, blocks=256), make_executor(llama_tiny, blocks=256)
     s1, s2 = _store(e1, tmp_path / "one", redis_server), _store(e2, tmp_path / "two", redis_server)
-    turn1 = generate(e1, "public/a", history(20), 4).blocks
+    # 24 tokens (the last generated one is never fed): whole blocks, so no file of turn 1 is a prefix of
+    # one of turn 2's (a partial block's prefix would be server one's own bits, computed otherwise)
+    turn1 = generate(e1, "public/a", history(20), 5).blocks
     s1.save("public/a", turn1)
     assert s1.remote.flush(10)
     assert_identical(s2.load("public/a"), turn1)                 # server two had never seen it

@@ -44,8 +44,8 @@ def executor(llama_tiny):
 
 @pytest.fixture
 def caches(executor):
-    """Three agents' caches of different lengths (20, 24, 28 tokens)."""
-    return {a: generate(executor, a, history(n, seed=i), 4).blocks for i, (a, n) in enumerate((("a", 16), ("b", 20), ("c", 24)))}
+    """Three agents' caches of different lengths (20, 24, 28 tokens: the last generated one is never fed)."""
+    return {a: generate(executor, a, history(n, seed=i), 5).blocks for i, (a, n) in enumerate((("a", 16), ("b", 20), ("c", 24)))}
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
