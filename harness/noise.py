@@ -51,6 +51,14 @@ SAFETY = 4.0
 FLOOR = 1e-5
 # a noise this large means the reference itself is broken (a NaN, a different model): no tolerance hides it
 CEILING = 0.05
+# A quantized KV cache's spread is a draw of which values land on the other rounding step, and how far one
+# such value moves a logprob depends on where it lands: the variants of one history may hit none where the
+# engine hits one (an AMD EPYC, tiny llama and Gemma with 8-bit KV: the engine 1.2e-5 and 4.5e-5 off where
+# every variant of that history moved 1.7e-6 and 5.2e-6 at most). So a quantized reference's noise is at
+# least the largest its variants measure on these probe histories (seed, tokens) of the same model and
+# cache, once per process: on those two, 2e-5 to 4.4e-4, the size of one step landing elsewhere
+PROBES = ((1000, 48), (1001, 48), (1002, 32), (1003, 64))
+PROBE_STEPS = 8
 
 
 def tolerance(noise: float) -> float:
@@ -201,6 +209,29 @@ def few_passes(ids: Sequence[int]) -> dict:
 
 
 _memo: dict = {}
+_probes: dict = {}
+
+
+def _quantized(make_cache: Callable[[], list]) -> bool:
+    return any(getattr(c, "bits", None) for c in make_cache())
+
+
+def rounding_noise(model, make_cache: Callable[[], list], key, chunks: Sequence[int] = CHUNKS,
+                   rows: Sequence[int] = ROWS, forced: Sequence[int] = ()) -> float:
+    """The largest spread the same variants measure on :data:`PROBES` with a quantized cache of ``key``'s
+    geometry (memoized per model and ``key``; None: measured again)."""
+    import numpy as np
+
+    memo_key = (id(model), key, tuple(chunks), tuple(rows), tuple(forced))
+    if key is not None and memo_key in _probes and _probes[memo_key][0] is model:
+        return _probes[memo_key][1]
+    worst = 0.0
+    for seed, n in PROBES:
+        ids = [int(t) for t in np.random.default_rng(seed).integers(1, 250, n)]
+        worst = max(worst, reference(model, ids, PROBE_STEPS, make_cache, None, chunks, rows, forced, probe=False).noise)
+    if key is not None:
+        _probes[memo_key] = (model, worst)
+    return worst
 
 
 def _survey() -> set[str]:
@@ -215,12 +246,14 @@ def _survey() -> set[str]:
 
 
 def reference(model, ids: Sequence[int], n: int, make_cache: Callable[[], list], key=None,
-              chunks: Sequence[int] = CHUNKS, rows: Sequence[int] = ROWS, forced: Sequence[int] = ()) -> Reference:
+              chunks: Sequence[int] = CHUNKS, rows: Sequence[int] = ROWS, forced: Sequence[int] = (),
+              probe: bool = True) -> Reference:
     """mlx-lm's greedy generation of ``n`` tokens after ``ids`` in caches from ``make_cache``, and its
     noise on this machine (module doc). ``key`` names the cache geometry for the memo (None: not
     memoized); a test comparing several runs with one reference measures it once, and a shorter one
     on the same ids is its prefix. ``chunks``, ``rows`` and ``forced`` (the reference's tokens prefilled
-    in chunks of that size: :func:`_greedy_forced`) choose the variants.
+    in chunks of that size: :func:`_greedy_forced`) choose the variants. A quantized cache's noise is at
+    least :func:`rounding_noise` (``probe``).
 
     With SEMANTIC_NOISE_SURVEY set, more variants run (:func:`_survey`) and their spreads are logged
     (SEMANTIC_NOISE_LOG) beside the chosen ones, which alone make the noise: how CHUNKS and ROWS
@@ -249,6 +282,9 @@ def reference(model, ids: Sequence[int], n: int, make_cache: Callable[[], list],
             spreads[name] = _spread(ref, _greedy_rows(model, ids, n, make_cache, size))
     measured = [v for k, v in spreads.items() if k in chosen]
     assert measured, "no variant to measure the noise against"
+    if probe and _quantized(make_cache):
+        spreads["probes"] = rounding_noise(model, make_cache, key, chunks, rows, forced)
+        measured.append(spreads["probes"])
     top2 = [mx.topk(row, 2) for _, row in ref]
     out = Reference(
         tokens=[t for t, _ in ref],
