@@ -49,8 +49,9 @@ def kv_bytes_per_token(stats: dict) -> float:
 
 
 def added_tokens(prompt_tokens: int, cached_tokens: int, completion_tokens: int) -> int:
-    """KV tokens a turn added to its agent's cache: its prompt beyond what was cached, and its reply."""
-    return max(0, prompt_tokens - cached_tokens) + completion_tokens
+    """KV tokens a turn added to its agent's cache: its prompt beyond what was cached, and its reply but the
+    last token (never fed, so never in a cache)."""
+    return max(0, prompt_tokens - cached_tokens) + max(0, completion_tokens - 1)
 
 
 def write_amplification(written_bytes: int, tokens_added: int, bytes_per_token: float) -> float:
