@@ -38,6 +38,7 @@ class RequestRecord:
     output_tokens: int = 0
     reply: str = ""
     cached_tokens: int | None = None  # as the server reported it in usage (None: it does not)
+    completion_tokens: int | None = None  # generated, as the server reported it in usage (None: it does not)
     error: str | None = None
 
     def row(self) -> dict:
@@ -80,6 +81,8 @@ async def chat(client, server: str, phase: str, user: int, round_: int, kind: st
                 details = getattr(usage, "prompt_tokens_details", None)
                 cached = getattr(details, "cached_tokens", None) if details is not None else None
                 rec.cached_tokens = int(cached) if cached is not None else None
+                done = getattr(usage, "completion_tokens", None)
+                rec.completion_tokens = int(done) if done is not None else None
         rec.e2e_s = time.perf_counter() - t0
         if rec.ttft_s is None:  # an empty reply: the first token was the end
             rec.ttft_s = rec.e2e_s
@@ -87,6 +90,12 @@ async def chat(client, server: str, phase: str, user: int, round_: int, kind: st
         rec.error = f"{type(exc).__name__}: {exc}"[:300]
     rec.reply = "".join(parts)
     return rec
+
+
+def generated(rec: RequestRecord) -> int:
+    """The tokens a turn generated: as its server reported them, else its reply's text counted again (which
+    may tokenize otherwise than it was generated)."""
+    return rec.completion_tokens if rec.completion_tokens is not None else rec.output_tokens
 
 
 def chat_counter(tokenizer) -> Callable[[list[dict]], int]:

@@ -11,8 +11,9 @@ Checked on every turn:
 
 - errors: a request that raised;
 - stale reuses: the agent's new cache does not hold exactly its history plus
-  its reply, or a block of it holds other tokens than the history has at its
-  positions (a reused block from a diverged or foreign history);
+  its reply but the reply's last token (never fed), or a block of it holds other
+  tokens than the history has at its positions (a reused block from a diverged
+  or foreign history);
 - leaks: another agent's canary inside the agent's cache, in RAM or in its manifest (its cache file in
   the single-file layout);
 - hit rate: history tokens served from caches, after each agent's first turn.
@@ -143,6 +144,7 @@ class _Workload:
             self.errors.append(f"{a} turn {self.turns[a]}: {type(exc).__name__}: {exc}"[:300])
             return
         full = (*h, *r.token_ids)
+        kept = full[:-1] if r.token_ids else full  # the reply's last token is never fed
         if self.turns[a]:
             self.counts["cached_tokens"] += r.cached_tokens
             self.counts["history_tokens"] += r.history_tokens
@@ -158,9 +160,9 @@ class _Workload:
             return
         if cache is None:  # the RAM budget evicted it, which it does only once it is on disk
             self.counts["checked_in_file"] += 1
-            stale = held != full
+            stale = held != kept
         else:
-            stale = held != full or any(b.token_ids != full[b.start:b.end] for b in cache.unique_blocks())
+            stale = held != kept or any(b.token_ids != kept[b.start:b.end] for b in cache.unique_blocks())
         self.counts["stale"] += stale
         self.counts["leaks"] += any(_contains(held, c) for o, c in self.canaries.items() if o != a)
         if r.cached_tokens or self.p["parity_every_turn"]:  # a turn that reused nothing was a fresh prefill already

@@ -25,10 +25,11 @@ import signal
 import time
 from typing import Callable, Sequence
 
+from harness.servers.loadgen import generated
 from harness.servers.phases import Bench, Server, user_turn
 
 OURS = "semantic"
-# a server may leave the reply's last token unfed (mlx-lm's prompt cache does): the previous turn counts
+# a server may leave the reply's last token unfed (ours never feeds it): the previous turn counts
 # as reused whole with this many tokens short of its prompt + reply
 REPLY_SLACK = 1
 
@@ -103,7 +104,7 @@ class Workload:
                 out[s.name] = self._row(s, rec, phase, kind, goal_kind or kind, messages, **extra)
                 if keep and rec.error is None:
                     s.histories[user] = messages + [{"role": "assistant", "content": rec.reply}]
-                    self.last[(s.name, user)] = (rec.prompt_tokens, rec.output_tokens)
+                    self.last[(s.name, user)] = (rec.prompt_tokens, generated(rec))
         asyncio.run(go())
         return out
 

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import semantic
 from harness.prompts import text_of_tokens
+from harness.servers.loadgen import generated
 from harness.servers.phases import Bench, Server
 from semantic.cache.reuse import common_prefix
 
@@ -33,7 +34,7 @@ PROJECTS = ("billing-service", "log-indexer", "render-farm", "feature-store", "a
 # the files a read_file returns slices of: our own source, deterministic and code-shaped
 SOURCES = ("cache/pool.py", "cache/reuse.py", "runner/steploop.py", "cache/blockclaim.py", "runner/executor.py",
            "cache/convert.py", "store/blocklayout.py", "sched/scheduler.py")
-REPLY_SLACK = 1  # a server may leave the reply's last token unfed (mlx-lm's prompt cache does)
+REPLY_SLACK = 1  # a server may leave the reply's last token unfed (ours never feeds it)
 
 
 def system_prompt(tok, agent: int, n_tokens: int) -> dict:
@@ -126,7 +127,7 @@ class Trace:
                 self._row(s, rec, kind, agent if agent is not None else user, shares)
                 if rec.error is None:
                     s.histories[user] = messages + [{"role": "assistant", "content": rec.reply}]
-                    self.last[(s.name, user)] = (rec.prompt_tokens, rec.output_tokens)
+                    self.last[(s.name, user)] = (rec.prompt_tokens, generated(rec))
         asyncio.run(go())
 
     def _row(self, s: Server, rec, kind: str, agent: int, shares: int | None) -> None:
