@@ -26,8 +26,9 @@ and the executor pools the whole cache there (``executor._checkpoint``)::
 A finished cache carries the snapshots a later turn starts over from (:meth:`SnapshotPositions.carried`), so its
 save keeps them beside its end and they survive a restart: the prompt's last token but one (a
 regenerate, a reply the client renders otherwise), the boundaries (an edit of the last message, a
-second agent on the system prompt), and the position it resumed from; then, when the budget leaves
-room, the state before a stop token. The grid's snapshots stay in the pool (a restart
+second agent on the system prompt), and the position it resumed from (the finished cache ends before
+the reply's last token, a stop token or not, so a history rendered without it resumes there too). The
+grid's snapshots stay in the pool (a restart
 loses them). K of them in all (``room.snapshots_carried``): a big state
 (Qwen3.5-35B-A3B: 64 MB) keeps the first four, whose rereads cost most to prefill again.
 
