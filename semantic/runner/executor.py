@@ -329,7 +329,7 @@ class BatchExecutor:
                 self._announce(seq, now)
         # the last token is never fed: the cache ends before it, where a template that renders the
         # history without a stop token resumes too
-        closed = [self._loop.finish(seq.uid, len(seq.generated)) for seq in finished]
+        closed = self._loop.finish([(seq.uid, len(seq.generated)) for seq in finished])
         return [self._finish(self._seqs[c.uid], self._seqs[c.uid].finish_reason, c.caches, c.held) for c in closed]
 
     def _announce(self, seq: _InFlight, now: float) -> None:

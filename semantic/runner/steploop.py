@@ -210,33 +210,38 @@ class StepLoop:
         seq = self._seqs[uid]
         if not seq.generated:
             return len(seq.ids) - len(seq.prompt) + seq.fed
-        return len(seq.ids) + seq.generated - 1  # the newest token is fed by the next step
+        return len(seq.ids) + seq.generated - 1  # the newest token is fed by the next step, or never
 
-    def finish(self, uid: int, generated: int | None = None) -> Closed:
-        """Take ``uid`` out after its newest token (its last, or a stop string's), or after its
-        ``generated``-th when a speculative step read more; its caches hold every token before that one."""
-        seq = self._seqs[uid]
-        assert seq.generated, "finish() ends a generating sequence; remove() one still prefilling"
-        back = 0 if generated is None else seq.generated - generated
-        assert 0 <= back < seq.generated, (generated, seq.generated)
-        if back:  # the tokens after it were read in the same step: their inputs leave the cache
-            drops = [back if s is seq else 0 for s in self._rows]
-            rewind.rewind(self._batch, drops)
-            if self._pending is not None:  # a recurrent state is replayed with fewer inputs
-                self._pending.cut(seq, back)
-            seq.generated = generated
-        held = self.held(uid)
-        if seq in self._rows:
+    def finish(self, ends: Sequence[tuple[int, int | None]]) -> list[Closed]:
+        """Take each ``(uid, generated)`` out after its ``generated``-th token (None: its newest: its last, or a
+        stop string's; fewer when a speculative step read more), all in one pass over the batch; each one's
+        caches hold every token before that one."""
+        seqs = [self._seqs[uid] for uid, _ in ends]
+        backs = {s.uid: s.generated - (s.generated if g is None else g) for s, (_, g) in zip(seqs, ends)}
+        assert all(s.generated and 0 <= backs[s.uid] < s.generated for s in seqs), "remove() one still prefilling"
+        if any(backs.values()):  # the tokens after them were read in the same step: their inputs leave the cache
+            rewind.rewind(self._batch, [backs.get(s.uid, 0) for s in self._rows])
+        for seq in seqs:
+            if backs[seq.uid] and self._pending is not None:  # a recurrent state is replayed with fewer inputs
+                self._pending.cut(seq, backs[seq.uid])
+            seq.generated -= backs[seq.uid]
+        if any(seq in self._rows for seq in seqs):
             self._settle()
-            row = self._rows.index(seq)
-            caches = self._row(row)
-            self._drop_rows([row])
-        else:  # its first token, read in this step
-            self._last_chunk_seen(seq)
-            self._ready.remove(seq)
-            caches, seq.caches = seq.caches, None
-        del self._seqs[uid]
-        return Closed(uid, caches, held)
+        closed, rows = [], []
+        for seq in seqs:
+            held = self.held(seq.uid)
+            if seq in self._rows:
+                rows.append(self._rows.index(seq))
+                caches = self._row(rows[-1])
+            else:  # its first token, read in this step
+                self._last_chunk_seen(seq)
+                self._ready.remove(seq)
+                caches, seq.caches = seq.caches, None
+            del self._seqs[seq.uid]
+            closed.append(Closed(seq.uid, caches, held))
+        if rows:
+            self._drop_rows(rows)  # one filter of the batch for all of them
+        return closed
 
     def remove(self, uid: int) -> list | None:
         """Take ``uid`` out wherever it is; its :meth:`caches`, or None before its first token."""
