@@ -1,8 +1,10 @@
 """``semantic serve`` from this checkout as the trials run it: one process at a time on a fixed port,
 killed and started again (EXP-015's victim; EXP-016's, -017's and -019's servers).
 
-Each start is a new *life* (numbered from 1). Agents read :attr:`OurServer.life` when they send and
-when they classify an error: a request whose life ended under it was interrupted, not failed.
+Each start is a new *life* (numbered from 1), counted when the process is spawned: it may answer before
+``/health`` is polled, and the old one is dead by then, so whatever answers a request sent after the count
+is that life. Agents read :attr:`OurServer.life` when they send and when they classify an error: a request
+whose life ended under it was interrupted, not failed.
 The injector calls :meth:`going_down` before it sends a signal, so that no agent can see the broken
 connection before the bookkeeping says why.
 
@@ -60,6 +62,7 @@ class OurServer:
         env = {**os.environ, "PYTHONPATH": str(ROOT.resolve()), "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
                "SEMANTIC_BLAS": "auto"}
         t0 = time.perf_counter()
+        self.life += 1
         with open(self.log_path, "ab") as log:  # the child keeps its own descriptor
             log.write(f"\n$ {' '.join(self.command())}\n".encode())
             log.flush()
@@ -73,7 +76,6 @@ class OurServer:
             raise RuntimeError(f"server did not answer /health in {self.ready_timeout_s:.0f} s:\n{self.log_tail()}")
         took = time.perf_counter() - t0
         self.starts.append(took)
-        self.life += 1
         self.stopping = None
         self.up.set()
         return took
