@@ -9,6 +9,7 @@ from mlx_lm.models import cache as C
 from semantic import compat
 from semantic.errors import CacheMismatchError, CacheShapeError
 from semantic.kinds.base import DTYPES, Positional
+from semantic.kinds.batchone import BatchOneKVCache
 
 
 class Attention(Positional):
@@ -84,4 +85,6 @@ class Attention(Positional):
             from semantic.kinds.batchquant import BatchQuantizedKVCache  # mlx-lm has none
 
             return BatchQuantizedKVCache.merge(caches)
+        if len(caches) == 1 and type(caches[0]) is C.KVCache:  # alone: decodes in its own buffers
+            return BatchOneKVCache.wrap(caches[0])
         return C.BatchKVCache.merge(caches)

@@ -1,0 +1,100 @@
+"""A batch of one sequence decodes in that sequence's own K/V buffers: no copy when it joins the batch,
+none when a decode step writes; it leaves, and a second row joins, through mlx-lm's copies."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models import cache as C
+from mlx_lm.models.cache import make_prompt_cache
+
+from semantic import kinds
+from semantic.kinds.batchone import BatchOneKVCache
+from semantic.request import Request
+from semantic.runner.steploop import StepLoop
+
+pytestmark = pytest.mark.compat
+
+
+def _address(a: mx.array) -> int:
+    """Where an evaluated array's data starts (float32 here: numpy reads it through the buffer protocol)."""
+    mx.eval(a)
+    return np.asarray(memoryview(a)).__array_interface__["data"][0]
+
+
+def _held(c: C.KVCache) -> np.ndarray:
+    return np.array(c.keys[..., : c.offset, :])
+
+
+def _cache(n: int, seed: int = 0) -> C.KVCache:
+    cache = C.KVCache()
+    k = mx.random.normal((1, 2, n, 4), key=mx.random.key(seed))
+    cache.update_and_fetch(k, k * 2)
+    mx.eval(cache.keys, cache.values)
+    return cache
+
+
+def test_one_sequence_joins_and_decodes_in_its_own_buffers():
+    cache = _cache(5)
+    where = _address(cache.keys)
+    (batch,) = kinds.merge([[cache]])
+    assert isinstance(batch, BatchOneKVCache) and _address(batch.keys) == where
+    del cache  # the sequence's cache object goes once it joins: the batch owns the buffer
+    x = mx.random.normal((1, 2, 1, 4), key=mx.random.key(1))
+    keys, _ = batch.update_and_fetch(x, x)
+    assert _address(batch.keys) == where  # written in place, into a spare slot
+    row = batch.extract(0)  # a copy of exactly the row: the pool keeps no spare slots
+    assert row.offset == row.keys.shape[2] == 6 and _address(row.keys) != where
+    assert np.array_equal(_held(row)[..., 5:6, :], np.array(x))
+
+
+def test_a_batch_of_one_holds_what_mlx_lms_merge_holds():
+    cache = _cache(7)
+    ours, theirs = BatchOneKVCache.wrap(cache), C.BatchKVCache.merge([cache])
+    for name in ("keys", "values"):
+        a, b = (getattr(c, "keys_and_values")()[0 if name == "keys" else 1] for c in (ours, theirs))
+        assert np.array_equal(np.array(a), np.array(b))
+    assert ours._idx == theirs._idx and ours.offset.tolist() == theirs.offset.tolist()
+    assert ours.left_padding.tolist() == theirs.left_padding.tolist() == [0]
+    assert np.array_equal(np.array(ours.make_mask(1)), np.array(theirs.make_mask(1)))
+
+
+def test_a_second_row_extends_it_and_each_row_comes_out_whole():
+    a, b = _cache(5, 0), _cache(9, 1)
+    batch = BatchOneKVCache.wrap(a)
+    batch.extend(C.BatchKVCache.merge([b]))
+    first, second = batch.extract(0), batch.extract(1)
+    assert np.array_equal(_held(first), _held(a))
+    assert np.array_equal(_held(second), _held(b))
+
+
+def test_a_lone_turn_equals_the_same_turn_through_mlx_lms_merge(llama_tiny, monkeypatch):
+    """The loop's tokens and logprobs are the same bits either way (only where the buffer lives changed),
+    and the lone turn did decode in the buffer its prefill left."""
+    ids = [int(t) for t in np.random.default_rng(3).integers(1, 250, 19)]
+
+    def run():
+        loop = StepLoop(llama_tiny, stop_tokens=[], max_batch=4, prefill_chunk=8)
+        caches = make_prompt_cache(llama_tiny)
+        loop.add(0, Request("a", ids, 6), 0, caches)
+        events = []
+        while not events:  # the prefill, to its first token
+            events += loop.step()
+        where = _address(caches[-1].keys)
+        del caches  # the loop's own reference goes when the sequence joins the batch
+        events += loop.step()
+        moved = _address(loop._batch[-1].keys) != where
+        while events[-1].finish_reason is None:
+            events += loop.step()
+        (closed,) = loop.finish([(0, None)])
+        return [e.token for e in events], np.stack([np.array(e.logprobs) for e in events]), closed, moved
+
+    tokens, logprobs, closed, moved = run()
+    assert closed.held == len(ids) + 5 and closed.caches[0].offset == closed.held
+    assert not moved
+    monkeypatch.setattr(BatchOneKVCache, "wrap", classmethod(lambda cls, c: C.BatchKVCache.merge([c])))
+    tokens_merged, logprobs_merged, _, moved = run()
+    assert moved  # merge copied the row into a new buffer
+    assert tokens == tokens_merged
+    assert np.array_equal(logprobs, logprobs_merged)
