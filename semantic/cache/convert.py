@@ -55,6 +55,12 @@ def _cat(parts: list):
     return mx.concatenate(parts, axis=2)
 
 
+def _spare(like, n: int):
+    """``n`` empty token slots shaped and typed as ``like``'s."""
+    b, h, _, d = like.shape
+    return mx.zeros((b, h, n, d), dtype=like.dtype)
+
+
 def _check_shape(i: int, layer: LayerSpec, x, n: int, what: str) -> None:
     """Shape and dtype of K or V holding ``n`` tokens against the spec (a positional kind)."""
     kinds.of(layer).check_kv(i, layer, x, n, what)
@@ -226,13 +232,17 @@ def _layers(spec: ModelCacheSpec, block_tokens: int) -> tuple:
     return tuple((i, l, l.group, kinds.of(l), l.snapshot_only(block_tokens)) for i, l in enumerate(spec.layers))
 
 
-def reconstruct(blocks: AgentBlocks, materialize: bool = True, upto: int | None = None) -> list:
+def reconstruct(blocks: AgentBlocks, materialize: bool = True, upto: int | None = None, room: int = 0) -> list:
     """Real mlx-lm cache objects, one per layer, for the tokens of ``blocks``.
 
     With ``upto``, the caches cover only the first ``upto`` tokens (a
     conversation edited after that point); see :func:`covers` for when the
     blocks still hold that. With ``materialize`` the arrays are evaluated
     before returning, so the cost lands here and not in the first model call.
+    With ``room``, layers whose kind takes it (``Kind.takes_room``) get that many spare slots after
+    their tokens, made in the same copy that joins the pieces: mlx-lm's ``KVCache`` grows by copying
+    the whole cache into a larger buffer at every prefill chunk that overflows it (2.8 s for one
+    250-token chunk at 32.7K tokens of Qwen3-Coder's geometry here), and writes into spare slots in place.
     """
     if blocks.released:
         raise CacheMismatchError("these AgentBlocks were released; their blocks may be reused")
@@ -254,8 +264,12 @@ def reconstruct(blocks: AgentBlocks, materialize: bool = True, upto: int | None 
             caches.append(kind.build(i, layer, *pieces[0][0].layer_data[i], total, held))
             continue
         run = _one_segment(pieces, i)
-        if run is not None:
+        if run is not None and not (room and kind.takes_room(layer)):
             k, v = run
+        elif run is not None:  # the segment stays the pool's: the turn writes into a copy with room
+            k, v = _cat([run[0], _spare(run[0], room)]), _cat([run[1], _spare(run[1], room)])
+            caches.append(kind.build_with_room(i, layer, k, v, total, held, room))
+            continue
         else:
             keys, values = [], []
             for blk, s, e in pieces:
@@ -265,6 +279,10 @@ def reconstruct(blocks: AgentBlocks, materialize: bool = True, upto: int | None 
                 _check_shape(i, layer, bv, blk.n_tokens, "values")
                 keys.append(_slice(bk, s, e, False))
                 values.append(_slice(bv, s, e, False))
+            if room and kind.takes_room(layer):
+                k, v = _cat([*keys, _spare(keys[0], room)]), _cat([*values, _spare(values[0], room)])
+                caches.append(kind.build_with_room(i, layer, k, v, total, held, room))
+                continue
             k, v = _cat(keys), _cat(values)
         caches.append(kind.build(i, layer, k, v, total, held))
     if materialize:

@@ -44,10 +44,11 @@ class CacheManager:
         with self.lock:
             return reuse.choose_start(self.pool, ids, own, self.release, salt_root, share=share)
 
-    def rebuild(self, blocks: AgentBlocks, materialize: bool = True, upto: int | None = None) -> list:
-        """Real mlx-lm cache objects, one per layer, for ``blocks`` (its first ``upto`` tokens)."""
+    def rebuild(self, blocks: AgentBlocks, materialize: bool = True, upto: int | None = None, room: int = 0) -> list:
+        """Real mlx-lm cache objects, one per layer, for ``blocks`` (its first ``upto`` tokens), with ``room``
+        spare slots where a layer's kind takes them (``convert.reconstruct``)."""
         self.spec.require_same(blocks.spec, "these blocks")
-        return convert.reconstruct(blocks, materialize=materialize, upto=upto)
+        return convert.reconstruct(blocks, materialize=materialize, upto=upto, room=room)
 
     def carry(self, ids: Sequence[int], at: Sequence[int], salt_root: int | None) -> AgentBlocks | None:
         """The pooled snapshots of ``ids`` at positions ``at`` that every snapshot group has (new references

@@ -80,6 +80,20 @@ class Attention(Positional):
         return compat.build_layer(compat.LayerState(kind, first, second, total, group_size=layer.kv_group_size,
                                                     bits=layer.kv_bits))
 
+    def takes_room(self, layer) -> bool:
+        # mlx-lm's KVCache writes into spare slots in place and grows by a copy of the whole cache; a
+        # quantized one keeps its own triples
+        return not layer.kv_bits
+
+    def build_with_room(self, i, layer, first, second, total, held, room):
+        assert self.takes_room(layer) and total == held, (layer, total, held)
+        self.check_kv(i, layer, first[..., :held, :], held, "keys")
+        self.check_kv(i, layer, second[..., :held, :], held, "values")
+        assert first.shape[2] == second.shape[2] == held + room, (first.shape, second.shape, held, room)
+        cache = C.KVCache()
+        cache.keys, cache.values, cache.offset = first, second, total
+        return cache
+
     def batch(self, caches):
         if isinstance(caches[0], C.QuantizedKVCache):
             from semantic.kinds.batchquant import BatchQuantizedKVCache  # mlx-lm has none

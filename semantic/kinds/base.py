@@ -76,6 +76,14 @@ class Kind:
         """One batch cache from single-row caches of this kind."""
         raise NotImplementedError
 
+    def takes_room(self, layer) -> bool:
+        """Whether :meth:`build_with_room` gives this layer's cache spare slots for a turn's new tokens."""
+        return False
+
+    def build_with_room(self, i: int, layer, first, second, total: int, held: int, room: int) -> Any:
+        """:meth:`build` over buffers with ``room`` spare slots after the held tokens (``takes_room``)."""
+        raise NotImplementedError
+
     # a kind that ``replays`` answers these three (``semantic.decode.replay``)
 
     def keep(self, cache) -> Any:

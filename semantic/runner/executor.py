@@ -66,6 +66,8 @@ from semantic.runner.steploop import StepLoop
 
 log = logging.getLogger(__name__)
 
+ROOM_STEP = 256  # mlx-lm's KVCache.step: the slots it grows by, which the room a resumed cache gets follows
+
 
 @dataclass(slots=True)
 class _InFlight:
@@ -197,7 +199,9 @@ class BatchExecutor:
         caches = None
         if start.cached:
             try:
-                caches = self.reconstruct_cache(start.blocks, upto=start.cached)
+                # room for the new prompt tokens and a step of decoding, on mlx-lm's 256-slot grid
+                room = -(-(len(ids) - start.cached + 1) // ROOM_STEP) * ROOM_STEP
+                caches = self.reconstruct_cache(start.blocks, upto=start.cached, room=room)
                 self._carry(seq, ids, [p for p in carried if p <= fed])
             finally:
                 if start.owned:
@@ -411,9 +415,11 @@ class BatchExecutor:
         the pool lacks one of them or cannot take back the cached ones."""
         return self.cache_manager.pooled(ids, salt_root)
 
-    def reconstruct_cache(self, blocks: AgentBlocks, materialize: bool = True, upto: int | None = None) -> list:
-        """Real mlx-lm cache objects, one per layer, for ``blocks`` (its first ``upto`` tokens)."""
-        return self.cache_manager.rebuild(blocks, materialize=materialize, upto=upto)
+    def reconstruct_cache(self, blocks: AgentBlocks, materialize: bool = True, upto: int | None = None,
+                          room: int = 0) -> list:
+        """Real mlx-lm cache objects, one per layer, for ``blocks`` (its first ``upto`` tokens), with ``room``
+        spare slots where a layer's kind takes them."""
+        return self.cache_manager.rebuild(blocks, materialize=materialize, upto=upto, room=room)
 
     def extract_cache(self, uid: int) -> AgentBlocks:
         """The cache of a sequence as AgentBlocks.

@@ -224,3 +224,44 @@ def test_blocks_from_several_extractions_are_concatenated_into_equal_caches(llam
         assert not _shares(c.keys, seg.layer_data[i][0])
         assert mx.array_equal(c.keys, compat.read_layer(live[i]).keys).item()
         assert mx.array_equal(c.values, compat.read_layer(live[i]).values).item()
+
+
+def _address(a) -> int:
+    mx.eval(a)
+    return np.asarray(a).__array_interface__["data"][0]
+
+
+@pytest.mark.parametrize("several", [False, True])
+def test_a_cache_rebuilt_with_room_takes_the_next_chunk_in_place_and_continues_identically(llama_tiny, several):
+    """Room is made in the one copy that joins the pieces (or, from one segment, instead of the copy the first
+    write would make); the next chunk is written into it, and the logits are the cache's without room."""
+    spec = ModelCacheSpec.from_model(llama_tiny)
+    pool = BlockPool(spec, 16, block_tokens=4)
+    live = spec.make_cache()
+    ids = list(range(1, 11))
+    if several:
+        _run(llama_tiny, live, ids[:8])
+        extract(pool, live, ids[:8])
+        _run(llama_tiny, live, ids[8:])
+    else:
+        _run(llama_tiny, live, ids)
+    blocks = extract(pool, live, ids)
+    roomy, plain = reconstruct(blocks, room=6), reconstruct(blocks)
+    seg = blocks.groups["global"][-1].segment_view.segment
+    where = [_address(c.keys) for c in roomy]
+    for i, c in enumerate(roomy):
+        assert c.offset == 10 and c.keys.shape[2] == 16 and not _shares(c.keys, seg.layer_data[i][0])
+    new = [11, 12, 13, 14, 15]
+    assert mx.array_equal(_run(llama_tiny, roomy, new), _run(llama_tiny, plain, new)).item()
+    assert [_address(c.keys) for c in roomy] == where  # written in place: no grown copy
+    assert all(c.offset == 15 for c in roomy)
+
+
+def test_room_leaves_quantized_layers_as_they_were(llama_tiny):
+    spec = ModelCacheSpec.from_model(llama_tiny, kv_bits=4, kv_group_size=32)
+    pool = BlockPool(spec, 16, block_tokens=4)
+    live = spec.make_cache()
+    ids = list(range(1, 11))
+    _run(llama_tiny, live, ids)
+    roomy, plain = reconstruct(extract(pool, live, ids), room=6), reconstruct(extract(pool, live, ids))
+    assert [c.keys[0].shape for c in roomy] == [c.keys[0].shape for c in plain]
