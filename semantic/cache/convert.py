@@ -20,7 +20,9 @@ a window held at the block boundaries a chunk passed, from the positions the
 chunk's attention left before the window too (``snapshots``).
 
 Reconstruction hands a layer over without a copy when its pieces are one
-consecutive run of one segment, and otherwise concatenates them (one copy).
+consecutive run of one segment, and otherwise concatenates them (one copy);
+asked for ``room``, it makes that copy in any case, with spare slots for the
+turn's new tokens (layers whose kind takes room), so that the turn writes in place.
 """
 
 from __future__ import annotations
