@@ -20,9 +20,10 @@ continuation, so the comparison ends there (:meth:`Reference.check`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
+import functools
 import json
 import os
 import time
@@ -97,6 +98,9 @@ class Reference:
     spreads: dict = field(default_factory=dict)  # each variant's |Δ logprob|, by name ("chunk3", "rows2")
     prompt: int = 0                                # the prompt's length, in tokens
     seconds: float = 0.0                           # CPU seconds the reference and its variants took (0: memoized)
+    # a quantized cache's probes (:func:`rounding_noise`) not measured yet: they can only raise the noise, so
+    # :meth:`check` measures them only for a turn the variants' noise alone would fail
+    pending: Callable[[], float] | None = field(default=None, repr=False, compare=False)
 
     @property
     def tolerance(self) -> float:
@@ -105,12 +109,31 @@ class Reference:
     def first(self, n: int) -> "Reference":
         """The first ``n`` steps: a greedy generation's prefix is the shorter generation (its noise
         measured over more steps, never less)."""
-        return Reference(self.tokens[:n], self.logprobs[:n], self.margins[:n], self.noise, self.spreads, self.prompt)
+        return Reference(self.tokens[:n], self.logprobs[:n], self.margins[:n], self.noise, self.spreads, self.prompt,
+                         pending=self.pending)
+
+    def probed(self) -> "Reference":
+        """This reference with its pending probes measured (itself when none are pending)."""
+        if self.pending is None:
+            return self
+        probes = self.pending()
+        return Reference(self.tokens, self.logprobs, self.margins, max(self.noise, probes),
+                         {**self.spreads, "probes": probes}, self.prompt, self.seconds)
 
     def check(self, tokens: Sequence[int], logprobs: Sequence[float], what: str = "") -> int:
         """Assert that ``tokens`` and ``logprobs`` are this reference's, within the tolerance; returns
-        how many steps were compared (all of them but after a near-tie that chose the other token)."""
+        how many steps were compared (all of them but after a near-tie that chose the other token).
+        Pending probes are measured first when the variants' noise alone would fail them."""
+        if self.pending is not None:
+            try:
+                return replace(self, pending=None)._check(tokens, logprobs, what, log_failure=False)
+            except AssertionError:
+                return self.probed()._check(tokens, logprobs, what)
+        return self._check(tokens, logprobs, what)
+
+    def _check(self, tokens: Sequence[int], logprobs: Sequence[float], what: str, log_failure: bool = True) -> int:
         tol = self.tolerance
+        log = log_failure
         assert self.noise <= CEILING, f"{what}: the reference's own noise {self.noise:.2e} is not float noise"
         assert len(tokens) == len(self.tokens), f"{what}: {len(tokens)} tokens, the reference has {len(self.tokens)}"
         worst = 0.0
@@ -126,9 +149,11 @@ class Reference:
                 assert abs(lp - self.logprobs[i]) <= tol, (
                     f"{what}: step {i} logprob {lp:.7f} vs the reference's {self.logprobs[i]:.7f}: "
                     f"|Δ| {abs(lp - self.logprobs[i]):.2e} > tolerance {tol:.2e} (noise {self.noise:.2e})")
+            log = True
             return len(tokens)
         finally:
-            _log(what, self.noise, tol, worst, self.spreads, self.prompt, self.seconds)
+            if log:
+                _log(what, self.noise, tol, worst, self.spreads, self.prompt, self.seconds)
 
 
 def _log(what: str, noise: float, tol: float, deviation: float, spreads: dict, prompt: int = 0,
@@ -247,13 +272,14 @@ def _survey() -> set[str]:
 
 def reference(model, ids: Sequence[int], n: int, make_cache: Callable[[], list], key=None,
               chunks: Sequence[int] = CHUNKS, rows: Sequence[int] = ROWS, forced: Sequence[int] = (),
-              probe: bool = True) -> Reference:
+              probe: bool | str = True) -> Reference:
     """mlx-lm's greedy generation of ``n`` tokens after ``ids`` in caches from ``make_cache``, and its
     noise on this machine (module doc). ``key`` names the cache geometry for the memo (None: not
     memoized); a test comparing several runs with one reference measures it once, and a shorter one
     on the same ids is its prefix. ``chunks``, ``rows`` and ``forced`` (the reference's tokens prefilled
     in chunks of that size: :func:`_greedy_forced`) choose the variants. A quantized cache's noise is at
-    least :func:`rounding_noise` (``probe``).
+    least :func:`rounding_noise` (``probe``; "lazy": measured only when a check needs them,
+    :attr:`Reference.pending`).
 
     With SEMANTIC_NOISE_SURVEY set, more variants run (:func:`_survey`) and their spreads are logged
     (SEMANTIC_NOISE_LOG) beside the chosen ones, which alone make the noise: how CHUNKS and ROWS
@@ -282,7 +308,10 @@ def reference(model, ids: Sequence[int], n: int, make_cache: Callable[[], list],
             spreads[name] = _spread(ref, _greedy_rows(model, ids, n, make_cache, size))
     measured = [v for k, v in spreads.items() if k in chosen]
     assert measured, "no variant to measure the noise against"
-    if probe and _quantized(make_cache):
+    pending = None
+    if probe == "lazy" and _quantized(make_cache):
+        pending = functools.partial(rounding_noise, model, make_cache, key, chunks, rows, forced)
+    elif probe and _quantized(make_cache):
         spreads["probes"] = rounding_noise(model, make_cache, key, chunks, rows, forced)
         measured.append(spreads["probes"])
     top2 = [mx.topk(row, 2) for _, row in ref]
@@ -294,6 +323,7 @@ def reference(model, ids: Sequence[int], n: int, make_cache: Callable[[], list],
         spreads=spreads,
         prompt=len(ids),
         seconds=time.process_time() - started,
+        pending=pending,
     )
     if memo_key is not None:
         _memo[memo_key] = (model, out)  # held: the model's id is never another's while its entry lives

@@ -28,7 +28,7 @@ def reference(model, ids, n: int, kv_bits: int | None = None, spec: ModelCacheSp
     which on these f32 models moved logprobs as far as any other chunking or batch (docs/tests.md)."""
     spec = spec if spec is not None else ModelCacheSpec.from_model(model, kv_bits=kv_bits, kv_group_size=32)
     variants = noise.few_passes(ids) if real else {}
-    return noise.reference(model, list(ids), n, spec.make_cache, key=spec, **variants)
+    return noise.reference(model, list(ids), n, spec.make_cache, key=spec, probe="lazy", **variants)
 
 
 def check(model, done, kv_bits: int | None = None, spec: ModelCacheSpec | None = None, what: str = "",

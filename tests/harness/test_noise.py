@@ -59,3 +59,24 @@ def test_a_logprob_beyond_the_measured_tolerance_fails_the_check():
     moved[3] += 2 * ref.tolerance
     with pytest.raises(AssertionError, match="step 3 logprob"):
         ref.check(ref.tokens, moved)
+
+
+def test_a_quantized_caches_probes_are_measured_only_for_a_turn_the_variants_noise_alone_would_fail():
+    model = tiny_llama()
+    quantized = lambda: [c.to_quantized(group_size=32, bits=8) for c in make_prompt_cache(model)]  # noqa: E731
+    lazy = noise.reference(model, IDS, 8, quantized, probe="lazy")
+    assert lazy.pending is not None and "probes" not in lazy.spreads
+    assert "probes" in noise.reference(model, IDS, 8, quantized).spreads  # eager, as before
+    measured = []
+    wide = 10 * lazy.noise + 1e-3  # the probes' noise, as if they had hit a rounding step elsewhere
+    counting = noise.Reference(lazy.tokens, lazy.logprobs, lazy.margins, lazy.noise, lazy.spreads,
+                               pending=lambda: measured.append(wide) or wide)
+    assert counting.check(lazy.tokens, lazy.logprobs) == 8
+    assert measured == []  # within the variants' own tolerance: the probes could only have raised it
+    moved = list(lazy.logprobs)
+    moved[3] += 2 * lazy.tolerance  # beyond the variants' tolerance, within the probes'
+    assert counting.check(lazy.tokens, moved) == 8
+    assert measured == [wide]
+    moved[3] = lazy.logprobs[3] + 2 * noise.tolerance(wide)  # beyond both: fails, with the probes measured
+    with pytest.raises(AssertionError, match=rf"step 3 logprob .*\(noise {wide:.2e}\)"):
+        counting.check(lazy.tokens, moved)
