@@ -403,7 +403,7 @@ compare-versions: $(COMPAT_STAMP) $(STAMP)
 
 # pytest-benchmark suite (skipped by `make test`); CI on macOS adds --benchmark-json.
 bench: models
-	$(PY) -m pytest tests/benchmarks --benchmark-only $(PYTEST_ARGS)
+	$(PY) -m pytest $(shell find tests -name "test_*_bench.py" | sort) --benchmark-only $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) $(COMPAT_VENV) $(INSTALL_VENV) .pytest_cache
