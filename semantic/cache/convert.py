@@ -40,11 +40,16 @@ from semantic.cache.pool import BlockPool
 from semantic.cache.spec import LayerSpec, ModelCacheSpec
 
 
-def _slice(x, a: int, b: int, copy: bool):
+# a finished cache's buffer is pooled as it is (no copy) when its spare slots are at most 1/SPARE_SHARE of its
+# tokens, else copied exactly: a short cache would keep mlx-lm's 256-slot growth step in the pool
+SPARE_SHARE = 32
+
+
+def _slice(x, a: int, b: int, copy: bool, adopt: bool = True):
     if isinstance(x, tuple):
-        return tuple(_slice(p, a, b, copy) for p in x)
+        return tuple(_slice(p, a, b, copy, adopt) for p in x)
     if a == 0 and b == x.shape[2]:
-        return x
+        return x if adopt or not copy else mx.contiguous(x)
     view = x[..., a:b, :]
     return mx.contiguous(view) if copy else view
 
@@ -93,8 +98,11 @@ def extract(pool: BlockPool, caches: Sequence, token_ids: Sequence[int], release
     spec = pool.spec
     tokens = tuple(map(int, token_ids))
     states = _read(spec, caches, len(tokens))
+    flat, _ = compat.flatten(caches)
+    loose = frozenset(i for i, (c, layer) in enumerate(zip(flat, spec.layers))
+                      if kinds.of(layer).spare(c) * SPARE_SHARE > len(tokens))
     claim = blockclaim.claim_blocks(pool, spec, tokens, salt_root=salt_root)
-    return _store(pool, spec, tokens, claim, states, release, salt_root, earlier)
+    return _store(pool, spec, tokens, claim, states, release, salt_root, earlier, loose)
 
 
 def keep_passed(pool: BlockPool, caches: Sequence, token_ids: Sequence[int], ends: Sequence[int],
@@ -132,9 +140,10 @@ def keep_passed(pool: BlockPool, caches: Sequence, token_ids: Sequence[int], end
 
 
 def _store(pool: BlockPool, spec: ModelCacheSpec, tokens: tuple[int, ...], claim: blockclaim.BlockClaim, states,
-           release, salt_root: int | None, earlier: Sequence = ()) -> AgentBlocks:
+           release, salt_root: int | None, earlier: Sequence = (), loose: frozenset = frozenset()) -> AgentBlocks:
     """Take ``claim`` from ``pool``, copying each missed block from ``states[layer]`` (a buffer that
-    holds position ``p`` at index ``p - shift``), as one AgentBlocks."""
+    holds position ``p`` at index ``p - shift``), as one AgentBlocks; a run that is a layer's whole buffer
+    is pooled without a copy unless the layer is ``loose`` (its buffer has much spare: ``SPARE_SHARE``)."""
     pool.require_free(claim.need)
 
     # Each run of consecutive missed blocks is copied once per layer into a
@@ -153,7 +162,8 @@ def _store(pool: BlockPool, spec: ModelCacheSpec, tokens: tuple[int, ...], claim
         seg = Segment({}, hi - lo)
         for i in first.layers:
             st = states[i]
-            seg.layer_data[i] = (_slice(st.keys, lo, hi, True), _slice(st.values, lo, hi, True))
+            adopt = i not in loose
+            seg.layer_data[i] = (_slice(st.keys, lo, hi, True, adopt), _slice(st.values, lo, hi, True, adopt))
             fresh.append(seg.layer_data[i])
         for idx in run:
             p = claim.blocks[idx]

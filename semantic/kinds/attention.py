@@ -55,6 +55,12 @@ class Attention(Positional):
         q = dict(kv_bits=kv_bits, kv_group_size=kv_group_size) if kv_bits else {}
         return dict(kind=self.name, **self.common_fields(st), **q)
 
+    def spare(self, cache):
+        if cache.keys is None:
+            return 0
+        keys = cache.keys[0] if isinstance(cache.keys, tuple) else cache.keys
+        return keys.shape[2] - cache.offset  # mlx-lm grows it in steps of 256 slots
+
     def read(self, i, layer, cache, total):
         st = compat.read_layer(cache)
         if st.kind != self.cache_class(layer):

@@ -54,6 +54,10 @@ class Kind:
         """The ``LayerSpec`` fields of a live cache of this kind after a one-token probe."""
         raise NotImplementedError
 
+    def spare(self, cache) -> int:
+        """Slots the live cache's buffer holds beyond its tokens (0: what :meth:`read` gives is the buffer)."""
+        return 0
+
     def read(self, i: int, layer, cache, total: int):
         """A live cache after ``total`` tokens as this kind's held data, checked against ``layer``."""
         raise NotImplementedError

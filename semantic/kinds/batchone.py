@@ -8,12 +8,10 @@ spare slots included, and the decode writes there in place::
     KVCache            keys [t0 .. t_{n-1} | spare ]   offset n
     BatchOneKVCache    keys  (the same array)          _idx n, left_padding [0], offset [n]
 
-Leaving hands the pool the row over the same buffers when their spare slots are at most
-``1/SPARE_SHARE`` of its tokens: the pool copies only the blocks it lacks (a resumed turn's new
-tokens; its history's blocks are already pooled), or adopts the buffer whole (a first turn), keeping
-that little spare. With more spare it is mlx-lm's ``extract``: one copy of exactly the row, evaluated
-while the pool takes the blocks, one layer's buffer freed after another, so a short cache with a
-256-slot growth step never keeps the step in the pool. A second row joins through mlx-lm's
+Leaving hands the pool the row over the same buffers (one unpadded row): the pool copies only the
+blocks it lacks (a resumed turn's new tokens; its history's blocks are already pooled), and a first
+turn's buffer is adopted whole or copied exactly, by how much spare it holds (``convert.SPARE_SHARE``),
+where mlx-lm's ``extract`` copied the whole row first. A second row joins through mlx-lm's
 ``extend`` (a copy, as before). MLX never writes into a buffer another array still holds: while
 anything else holds the sequence's old buffer, the first write copies it, which is what merge did.
 """
@@ -21,10 +19,6 @@ anything else holds the sequence's old buffer, the first write copies it, which 
 from __future__ import annotations
 
 from mlx_lm.models import cache as C
-
-
-# a leaving row keeps its buffer when the spare slots are at most this share of its tokens (1/32: 3%)
-SPARE_SHARE = 32
 
 
 class BatchOneKVCache(C.BatchKVCache):
@@ -41,12 +35,9 @@ class BatchOneKVCache(C.BatchKVCache):
         return batch
 
     def extract(self, idx: int) -> C.KVCache:
-        """Row ``idx`` as a ``KVCache``: over the same buffers when it is the only row, unpadded, with
-        little spare (module doc); else mlx-lm's copy of exactly the row."""
-        if self.keys is None or self.keys.shape[0] != 1 or self._idx == 0:
-            return super().extract(idx)
-        spare = self.keys.shape[2] - self._idx
-        if int(self.left_padding[0].item()) or spare * SPARE_SHARE > self._idx:
+        """Row ``idx`` as a ``KVCache``: over the same buffers when it is the only row and unpadded (module
+        doc), else mlx-lm's copy of exactly the row."""
+        if self.keys is None or self.keys.shape[0] != 1 or self._idx == 0 or int(self.left_padding[0].item()):
             return super().extract(idx)
         cache = C.KVCache()
         # new array objects over the same data: the batch's own objects change at its next write

@@ -226,6 +226,27 @@ def test_blocks_from_several_extractions_are_concatenated_into_equal_caches(llam
         assert mx.array_equal(c.values, compat.read_layer(live[i]).values).item()
 
 
+@pytest.mark.parametrize("tokens, adopted", [(10, False), (1000, True)])
+def test_a_finished_buffer_is_pooled_as_it_is_only_when_it_holds_little_spare(llama_tiny, tokens, adopted):
+    """mlx-lm grows a cache in steps of 256 slots: 10 tokens in 256 slots are copied exactly (the pool keeps no
+    step), 1000 in 1024 are pooled as they are (no copy of the whole cache for 2% spare)."""
+    spec = ModelCacheSpec.from_model(llama_tiny)
+    pool = BlockPool(spec, 600, block_tokens=4)
+    live = spec.make_cache()
+    for c in live:
+        x = mx.random.normal((1, spec.layers[0].n_kv_heads, tokens, spec.layers[0].head_dim))
+        c.update_and_fetch(x, x * 2)
+    mx.eval([c.keys for c in live])
+    assert live[0].keys.shape[2] == 256 * -(-tokens // 256)
+    blocks = extract(pool, live, range(tokens))
+    seg = blocks.groups["global"][0].segment_view.segment
+    for i, c in enumerate(live):
+        assert _shares(seg.layer_data[i][0], c.keys) is adopted and _shares(seg.layer_data[i][1], c.values) is adopted
+        assert mx.array_equal(seg.layer_data[i][0], c.keys[..., :tokens, :]).item()
+    if not adopted:
+        assert seg.layer_data[0][0].shape[2] == tokens
+
+
 def _address(a) -> int:
     mx.eval(a)
     return np.asarray(a).__array_interface__["data"][0]
