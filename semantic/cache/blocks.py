@@ -31,50 +31,72 @@ def _nbytes(x) -> int:
     return sum(a.nbytes for a in x) if isinstance(x, tuple) else x.nbytes
 
 
+def _rows(x, a: int, b: int):
+    """Rows ``[a, b)`` of one side of a layer's K/V (a quantized side: each of its parts)."""
+    if isinstance(x, tuple):
+        return tuple(p[..., a:b, :] for p in x)
+    return x[..., a:b, :]
+
+
+def _first(x):
+    return x[0] if isinstance(x, tuple) else x
+
+
 @dataclass(slots=True, eq=False)
 class Segment:
-    """One contiguous copy of a run of blocks of a layer group, made by one extraction (or one
-    restore of block files, read straight into it: ``store.blockread``).
+    """One contiguous buffer per layer of a layer group holding a run of its blocks, made by one
+    extraction (or one restore of block files, read straight into it: ``store.blockread``), or a
+    finished turn's own buffer, pooled as it is.
 
-    The blocks of the run hold views into it, so reconstruction can hand a
-    layer its whole run as one slice instead of concatenating::
+    Its blocks hold positions in it, not arrays, so the segment's arrays are the only holders of its
+    bytes: reconstruction hands a layer its whole run as one slice, or, when the run is the whole
+    filled part from position 0, the buffer itself, with the slots past ``n_tokens`` as the turn's
+    room (``lent``): MLX then writes the turn's tokens there in place, since nothing else holds the
+    buffer, and the turn's new blocks become positions in it too::
 
-        segment (layer i keys)   [ t0 ................................ t1 )
-        blocks                   [ blk 3: view ][ blk 8: view ][ blk 4 )
-        reconstruct (one run)    segment[..., t0:t1, :]   no copy
+        segment (layer i keys)   [ t0 ........................ n_tokens | spare .... capacity )
+        blocks                   [ blk 3 ][ blk 8 ][ blk 4 )
+        lent to a turn           the same array; the turn writes from n_tokens on
 
-    A segment lives while any of its views does.
+    A segment lives while any block's position in it does. ``lendable``: made from a finished cache or
+    files, so no live cache still writes into it (one adopted from a turn in flight never is).
     """
 
     layer_data: dict[int, LayerKV]
     n_tokens: int
+    lendable: bool = False
+    lent: bool = False
+
+    @property
+    def capacity(self) -> int:
+        """Token slots in its buffers (``n_tokens`` filled; the rest is room a turn lent it may write)."""
+        return _first(next(iter(self.layer_data.values()))[0]).shape[2]
+
+    def rows(self, layer: int, a: int, b: int) -> LayerKV:
+        """Layer ``layer``'s (keys, values) rows ``[a, b)``: new views, made now."""
+        k, v = self.layer_data[layer]
+        return _rows(k, a, b), _rows(v, a, b)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
 class SegmentView:
-    """Where a block's data sit in a segment: its first held token is ``segment``'s
-    index ``start``, and ``views`` are the per-layer views it was given. A block
-    whose ``layer_data`` entry was replaced since no longer counts as a view."""
+    """Where a block's data sit in a segment: its first held token is ``segment``'s index ``start``."""
 
     segment: Segment
     start: int
-    views: dict[int, LayerKV]
 
     def __post_init__(self):
         assert 0 <= self.start < self.segment.n_tokens, (self.start, self.segment.n_tokens)
-
-    def holds(self, block: "KVBlock", layer: int) -> bool:
-        """Whether ``block``'s data for ``layer`` are still the view it was given."""
-        return self.views.get(layer) is block.layer_data.get(layer)
 
 
 @dataclass(slots=True, eq=False)
 class KVBlock:
     """Tokens ``[start, start + n_tokens)`` of one layer group.
 
-    ``layer_data`` maps each layer index of the group to its K/V arrays.
-    ``token_hash`` is set when the block is registered for sharing (full, or
-    a tail); ``token_ids`` are kept to confirm every hash hit.
+    ``layer_data`` maps each layer index of the group to its K/V arrays: the block's own (a snapshot, a
+    block made alone), or, for a block at a position in a segment (``segment_view``), views of it made
+    when asked, so no array but the segment's holds its bytes. ``token_hash`` is set when the block is
+    registered for sharing (full, or a tail); ``token_ids`` are kept to confirm every hash hit.
     """
 
     block_id: int
@@ -82,9 +104,9 @@ class KVBlock:
     start: int
     n_tokens: int
     token_ids: tuple[int, ...]
-    layer_data: dict[int, LayerKV]
+    own_data: dict[int, LayerKV]
     token_hash: int | None = None
-    segment_view: SegmentView | None = None  # when its data are views into a segment
+    segment_view: SegmentView | None = None  # when its data sit in a segment
     parent: int | None = None  # keyed blocks: the key of the prefix before ``start`` (None: unsalted root)
 
     def __post_init__(self):
@@ -95,9 +117,34 @@ class KVBlock:
     def end(self) -> int:
         return self.start + self.n_tokens
 
+    def kv(self, layer: int) -> LayerKV:
+        """Layer ``layer``'s (keys, values) for this block's tokens."""
+        where = self.segment_view
+        if where is None:
+            return self.own_data[layer]
+        return where.segment.rows(layer, where.start, where.start + self.n_tokens)
+
+    @property
+    def layers(self) -> list[int]:
+        where = self.segment_view
+        return list((self.own_data if where is None else where.segment.layer_data).keys())
+
+    @property
+    def layer_data(self) -> dict[int, LayerKV]:
+        return {i: self.kv(i) for i in self.layers}
+
+    @layer_data.setter
+    def layer_data(self, data: dict[int, LayerKV]) -> None:
+        """The block's own arrays from now on (it no longer sits in a segment)."""
+        self.own_data, self.segment_view = data, None
+
     @property
     def nbytes(self) -> int:
-        return sum(_nbytes(k) + _nbytes(v) for k, v in self.layer_data.values())
+        where = self.segment_view
+        if where is None:
+            return sum(_nbytes(k) + _nbytes(v) for k, v in self.own_data.values())
+        seg = where.segment  # every part of a side grows by the same bytes a token
+        return sum(_nbytes(k) + _nbytes(v) for k, v in seg.layer_data.values()) // seg.capacity * self.n_tokens
 
 
 @dataclass(eq=False)
@@ -172,7 +219,7 @@ def segment_runs(pieces: Sequence[tuple[KVBlock, int, int]], layer: int) -> list
     out: list[Run] = []
     for blk, s, e in pieces:
         where = blk.segment_view
-        if where is None or not where.holds(blk, layer):
+        if where is None:
             out.append(Run(blk, s, e))
             continue
         a = where.start + s

@@ -28,6 +28,7 @@ turn's new tokens (layers whose kind takes room), so that the turn writes in pla
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import mlx.core as mx
@@ -45,11 +46,40 @@ from semantic.cache.spec import LayerSpec, ModelCacheSpec
 SPARE_SHARE = 32
 
 
+@dataclass(eq=False)
+class Loan:
+    """The segments a turn's caches came from whole (one run from position 0 to their end), by how:
+
+        lent     the segment's own buffers, with room past its tokens: the turn writes there in place
+        copied   a copy with room: the turn's finished buffer may then hold the whole history (``extract``)
+
+    A segment is lent to one turn at a time; :meth:`give_back` ends the loan when the turn is done.
+    """
+
+    lent: list = field(default_factory=list)
+    copied: list = field(default_factory=list)
+
+    def give_back(self) -> None:
+        for seg in self.lent:
+            seg.lent = False
+        self.lent, self.copied = [], []
+
+
+def headroom(tokens: int) -> int:
+    """Spare slots a resumed cache's copy gets beyond its turn's room, on mlx-lm's 256-slot grid: at least a
+    step, about 1/SPARE_SHARE of the tokens, so that the next turns find room in the buffer it is pooled as."""
+    return -(-max(tokens // SPARE_SHARE, 1) // 256) * 256
+
+
 def _slice(x, a: int, b: int, copy: bool, adopt: bool = True):
     if isinstance(x, tuple):
         return tuple(_slice(p, a, b, copy, adopt) for p in x)
     if a == 0 and b == x.shape[2]:
-        return x if adopt or not copy else mx.contiguous(x)
+        if not copy:
+            return x
+        # adopted: a new array object over the same bytes, so MLX never writes into them in place while
+        # the segment holds them (it copies), and may once the live cache that made them is gone
+        return x[...] if adopt else mx.contiguous(x)
     view = x[..., a:b, :]
     return mx.contiguous(view) if copy else view
 
@@ -85,7 +115,7 @@ def _read(spec: ModelCacheSpec, caches: Sequence, total: int) -> list:
 
 
 def extract(pool: BlockPool, caches: Sequence, token_ids: Sequence[int], release=None, salt_root: int | None = None,
-            earlier: Sequence = ()) -> AgentBlocks:
+            earlier: Sequence = (), *, loan: Loan | None = None, finished: bool = False) -> AgentBlocks:
     """Store live caches covering ``token_ids`` as pooled blocks.
 
     All-or-nothing: when the pool cannot hold the new blocks it raises
@@ -94,6 +124,11 @@ def extract(pool: BlockPool, caches: Sequence, token_ids: Sequence[int], release
     back (default ``pool.release``; a locked one when threads share the pool).
     ``salt_root`` salts the block keys (``blockclaim.chain_keys``). ``earlier``: snapshot blocks of
     this history at earlier positions to carry as well (``blockclaim.commit``).
+
+    ``loan``: where :func:`reconstruct` took this turn's caches from (:class:`Loan`): a lent segment it wrote
+    into in place takes its new blocks as positions, with no copy; with ``finished`` (no turn writes into
+    ``caches`` any more), a buffer copied from a segment with room holds the whole history and is pooled
+    as it is, the segment's blocks moving into it (:func:`_store`).
     """
     spec = pool.spec
     tokens = tuple(map(int, token_ids))
@@ -101,8 +136,11 @@ def extract(pool: BlockPool, caches: Sequence, token_ids: Sequence[int], release
     flat, _ = compat.flatten(caches)
     loose = frozenset(i for i, (c, layer) in enumerate(zip(flat, spec.layers))
                       if kinds.of(layer).spare(c) * SPARE_SHARE > len(tokens))
+    buffers = {i: b for i, (c, layer) in enumerate(zip(flat, spec.layers))
+               if (b := kinds.of(layer).buffers(layer, c)) is not None}
     claim = blockclaim.claim_blocks(pool, spec, tokens, salt_root=salt_root)
-    return _store(pool, spec, tokens, claim, states, release, salt_root, earlier, loose)
+    return _store(pool, spec, tokens, claim, states, release, salt_root, earlier, loose,
+                  _Whole(buffers, loan, finished))
 
 
 def keep_passed(pool: BlockPool, caches: Sequence, token_ids: Sequence[int], ends: Sequence[int],
@@ -139,17 +177,63 @@ def keep_passed(pool: BlockPool, caches: Sequence, token_ids: Sequence[int], end
     return len(claim.blocks)
 
 
+@dataclass(frozen=True)
+class _Whole:
+    """A cache's whole buffers (``Kind.buffers``: layer -> (keys, values), spare slots included), the
+    segments it was lent, and whether it is finished: what lets a run of blocks sit in its buffer."""
+
+    buffers: dict
+    loan: Loan | None = None
+    finished: bool = False
+
+    def holds(self, layers) -> bool:
+        return all(i in self.buffers for i in layers)
+
+    def copied(self, seg: Segment) -> bool:
+        """Whether the turn's buffer was copied from ``seg`` whole: it holds the same bytes up to its end."""
+        return self.loan is not None and any(s is seg for s in self.loan.copied)
+
+    def wrote_into(self, seg: Segment, layers) -> bool:
+        """Whether the turn wrote in place into lent ``seg``: its buffers are the segment's own arrays."""
+        return self.loan is not None and any(s is seg for s in self.loan.lent) and all(
+            self.buffers[i][0] is seg.layer_data[i][0] and self.buffers[i][1] is seg.layer_data[i][1] for i in layers)
+
+
+def _before(claim: blockclaim.BlockClaim, idx: int) -> Segment | None:
+    """The segment holding, from its index 0 at position 0, the hit blocks before missed block ``idx``
+    of its group, up to exactly where ``idx`` starts; else None."""
+    group, segs = claim.blocks[idx].group, set()
+    for p in claim.blocks[:idx]:
+        if p.group != group:
+            continue
+        where = p.hit.segment_view if p.hit is not None else None
+        if where is None or where.start != p.start - p.shift or p.shift:
+            return None
+        segs.add(id(where.segment))
+        seg = where.segment
+    if len(segs) != 1 or seg.n_tokens != claim.blocks[idx].start:
+        return None
+    return seg
+
+
 def _store(pool: BlockPool, spec: ModelCacheSpec, tokens: tuple[int, ...], claim: blockclaim.BlockClaim, states,
-           release, salt_root: int | None, earlier: Sequence = (), loose: frozenset = frozenset()) -> AgentBlocks:
+           release, salt_root: int | None, earlier: Sequence = (), loose: frozenset = frozenset(),
+           whole: _Whole = _Whole({})) -> AgentBlocks:
     """Take ``claim`` from ``pool``, copying each missed block from ``states[layer]`` (a buffer that
-    holds position ``p`` at index ``p - shift``), as one AgentBlocks; a run that is a layer's whole buffer
-    is pooled without a copy unless the layer is ``loose`` (its buffer has much spare: ``SPARE_SHARE``)."""
+    holds position ``p`` at index ``p - shift``), as one AgentBlocks. Where ``whole`` has a layer group's
+    buffers and a run of misses goes on to the end, the run may take no copy::
+
+        the run is the whole buffer      a first turn: pooled as it is, unless ``loose`` (much spare)
+        the run follows a lent segment   the turn wrote there in place: the segment now holds it
+        the run follows one segment      a resumed, finished turn: its buffer holds the whole history,
+                                         so it is pooled as it is and the segment's blocks move into it
+    """
     pool.require_free(claim.need)
 
-    # Each run of consecutive missed blocks is copied once per layer into a
-    # segment; its blocks hold views, which reconstruction hands over whole.
-    views: dict[int, tuple[dict, SegmentView]] = {}
-    fresh = []
+    # Each run of consecutive missed blocks is copied once per layer into a segment, or sits in a whole
+    # buffer; its blocks hold positions in it, which reconstruction hands over whole.
+    views: dict[int, tuple[dict, SegmentView | None]] = {}
+    fresh, moves = [], []
     for run in blockclaim.miss_runs(claim.blocks):
         first, last = claim.blocks[run[0]], claim.blocks[run[-1]]
         if first.snapshot:  # the group's whole cache at its end: a copy of every layer, no segment
@@ -159,19 +243,30 @@ def _store(pool: BlockPool, spec: ModelCacheSpec, tokens: tuple[int, ...], claim
             views[run[0]] = (data, None)
             continue
         lo, hi = first.start - first.shift, last.end - last.shift  # held-buffer indices
-        seg = Segment({}, hi - lo)
-        for i in first.layers:
-            st = states[i]
-            adopt = i not in loose
-            seg.layer_data[i] = (_slice(st.keys, lo, hi, True, adopt), _slice(st.values, lo, hi, True, adopt))
-            fresh.append(seg.layer_data[i])
+        ends = hi == len(tokens) and not first.shift and whole.holds(first.layers)
+        prior = _before(claim, run[0]) if ends and lo else None
+        if prior is not None and whole.wrote_into(prior, first.layers):
+            seg, lo = prior, 0
+            seg.n_tokens = hi
+        elif ends and (prior is not None and whole.finished and not prior.lent and whole.copied(prior)
+                       or not lo and not loose.intersection(first.layers)):
+            # the buffers themselves, spare slots included: the room of the agent's next turn
+            seg = Segment({i: (whole.buffers[i][0][...], whole.buffers[i][1][...]) for i in first.layers}, hi)
+            if prior is not None:
+                moves.append((prior, seg))
+            lo = 0
+        else:
+            seg = Segment({}, hi - lo)
+            for i in first.layers:
+                st, adopt = states[i], i not in loose
+                seg.layer_data[i] = (_slice(st.keys, lo, hi, True, adopt), _slice(st.values, lo, hi, True, adopt))
+        fresh.append(list(seg.layer_data.values()))
         for idx in run:
             p = claim.blocks[idx]
-            s0 = p.start - p.shift - lo
-            data = {i: (_slice(k, s0, s0 + p.end - p.start, False), _slice(v, s0, s0 + p.end - p.start, False))
-                    for i, (k, v) in seg.layer_data.items()}
-            views[idx] = (data, SegmentView(seg, s0, dict(data)))
-    mx.eval(fresh, [d for d, _ in views.values()])  # slices evaluate to views: no copy
+            views[idx] = ({}, SegmentView(seg, p.start - p.shift - lo))
+    mx.eval(fresh)
+    for old, new in moves:
+        pool.move_segment(old, new)
     index = {id(p): i for i, p in enumerate(claim.blocks)}
     return blockclaim.commit(pool, spec, tokens, claim, lambda p: views[index[id(p)]], release, salt_root, earlier)
 
@@ -185,6 +280,17 @@ def _one_segment(pieces: list, layer: int):
     (run,) = runs
     k, v = run.source.layer_data[layer]
     return _slice(k, run.start, run.stop, False), _slice(v, run.start, run.stop, False)
+
+
+def _whole_segment(pieces: list, total: int) -> Segment | None:
+    """The segment whose index 0 is position 0 and whose ``total`` tokens are exactly ``pieces`` (one run
+    of views into it, ending at its last token), else None."""
+    runs = segment_runs(pieces, next(iter(pieces[0][0].layers)))
+    if len(runs) != 1 or not isinstance(runs[0].source, Segment):
+        return None
+    (run,) = runs
+    ok = run.start == 0 and run.stop == total == run.source.n_tokens and pieces[0][0].start == 0
+    return run.source if ok else None
 
 
 def _pieces(blocks: AgentBlocks, layer: int, total: int) -> tuple[list, int, int]:
@@ -244,7 +350,8 @@ def _layers(spec: ModelCacheSpec, block_tokens: int) -> tuple:
     return tuple((i, l, l.group, kinds.of(l), l.snapshot_only(block_tokens)) for i, l in enumerate(spec.layers))
 
 
-def reconstruct(blocks: AgentBlocks, materialize: bool = True, upto: int | None = None, room: int = 0) -> list:
+def reconstruct(blocks: AgentBlocks, materialize: bool = True, upto: int | None = None, room: int = 0,
+                loan: Loan | None = None) -> list:
     """Real mlx-lm cache objects, one per layer, for the tokens of ``blocks``.
 
     With ``upto``, the caches cover only the first ``upto`` tokens (a
@@ -255,6 +362,12 @@ def reconstruct(blocks: AgentBlocks, materialize: bool = True, upto: int | None 
     their tokens, made in the same copy that joins the pieces: mlx-lm's ``KVCache`` grows by copying
     the whole cache into a larger buffer at every prefill chunk that overflows it (2.8 s for one
     250-token chunk at 32.7K tokens of Qwen3-Coder's geometry here), and writes into spare slots in place.
+
+    With a ``loan`` too (a turn that will hand it to :func:`extract` when it ends), a layer group whose
+    blocks are one segment from position 0 to its end gets that segment's own buffers when they have
+    ``room`` past its tokens and no other turn has them: no copy at all, the turn writes into the pool's
+    buffer. Otherwise its copy gets :func:`headroom` beyond ``room``, and the finished buffer is pooled
+    as it is, so that the agent's next turn finds its room there. The loan records which.
     """
     if blocks.released:
         raise CacheMismatchError("these AgentBlocks were released; their blocks may be reused")
@@ -263,6 +376,7 @@ def reconstruct(blocks: AgentBlocks, materialize: bool = True, upto: int | None 
         raise CacheMismatchError(f"upto={upto} is outside the {blocks.total_tokens} cached tokens")
     caches = []
     by_group: dict[str, tuple] = {}  # every layer of a group has the same blocks and ranges
+    lending, copied = set(), set()
     for i, layer, group, kind, snapshot_only in _layers(spec, blocks.block_tokens):
         if group not in by_group:
             by_group[group] = _pieces(blocks, i, total)
@@ -273,19 +387,29 @@ def reconstruct(blocks: AgentBlocks, materialize: bool = True, upto: int | None 
             caches.append(layer.make_cache())
             continue
         if snapshot_only:
-            caches.append(kind.build(i, layer, *pieces[0][0].layer_data[i], total, held))
+            caches.append(kind.build(i, layer, *pieces[0][0].kv(i), total, held))
             continue
         run = _one_segment(pieces, i)
         if run is not None and not (room and kind.takes_room(layer)):
             k, v = run
-        elif run is not None:  # the segment stays the pool's: the turn writes into a copy with room
-            k, v = _cat([run[0], _spare(run[0], room)]), _cat([run[1], _spare(run[1], room)])
-            caches.append(kind.build_with_room(i, layer, k, v, total, held, room))
+        elif run is not None:
+            seg = _whole_segment(pieces, total) if loan is not None else None
+            if seg is not None and (seg in lending or not seg.lent and seg.capacity - total >= room):
+                # the pool's own buffers: the turn writes past its tokens in place (``Segment``)
+                lending.add(seg)
+                k, v = seg.layer_data[i]
+                caches.append(kind.build_with_room(i, layer, k, v, total, held, seg.capacity - total))
+                continue
+            if seg is not None:
+                copied.add(seg)
+            more = room + (headroom(total) if seg is not None else 0)
+            k, v = _cat([run[0], _spare(run[0], more)]), _cat([run[1], _spare(run[1], more)])
+            caches.append(kind.build_with_room(i, layer, k, v, total, held, more))
             continue
         else:
             keys, values = [], []
             for blk, s, e in pieces:
-                bk, bv = blk.layer_data[i]
+                bk, bv = blk.kv(i)
                 # per piece: concatenate would silently promote a wrong dtype
                 _check_shape(i, layer, bk, blk.n_tokens, "keys")
                 _check_shape(i, layer, bv, blk.n_tokens, "values")
@@ -297,6 +421,17 @@ def reconstruct(blocks: AgentBlocks, materialize: bool = True, upto: int | None 
                 continue
             k, v = _cat(keys), _cat(values)
         caches.append(kind.build(i, layer, k, v, total, held))
+    for seg in lending:
+        seg.lent = True
+    if loan is not None:
+        loan.lent.extend(lending)
+        loan.copied.extend(copied)
     if materialize:
-        mx.eval([compat.cache_arrays(c) for c in caches if not c.empty()])
+        materialize_caches(caches)
     return compat.nest(caches, spec.nesting)
+
+
+def materialize_caches(caches: Sequence) -> None:
+    """Evaluate live caches' arrays now (what :func:`reconstruct` made lazily)."""
+    flat, _ = compat.flatten(caches)
+    mx.eval([compat.cache_arrays(c) for c in flat if not c.empty()])

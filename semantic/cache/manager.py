@@ -4,7 +4,8 @@ The step loop computes in mlx-lm's cache objects; the pool keeps 256-token block
 asks five things, and each is a method here (the pool's lock held for it, as its callers share the pool)::
 
     start         the longest reusable prefix of a prompt: the agent's own cache or pooled blocks (reuse)
-    rebuild       cache objects for those blocks (convert.reconstruct)
+    rebuild       cache objects for those blocks (convert.reconstruct), over the pool's buffers when lent
+    give_back     end a turn's loan of the pool's buffers
     carry         the pooled snapshots a resumed turn's finished cache must hold on to (snapshots)
     keep_passed   a sliding window's blocks that a prefill chunk moved past, pooled before the ring drops them
     extract       a cache (finished, a checkpoint, in flight) stored as pooled blocks (convert.extract)
@@ -19,6 +20,7 @@ import threading
 from typing import Sequence
 
 from semantic.cache import blockclaim, convert, reuse, snapshots
+from semantic.cache.convert import Loan
 from semantic.cache.blocks import AgentBlocks
 from semantic.cache.pool import BlockPool
 from semantic.cache.spec import ModelCacheSpec
@@ -44,11 +46,23 @@ class CacheManager:
         with self.lock:
             return reuse.choose_start(self.pool, ids, own, self.release, salt_root, share=share)
 
-    def rebuild(self, blocks: AgentBlocks, materialize: bool = True, upto: int | None = None, room: int = 0) -> list:
+    def rebuild(self, blocks: AgentBlocks, materialize: bool = True, upto: int | None = None, room: int = 0,
+                loan: Loan | None = None) -> list:
         """Real mlx-lm cache objects, one per layer, for ``blocks`` (its first ``upto`` tokens), with ``room``
-        spare slots where a layer's kind takes them (``convert.reconstruct``)."""
+        spare slots where a layer's kind takes them; with a ``loan``, over the pool's own buffers where they
+        have the room (``convert.reconstruct``): the caller hands the loan to :meth:`extract` and then
+        :meth:`give_back`."""
         self.spec.require_same(blocks.spec, "these blocks")
-        return convert.reconstruct(blocks, materialize=materialize, upto=upto, room=room)
+        with self.lock:  # a segment is lent to one turn at a time
+            caches = convert.reconstruct(blocks, materialize=False, upto=upto, room=room, loan=loan)
+        if materialize:  # the copies, outside the lock
+            convert.materialize_caches(caches)
+        return caches
+
+    def give_back(self, loan: Loan) -> None:
+        """End a turn's loan (``rebuild``): its segments may be lent again."""
+        with self.lock:
+            loan.give_back()
 
     def carry(self, ids: Sequence[int], at: Sequence[int], salt_root: int | None) -> AgentBlocks | None:
         """The pooled snapshots of ``ids`` at positions ``at`` that every snapshot group has (new references
@@ -74,14 +88,17 @@ class CacheManager:
         with self.lock:
             convert.keep_passed(self.pool, caches, ids, ends, salt_root)
 
-    def extract(self, caches: list, ids: Sequence[int], salt_root: int | None, earlier: Sequence = ()) -> AgentBlocks:
-        """``caches`` (holding ``ids``) stored as pooled blocks the caller owns (``convert.extract``).
+    def extract(self, caches: list, ids: Sequence[int], salt_root: int | None, earlier: Sequence = (), *,
+                loan: Loan | None = None, finished: bool = False) -> AgentBlocks:
+        """``caches`` (holding ``ids``) stored as pooled blocks the caller owns (``convert.extract``; ``loan``
+        and ``finished`` say where they may stay without a copy).
 
         Raises:
             PoolExhaustedError: the pool cannot hold the new blocks (nothing was taken).
         """
         with self.lock:
-            return convert.extract(self.pool, caches, ids, self.release, salt_root, earlier)
+            return convert.extract(self.pool, caches, ids, self.release, salt_root, earlier, loan=loan,
+                                   finished=finished)
 
     def pooled(self, ids: Sequence[int], salt_root: int | None = None) -> AgentBlocks | None:
         """The cache of ``ids`` made of pooled blocks alone (new references the caller owns), or None when

@@ -134,8 +134,8 @@ class _FileBlocks:
         return _map(kv, lambda x: mx.contiguous(mx.concatenate([x[..., p:q, :] for p, q in cuts], axis=2)))
 
     def block_data(self, planned: BlockClaim) -> dict[int, tuple[dict[int, LayerKV], SegmentView]]:
-        """For each missed planned block (by index): its layer views and where they sit in their segment
-        (a snapshot: its layers' whole window, no segment)."""
+        """For each missed planned block (by index): its own layer data (a snapshot: its layers' whole
+        window) or where it sits in its segment."""
         out, made = {}, []
         per_group = Counter(p.group for p in planned.blocks)
         for run in miss_runs(planned.blocks):
@@ -153,17 +153,10 @@ class _FileBlocks:
                 kv = self.layer(i)
                 # all of the group: the file's arrays are the segment (no copy)
                 seg.layer_data[i] = kv if whole else _map(kv, lambda x: mx.contiguous(x[..., lo:hi, :]))
-            starts = [planned.blocks[idx].start - planned.blocks[idx].shift - lo for idx in run]
-            per_block = [{} for _ in run]
-            for i, kv in seg.layer_data.items():
-                # one split per array gives every block's view at once
-                pieces = _split_kv(kv, starts[1:])
-                for j, piece in enumerate(pieces):
-                    per_block[j][i] = piece
-                made.extend(_leaves(pieces))
-            for idx, s0, data in zip(run, starts, per_block):
-                out[idx] = (data, SegmentView(seg, s0, dict(data)))
-        # views (and, after a partial hit, copies), evaluated on the loading thread: mlx 0.32 refuses
+            made.extend(_leaves(list(seg.layer_data.values())))
+            for idx in run:
+                out[idx] = ({}, SegmentView(seg, planned.blocks[idx].start - planned.blocks[idx].shift - lo))
+        # the segments (after a partial hit, copies), evaluated on the loading thread: mlx 0.32 refuses
         # to evaluate an array on another thread than the one that made it. One flat list of arrays
         # evaluates 1.4-1.6x faster than the nested per-block dicts (1920 views: 5.1 ms against 7.2)
         mx.eval(made)
@@ -176,21 +169,6 @@ def _map(kv: LayerKV, fn) -> LayerKV:
 
 def _leaves(pieces: list[LayerKV]) -> list[mx.array]:
     return [x for kv in pieces for side in kv for x in (side if isinstance(side, tuple) else (side,))]
-
-
-def _split_kv(kv: LayerKV, cuts: list[int]) -> list[LayerKV]:
-    """``kv`` cut along the token axis at ``cuts``: one (keys, values) per piece.
-
-    Spelled out per layout rather than through ``_map``: it runs once per
-    layer and load, and the generic walk cost twice as much (19 us against 8)."""
-    if not cuts:
-        return [kv]
-    keys, values = kv
-    if isinstance(keys, tuple):  # quantized: (packed, scales, biases) per side
-        ks = [mx.split(x, cuts, axis=2) for x in keys]
-        vs = [mx.split(x, cuts, axis=2) for x in values]
-        return [(tuple(p[j] for p in ks), tuple(p[j] for p in vs)) for j in range(len(cuts) + 1)]
-    return list(zip(mx.split(keys, cuts, axis=2), mx.split(values, cuts, axis=2)))
 
 
 def load(

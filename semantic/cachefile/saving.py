@@ -132,7 +132,7 @@ def _prepare_earlier(blocks: AgentBlocks) -> tuple[PreparedSnapshot, ...]:
 def _snapshot_part(blk: KVBlock, s: TensorSlot):
     """The array of slot ``s`` in a snapshot block (``convert``: a recurrent layer's ``(arrays, ())``, a
     short window's ``(keys, values)`` of every token it holds), checked against the slot."""
-    first, second = blk.layer_data[s.layer]
+    first, second = blk.kv(s.layer)
     if s.side == "state":
         a = first[s.part] if isinstance(first, tuple) and s.part < len(first) else None
     else:
@@ -146,7 +146,7 @@ def _snapshot_part(blk: KVBlock, s: TensorSlot):
 
 def _check_block(blk: KVBlock, s: TensorSlot) -> None:
     i = s.layer
-    a = _part(blk.layer_data[i], s)
+    a = _part(blk.kv(i), s)
     shape = (1, s.shape[1], blk.n_tokens, s.shape[3])
     if tuple(a.shape) != shape or a.dtype != MX_DTYPES[s.dtype]:
         raise CacheShapeError(

@@ -61,6 +61,11 @@ class Attention(Positional):
         keys = cache.keys[0] if isinstance(cache.keys, tuple) else cache.keys
         return keys.shape[2] - cache.offset  # mlx-lm grows it in steps of 256 slots
 
+    def buffers(self, layer, cache):
+        if not self.takes_room(layer) or type(cache) is not C.KVCache or cache.keys is None:
+            return None
+        return cache.keys, cache.values
+
     def read(self, i, layer, cache, total):
         st = compat.read_layer(cache)
         if st.kind != self.cache_class(layer):

@@ -58,6 +58,11 @@ class Kind:
         """Slots the live cache's buffer holds beyond its tokens (0: what :meth:`read` gives is the buffer)."""
         return 0
 
+    def buffers(self, layer, cache) -> tuple | None:
+        """The live cache's whole (keys, values) buffers, spare slots included, holding position ``p`` at
+        index ``p``, for a kind that :meth:`takes_room`; None for any other."""
+        return None
+
     def read(self, i: int, layer, cache, total: int):
         """A live cache after ``total`` tokens as this kind's held data, checked against ``layer``."""
         raise NotImplementedError

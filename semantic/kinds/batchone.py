@@ -40,6 +40,7 @@ class BatchOneKVCache(C.BatchKVCache):
         if self.keys is None or self.keys.shape[0] != 1 or self._idx == 0 or int(self.left_padding[0].item()):
             return super().extract(idx)
         cache = C.KVCache()
-        # new array objects over the same data: the batch's own objects change at its next write
-        cache.keys, cache.values, cache.offset = self.keys[...], self.values[...], self._idx
+        # the same array objects: a turn lent the pool's buffers (``convert.Loan``) leaves in them, which
+        # the pool recognises; a batch that writes on only appends past the row's tokens
+        cache.keys, cache.values, cache.offset = self.keys, self.values, self._idx
         return cache

@@ -48,7 +48,7 @@ from semantic.runner import batchprobe
 from semantic import compat, defaults, kinds
 from semantic.modelconfig import ModelConfig
 from semantic.cache.blocks import AgentBlocks
-from semantic.cache.manager import CacheManager
+from semantic.cache.manager import CacheManager, Loan
 from semantic.runner.stepbudget import StepBudget
 from semantic.decode.constraint import Constraint
 from semantic.errors import (
@@ -83,6 +83,7 @@ class _InFlight:
     first_token_at: float = 0.0
     finish_reason: str | None = None     # set with the last token; the Completion follows when the cache is complete
     kept: list = field(default_factory=list)  # AgentBlocks of earlier snapshots its finished cache carries
+    loan: Loan = field(default_factory=Loan)  # the pool's buffers its caches came from (convert.Loan)
 
 
 class BatchExecutor:
@@ -201,7 +202,7 @@ class BatchExecutor:
             try:
                 # room for the new prompt tokens and a step of decoding, on mlx-lm's 256-slot grid
                 room = -(-(len(ids) - start.cached + 1) // ROOM_STEP) * ROOM_STEP
-                caches = self.reconstruct_cache(start.blocks, upto=start.cached, room=room)
+                caches = self.cache_manager.rebuild(start.blocks, upto=start.cached, room=room, loan=seq.loan)
                 self._carry(seq, ids, [p for p in carried if p <= fed])
             finally:
                 if start.owned:
@@ -382,11 +383,13 @@ class BatchExecutor:
             if caches is None:
                 raise CacheError("ended before its first token: no exact cache to keep")
             earlier = [b for kept in seq.kept for g in self._snapshot_groups for b in kept.groups[g]]
-            blocks = self.cache_manager.extract(caches, self._held(seq, caches, held), seq.request.salt_root, earlier)
+            blocks = self.cache_manager.extract(caches, self._held(seq, caches, held), seq.request.salt_root, earlier,
+                                                loan=seq.loan, finished=True)
             self._finished[seq.uid] = blocks
         except CacheError as exc:
             error = f"{type(exc).__name__}: {exc}"
         finally:
+            self.cache_manager.give_back(seq.loan)
             for kept in seq.kept:
                 kept.release()
         return self._completion(seq, reason, blocks, error, time.perf_counter())

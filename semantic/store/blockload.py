@@ -281,12 +281,12 @@ def _restore(m: Manifest, planned: Sequence[ClaimedBlock], files: dict[int, Bloc
         raise _Bad(bad, exc.reason) from None
     except OSError as exc:  # gone or unreadable now (permissions, too many open files): no verdict on it
         raise _Unreadable(str(exc)) from None
-    views = []
+    made = []
     for fill in fills:
         for p, data, view in fill.blocks(fill):
             got[_where(p)] = (data, view)
-            views.extend(x for kv in data.values() for side in kv for x in (side if isinstance(side, tuple) else (side,)))
-    mx.eval(views)  # slices evaluate to views, no copy (on this thread: mlx 0.32 evaluates an array only there)
+            made.extend(x for kv in data.values() for side in kv for x in (side if isinstance(side, tuple) else (side,)))
+    mx.eval(made, [list(fill.arrays.values()) for fill in fills])  # on this thread: mlx 0.32 evaluates an array only there
 
 
 class _Fill:
@@ -328,20 +328,10 @@ def _run_fill(m: Manifest, run: list[ClaimedBlock], files: dict[int, BlockInfo])
         assert covered == p.end - p.start, (p.group, p.start, p.end, covered)
 
     def blocks(fill: _Fill):
-        seg, out = Segment({i: fill.kv(i) for i in first.layers}, hi - lo), []
-        for p in run:
-            s0 = p.start - p.shift - lo
-            data = {i: tuple(_rows(side, s0, s0 + p.end - p.start) for side in kv) for i, kv in seg.layer_data.items()}
-            out.append((p, data, SegmentView(seg, s0, dict(data))))
-        return out
+        seg = Segment({i: fill.kv(i) for i in first.layers}, hi - lo)
+        return [(p, {}, SegmentView(seg, p.start - p.shift - lo)) for p in run]
 
     return _Fill(blockformat.block_slots(m.spec, first.group, hi - lo), rows, blocks)
-
-
-def _rows(side, a: int, b: int):
-    if isinstance(side, tuple):
-        return tuple(_rows(x, a, b) for x in side)
-    return side if a == 0 and b == side.shape[2] else side[..., a:b, :]
 
 
 def _snapshot_fill(m: Manifest, p: ClaimedBlock, files: dict[int, BlockInfo]) -> _Fill:

@@ -18,7 +18,7 @@ from semantic import (
 )
 from harness import noise
 from semantic import compat
-from semantic.cache.convert import extract, reconstruct
+from semantic.cache.convert import Loan, extract, headroom, reconstruct
 from semantic.cache.spec import held_ranges
 from tests.tiny_models import tiny_gemma3
 
@@ -161,8 +161,10 @@ def test_a_block_with_a_wrong_shape_is_caught_on_reconstruction(llama_tiny):
     live = spec.make_cache()
     _run(llama_tiny, live, [1, 2, 3, 4, 5])
     blocks = extract(pool, live, [1, 2, 3, 4, 5])
-    k, v = blocks.groups["global"][1].layer_data[2]
-    blocks.groups["global"][1].layer_data[2] = (k.astype(mx.float16), v)
+    blk = blocks.groups["global"][1]
+    data = blk.layer_data  # the block's own arrays from here on, one of them of the wrong dtype
+    data[2] = (data[2][0].astype(mx.float16), data[2][1])
+    blk.layer_data = data
     with pytest.raises(CacheShapeError, match="layer 2 keys"):
         reconstruct(blocks)
     blocks.groups["global"].pop()
@@ -242,9 +244,9 @@ def test_a_finished_buffer_is_pooled_as_it_is_only_when_it_holds_little_spare(ll
     seg = blocks.groups["global"][0].segment_view.segment
     for i, c in enumerate(live):
         assert _shares(seg.layer_data[i][0], c.keys) is adopted and _shares(seg.layer_data[i][1], c.values) is adopted
-        assert mx.array_equal(seg.layer_data[i][0], c.keys[..., :tokens, :]).item()
-    if not adopted:
-        assert seg.layer_data[0][0].shape[2] == tokens
+        assert mx.array_equal(seg.layer_data[i][0][..., :tokens, :], c.keys[..., :tokens, :]).item()
+    # adopted whole: the spare slots come too, the room of the agent's next turn
+    assert seg.n_tokens == tokens and seg.capacity == (live[0].keys.shape[2] if adopted else tokens)
 
 
 def _address(a) -> int:
@@ -286,3 +288,78 @@ def test_room_leaves_quantized_layers_as_they_were(llama_tiny):
     _run(llama_tiny, live, ids)
     roomy, plain = reconstruct(extract(pool, live, ids), room=6), reconstruct(extract(pool, live, ids))
     assert [c.keys[0].shape for c in roomy] == [c.keys[0].shape for c in plain]
+
+
+def _first_turn(model, spec, pool, ids):
+    """A finished first turn of ``ids`` pooled as it is (mlx-lm's buffer, spare slots included)."""
+    live = spec.make_cache()
+    _run(model, live, ids)
+    blocks = extract(pool, live, ids, finished=True)
+    seg = blocks.groups["global"][0].segment_view.segment
+    assert seg.n_tokens == len(ids) and seg.capacity == live[0].keys.shape[2]
+    return blocks, seg
+
+
+def test_a_turn_lent_the_pools_buffer_writes_there_in_place_and_its_new_blocks_stay_there(llama_tiny):
+    spec = ModelCacheSpec.from_model(llama_tiny)
+    pool = BlockPool(spec, 600, block_tokens=4)
+    ids = [1 + i % 50 for i in range(1000)]  # 1000 tokens in mlx-lm's 1024 slots
+    first, seg = _first_turn(llama_tiny, spec, pool, ids)
+    loan = Loan()
+    lent = reconstruct(first, room=16, loan=loan)
+    assert loan.lent == [seg] and seg.lent
+    assert all(c.keys is seg.layer_data[i][0] and c.values is seg.layer_data[i][1] for i, c in enumerate(lent))
+    other = reconstruct(first, room=16, loan=Loan())  # another turn meanwhile: a copy, never the same buffer
+    assert not any(_shares(c.keys, seg.layer_data[i][0]) for i, c in enumerate(other))
+    where = [_address(c.keys) for c in lent]
+    new = [7, 8, 9, 10, 11]
+    assert mx.array_equal(_run(llama_tiny, lent, new), _run(llama_tiny, other, new)).item()
+    assert [_address(c.keys) for c in lent] == where  # written in place, into the pool's buffer
+    second = extract(pool, lent, ids + new, loan=loan, finished=True)
+    loan.give_back()
+    assert not seg.lent and seg.n_tokens == 1005
+    assert {id(b.segment_view.segment) for b in second.groups["global"]} == {id(seg)}
+    back = reconstruct(second)
+    for b, o in zip(back, other):
+        assert mx.array_equal(b.keys, o.keys[..., :1005, :]).item() and mx.array_equal(b.values, o.values[..., :1005, :]).item()
+
+
+def test_a_resumed_turn_copied_with_room_becomes_where_its_whole_history_is_pooled(llama_tiny):
+    """No room in the pool's buffer: the turn writes into a copy with room and headroom; when it ends, that
+    copy holds the whole history, so the pool keeps it and drops the old buffer (its blocks move in), and
+    the agent's next turn is lent it."""
+    spec = ModelCacheSpec.from_model(llama_tiny)
+    pool = BlockPool(spec, 600, block_tokens=4)
+    ids = [1 + i % 50 for i in range(1000)]
+    first, seg = _first_turn(llama_tiny, spec, pool, ids)
+    loan = Loan()
+    caches = reconstruct(first, room=256, loan=loan)  # 24 spare slots: not enough
+    assert loan.lent == [] and loan.copied == [seg]
+    assert caches[0].keys.shape[2] == 1000 + 256 + headroom(1000)
+    plain = reconstruct(first)
+    new = [7, 8, 9, 10, 11]
+    assert mx.array_equal(_run(llama_tiny, caches, new), _run(llama_tiny, plain, new)).item()
+    second = extract(pool, caches, ids + new, loan=loan, finished=True)
+    loan.give_back()
+    moved = second.groups["global"][0].segment_view.segment
+    assert moved is not seg and moved.n_tokens == 1005 and moved.layer_data[0][0].shape[2] == 1512
+    assert {id(b.segment_view.segment) for b in [*first.groups["global"], *second.groups["global"]]} == {id(moved)}
+    for b, p in zip(reconstruct(second), plain):
+        assert mx.array_equal(b.keys, p.keys[..., :1005, :]).item() and mx.array_equal(b.values, p.values[..., :1005, :]).item()
+    nxt = Loan()
+    reconstruct(second, room=256, loan=nxt)
+    assert nxt.lent == [moved]
+
+
+def test_a_turn_in_flight_is_never_where_the_pool_moves_its_history(llama_tiny):
+    """A cache still being written (a checkpoint) is copied as before: only a finished one is kept whole."""
+    spec = ModelCacheSpec.from_model(llama_tiny)
+    pool = BlockPool(spec, 600, block_tokens=4)
+    ids = [1 + i % 50 for i in range(1000)]
+    first, seg = _first_turn(llama_tiny, spec, pool, ids)
+    loan = Loan()
+    caches = reconstruct(first, room=256, loan=loan)
+    _run(llama_tiny, caches, [7, 8, 9, 10, 11])
+    mid = extract(pool, caches, ids + [7, 8, 9, 10, 11], loan=loan)
+    assert mid.groups["global"][0].segment_view.segment is seg
+    assert mid.groups["global"][-1].segment_view.segment.capacity == mid.groups["global"][-1].segment_view.segment.n_tokens
