@@ -48,26 +48,21 @@ SPARE_SHARE = 32
 
 @dataclass(eq=False)
 class Loan:
-    """The segments a turn's caches came from whole (one run from position 0 to their end), by how:
-
-        lent     the segment's own buffers, with room past its tokens: the turn writes there in place
-        copied   a copy with room: the turn's finished buffer may then hold the whole history (``extract``)
-
-    A segment is lent to one turn at a time; :meth:`give_back` ends the loan when the turn is done.
-    """
+    """The segments whose own buffers a turn's caches are (``reconstruct``): the turn writes past their
+    tokens in place, and ``extract`` makes its new blocks positions there. A segment is lent to one turn at
+    a time; :meth:`give_back` ends the loan when the turn is done."""
 
     lent: list = field(default_factory=list)
-    copied: list = field(default_factory=list)
 
     def give_back(self) -> None:
         for seg in self.lent:
             seg.lent = False
-        self.lent, self.copied = [], []
+        self.lent = []
 
 
 def headroom(tokens: int) -> int:
-    """Spare slots a resumed cache's copy gets beyond its turn's room, on mlx-lm's 256-slot grid: at least a
-    step, about 1/SPARE_SHARE of the tokens, so that the next turns find room in the buffer it is pooled as."""
+    """Spare slots a segment grown for a turn gets beyond the turn's room, on mlx-lm's 256-slot grid: at least
+    a step, about 1/SPARE_SHARE of its tokens, so that the agent's next turns find their room there too."""
     return -(-max(tokens // SPARE_SHARE, 1) // 256) * 256
 
 
@@ -115,7 +110,7 @@ def _read(spec: ModelCacheSpec, caches: Sequence, total: int) -> list:
 
 
 def extract(pool: BlockPool, caches: Sequence, token_ids: Sequence[int], release=None, salt_root: int | None = None,
-            earlier: Sequence = (), *, loan: Loan | None = None, finished: bool = False) -> AgentBlocks:
+            earlier: Sequence = (), *, loan: Loan | None = None) -> AgentBlocks:
     """Store live caches covering ``token_ids`` as pooled blocks.
 
     All-or-nothing: when the pool cannot hold the new blocks it raises
@@ -125,10 +120,8 @@ def extract(pool: BlockPool, caches: Sequence, token_ids: Sequence[int], release
     ``salt_root`` salts the block keys (``blockclaim.chain_keys``). ``earlier``: snapshot blocks of
     this history at earlier positions to carry as well (``blockclaim.commit``).
 
-    ``loan``: where :func:`reconstruct` took this turn's caches from (:class:`Loan`): a lent segment it wrote
-    into in place takes its new blocks as positions, with no copy; with ``finished`` (no turn writes into
-    ``caches`` any more), a buffer copied from a segment with room holds the whole history and is pooled
-    as it is, the segment's blocks moving into it (:func:`_store`).
+    ``loan``: the segments :func:`reconstruct` lent this turn (:class:`Loan`): where it wrote into one in
+    place, its new blocks become positions there, with no copy (:func:`_store`).
     """
     spec = pool.spec
     tokens = tuple(map(int, token_ids))
@@ -140,7 +133,7 @@ def extract(pool: BlockPool, caches: Sequence, token_ids: Sequence[int], release
                if (b := kinds.of(layer).buffers(layer, c)) is not None}
     claim = blockclaim.claim_blocks(pool, spec, tokens, salt_root=salt_root)
     return _store(pool, spec, tokens, claim, states, release, salt_root, earlier, loose,
-                  _Whole(buffers, loan, finished))
+                  _Whole(buffers, loan))
 
 
 def keep_passed(pool: BlockPool, caches: Sequence, token_ids: Sequence[int], ends: Sequence[int],
@@ -179,19 +172,14 @@ def keep_passed(pool: BlockPool, caches: Sequence, token_ids: Sequence[int], end
 
 @dataclass(frozen=True)
 class _Whole:
-    """A cache's whole buffers (``Kind.buffers``: layer -> (keys, values), spare slots included), the
-    segments it was lent, and whether it is finished: what lets a run of blocks sit in its buffer."""
+    """A cache's whole buffers (``Kind.buffers``: layer -> (keys, values), spare slots included) and the
+    segments it was lent: what lets a run of blocks sit in its buffer without a copy."""
 
     buffers: dict
     loan: Loan | None = None
-    finished: bool = False
 
     def holds(self, layers) -> bool:
         return all(i in self.buffers for i in layers)
-
-    def copied(self, seg: Segment) -> bool:
-        """Whether the turn's buffer was copied from ``seg`` whole: it holds the same bytes up to its end."""
-        return self.loan is not None and any(s is seg for s in self.loan.copied)
 
     def wrote_into(self, seg: Segment, layers) -> bool:
         """Whether the turn wrote in place into lent ``seg``: its buffers are the segment's own arrays."""
@@ -200,20 +188,17 @@ class _Whole:
 
 
 def _before(claim: blockclaim.BlockClaim, idx: int) -> Segment | None:
-    """The segment holding, from its index 0 at position 0, the hit blocks before missed block ``idx``
-    of its group, up to exactly where ``idx`` starts; else None."""
-    group, segs = claim.blocks[idx].group, set()
+    """The segment holding, at index = position, every hit block of the group before missed block ``idx``,
+    and filled at least up to where ``idx`` starts (a tail block it held may be cut short there); else None."""
+    group, seg = claim.blocks[idx].group, None
     for p in claim.blocks[:idx]:
         if p.group != group:
             continue
         where = p.hit.segment_view if p.hit is not None else None
-        if where is None or where.start != p.start - p.shift or p.shift:
+        if where is None or p.shift or where.start != p.start or seg not in (None, where.segment):
             return None
-        segs.add(id(where.segment))
         seg = where.segment
-    if len(segs) != 1 or seg.n_tokens != claim.blocks[idx].start:
-        return None
-    return seg
+    return seg if seg is not None and seg.n_tokens >= claim.blocks[idx].start else None
 
 
 def _store(pool: BlockPool, spec: ModelCacheSpec, tokens: tuple[int, ...], claim: blockclaim.BlockClaim, states,
@@ -225,15 +210,13 @@ def _store(pool: BlockPool, spec: ModelCacheSpec, tokens: tuple[int, ...], claim
 
         the run is the whole buffer      a first turn: pooled as it is, unless ``loose`` (much spare)
         the run follows a lent segment   the turn wrote there in place: the segment now holds it
-        the run follows one segment      a resumed, finished turn: its buffer holds the whole history,
-                                         so it is pooled as it is and the segment's blocks move into it
     """
     pool.require_free(claim.need)
 
     # Each run of consecutive missed blocks is copied once per layer into a segment, or sits in a whole
     # buffer; its blocks hold positions in it, which reconstruction hands over whole.
     views: dict[int, tuple[dict, SegmentView | None]] = {}
-    fresh, moves = [], []
+    fresh = []
     for run in blockclaim.miss_runs(claim.blocks):
         first, last = claim.blocks[run[0]], claim.blocks[run[-1]]
         if first.snapshot:  # the group's whole cache at its end: a copy of every layer, no segment
@@ -248,13 +231,9 @@ def _store(pool: BlockPool, spec: ModelCacheSpec, tokens: tuple[int, ...], claim
         if prior is not None and whole.wrote_into(prior, first.layers):
             seg, lo = prior, 0
             seg.n_tokens = hi
-        elif ends and (prior is not None and whole.finished and not prior.lent and whole.copied(prior)
-                       or not lo and not loose.intersection(first.layers)):
+        elif ends and not lo and not loose.intersection(first.layers):
             # the buffers themselves, spare slots included: the room of the agent's next turn
             seg = Segment({i: (whole.buffers[i][0][...], whole.buffers[i][1][...]) for i in first.layers}, hi)
-            if prior is not None:
-                moves.append((prior, seg))
-            lo = 0
         else:
             seg = Segment({}, hi - lo)
             for i in first.layers:
@@ -265,8 +244,6 @@ def _store(pool: BlockPool, spec: ModelCacheSpec, tokens: tuple[int, ...], claim
             p = claim.blocks[idx]
             views[idx] = ({}, SegmentView(seg, p.start - p.shift - lo))
     mx.eval(fresh)
-    for old, new in moves:
-        pool.move_segment(old, new)
     index = {id(p): i for i, p in enumerate(claim.blocks)}
     return blockclaim.commit(pool, spec, tokens, claim, lambda p: views[index[id(p)]], release, salt_root, earlier)
 
@@ -280,6 +257,19 @@ def _one_segment(pieces: list, layer: int):
     (run,) = runs
     k, v = run.source.layer_data[layer]
     return _slice(k, run.start, run.stop, False), _slice(v, run.start, run.stop, False)
+
+
+def _grow(seg: Segment, more: int) -> None:
+    """Give ``seg`` ``more`` spare slots after its tokens, one layer at a time: each layer's new buffer is made
+    and its old one let go before the next, so the pool holds its cache once plus one layer, never twice (a
+    buffer something else still holds, a save being written, goes when that does)."""
+    n = seg.n_tokens
+    for i in list(seg.layer_data):
+        k, v = seg.layer_data[i]
+        grown = (_cat([_slice(k, 0, n, False), _spare(k, more)]), _cat([_slice(v, 0, n, False), _spare(v, more)]))
+        mx.eval(grown)
+        seg.layer_data[i] = grown
+        del k, v, grown
 
 
 def _whole_segment(pieces: list, total: int) -> Segment | None:
@@ -364,10 +354,9 @@ def reconstruct(blocks: AgentBlocks, materialize: bool = True, upto: int | None 
     250-token chunk at 32.7K tokens of Qwen3-Coder's geometry here), and writes into spare slots in place.
 
     With a ``loan`` too (a turn that will hand it to :func:`extract` when it ends), a layer group whose
-    blocks are one segment from position 0 to its end gets that segment's own buffers when they have
-    ``room`` past its tokens and no other turn has them: no copy at all, the turn writes into the pool's
-    buffer. Otherwise its copy gets :func:`headroom` beyond ``room``, and the finished buffer is pooled
-    as it is, so that the agent's next turn finds its room there. The loan records which.
+    blocks are one segment from position 0 to its end, which no other turn has, gets that segment's own
+    buffers: no copy, the turn writes into the pool's buffer. A segment with less than ``room`` spare is
+    grown first, one layer at a time (:func:`_grow`), with :func:`headroom` for the agent's next turns.
     """
     if blocks.released:
         raise CacheMismatchError("these AgentBlocks were released; their blocks may be reused")
@@ -376,7 +365,7 @@ def reconstruct(blocks: AgentBlocks, materialize: bool = True, upto: int | None 
         raise CacheMismatchError(f"upto={upto} is outside the {blocks.total_tokens} cached tokens")
     caches = []
     by_group: dict[str, tuple] = {}  # every layer of a group has the same blocks and ranges
-    lending, copied = set(), set()
+    lending: set = set()
     for i, layer, group, kind, snapshot_only in _layers(spec, blocks.block_tokens):
         if group not in by_group:
             by_group[group] = _pieces(blocks, i, total)
@@ -394,17 +383,18 @@ def reconstruct(blocks: AgentBlocks, materialize: bool = True, upto: int | None 
             k, v = run
         elif run is not None:
             seg = _whole_segment(pieces, total) if loan is not None else None
-            if seg is not None and (seg in lending or not seg.lent and seg.capacity - total >= room):
-                # the pool's own buffers: the turn writes past its tokens in place (``Segment``)
+            if seg is not None and seg not in lending and not seg.lent:
+                if seg.capacity - total < room:
+                    _grow(seg, room + headroom(total))
                 lending.add(seg)
+            if seg is not None and seg in lending:
+                # the pool's own buffers: the turn writes past its tokens in place (``Segment``)
                 k, v = seg.layer_data[i]
                 caches.append(kind.build_with_room(i, layer, k, v, total, held, seg.capacity - total))
                 continue
-            if seg is not None:
-                copied.add(seg)
-            more = room + (headroom(total) if seg is not None else 0)
-            k, v = _cat([run[0], _spare(run[0], more)]), _cat([run[1], _spare(run[1], more)])
-            caches.append(kind.build_with_room(i, layer, k, v, total, held, more))
+            # the segment stays the pool's (another turn has it, or more blocks follow): a copy with room
+            k, v = _cat([run[0], _spare(run[0], room)]), _cat([run[1], _spare(run[1], room)])
+            caches.append(kind.build_with_room(i, layer, k, v, total, held, room))
             continue
         else:
             keys, values = [], []
@@ -425,7 +415,6 @@ def reconstruct(blocks: AgentBlocks, materialize: bool = True, upto: int | None 
         seg.lent = True
     if loan is not None:
         loan.lent.extend(lending)
-        loan.copied.extend(copied)
     if materialize:
         materialize_caches(caches)
     return compat.nest(caches, spec.nesting)

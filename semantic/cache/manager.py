@@ -89,16 +89,15 @@ class CacheManager:
             convert.keep_passed(self.pool, caches, ids, ends, salt_root)
 
     def extract(self, caches: list, ids: Sequence[int], salt_root: int | None, earlier: Sequence = (), *,
-                loan: Loan | None = None, finished: bool = False) -> AgentBlocks:
-        """``caches`` (holding ``ids``) stored as pooled blocks the caller owns (``convert.extract``; ``loan``
-        and ``finished`` say where they may stay without a copy).
+                loan: Loan | None = None) -> AgentBlocks:
+        """``caches`` (holding ``ids``) stored as pooled blocks the caller owns (``convert.extract``; a ``loan``
+        says where their new tokens already are).
 
         Raises:
             PoolExhaustedError: the pool cannot hold the new blocks (nothing was taken).
         """
         with self.lock:
-            return convert.extract(self.pool, caches, ids, self.release, salt_root, earlier, loan=loan,
-                                   finished=finished)
+            return convert.extract(self.pool, caches, ids, self.release, salt_root, earlier, loan=loan)
 
     def pooled(self, ids: Sequence[int], salt_root: int | None = None) -> AgentBlocks | None:
         """The cache of ``ids`` made of pooled blocks alone (new references the caller owns), or None when

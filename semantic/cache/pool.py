@@ -30,7 +30,7 @@ import numpy as np
 
 from semantic import defaults
 from semantic.cache import room
-from semantic.cache.blocks import KVBlock, LayerKV, Segment, SegmentView
+from semantic.cache.blocks import KVBlock, LayerKV
 from semantic.errors import PoolExhaustedError
 from semantic.cache.spec import ModelCacheSpec
 
@@ -220,15 +220,6 @@ class BlockPool:
                 else:
                     self._cached[bid] = None
                     self.cached_bytes += self.costs[block.group]
-
-    def move_segment(self, old: Segment, new: Segment) -> None:
-        """Every block at a position in ``old`` sits at the same position in ``new`` from now on (it holds the
-        same bytes there), so ``old``'s buffers go once nothing else holds them."""
-        assert old.n_tokens <= new.n_tokens, (old.n_tokens, new.n_tokens)
-        for block in self._blocks:
-            where = block.segment_view if block is not None else None
-            if where is not None and where.segment is old:
-                block.segment_view = SegmentView(new, where.start)
 
     def refcount(self, block: KVBlock) -> int:
         """References to ``block`` (0: free, recycled, or of another pool)."""

@@ -384,7 +384,7 @@ class BatchExecutor:
                 raise CacheError("ended before its first token: no exact cache to keep")
             earlier = [b for kept in seq.kept for g in self._snapshot_groups for b in kept.groups[g]]
             blocks = self.cache_manager.extract(caches, self._held(seq, caches, held), seq.request.salt_root, earlier,
-                                                loan=seq.loan, finished=True)
+                                                loan=seq.loan)
             self._finished[seq.uid] = blocks
         except CacheError as exc:
             error = f"{type(exc).__name__}: {exc}"

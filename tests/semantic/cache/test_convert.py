@@ -294,7 +294,7 @@ def _first_turn(model, spec, pool, ids):
     """A finished first turn of ``ids`` pooled as it is (mlx-lm's buffer, spare slots included)."""
     live = spec.make_cache()
     _run(model, live, ids)
-    blocks = extract(pool, live, ids, finished=True)
+    blocks = extract(pool, live, ids)
     seg = blocks.groups["global"][0].segment_view.segment
     assert seg.n_tokens == len(ids) and seg.capacity == live[0].keys.shape[2]
     return blocks, seg
@@ -315,7 +315,7 @@ def test_a_turn_lent_the_pools_buffer_writes_there_in_place_and_its_new_blocks_s
     new = [7, 8, 9, 10, 11]
     assert mx.array_equal(_run(llama_tiny, lent, new), _run(llama_tiny, other, new)).item()
     assert [_address(c.keys) for c in lent] == where  # written in place, into the pool's buffer
-    second = extract(pool, lent, ids + new, loan=loan, finished=True)
+    second = extract(pool, lent, ids + new, loan=loan)
     loan.give_back()
     assert not seg.lent and seg.n_tokens == 1005
     assert {id(b.segment_view.segment) for b in second.groups["global"]} == {id(seg)}
@@ -324,42 +324,47 @@ def test_a_turn_lent_the_pools_buffer_writes_there_in_place_and_its_new_blocks_s
         assert mx.array_equal(b.keys, o.keys[..., :1005, :]).item() and mx.array_equal(b.values, o.values[..., :1005, :]).item()
 
 
-def test_a_resumed_turn_copied_with_room_becomes_where_its_whole_history_is_pooled(llama_tiny):
-    """No room in the pool's buffer: the turn writes into a copy with room and headroom; when it ends, that
-    copy holds the whole history, so the pool keeps it and drops the old buffer (its blocks move in), and
-    the agent's next turn is lent it."""
+def test_a_segment_without_room_grows_one_layer_at_a_time_and_is_lent(llama_tiny):
+    """Too little spare for the turn: the segment grows in place of its old buffers, one layer at a time
+    (MLX's peak above the cache is the room and one layer, never a second cache), with headroom for the
+    agent's next turns, and the turn is lent it; its blocks read the same bytes."""
     spec = ModelCacheSpec.from_model(llama_tiny)
     pool = BlockPool(spec, 600, block_tokens=4)
     ids = [1 + i % 50 for i in range(1000)]
     first, seg = _first_turn(llama_tiny, spec, pool, ids)
+    before = [np.array(k) for k, _ in seg.layer_data.values()]
+    old_bytes = sum(k.nbytes + v.nbytes for k, v in seg.layer_data.values())
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    start = mx.get_active_memory()
     loan = Loan()
     caches = reconstruct(first, room=256, loan=loan)  # 24 spare slots: not enough
-    assert loan.lent == [] and loan.copied == [seg]
-    assert caches[0].keys.shape[2] == 1000 + 256 + headroom(1000)
+    grown = 1000 + 256 + headroom(1000)
+    assert loan.lent == [seg] and seg.capacity == grown and caches[0].keys.shape[2] == grown
+    assert all(c.keys is seg.layer_data[i][0] for i, c in enumerate(caches))
+    new_bytes = sum(k.nbytes + v.nbytes for k, v in seg.layer_data.values())
+    one_layer = max(k.nbytes + v.nbytes for k, v in seg.layer_data.values())
+    # the growth itself, and one layer's new buffers beside its old ones and its spare slots
+    assert mx.get_peak_memory() - start <= new_bytes - old_bytes + 2 * one_layer
+    assert all(np.array_equal(np.array(k[..., :1000, :]), b[..., :1000, :]) for (k, _), b in zip(seg.layer_data.values(), before))
     plain = reconstruct(first)
     new = [7, 8, 9, 10, 11]
     assert mx.array_equal(_run(llama_tiny, caches, new), _run(llama_tiny, plain, new)).item()
-    second = extract(pool, caches, ids + new, loan=loan, finished=True)
+    second = extract(pool, caches, ids + new, loan=loan)
     loan.give_back()
-    moved = second.groups["global"][0].segment_view.segment
-    assert moved is not seg and moved.n_tokens == 1005 and moved.layer_data[0][0].shape[2] == 1512
-    assert {id(b.segment_view.segment) for b in [*first.groups["global"], *second.groups["global"]]} == {id(moved)}
-    for b, p in zip(reconstruct(second), plain):
-        assert mx.array_equal(b.keys, p.keys[..., :1005, :]).item() and mx.array_equal(b.values, p.values[..., :1005, :]).item()
-    nxt = Loan()
-    reconstruct(second, room=256, loan=nxt)
-    assert nxt.lent == [moved]
+    assert {id(b.segment_view.segment) for b in second.groups["global"]} == {id(seg)} and seg.n_tokens == 1005
 
 
-def test_a_turn_in_flight_is_never_where_the_pool_moves_its_history(llama_tiny):
-    """A cache still being written (a checkpoint) is copied as before: only a finished one is kept whole."""
+def test_a_turn_resumed_from_inside_a_segment_writes_into_a_copy(llama_tiny):
+    """A regenerate resumes before the segment's end: the slots after it hold the other branch, so the turn
+    gets a copy with room, and the other branch's blocks keep their bytes."""
     spec = ModelCacheSpec.from_model(llama_tiny)
     pool = BlockPool(spec, 600, block_tokens=4)
     ids = [1 + i % 50 for i in range(1000)]
     first, seg = _first_turn(llama_tiny, spec, pool, ids)
+    tail = np.array(reconstruct(first)[0].keys[..., 990:1000, :])
     loan = Loan()
-    caches = reconstruct(first, room=256, loan=loan)
-    _run(llama_tiny, caches, [7, 8, 9, 10, 11])
-    mid = extract(pool, caches, ids + [7, 8, 9, 10, 11], loan=loan)
-    assert mid.groups["global"][0].segment_view.segment is seg
-    assert mid.groups["global"][-1].segment_view.segment.capacity == mid.groups["global"][-1].segment_view.segment.n_tokens
+    caches = reconstruct(first, upto=992, room=256, loan=loan)
+    assert loan.lent == [] and not any(_shares(c.keys, seg.layer_data[i][0]) for i, c in enumerate(caches))
+    _run(llama_tiny, caches, [7] * 20)
+    assert np.array_equal(np.array(reconstruct(first)[0].keys[..., 990:1000, :]), tail)
