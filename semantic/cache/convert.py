@@ -420,6 +420,22 @@ def reconstruct(blocks: AgentBlocks, materialize: bool = True, upto: int | None 
     return compat.nest(caches, spec.nesting)
 
 
+def fresh(spec: ModelCacheSpec, room: int) -> list:
+    """Empty mlx-lm caches for a turn with nothing cached, ``room`` slots made now where a layer's kind takes
+    them: its prefill writes every chunk in place, where mlx-lm's ``KVCache`` grew by a copy of the whole
+    cache at each chunk that overflowed it (two copies at once, at the end of a long prompt)."""
+    caches = []
+    for i, layer in enumerate(spec.layers):
+        kind = kinds.of(layer)
+        if not room or not kind.takes_room(layer):
+            caches.append(layer.make_cache())
+            continue
+        k = mx.zeros((1, layer.n_kv_heads, room, layer.head_dim), dtype=layer.mx_dtype)
+        v = mx.zeros((1, layer.n_kv_heads, room, layer.v_head_dim), dtype=layer.mx_dtype)
+        caches.append(kind.build_with_room(i, layer, k, v, 0, 0, room))
+    return compat.nest(caches, spec.nesting)
+
+
 def materialize_caches(caches: Sequence) -> None:
     """Evaluate live caches' arrays now (what :func:`reconstruct` made lazily)."""
     flat, _ = compat.flatten(caches)

@@ -4,7 +4,8 @@ The step loop computes in mlx-lm's cache objects; the pool keeps 256-token block
 asks five things, and each is a method here (the pool's lock held for it, as its callers share the pool)::
 
     start         the longest reusable prefix of a prompt: the agent's own cache or pooled blocks (reuse)
-    rebuild       cache objects for those blocks (convert.reconstruct), over the pool's buffers when lent
+    rebuild       cache objects for those blocks (convert.reconstruct), over the pool's buffers when lent;
+                  ``fresh`` ones with room for a turn that starts from nothing
     give_back     end a turn's loan of the pool's buffers
     carry         the pooled snapshots a resumed turn's finished cache must hold on to (snapshots)
     keep_passed   a sliding window's blocks that a prefill chunk moved past, pooled before the ring drops them
@@ -58,6 +59,11 @@ class CacheManager:
         if materialize:  # the copies, outside the lock
             convert.materialize_caches(caches)
         return caches
+
+    def fresh(self, room: int) -> list:
+        """Empty cache objects for a turn with nothing cached, with ``room`` slots where a layer's kind takes
+        them (``convert.fresh``)."""
+        return convert.fresh(self.spec, room)
 
     def give_back(self, loan: Loan) -> None:
         """End a turn's loan (``rebuild``): its segments may be lent again."""

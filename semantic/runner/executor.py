@@ -200,9 +200,8 @@ class BatchExecutor:
         caches = None
         if start.cached:
             try:
-                # room for the new prompt tokens and a step of decoding, on mlx-lm's 256-slot grid
-                room = -(-(len(ids) - start.cached + 1) // ROOM_STEP) * ROOM_STEP
-                caches = self.cache_manager.rebuild(start.blocks, upto=start.cached, room=room, loan=seq.loan)
+                caches = self.cache_manager.rebuild(start.blocks, upto=start.cached, room=_room(len(ids) - start.cached),
+                                                    loan=seq.loan)
                 self._carry(seq, ids, [p for p in carried if p <= fed])
             finally:
                 if start.owned:
@@ -210,7 +209,8 @@ class BatchExecutor:
                     start.blocks.release()
         snapshot_at = [p - fed for p in self._positions.taken(fed, len(ids), request.boundaries)]
         self._loop.add(
-            seq.uid, request, fed, caches if caches is not None else self.spec.make_cache(), snapshot_at=snapshot_at,
+            seq.uid, request, fed, caches if caches is not None else self.cache_manager.fresh(_room(len(ids))),
+            snapshot_at=snapshot_at,
             on_snapshot=lambda uid, live, n: self._checkpoint(live, ids[: fed + n], request.salt_root,
                                                           seq if fed + n in carried else None),
             on_chunk=(lambda uid, live, a, b: self._keep(live, ids, fed, a, b, request.salt_root))
@@ -438,6 +438,11 @@ class BatchExecutor:
             return blocks
         caches = self._loop.caches(uid)
         return self.cache_manager.extract(caches, self._held(seq, caches, self._loop.held(uid)), seq.request.salt_root)
+
+
+def _room(new: int) -> int:
+    """Slots for a turn's ``new`` prompt tokens and its first decode step, on mlx-lm's 256-slot grid."""
+    return -(-(new + 1) // ROOM_STEP) * ROOM_STEP
 
 
 def vocab_size(model) -> int:

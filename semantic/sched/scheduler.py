@@ -48,7 +48,7 @@ from concurrent.futures import Future
 from typing import Callable, Sequence
 
 from semantic.blasshare import SHARE
-from semantic import cachefile, defaults
+from semantic import cachefile, defaults, heap
 from semantic.cache.blockclaim import chain_keys
 from semantic.cache.blocks import AgentBlocks
 from semantic.runner.executor import BatchExecutor
@@ -247,7 +247,13 @@ class ConcurrentScheduler(ResidentView):
     # ------------------------------------------------------------ the worker
 
     def _work(self) -> None:
+        settled = True
         while True:
+            with self._cv:
+                idle = not self._closing and self.planner.idle
+            if idle and not settled:
+                heap.give_back()  # once each time the worker goes idle: what the turns freed leaves the process
+                settled = True
             with self._cv:
                 while not self._closing and self.planner.idle:
                     self._cv.wait()
@@ -256,6 +262,7 @@ class ConcurrentScheduler(ResidentView):
             self._admit()
             if self.planner.in_flight:
                 self._step()
+                settled = False
                 with self._cv:
                     self._steps += 1
             else:

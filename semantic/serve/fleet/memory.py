@@ -23,13 +23,14 @@ With both, RSS after each cycle stays within 11 MB over ten cycles (890 -> 901 M
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import logging
 import threading
 import time
 import weakref
 from typing import Sequence
+
+from semantic import heap
 
 log = logging.getLogger("semantic.serve")
 
@@ -47,7 +48,7 @@ def fix_heap_thresholds() -> bool:
     global _fixed
     with _fixed_lock:
         if not _fixed:
-            mallopt = getattr(_libc(), "mallopt", None)
+            mallopt = getattr(heap.libc(), "mallopt", None)
             _fixed = mallopt is not None and bool(mallopt(_M_MMAP_THRESHOLD, HEAP_THRESHOLD)) \
                 and bool(mallopt(_M_TRIM_THRESHOLD, HEAP_THRESHOLD))
         return _fixed
@@ -73,15 +74,7 @@ def release(held: Sequence[weakref.ref] = (), wait_s: float = RELEASE_WAIT_S) ->
     if still:
         log.warning("an unloaded model's memory is still referenced after %.0f s (%s): it stays resident",
                     wait_s, ", ".join(still))
-    try:
-        import mlx.core as mx
-
-        mx.clear_cache()
-    except (ImportError, AttributeError):
-        pass
-    trim = getattr(_libc(), "malloc_trim", None)
-    if trim is not None:
-        trim(0)
+    heap.give_back()
     return not still
 
 
@@ -100,10 +93,3 @@ def rss_bytes() -> int:
     except OSError:
         pass
     return 0
-
-
-def _libc():
-    try:
-        return ctypes.CDLL(None)
-    except OSError:
-        return None
