@@ -151,6 +151,7 @@ class ServiceStats:
     spec_off: str | None = None  # why speculation cannot run on this model (executor.speculation_off), None: it can
     batch_off: str | None = None  # why this model decodes one sequence at a time, None: it batches
     cache_kinds: tuple[str, ...] = ()  # the model's layer kinds (global, sliding, recurrent)
+    in_place: dict | None = None  # which layer groups turns run in the pool's buffers (``CacheManager.in_place``)
 
 
 class Service:
@@ -451,6 +452,7 @@ class Service:
             remote=self.store.remote.stats() if self.store.remote is not None else None,
             spec_off=self.scheduler.executor.speculation_off, batch_off=self.scheduler.executor.batch_off,
             cache_kinds=tuple(sorted({l.kind for l in self.store.spec.layers})),
+            in_place=self.scheduler.executor.cache_manager.in_place(),
         )
 
     @property

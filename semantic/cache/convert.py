@@ -53,6 +53,7 @@ class Loan:
     a time; :meth:`give_back` ends the loan when the turn is done."""
 
     lent: list = field(default_factory=list)
+    grown: int = 0  # segments grown for the turn (``_grow``)
 
     def give_back(self) -> None:
         for seg in self.lent:
@@ -386,6 +387,8 @@ def reconstruct(blocks: AgentBlocks, materialize: bool = True, upto: int | None 
             if seg is not None and seg not in lending and not seg.lent:
                 if seg.capacity - total < room:
                     _grow(seg, room + headroom(total))
+                    if loan is not None:
+                        loan.grown += 1
                 lending.add(seg)
             if seg is not None and seg in lending:
                 # the pool's own buffers: the turn writes past its tokens in place (``Segment``)

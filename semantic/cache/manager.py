@@ -20,6 +20,7 @@ from __future__ import annotations
 import threading
 from typing import Sequence
 
+from semantic import kinds
 from semantic.cache import blockclaim, convert, reuse, snapshots
 from semantic.cache.convert import Loan
 from semantic.cache.blocks import AgentBlocks
@@ -36,6 +37,8 @@ class CacheManager:
         # where a prefill stops to take a snapshot, and which positions a finished cache carries
         self.positions = snapshots.SnapshotPositions(spec, pool.block_tokens)
         self.snapshot_groups = sorted(spec.snapshot_groups(pool.block_tokens))
+        # resumed turns that wrote into the pool's own buffers, that got a copy, and segments grown for them
+        self.lent_turns = self.copied_turns = self.grown_segments = 0
 
     def release(self, blocks) -> None:
         with self.lock:
@@ -56,9 +59,21 @@ class CacheManager:
         self.spec.require_same(blocks.spec, "these blocks")
         with self.lock:  # a segment is lent to one turn at a time
             caches = convert.reconstruct(blocks, materialize=False, upto=upto, room=room, loan=loan)
+            if loan is not None:
+                self.lent_turns += bool(loan.lent)
+                self.copied_turns += not loan.lent
+                self.grown_segments += loan.grown
         if materialize:  # the copies, outside the lock
             convert.materialize_caches(caches)
         return caches
+
+    def in_place(self) -> dict:
+        """Which layer groups a turn runs in the pool's own buffers (the others copy their cache for a turn,
+        as mlx-lm's classes grow it), and how often turns did."""
+        groups = {g: kinds.of(self.spec.layers[ls[0]]).takes_room(self.spec.layers[ls[0]])
+                  for g, ls in self.spec.groups().items()}
+        return {"groups": groups, "lent_turns": self.lent_turns, "copied_turns": self.copied_turns,
+                "grown_segments": self.grown_segments}
 
     def fresh(self, room: int) -> list:
         """Empty cache objects for a turn with nothing cached, with ``room`` slots where a layer's kind takes

@@ -236,6 +236,9 @@ class Backend:
             "speculation": {"steps": st.spec_steps, "drafted": st.spec_drafted, "accepted": st.spec_accepted,
                             "replays": st.spec_replays, "off_reason": st.spec_off},
             "cache_kinds": list(st.cache_kinds),
+            # groups: whether a turn writes into the pool's own buffers (true) or a copy of its cache (false:
+            # quantized, sliding, recurrent); lent_turns / copied_turns: resumed turns each way
+            "in_place": st.in_place,
             # off_reason: why this model decodes one sequence at a time (its code or its caches do not batch)
             "batch": {"off_reason": st.batch_off},
             # the tier shared with other servers (--remote): hits, misses, bytes, verification failures, latency

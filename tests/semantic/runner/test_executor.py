@@ -332,3 +332,25 @@ def test_a_sliding_window_prefix_is_pooled_at_every_block_boundary_so_other_agen
     # the window ending at 12 was pooled while a prefilled past it, and a's block [12, 16) starts like b's
     assert (done[b].reuse, done[b].cached_tokens) == ("pool", 13)
     _assert_same(executor, done[b], done[ref_b])
+
+
+def test_an_agents_turns_run_in_the_pools_own_buffer_and_each_continues_as_a_fresh_prefill(llama_tiny):
+    """The first turn's buffer becomes its segment; every later turn is lent it (grown, one layer at a time,
+    when it lacks room), writes there in place and leaves its new blocks there: one segment, no copy; and
+    each turn's tokens and logprobs are a fresh prefill's."""
+    executor = _executor(llama_tiny, blocks=3000)
+    ids, own = [int(t) for t in np.random.default_rng(3).integers(1, 250, 300)], None
+    for turn in range(4):
+        uid = executor.submit(Request("a", ids, 6), own, share=False)
+        loan = executor._seqs[uid].loan
+        assert bool(loan.lent) == (turn > 0)
+        fresh_uid = executor.submit(Request("b", ids, 6), share=False)
+        done = _run(executor)
+        _assert_same(executor, done[uid], done[fresh_uid])
+        if own is not None:
+            own.release()
+        own, ids = done[uid].blocks, ids + done[uid].token_ids + [7] * (40 + 100 * turn)
+        done[fresh_uid].blocks.release()
+        assert len({id(b.segment_view.segment) for b in own.groups["global"]}) == 1
+    stats = executor.cache_manager.in_place()
+    assert stats["groups"] == {"global": True} and stats["lent_turns"] == 3 and stats["grown_segments"] >= 1
