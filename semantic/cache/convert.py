@@ -34,7 +34,7 @@ from typing import Sequence
 import mlx.core as mx
 
 from semantic.cache import blockclaim
-from semantic import compat, kinds
+from semantic import compat, heap, kinds
 from semantic.cache.blocks import AgentBlocks, Segment, SegmentView, segment_runs
 from semantic.errors import CacheMismatchError
 from semantic.cache.pool import BlockPool
@@ -271,6 +271,7 @@ def _grow(seg: Segment, more: int) -> None:
         mx.eval(grown)
         seg.layer_data[i] = grown
         del k, v, grown
+    heap.give_back()  # the old buffers, from MLX's buffer cache and the heap: the process holds one copy
 
 
 def _whole_segment(pieces: list, total: int) -> Segment | None:

@@ -247,22 +247,27 @@ class ConcurrentScheduler(ResidentView):
     # ------------------------------------------------------------ the worker
 
     def _work(self) -> None:
-        settled = True
+        settled = None  # the saves done when the worker last gave freed memory back
         while True:
             with self._cv:
                 idle = not self._closing and self.planner.idle
-            if idle and not settled:
-                heap.give_back()  # once each time the worker goes idle: what the turns freed leaves the process
-                settled = True
+                saves = self.planner.saves
+                done = saves.saves + saves.errors + saves.prefixes
+            if idle and settled != done:
+                # idle, and a turn or a save ended since: what they freed (a save holds its buffers until
+                # written) leaves the process, off every turn's path
+                heap.give_back()
+                settled = done
             with self._cv:
-                while not self._closing and self.planner.idle:
-                    self._cv.wait()
+                if not self._closing and self.planner.idle:
+                    self._cv.wait()  # a save's end wakes it too: the loop gives back what that save held
+                    continue
                 if self._closing and not self.planner.in_flight and not self.planner.queued:
                     return
             self._admit()
             if self.planner.in_flight:
                 self._step()
-                settled = False
+                settled = None
                 with self._cv:
                     self._steps += 1
             else:
