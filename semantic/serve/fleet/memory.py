@@ -74,7 +74,7 @@ def release(held: Sequence[weakref.ref] = (), wait_s: float = RELEASE_WAIT_S) ->
     if still:
         log.warning("an unloaded model's memory is still referenced after %.0f s (%s): it stays resident",
                     wait_s, ", ".join(still))
-    heap.give_back()
+    heap.give_back(keep=-1)  # always: an unloaded model's memory goes however little MLX caches
     return not still
 
 
