@@ -58,13 +58,12 @@ class Segment:
         blocks                   [ blk 3 ][ blk 8 ][ blk 4 )
         lent to a turn           the same array; the turn writes from n_tokens on
 
-    A segment lives while any block's position in it does. ``lendable``: made from a finished cache or
-    files, so no live cache still writes into it (one adopted from a turn in flight never is).
+    A segment lives while any block's position in it does; ``lent``: a turn writes into it now
+    (``convert.Loan``), so no other may.
     """
 
     layer_data: dict[int, LayerKV]
     n_tokens: int
-    lendable: bool = False
     lent: bool = False
 
     @property

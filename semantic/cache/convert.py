@@ -4,8 +4,8 @@ Extraction cuts each layer group's K/V at block boundaries (``blockclaim``,
 shared with cache-file loading). Full blocks are looked up by their chained
 key first: a hit takes a reference instead of a copy, so history an agent
 already stored, or a prefix another agent stored, is never copied twice.
-Each run of missed blocks is copied once per layer into a ``Segment`` that
-its blocks view.
+Each run of missed blocks is copied once per layer into a ``Segment`` in
+which its blocks hold positions (or a finished turn's buffer becomes one).
 
 Sliding layers are read through ``compat.temporal_rotating``: the ring is
 unrolled, so a window of ``W`` tokens with ``keep`` pinned holds positions::
@@ -20,9 +20,10 @@ a window held at the block boundaries a chunk passed, from the positions the
 chunk's attention left before the window too (``snapshots``).
 
 Reconstruction hands a layer over without a copy when its pieces are one
-consecutive run of one segment, and otherwise concatenates them (one copy);
-asked for ``room``, it makes that copy in any case, with spare slots for the
-turn's new tokens (layers whose kind takes room), so that the turn writes in place.
+consecutive run of one segment, and otherwise concatenates them (one copy).
+Asked for ``room`` (layers whose kind takes it), a turn with a :class:`Loan` gets
+the segment's own buffers when its history is the whole segment, grown in place
+if need be, and writes there; any other gets one copy with the spare slots.
 """
 
 from __future__ import annotations
@@ -230,6 +231,7 @@ def _store(pool: BlockPool, spec: ModelCacheSpec, tokens: tuple[int, ...], claim
         ends = hi == len(tokens) and not first.shift and whole.holds(first.layers)
         prior = _before(claim, run[0]) if ends and lo else None
         if prior is not None and whole.wrote_into(prior, first.layers):
+            assert hi >= prior.n_tokens, (hi, prior.n_tokens)  # lent at its end: the turn only appended
             seg, lo = prior, 0
             seg.n_tokens = hi
         elif ends and not lo and not loose.intersection(first.layers):
@@ -272,6 +274,20 @@ def _grow(seg: Segment, more: int) -> None:
         seg.layer_data[i] = grown
         del k, v, grown
     heap.give_back()  # the old buffers, from MLX's buffer cache and the heap: the process holds one copy
+
+
+def _lend(pieces: list, total: int, room: int, loan: Loan) -> Segment | None:
+    """The segment to lend a layer group whose blocks are ``pieces`` (:func:`_whole_segment`), grown first when
+    it lacks ``room`` spare, recorded in ``loan``; None when there is none or another turn has it."""
+    seg = _whole_segment(pieces, total)
+    if seg is None or seg.lent:
+        return None
+    if seg.capacity - total < room:
+        _grow(seg, room + headroom(total))
+        loan.grown += 1
+    seg.lent = True
+    loan.lent.append(seg)
+    return seg
 
 
 def _whole_segment(pieces: list, total: int) -> Segment | None:
@@ -367,7 +383,7 @@ def reconstruct(blocks: AgentBlocks, materialize: bool = True, upto: int | None 
         raise CacheMismatchError(f"upto={upto} is outside the {blocks.total_tokens} cached tokens")
     caches = []
     by_group: dict[str, tuple] = {}  # every layer of a group has the same blocks and ranges
-    lending: set = set()
+    lent: dict[str, Segment | None] = {}
     for i, layer, group, kind, snapshot_only in _layers(spec, blocks.block_tokens):
         if group not in by_group:
             by_group[group] = _pieces(blocks, i, total)
@@ -380,22 +396,19 @@ def reconstruct(blocks: AgentBlocks, materialize: bool = True, upto: int | None 
         if snapshot_only:
             caches.append(kind.build(i, layer, *pieces[0][0].kv(i), total, held))
             continue
+        if group not in lent:  # asked once a group: every layer of it sits in the same segment
+            lent[group] = _lend(pieces, total, room, loan) if loan is not None and room and kind.takes_room(layer) \
+                else None
+        seg = lent[group]
+        if seg is not None:
+            # the pool's own buffers: the turn writes past its tokens in place (``Segment``)
+            k, v = seg.layer_data[i]
+            caches.append(kind.build_with_room(i, layer, k, v, total, held, seg.capacity - total))
+            continue
         run = _one_segment(pieces, i)
         if run is not None and not (room and kind.takes_room(layer)):
             k, v = run
         elif run is not None:
-            seg = _whole_segment(pieces, total) if loan is not None else None
-            if seg is not None and seg not in lending and not seg.lent:
-                if seg.capacity - total < room:
-                    _grow(seg, room + headroom(total))
-                    if loan is not None:
-                        loan.grown += 1
-                lending.add(seg)
-            if seg is not None and seg in lending:
-                # the pool's own buffers: the turn writes past its tokens in place (``Segment``)
-                k, v = seg.layer_data[i]
-                caches.append(kind.build_with_room(i, layer, k, v, total, held, seg.capacity - total))
-                continue
             # the segment stays the pool's (another turn has it, or more blocks follow): a copy with room
             k, v = _cat([run[0], _spare(run[0], room)]), _cat([run[1], _spare(run[1], room)])
             caches.append(kind.build_with_room(i, layer, k, v, total, held, room))
@@ -415,10 +428,6 @@ def reconstruct(blocks: AgentBlocks, materialize: bool = True, upto: int | None 
                 continue
             k, v = _cat(keys), _cat(values)
         caches.append(kind.build(i, layer, k, v, total, held))
-    for seg in lending:
-        seg.lent = True
-    if loan is not None:
-        loan.lent.extend(lending)
     if materialize:
         materialize_caches(caches)
     return compat.nest(caches, spec.nesting)
