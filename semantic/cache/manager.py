@@ -67,6 +67,11 @@ class CacheManager:
             convert.materialize_caches(caches)
         return caches
 
+    @property
+    def writes_in_place(self) -> bool:
+        """Whether some layer group's turns may write into the pool's own buffers (``in_place``)."""
+        return any(self.in_place()["groups"].values())
+
     def in_place(self) -> dict:
         """Which layer groups a turn runs in the pool's own buffers (the others copy their cache for a turn,
         as mlx-lm's classes grow it), and how often turns did."""

@@ -181,6 +181,15 @@ def _fsync_file(fd: int) -> None:
         os.fsync(fd)
 
 
+def fsync_file(path: str) -> None:
+    """fsync a file written without it (``write(durable=False)``), by name."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        _fsync_file(fd)
+    finally:
+        os.close(fd)
+
+
 def fsync_path(path: str) -> None:
     """fsync a file or directory by name (a directory: so a rename in it is durable)."""
     fd = os.open(path, os.O_RDONLY)

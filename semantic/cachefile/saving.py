@@ -208,6 +208,17 @@ class PreparedSave:
         """The tensor bytes the file will hold (its header adds a few KiB; earlier snapshots not counted)."""
         return sum(v.nbytes for views in self.chunks for v in views)
 
+    @property
+    def released(self) -> bool:
+        return len(self.chunks) != len(self.slots)
+
+    def release(self) -> None:
+        """Let go of the byte views once they are written: while a view of a pool buffer lives, MLX copies
+        that buffer at a turn's first write into it instead of writing in place (``convert.Loan``)."""
+        self.chunks.clear()
+        for snap in self.earlier:
+            snap.chunks.clear()
+
 
 def prepare_save(blocks: AgentBlocks) -> PreparedSave:
     """The byte views :func:`save` writes for ``blocks`` (no copy of segment views)."""
@@ -261,6 +272,8 @@ def save(
         prepared = prepare_save(blocks)
     elif prepared.token_ids != blocks.token_ids or prepared.spec != blocks.spec:
         raise InvalidRequestError("prepared bytes belong to another cache than these blocks")
+    elif prepared.released:
+        raise CacheMismatchError("these prepared bytes were written and let go: prepare the save again")
     slots = prepared.slots
     doc = document(
         blocks.spec, blocks.token_ids, model_fingerprint, agent_id, {s.name: "0" * 32 for s in slots}, blocks.salt_root,

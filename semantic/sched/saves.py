@@ -7,6 +7,11 @@ agents that have one: a newer save of an agent replaces its older pending
 one. A failed save leaves the agent ``unsaved`` until a later save of it
 succeeds. Each save has a number, so a turn can ask what became of its own
 (:meth:`SaveState.outcome`). Plain state: the scheduler's lock guards every call.
+
+A save holds views of the pool's buffers until its bytes are in the files
+(``cachefile.PreparedSave.release``): until then the agent's next turn, which
+writes into that buffer, waits (:meth:`SaveState.reading`), and the saver takes
+the saves such turns wait for first (``wanted``).
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ class SaveState:
         self._numbers: dict[str, int] = {}  # agent -> the number of its newest save queued
         self.saving: str | None = None  # the agent whose save is being written
         self._saving_number = 0
+        self._saving_out = False  # its bytes are in the files: it holds no view of the pool any more
+        self.wanted: set[str] = set()  # agents whose turns wait for their saves' bytes: taken first
         self._failed: set[str] = set()  # agents whose newest save failed
         self._written: OrderedDict[str, tuple[int, bool]] = OrderedDict()  # agent -> (number, ok) of its newest save done
         self._next = 0
@@ -50,9 +57,24 @@ class SaveState:
         """The oldest pending save, now being written; None if there is none."""
         if not self._pending:
             return None
-        agent_id, entry = self._pending.popitem(last=False)
-        self.saving, self._saving_number = agent_id, self._numbers[agent_id]
+        first = next((a for a in self._pending if a in self.wanted), None)
+        if first is None:
+            agent_id, entry = self._pending.popitem(last=False)
+        else:
+            agent_id, entry = first, self._pending.pop(first)
+        self.saving, self._saving_number, self._saving_out = agent_id, self._numbers[agent_id], False
         return agent_id, entry
+
+    def bytes_out(self, agent_id: str) -> None:
+        """The save being written has its bytes in the files (its views are gone); durability comes next."""
+        assert self.saving == agent_id, (self.saving, agent_id)
+        self._saving_out = True
+        self.wanted.discard(agent_id)
+
+    def reading(self, agent_id: str) -> bool:
+        """Whether a save of the agent still holds views of its buffers: pending, or being written and not
+        yet out (:meth:`bytes_out`)."""
+        return agent_id in self._pending or (agent_id == self.saving and not self._saving_out)
 
     def done(self, agent_id: str, ok: bool) -> None:
         """The save :meth:`take` handed out was written (``ok``) or failed."""
@@ -63,6 +85,7 @@ class SaveState:
             self._written.popitem(last=False)
         if agent_id not in self._pending:
             del self._numbers[agent_id]
+            self.wanted.discard(agent_id)
         self.saving = None
         if agent_id.startswith(PREFIX):  # a prefix kept apart (``Scheduler._keep_prefix``), no agent's turn
             self.prefixes += ok

@@ -287,7 +287,8 @@ class ConcurrentScheduler(ResidentView):
             for t in heads:
                 if t not in owns:
                     owns[t] = self._starting_cache(t)
-            needs = {t: self.origin.need(t.request) for t in heads if owns[t] is not False}
+            waiting = self._reading(heads, owns)
+            needs = {t: self.origin.need(t.request) for t in heads if owns[t] is not False and t not in waiting}
             free = self.store.free_bytes()
             plan = self._plan(lambda: self.planner.plan(free, needs))
             for ticket, need in plan.admit:
@@ -296,6 +297,21 @@ class ConcurrentScheduler(ResidentView):
                 return
             # an evicted agent's next turn reads its file: holding its cache here would keep the blocks
             owns = {t: o for t, o in owns.items() if t.request.agent_id != plan.evict}
+
+    def _reading(self, heads: list[Ticket], owns: dict) -> set[Ticket]:
+        """The turns that resume a cache a save of their agent still reads: they would write into its
+        buffers, which MLX then copies whole. They wait for the save's bytes (a few milliseconds for a turn's
+        new blocks), which the saver writes first; the worker steps the others meanwhile."""
+        if not self.write_behind or not self.executor.cache_manager.writes_in_place:
+            return set()
+        with self._cv:
+            saves = self.planner.saves
+            out = {t for t in heads if owns[t] is not None and owns[t] is not False
+                   and saves.reading(t.request.agent_id)}
+            if out:
+                saves.wanted.update(t.request.agent_id for t in out)
+                self._cv.notify_all()
+        return out
 
     def _plan(self, decide: Callable[[], StepPlan]) -> StepPlan:
         """Decide under the lock, then do the plan's failures, eviction and wait."""

@@ -44,6 +44,12 @@ class WriteBehind:
     def join(self, timeout: float | None) -> None:
         self._thread.join(timeout)
 
+    def _out(self, agent_id: str) -> None:
+        """The save's bytes are in the files: a turn that waits to write into its buffers may start."""
+        with self._cv:
+            self.saves.bytes_out(agent_id)
+            self._cv.notify_all()
+
     def _loop(self) -> None:
         while True:
             with self._cv:
@@ -53,7 +59,7 @@ class WriteBehind:
                     self._cv.wait(0.5)
             agent_id, (blocks, prepared) = job
             try:
-                self.store.save(agent_id, blocks, prepared)
+                self.store.save(agent_id, blocks, prepared, lambda: self._out(agent_id))
                 ok = True
             except CacheSaveError:  # the store logged its kind once; the cache stays resident
                 ok = False

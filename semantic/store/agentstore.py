@@ -41,6 +41,7 @@ import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from semantic.cache import blockclaim
 from semantic import cachefile
@@ -145,12 +146,14 @@ class AgentCacheStore:
 
     # ------------------------------------------------------------ public
 
-    def save(self, agent_id: str, blocks: AgentBlocks, prepared: cachefile.PreparedSave | None = None) -> None:
+    def save(self, agent_id: str, blocks: AgentBlocks, prepared: cachefile.PreparedSave | None = None,
+             bytes_out: Callable[[], None] = lambda: None) -> None:
         """Write ``agent_id``'s cache file (durable unless the store is not).
 
         The caller keeps (and may release) ``blocks``: the store keeps no
         reference. ``prepared`` (``cachefile.prepare_save``) lets a write-behind
-        thread save without any MLX work of its own.
+        thread save without any MLX work of its own; it is let go of once its bytes
+        are written, before they are made durable, and then ``bytes_out`` is called.
         """
         validate_agent_id(agent_id)
         self.spec.require_same(blocks.spec, "these blocks")
@@ -164,7 +167,7 @@ class AgentCacheStore:
             try:
                 if not self._files.scanned:
                     self._scan()  # the directory is usable again (or for the first time): index what it holds
-                entry = self._files.write(agent_id, blocks, prepared)
+                entry = self._files.write(agent_id, blocks, prepared, bytes_out)
             except OSError as exc:
                 with self._lock:
                     err = self.health.failed(exc)

@@ -31,6 +31,7 @@ import logging
 import os
 import threading
 from pathlib import Path
+from typing import Callable
 
 import xxhash
 
@@ -138,9 +139,12 @@ class BlockFiles(AgentIndex):
         return int(sum(_snapshot_bytes(self.spec, nb) if nb.snapshot else (nb.end - nb.start) * per_group[nb.group]
                        for nb in files.new)) + 8 * len(blocks.token_ids)
 
-    def write(self, agent_id: str, blocks: AgentBlocks, prepared: cachefile.PreparedSave) -> Held:
+    def write(self, agent_id: str, blocks: AgentBlocks, prepared: cachefile.PreparedSave,
+              bytes_out: Callable[[], None] = lambda: None) -> Held:
         """Write the block files ``blocks`` lacks on disk, then the agent's manifest; not indexed yet
-        (the caller's :meth:`put` does, then :meth:`collect`).
+        (the caller's :meth:`put` does, then :meth:`collect`). Once every block's bytes are in the files,
+        before any fsync, ``prepared`` lets go of its views (:meth:`~cachefile.PreparedSave.release`) and
+        ``bytes_out`` is called: a turn may write into the pool's buffers in place from then on.
 
         Raises:
             OSError: the directory did not take it (what was written is collected).
@@ -151,7 +155,7 @@ class BlockFiles(AgentIndex):
             files = self.index.files_for(self.spec, tokens, chain, blocks.salt_root, prepared.stored_from, self.bt,
                                    _earlier_ends(prepared))
             self.index.pin(files.reused)
-        pins, written = set(files.reused), 0
+        pins, written, paths = set(files.reused), 0, []
         try:
             if files.new:
                 self.blocks_dir.mkdir(exist_ok=True)
@@ -163,7 +167,12 @@ class BlockFiles(AgentIndex):
                         self.index.pin([info.key])
                 written += info.nbytes
                 pins.add(info.key)
-            if files.new and self.durable:
+                paths.append(info.path)
+            prepared.release()  # the bytes are in the files: fsync needs no view of the pool's buffers
+            bytes_out()
+            if files.new and self.durable:  # before the manifest that names them (a power loss: checksums tell)
+                for p in paths:
+                    atomic.fsync_file(p)
                 atomic.fsync_path(str(self.blocks_dir))
             path = self.dir / manifest_name(agent_id)
             while True:  # again if save_extra came while this save held the agent: its note goes in too
@@ -184,6 +193,8 @@ class BlockFiles(AgentIndex):
         return Held(path, n, frozenset(m.keys()), written=written + n, pins=frozenset(pins))
 
     def _write_block(self, nb: NewBlock, tokens, prepared: cachefile.PreparedSave) -> BlockInfo:
+        """One block file, written and renamed but not fsynced (:meth:`write` does, after letting go of the views)."""
+        assert not prepared.released, nb
         path = str(self.blocks_dir / blockformat.key_name(nb.key))
         if nb.snapshot:  # the saved buffer of a snapshot group is its snapshot: every tensor whole
             slots = blockformat.snapshot_slots(self.spec, nb.group, nb.end)
@@ -196,13 +207,13 @@ class BlockFiles(AgentIndex):
             assert all(have_slots[by_name[s.name]].shape == s.shape for s in slots), nb
             chunks = [have_chunks[by_name[s.name]] for s in slots]
             return blockformat.write(path, self.spec, self.fingerprint, nb.group, nb.parent, nb.block_start, nb.start,
-                                   tuple(tokens[nb.block_start:nb.end]), chunks, self.durable, snapshot=True)
+                                   tuple(tokens[nb.block_start:nb.end]), chunks, False, snapshot=True)
         slots = blockformat.block_slots(self.spec, nb.group, nb.end - nb.start)
         by_name = {s.name: k for k, s in enumerate(prepared.slots)}
         chunks = [_slice(prepared.chunks[by_name[s.name]], prepared.slots[by_name[s.name]], nb.buffer, nb.end - nb.start)
                   for s in slots]
         return blockformat.write(path, self.spec, self.fingerprint, nb.group, nb.parent, nb.block_start, nb.start,
-                               tuple(tokens[nb.block_start:nb.end]), chunks, self.durable)
+                               tuple(tokens[nb.block_start:nb.end]), chunks, False)
 
     def collect(self) -> int:
         """Delete the block files no manifest names and no save holds; the bytes freed."""

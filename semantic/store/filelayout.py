@@ -27,6 +27,7 @@ import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from semantic import cachefile
 from semantic.cache.blocks import AgentBlocks
@@ -73,8 +74,10 @@ class AgentFiles(AgentIndex):
 
     # ------------------------------------------------------------ the files
 
-    def write(self, agent_id: str, blocks: AgentBlocks, prepared: cachefile.PreparedSave) -> OnDisk:
-        """Write the agent's cache file (crash-safe; durable if the store is); not indexed yet.
+    def write(self, agent_id: str, blocks: AgentBlocks, prepared: cachefile.PreparedSave,
+              bytes_out: Callable[[], None] = lambda: None) -> OnDisk:
+        """Write the agent's cache file (crash-safe; durable if the store is); not indexed yet. ``prepared``
+        lets go of its views and ``bytes_out`` is called once the file is written (as the block layout's).
 
         Returns:
             The file (its size is also what the save wrote).
@@ -87,6 +90,8 @@ class AgentFiles(AgentIndex):
             path, blocks, model_fingerprint=self.fingerprint, agent_id=agent_id, durable=self.durable,
             prepared=prepared,
         )
+        prepared.release()
+        bytes_out()
         return OnDisk(path, info.nbytes)
 
     def bytes_to_write(self, blocks: AgentBlocks, prepared: cachefile.PreparedSave) -> int:

@@ -301,3 +301,53 @@ def test_a_store_that_raises_while_loading_costs_the_turn_its_cache_not_the_work
         assert r2.cached_tokens == 0
         assert_like_fresh(llama_tiny, r2, fresh(llama_tiny, h2, 5))
         assert restarted.submit(Request("b", _ids(8, 9), 3)).result(30).token_ids  # the worker still serves
+
+
+def _gated_saves(sched):
+    """A gate the saver waits at before writing each save (the bytes stay unwritten while it is shut);
+    the real write follows. Opened at first."""
+    gate, files = threading.Event(), sched.store._files
+    write = files.write
+    gate.set()
+
+    def gated(*args, **kw):
+        assert gate.wait(30), "the test never opened the gate"
+        return write(*args, **kw)
+
+    files.write = gated
+    return gate
+
+
+def _address(sched, agent: str) -> int:
+    """Where the agent's first layer's keys live: its pooled segment's buffer."""
+    blocks = sched.planner.residency.get(agent)
+    seg = next(iter(blocks.groups.values()))[0].segment_view.segment
+    return np.asarray(memoryview(seg.layer_data[0][0])).ctypes.data
+
+
+def test_a_turn_waits_for_its_agents_save_to_write_its_bytes_then_writes_into_the_pooled_buffer_in_place(
+        llama_tiny, cache_dir):
+    # a save holds views of the pool's buffer until its bytes are written: a turn writing there before
+    # would make MLX copy the whole buffer (the cache held twice)
+    with _scheduler(llama_tiny, cache_dir, blocks=1024, block_tokens=16) as sched:
+        gate = _gated_saves(sched)
+        h1 = _ids(7, 40)
+        r1 = sched.submit(Request("a", h1, 3)).result(30)
+        assert until(lambda: not sched.planner.saves.busy, 30)  # turn 1's save is out: turn 2 starts at once
+        h2 = h1 + list(r1.token_ids) + _ids(8, 20)
+        gate.clear()
+        r2 = sched.submit(Request("a", h2, 3)).result(30)  # grows the agent's segment, then writes in it
+        address = _address(sched, "a")
+        h3 = h2 + list(r2.token_ids) + _ids(9, 20)
+        admitted = []
+        f3 = sched.submit(Request("a", h3, 3, on_admit=admitted.append))
+        assert until(lambda: sched.planner.saves.wanted == {"a"}, 30)  # deferred for turn 2's save
+        assert admitted == [] and not f3.done()
+        gate.set()
+        r3 = f3.result(30)
+        stats = sched.executor.cache_manager.in_place()
+        assert until(lambda: not sched.planner.saves.busy, 30)
+        assert _address(sched, "a") == address  # written in place: no copy of the buffer
+    assert admitted == [len(h2) + 2] and r3.reuse == "own"
+    assert stats["lent_turns"] == 2 and stats["copied_turns"] == 0
+    assert_like_fresh(llama_tiny, r3, fresh(llama_tiny, h3, 3))

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import xxhash
 
-from semantic import AgentCacheStore, Request
-from semantic.cachefile import DOC_HASH_KEY, DOC_KEY
+from semantic import AgentCacheStore, Request, cachefile
+from semantic.cachefile import DOC_HASH_KEY, DOC_KEY, atomic
 from semantic.store import blockformat, blocklayout, blockload, blockread, file_name, manifest, manifest_name
 from tests.cache_helpers import assert_identical, check_executor, make_executor, generate, history, run
 
@@ -112,6 +112,22 @@ def test_a_turn_writes_only_the_positions_it_added_and_its_manifest(llama_tiny, 
         assert sum(_tensor_bytes(i.path) for i in new.values() if i.group == group) == add * row
 
     assert_identical(_store(make_executor(model, kv_bits), tmp_path).load("a"), second)  # old and new files, stitched
+
+
+def test_a_save_lets_go_of_its_views_once_its_bytes_are_written_before_making_them_durable(llama_tiny, tmp_path,
+                                                                                          monkeypatch):
+    # the views pin the pool's buffers (MLX copies a buffer anything else views at a turn's first write):
+    # held through the fsyncs, the next turn would wait for the disk or copy its cache
+    executor = make_executor(llama_tiny)
+    first = generate(executor, "a", history(30), 1).blocks
+    store = AgentCacheStore(tmp_path, executor.spec, FP, 10**9, pool=executor.pool, durable=True, layout="blocks")
+    prepared = cachefile.prepare_save(first)
+    events, fsync = [], atomic.fsync_file
+    monkeypatch.setattr(atomic, "fsync_file", lambda p: (events.append(("fsync", prepared.released)), fsync(p)))
+    store.save("a", first, prepared, bytes_out=lambda: events.append(("out", prepared.released)))
+    assert events[0] == ("out", True) and len(events) == 1 + len(_kvbs(tmp_path))
+    assert all(e == ("fsync", True) for e in events[1:])
+    assert_identical(_store(make_executor(llama_tiny), tmp_path).load("a"), first)
 
 
 # ---------------------------------------------------------------- sharing
