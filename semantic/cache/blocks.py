@@ -59,7 +59,7 @@ class Segment:
         lent to a turn           the same array; the turn writes from n_tokens on
 
     A segment lives while any block's position in it does; ``lent``: a turn writes into it now
-    (``convert.Loan``), so no other may.
+    (``lending.Loan``), so no other may.
     """
 
     layer_data: dict[int, LayerKV]

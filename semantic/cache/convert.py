@@ -21,51 +21,26 @@ chunk's attention left before the window too (``snapshots``).
 
 Reconstruction hands a layer over without a copy when its pieces are one
 consecutive run of one segment, and otherwise concatenates them (one copy).
-Asked for ``room`` (layers whose kind takes it), a turn with a :class:`Loan` gets
-the segment's own buffers when its history is the whole segment, grown in place
-if need be, and writes there; any other gets one copy with the spare slots.
+Asked for ``room`` (layers whose kind takes it), a turn with a ``lending.Loan`` gets
+the segment's own buffers when its history is the whole segment (``lending``),
+and writes there; any other gets one copy with the spare slots.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 import mlx.core as mx
 
-from semantic.cache import blockclaim
-from semantic import compat, heap, kinds
+from semantic.cache import blockclaim, lending
+from semantic.cache.lending import SPARE_SHARE, Loan
+from semantic import compat, kinds
 from semantic.cache.blocks import AgentBlocks, Segment, SegmentView, segment_runs
 from semantic.errors import CacheMismatchError
 from semantic.cache.pool import BlockPool
 from semantic.cache.spec import LayerSpec, ModelCacheSpec
-
-
-# a finished cache's buffer is pooled as it is (no copy) when its spare slots are at most 1/SPARE_SHARE of its
-# tokens, else copied exactly: a short cache would keep mlx-lm's 256-slot growth step in the pool
-SPARE_SHARE = 32
-
-
-@dataclass(eq=False)
-class Loan:
-    """The segments whose own buffers a turn's caches are (``reconstruct``): the turn writes past their
-    tokens in place, and ``extract`` makes its new blocks positions there. A segment is lent to one turn at
-    a time; :meth:`give_back` ends the loan when the turn is done."""
-
-    lent: list = field(default_factory=list)
-    grown: int = 0  # segments grown for the turn (``_grow``)
-
-    def give_back(self) -> None:
-        for seg in self.lent:
-            seg.lent = False
-        self.lent = []
-
-
-def headroom(tokens: int) -> int:
-    """Spare slots a segment grown for a turn gets beyond the turn's room, on mlx-lm's 256-slot grid: at least
-    a step, about 1/SPARE_SHARE of its tokens, so that the agent's next turns find their room there too."""
-    return -(-max(tokens // SPARE_SHARE, 1) // 256) * 256
 
 
 def _slice(x, a: int, b: int, copy: bool, adopt: bool = True):
@@ -262,45 +237,6 @@ def _one_segment(pieces: list, layer: int):
     return _slice(k, run.start, run.stop, False), _slice(v, run.start, run.stop, False)
 
 
-def _grow(seg: Segment, more: int) -> None:
-    """Give ``seg`` ``more`` spare slots after its tokens, one layer at a time: each layer's new buffer is made
-    and its old one let go before the next, so the pool holds its cache once plus one layer, never twice (a
-    buffer something else still holds, a save being written, goes when that does)."""
-    n = seg.n_tokens
-    for i in list(seg.layer_data):
-        k, v = seg.layer_data[i]
-        grown = (_cat([_slice(k, 0, n, False), _spare(k, more)]), _cat([_slice(v, 0, n, False), _spare(v, more)]))
-        mx.eval(grown)
-        seg.layer_data[i] = grown
-        del k, v, grown
-    heap.give_back()  # the old buffers, from MLX's buffer cache and the heap: the process holds one copy
-
-
-def _lend(pieces: list, total: int, room: int, loan: Loan) -> Segment | None:
-    """The segment to lend a layer group whose blocks are ``pieces`` (:func:`_whole_segment`), grown first when
-    it lacks ``room`` spare, recorded in ``loan``; None when there is none or another turn has it."""
-    seg = _whole_segment(pieces, total)
-    if seg is None or seg.lent:
-        return None
-    if seg.capacity - total < room:
-        _grow(seg, room + headroom(total))
-        loan.grown += 1
-    seg.lent = True
-    loan.lent.append(seg)
-    return seg
-
-
-def _whole_segment(pieces: list, total: int) -> Segment | None:
-    """The segment whose index 0 is position 0 and whose ``total`` tokens are exactly ``pieces`` (one run
-    of views into it, ending at its last token), else None."""
-    runs = segment_runs(pieces, next(iter(pieces[0][0].layers)))
-    if len(runs) != 1 or not isinstance(runs[0].source, Segment):
-        return None
-    (run,) = runs
-    ok = run.start == 0 and run.stop == total == run.source.n_tokens and pieces[0][0].start == 0
-    return run.source if ok else None
-
-
 def _pieces(blocks: AgentBlocks, layer: int, total: int) -> tuple[list, int, int]:
     """The (block, first, end) pieces holding what ``layer`` needs after ``total`` tokens,
     how many tokens it needs, and how many of them the blocks hold.
@@ -374,7 +310,7 @@ def reconstruct(blocks: AgentBlocks, materialize: bool = True, upto: int | None 
     With a ``loan`` too (a turn that will hand it to :func:`extract` when it ends), a layer group whose
     blocks are one segment from position 0 to its end, which no other turn has, gets that segment's own
     buffers: no copy, the turn writes into the pool's buffer. A segment with less than ``room`` spare is
-    grown first, one layer at a time (:func:`_grow`), with :func:`headroom` for the agent's next turns.
+    grown first, one layer at a time, with headroom for the agent's next turns (``lending``).
     """
     if blocks.released:
         raise CacheMismatchError("these AgentBlocks were released; their blocks may be reused")
@@ -397,7 +333,7 @@ def reconstruct(blocks: AgentBlocks, materialize: bool = True, upto: int | None 
             caches.append(kind.build(i, layer, *pieces[0][0].kv(i), total, held))
             continue
         if group not in lent:  # asked once a group: every layer of it sits in the same segment
-            lent[group] = _lend(pieces, total, room, loan) if loan is not None and room and kind.takes_room(layer) \
+            lent[group] = lending.lend(pieces, total, room, loan) if loan is not None and room and kind.takes_room(layer) \
                 else None
         seg = lent[group]
         if seg is not None:

@@ -22,7 +22,7 @@ from typing import Sequence
 
 from semantic import kinds
 from semantic.cache import blockclaim, convert, reuse, snapshots
-from semantic.cache.convert import Loan
+from semantic.cache.lending import Loan
 from semantic.cache.blocks import AgentBlocks
 from semantic.cache.pool import BlockPool
 from semantic.cache.spec import ModelCacheSpec

@@ -214,7 +214,7 @@ class PreparedSave:
 
     def release(self) -> None:
         """Let go of the byte views once they are written: while a view of a pool buffer lives, MLX copies
-        that buffer at a turn's first write into it instead of writing in place (``convert.Loan``)."""
+        that buffer at a turn's first write into it instead of writing in place (``lending.Loan``)."""
         self.chunks.clear()
         for snap in self.earlier:
             snap.chunks.clear()

@@ -10,7 +10,7 @@ spare slots included, and the decode writes there in place::
 
 Leaving hands the pool the row over the same buffers (one unpadded row): the pool copies only the
 blocks it lacks (a resumed turn's new tokens; its history's blocks are already pooled), and a first
-turn's buffer is adopted whole or copied exactly, by how much spare it holds (``convert.SPARE_SHARE``),
+turn's buffer is adopted whole or copied exactly, by how much spare it holds (``lending.SPARE_SHARE``),
 where mlx-lm's ``extract`` copied the whole row first. A second row joins through mlx-lm's
 ``extend`` (a copy, as before). MLX never writes into a buffer another array still holds: while
 anything else holds the sequence's old buffer, the first write copies it, which is what merge did.
@@ -40,7 +40,7 @@ class BatchOneKVCache(C.BatchKVCache):
         if self.keys is None or self.keys.shape[0] != 1 or self._idx == 0 or int(self.left_padding[0].item()):
             return super().extract(idx)
         cache = C.KVCache()
-        # the same array objects: a turn lent the pool's buffers (``convert.Loan``) leaves in them, which
+        # the same array objects: a turn lent the pool's buffers (``lending.Loan``) leaves in them, which
         # the pool recognises; a batch that writes on only appends past the row's tokens
         cache.keys, cache.values, cache.offset = self.keys, self.values, self._idx
         return cache

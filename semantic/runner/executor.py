@@ -83,7 +83,7 @@ class _InFlight:
     first_token_at: float = 0.0
     finish_reason: str | None = None     # set with the last token; the Completion follows when the cache is complete
     kept: list = field(default_factory=list)  # AgentBlocks of earlier snapshots its finished cache carries
-    loan: Loan = field(default_factory=Loan)  # the pool's buffers its caches came from (convert.Loan)
+    loan: Loan = field(default_factory=Loan)  # the pool's buffers its caches came from (lending.Loan)
 
 
 class BatchExecutor:

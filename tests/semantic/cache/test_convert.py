@@ -18,7 +18,8 @@ from semantic import (
 )
 from harness import noise
 from semantic import compat
-from semantic.cache.convert import Loan, extract, headroom, reconstruct
+from semantic.cache.convert import extract, reconstruct
+from semantic.cache.lending import Loan, headroom
 from semantic.cache.spec import held_ranges
 from tests.tiny_models import tiny_gemma3
 

@@ -1,0 +1,96 @@
+"""Lending a turn the pool's own buffers, so its prefill and decode write where the pool keeps its cache.
+
+A layer group whose blocks are one segment from position 0 to its filled end is
+handed to the turn as the segment's arrays (:func:`lend`), one turn at a time
+(``Segment.lent``), recorded in a :class:`Loan`; ``convert.extract`` then finds
+the turn wrote past the segment's tokens and makes its new blocks positions in
+the same buffer. A segment without the turn's room grows first, one layer at a
+time (:func:`grow`), so the pool holds its cache once plus one layer::
+
+    segment            [ blk 0 ][ blk 1 ][ blk 2 )·········       filled to n_tokens, spare after
+    lent to a turn     the same arrays: the turn writes from n_tokens on, in place
+    grown              [ blk 0 ][ blk 1 ][ blk 2 )·················  a layer at a time, headroom for next turns
+
+MLX writes into a buffer in place only while nothing else views it: a save's
+byte views are let go once written (``cachefile.PreparedSave.release``), and the
+scheduler holds back a turn whose agent's save still reads them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+from semantic import heap
+from semantic.cache.blocks import Segment, segment_runs
+
+# a finished cache's buffer is pooled as it is (no copy) when its spare slots are at most 1/SPARE_SHARE of its
+# tokens, else copied exactly: a short cache would keep mlx-lm's 256-slot growth step in the pool
+SPARE_SHARE = 32
+
+
+@dataclass(eq=False)
+class Loan:
+    """The segments whose own buffers a turn's caches are (``convert.reconstruct``): the turn writes past
+    their tokens in place, and ``convert.extract`` makes its new blocks positions there. A segment is lent to
+    one turn at a time; :meth:`give_back` ends the loan when the turn is done."""
+
+    lent: list = field(default_factory=list)
+    grown: int = 0  # segments grown for the turn (:func:`grow`)
+
+    def give_back(self) -> None:
+        for seg in self.lent:
+            seg.lent = False
+        self.lent = []
+
+
+def headroom(tokens: int) -> int:
+    """Spare slots a segment grown for a turn gets beyond the turn's room, on mlx-lm's 256-slot grid: at least
+    a step, about 1/SPARE_SHARE of its tokens, so that the agent's next turns find their room there too."""
+    return -(-max(tokens // SPARE_SHARE, 1) // 256) * 256
+
+
+def lend(pieces: list, total: int, room: int, loan: Loan) -> Segment | None:
+    """The segment to lend a layer group whose blocks are ``pieces`` (:func:`whole_segment`), grown first when
+    it lacks ``room`` spare, recorded in ``loan``; None when there is none or another turn has it."""
+    seg = whole_segment(pieces, total)
+    if seg is None or seg.lent:
+        return None
+    if seg.capacity - total < room:
+        grow(seg, room + headroom(total))
+        loan.grown += 1
+    seg.lent = True
+    loan.lent.append(seg)
+    return seg
+
+
+def whole_segment(pieces: list, total: int) -> Segment | None:
+    """The segment whose index 0 is position 0 and whose ``total`` tokens are exactly ``pieces`` (one run
+    of views into it, ending at its last token), else None."""
+    runs = segment_runs(pieces, next(iter(pieces[0][0].layers)))
+    if len(runs) != 1 or not isinstance(runs[0].source, Segment):
+        return None
+    (run,) = runs
+    ok = run.start == 0 and run.stop == total == run.source.n_tokens and pieces[0][0].start == 0
+    return run.source if ok else None
+
+
+def grow(seg: Segment, more: int) -> None:
+    """Give ``seg`` ``more`` spare slots after its tokens, one layer at a time: each layer's new buffer is made
+    and its old one let go before the next, so the pool holds its cache once plus one layer, never twice (a
+    buffer something else still holds, a save being written, goes when that does)."""
+    n = seg.n_tokens
+    for i in list(seg.layer_data):
+        k, v = seg.layer_data[i]
+        grown = (_widened(k, n, more), _widened(v, n, more))
+        mx.eval(grown)
+        seg.layer_data[i] = grown
+        del k, v, grown
+    heap.give_back()  # the old buffers, from MLX's buffer cache and the heap: the process holds one copy
+
+
+def _widened(x, n: int, more: int):
+    """The first ``n`` token slots of ``x`` (batch, heads, slots, dim) and ``more`` empty ones after them."""
+    b, h, _, d = x.shape
+    return mx.concatenate([x[..., :n, :], mx.zeros((b, h, more, d), dtype=x.dtype)], axis=2)
