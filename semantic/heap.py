@@ -6,7 +6,7 @@ freed: one layer's K of a few thousand tokens) until ``malloc_trim``. A turn tha
 layer at a time, or a first turn's prefill, frees about a cache's worth of such blocks, which stayed
 resident beside the pool (a second copy seen from outside, though MLX held one). :func:`give_back` returns
 both when MLX's cache holds more than a turn's working buffers (``KEEP_BYTES``); the scheduler calls it when
-its worker goes idle and after each save, and a segment's growth after it (``cache.convert``).
+its worker goes idle and after each save, and a segment's growth after it (``cache.lending``).
 """
 
 from __future__ import annotations
