@@ -319,7 +319,8 @@ def reconstruct(blocks: AgentBlocks, materialize: bool = True, upto: int | None 
         raise CacheMismatchError(f"upto={upto} is outside the {blocks.total_tokens} cached tokens")
     caches = []
     by_group: dict[str, tuple] = {}  # every layer of a group has the same blocks and ranges
-    lent: dict[str, Segment | None] = {}
+    lent: dict[str, tuple[Segment, int] | None] = {}  # per group: the segment lent and its spare slots
+    handed = 0  # caches that are the pool's own evaluated arrays: when all are, nothing to materialize
     for i, layer, group, kind, snapshot_only in _layers(spec, blocks.block_tokens):
         if group not in by_group:
             by_group[group] = _pieces(blocks, i, total)
@@ -333,13 +334,15 @@ def reconstruct(blocks: AgentBlocks, materialize: bool = True, upto: int | None 
             caches.append(kind.build(i, layer, *pieces[0][0].kv(i), total, held))
             continue
         if group not in lent:  # asked once a group: every layer of it sits in the same segment
-            lent[group] = lending.lend(pieces, total, room, loan) if loan is not None and room and kind.takes_room(layer) \
+            seg = lending.lend(pieces, total, room, loan) if loan is not None and room and kind.takes_room(layer) \
                 else None
-        seg = lent[group]
-        if seg is not None:
+            lent[group] = (seg, seg.capacity - total) if seg is not None else None
+        if lent[group] is not None:
             # the pool's own buffers: the turn writes past its tokens in place (``Segment``)
+            seg, spare = lent[group]
             k, v = seg.layer_data[i]
-            caches.append(kind.build_with_room(i, layer, k, v, total, held, seg.capacity - total))
+            caches.append(kind.build_with_room(i, layer, k, v, total, held, spare))
+            handed += 1
             continue
         run = _one_segment(pieces, i)
         if run is not None and not (room and kind.takes_room(layer)):
@@ -364,7 +367,7 @@ def reconstruct(blocks: AgentBlocks, materialize: bool = True, upto: int | None 
                 continue
             k, v = _cat(keys), _cat(values)
         caches.append(kind.build(i, layer, k, v, total, held))
-    if materialize:
+    if materialize and handed < len(caches):
         materialize_caches(caches)
     return compat.nest(caches, spec.nesting)
 

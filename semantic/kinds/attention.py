@@ -98,9 +98,11 @@ class Attention(Positional):
 
     def build_with_room(self, i, layer, first, second, total, held, room):
         assert self.takes_room(layer) and total == held, (layer, total, held)
-        self.check_kv(i, layer, first[..., :held, :], held, "keys")
-        self.check_kv(i, layer, second[..., :held, :], held, "values")
-        assert first.shape[2] == second.shape[2] == held + room, (first.shape, second.shape, held, room)
+        # the shapes, as check_kv's, without a view of each buffer made to ask (a resumed turn's whole cost)
+        for x, dim, what in ((first, layer.head_dim, "keys"), (second, layer.v_head_dim, "values")):
+            if tuple(x.shape) != (1, layer.n_kv_heads, held + room, dim) or x.dtype != DTYPES[layer.dtype]:
+                raise CacheShapeError(f"layer {i} {what}: got {(tuple(x.shape), x.dtype)}, spec needs "
+                                      f"{(1, layer.n_kv_heads, held, dim)} {layer.dtype} and {room} spare slots")
         cache = C.KVCache()
         cache.keys, cache.values, cache.offset = first, second, total
         return cache
