@@ -295,7 +295,7 @@ def _layers(spec: ModelCacheSpec, block_tokens: int) -> tuple:
 
 
 def reconstruct(blocks: AgentBlocks, materialize: bool = True, upto: int | None = None, room: int = 0,
-                loan: Loan | None = None) -> list:
+                loan: Loan | None = None, pool: BlockPool | None = None) -> list:
     """Real mlx-lm cache objects, one per layer, for the tokens of ``blocks``.
 
     With ``upto``, the caches cover only the first ``upto`` tokens (a
@@ -310,7 +310,9 @@ def reconstruct(blocks: AgentBlocks, materialize: bool = True, upto: int | None 
     With a ``loan`` too (a turn that will hand it to :func:`extract` when it ends), a layer group whose
     blocks are one segment from position 0 to its end, which no other turn has, gets that segment's own
     buffers: no copy, the turn writes into the pool's buffer. A segment with less than ``room`` spare is
-    grown first, one layer at a time, with headroom for the agent's next turns (``lending``).
+    grown first, one layer at a time, with headroom for the agent's next turns (``lending``). Given the
+    ``pool`` too, a turn that resumes before the segment's end, within its last block slot, is lent it cut
+    there (``lending.cut``: the blocks past the cut take their own copy or leave the pool).
     """
     if blocks.released:
         raise CacheMismatchError("these AgentBlocks were released; their blocks may be reused")
@@ -334,8 +336,8 @@ def reconstruct(blocks: AgentBlocks, materialize: bool = True, upto: int | None 
             caches.append(kind.build(i, layer, *pieces[0][0].kv(i), total, held))
             continue
         if group not in lent:  # asked once a group: every layer of it sits in the same segment
-            seg = lending.lend(pieces, total, room, loan) if loan is not None and room and kind.takes_room(layer) \
-                else None
+            seg = lending.lend(pieces, total, room, loan, pool) \
+                if loan is not None and room and kind.takes_room(layer) else None
             lent[group] = (seg, seg.capacity - total) if seg is not None else None
         if lent[group] is not None:
             # the pool's own buffers: the turn writes past its tokens in place (``Segment``)

@@ -51,11 +51,14 @@ def headroom(tokens: int) -> int:
     return -(-max(tokens // SPARE_SHARE, 1) // 256) * 256
 
 
-def lend(pieces: list, total: int, room: int, loan: Loan) -> Segment | None:
-    """The segment to lend a layer group whose blocks are ``pieces`` (:func:`whole_segment`), grown first when
-    it lacks ``room`` spare, recorded in ``loan``; None when there is none or another turn has it."""
+def lend(pieces: list, total: int, room: int, loan: Loan, pool=None) -> Segment | None:
+    """The segment to lend a layer group whose blocks are ``pieces`` (:func:`whole_segment`), cut at ``total``
+    when it holds more (:func:`cut`, given the ``pool``), grown first when it lacks ``room`` spare, recorded in
+    ``loan``; None when there is none or another turn has it."""
     seg = whole_segment(pieces, total)
     if seg is None or seg.lent:
+        return None
+    if seg.n_tokens > total and (pool is None or not cut(pool, seg, total, pool.block_tokens)):
         return None
     if seg.capacity - total < room:
         grow(seg, room + headroom(total))
@@ -66,14 +69,39 @@ def lend(pieces: list, total: int, room: int, loan: Loan) -> Segment | None:
 
 
 def whole_segment(pieces: list, total: int) -> Segment | None:
-    """The segment whose index 0 is position 0 and whose ``total`` tokens are exactly ``pieces`` (one run
-    of views into it, ending at its last token), else None."""
+    """The segment whose index 0 is position 0 and whose first ``total`` tokens are exactly ``pieces`` (one run
+    of views into it from its start), else None."""
     runs = segment_runs(pieces, next(iter(pieces[0][0].layers)))
     if len(runs) != 1 or not isinstance(runs[0].source, Segment):
         return None
     (run,) = runs
-    ok = run.start == 0 and run.stop == total == run.source.n_tokens and pieces[0][0].start == 0
+    ok = run.start == 0 and run.stop == total <= run.source.n_tokens and pieces[0][0].start == 0
     return run.source if ok else None
+
+
+def cut(pool, seg: Segment, total: int, block_tokens: int) -> bool:
+    """Make ``seg`` end at ``total`` so that a turn may write there: a turn resuming a little before its
+    cache's end (a completion whose reply the next prompt leaves out, a chat template that renders the reply's
+    last token otherwise). Every block holding positions from ``total`` on (the tails in its last block slot)
+    takes its own copy of them, or, referenced by nobody, leaves the pool, so no block reads what the turn
+    writes. False, changing nothing, when those blocks reach past one block slot (a regenerate or an edit
+    further back: full blocks other histories may share): that turn gets a copy."""
+    edge = total - total % block_tokens
+    if seg.n_tokens > edge + block_tokens:
+        return False
+    behind = pool.sitting_in(seg, total)
+    if any(b.segment_view.start < edge for b in behind):  # blocks are aligned: never, but never guessed
+        return False
+    made = []
+    for b in behind:
+        if pool.refcount(b) == 0:
+            pool.forget(b)
+        else:
+            b.layer_data = {i: (_owned(k), _owned(v)) for i, (k, v) in b.layer_data.items()}
+            made.extend(b.own_data.values())
+    mx.eval(made)
+    seg.n_tokens = total
+    return True
 
 
 def grow(seg: Segment, more: int) -> None:
@@ -88,6 +116,13 @@ def grow(seg: Segment, more: int) -> None:
         seg.layer_data[i] = grown
         del k, v, grown
     heap.give_back()  # the old buffers, from MLX's buffer cache and the heap: the process holds one copy
+
+
+def _owned(x):
+    """A copy of view ``x`` in a buffer of its own: its bytes move out of the segment it views. An exact
+    product (times one keeps every finite value and its sign); ``out[...] = x`` hands back the view, and
+    ``mx.array(x)`` does not copy under every MLX this runs on: a view keeps the segment's buffer shared."""
+    return x * 1
 
 
 def _widened(x, n: int, more: int):

@@ -58,7 +58,7 @@ class CacheManager:
         :meth:`give_back`."""
         self.spec.require_same(blocks.spec, "these blocks")
         with self.lock:  # a segment is lent to one turn at a time
-            caches = convert.reconstruct(blocks, materialize=False, upto=upto, room=room, loan=loan)
+            caches = convert.reconstruct(blocks, materialize=False, upto=upto, room=room, loan=loan, pool=self.pool)
             if loan is not None:
                 self.lent_turns += bool(loan.lent)
                 self.copied_turns += not loan.lent

@@ -221,6 +221,18 @@ class BlockPool:
                     self._cached[bid] = None
                     self.cached_bytes += self.costs[block.group]
 
+    def sitting_in(self, segment, at: int) -> list[KVBlock]:
+        """The blocks, live or cached, that hold positions of ``segment`` at index ``at`` or after: what a
+        turn writing there would change under them (``lending.cut``). A scan of every slot: asked only when a
+        turn resumes inside its own segment."""
+        return [b for b in self._blocks if b is not None and b.segment_view is not None
+                and b.segment_view.segment is segment and b.segment_view.start + b.n_tokens > at]
+
+    def forget(self, block: KVBlock) -> None:
+        """Drop a cached block (no reference) now: its data and keys leave the pool."""
+        assert self._blocks[block.block_id] is block and self._refs[block.block_id] == 0, block
+        self._recycle(block.block_id)
+
     def refcount(self, block: KVBlock) -> int:
         """References to ``block`` (0: free, recycled, or of another pool)."""
         bid = block.block_id

@@ -369,3 +369,54 @@ def test_a_turn_resumed_from_inside_a_segment_writes_into_a_copy(llama_tiny):
     assert loan.lent == [] and not any(_shares(c.keys, seg.layer_data[i][0]) for i, c in enumerate(caches))
     _run(llama_tiny, caches, [7] * 20)
     assert np.array_equal(np.array(reconstruct(first)[0].keys[..., 990:1000, :]), tail)
+
+
+def test_a_turn_resumed_within_its_segments_last_block_is_lent_it_cut_there_and_the_old_tail_keeps_its_bytes(
+        llama_tiny):
+    """A completion whose reply the next prompt leaves out resumes one token before its cache's end: the
+    blocks past the cut take their own copy (one block slot at most), and the turn writes where they were."""
+    spec = ModelCacheSpec.from_model(llama_tiny)
+    pool = BlockPool(spec, 600, block_tokens=4)
+    ids = [1 + i % 50 for i in range(1000)]
+    first, seg = _first_turn(llama_tiny, spec, pool, ids)
+    tail = first.groups["global"][-1]
+    before = {i: (np.array(k), np.array(v)) for i, (k, v) in tail.layer_data.items()}
+    plain = reconstruct(first, upto=999, room=16)  # a copy: what the turn computes from
+    loan = Loan()
+    lent = reconstruct(first, upto=999, room=16, loan=loan, pool=pool)
+    assert loan.lent == [seg] and seg.n_tokens == 999 and tail.segment_view is None
+    assert all(c.keys is seg.layer_data[i][0] for i, c in enumerate(lent))
+    where = [_address(c.keys) for c in lent]
+    new = [7, 8, 9, 10, 11]
+    assert mx.array_equal(_run(llama_tiny, lent, new), _run(llama_tiny, plain, new)).item()
+    assert [_address(c.keys) for c in lent] == where  # in place: nothing views the segment past the cut
+    for i, (k, v) in tail.layer_data.items():  # the turn wrote over position 999: the old tail kept its own
+        assert np.array_equal(np.array(k), before[i][0]) and np.array_equal(np.array(v), before[i][1])
+    second = extract(pool, lent, ids[:999] + new, loan=loan)
+    loan.give_back()
+    assert seg.n_tokens == 1004 and {id(b.segment_view.segment) for b in second.groups["global"]} == {id(seg)}
+    for b, p in zip(reconstruct(second), plain):
+        assert mx.array_equal(b.keys[..., :999, :], p.keys[..., :999, :]).item()
+    assert pool.lookup(tail.token_hash, tail.token_ids) is tail  # still served, from its own bytes
+
+
+def test_a_cut_drops_an_unreferenced_tail_from_the_pool_and_refuses_past_one_block_slot(llama_tiny):
+    import threading
+
+    from semantic.cache.manager import CacheManager
+
+    spec = ModelCacheSpec.from_model(llama_tiny)
+    pool = BlockPool(spec, 600, block_tokens=4)
+    ids = [1 + i % 50 for i in range(1002)]  # a tail block of 2 tokens after 250 full ones
+    first, seg = _first_turn(llama_tiny, spec, pool, ids)
+    tail = first.groups["global"][-1]
+    assert (tail.start, tail.n_tokens) == (1000, 2) and tail.token_hash is not None
+    held = CacheManager(pool, spec, threading.RLock()).pooled(ids[:1000])
+    first.release()  # the tail is cached now: no reference, still keyed
+    loan = Loan()
+    reconstruct(held, room=8, loan=loan, pool=pool)
+    assert loan.lent == [seg] and seg.n_tokens == 1000 and pool.lookup(tail.token_hash, tail.token_ids) is None
+    loan.give_back()
+    far = Loan()  # 990 is more than one block slot before the end: a copy, the segment untouched
+    reconstruct(held, upto=990, room=8, loan=far, pool=pool)
+    assert far.lent == [] and seg.n_tokens == 1000
