@@ -33,17 +33,23 @@ def _expected_p95_rows(ctx, by: dict) -> None:
         cell = next((by[(g, b, n)] for g in ctx.params["geometries"] if (g, b, n) in by), None)
         if cell is None:
             continue
+        # ours: what a resumed turn does to get its cache (the pool's buffers handed over, ``turn``); runs
+        # from before it was measured have only the reconstruction
+        ours = cell.get("turn_p95_ms", cell["reconstruct_p95_ms"])
         table.append({
             "blocks": b, "layers": n, "geometry": cell["geometry"], "total_ops": b * n, "expected_p95_ms": expected,
             "concat_p95_ms": cell["concat_p95_ms"], "reconstruct_p95_ms": cell["reconstruct_p95_ms"],
+            "turn_p95_ms": cell.get("turn_p95_ms"), "ours": "turn" if "turn_p95_ms" in cell else "reconstruct",
             "memcpy_p95_ms": cell["memcpy_np_p95_ms"], "cache_mb": cell["bytes"] / 1e6,
             "verdict_concat": "PASS" if cell["concat_p95_ms"] < expected else "FAIL",
-            "verdict_ours": "PASS" if cell["reconstruct_p95_ms"] < expected else "FAIL",
+            "verdict_ours": "PASS" if ours < expected else "FAIL",
         })
     res.output("expected_p95_table", table)
     for row in table:
         res.check(f"cell_b{row['blocks']}_l{row['layers']}_reconstruct_p95_ms", row["reconstruct_p95_ms"])
         res.check(f"cell_b{row['blocks']}_l{row['layers']}_concat_p95_ms", row["concat_p95_ms"])
+        if row["turn_p95_ms"] is not None:
+            res.check(f"cell_b{row['blocks']}_l{row['layers']}_turn_p95_ms", row["turn_p95_ms"])
 
 
 def _target_ratios(res, by: dict) -> None:
@@ -53,7 +59,8 @@ def _target_ratios(res, by: dict) -> None:
         if (g, b, n) in by:
             c = by[(g, b, n)]
             targets[key] = {m: c[f"{m}_p50_ms"] / c["memcpy_np_p50_ms"] for m in
-                            ("reconstruct", "reconstruct_first_use", "concat", "concat_first_use", "extract", "memcpy_mx")
+                            ("reconstruct", "reconstruct_first_use", "turn", "turn_first_use", "concat",
+                             "concat_first_use", "extract", "memcpy_mx")
                             if f"{m}_p50_ms" in c}
             if "reconstruct_fragmented_p50_ms" in c:
                 targets[key]["reconstruct_fragmented"] = c["reconstruct_fragmented_p50_ms"] / c["memcpy_np_p50_ms"]
@@ -112,7 +119,10 @@ def expected_p95_table(doc: dict) -> list[str]:
         return []
     lines = [f"  {'Blocks':>6} {'Layers':>6} {'Total Ops':>9} {'Expected p95':>12}   {'Actual p95: ours':>21}   {'direct concat':>16}"]
     for r in rows:
+        ours = r["turn_p95_ms"] if r.get("turn_p95_ms") is not None else r["reconstruct_p95_ms"]
         lines.append(f"  {r['blocks']:>6} {r['layers']:>6} {r['total_ops']:>9} {r['expected_p95_ms']:>9.1f} ms"
-                     f"   {r['reconstruct_p95_ms']:>11.3f} ms {r['verdict_ours']:>4}"
+                     f"   {ours:>11.3f} ms {r['verdict_ours']:>4}"
                      f"   {r['concat_p95_ms']:>8.3f} ms {r['verdict_concat']:>4}")
+    if rows and rows[0].get("turn_p95_ms") is not None:
+        lines.append("  ours: what a resumed turn does to get its cache, the pool's buffers handed over with room")
     return lines

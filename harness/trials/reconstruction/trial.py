@@ -19,7 +19,13 @@ trial:
   first cache update mlx-lm makes (one new token into every layer), which is
   where a handed-over buffer gets copied: the honest end-to-end figure;
 - ``extract``: live caches into pooled blocks (the copy out of the model's
-  buffers).
+  buffers);
+- ``turn`` / ``turn_first_use``: what a resumed turn does to get its cache
+  (``CacheManager.rebuild`` with room and a loan): the pool's own buffers,
+  with room for the turn's tokens, handed over (``cache.lending``; sliding
+  layers as views), then given back; the first update writes into them in
+  place. Its blocks come from an extraction of their own that nothing else
+  views, as a resident agent's are. The expected-p95 table's "ours" is this.
 
 Sliding layers hold at most their window, so "bytes" is what the cache
 really holds. Gemma 3 12B comes from its config with synthetic bf16 tensors;
@@ -44,9 +50,11 @@ from harness.trials.base import TrialKind, Param, register
 from harness.trials.reconstruction.report import expected_p95_table, summarize
 from semantic import BlockPool, ModelCacheSpec, Request, compat
 from semantic.cache import convert
+from semantic.cache.lending import Loan
 from semantic.cache.spec import GLOBAL
 
 BLOCK = 256
+ROOM = 64  # a turn's new tokens: a short append and its reply
 GEOMETRIES = ("smollm2-135m", "gemma3-270m", "gemma3-12b", "gemma3-12b-full")
 
 
@@ -115,6 +123,7 @@ def measure_cell(spec: ModelCacheSpec, n_blocks: int, protocol, fragmented: bool
     # other token ids, so the fragmented copy shares nothing with `blocks`
     frag = _fragmented(pool, caches, [t + (1 << 20) for t in ids]) if fragmented else None
     extract, release = _extraction(pool, caches, ids)
+    own = convert.extract(pool, caches, [t + (2 << 20) for t in ids])  # an agent's cache: nothing else views it
     fns = {
         **_memcpy(nbytes),
         "concat": concat,
@@ -122,18 +131,32 @@ def measure_cell(spec: ModelCacheSpec, n_blocks: int, protocol, fragmented: bool
         "reconstruct_first_use": lambda: _first_use(convert.reconstruct(blocks), spec),
         "concat_first_use": concat_first_use,
         "extract": extract,
+        "turn": lambda: _turn(own, pool, spec, False),
+        "turn_first_use": lambda: _turn(own, pool, spec, True),
     }
     if frag is not None:
         fns["reconstruct_fragmented"] = lambda: _arrays(convert.reconstruct(frag, materialize=False))
     samples = time_interleaved(fns, protocol, setup=release, progress=progress)
     release()
     blocks.release()
+    own.release()
     if frag is not None:
         frag.release()
     # the timed functions hold the caches and the copy buffers: free them before the next cell builds its own
     del caches, fns, concat, concat_first_use, extract
     gc.collect()
     return {"tokens": tokens, "bytes": int(nbytes), "samples": samples}
+
+
+def _turn(blocks, pool: BlockPool, spec: ModelCacheSpec, first_use: bool) -> list:
+    """A resumed turn's cache: rebuilt with room over the pool's buffers (grown once, in the warm-up), then
+    given back; with ``first_use``, the first token written into it in place (the same slot every call)."""
+    loan = Loan()
+    caches = convert.reconstruct(blocks, room=ROOM, loan=loan, pool=pool)
+    out = _first_use(caches, spec) if first_use else _arrays(caches)
+    mx.eval(out)
+    loan.give_back()
+    return out
 
 
 def _memcpy(nbytes: int) -> dict:
@@ -234,7 +257,7 @@ KIND = register(TrialKind(
     },
     plots=frozenset({"scaling", "bandwidth"}),
     needs_model=False,
-    trial_code=(measure_cell, _memcpy, _direct, _extraction, live_caches, _fragmented, _first_use,
+    trial_code=(measure_cell, _memcpy, _direct, _extraction, live_caches, _fragmented, _first_use, _turn,
                 convert.reconstruct, convert.extract),
     headline=expected_p95_table,
 ))
