@@ -19,6 +19,12 @@ import ctypes
 # reuses; emptying them cost a small model's next turn its page faults again (SmolLM2's sub-agent and
 # regenerate turns 1.25x and 2x slower to their first token)
 KEEP_BYTES = 256 << 20
+# a prefill this long leaves working memory (attention over its chunks) a later turn of the agent does not
+# reuse: 230 MB free heap after 4,096 tokens at Qwen3-Coder's geometry, under KEEP_BYTES, so it stayed; after
+# one, the idle worker keeps only AFTER_LONG_PREFILL. Lowering KEEP_BYTES itself to 64 MiB made SmolLM2's
+# sub-agent and edit turns 1.06x slower (EXP-022), whose prefills are shorter
+LONG_PREFILL = 2048
+AFTER_LONG_PREFILL = 64 << 20
 
 
 def give_back(keep: int = KEEP_BYTES) -> bool:

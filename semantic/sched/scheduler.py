@@ -118,6 +118,7 @@ class ConcurrentScheduler(ResidentView):
         self.origin = CacheOrigin(store, self.planner, self._cv, self._plan)
         self._closing = False
         self._steps = 0
+        self._long_prefill = False  # a turn prefilled heap.LONG_PREFILL tokens or more since the last give-back
         self._worker = threading.Thread(target=self._work, name="semantic-scheduler", daemon=True)
         self._prefixes: dict[str, set[str]] = {}  # agent -> the prefix entries its last turn saved (_keep_prefix)
         self._saver = WriteBehind(store, self.planner.saves, self._cv, lambda: self._closing and not self._worker.is_alive())
@@ -256,8 +257,8 @@ class ConcurrentScheduler(ResidentView):
             if idle and settled != done:
                 # idle, and a turn or a save ended since: what they freed (a save holds its buffers until
                 # written) leaves the process, off every turn's path
-                heap.give_back()
-                settled = done
+                heap.give_back(heap.AFTER_LONG_PREFILL if self._long_prefill else heap.KEEP_BYTES)
+                settled, self._long_prefill = done, False
             with self._cv:
                 if not self._closing and self.planner.idle:
                     self._cv.wait()  # a save's end wakes it too: the loop gives back what that save held
@@ -384,6 +385,7 @@ class ConcurrentScheduler(ResidentView):
             self._fail_in_flight(exc)
 
     def _finish(self, c: Completion) -> None:
+        self._long_prefill |= c.prompt_tokens >= heap.LONG_PREFILL  # its working memory leaves at the next idle
         # the cache is the scheduler's from here: resident and saved, never the caller's
         blocks, c.blocks = (c.blocks, None) if self.planner.keeps(c) else (None, None)
         prepared = None

@@ -351,3 +351,20 @@ def test_a_turn_waits_for_its_agents_save_to_write_its_bytes_then_writes_into_th
     assert admitted == [len(h2) + 2] and r3.reuse == "own"
     assert stats["lent_turns"] == 2 and stats["copied_turns"] == 0
     assert_like_fresh(llama_tiny, r3, fresh(llama_tiny, h3, 3))
+
+
+def test_after_a_long_prefill_the_idle_worker_gives_back_all_but_a_little_of_what_was_freed(
+        llama_tiny, cache_dir, monkeypatch):
+    # a long prefill's working memory is more than the agent's next turns reuse (EXP-023: 230 MB after 4K
+    # tokens stayed resident under the usual threshold); a short turn's stays for the next one
+    from semantic import heap
+
+    keeps, give_back = [], heap.give_back
+    monkeypatch.setattr(heap, "give_back", lambda keep=heap.KEEP_BYTES: (keeps.append(keep), give_back(keep))[1])
+    with _scheduler(llama_tiny, cache_dir, blocks=2048, block_tokens=16) as sched:
+        sched.submit(Request("a", _ids(10, 20), 2)).result(60)
+        assert until(lambda: keeps and not sched.planner.saves.busy, 30)
+        assert set(keeps) == {heap.KEEP_BYTES}
+        keeps.clear()
+        sched.submit(Request("b", _ids(11, heap.LONG_PREFILL), 2)).result(120)
+        assert until(lambda: heap.AFTER_LONG_PREFILL in keeps, 30)
