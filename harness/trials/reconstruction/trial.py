@@ -150,11 +150,12 @@ def measure_cell(spec: ModelCacheSpec, n_blocks: int, protocol, fragmented: bool
 
 def _turn(blocks, pool: BlockPool, spec: ModelCacheSpec, first_use: bool) -> list:
     """A resumed turn's cache: rebuilt with room over the pool's buffers (grown once, in the warm-up), then
-    given back; with ``first_use``, the first token written into it in place (the same slot every call)."""
+    given back; with ``first_use``, the first token written into it in place (the same slot every call).
+    Without it, None: the rebuild materializes what it makes, and the pool's arrays it hands over are
+    evaluated already (evaluating them again would time ``mx.eval``, not the turn)."""
     loan = Loan()
     caches = convert.reconstruct(blocks, room=ROOM, loan=loan, pool=pool)
-    out = _first_use(caches, spec) if first_use else _arrays(caches)
-    mx.eval(out)
+    out = _first_use(caches, spec) if first_use else None
     loan.give_back()
     return out
 
