@@ -90,8 +90,7 @@ def cut(pool, seg: Segment, total: int, block_tokens: int) -> bool:
     if seg.n_tokens > edge + block_tokens:
         return False
     behind = pool.sitting_in(seg, total)
-    if any(b.segment_view.start < edge for b in behind):  # blocks are aligned: never, but never guessed
-        return False
+    assert all(b.segment_view.start >= edge for b in behind), (edge, behind)  # blocks start on block boundaries
     made = []
     for b in behind:
         if pool.refcount(b) == 0:

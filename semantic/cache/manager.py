@@ -39,6 +39,9 @@ class CacheManager:
         self.snapshot_groups = sorted(spec.snapshot_groups(pool.block_tokens))
         # resumed turns that wrote into the pool's own buffers, that got a copy, and segments grown for them
         self.lent_turns = self.copied_turns = self.grown_segments = 0
+        # per layer group, whether its turns may run in the pool's buffers: its kind's answer
+        self.groups_in_place = {g: kinds.of(spec.layers[ls[0]]).takes_room(spec.layers[ls[0]])
+                                for g, ls in spec.groups().items()}
 
     def release(self, blocks) -> None:
         with self.lock:
@@ -70,15 +73,13 @@ class CacheManager:
     @property
     def writes_in_place(self) -> bool:
         """Whether some layer group's turns may write into the pool's own buffers (``in_place``)."""
-        return any(self.in_place()["groups"].values())
+        return any(self.groups_in_place.values())
 
     def in_place(self) -> dict:
         """Which layer groups a turn runs in the pool's own buffers (the others copy their cache for a turn,
         as mlx-lm's classes grow it), and how often turns did."""
-        groups = {g: kinds.of(self.spec.layers[ls[0]]).takes_room(self.spec.layers[ls[0]])
-                  for g, ls in self.spec.groups().items()}
-        return {"groups": groups, "lent_turns": self.lent_turns, "copied_turns": self.copied_turns,
-                "grown_segments": self.grown_segments}
+        return {"groups": dict(self.groups_in_place), "lent_turns": self.lent_turns,
+                "copied_turns": self.copied_turns, "grown_segments": self.grown_segments}
 
     def fresh(self, room: int) -> list:
         """Empty cache objects for a turn with nothing cached, with ``room`` slots where a layer's kind takes

@@ -183,18 +183,18 @@ def _fsync_file(fd: int) -> None:
 
 def fsync_file(path: str) -> None:
     """fsync a file written without it (``write(durable=False)``), by name."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        _fsync_file(fd)
-    finally:
-        os.close(fd)
+    _by_name(path, _fsync_file)
 
 
 def fsync_path(path: str) -> None:
     """fsync a file or directory by name (a directory: so a rename in it is durable)."""
+    _by_name(path, os.fsync)
+
+
+def _by_name(path: str, sync: Callable[[int], None]) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
-        os.fsync(fd)
+        sync(fd)
     finally:
         os.close(fd)
 

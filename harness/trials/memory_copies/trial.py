@@ -167,17 +167,22 @@ def _record(ctx, out: dict) -> None:
                            description="RSS above idle after each turn ÷ the cache's KV bytes")
     for k in ("geometry", "kv_bytes_per_token", "sides", "failed"):
         ctx.results.output(k, out[k])
+    text_ = text_table(out)
+    print(text_)
+    (ctx.out_dir / "README.md").write_text(f"# {ctx.config.name}\n\n```\n{text_}\n```\n")
+
+
+def text_table(out: dict) -> str:
+    """The console's and the README's table: one line per side, in copies of the cache."""
     lines = [f"{out['geometry']}: {out['kv_bytes_per_token'] // 1024} KiB of KV a token; copies of the cache "
              "(RSS above the idle server ÷ KV bytes)",
              f"{'side':28s} {'first peak':>10s} {'first after':>11s} {'append peak':>11s} {'after (max)':>11s} "
              f"{'last after':>10s} {'append s':>8s}"]
-    for name, v in s.items():
+    for name, v in summary(out).items():
         lines.append(f"{name:28s} {v['first_peak_x_kv']:10.2f} {v['first_after_x_kv']:11.2f} "
                      f"{v['append_peak_x_kv'] or 0:11.2f} {v['append_after_x_kv_max'] or 0:11.2f} "
                      f"{v['last_after_x_kv']:10.2f} {v['append_seconds_median'] or 0:8.1f}")
-    text_ = "\n".join(lines)
-    print(text_)
-    (ctx.out_dir / "README.md").write_text(f"# {ctx.config.name}\n\n```\n{text_}\n```\n")
+    return "\n".join(lines)
 
 
 KIND = register(TrialKind(
