@@ -178,6 +178,23 @@ def _before(claim: blockclaim.BlockClaim, idx: int) -> Segment | None:
     return seg if seg is not None and seg.n_tokens >= claim.blocks[idx].start else None
 
 
+def _rehome(claim: blockclaim.BlockClaim, whole: _Whole) -> None:
+    """Hit blocks with data of their own (a tail a cut copied out: ``lending.cut``) at positions a segment
+    lent to this turn now holds, the turn having written them there again, become positions in it and drop
+    their copy: a regenerate keeps the agent's history one segment, lendable to its next turn, and the pool
+    no second copy of its tail."""
+    for p in claim.blocks:
+        blk = p.hit
+        if blk is None or p.snapshot or p.shift or blk.segment_view is not None:
+            continue
+        seg = next((s for s in whole.loan.lent if set(p.layers) <= s.layer_data.keys()), None) \
+            if whole.loan is not None else None
+        if seg is None or p.start > seg.n_tokens or not whole.holds(p.layers) or not whole.wrote_into(seg, p.layers):
+            continue
+        seg.n_tokens = max(seg.n_tokens, p.end)  # the turn's buffer holds every claimed position
+        blk.own_data, blk.segment_view = {}, SegmentView(seg, p.start)
+
+
 def _store(pool: BlockPool, spec: ModelCacheSpec, tokens: tuple[int, ...], claim: blockclaim.BlockClaim, states,
            release, salt_root: int | None, earlier: Sequence = (), loose: frozenset = frozenset(),
            whole: _Whole = _Whole({})) -> AgentBlocks:
@@ -189,6 +206,7 @@ def _store(pool: BlockPool, spec: ModelCacheSpec, tokens: tuple[int, ...], claim
         the run follows a lent segment   the turn wrote there in place: the segment now holds it
     """
     pool.require_free(claim.need)
+    _rehome(claim, whole)
 
     # Each run of consecutive missed blocks is copied once per layer into a segment, or sits in a whole
     # buffer; its blocks hold positions in it, which reconstruction hands over whole.

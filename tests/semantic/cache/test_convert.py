@@ -420,3 +420,29 @@ def test_a_cut_drops_an_unreferenced_tail_from_the_pool_and_refuses_past_one_blo
     far = Loan()  # 990 is more than one block slot before the end: a copy, the segment untouched
     reconstruct(held, upto=990, room=8, loan=far, pool=pool)
     assert far.lent == [] and seg.n_tokens == 1000
+
+
+def test_a_regenerated_tail_goes_back_into_the_segment_so_the_next_regenerate_is_lent_again(llama_tiny):
+    """The same prompt again: the turn resumes one token before the end, the cut copies the old tail out, the
+    turn writes the same tokens, and extraction finds that tail by key: it becomes positions in the segment
+    again (its copy dropped), so the history stays one segment and every regenerate writes in place."""
+    spec = ModelCacheSpec.from_model(llama_tiny)
+    pool = BlockPool(spec, 600, block_tokens=4)
+    ids = [1 + i % 50 for i in range(1002)]  # a tail block of 2 tokens
+    blocks, seg = _first_turn(llama_tiny, spec, pool, ids)
+    tail = blocks.groups["global"][-1]
+    for turn in range(3):
+        plain = reconstruct(blocks, upto=1001, room=8)
+        loan = Loan()
+        lent = reconstruct(blocks, upto=1001, room=8, loan=loan, pool=pool)
+        assert loan.lent == [seg], turn  # lent every time, never a copy
+        assert mx.array_equal(_run(llama_tiny, lent, ids[1001:]), _run(llama_tiny, plain, ids[1001:])).item()
+        again = extract(pool, lent, ids, loan=loan)
+        loan.give_back()
+        blocks.release()
+        blocks = again
+        assert blocks.groups["global"][-1] is tail  # the same keyed block, now back in the segment
+        assert tail.segment_view is not None and tail.segment_view.segment is seg and not tail.own_data
+        assert seg.n_tokens == 1002
+        for b, p in zip(reconstruct(blocks), plain):
+            assert mx.array_equal(b.keys[..., :1001, :], p.keys[..., :1001, :]).item()
