@@ -51,6 +51,15 @@ def headroom(tokens: int) -> int:
     return -(-max(tokens // SPARE_SHARE, 1) // 256) * 256
 
 
+def restored_spare(tokens: int) -> int:
+    """Spare slots a history of ``tokens`` read from disk whole gets (``store.blockload``): a step of a
+    turn's room and the :func:`headroom` a segment grown for a turn gets, so its next turn need not grow
+    it; none where that is over an eighth of the history (a short one grows in little time, and restored
+    agents' spare slots would be most of their memory)."""
+    spare = 256 + headroom(tokens)
+    return spare if spare * 8 <= tokens else 0
+
+
 def lend(pieces: list, total: int, room: int, loan: Loan, pool=None) -> Segment | None:
     """The segment to lend a layer group whose blocks are ``pieces`` (:func:`whole_segment`), cut at ``total``
     when it holds more (:func:`cut`, given the ``pool``), grown first when it lacks ``room`` spare, recorded in

@@ -41,6 +41,8 @@ from typing import Callable, Sequence
 
 import mlx.core as mx
 
+from semantic import kinds
+from semantic.cache import lending
 from semantic.cache.blockclaim import ClaimedBlock, chain_keys, commit, claim_blocks, snapshot_span
 from semantic.cache.blocks import AgentBlocks, LayerKV, Segment, SegmentView
 from semantic.cachefile.fileformat import MX_DTYPES, QPARTS
@@ -187,10 +189,10 @@ def _load_prefix(m: Manifest, total: int, files, pool, pool_lock, release) -> Ag
     with pool_lock:
         planned, earlier = plans()
     got: dict[tuple, tuple[dict[int, LayerKV], SegmentView | None]] = {}
-    _restore(m, [*planned.blocks, *earlier], files, got)  # the slow part, outside the lock
+    _restore(m, [*planned.blocks, *earlier], files, got, total)  # the slow part, outside the lock
     with pool_lock:
         planned, earlier = plans()
-        _restore(m, [*planned.blocks, *earlier], files, got)  # hits recycled meanwhile
+        _restore(m, [*planned.blocks, *earlier], files, got, total)  # hits recycled meanwhile
         if not earlier:
             return commit(pool, m.spec, tokens, planned, lambda p: got[_where(p)], release=release,
                           salt_root=m.hash_root)
@@ -239,14 +241,16 @@ def _snapshot_extent(m: Manifest, p) -> Extent:
     return e
 
 
-def _restore(m: Manifest, planned: Sequence[ClaimedBlock], files: dict[int, BlockInfo], got: dict) -> None:
+def _restore(m: Manifest, planned: Sequence[ClaimedBlock], files: dict[int, BlockInfo], got: dict,
+             total: int) -> None:
     """Read the missed blocks of ``planned`` that ``got`` lacks into it, by :func:`_where`: each block's
     K/V per layer and, for a positional block, its :class:`SegmentView` (a snapshot's is None).
 
     Each run of consecutive missed positional blocks of a group gets one array per layer and part,
     sized for the whole run (a :class:`Segment`, as ``convert.extract`` makes), and every file of the
     run is read straight into its rows (``blockread``); the run's blocks are views of it, so
-    ``convert.reconstruct`` hands a layer loaded whole over without a copy.
+    ``convert.reconstruct`` hands a layer loaded whole over without a copy. A run that is the whole history
+    of ``total`` tokens gets the spare slots of the agent's next turn too (:func:`_spare`).
 
     Raises:
         _Bad: a file failed its checks (nothing is added to ``got``).
@@ -267,7 +271,7 @@ def _restore(m: Manifest, planned: Sequence[ClaimedBlock], files: dict[int, Bloc
         prev = idx
     if not runs:
         return
-    fills = [_snapshot_fill(m, run[0], files) if run[0].snapshot else _run_fill(m, run, files) for run in runs]
+    fills = [_snapshot_fill(m, run[0], files) if run[0].snapshot else _run_fill(m, run, files, total) for run in runs]
     blockread.announce_ahead([files[k] for fill in fills for k in fill.rows])  # the disk starts while arrays are made
     made = iter(blockread.zeros([(s.shape, MX_DTYPES[s.dtype]) for fill in fills for s in fill.slots]))
     for fill in fills:
@@ -312,9 +316,10 @@ class _Fill:
         return tuple(tuple(a[f"layer.{i}.{side}.{q}"] for q in QPARTS) for side in ("keys", "values"))
 
 
-def _run_fill(m: Manifest, run: list[ClaimedBlock], files: dict[int, BlockInfo]) -> _Fill:
+def _run_fill(m: Manifest, run: list[ClaimedBlock], files: dict[int, BlockInfo], total: int) -> _Fill:
     """A run of missed positional blocks: one array per layer and part over the run's held-buffer
-    rows ``[first.start - first.shift, last.end - last.shift)``, each block's files read into its rows."""
+    rows ``[first.start - first.shift, last.end - last.shift)`` (and :func:`_spare` empty ones after
+    them), each block's files read into its rows."""
     first, last = run[0], run[-1]
     lo, hi = first.start - first.shift, last.end - last.shift
     rows: dict[int, list[tuple[int, int, int]]] = {}
@@ -331,7 +336,16 @@ def _run_fill(m: Manifest, run: list[ClaimedBlock], files: dict[int, BlockInfo])
         seg = Segment({i: fill.kv(i) for i in first.layers}, hi - lo)
         return [(p, {}, SegmentView(seg, p.start - p.shift - lo)) for p in run]
 
-    return _Fill(blockformat.block_slots(m.spec, first.group, hi - lo), rows, blocks)
+    return _Fill(blockformat.block_slots(m.spec, first.group, hi - lo + _spare(m, first, last, total)), rows, blocks)
+
+
+def _spare(m: Manifest, first: ClaimedBlock, last: ClaimedBlock, total: int) -> int:
+    """Empty slots after a run that is a history's whole buffer from position 0, where its layers take
+    room: a turn's room and the headroom a grown segment gets (``lending.restored_spare``), so the
+    agent's turn after a restore is lent the segment as it was read, not a grown copy of it."""
+    layer = m.spec.layers[first.layers[0]]
+    whole = not first.start and not first.shift and not last.shift and last.end == total
+    return lending.restored_spare(total) if whole and kinds.of(layer).takes_room(layer) else 0
 
 
 def _snapshot_fill(m: Manifest, p: ClaimedBlock, files: dict[int, BlockInfo]) -> _Fill:

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from semantic import AgentCacheStore, Request, compat
-from semantic.cache import convert
+from semantic.cache import convert, lending
 from semantic.cache.blocks import Segment, segment_runs
 from semantic.cachefile.fileformat import MX_DTYPES
 from semantic.errors import CacheCorruptError
@@ -121,6 +121,30 @@ def test_reconstruct_after_a_restore_hands_each_layer_over_without_concatenating
         loaded = _store(after, tmp_path / str(id(model))).load("a")
         _one_segment_per_layer(loaded)
         _identical_without_concatenating(loaded, turns[-1], monkeypatch)
+
+
+def test_a_history_read_whole_gets_its_next_turns_room_so_that_turn_writes_into_the_segment_read(
+        llama_tiny, tmp_path):
+    n = 4101  # long enough for spare slots (``restored_spare``: none for a short history)
+    executor = make_executor(llama_tiny, block_tokens=256)
+    saved = generate(executor, "a", history(n), 1).blocks
+    _store(executor, tmp_path).save("a", saved)
+    after = make_executor(llama_tiny, block_tokens=256)
+    loaded = _store(after, tmp_path).load("a")
+    seg = loaded.groups["global"][0].segment_view.segment
+    assert seg.n_tokens == n and seg.capacity == n + lending.restored_spare(n) > n
+    uid = after.submit(Request("a", [*loaded.token_ids, *history(3, seed=1)], 2), loaded, share=False)
+    done = run(after)[uid].blocks
+    manager = after.cache_manager
+    assert (manager.lent_turns, manager.copied_turns, manager.grown_segments) == (1, 0, 0)  # no grown copy
+    assert {id(b.segment_view.segment) for b in done.groups["global"]} == {id(seg)} and seg.n_tokens == n + 4
+
+    quantized = make_executor(llama_tiny, 8, block_tokens=256)  # no room for a kind that takes none
+    _store(quantized, tmp_path / "q").save("a", generate(quantized, "a", history(n), 1).blocks)
+    (group,) = _store(make_executor(llama_tiny, 8, block_tokens=256), tmp_path / "q").load("a").groups.values()
+    seg = group[0].segment_view.segment
+    assert seg.capacity == seg.n_tokens == n
+    assert lending.restored_spare(2000) == 0  # a short history: none
 
 
 # ---------------------------------------------------------------- damage
