@@ -28,7 +28,6 @@ and writes there; any other gets one copy with the spare slots.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -305,11 +304,21 @@ def covers(blocks: AgentBlocks, upto: int) -> bool:
     return True
 
 
-@functools.lru_cache(maxsize=64)
+_LAYERS: dict[tuple[int, int], tuple] = {}
+
+
 def _layers(spec: ModelCacheSpec, block_tokens: int) -> tuple:
     """Each layer's index, spec, group, kind and whether it resumes only from a snapshot: asked once per
-    spec, not once per layer of every reconstruction (a small cache pays that per layer)."""
-    return tuple((i, l, l.group, kinds.of(l), l.snapshot_only(block_tokens)) for i, l in enumerate(spec.layers))
+    spec, not once per layer of every reconstruction (a small cache pays that per layer). Kept by the
+    spec's identity: hashing a spec hashes every layer's, a third of a small resumed turn's rebuild."""
+    hit = _LAYERS.get((id(spec), block_tokens))
+    if hit is not None and hit[0] is spec:
+        return hit[1]
+    table = tuple((i, l, l.group, kinds.of(l), l.snapshot_only(block_tokens)) for i, l in enumerate(spec.layers))
+    if len(_LAYERS) >= 64:
+        _LAYERS.clear()
+    _LAYERS[(id(spec), block_tokens)] = (spec, table)  # the spec held: its id is not reused meanwhile
+    return table
 
 
 def reconstruct(blocks: AgentBlocks, materialize: bool = True, upto: int | None = None, room: int = 0,

@@ -98,11 +98,15 @@ class Attention(Positional):
 
     def build_with_room(self, i, layer, first, second, total, held, room):
         assert self.takes_room(layer) and total == held, (layer, total, held)
-        # the shapes, as check_kv's, without a view of each buffer made to ask (a resumed turn's whole cost)
-        for x, dim, what in ((first, layer.head_dim, "keys"), (second, layer.v_head_dim, "values")):
-            if tuple(x.shape) != (1, layer.n_kv_heads, held + room, dim) or x.dtype != DTYPES[layer.dtype]:
-                raise CacheShapeError(f"layer {i} {what}: got {(tuple(x.shape), x.dtype)}, spec needs "
-                                      f"{(1, layer.n_kv_heads, held, dim)} {layer.dtype} and {room} spare slots")
+        # the shapes, as check_kv's, without a view of each buffer made to ask (a resumed turn's whole cost),
+        # in one comparison: a small resumed turn's rebuild is mostly this, once per layer
+        n, dt = held + room, DTYPES[layer.dtype]
+        if (first.shape != (1, layer.n_kv_heads, n, layer.head_dim) or first.dtype != dt
+                or second.shape != (1, layer.n_kv_heads, n, layer.v_head_dim) or second.dtype != dt):
+            for x, dim, what in ((first, layer.head_dim, "keys"), (second, layer.v_head_dim, "values")):
+                if tuple(x.shape) != (1, layer.n_kv_heads, n, dim) or x.dtype != dt:
+                    raise CacheShapeError(f"layer {i} {what}: got {(tuple(x.shape), x.dtype)}, spec needs "
+                                          f"{(1, layer.n_kv_heads, held, dim)} {layer.dtype} and {room} spare slots")
         cache = C.KVCache()
         cache.keys, cache.values, cache.offset = first, second, total
         return cache
