@@ -93,20 +93,26 @@ def cut(pool, seg: Segment, total: int, block_tokens: int) -> bool:
     cache's end (a completion whose reply the next prompt leaves out, a chat template that renders the reply's
     last token otherwise). Every block holding positions from ``total`` on (the tails in its last block slot)
     takes its own copy of them, or, referenced by nobody, leaves the pool, so no block reads what the turn
-    writes. False, changing nothing, when those blocks reach past one block slot (a regenerate or an edit
-    further back: full blocks other histories may share): that turn gets a copy."""
+    writes. Those copies stay cached, for a regenerate of the history before the turn, until the next cut
+    lets them go (``Segment.copied_out``): an agent keeps one old tail. False, changing nothing, when those
+    blocks reach past one block slot (a regenerate or an edit further back: full blocks other histories may
+    share): that turn gets a copy."""
     edge = total - total % block_tokens
     if seg.n_tokens > edge + block_tokens:
         return False
     behind = pool.sitting_in(seg, total)
     assert all(b.segment_view.start >= edge for b in behind), (edge, behind)  # blocks start on block boundaries
-    made = []
+    for old in seg.copied_out:  # the cut before's tails, now no one's: the history two turns back
+        if pool.cached(old) and old.segment_view is None:
+            pool.forget(old)
+    made, seg.copied_out = [], []
     for b in behind:
         if pool.refcount(b) == 0:
             pool.forget(b)
         else:
             b.layer_data = {i: (_owned(k), _owned(v)) for i, (k, v) in b.layer_data.items()}
             made.extend(b.own_data.values())
+            seg.copied_out.append(b)
     mx.eval(made)
     seg.n_tokens = total
     return True

@@ -228,6 +228,11 @@ class BlockPool:
         return [b for b in self._blocks if b is not None and b.segment_view is not None
                 and b.segment_view.segment is segment and b.segment_view.start + b.n_tokens > at]
 
+    def cached(self, block: KVBlock) -> bool:
+        """Whether ``block`` is in this pool, keyed, and referenced by nobody (``forget`` may drop it)."""
+        bid = block.block_id
+        return bid < len(self._blocks) and self._blocks[bid] is block and self._refs[bid] == 0
+
     def forget(self, block: KVBlock) -> None:
         """Drop a cached block (no reference) now: its data and keys leave the pool."""
         assert self._blocks[block.block_id] is block and self._refs[block.block_id] == 0, block

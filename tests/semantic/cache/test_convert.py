@@ -446,3 +446,30 @@ def test_a_regenerated_tail_goes_back_into_the_segment_so_the_next_regenerate_is
         assert seg.n_tokens == 1002
         for b, p in zip(reconstruct(blocks), plain):
             assert mx.array_equal(b.keys[..., :1001, :], p.keys[..., :1001, :]).item()
+
+
+def test_an_agent_keeps_one_old_tail_the_next_cut_lets_the_one_before_go(llama_tiny):
+    """Appends whose prompts leave out the reply resume one token before the end every turn: each cut copies
+    the tail out and keeps it cached (a regenerate of the turn before may use it); the next cut drops it, so
+    the pool holds one old tail of the agent, not one a turn."""
+    spec = ModelCacheSpec.from_model(llama_tiny)
+    pool = BlockPool(spec, 600, block_tokens=4)
+    ids = [1 + i % 50 for i in range(1002)]
+    blocks, seg = _first_turn(llama_tiny, spec, pool, ids)
+    tails = []
+    for turn in range(3):
+        tails.append(blocks.groups["global"][-1])
+        loan = Loan()
+        lent = reconstruct(blocks, upto=len(ids) - 1, room=8, loan=loan, pool=pool)
+        assert loan.lent == [seg], turn
+        ids = ids[:-1] + [7 + turn, 8, 9]  # the reply left out, new tokens after it
+        _run(llama_tiny, lent, ids[-3:])
+        again = extract(pool, lent, ids, loan=loan)
+        loan.give_back()
+        blocks.release()
+        blocks = again
+        old = tails[-1]
+        assert old.segment_view is None and pool.lookup(old.token_hash, old.token_ids) is old  # kept, served
+        if turn:
+            gone = tails[-2]
+            assert pool.lookup(gone.token_hash, gone.token_ids) is None and not pool.cached(gone)

@@ -15,7 +15,6 @@ from the latest earlier one, a damaged earlier one drops only itself.
 
 from __future__ import annotations
 
-import functools
 import json
 import threading
 from pathlib import Path
@@ -457,7 +456,7 @@ def _positional_short_window(monkeypatch):
     """Make a window shorter than a block positional again, as builds before snapshots had it."""
     monkeypatch.setattr(LayerSpec, "snapshot_only", lambda self, block_tokens: self.kind == RECURRENT)
     # reconstruction asks each spec's layers once: a cache of its own while the patch holds
-    monkeypatch.setattr(convert, "_layers", functools.lru_cache(maxsize=64)(convert._layers.__wrapped__))
+    monkeypatch.setattr(convert, "_LAYERS", {})
 
 
 def test_a_manifest_with_a_short_windows_positional_extents_still_loads_and_its_next_save_is_a_snapshot(
