@@ -310,7 +310,7 @@ _LAYERS: dict[tuple[int, int], tuple] = {}
 def _layers(spec: ModelCacheSpec, block_tokens: int) -> tuple:
     """Each layer's index, spec, group, kind and whether it resumes only from a snapshot: asked once per
     spec, not once per layer of every reconstruction (a small cache pays that per layer). Kept by the
-    spec's identity: hashing a spec hashes every layer's, a third of a small resumed turn's rebuild."""
+    spec's identity: hashing a spec hashes every layer's, an eighth of a small resumed turn's rebuild."""
     hit = _LAYERS.get((id(spec), block_tokens))
     if hit is not None and hit[0] is spec:
         return hit[1]
