@@ -182,12 +182,13 @@ def _rehome(claim: blockclaim.BlockClaim, whole: _Whole) -> None:
     lent to this turn now holds, the turn having written them there again, become positions in it and drop
     their copy: a regenerate keeps the agent's history one segment, lendable to its next turn, and the pool
     no second copy of its tail."""
+    if whole.loan is None or not whole.loan.lent:
+        return  # a turn that was lent nothing: every extraction of a copied or first turn
     for p in claim.blocks:
         blk = p.hit
         if blk is None or p.snapshot or p.shift or blk.segment_view is not None:
             continue
-        seg = next((s for s in whole.loan.lent if set(p.layers) <= s.layer_data.keys()), None) \
-            if whole.loan is not None else None
+        seg = next((s for s in whole.loan.lent if set(p.layers) <= s.layer_data.keys()), None)
         if seg is None or p.start > seg.n_tokens or not whole.holds(p.layers) or not whole.wrote_into(seg, p.layers):
             continue
         seg.n_tokens = max(seg.n_tokens, p.end)  # the turn's buffer holds every claimed position

@@ -204,6 +204,7 @@ class BlockPool:
                 del self._children[(old.parent, old.group)]
         self._blocks[bid] = None
         self._empty.append(bid)
+        old.layer_data = {}  # its bytes go now, though something (a segment's last cut) still names it
 
     def release(self, blocks: Sequence[KVBlock]) -> None:
         """Drop one reference to each block, last block first."""
