@@ -31,6 +31,7 @@ _EXPORTS = {
         "QueueFullError",
         "SchedulerClosedError",
         "UnknownSequenceError",
+        "TurnTooLargeError",
         "UnsupportedCacheError",
     ),
     "semantic.cache.pool": ("BlockPool", "PoolStats"),

@@ -72,6 +72,10 @@ class ContextLengthError(InvalidRequestError):
     """A prompt plus its token budget exceeds the model's context (or the pool)."""
 
 
+class TurnTooLargeError(PoolExhaustedError, ContextLengthError):
+    """A turn needs more of the pool than it has, even empty: no wait can fit it (its numbers say why)."""
+
+
 class CacheSaveError(CacheError):
     """A cache file could not be written; the cache stays in RAM and the agent's next turn saves again.
 

@@ -28,6 +28,7 @@ and writes there; any other gets one copy with the spare slots.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -36,6 +37,7 @@ import mlx.core as mx
 from semantic.cache import blockclaim, lending
 from semantic.cache.lending import SPARE_SHARE, Loan
 from semantic import compat, kinds
+from semantic.kinds.batchone import WIDEN
 from semantic.cache.blocks import AgentBlocks, Segment, SegmentView, segment_runs
 from semantic.errors import CacheMismatchError
 from semantic.cache.pool import BlockPool
@@ -371,7 +373,10 @@ def reconstruct(blocks: AgentBlocks, materialize: bool = True, upto: int | None 
             # the pool's own buffers: the turn writes past its tokens in place (``Segment``)
             seg, spare = lent[group]
             k, v = seg.layer_data[i]
-            caches.append(kind.build_with_room(i, layer, k, v, total, held, spare))
+            cache = kind.build_with_room(i, layer, k, v, total, held, spare)
+            # a decode that outgrows the room widens the segment's layer (batchone), not a copy beside it
+            setattr(cache, WIDEN, functools.partial(lending.widen, seg, i))
+            caches.append(cache)
             handed += 1
             continue
         run = _one_segment(pieces, i)
@@ -400,6 +405,26 @@ def reconstruct(blocks: AgentBlocks, materialize: bool = True, upto: int | None 
     if materialize and handed < len(caches):
         materialize_caches(caches)
     return compat.nest(caches, spec.nesting)
+
+
+def held_outside(blocks: AgentBlocks, total: int, room: int, pool: BlockPool | None) -> int:
+    """Bytes a turn rebuilt from the first ``total`` tokens of ``blocks`` with ``room`` spare slots holds
+    beyond the pool's blocks, as :func:`reconstruct` with a loan would build it now: nothing for a group lent
+    the pool's buffer (``lending.lendable``); a copy of its tokens and room for any other (another turn has
+    the segment, the history is more than one, its kind writes no buffer in place); a snapshot group's state,
+    which every step replaces. Admission charges it (``CacheManager.live_bytes``)."""
+    out, seen = 0, {}
+    for i, layer, group, kind, snapshot_only in _layers(blocks.spec, blocks.block_tokens):
+        if snapshot_only:
+            out += int(layer.state_bytes() + layer.token_bytes() * layer.tokens_held(total))
+            continue
+        in_place = room and kind.takes_room(layer)
+        if group not in seen:
+            pieces, held, _ = _pieces(blocks, i, total)
+            seen[group] = bool(in_place and held and lending.lendable(pieces, total, pool))
+        if not seen[group]:
+            out += int(layer.token_bytes() * (layer.tokens_held(total) + (room if in_place else 0)))
+    return out
 
 
 def fresh(spec: ModelCacheSpec, room: int) -> list:

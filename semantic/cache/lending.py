@@ -88,6 +88,19 @@ def whole_segment(pieces: list, total: int) -> Segment | None:
     return run.source if ok else None
 
 
+def lendable(pieces: list, total: int, pool) -> bool:
+    """Whether :func:`lend` would lend these ``pieces`` now (to admission: a turn not lent holds a copy), its
+    room aside: one segment from position 0, no other turn's, ending at ``total`` or cut there."""
+    seg = whole_segment(pieces, total)
+    return seg is not None and not seg.lent and (seg.n_tokens <= total or (
+        pool is not None and cuttable(seg, total, pool.block_tokens)))
+
+
+def cuttable(seg: Segment, total: int, block_tokens: int) -> bool:
+    """Whether :func:`cut` may make ``seg`` end at ``total``: what it holds past it lies in one block slot."""
+    return seg.n_tokens <= total - total % block_tokens + block_tokens
+
+
 def cut(pool, seg: Segment, total: int, block_tokens: int) -> bool:
     """Make ``seg`` end at ``total`` so that a turn may write there: a turn resuming a little before its
     cache's end (a completion whose reply the next prompt leaves out, a chat template that renders the reply's
@@ -97,9 +110,9 @@ def cut(pool, seg: Segment, total: int, block_tokens: int) -> bool:
     lets them go (``Segment.copied_out``): an agent keeps one old tail. False, changing nothing, when those
     blocks reach past one block slot (a regenerate or an edit further back: full blocks other histories may
     share): that turn gets a copy."""
-    edge = total - total % block_tokens
-    if seg.n_tokens > edge + block_tokens:
+    if not cuttable(seg, total, block_tokens):
         return False
+    edge = total - total % block_tokens
     behind = pool.sitting_in(seg, total)
     assert all(b.segment_view.start >= edge for b in behind), (edge, behind)  # blocks start on block boundaries
     for old in seg.copied_out:  # the cut before's tails, now no one's: the history two turns back
@@ -130,6 +143,21 @@ def grow(seg: Segment, more: int) -> None:
         seg.layer_data[i] = grown
         del k, v, grown
     heap.give_back()  # the old buffers, from MLX's buffer cache and the heap: the process holds one copy
+
+
+def widen(seg: Segment, layer: int, keep: int, slots: int) -> tuple:
+    """Layer ``layer`` of lent ``seg`` with room for ``slots`` tokens in all, its first ``keep`` slots kept (the
+    turn's tokens so far) and :func:`headroom` after: a lent turn's decode that outgrew its room. The
+    segment's arrays are replaced, so the turn keeps writing where the pool keeps its cache; the caller lets
+    go of the old ones first, and each layer's old buffer goes before the next layer's grows (a decode step
+    widens every layer in turn), where mlx-lm's growth by 256 slots copied every layer beside the pool's."""
+    k, v = seg.layer_data[layer]
+    more = slots - keep + headroom(slots)
+    grown = (_widened(k, keep, more), _widened(v, keep, more))
+    del k, v
+    seg.layer_data[layer] = grown
+    mx.eval(grown)
+    return grown
 
 
 def _owned(x):

@@ -4,6 +4,7 @@ The step loop computes in mlx-lm's cache objects; the pool keeps 256-token block
 asks five things, and each is a method here (the pool's lock held for it, as its callers share the pool)::
 
     start         the longest reusable prefix of a prompt: the agent's own cache or pooled blocks (reuse)
+    live_bytes    what a turn starting now would hold beyond the pool's blocks, for admission to charge
     rebuild       cache objects for those blocks (convert.reconstruct), over the pool's buffers when lent;
                   ``fresh`` ones with room for a turn that starts from nothing
     give_back     end a turn's loan of the pool's buffers
@@ -29,6 +30,14 @@ from semantic.cache.spec import ModelCacheSpec
 from semantic.errors import PoolExhaustedError
 
 
+ROOM_STEP = 256  # mlx-lm's KVCache.step: the slots it grows by, which the room a resumed cache gets follows
+
+
+def turn_room(new: int) -> int:
+    """Slots for a turn's ``new`` prompt tokens and its first decode step, on mlx-lm's 256-slot grid."""
+    return -(-(new + 1) // ROOM_STEP) * ROOM_STEP
+
+
 class CacheManager:
     """A pool of one model's cache geometry, as its executor's turns use it (module doc)."""
 
@@ -52,6 +61,20 @@ class CacheManager:
         result the caller then owns (``owned``)."""
         with self.lock:
             return reuse.choose_start(self.pool, ids, own, self.release, salt_root, share=share)
+
+    def live_bytes(self, ids: Sequence[int], own: AgentBlocks | None, salt_root: int | None, share: bool = True) -> int:
+        """Bytes a turn of ``ids`` started now (from ``own``, as :meth:`start` and :meth:`rebuild` would) holds
+        beyond the pool's blocks: the copies its rebuild makes (``convert.held_outside``); 0 for a turn lent
+        the pool's buffers or starting from nothing (its new blocks are the pool's, charged as misses)."""
+        with self.lock:
+            start = reuse.choose_start(self.pool, ids, own, self.release, salt_root, share=share, count=False)
+            try:
+                if not start.cached:
+                    return 0
+                return convert.held_outside(start.blocks, start.cached, turn_room(len(ids) - start.cached), self.pool)
+            finally:
+                if start.owned:
+                    start.blocks.release()
 
     def rebuild(self, blocks: AgentBlocks, materialize: bool = True, upto: int | None = None, room: int = 0,
                 loan: Loan | None = None) -> list:

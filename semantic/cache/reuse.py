@@ -159,14 +159,15 @@ def _plan(pool: BlockPool, cands: dict[str, list[_Candidate]], t: int) -> dict[s
 
 def choose_start(
     pool: BlockPool, ids: tuple[int, ...], own: AgentBlocks | None, release=None, salt_root: int | None = None,
-    *, share: bool = True,
+    *, share: bool = True, count: bool = True,
 ) -> Reuse:
     """The longest reusable prefix of ``ids`` (see the module doc).
 
     Takes pool references only for a ``POOL`` result (``owned``); nothing
     else changes. Pooled blocks are looked up under ``salt_root`` (a tenant's
     salt), and an own cache keyed under another root is not used; with
-    ``share`` False the pool is not looked at (only ``own`` serves). The
+    ``share`` False the pool is not looked at (only ``own`` serves); with
+    ``count`` False the pool's hit counts are left alone (a prediction). The
     caller holds the pool's lock, if threads share it.
     """
     limit = len(ids) - 1  # the last token must be prefilled to produce logits
@@ -188,7 +189,8 @@ def choose_start(
         if all(c.own for c in used) and convert.covers(own, t):
             return Reuse(OWN if t == own.total_tokens else OWN_CUT, t, own)
         groups = {g: [pool.acquire(c.block) for c in cover] for g, cover in plan.items()}
-        pool.record_lookups(hits=sum(not c.own for c in used), misses=0)
+        if count:
+            pool.record_lookups(hits=sum(not c.own for c in used), misses=0)
         # blocks may reach past t (a pooled block cut short): fit only to rebuild the first t tokens
         blocks = AgentBlocks(pool.spec, ids[:t], groups, pool.block_tokens, _release=release or pool.release, salt_root=salt_root)
         return Reuse(POOL, t, blocks, owned=True)

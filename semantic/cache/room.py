@@ -22,6 +22,7 @@ always finds room.
 
 from __future__ import annotations
 
+from semantic import kinds
 from semantic.cache.spec import ModelCacheSpec
 
 # The snapshots one cache carries per snapshot group, its end included (``SnapshotPositions.carried`` picks
@@ -119,3 +120,23 @@ def turn_need(spec: ModelCacheSpec, misses: dict[str, int], prompt: int, complet
                 blocks = min(blocks, window)
         need += cost * blocks
     return need
+
+
+def row_bytes(spec: ModelCacheSpec, tokens: int) -> int:
+    """Bytes one row of a merged batch holds for a cache of ``tokens``: every layer's K/V it attends over
+    (a window's at most) and each recurrent state. A batch of two or more rows is a copy of its rows, padded
+    to the longest (mlx-lm's ``BatchKVCache.merge`` and ``extend``); a turn decoding alone is its own."""
+    return int(sum(layer.state_bytes() + layer.token_bytes() * layer.tokens_held(tokens) for layer in spec.layers))
+
+
+def merged_bytes(rows: list[int]) -> int:
+    """A merged batch's bytes, its rows' :func:`row_bytes` given: each padded to the longest; none alone."""
+    return len(rows) * max(rows) if len(rows) > 1 else 0
+
+
+def copy_bytes(spec: ModelCacheSpec, tokens: int, room: int) -> int:
+    """Bytes a turn holds beyond the pool when it cannot run in the pool's buffers (a kind that writes none
+    in place, a history split over two buffers): a copy of a cache of ``tokens`` with ``room`` spare slots
+    where the kind takes them, and each recurrent state (``convert.held_outside`` counts one turn's)."""
+    return int(sum(layer.state_bytes() + layer.token_bytes() * (layer.tokens_held(tokens) + (
+        room if kinds.of(layer).takes_room(layer) else 0)) for layer in spec.layers))

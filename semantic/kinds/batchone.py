@@ -20,9 +20,15 @@ from __future__ import annotations
 
 from mlx_lm.models import cache as C
 
+# what a KVCache over a lent segment's buffers carries (``convert.reconstruct``): widen(keep, slots) gives
+# the segment's layer room for ``slots`` tokens, its first ``keep`` kept, and returns its new (keys, values)
+WIDEN = "semantic_widen"
+
 
 class BatchOneKVCache(C.BatchKVCache):
     """mlx-lm's ``BatchKVCache``, made from one ``KVCache`` without a copy (module doc)."""
+
+    widen = None  # when its buffers are the pool's (``lending.Loan``): how to give them more room there
 
     @classmethod
     def wrap(cls, cache: C.KVCache) -> "BatchOneKVCache":
@@ -32,7 +38,16 @@ class BatchOneKVCache(C.BatchKVCache):
             batch.keys, batch.values = cache.keys, cache.values
             batch.offset = batch.offset + cache.offset
             batch._idx = cache.offset
+            batch.widen = getattr(cache, WIDEN, None)
         return batch
+
+    def update_and_fetch(self, keys, values):
+        """mlx-lm's, but a decode that outgrows the pool's lent buffer widens it there (``lending.widen``):
+        mlx-lm's growth would copy the layer beside the pool's, 256 slots at a time."""
+        if self.widen is not None and self._idx + keys.shape[2] > self.keys.shape[2]:
+            self.keys = self.values = None  # the old buffers go as the segment's do
+            self.keys, self.values = self.widen(self._idx, self._idx + keys.shape[2])
+        return super().update_and_fetch(keys, values)
 
     def extract(self, idx: int) -> C.KVCache:
         """Row ``idx`` as a ``KVCache``: over the same buffers when it is the only row and unpadded (module

@@ -48,7 +48,7 @@ from semantic.runner import batchprobe
 from semantic import compat, defaults, kinds
 from semantic.modelconfig import ModelConfig
 from semantic.cache.blocks import AgentBlocks
-from semantic.cache.manager import CacheManager, Loan
+from semantic.cache.manager import CacheManager, Loan, turn_room
 from semantic.runner.stepbudget import StepBudget
 from semantic.decode.constraint import Constraint
 from semantic.errors import (
@@ -66,7 +66,6 @@ from semantic.runner.steploop import StepLoop
 
 log = logging.getLogger(__name__)
 
-ROOM_STEP = 256  # mlx-lm's KVCache.step: the slots it grows by, which the room a resumed cache gets follows
 
 
 @dataclass(slots=True)
@@ -200,7 +199,7 @@ class BatchExecutor:
         caches = None
         if start.cached:
             try:
-                caches = self.cache_manager.rebuild(start.blocks, upto=start.cached, room=_room(len(ids) - start.cached),
+                caches = self.cache_manager.rebuild(start.blocks, upto=start.cached, room=turn_room(len(ids) - start.cached),
                                                     loan=seq.loan)
                 self._carry(seq, ids, [p for p in carried if p <= fed])
             finally:
@@ -209,7 +208,7 @@ class BatchExecutor:
                     start.blocks.release()
         snapshot_at = [p - fed for p in self._positions.taken(fed, len(ids), request.boundaries)]
         self._loop.add(
-            seq.uid, request, fed, caches if caches is not None else self.cache_manager.fresh(_room(len(ids))),
+            seq.uid, request, fed, caches if caches is not None else self.cache_manager.fresh(turn_room(len(ids))),
             snapshot_at=snapshot_at,
             on_snapshot=lambda uid, live, n: self._checkpoint(live, ids[: fed + n], request.salt_root,
                                                           seq if fed + n in carried else None),
@@ -438,11 +437,6 @@ class BatchExecutor:
             return blocks
         caches = self._loop.caches(uid)
         return self.cache_manager.extract(caches, self._held(seq, caches, self._loop.held(uid)), seq.request.salt_root)
-
-
-def _room(new: int) -> int:
-    """Slots for a turn's ``new`` prompt tokens and its first decode step, on mlx-lm's 256-slot grid."""
-    return -(-(new + 1) // ROOM_STEP) * ROOM_STEP
 
 
 def vocab_size(model) -> int:

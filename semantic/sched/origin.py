@@ -29,6 +29,7 @@ import threading
 from typing import Callable
 
 from semantic.cache import reuse, room
+from semantic.cache.manager import ROOM_STEP
 from semantic.cache.blocks import AgentBlocks
 from semantic.errors import PoolExhaustedError
 from semantic.sched.planner import StepPlan, StepPlanner
@@ -50,8 +51,10 @@ class CacheOrigin:
     """
 
     def __init__(self, store: AgentCacheStore, planner: StepPlanner, cv: threading.Condition,
-                 carry_out: Callable[[Callable[[], StepPlan]], StepPlan]):
+                 carry_out: Callable[[Callable[[], StepPlan]], StepPlan],
+                 live: Callable[[Request, AgentBlocks | None], int] = lambda request, own: 0):
         self.store, self.planner, self._cv, self._carry_out = store, planner, cv, carry_out
+        self._live = live
 
     def find(self, request: Request) -> AgentBlocks | None:
         """The cache ``request``'s turn starts from; with none, a shared prefix is fetched into the pool.
@@ -86,19 +89,25 @@ class CacheOrigin:
         except PoolExhaustedError:
             log.debug("no room for a prefix from disk; the turn starts from %d tokens", start.cached)
 
-    def need(self, request: Request) -> int:
-        """Free pool bytes ``request``'s cache will take at most.
+    def need(self, request: Request, own: AgentBlocks | None = None) -> int:
+        """Free pool bytes ``request``'s turn will take at most.
 
         Args:
             request: the turn to admit.
+            own: the cache it starts from (:meth:`find`).
 
         Returns:
-            The prompt's blocks the pool misses plus those its generated tokens may fill, in bytes
-            (``semantic.cache.room.turn_need``).
+            The prompt's blocks the pool misses plus those its generated tokens may fill
+            (``semantic.cache.room.turn_need``), plus the copy of its cache the turn holds when it cannot
+            run in the pool's buffers (``CacheManager.live_bytes``), in bytes.
         """
         claim = self.store.claim(request.ids, request.salt_root)
         return room.turn_need(self.store.spec, claim.misses, len(request.ids), request.max_tokens,
-                              self.store.block_tokens)
+                              self.store.block_tokens) + self._live(request, own)
+
+    def row(self, request: Request) -> int:
+        """``request``'s row in a merged batch, in bytes: its prompt and a step of decode (``room.row_bytes``)."""
+        return room.row_bytes(self.store.spec, len(request.ids) + ROOM_STEP)
 
     def _own(self, agent_id: str) -> tuple[AgentBlocks | None, bool]:
         """The agent's newest cache: the one held here unless another server moved on, else its file; and

@@ -14,6 +14,10 @@ recently used first; the store reloads it on its next turn)::
 
     need = bytes of the prompt's blocks the pool misses and of those max_tokens may fill
            (semantic.cache.room: the accounting admission's longest cache comes from)
+         + the copy of its cache a turn holds when it cannot run in the pool's buffers
+           (CacheManager.live_bytes: another turn has them, a history of several, a kind that copies)
+         + what a merged batch grows by when it joins other turns (room.merged_bytes)
+    need > the pool               the turn fails: it can never fit (TurnTooLargeError, a 400)
     free - reserved >= need       admit (reserve need)
     turns in flight               wait for a finish
     a cache on disk, not busy     evict it, then plan again
@@ -46,9 +50,10 @@ from collections import Counter, deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from semantic.cache import room as room_of
 from semantic.cache.room import size
 from semantic.cache.blocks import AgentBlocks
-from semantic.errors import PoolExhaustedError
+from semantic.errors import PoolExhaustedError, TurnTooLargeError
 from semantic.request import Completion, Request
 from semantic.sched.residency import Residency
 from semantic.sched.saves import SaveState
@@ -98,6 +103,7 @@ class Ticket:
     request: Request
     future: Future
     reserved: int = 0        # pool bytes admission set aside for it
+    row: int = 0             # its row's bytes in a merged batch (``room.row_bytes``)
     cancelled: bool = False  # end it at the next step (cancel() found it running)
 
 
@@ -200,23 +206,30 @@ class StepPlanner:
             out.append(queue[0])
         return out
 
-    def plan(self, free: int, needs: dict[Ticket, int]) -> StepPlan:
+    def plan(self, free: int, needs: dict[Ticket, int], rows: dict[Ticket, int] | None = None) -> StepPlan:
         """Which of the ``needs`` tickets (heads, in order, with the pool bytes each needs) start now
-        with ``free`` pool bytes, and what must happen first when none can (the module doc)."""
+        with ``free`` pool bytes, and what must happen first when none can (the module doc). A ticket with a
+        row in ``rows`` (its bytes in a merged batch) that would join others also reserves what the merged
+        batch grows by (``room.merged_bytes``); alone, it decodes in its own buffers."""
         plan = StepPlan()
         reserved = [t.reserved for t in self.in_flight.values()]
+        batch = [t.row for t in self.in_flight.values()]
         room = self.max_batch - len(self.in_flight)
         for ticket, need in needs.items():
             if room <= 0:
                 break
             if need > self.capacity:
-                plan.fail.append((ticket, PoolExhaustedError(
-                    f"this turn needs up to {size(need)} of blocks but the pool has {size(self.capacity)}:"
-                    " raise the pool")))
+                plan.fail.append((ticket, TurnTooLargeError(
+                    f"this turn needs up to {size(need)} of the KV pool (its new blocks, and any copy of its "
+                    f"cache it cannot run in place) but the pool has {size(self.capacity)}: start the server "
+                    f"with a larger pool, or send a shorter prompt")))
                 continue
-            if free - sum(reserved) >= need:
-                plan.admit.append((ticket, need))
-                reserved.append(need)
+            row = (rows or {}).get(ticket, 0)
+            merge = room_of.merged_bytes(batch + [row]) - room_of.merged_bytes(batch) if row else 0
+            if free - sum(reserved) >= need + merge:
+                plan.admit.append((ticket, need + merge))
+                reserved.append(need + merge)
+                batch.append(row)
                 room -= 1
                 continue
             if reserved:
@@ -249,14 +262,14 @@ class StepPlanner:
         self.saves.forget(agent_id)
         return StepPlan(evict=agent_id)
 
-    def started(self, ticket: Ticket, uid: int, reserved: int) -> None:
-        """``ticket`` runs in the executor as ``uid``."""
+    def started(self, ticket: Ticket, uid: int, reserved: int, row: int = 0) -> None:
+        """``ticket`` runs in the executor as ``uid``, holding ``reserved`` pool bytes and a batch ``row``."""
         agent_id = ticket.request.agent_id
         # cancel() may have taken it off the queue while it was being admitted: end it at the next step
         ticket.cancelled = not self._take(agent_id, ticket)
         if agent_id in self._ready:
             self._ready.remove(agent_id)
-        ticket.reserved = reserved
+        ticket.reserved, ticket.row = reserved, row
         self._busy.add(agent_id)
         self.in_flight[uid] = ticket
 

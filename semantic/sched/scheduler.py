@@ -115,7 +115,8 @@ class ConcurrentScheduler(ResidentView):
         )
         self.executor = self._make_executor()
         self._cv = threading.Condition()
-        self.origin = CacheOrigin(store, self.planner, self._cv, self._plan)
+        self.origin = CacheOrigin(store, self.planner, self._cv, self._plan,
+                                  live=lambda r, own: self.executor.cache_manager.live_bytes(r.ids, own, r.salt_root))
         self._closing = False
         self._steps = 0
         self._long_prefill = False  # a turn prefilled heap.LONG_PREFILL tokens or more since the last give-back
@@ -289,11 +290,12 @@ class ConcurrentScheduler(ResidentView):
                 if t not in owns:
                     owns[t] = self._starting_cache(t)
             waiting = self._reading(heads, owns)
-            needs = {t: self.origin.need(t.request) for t in heads if owns[t] is not False and t not in waiting}
+            needs = {t: self.origin.need(t.request, owns[t]) for t in heads if owns[t] is not False and t not in waiting}
+            rows = {t: self.origin.row(t.request) for t in needs} if self.planner.max_batch > 1 else None
             free = self.store.free_bytes()
-            plan = self._plan(lambda: self.planner.plan(free, needs))
+            plan = self._plan(lambda: self.planner.plan(free, needs, rows))
             for ticket, need in plan.admit:
-                self._start(ticket, owns[ticket], need)
+                self._start(ticket, owns[ticket], need, rows[ticket] if rows else 0)
             if not plan.evict and not plan.wait_for_save:
                 return
             # an evicted agent's next turn reads its file: holding its cache here would keep the blocks
@@ -338,14 +340,14 @@ class ConcurrentScheduler(ResidentView):
             log.exception("finding agent %r's cache failed; its turn starts without it", ticket.request.agent_id)
             return None
 
-    def _start(self, ticket: Ticket, own: AgentBlocks | None, need: int) -> None:
+    def _start(self, ticket: Ticket, own: AgentBlocks | None, need: int, row: int = 0) -> None:
         try:
             uid = self.executor.submit(ticket.request, own)
         except Exception as exc:
             self._fail(ticket, exc)
             return
         with self._cv:
-            self.planner.started(ticket, uid, need)
+            self.planner.started(ticket, uid, need, row)
         on_admit = ticket.request.on_admit
         if on_admit is not None:
             try:

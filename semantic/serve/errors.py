@@ -85,6 +85,8 @@ def from_semantic(exc: semantic_errors.CacheError) -> ApiError:
                         headers={"Retry-After": "1"})
     if isinstance(exc, semantic_errors.SchedulerClosedError):
         return ApiError(UNAVAILABLE, "the server is shutting down", code="shutting_down")
+    if isinstance(exc, semantic_errors.TurnTooLargeError):  # no retry fits it
+        return ApiError(INVALID, str(exc), code="context_length_exceeded")
     if isinstance(exc, semantic_errors.PoolExhaustedError):
         return ApiError(UNAVAILABLE, "the KV-cache pool is full; retry shortly", code="pool_exhausted",
                         headers={"Retry-After": "1"})

@@ -18,7 +18,7 @@ from semantic import (
 )
 from harness import noise
 from semantic import compat
-from semantic.cache.convert import extract, reconstruct
+from semantic.cache.convert import extract, held_outside, reconstruct
 from semantic.cache.lending import Loan, headroom
 from semantic.cache.spec import held_ranges
 from tests.tiny_models import tiny_gemma3
@@ -473,3 +473,66 @@ def test_an_agent_keeps_one_old_tail_the_next_cut_lets_the_one_before_go(llama_t
         if turn:
             gone = tails[-2]
             assert pool.lookup(gone.token_hash, gone.token_ids) is None and not pool.cached(gone)
+
+
+def test_admission_is_told_what_a_turn_would_copy_nothing_when_lent_else_its_cache_and_room(llama_tiny):
+    """``held_outside`` answers as ``reconstruct`` then builds: a turn lent the segment holds nothing beyond
+    the pool; one that finds it lent to another turn, or resumes too far inside it, holds a copy of exactly
+    the bytes it gets (its tokens and its room)."""
+    spec = ModelCacheSpec.from_model(llama_tiny)
+    pool = BlockPool(spec, 600, block_tokens=4)
+    ids = [1 + i % 50 for i in range(1000)]
+    first, seg = _first_turn(llama_tiny, spec, pool, ids)
+    copied = lambda caches: sum(c.keys.nbytes + c.values.nbytes for c in caches)
+    assert held_outside(first, 1000, 256, pool) == 0
+    loan = Loan()
+    reconstruct(first, room=256, loan=loan)
+    assert loan.lent == [seg]
+    predicted = held_outside(first, 1000, 256, pool)  # the segment is another turn's now
+    other = Loan()
+    assert predicted == copied(reconstruct(first, room=256, loan=other)) > 0 and other.lent == []
+    loan.give_back()
+    inside = held_outside(first, 992, 256, pool)  # a regenerate further back than the last block slot
+    other = Loan()
+    assert inside == copied(reconstruct(first, upto=992, room=256, loan=other)) and other.lent == []
+    assert inside == (992 + 256) * spec.token_bytes()
+    assert held_outside(first, 998, 256, pool) == 0  # within the last block slot: lent, cut there
+
+
+def test_a_lent_turn_decoding_past_its_room_widens_the_pools_buffer_not_a_copy_beside_it(llama_tiny):
+    """A batch of one over a lent segment that runs out of slots mid-decode widens the segment's layers in
+    place of their old buffers (one layer beside its old one at a time, never a second cache), keeps writing
+    there, and its new blocks are positions in the same segment; every step equals a copy's."""
+    from semantic import kinds
+
+    spec = ModelCacheSpec.from_model(llama_tiny)
+    pool = BlockPool(spec, 600, block_tokens=4)
+    ids = [1 + i % 50 for i in range(1000)]
+    first, seg = _first_turn(llama_tiny, spec, pool, ids)
+    loan = Loan()
+    lent, other = reconstruct(first, room=16, loan=loan), reconstruct(first, room=16, loan=Loan())
+    assert loan.lent == [seg] and seg.capacity == 1024
+    new = [7, 8, 9, 10, 11]
+    _run(llama_tiny, lent, new), _run(llama_tiny, other, new)
+    lent, other = kinds.merge([lent]), kinds.merge([other])
+    old_bytes = sum(k.nbytes + v.nbytes for k, v in seg.layer_data.values())
+    one_layer = max(k.nbytes + v.nbytes for k, v in seg.layer_data.values())
+    tokens = []
+    for step in range(30):  # 1005 tokens in 1024 slots: the 20th decode step needs more
+        t = tokens[-1] if tokens else 3
+        if step == 19:
+            mx.clear_cache()
+            mx.reset_peak_memory()
+            start = mx.get_active_memory()
+        a, b = _run(llama_tiny, lent, [t]), _run(llama_tiny, other, [t])
+        if step == 19:
+            grown = sum(k.nbytes + v.nbytes for k, v in seg.layer_data.values())
+            # the growth, and one layer's old buffers beside its new ones (and a step's activations)
+            assert mx.get_peak_memory() - start <= grown - old_bytes + 2 * one_layer + (1 << 18)
+        assert mx.array_equal(a, b).item()
+        tokens.append(int(mx.argmax(a).item()))
+    assert seg.capacity > 1024 and all(c.keys is seg.layer_data[i][0] for i, c in enumerate(lent))
+    rows = [c.extract(0) for c in lent]
+    second = extract(pool, rows, ids + new + tokens, loan=loan)
+    loan.give_back()
+    assert {id(b.segment_view.segment) for b in second.groups["global"]} == {id(seg)} and seg.n_tokens == 1035

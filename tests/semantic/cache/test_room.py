@@ -70,8 +70,11 @@ def test_every_turn_admission_accepts_is_served_by_an_idle_server(kind, tmp_path
     model = make()
     spec = ModelCacheSpec.from_model(model, **spec_kw)
     longest = 48
+    # the longest cache, and one copy of it with a turn's room: a turn that cannot run in the pool's buffers
+    # (a kind that copies; a history split over two buffers, part pooled and part read back) holds one,
+    # which admission charges (``CacheManager.live_bytes``)
     store = AgentCacheStore(tmp_path, spec, "tiny", 10**9, pool=BlockPool(
-        spec, block_tokens=bt, capacity_bytes=room.cache_bytes(spec, longest, bt)))
+        spec, block_tokens=bt, capacity_bytes=room.cache_bytes(spec, longest, bt) + room.copy_bytes(spec, longest, 256)))
     assert room.longest_cache(spec, store.capacity, bt) >= longest
     sched = ConcurrentScheduler(model, byte_tokenizer(), store, stop_tokens=[],
                                 ram_budget_bytes=store.capacity // 2)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from semantic import PoolExhaustedError, Request
+from semantic import PoolExhaustedError, Request, TurnTooLargeError
 from semantic.sched.planner import StepPlanner, Ticket
 from semantic.sched.residency import DistinctBytes, Residency
 
@@ -115,8 +115,25 @@ def test_a_turn_larger_than_the_pool_fails_at_once_and_the_next_is_admitted():
     p.enqueue(big)
     p.enqueue(small)
     plan = p.plan(free=8, needs={big: 9, small: 3})
-    assert [t for t, _ in plan.fail] == [big] and "raise the pool" in str(plan.fail[0][1])
+    assert [t for t, _ in plan.fail] == [big]
+    err = plan.fail[0][1]  # no wait fits it: a 400 with the numbers, not a 503 to retry
+    assert isinstance(err, TurnTooLargeError) and isinstance(err, PoolExhaustedError)
+    assert "9 B" in str(err) and "has 8 B" in str(err) and "larger pool" in str(err)
     assert plan.admit == [(small, 3)]
+
+
+def test_a_turn_joining_others_reserves_what_the_merged_batch_grows_by_and_alone_nothing():
+    p = planner(capacity=100)
+    a, b, c = ticket("a"), ticket("b"), ticket("c")
+    for t in (a, b, c):
+        p.enqueue(t)
+    # alone, a decodes in its own buffers; b joining makes a batch of two rows padded to the longer (2 x 20)
+    plan = p.plan(free=100, needs={a: 5, b: 5, c: 5}, rows={a: 20, b: 10, c: 10})
+    assert plan.admit == [(a, 5), (b, 5 + 40), (c, 5 + 20)]
+    p.started(a, 0, 5, 20)
+    # with a in flight, b's join costs the whole merged batch; 40 + 5 > 30 free: it waits for a finish
+    plan = p.plan(free=30, needs={b: 5}, rows={b: 10})
+    assert not plan.admit and not plan.fail and not plan.evict
 
 
 def test_the_batch_bound_limits_admissions_and_heads():

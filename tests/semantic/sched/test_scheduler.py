@@ -25,9 +25,11 @@ from semantic import (
     QueueFullError,
     Request,
     SchedulerClosedError,
+    TurnTooLargeError,
     encode,
     render_chat,
 )
+from semantic.cache import room
 from tests.cache_helpers import assert_like_fresh, fresh
 from tests.tiny_models import byte_tokenizer
 from tests.waits import until
@@ -138,10 +140,28 @@ def test_a_turn_the_pool_can_never_hold_fails_with_a_clear_error_and_others_go_o
     with _scheduler(llama_tiny, cache_dir, blocks=8) as sched:
         too_big = sched.submit(Request("big", _ids(1, 60), 2))
         fine = sched.submit(Request("small", _ids(2, 6), 2))
-        with pytest.raises(PoolExhaustedError, match="raise the pool"):
+        with pytest.raises(TurnTooLargeError, match="larger pool"):  # a 400: no retry fits it
             too_big.result(30)
         assert fine.result(30).finish_reason == "length"
         assert sched.stats().failed == 1
+
+
+def test_admission_charges_a_turn_the_copy_of_its_cache_it_cannot_run_in_place(llama_tiny, cache_dir):
+    """An append is lent the agent's segment and reserves only its blocks; a regenerate from far inside
+    the segment (where other blocks read what it would write) gets a copy, and reserves that copy too."""
+    with _scheduler(llama_tiny, cache_dir) as sched:
+        h = _ids(3, 100)
+        r = sched.submit(Request("a", h, 2)).result(30)
+        with sched._cv:
+            own = sched.planner.own_cache("a")
+        spec = sched.store.spec
+        blocks = lambda req: room.turn_need(spec, sched.store.claim(req.ids, None).misses, len(req.ids),
+                                            req.max_tokens, 4)
+        append, back = Request("a", h + list(r.token_ids) + _ids(4, 3), 2), Request("a", h[:50], 2)
+        assert sched.origin.need(append, own) == blocks(append)
+        assert sched.origin.need(back, own) == blocks(back) + (49 + 256) * spec.token_bytes()
+        assert sched.submit(back).result(30).cached_tokens == 49
+        assert sched.executor.cache_manager.in_place()["copied_turns"] == 1
 
 
 def test_a_small_pool_evicts_saved_agents_and_reloads_them_from_disk(llama_tiny, cache_dir):
