@@ -9,9 +9,9 @@ its reserve of max(3 GiB, 5%), and its disk budget of min(30 GiB, free / 4)::
     - fixed     every model's weights and tokenizer (``tokenizer_bytes``), and the process's runtime
                 (``RUNTIME_BYTES``); measured as ``semantic.serve.fleet.footprint`` says
     - working   a step's activations at the longest context (``step_bytes``: attention scores, logits)
-    = left      shared by the models, each its pool and the live copies of its caches in turns
-                (``LIVE_COPY`` times them): a turn extends its cache in mlx-lm's own arrays while the pool
-                keeps the blocks it came from
+    = left      shared by the models, each its pool and what turns hold beyond it (``LIVE_COPY`` times
+                it): a turn writes into the pool's own buffers, and the pool is charged for any copy of a
+                cache a turn must make instead (admission, ``semantic.cache.manager``)
 
 The pool's half is the KV block pool (``semantic.cache.room`` charges it); the RAM budget for caches
 resident between turns is a share of it (``defaults.RAM_SHARE``). An explicit flag always wins.
@@ -45,10 +45,12 @@ TOKENIZER_FIXED = 16 * MiB
 TOKENIZER_PER_FILE_BYTE = 14
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt", "tiktoken.model")
 TOKENIZER_BYTES = 64 * MiB       # a model whose files are not on disk (a hub id): SmolLM2's
-# a turn's peak beyond the pool's blocks, as a share of its cache: mlx-lm's arrays it extends, their
-# growth's transients and the new blocks; measured on a tiny body of Qwen3-Coder-30B-A3B's geometry, peak
-# active memory 2.28x and 2.26x the cache for 2 tokens after 16K and 32K, 2.38x for 300 after 8K
-LIVE_COPY = 1.4
+# what turns hold beyond the pool's blocks that admission does not charge, as a share of the pool: a turn
+# runs in the pool's buffers (lent), and admission charges the pool for any copy a turn makes instead
+# (CacheManager.live_bytes) and for merged batches; left are a lent segment's spare slots (a 32nd of its
+# tokens and a 256-slot step), the heap's free memory under its trim threshold and MLX's buffer cache.
+# Before lending, a turn held its cache twice: peak active memory 2.26-2.38x the cache, counted 1.4
+LIVE_COPY = 0.1
 TYPICAL_AGENT = 32_768           # the agents' length the start-up line counts (a coding session's)
 DEFAULT_LONGEST = 131_072        # the context a model of longer context is sized for
 

@@ -20,8 +20,9 @@ with ``python -m harness.memory.costs MODEL_DIR ... --pool-mb 128``, each figure
 * **A turn's working memory** (:func:`working_bytes`): the peak RSS of a turn over the RSS before it, at
   its largest. Its parts, from the executor's code and MLX's allocations:
 
-  - the turn's own cache: mlx-lm's caches are copies of the pool's blocks (rebuilt from them at
-    admission, pooled again at stops), so up to ``sizing.LIVE_COPY`` times the pool's size;
+  - what turns hold beyond the pool's blocks: a turn runs in the pool's own buffers, and any copy of a
+    cache it must make instead is charged to the pool at admission, so what is left (a lent segment's
+    spare slots, the heap's and MLX's free memory) is ``sizing.LIVE_COPY`` times the pool's size;
   - a step's largest array: one layer's attention scores over a prefill chunk (MLX's CPU attention
     materialises ``heads × chunk × context × 4`` bytes; a chunk is 2048 tokens,
     ``stepbudget.SOLO_CHUNK``, sliding windows or not) or a decode step's logits (``max_batch`` rows
