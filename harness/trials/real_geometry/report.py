@@ -161,6 +161,27 @@ def checks(out: dict) -> dict:
     c["loads_whole"] = all(pc.get("load_cold_whole", True) for pc in per.values())
     c["default_served"] = sum(pc.get("default_status") == 200 for pc in per.values())
     c["default_refused"] = sum(pc.get("default_status") not in (None, 200) for pc in per.values())
+    c.update(fleet_checks(out))
+    return c
+
+
+def fleet_checks(out: dict) -> dict:
+    """The no-flag fleets (``serving.fleet``): turns refused or failed, turns that missed the agent's cache,
+    and the largest RSS sample over the budget the server logged."""
+    c: dict = {"fleets_run": 0, "fleet_turns_bad": 0, "fleet_rss_over_budget_max": None}
+    ratios = []
+    for g, geo in (out.get("geometries") or {}).items():
+        for lab, d in (geo.get("fleets") or {}).items():
+            if "skipped" in d:
+                continue
+            c["fleets_run"] += 1
+            bad = [t for t in d.get("turns", []) if not _ok(t) or (t.get("cached_tokens") or 0) < d["tokens"]]
+            c["fleet_turns_bad"] += len(bad) + (len(d.get("turns", [])) < 2 * d["agents"])
+            c[f"{g}@{lab}.rss_over_budget_max"] = d.get("rss_over_budget_max")
+            c[f"{g}@{lab}.longest_cache_tokens"] = d.get("longest_cache_tokens")
+            if d.get("rss_over_budget_max") is not None:
+                ratios.append(d["rss_over_budget_max"])
+    c["fleet_rss_over_budget_max"] = max(ratios) if ratios else None
     return c
 
 
@@ -250,6 +271,16 @@ def readme(ctx, out: dict, c: dict) -> str:
     default_lines = "\n".join(f"- {g} {lab}: " + " / ".join(f"`{ln.split(' INFO ')[-1][:160]}`"
                                                             for ln in (d.get("default") or {}).get("log_lines", []))
                               for g, lab, _, d in run if d.get("default"))
+    fleets = [[g, lab, _gb(d.get("cache_bytes")), " / ".join(
+                   f"{t['phase'][0]}{t['agent'].split('-')[-1]}: {t.get('status')} {fmt(t.get('cached_tokens'))} {fmt(t.get('s'))} s"
+                   for t in d.get("turns", [])), fmt(d.get("longest_cache_tokens")), _mb(d.get("budget_bytes")),
+               _mb(d.get("rss_max_bytes")), fmt(d.get("rss_over_budget_max")),
+               fmt((d.get("in_place") or {}).get("lent_turns")), fmt((d.get("in_place") or {}).get("copied_turns"))]
+              for g, geo in (out.get("geometries") or {}).items() for lab, d in (geo.get("fleets") or {}).items()
+              if "skipped" not in d]
+    fleet_lines = "\n".join(f"- {g} {lab}: " + " / ".join(f"`{ln.split(' INFO ')[-1][:220]}`" for ln in d.get("log_lines", []))
+                            for g, geo in (out.get("geometries") or {}).items()
+                            for lab, d in (geo.get("fleets") or {}).items() if "skipped" not in d)
     skipped = "\n".join(f"- {s['part']}: {s['why']}" for s in out.get("skipped") or []) or "none"
     failed = "\n".join(f"- {f['part']}: `{f['error'].strip().splitlines()[-1][:300]}`" for f in out.get("failed") or []) or "none"
     return f"""# EXP-020: the models and contexts users run, at real geometry and real lengths
@@ -279,6 +310,16 @@ available at start. The floors below (disk read and write) are measured beside e
 
 Its budget lines:
 {default_lines or 'none'}
+
+## Fleets on a server with no pool flags: each agent restored from disk (r), then resumed (a)
+
+Each agent's turn after the server started on their directory, then each one's next turn; each turn: status,
+cached tokens, seconds at the client. RSS sampled every 100 ms against the budget the server logged.
+
+{_table(['geometry', 'agents', 'KV GB', 'turns', 'longest cache (server)', 'budget MiB', 'RSS max MiB', 'RSS max / budget', 'lent turns', 'copied turns'], fleets)}
+
+Their budget lines:
+{fleet_lines or 'none'}
 
 ## Restore from disk (page cache dropped) against a sequential read of the same files
 

@@ -207,3 +207,36 @@ def beside_save(s: Served, prompt: list[int], reps: int, other_tokens: int, seed
         s.wait_idle()
         rows.append(row)
     return rows
+
+
+def fleet(model_dir: Path, model_id: str, cache_dir: Path, log: Path, prompts: dict[str, "Growing"],
+          timeout_s: float) -> dict:
+    """A server with no pool flags on a directory of agents (``prompts``: each agent's :class:`Growing`): each
+    agent's turn (its cache read from disk), then each one's next turn (resumed from RAM), each saved before the
+    next is sent; the RSS every 100 ms against the budget the server logged, and what its stats say of turns
+    run in the pool's buffers."""
+    s = Served(model_dir, model_id, cache_dir, log, [], timeout_s)
+    turns: list[dict] = []
+    stats: dict = {}
+    try:
+        s.sampler.start()
+        s.start("start")
+        for phase in ("restore", "append"):
+            s.sampler.phase = phase
+            for agent, growing in prompts.items():
+                turns.append({"agent": agent, "phase": phase, **s.turn(growing.next(), 1, agent)})
+                if turns[-1]["status"] == 200:
+                    s.wait_idle()
+        stats = s.server.stats(timeout_s=30) or {}
+    finally:
+        s.sampler.stop()
+        s.stop()
+        s.kill()
+    life = s.lives[-1] if s.lives else {}
+    life["log_lines"] = [ln for ln in s.server.log_tail(20000).splitlines() if "memory: " in ln][-1:] + life.get("log_lines", [])
+    rss = [r["rss_bytes"] for r in s.sampler.rss if r.get("rss_bytes")]
+    budget = life.get("budget_bytes")
+    return {"turns": turns, **life, "rss_max_bytes": max(rss, default=None),
+            "rss_over_budget_max": max(rss) / budget if rss and budget else None,
+            "longest_cache_tokens": (stats.get("pool") or {}).get("longest_cache_tokens"),
+            "sizing": (stats.get("pool") or {}).get("sizing"), "in_place": stats.get("in_place")}

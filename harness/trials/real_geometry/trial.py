@@ -144,7 +144,48 @@ def _geometry(g: str, p: dict, work: Path, bufs, out: dict, ctx) -> dict:
             if lab in geo["lengths"]:
                 geo["lengths"][lab]["wall_s"] = time.perf_counter() - t0
             ctx.progress.update(1)
+    geo["fleets"] = {}
+    for n, agents in p["fleets"]:
+        lab = f"{agents}x{label(n)}"
+        t0 = time.perf_counter()
+        try:
+            geo["fleets"][lab] = _fleet(g, n, agents, p, work / lab, spec, geo, model_dir, out)
+        except Exception as exc:
+            out["failed"].append({"part": f"{g} {lab}", "error": "".join(traceback.format_exception(exc))[-6000:]})
+            print(f"EXP-020 {g} {lab} failed: {exc}", file=sys.stderr)
+        finally:
+            shutil.rmtree(work / lab, ignore_errors=True)
+            if lab in geo["fleets"]:
+                geo["fleets"][lab]["wall_s"] = time.perf_counter() - t0
     return geo
+
+
+def _fleet(g: str, n: int, agents: int, p: dict, work: Path, spec, geo: dict, model_dir: Path, out: dict) -> dict:
+    """``agents`` agents of ``n`` tokens written into one directory, then a server with no pool flags serves each
+    one's turn after a restart and its next turn (``serving.fleet``); skipped when the disk cannot hold them."""
+    from harness.trials.real_geometry import serving
+    from harness.trials.real_geometry.synthetic import token_ids, write_agent
+
+    row: dict = {"tokens": n, "agents": agents, "cache_bytes": cache_bytes(spec, n) * agents,
+                 "mem_available_bytes": mem_available()}
+    if n + 2 * p["new_tokens"] + 1 > geo["context"]:
+        row["skipped"] = f"{n} tokens + two turns do not fit the model's context ({geo['context']})"
+    elif shutil.disk_usage(work.parent if work.parent.exists() else tempfile.gettempdir()).free < 1.2 * row["cache_bytes"]:
+        row["skipped"] = f"the disk cannot hold {agents} agents of {row['cache_bytes'] / 2**30:.1f} GiB"
+    if "skipped" in row:
+        out["skipped"].append({"part": f"{g} {agents}x{label(n)}", "why": row["skipped"]})
+        return row
+    work.mkdir(parents=True, exist_ok=True)
+    cache_dir = work / "cache"
+    prompts, row["writes"] = {}, []
+    for a in range(agents):
+        ids = token_ids(n, p["seed"] + n + 1000 * a)
+        row["writes"].append(write_agent(cache_dir, spec, geo["fingerprint"], f"agent-{a}", ids, p["seed"] + a))
+        prompts[f"agent-{a}"] = serving.Growing(ids, p["new_tokens"], p["seed"] + n + 1000 * a + 1)
+    _probe_memo(model_dir, cache_dir)
+    row.update(serving.fleet(model_dir, g, cache_dir, work / "fleet.log", prompts, p["request_timeout_s"]))
+    _probe_memo(cache_dir, model_dir)
+    return row
 
 
 def _length(g: str, n: int, p: dict, work: Path, bufs, spec, geo: dict, model_dir: Path, out: dict) -> dict:
@@ -268,6 +309,8 @@ KIND = register(TrialKind(
         "geometries": Param(list, ["qwen3-coder-30b-a3b", "llama-3.1-8b", "gemma-3-12b", "qwen3.5-35b-a3b"],
                             "geometries (harness.trials.real_geometry.models.GEOMETRIES)"),
         "lengths": Param(list, [8192, 16384, 32768, 65536, 130816], "agent lengths in tokens (whole blocks)", min=256),
+        "fleets": Param(list, [], "[tokens, agents] pairs: that many agents of that length served by one server with no "
+                                  "pool flags, each restored from disk then resumed, its RSS against the budget it logged"),
         "new_tokens": Param(int, 2, "new tokens each turn after a restart appends to the agent's last prompt", min=2),
         "inproc_reps": Param(int, 2, "in-process rounds of each save and restore (0: no restores)", min=0),
         "default_flags": Param(bool, True, "start a server with no pool flags and send the agent's turn"),

@@ -84,6 +84,22 @@ def test_the_checks_pair_each_rep_and_take_the_worst():
     assert checks(out)["measured_turns_missing_cache"] == 1
 
 
+def test_a_fleet_counts_every_turn_refused_or_missing_its_cache_and_its_worst_rss_sample():
+    turn = lambda phase, a, cached, status=200: {"phase": phase, "agent": f"agent-{a}", "status": status,
+                                                 "cached_tokens": cached, "s": 1.0}
+    fleet = {"tokens": 100, "agents": 2, "cache_bytes": 1, "rss_over_budget_max": 0.9,
+             "turns": [turn("restore", 0, 100), turn("restore", 1, 100), turn("append", 0, 102), turn("append", 1, 102)]}
+    out = {"geometries": {"g": {"lengths": {}, "fleets": {"2x0K": fleet, "1x1K": {"skipped": "disk"}}}},
+           "failed": [], "skipped": []}
+    c = checks(out)
+    assert (c["fleets_run"], c["fleet_turns_bad"], c["fleet_rss_over_budget_max"]) == (1, 0, 0.9)
+    fleet["turns"][1] = turn("restore", 1, 0)          # the agent's cache missed: a prefill, not a restore
+    fleet["turns"][3] = turn("append", 1, None, 400)  # refused
+    assert checks(out)["fleet_turns_bad"] == 2
+    fleet["turns"] = fleet["turns"][:2]                # the appends never sent
+    assert checks(out)["fleet_turns_bad"] == 2
+
+
 def test_every_criterion_names_a_check_the_kind_writes():
     config = load("exp_020_real_geometry")
     out = {"geometries": {"g": {"lengths": {"32K": _length()}}}, "failed": [], "skipped": []}
