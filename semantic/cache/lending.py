@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from semantic import heap
-from semantic.cache.blocks import Segment, segment_runs
+from semantic.cache.blocks import Segment, SegmentView, segment_runs
 
 # a finished cache's buffer is pooled as it is (no copy) when its spare slots are at most 1/SPARE_SHARE of its
 # tokens, else copied exactly: a short cache would keep mlx-lm's 256-slot growth step in the pool
@@ -38,6 +38,7 @@ class Loan:
 
     lent: list = field(default_factory=list)
     grown: int = 0  # segments grown for the turn (:func:`grow`)
+    joined: int = 0  # histories of several segments joined into one for the turn (:func:`join`)
 
     def give_back(self) -> None:
         for seg in self.lent:
@@ -63,8 +64,12 @@ def restored_spare(tokens: int) -> int:
 def lend(pieces: list, total: int, room: int, loan: Loan, pool=None) -> Segment | None:
     """The segment to lend a layer group whose blocks are ``pieces`` (:func:`whole_segment`), cut at ``total``
     when it holds more (:func:`cut`, given the ``pool``), grown first when it lacks ``room`` spare, recorded in
-    ``loan``; None when there is none or another turn has it."""
+    ``loan``; a history over several segments is joined into its first one first (:func:`join`); None when
+    there is none or another turn has it."""
     seg = whole_segment(pieces, total)
+    if seg is None and pool is not None and joinable(pieces, total, pool) is not None:
+        seg = join(pool, pieces, total, room)
+        loan.joined += 1
     if seg is None or seg.lent:
         return None
     if seg.n_tokens > total and (pool is None or not cut(pool, seg, total, pool.block_tokens)):
@@ -90,15 +95,34 @@ def whole_segment(pieces: list, total: int) -> Segment | None:
 
 def lendable(pieces: list, total: int, pool) -> bool:
     """Whether :func:`lend` would lend these ``pieces`` now (to admission: a turn not lent holds a copy), its
-    room aside: one segment from position 0, no other turn's, ending at ``total`` or cut there."""
+    room aside: one segment from position 0, no other turn's, ending at ``total`` or cut there; or a history
+    of several that :func:`join` makes one."""
     seg = whole_segment(pieces, total)
-    return seg is not None and not seg.lent and (seg.n_tokens <= total or (
-        pool is not None and cuttable(seg, total, pool.block_tokens)))
+    if seg is None:
+        return pool is not None and joinable(pieces, total, pool) is not None
+    return not seg.lent and (seg.n_tokens <= total or (pool is not None and cuttable(pool, seg, total)))
 
 
-def cuttable(seg: Segment, total: int, block_tokens: int) -> bool:
-    """Whether :func:`cut` may make ``seg`` end at ``total``: what it holds past it lies in one block slot."""
-    return seg.n_tokens <= total - total % block_tokens + block_tokens
+def cuttable(pool, seg: Segment, total: int) -> bool:
+    """Whether :func:`cut` may make ``seg`` end at ``total``: every block holding its positions from ``total``
+    on lies in one block slot (positions no block holds any more are free to write)."""
+    bt = pool.block_tokens
+    edge = total - total % bt
+    return seg.n_tokens <= edge + bt or all(b.segment_view.start < edge + bt for b in pool.sitting_in(seg, total))
+
+
+def joinable(pieces: list, total: int, pool) -> Segment | None:
+    """The first segment of a history held in several (``pieces``: the part from its first segment, then runs
+    of others, or blocks of their own), when :func:`join` may copy the rest into it: it holds positions 0 on
+    at their index, no turn has it, and it may be cut where the history leaves it (:func:`cuttable`); else
+    None. A history split by an eviction (its first blocks still pooled, the rest read back from disk) or
+    by a turn that got a copy."""
+    runs = segment_runs(pieces, next(iter(pieces[0][0].layers)))
+    first = runs[0]
+    if len(runs) < 2 or not isinstance(first.source, Segment) or first.start != 0 or pieces[0][0].start != 0:
+        return None
+    seg = first.source
+    return seg if not seg.lent and cuttable(pool, seg, first.stop) else None
 
 
 def cut(pool, seg: Segment, total: int, block_tokens: int) -> bool:
@@ -110,7 +134,7 @@ def cut(pool, seg: Segment, total: int, block_tokens: int) -> bool:
     lets them go (``Segment.copied_out``): an agent keeps one old tail. False, changing nothing, when those
     blocks reach past one block slot (a regenerate or an edit further back: full blocks other histories may
     share): that turn gets a copy."""
-    if not cuttable(seg, total, block_tokens):
+    if not cuttable(pool, seg, total):
         return False
     edge = total - total % block_tokens
     behind = pool.sitting_in(seg, total)
@@ -129,6 +153,48 @@ def cut(pool, seg: Segment, total: int, block_tokens: int) -> bool:
     mx.eval(made)
     seg.n_tokens = total
     return True
+
+
+def join(pool, pieces: list, total: int, room: int) -> Segment:
+    """Copy the rest of a history held in several segments into its first one (:func:`joinable`), one layer at a
+    time, with the turn's ``room`` and :func:`headroom` after it, and make the blocks wholly inside it positions
+    there: the history is one segment again, so this turn and the next are lent it, where each would copy the
+    whole cache. A block that reaches past ``total`` (a pooled block the history cuts short) keeps its place;
+    a segment whose blocks all moved goes. The bytes copied are the history's own, so every block reads what
+    it read before."""
+    seg = joinable(pieces, total, pool)
+    assert seg is not None
+    at = segment_runs(pieces, next(iter(pieces[0][0].layers)))[0].stop
+    if seg.n_tokens > at:
+        assert cut(pool, seg, at, pool.block_tokens)
+    rest = [(blk, s, e) for blk, s, e in pieces if blk.start + e > at]
+    more = total - at + room + headroom(total)
+    for i in list(seg.layer_data):
+        k, v = seg.layer_data[i]
+        parts_k, parts_v, where = [k[..., :at, :]], [v[..., :at, :]], at
+        for blk, s, e in rest:
+            s = max(s, where - blk.start)  # a piece may overlap the one before it (``convert._pieces``)
+            if blk.start + e <= where:
+                continue
+            bk, bv = blk.kv(i)
+            parts_k.append(bk[..., s:e, :])
+            parts_v.append(bv[..., s:e, :])
+            where = blk.start + e
+        assert where == total, (where, total)
+        b, h, _, _ = k.shape
+        parts_k.append(mx.zeros((b, h, more - (total - at), k.shape[3]), dtype=k.dtype))
+        parts_v.append(mx.zeros((b, h, more - (total - at), v.shape[3]), dtype=v.dtype))
+        joined = (mx.concatenate(parts_k, axis=2), mx.concatenate(parts_v, axis=2))
+        del k, v, parts_k, parts_v
+        mx.eval(joined)
+        seg.layer_data[i] = joined
+        del joined
+    seg.n_tokens = total
+    for blk, _s, _e in rest:
+        if blk.start >= at and blk.end <= total and (blk.segment_view is None or blk.segment_view.segment is not seg):
+            blk.own_data, blk.segment_view = {}, SegmentView(seg, blk.start)
+    heap.give_back()
+    return seg
 
 
 def grow(seg: Segment, more: int) -> None:

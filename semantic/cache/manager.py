@@ -47,7 +47,7 @@ class CacheManager:
         self.positions = snapshots.SnapshotPositions(spec, pool.block_tokens)
         self.snapshot_groups = sorted(spec.snapshot_groups(pool.block_tokens))
         # resumed turns that wrote into the pool's own buffers, that got a copy, and segments grown for them
-        self.lent_turns = self.copied_turns = self.grown_segments = 0
+        self.lent_turns = self.copied_turns = self.grown_segments = self.joined_histories = 0
         # per layer group, whether its turns may run in the pool's buffers: its kind's answer
         self.groups_in_place = {g: kinds.of(spec.layers[ls[0]]).takes_room(spec.layers[ls[0]])
                                 for g, ls in spec.groups().items()}
@@ -89,6 +89,7 @@ class CacheManager:
                 self.lent_turns += bool(loan.lent)
                 self.copied_turns += not loan.lent
                 self.grown_segments += loan.grown
+                self.joined_histories += loan.joined
         if materialize:  # the copies, outside the lock
             convert.materialize_caches(caches)
         return caches
@@ -102,7 +103,8 @@ class CacheManager:
         """Which layer groups a turn runs in the pool's own buffers (the others copy their cache for a turn,
         as mlx-lm's classes grow it), and how often turns did."""
         return {"groups": dict(self.groups_in_place), "lent_turns": self.lent_turns,
-                "copied_turns": self.copied_turns, "grown_segments": self.grown_segments}
+                "copied_turns": self.copied_turns, "grown_segments": self.grown_segments,
+                "joined_histories": self.joined_histories}
 
     def fresh(self, room: int) -> list:
         """Empty cache objects for a turn with nothing cached, with ``room`` slots where a layer's kind takes

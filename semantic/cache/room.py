@@ -84,9 +84,11 @@ def held_blocks(spec: ModelCacheSpec, group: str, tokens: int, block_tokens: int
 
 
 def cache_bytes(spec: ModelCacheSpec, tokens: int, block_tokens: int) -> int:
-    """Pool bytes one agent of ``tokens`` tokens holds at most while its next turn runs."""
+    """Pool bytes one agent of ``tokens`` tokens holds at most while its next turn runs: its blocks, and the
+    copy its turn holds of the layers that cannot run in the pool's buffers (:func:`held_copy`), which
+    admission charges the pool for."""
     costs = block_costs(spec, block_tokens)
-    return sum(cost * held_blocks(spec, g, tokens, block_tokens) for g, cost in costs.items())
+    return sum(cost * held_blocks(spec, g, tokens, block_tokens) for g, cost in costs.items()) + held_copy(spec, tokens)
 
 
 def longest_cache(spec: ModelCacheSpec, capacity: int, block_tokens: int, ceiling: int = 1 << 24) -> int:
@@ -134,9 +136,10 @@ def merged_bytes(rows: list[int]) -> int:
     return len(rows) * max(rows) if len(rows) > 1 else 0
 
 
-def copy_bytes(spec: ModelCacheSpec, tokens: int, room: int) -> int:
-    """Bytes a turn holds beyond the pool when it cannot run in the pool's buffers (a kind that writes none
-    in place, a history split over two buffers): a copy of a cache of ``tokens`` with ``room`` spare slots
-    where the kind takes them, and each recurrent state (``convert.held_outside`` counts one turn's)."""
-    return int(sum(layer.state_bytes() + layer.token_bytes() * (layer.tokens_held(tokens) + (
-        room if kinds.of(layer).takes_room(layer) else 0)) for layer in spec.layers))
+
+def held_copy(spec: ModelCacheSpec, tokens: int) -> int:
+    """Bytes a resumed turn of a cache of ``tokens`` holds beyond the pool in the layers whose kind writes no
+    buffer of the pool's in place (quantized K/V, windows, recurrent states): a copy of what they hold, as
+    ``convert.held_outside`` counts it. Layers that take room run in the pool's buffers: nothing."""
+    return int(sum(layer.state_bytes() + layer.token_bytes() * layer.tokens_held(tokens)
+                   for layer in spec.layers if not kinds.of(layer).takes_room(layer)))

@@ -536,3 +536,38 @@ def test_a_lent_turn_decoding_past_its_room_widens_the_pools_buffer_not_a_copy_b
     second = extract(pool, rows, ids + new + tokens, loan=loan)
     loan.give_back()
     assert {id(b.segment_view.segment) for b in second.groups["global"]} == {id(seg)} and seg.n_tokens == 1035
+
+
+def test_a_history_split_over_two_segments_is_joined_into_the_first_and_lent(llama_tiny):
+    """A turn that got a copy leaves its history in two segments (the first turn's and its new blocks'); the
+    next turn's rebuild copies the second's blocks into the first (grown with the turn's room), makes them
+    positions there, lends it, and the second segment goes: one copy, lent, exact."""
+    spec = ModelCacheSpec.from_model(llama_tiny)
+    pool = BlockPool(spec, 600, block_tokens=4)
+    ids = [1 + i % 50 for i in range(1000)]
+    first, seg = _first_turn(llama_tiny, spec, pool, ids)
+    loan = Loan()
+    reconstruct(first, room=16, loan=loan)  # another turn has the segment: this one copies
+    copied = reconstruct(first, room=16, loan=Loan())
+    new = [7, 8, 9, 10, 11, 12, 13]
+    _run(llama_tiny, copied, new)
+    second = extract(pool, copied, ids + new)
+    loan.give_back()
+    segs = {id(b.segment_view.segment) for b in second.groups["global"]}
+    assert len(segs) == 2 and seg.n_tokens == 1000
+    other = next(b.segment_view.segment for b in second.groups["global"] if b.segment_view.segment is not seg)
+    assert held_outside(second, 1007, 256, pool) == 0  # admission is told it runs in place
+    plain = reconstruct(second)  # a copy, for the continuation to equal
+    loan = Loan()
+    caches = reconstruct(second, room=256, loan=loan, pool=pool)
+    assert loan.lent == [seg] and loan.joined == 1 and seg.n_tokens == 1007 and seg.capacity >= 1007 + 256
+    assert all(c.keys is seg.layer_data[i][0] for i, c in enumerate(caches))
+    assert {id(b.segment_view.segment) for b in second.groups["global"]} == {id(seg)}
+    assert not any(b.segment_view is not None and b.segment_view.segment is other for b in pool._blocks if b)
+    more = [20, 21, 22]
+    assert mx.array_equal(_run(llama_tiny, caches, more), _run(llama_tiny, plain, more)).item()
+    third = extract(pool, caches, ids + new + more, loan=loan)
+    loan.give_back()
+    assert {id(b.segment_view.segment) for b in third.groups["global"]} == {id(seg)} and seg.n_tokens == 1010
+    for b, p in zip(reconstruct(third), plain):
+        assert mx.array_equal(b.keys, p.keys[..., :1010, :]).item()
