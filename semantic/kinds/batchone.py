@@ -29,6 +29,7 @@ class BatchOneKVCache(C.BatchKVCache):
     """mlx-lm's ``BatchKVCache``, made from one ``KVCache`` without a copy (module doc)."""
 
     widen = None  # when its buffers are the pool's (``lending.Loan``): how to give them more room there
+    _lent = None  # the pool's keys array it writes into; a batch another row joined (a copy) no longer does
 
     @classmethod
     def wrap(cls, cache: C.KVCache) -> "BatchOneKVCache":
@@ -39,14 +40,16 @@ class BatchOneKVCache(C.BatchKVCache):
             batch.offset = batch.offset + cache.offset
             batch._idx = cache.offset
             batch.widen = getattr(cache, WIDEN, None)
+            batch._lent = cache.keys if batch.widen is not None else None
         return batch
 
     def update_and_fetch(self, keys, values):
         """mlx-lm's, but a decode that outgrows the pool's lent buffer widens it there (``lending.widen``):
         mlx-lm's growth would copy the layer beside the pool's, 256 slots at a time."""
-        if self.widen is not None and self._idx + keys.shape[2] > self.keys.shape[2]:
-            self.keys = self.values = None  # the old buffers go as the segment's do
+        if self.widen is not None and self.keys is self._lent and self._idx + keys.shape[2] > self.keys.shape[2]:
+            self.keys = self.values = self._lent = None  # the old buffers go as the segment's do
             self.keys, self.values = self.widen(self._idx, self._idx + keys.shape[2])
+            self._lent = self.keys
         return super().update_and_fetch(keys, values)
 
     def extract(self, idx: int) -> C.KVCache:

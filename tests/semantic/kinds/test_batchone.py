@@ -11,7 +11,7 @@ from mlx_lm.models import cache as C
 from mlx_lm.models.cache import make_prompt_cache
 
 from semantic import kinds
-from semantic.kinds.batchone import BatchOneKVCache
+from semantic.kinds.batchone import WIDEN, BatchOneKVCache
 from semantic.request import Request
 from semantic.runner.steploop import StepLoop
 
@@ -114,3 +114,23 @@ def test_a_lone_turn_equals_the_same_turn_through_mlx_lms_merge(llama_tiny, monk
     assert moved  # merge copied the row into a new buffer
     assert tokens == tokens_merged
     assert np.array_equal(logprobs, logprobs_merged)
+
+
+def test_a_lent_row_widens_the_pools_buffer_until_another_row_joins_then_grows_as_mlx_lm_does():
+    widened = []
+
+    def widen(keep, slots):  # stands in for ``lending.widen``: what a lent cache carries (cache/test_convert.py)
+        widened.append((keep, slots))
+        k = mx.concatenate([lent.keys[..., :keep, :], mx.zeros((1, 2, slots - keep + 256, 4))], axis=2)
+        return k, k * 2
+
+    lent = _cache(250)  # 256 slots
+    setattr(lent, WIDEN, widen)
+    (batch,) = kinds.merge([[lent]])
+    x = mx.random.normal((1, 2, 10, 4), key=mx.random.key(1))
+    batch.update_and_fetch(x, x)  # 260 tokens: widened, not grown by mlx-lm
+    assert widened == [(250, 260)] and batch.keys.shape[2] == 516
+    batch.extend(kinds.merge([[_cache(3, seed=2)], [_cache(4, seed=3)]])[0])  # a copy of both rows
+    y = mx.random.normal((3, 2, 300, 4), key=mx.random.key(4))
+    batch.update_and_fetch(y, y)  # past the merged copy's slots: mlx-lm's growth of the copy, no widening
+    assert widened == [(250, 260)] and batch.keys.shape[0] == 3
