@@ -132,32 +132,28 @@ def _geometry(g: str, p: dict, work: Path, bufs, out: dict, ctx) -> dict:
                     "groups": len(spec.groups())},
            "lengths": {}}
     for n in p["lengths"]:
-        lab = label(n)
-        t0 = time.perf_counter()
-        try:
-            geo["lengths"][lab] = _length(g, n, p, work / lab, bufs, spec, geo, model_dir, out)
-        except Exception as exc:
-            out["failed"].append({"part": f"{g} {lab}", "error": "".join(traceback.format_exception(exc))[-6000:]})
-            print(f"EXP-020 {g} {lab} failed: {exc}", file=sys.stderr)
-        finally:
-            shutil.rmtree(work / lab, ignore_errors=True)
-            if lab in geo["lengths"]:
-                geo["lengths"][lab]["wall_s"] = time.perf_counter() - t0
-            ctx.progress.update(1)
+        _part(geo["lengths"], label(n), g, work, out, lambda lab: _length(g, n, p, work / lab, bufs, spec, geo, model_dir, out))
+        ctx.progress.update(1)
     geo["fleets"] = {}
     for n, agents in p["fleets"]:
-        lab = f"{agents}x{label(n)}"
-        t0 = time.perf_counter()
-        try:
-            geo["fleets"][lab] = _fleet(g, n, agents, p, work / lab, spec, geo, model_dir, out)
-        except Exception as exc:
-            out["failed"].append({"part": f"{g} {lab}", "error": "".join(traceback.format_exception(exc))[-6000:]})
-            print(f"EXP-020 {g} {lab} failed: {exc}", file=sys.stderr)
-        finally:
-            shutil.rmtree(work / lab, ignore_errors=True)
-            if lab in geo["fleets"]:
-                geo["fleets"][lab]["wall_s"] = time.perf_counter() - t0
+        _part(geo["fleets"], f"{agents}x{label(n)}", g, work, out,
+              lambda lab: _fleet(g, n, agents, p, work / lab, spec, geo, model_dir, out))
     return geo
+
+
+def _part(into: dict, lab: str, g: str, work: Path, out: dict, measure) -> None:
+    """``into[lab] = measure(lab)`` with its wall time; a failure is recorded (a P0 fails) and the other parts
+    still run; its work directory goes either way."""
+    t0 = time.perf_counter()
+    try:
+        into[lab] = measure(lab)
+    except Exception as exc:
+        out["failed"].append({"part": f"{g} {lab}", "error": "".join(traceback.format_exception(exc))[-6000:]})
+        print(f"EXP-020 {g} {lab} failed: {exc}", file=sys.stderr)
+    finally:
+        shutil.rmtree(work / lab, ignore_errors=True)
+        if lab in into:
+            into[lab]["wall_s"] = time.perf_counter() - t0
 
 
 def _fleet(g: str, n: int, agents: int, p: dict, work: Path, spec, geo: dict, model_dir: Path, out: dict) -> dict:
