@@ -104,11 +104,11 @@ def lendable(pieces: list, total: int, pool) -> bool:
 
 
 def cuttable(pool, seg: Segment, total: int) -> bool:
-    """Whether :func:`cut` may make ``seg`` end at ``total``: every block holding its positions from ``total``
-    on lies in one block slot (positions no block holds any more are free to write)."""
+    """Whether :func:`cut` may make ``seg`` end at ``total``: what it holds past it lies in one block slot, or no
+    block holds those positions any more (a history whose blocks there were recycled). A full block past the
+    cut that the pool still keeps, cached or live, is another history's to resume from: never cut into."""
     bt = pool.block_tokens
-    edge = total - total % bt
-    return seg.n_tokens <= edge + bt or all(b.segment_view.start < edge + bt for b in pool.sitting_in(seg, total))
+    return seg.n_tokens <= total - total % bt + bt or not pool.sitting_in(seg, total)
 
 
 def joinable(pieces: list, total: int, pool) -> Segment | None:

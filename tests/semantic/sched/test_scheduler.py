@@ -31,7 +31,7 @@ from semantic import (
 )
 from semantic.cache import room
 from tests.cache_helpers import assert_like_fresh, fresh
-from tests.tiny_models import byte_tokenizer
+from tests.tiny_models import byte_tokenizer, tiny_lfm2
 from tests.waits import until
 
 pytestmark = pytest.mark.compat
@@ -388,3 +388,35 @@ def test_after_a_long_prefill_the_idle_worker_gives_back_all_but_a_little_of_wha
         keeps.clear()
         sched.submit(Request("b", _ids(11, heap.LONG_PREFILL), 2)).result(120)
         assert until(lambda: heap.AFTER_LONG_PREFILL in keeps, 30)
+
+
+
+def test_an_agent_returning_to_its_branch_after_an_edit_and_a_subagent_finds_its_whole_cache(cache_dir):
+    """EXP-022's round on a hybrid, every agent evicted after its turns (a RAM budget under one cache): first,
+    append, regenerate, an edit that diverges inside the history, a sub-agent sharing the system prompt, then
+    the append's branch continued. A turn lent the segment cut where it diverges must never cut into a full
+    block the pool still keeps past it (another branch's): the return finds its whole branch."""
+    model = tiny_lfm2()
+    spec = ModelCacheSpec.from_model(model)
+    store = AgentCacheStore(cache_dir, spec, "tiny", 10**9, pool=BlockPool(spec, capacity_bytes=256 << 20))
+    rng = np.random.default_rng(0)
+    ids = lambda n: [int(t) for t in rng.integers(1, 250, n)]
+    hist = {}
+    with ConcurrentScheduler(model, byte_tokenizer(), store, stop_tokens=[], ram_budget_bytes=1) as sched:
+        def turn(agent, prompt, keep=True):
+            out = sched.submit(Request(agent, prompt, 8)).result(120)
+            if keep:
+                hist[agent] = prompt + list(out.token_ids)
+            return out
+
+        system = ids(600)
+        turn("a", system + ids(244))
+        append = hist["a"] + ids(270)
+        assert turn("a", append).cached_tokens == 851
+        assert turn("a", append, keep=False).cached_tokens == len(append) - 1        # regenerate
+        assert turn("a", hist["a"][:-8 - 270] + ids(262), keep=False).cached_tokens == 851  # edit
+        assert turn("sub", system + ids(250)).cached_tokens == 512                   # the system prompt's blocks
+        back = hist["a"] + ids(270)
+        out = turn("a", back)
+    assert out.cached_tokens >= len(append) + 7, (out.cached_tokens, len(append))
+    assert_like_fresh(model, out, fresh(model, back, 8))
