@@ -237,7 +237,8 @@ class Backend:
                             "replays": st.spec_replays, "off_reason": st.spec_off},
             "cache_kinds": list(st.cache_kinds),
             # groups: whether a turn writes into the pool's own buffers (true) or a copy of its cache (false:
-            # quantized, sliding, recurrent); lent_turns / copied_turns: resumed turns each way
+            # quantized, sliding, recurrent); lent_turns / copied_turns: resumed turns each way (a copied one
+            # was charged its copy at admission); grown_segments, joined_histories: buffers grown or joined for them
             "in_place": st.in_place,
             # off_reason: why this model decodes one sequence at a time (its code or its caches do not batch)
             "batch": {"off_reason": st.batch_off},
