@@ -416,7 +416,7 @@ def held_outside(blocks: AgentBlocks, total: int, room: int, pool: BlockPool | N
     out, seen = 0, {}
     for i, layer, group, kind, snapshot_only in _layers(blocks.spec, blocks.block_tokens):
         if snapshot_only:
-            out += int(layer.state_bytes() + layer.token_bytes() * layer.tokens_held(total))
+            out += layer.bytes_held(total)
             continue
         in_place = room and kind.takes_room(layer)
         if group not in seen:

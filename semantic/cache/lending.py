@@ -67,8 +67,9 @@ def lend(pieces: list, total: int, room: int, loan: Loan, pool=None) -> Segment 
     ``loan``; a history over several segments is joined into its first one first (:func:`join`); None when
     there is none or another turn has it."""
     seg = whole_segment(pieces, total)
-    if seg is None and pool is not None and joinable(pieces, total, pool) is not None:
-        seg = join(pool, pieces, total, room)
+    split = joinable(pieces, pool) if seg is None and pool is not None else None
+    if split is not None:
+        seg = join(pool, pieces, total, room, *split)
         loan.joined += 1
     if seg is None or seg.lent:
         return None
@@ -99,7 +100,7 @@ def lendable(pieces: list, total: int, pool) -> bool:
     of several that :func:`join` makes one."""
     seg = whole_segment(pieces, total)
     if seg is None:
-        return pool is not None and joinable(pieces, total, pool) is not None
+        return pool is not None and joinable(pieces, pool) is not None
     return not seg.lent and (seg.n_tokens <= total or (pool is not None and cuttable(pool, seg, total)))
 
 
@@ -111,18 +112,18 @@ def cuttable(pool, seg: Segment, total: int) -> bool:
     return seg.n_tokens <= total - total % bt + bt or not pool.sitting_in(seg, total)
 
 
-def joinable(pieces: list, total: int, pool) -> Segment | None:
+def joinable(pieces: list, pool) -> tuple[Segment, int] | None:
     """The first segment of a history held in several (``pieces``: the part from its first segment, then runs
-    of others, or blocks of their own), when :func:`join` may copy the rest into it: it holds positions 0 on
-    at their index, no turn has it, and it may be cut where the history leaves it (:func:`cuttable`); else
-    None. A history split by an eviction (its first blocks still pooled, the rest read back from disk) or
-    by a turn that got a copy."""
+    of others, or blocks of their own) and where the history leaves it, when :func:`join` may copy the rest
+    into it: it holds positions 0 on at their index, no turn has it, and it may be cut there
+    (:func:`cuttable`); else None. A history split by an eviction (its first blocks still pooled, the rest
+    read back from disk) or by a turn that got a copy."""
     runs = segment_runs(pieces, next(iter(pieces[0][0].layers)))
     first = runs[0]
     if len(runs) < 2 or not isinstance(first.source, Segment) or first.start != 0 or pieces[0][0].start != 0:
         return None
     seg = first.source
-    return seg if not seg.lent and cuttable(pool, seg, first.stop) else None
+    return (seg, first.stop) if not seg.lent and cuttable(pool, seg, first.stop) else None
 
 
 def cut(pool, seg: Segment, total: int, block_tokens: int) -> bool:
@@ -155,18 +156,17 @@ def cut(pool, seg: Segment, total: int, block_tokens: int) -> bool:
     return True
 
 
-def join(pool, pieces: list, total: int, room: int) -> Segment:
-    """Copy the rest of a history held in several segments into its first one (:func:`joinable`), one layer at a
+def join(pool, pieces: list, total: int, room: int, seg: Segment, at: int) -> Segment:
+    """Copy the rest of a history held in several segments into its first one ``seg``, which it leaves at ``at``
+    (:func:`joinable`), one layer at a
     time, with the turn's ``room`` and :func:`headroom` after it, and make the blocks wholly inside it positions
     there: the history is one segment again, so this turn and the next are lent it, where each would copy the
     whole cache. A block that reaches past ``total`` (a pooled block the history cuts short) keeps its place;
     a segment whose blocks all moved goes. The bytes copied are the history's own, so every block reads what
     it read before."""
-    seg = joinable(pieces, total, pool)
-    assert seg is not None
-    at = segment_runs(pieces, next(iter(pieces[0][0].layers)))[0].stop
     if seg.n_tokens > at:
-        assert cut(pool, seg, at, pool.block_tokens)
+        done = cut(pool, seg, at, pool.block_tokens)
+        assert done, (seg.n_tokens, at)  # joinable found it cuttable
     rest = [(blk, s, e) for blk, s, e in pieces if blk.start + e > at]
     more = total - at + room + headroom(total)
     for i in list(seg.layer_data):
@@ -191,7 +191,7 @@ def join(pool, pieces: list, total: int, room: int) -> Segment:
         del joined
     seg.n_tokens = total
     for blk, _s, _e in rest:
-        if blk.start >= at and blk.end <= total and (blk.segment_view is None or blk.segment_view.segment is not seg):
+        if blk.start >= at and blk.end <= total:  # none of them was in ``seg``: it was cut at ``at``
             blk.own_data, blk.segment_view = {}, SegmentView(seg, blk.start)
     heap.give_back()
     return seg

@@ -48,9 +48,7 @@ def block_costs(spec: ModelCacheSpec, block_tokens: int) -> dict[str, int]:
         first = spec.layers[layers[0]]
         if first.snapshot_only(block_tokens):
             # the whole cache: a recurrent state, or a window shorter than a block
-            out[group] = sum(int(spec.layers[i].state_bytes()
-                                 + spec.layers[i].token_bytes() * spec.layers[i].tokens_held(1 << 40))
-                             for i in layers)
+            out[group] = sum(spec.layers[i].bytes_held(1 << 40) for i in layers)
         else:
             out[group] = int(sum(spec.layers[i].token_bytes() for i in layers) * block_tokens)
         out[group] = max(out[group], 1)
@@ -128,7 +126,7 @@ def row_bytes(spec: ModelCacheSpec, tokens: int) -> int:
     """Bytes one row of a merged batch holds for a cache of ``tokens``: every layer's K/V it attends over
     (a window's at most) and each recurrent state. A batch of two or more rows is a copy of its rows, padded
     to the longest (mlx-lm's ``BatchKVCache.merge`` and ``extend``); a turn decoding alone is its own."""
-    return int(sum(layer.state_bytes() + layer.token_bytes() * layer.tokens_held(tokens) for layer in spec.layers))
+    return sum(layer.bytes_held(tokens) for layer in spec.layers)
 
 
 def merged_bytes(rows: list[int]) -> int:
@@ -136,10 +134,8 @@ def merged_bytes(rows: list[int]) -> int:
     return len(rows) * max(rows) if len(rows) > 1 else 0
 
 
-
 def held_copy(spec: ModelCacheSpec, tokens: int) -> int:
     """Bytes a resumed turn of a cache of ``tokens`` holds beyond the pool in the layers whose kind writes no
     buffer of the pool's in place (quantized K/V, windows, recurrent states): a copy of what they hold, as
     ``convert.held_outside`` counts it. Layers that take room run in the pool's buffers: nothing."""
-    return int(sum(layer.state_bytes() + layer.token_bytes() * layer.tokens_held(tokens)
-                   for layer in spec.layers if not kinds.of(layer).takes_room(layer)))
+    return sum(layer.bytes_held(tokens) for layer in spec.layers if not kinds.of(layer).takes_room(layer))

@@ -108,6 +108,10 @@ class LayerSpec:
         """Bytes of K plus V per cached token (quantized: packed + scales + biases; recurrent: 0)."""
         return self._kind.token_bytes(self)
 
+    def bytes_held(self, total: int) -> int:
+        """Bytes this layer's cache holds after ``total`` tokens: its state and the K/V of what it holds."""
+        return int(self.state_bytes() + self.token_bytes() * self.tokens_held(total))
+
     def make_cache(self):
         return self._kind.make(self)
 

@@ -48,11 +48,13 @@ class CacheOrigin:
         cv: the scheduler's condition.
         carry_out: how the scheduler does a plan (decides under ``cv``, evicts, waits, fails);
             given the decision, it returns the plan it carried out.
+        live: what a turn starting now from a cache holds beyond the pool's blocks
+            (``CacheManager.live_bytes``), charged with its blocks.
     """
 
     def __init__(self, store: AgentCacheStore, planner: StepPlanner, cv: threading.Condition,
                  carry_out: Callable[[Callable[[], StepPlan]], StepPlan],
-                 live: Callable[[Request, AgentBlocks | None], int] = lambda request, own: 0):
+                 live: Callable[[Request, AgentBlocks | None], int]):
         self.store, self.planner, self._cv, self._carry_out = store, planner, cv, carry_out
         self._live = live
 

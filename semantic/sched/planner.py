@@ -50,8 +50,7 @@ from collections import Counter, deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from semantic.cache import room as room_of
-from semantic.cache.room import size
+from semantic.cache.room import merged_bytes, size
 from semantic.cache.blocks import AgentBlocks
 from semantic.errors import PoolExhaustedError, TurnTooLargeError
 from semantic.request import Completion, Request
@@ -225,7 +224,7 @@ class StepPlanner:
                     f"with a larger pool, or send a shorter prompt")))
                 continue
             row = (rows or {}).get(ticket, 0)
-            merge = room_of.merged_bytes(batch + [row]) - room_of.merged_bytes(batch) if row else 0
+            merge = merged_bytes(batch + [row]) - merged_bytes(batch) if row else 0
             if free - sum(reserved) >= need + merge:
                 plan.admit.append((ticket, need + merge))
                 reserved.append(need + merge)

@@ -229,6 +229,22 @@ def _table(head: list[str], rows: list[list]) -> str:
                       *("| " + " | ".join(fmt(x) if not isinstance(x, str) else x for x in r) + " |" for r in rows)])
 
 
+def _fleets(out: dict) -> tuple[list[list], str]:
+    """The no-flag fleets' table rows (each turn: phase and agent, status, cached tokens, seconds) and their
+    servers' budget lines."""
+    run = [(g, lab, d) for g, geo in (out.get("geometries") or {}).items()
+           for lab, d in (geo.get("fleets") or {}).items() if "skipped" not in d]
+    rows = [[g, lab, _gb(d.get("cache_bytes")), " / ".join(
+                f"{t['phase'][0]}{t['agent'].split('-')[-1]}: {t.get('status')} {fmt(t.get('cached_tokens'))} {fmt(t.get('s'))} s"
+                for t in d.get("turns", [])), fmt(d.get("longest_cache_tokens")), _mb(d.get("budget_bytes")),
+             _mb(d.get("rss_max_bytes")), fmt(d.get("rss_over_budget_max")),
+             fmt((d.get("in_place") or {}).get("lent_turns")), fmt((d.get("in_place") or {}).get("copied_turns"))]
+            for g, lab, d in run]
+    lines = "\n".join(f"- {g} {lab}: " + " / ".join(f"`{ln.split(' INFO ')[-1][:220]}`" for ln in d.get("log_lines", []))
+                      for g, lab, d in run)
+    return rows, lines
+
+
 def readme(ctx, out: dict, c: dict) -> str:
     verdicts = ctx.results.evaluate()
     doc = ctx.results.doc
@@ -271,16 +287,7 @@ def readme(ctx, out: dict, c: dict) -> str:
     default_lines = "\n".join(f"- {g} {lab}: " + " / ".join(f"`{ln.split(' INFO ')[-1][:160]}`"
                                                             for ln in (d.get("default") or {}).get("log_lines", []))
                               for g, lab, _, d in run if d.get("default"))
-    fleets = [[g, lab, _gb(d.get("cache_bytes")), " / ".join(
-                   f"{t['phase'][0]}{t['agent'].split('-')[-1]}: {t.get('status')} {fmt(t.get('cached_tokens'))} {fmt(t.get('s'))} s"
-                   for t in d.get("turns", [])), fmt(d.get("longest_cache_tokens")), _mb(d.get("budget_bytes")),
-               _mb(d.get("rss_max_bytes")), fmt(d.get("rss_over_budget_max")),
-               fmt((d.get("in_place") or {}).get("lent_turns")), fmt((d.get("in_place") or {}).get("copied_turns"))]
-              for g, geo in (out.get("geometries") or {}).items() for lab, d in (geo.get("fleets") or {}).items()
-              if "skipped" not in d]
-    fleet_lines = "\n".join(f"- {g} {lab}: " + " / ".join(f"`{ln.split(' INFO ')[-1][:220]}`" for ln in d.get("log_lines", []))
-                            for g, geo in (out.get("geometries") or {}).items()
-                            for lab, d in (geo.get("fleets") or {}).items() if "skipped" not in d)
+    fleets, fleet_lines = _fleets(out)
     skipped = "\n".join(f"- {s['part']}: {s['why']}" for s in out.get("skipped") or []) or "none"
     failed = "\n".join(f"- {f['part']}: `{f['error'].strip().splitlines()[-1][:300]}`" for f in out.get("failed") or []) or "none"
     return f"""# EXP-020: the models and contexts users run, at real geometry and real lengths
