@@ -19,12 +19,14 @@ import ctypes
 # reuses; emptying them cost a small model's next turn its page faults again (SmolLM2's sub-agent and
 # regenerate turns 1.25x and 2x slower to their first token)
 KEEP_BYTES = 256 << 20
-# a prefill this long leaves working memory (attention over its chunks) a later turn of the agent does not
-# reuse: 230 MB free heap after 4,096 tokens at Qwen3-Coder's geometry, under KEEP_BYTES, so it stayed; after
-# one, the idle worker keeps only AFTER_LONG_PREFILL. Lowering KEEP_BYTES itself to 64 MiB made SmolLM2's
-# sub-agent and edit turns 1.06x slower (EXP-022), whose prefills are shorter
-LONG_PREFILL = 2048
-AFTER_LONG_PREFILL = 64 << 20
+# idle this long with nothing new, the worker gives back everything the process is not using: between an
+# agent's turns (a tool runs, a person reads) the machine has its memory back, while the turns of a burst
+# (sub-agents sent one after another) still find the last one's working buffers
+QUIET_S = 0.25
+# a loop that replaces a cache's buffers one layer at a time (a segment grown for a turn) gives back what it let
+# go every this many bytes: the freed buffers stay in MLX's cache and the heap, and the process held the old
+# cache and the new at the loop's end (1.6x of a 4K-token cache at Qwen3-Coder's geometry, 1.2x with this)
+STEP_BYTES = 32 << 20
 
 
 def give_back(keep: int = KEEP_BYTES) -> bool:
@@ -45,6 +47,20 @@ def give_back(keep: int = KEEP_BYTES) -> bool:
         trim(0)
         gave = True
     return gave
+
+
+class Releasing:
+    """Counts the bytes a loop lets go and gives them back every ``step``: the process holds a cache being
+    rebuilt layer by layer about once, not once plus every layer it has replaced."""
+
+    def __init__(self, step: int = STEP_BYTES):
+        self.step, self.freed = step, 0
+
+    def let_go(self, nbytes: int) -> None:
+        self.freed += nbytes
+        if self.freed >= self.step:
+            give_back(0)
+            self.freed = 0
 
 
 class _MallInfo2(ctypes.Structure):

@@ -375,7 +375,7 @@ def reconstruct(blocks: AgentBlocks, materialize: bool = True, upto: int | None 
             k, v = seg.layer_data[i]
             cache = kind.build_with_room(i, layer, k, v, total, held, spare)
             # a decode that outgrows the room widens the segment's layer (batchone), not a copy beside it
-            setattr(cache, WIDEN, functools.partial(lending.widen, seg, i))
+            setattr(cache, WIDEN, functools.partial(lending.widen, seg, i, loan.releasing))
             caches.append(cache)
             handed += 1
             continue

@@ -39,6 +39,8 @@ class Loan:
     lent: list = field(default_factory=list)
     grown: int = 0  # segments grown for the turn (:func:`grow`)
     joined: int = 0  # histories of several segments joined into one for the turn (:func:`join`)
+    # what a decode that outgrew the room let go, layer by layer (:func:`widen`)
+    releasing: heap.Releasing = field(default_factory=heap.Releasing)
 
     def give_back(self) -> None:
         for seg in self.lent:
@@ -53,11 +55,12 @@ def headroom(tokens: int) -> int:
 
 
 def restored_spare(tokens: int) -> int:
-    """Spare slots a history of ``tokens`` read from disk whole gets (``store.blockload``): a step of a
-    turn's room and the :func:`headroom` a segment grown for a turn gets, so its next turn need not grow
-    it; none where that is over an eighth of the history (a short one grows in little time, and restored
-    agents' spare slots would be most of their memory)."""
-    spare = 256 + headroom(tokens)
+    """Spare slots a history of ``tokens`` read from disk whole gets (``store.blockload``): the :func:`headroom`
+    a segment grown for a turn gets, a turn's room of up to a step (the usual next turn: a tool's output, a
+    user's message) and more at longer histories, so that turn need not grow it; none where that is over
+    an eighth of the history (a short one grows in little time, and restored agents' spare slots would be
+    most of their memory)."""
+    spare = headroom(tokens)
     return spare if spare * 8 <= tokens else 0
 
 
@@ -169,6 +172,7 @@ def join(pool, pieces: list, total: int, room: int, seg: Segment, at: int) -> Se
         assert done, (seg.n_tokens, at)  # joinable found it cuttable
     rest = [(blk, s, e) for blk, s, e in pieces if blk.start + e > at]
     more = total - at + room + headroom(total)
+    releasing = heap.Releasing()
     for i in list(seg.layer_data):
         k, v = seg.layer_data[i]
         parts_k, parts_v, where = [k[..., :at, :]], [v[..., :at, :]], at
@@ -185,15 +189,17 @@ def join(pool, pieces: list, total: int, room: int, seg: Segment, at: int) -> Se
         parts_k.append(mx.zeros((b, h, more - (total - at), k.shape[3]), dtype=k.dtype))
         parts_v.append(mx.zeros((b, h, more - (total - at), v.shape[3]), dtype=v.dtype))
         joined = (mx.concatenate(parts_k, axis=2), mx.concatenate(parts_v, axis=2))
+        old = k.nbytes + v.nbytes
         del k, v, parts_k, parts_v
         mx.eval(joined)
         seg.layer_data[i] = joined
+        releasing.let_go(old)
         del joined
     seg.n_tokens = total
     for blk, _s, _e in rest:
         if blk.start >= at and blk.end <= total:  # none of them was in ``seg``: it was cut at ``at``
             blk.own_data, blk.segment_view = {}, SegmentView(seg, blk.start)
-    heap.give_back()
+    heap.give_back(0)
     return seg
 
 
@@ -201,17 +207,18 @@ def grow(seg: Segment, more: int) -> None:
     """Give ``seg`` ``more`` spare slots after its tokens, one layer at a time: each layer's new buffer is made
     and its old one let go before the next, so the pool holds its cache once plus one layer, never twice (a
     buffer something else still holds, a save being written, goes when that does)."""
-    n = seg.n_tokens
+    n, releasing = seg.n_tokens, heap.Releasing()
     for i in list(seg.layer_data):
         k, v = seg.layer_data[i]
         grown = (_widened(k, n, more), _widened(v, n, more))
         mx.eval(grown)
         seg.layer_data[i] = grown
+        releasing.let_go(k.nbytes + v.nbytes)
         del k, v, grown
-    heap.give_back()  # the old buffers, from MLX's buffer cache and the heap: the process holds one copy
+    heap.give_back(0)  # the old buffers, from MLX's buffer cache and the heap: the process holds one copy
 
 
-def widen(seg: Segment, layer: int, keep: int, slots: int) -> tuple:
+def widen(seg: Segment, layer: int, releasing: heap.Releasing, keep: int, slots: int) -> tuple:
     """Layer ``layer`` of lent ``seg`` with room for ``slots`` tokens in all, its first ``keep`` slots kept (the
     turn's tokens so far) and :func:`headroom` after: a lent turn's decode that outgrew its room. The
     segment's arrays are replaced, so the turn keeps writing where the pool keeps its cache; the caller lets
@@ -220,9 +227,11 @@ def widen(seg: Segment, layer: int, keep: int, slots: int) -> tuple:
     k, v = seg.layer_data[layer]
     more = slots - keep + headroom(slots)
     grown = (_widened(k, keep, more), _widened(v, keep, more))
+    old = k.nbytes + v.nbytes
     del k, v
     seg.layer_data[layer] = grown
     mx.eval(grown)
+    releasing.let_go(old)
     return grown
 
 

@@ -119,7 +119,6 @@ class ConcurrentScheduler(ResidentView):
                                   live=lambda r, own: self.executor.cache_manager.live_bytes(r.ids, own, r.salt_root))
         self._closing = False
         self._steps = 0
-        self._long_prefill = False  # a turn prefilled heap.LONG_PREFILL tokens or more since the last give-back
         self._worker = threading.Thread(target=self._work, name="semantic-scheduler", daemon=True)
         self._prefixes: dict[str, set[str]] = {}  # agent -> the prefix entries its last turn saved (_keep_prefix)
         self._saver = WriteBehind(store, self.planner.saves, self._cv, lambda: self._closing and not self._worker.is_alive())
@@ -250,6 +249,8 @@ class ConcurrentScheduler(ResidentView):
 
     def _work(self) -> None:
         settled = None  # the saves done when the worker last gave freed memory back
+        quiet = False   # idle for heap.QUIET_S since then, nothing new: give back all of it
+        kept = False    # what the last give-back kept (a turn's working buffers) is still held
         while True:
             with self._cv:
                 idle = not self._closing and self.planner.idle
@@ -257,12 +258,18 @@ class ConcurrentScheduler(ResidentView):
                 done = saves.saves + saves.errors + saves.prefixes
             if idle and settled != done:
                 # idle, and a turn or a save ended since: what they freed (a save holds its buffers until
-                # written) leaves the process, off every turn's path
-                heap.give_back(heap.AFTER_LONG_PREFILL if self._long_prefill else heap.KEEP_BYTES)
-                settled, self._long_prefill = done, False
+                # written) leaves the process, off every turn's path; a turn's working buffers stay a moment
+                # for the next turn of a burst
+                heap.give_back(heap.KEEP_BYTES)
+                settled, kept = done, True
+            elif idle and quiet:
+                heap.give_back(0)  # nothing came: the machine gets back all the process is not using
+                kept = False
+            quiet = False
             with self._cv:
                 if not self._closing and self.planner.idle:
-                    self._cv.wait()  # a save's end wakes it too: the loop gives back what that save held
+                    # a save's end or a submit wakes it too: the loop gives back what that save held
+                    quiet = not self._cv.wait(heap.QUIET_S if kept else None)
                     continue
                 if self._closing and not self.planner.in_flight and not self.planner.queued:
                     return
@@ -387,7 +394,6 @@ class ConcurrentScheduler(ResidentView):
             self._fail_in_flight(exc)
 
     def _finish(self, c: Completion) -> None:
-        self._long_prefill |= c.prompt_tokens >= heap.LONG_PREFILL  # its working memory leaves at the next idle
         # the cache is the scheduler's from here: resident and saved, never the caller's
         blocks, c.blocks = (c.blocks, None) if self.planner.keeps(c) else (None, None)
         prepared = None

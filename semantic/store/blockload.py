@@ -341,8 +341,8 @@ def _run_fill(m: Manifest, run: list[ClaimedBlock], files: dict[int, BlockInfo],
 
 def _spare(m: Manifest, first: ClaimedBlock, last: ClaimedBlock, total: int) -> int:
     """Empty slots after a run that is a history's whole buffer from position 0, where its layers take
-    room: a turn's room and the headroom a grown segment gets (``lending.restored_spare``), so the
-    agent's turn after a restore is lent the segment as it was read, not a grown copy of it."""
+    room: the headroom a grown segment gets (``lending.restored_spare``), so the agent's turn after a
+    restore is lent the segment as it was read, not a grown copy of it."""
     layer = m.spec.layers[first.layers[0]]
     whole = not first.start and not first.shift and not last.shift and last.end == total
     return lending.restored_spare(total) if whole and kinds.of(layer).takes_room(layer) else 0

@@ -7,8 +7,9 @@ then ``appends`` turns each add ``append_tokens`` (a coding agent's tool output)
 ``/v1/completions`` of the whole text so far, greedy, ``max_tokens`` 2, the agent named by ``X-Agent-Id``
 (mlx-lm's server finds the prefix in its own prompt cache). The server's resident set (it and its children)
 is sampled every 100 ms from start to stop (``MemorySampler``); each turn reports its peak above the idle
-server's RSS (after one 4-token warm-up turn) and the RSS after it, each over the KV bytes of the agent's
-cache at that length: 1.0 is one copy.
+server's RSS (after one 4-token warm-up turn) and the RSS after it (the median of the last 3 samples of
+``settle_samples``: a second by default, the least an agent's tool call takes before its next turn), each
+over the KV bytes of the agent's cache at that length: 1.0 is one copy.
 
 The sides: ours at each tree of ``trees`` (this checkout, or a commit in a worktree, as EXP-022 resolves
 them), and ``mlx_lm.server`` with its own defaults, one after another on the same prompts.
@@ -198,7 +199,9 @@ KIND = register(TrialKind(
         "first_tokens": Param(int, 4096, "the agent's first turn", min=16),
         "append_tokens": Param(int, 250, "each append's new tokens", min=1),
         "appends": Param(int, 20, "turns after the first", min=1),
-        "settle_samples": Param(int, 5, "RSS samples after a turn before the next (100 ms each)", min=1),
+        "settle_samples": Param(int, 10, "RSS samples after a turn before the next (100 ms each: a second, as an "
+                                         "agent's tool call at the least); 'after' is the median of the last 3",
+                                min=1),
         "timeout_s": Param(float, 900.0, "one request's limit", min=1.0),
     },
     trial_code=(run, _side),

@@ -373,22 +373,23 @@ def test_a_turn_waits_for_its_agents_save_to_write_its_bytes_then_writes_into_th
     assert_like_fresh(llama_tiny, r3, fresh(llama_tiny, h3, 3))
 
 
-def test_after_a_long_prefill_the_idle_worker_gives_back_all_but_a_little_of_what_was_freed(
+def test_an_idle_worker_keeps_a_turns_working_buffers_for_a_moment_then_gives_back_everything(
         llama_tiny, cache_dir, monkeypatch):
-    # a long prefill's working memory is more than the agent's next turns reuse (EXP-023: 230 MB after 4K
-    # tokens stayed resident under the usual threshold); a short turn's stays for the next one
+    # the next turn of a burst finds the last one's buffers; a quiet server holds only its caches (EXP-023)
     from semantic import heap
 
     keeps, give_back = [], heap.give_back
     monkeypatch.setattr(heap, "give_back", lambda keep=heap.KEEP_BYTES: (keeps.append(keep), give_back(keep))[1])
+    monkeypatch.setattr(heap, "QUIET_S", 60.0)
     with _scheduler(llama_tiny, cache_dir, blocks=2048, block_tokens=16) as sched:
         sched.submit(Request("a", _ids(10, 20), 2)).result(60)
         assert until(lambda: keeps and not sched.planner.saves.busy, 30)
-        assert set(keeps) == {heap.KEEP_BYTES}
+        assert set(keeps) == {heap.KEEP_BYTES}  # not quiet long enough yet
+        monkeypatch.setattr(heap, "QUIET_S", 0.05)
         keeps.clear()
-        sched.submit(Request("b", _ids(11, heap.LONG_PREFILL), 2)).result(120)
-        assert until(lambda: heap.AFTER_LONG_PREFILL in keeps, 30)
-
+        sched.submit(Request("b", _ids(11, 40), 2)).result(60)
+        assert until(lambda: 0 in keeps, 30)
+        assert keeps[0] == heap.KEEP_BYTES and keeps[-1] == 0
 
 
 def test_an_agent_returning_to_its_branch_after_an_edit_and_a_subagent_finds_its_whole_cache(cache_dir):

@@ -1,0 +1,40 @@
+"""A segment grown for a turn, one layer at a time, holds its cache about once while it grows and after."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from semantic import heap
+from semantic.cache import lending
+from semantic.cache.blocks import Segment
+
+LAYERS, HEADS, TOKENS, DIM = 48, 4, 4096, 128  # 384 MiB of bfloat16 K and V, Qwen3-Coder's geometry at 4K
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def test_a_segment_grown_layer_by_layer_never_holds_the_old_cache_beside_the_new(monkeypatch):
+    # RSS, read as each layer is replaced: the freed layers stay resident (MLX's buffer cache, glibc's heap)
+    # unless given back as the loop goes; held, they were 0.6x of the cache at the loop's end. The second of
+    # two grows is measured: the first raises glibc's mmap threshold past a layer, as a server's first turns do
+    seg = Segment({i: (mx.ones((1, HEADS, TOKENS, DIM), mx.bfloat16), mx.ones((1, HEADS, TOKENS, DIM), mx.bfloat16))
+                   for i in range(LAYERS)}, TOKENS)
+    mx.eval([a for kv in seg.layer_data.values() for a in kv])
+    lending.grow(seg, 256)
+    tokens = seg.n_tokens = TOKENS + 256  # a turn filled the room
+    cache = sum(k.nbytes + v.nbytes for k, v in seg.layer_data.values())
+    heap.give_back(0)
+    seen, widened = [], lending._widened
+    monkeypatch.setattr(lending, "_widened", lambda x, n, more: (seen.append(_rss()), widened(x, n, more))[1])
+    before = _rss()
+    more = 256
+    lending.grow(seg, more)
+    after = _rss()
+    added = cache * more // tokens
+    layer = cache // LAYERS
+    assert all(k.shape[2] == tokens + more for k, _ in seg.layer_data.values())
+    assert max(seen) - before <= added + heap.STEP_BYTES + 2 * layer + (16 << 20), (max(seen) - before) / cache
+    assert after - before <= added + (16 << 20), (after - before) / cache
