@@ -4,7 +4,8 @@ Every turn is one ``POST /v1/completions`` whose prompt is a list of token ids (
 few new ones, more at each restart: :class:`Growing`), greedy, not streamed, its agent named by ``X-Agent-Id`` (none: an anonymous turn, not saved).
 With ``max_tokens`` 1 the turn's whole time is its time to first token. A server's resident set is sampled
 every 100 ms for its whole life (``harness.trials.multi_model.sampler``), and the lines it logs at start
-say its budget: ``loaded <id> in S s (N MB weights, pool and working memory)`` (before: ``weights and pool``).
+say its budget: ``loaded <id> in S s (N MB weights, pool and working memory; P MB the process, ...)``, P the
+bound of its RSS with the runtime and tokenizer counted (before: N alone, or ``weights and pool``).
 
 Phases, one server, restarted between reps:
 
@@ -37,7 +38,9 @@ from harness.trials.real_geometry.synthetic import agent_files, token_ids
 
 LONG = "long"
 WARM_UP = [72, 105, 10, 72]   # "Hi\nH": an anonymous 4-token turn after each start
-BUDGET_LINE = re.compile(r"loaded (?P<id>\S+) in (?P<s>[\d.]+) s \((?P<mb>\d+) MB weights(?:,| and) pool(?: and working memory)?\)")
+# the process's figure (runtime and tokenizers too) where the server logs one; before, the model's alone
+BUDGET_LINE = re.compile(r"loaded (?P<id>\S+) in (?P<s>[\d.]+) s \((?P<mb>\d+) MB weights(?:,| and) pool"
+                         r"(?: and working memory)?(?:; (?P<process>\d+) MB the process[^)]*)?\)")
 POOL_LINE = re.compile(r"loaded \S+: (?P<blocks>\d+) blocks of (?P<bt>\d+) tokens \((?P<mb>\d+) MB\)")
 
 
@@ -110,7 +113,7 @@ class Served:
         p = [m for m in POOL_LINE.finditer(text)]
         out: dict = {"log_lines": [ln for ln in text.splitlines()[-40:] if "loaded" in ln][-2:]}
         if b:
-            out["budget_bytes"] = int(b[-1]["mb"]) << 20
+            out["budget_bytes"] = int(b[-1]["process"] or b[-1]["mb"]) << 20
         if p:
             out["pool_blocks"], out["pool_reported_bytes"] = int(p[-1]["blocks"]), int(p[-1]["mb"]) * 10**6
         return out

@@ -210,8 +210,9 @@ class Fleet:
             t0 = time.monotonic()
             log.info("loading %s from %s", model_id, slot.entry.source)
             slot.bytes = sizes[model_id]
-            self._installed(slot, self.opener(slot.entry), time.monotonic() - t0)
+            backend = self.opener(slot.entry)
             self._kept.setdefault(slot.entry.source, kept.get(slot.entry.source, 0))
+            self._installed(slot, backend, time.monotonic() - t0)
 
     async def acquire(self, name: "str | None | Slot") -> Lease:
         """A lease on the loaded model ``name`` reaches (or the slot a request resolved), loading it first when
@@ -265,8 +266,8 @@ class Fleet:
                     await self._close(backend)
                     self._set(slot, UNLOADED)
                     return
-                self._installed(slot, backend, time.monotonic() - t0)
                 self._kept.setdefault(slot.entry.source, keeps)
+                self._installed(slot, backend, time.monotonic() - t0)
                 await self._shrink(keep=slot)
                 # the loader's read buffers go back beside the model's first turn, not before it
                 self._trimming = asyncio.ensure_future(asyncio.to_thread(_free_memory))
@@ -334,8 +335,10 @@ class Fleet:
         slot.load_s = round(seconds, 3)
         slot.last_used = time.monotonic()
         self._set(slot, LOADED)
-        log.info("loaded %s in %.1f s (%.0f MB weights, pool and working memory)", slot.id, seconds,
-                 slot.bytes / 2**20)
+        # the second figure bounds the process's RSS (``footprint``): what a user compares it with
+        process = self.overhead_bytes + sum(s.bytes for s in self.slots.values() if s.state == LOADED)
+        log.info("loaded %s in %.1f s (%.0f MB weights, pool and working memory; %.0f MB the process, its runtime "
+                 "and tokenizers with every loaded model)", slot.id, seconds, slot.bytes / 2**20, process / 2**20)
 
     def _failed(self, slot: Slot, exc: BaseException) -> None:
         slot.error = f"{type(exc).__name__}: {exc}"[:500]
