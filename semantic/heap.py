@@ -15,17 +15,17 @@ from __future__ import annotations
 import ctypes
 
 
-# below this much in MLX's buffer cache nothing is given back: a turn's working buffers, which the next turn
-# reuses; emptying them cost a small model's next turn its page faults again (SmolLM2's sub-agent and
-# regenerate turns 1.25x and 2x slower to their first token)
+# below this much in MLX's buffer cache nothing is given back while turns keep coming: a turn's working
+# buffers, which the next turn of a burst reuses; emptying them at every idle spell cost a small model's next
+# turn its page faults again (SmolLM2's sub-agent and regenerate turns 1.25x and 2x slower to their first token)
 KEEP_BYTES = 256 << 20
 # idle this long with nothing new, the worker gives back everything the process is not using: between an
 # agent's turns (a tool runs, a person reads) the machine has its memory back, while the turns of a burst
 # (sub-agents sent one after another) still find the last one's working buffers
 QUIET_S = 0.25
 # a loop that replaces a cache's buffers one layer at a time (a segment grown for a turn) gives back what it let
-# go every this many bytes: the freed buffers stay in MLX's cache and the heap, and the process held the old
-# cache and the new at the loop's end (1.6x of a 4K-token cache at Qwen3-Coder's geometry, 1.2x with this)
+# go every this many bytes: the freed buffers stayed in MLX's cache and the heap, and an append that grew a
+# 4K-token cache at Qwen3-Coder's geometry peaked at 1.54 copies of it (1.16 with this, EXP-023)
 STEP_BYTES = 32 << 20
 
 
