@@ -213,8 +213,9 @@ def grow(seg: Segment, more: int) -> None:
         grown = (_widened(k, n, more), _widened(v, n, more))
         mx.eval(grown)
         seg.layer_data[i] = grown
-        releasing.let_go(k.nbytes + v.nbytes)
+        old = k.nbytes + v.nbytes
         del k, v, grown
+        releasing.let_go(old)  # after the last holder of the old layer let go
     heap.give_back(0)  # the old buffers, from MLX's buffer cache and the heap: the process holds one copy
 
 
