@@ -192,6 +192,7 @@ def join(pool, pieces: list, total: int, room: int, seg: Segment, at: int) -> Se
         old = k.nbytes + v.nbytes
         del k, v, parts_k, parts_v
         mx.eval(joined)
+        _unresident(joined, total)
         seg.layer_data[i] = joined
         releasing.let_go(old)
         del joined
@@ -212,6 +213,7 @@ def grow(seg: Segment, more: int) -> None:
         k, v = seg.layer_data[i]
         grown = (_widened(k, n, more), _widened(v, n, more))
         mx.eval(grown)
+        _unresident(grown, n)
         seg.layer_data[i] = grown
         old = k.nbytes + v.nbytes
         del k, v, grown
@@ -232,6 +234,7 @@ def widen(seg: Segment, layer: int, releasing: heap.Releasing, keep: int, slots:
     del k, v
     seg.layer_data[layer] = grown
     mx.eval(grown)
+    _unresident(grown, keep)
     releasing.let_go(old)
     return grown
 
@@ -241,6 +244,12 @@ def _owned(x):
     product (times one keeps every finite value and its sign); ``out[...] = x`` hands back the view, and
     ``mx.array(x)`` does not copy under every MLX this runs on: a view keeps the segment's buffer shared."""
     return x * 1
+
+
+def _unresident(kv: tuple, n: int) -> None:
+    """The pages of a new layer's spare slots (from ``n`` on) back to the system until a turn writes them."""
+    for x in kv:
+        heap.unresident(x, n)
 
 
 def _widened(x, n: int, more: int):

@@ -41,7 +41,7 @@ from typing import Callable, Sequence
 
 import mlx.core as mx
 
-from semantic import kinds
+from semantic import heap, kinds
 from semantic.cache import lending
 from semantic.cache.blockclaim import ClaimedBlock, chain_keys, commit, claim_blocks, snapshot_span
 from semantic.cache.blocks import AgentBlocks, LayerKV, Segment, SegmentView
@@ -332,11 +332,15 @@ def _run_fill(m: Manifest, run: list[ClaimedBlock], files: dict[int, BlockInfo],
             covered += b - a
         assert covered == p.end - p.start, (p.group, p.start, p.end, covered)
 
+    spare = _spare(m, first, last, total)
+
     def blocks(fill: _Fill):
+        for a in fill.arrays.values():  # read into rows below ``hi - lo``: the spare after costs nothing till written
+            heap.unresident(a, hi - lo)
         seg = Segment({i: fill.kv(i) for i in first.layers}, hi - lo)
         return [(p, {}, SegmentView(seg, p.start - p.shift - lo)) for p in run]
 
-    return _Fill(blockformat.block_slots(m.spec, first.group, hi - lo + _spare(m, first, last, total)), rows, blocks)
+    return _Fill(blockformat.block_slots(m.spec, first.group, hi - lo + spare), rows, blocks)
 
 
 def _spare(m: Manifest, first: ClaimedBlock, last: ClaimedBlock, total: int) -> int:
