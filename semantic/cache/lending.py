@@ -25,6 +25,12 @@ import mlx.core as mx
 from semantic import heap
 from semantic.cache.blocks import Segment, SegmentView, segment_runs
 
+# a tail a turn's cut leaves at most this many tokens of (a completion's reply the next prompt leaves out, an
+# end-of-turn marker a template renders otherwise) is let go once the agent's history has moved past it
+# (``CacheManager.let_go_left``): a return to that branch resumes where the new history's tail parts from it
+# and prefills those few tokens again, where keeping the copy held a block's memory, up to 5% of a 4K-token
+# cache, after every append. A regenerate of a longer reply keeps its old tail, to branch back to
+LEFT_OUT = 4
 # a finished cache's buffer is pooled as it is (no copy) when its spare slots are at most 1/SPARE_SHARE of its
 # tokens, else copied exactly: a short cache would keep mlx-lm's 256-slot growth step in the pool
 SPARE_SHARE = 32
@@ -41,6 +47,8 @@ class Loan:
     joined: int = 0  # histories of several segments joined into one for the turn (:func:`join`)
     # what a decode that outgrew the room let go, layer by layer (:func:`widen`)
     releasing: heap.Releasing = field(default_factory=heap.Releasing)
+    # tails the turn's cut copied out that it leaves at most ``LEFT_OUT`` tokens of (:func:`cut`)
+    left: list = field(default_factory=list)
 
     def give_back(self) -> None:
         for seg in self.lent:
@@ -76,7 +84,7 @@ def lend(pieces: list, total: int, room: int, loan: Loan, pool=None) -> Segment 
         loan.joined += 1
     if seg is None or seg.lent:
         return None
-    if seg.n_tokens > total and (pool is None or not cut(pool, seg, total, pool.block_tokens)):
+    if seg.n_tokens > total and (pool is None or not cut(pool, seg, total, pool.block_tokens, loan.left)):
         return None
     if seg.capacity - total < room:
         grow(seg, room + headroom(total))
@@ -129,13 +137,15 @@ def joinable(pieces: list, pool) -> tuple[Segment, int] | None:
     return (seg, first.stop) if not seg.lent and cuttable(pool, seg, first.stop) else None
 
 
-def cut(pool, seg: Segment, total: int, block_tokens: int) -> bool:
+def cut(pool, seg: Segment, total: int, block_tokens: int, left: list | None = None) -> bool:
     """Make ``seg`` end at ``total`` so that a turn may write there: a turn resuming a little before its
     cache's end (a completion whose reply the next prompt leaves out, a chat template that renders the reply's
     last token otherwise). Every block holding positions from ``total`` on (the tails in its last block slot)
     takes its own copy of them, or, referenced by nobody, leaves the pool, so no block reads what the turn
     writes. Those copies stay cached, for a regenerate of the history before the turn, until the next cut
-    lets them go (``Segment.copied_out``): an agent keeps one old tail. False, changing nothing, when those
+    lets them go (``Segment.copied_out``): an agent keeps one old tail, and none that the turn leaves at most
+    ``LEFT_OUT`` tokens of (those go to ``left``, let go once the turn's history replaced the old one:
+    ``CacheManager.let_go_left``). False, changing nothing, when those
     blocks reach past one block slot (a regenerate or an edit further back: full blocks other histories may
     share): that turn gets a copy."""
     if not cuttable(pool, seg, total):
@@ -151,9 +161,12 @@ def cut(pool, seg: Segment, total: int, block_tokens: int) -> bool:
         if pool.refcount(b) == 0:
             pool.forget(b)
         else:
+            past = b.segment_view.start + b.n_tokens - total  # the tokens of it the turn writes over
             b.layer_data = {i: (_owned(k), _owned(v)) for i, (k, v) in b.layer_data.items()}
             made.extend(b.own_data.values())
             seg.copied_out.append(b)
+            if left is not None and past <= LEFT_OUT:
+                left.append(b)
     mx.eval(made)
     seg.n_tokens = total
     return True

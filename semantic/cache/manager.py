@@ -7,7 +7,7 @@ asks five things, and each is a method here (the pool's lock held for it, as its
     live_bytes    what a turn starting now would hold beyond the pool's blocks, for admission to charge
     rebuild       cache objects for those blocks (convert.reconstruct), over the pool's buffers when lent;
                   ``fresh`` ones with room for a turn that starts from nothing
-    give_back     end a turn's loan of the pool's buffers
+    give_back     end a turn's loan of the pool's buffers; ``let_go_left`` then drops the old tails it left
     carry         the pooled snapshots a resumed turn's finished cache must hold on to (snapshots)
     keep_passed   a sliding window's blocks that a prefill chunk moved past, pooled before the ring drops them
     extract       a cache (finished, a checkpoint, in flight) stored as pooled blocks (convert.extract)
@@ -48,6 +48,7 @@ class CacheManager:
         self.snapshot_groups = sorted(spec.snapshot_groups(pool.block_tokens))
         # resumed turns that wrote into the pool's own buffers, that got a copy, and segments grown for them
         self.lent_turns = self.copied_turns = self.grown_segments = self.joined_histories = 0
+        self._left: list = []  # old tails the turns' cuts left: ``let_go_left``
         # per layer group, whether its turns may run in the pool's buffers: its kind's answer
         self.groups_in_place = {g: kinds.of(spec.layers[ls[0]]).takes_room(spec.layers[ls[0]])
                                 for g, ls in spec.groups().items()}
@@ -114,7 +115,24 @@ class CacheManager:
     def give_back(self, loan: Loan) -> None:
         """End a turn's loan (``rebuild``): its segments may be lent again."""
         with self.lock:
+            self._left.extend(loan.left)
+            loan.left = []
             loan.give_back()
+
+    def let_go_left(self) -> int:
+        """Drop the old tails turns' cuts left a token or two of (``lending.LEFT_OUT``) that nothing references
+        any more: the agents' histories moved past them (the caller released the ones they replaced). One
+        still held (a save of the old history being written) waits for a later call. The blocks dropped."""
+        with self.lock:
+            held, dropped = [], 0
+            for b in self._left:
+                if self.pool.cached(b) and b.segment_view is None:  # not rehomed by a regenerate
+                    self.pool.forget(b)
+                    dropped += 1
+                elif self.pool.refcount(b) > 0:
+                    held.append(b)
+            self._left = held
+            return dropped
 
     def carry(self, ids: Sequence[int], at: Sequence[int], salt_root: int | None) -> AgentBlocks | None:
         """The pooled snapshots of ``ids`` at positions ``at`` that every snapshot group has (new references

@@ -407,6 +407,7 @@ class ConcurrentScheduler(ResidentView):
             answered = ticket.future.done()  # cancelled while being admitted: cancel() already answered
             self._cv.notify_all()
         del replaced, blocks  # released when nothing else holds them (AgentBlocks' finalizer), outside the lock
+        self.executor.cache_manager.let_go_left()  # old tails of the histories just replaced
         if not answered:
             ticket.future.answer(c)
         if prepared is not None and self.executor.keeps_prefixes:

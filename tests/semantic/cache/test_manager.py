@@ -10,6 +10,7 @@ import pytest
 
 from semantic import BlockPool, ModelCacheSpec
 from semantic import compat
+from semantic.cache.lending import Loan
 from semantic.cache.manager import CacheManager
 from tests.tiny_models import tiny_gemma3, tiny_llama
 
@@ -82,3 +83,37 @@ def test_carry_holds_nothing_for_no_positions_and_keep_passed_pools_a_windows_bl
     m.keep_passed(caches, ids, [8, 16], salt_root=None)  # released at once: hittable, not in use
     assert m.pool.stats().used == before
     assert m.start([*ids[:16], 70, 71], None, salt_root=None, share=True).cached == 16
+
+
+@pytest.mark.parametrize("left_out, dropped", [(1, True), (4, True), (10, False)])
+def test_an_old_tail_a_turn_left_a_token_or_two_of_goes_once_the_history_that_held_it_is_released(
+        left_out, dropped):
+    # an append whose prompt leaves out the reply resumes a token before its cache's end: the cut copies the
+    # tail out for the old history (a failed turn leaves it whole), and that copy, a block's memory after every
+    # append, goes once the old history does; an edit further back in the block keeps it, to branch back to
+    model = tiny_llama(seed=3)
+    spec = ModelCacheSpec.from_model(model)
+    m = CacheManager(BlockPool(spec, 200, block_tokens=16), spec, threading.RLock())
+    ids = [1 + i % 50 for i in range(1004)]  # a tail block of 12 tokens, in mlx-lm's 1024 slots
+    old = m.extract(_prefilled(model, spec, ids), ids, salt_root=None)
+    tail = old.groups["global"][-1]
+    assert tail.segment_view is not None and tail.n_tokens == 12
+    loan = Loan()
+    cut = len(ids) - left_out
+    lent = m.rebuild(old, upto=cut, room=8, loan=loan)
+    assert loan.lent and tail.segment_view is None  # lent, cut there, the tail copied out
+    new = ids[:cut] + [7, 8, 9]
+    model(mx.array([new[cut:]]), cache=lent)
+    blocks = m.extract(lent, new, salt_root=None, loan=loan)
+    m.give_back(loan)
+    assert m.let_go_left() == 0 and m.pool.lookup(tail.token_hash, tail.token_ids) is tail  # the old history holds it
+    old.release()
+    assert m.let_go_left() == int(dropped)
+    assert (m.pool.lookup(tail.token_hash, tail.token_ids) is None) == dropped
+    # the old branch again: its last token is the one it feeds; without the old tail, it resumes where the new
+    # history's tail leaves it (the cut), a token or two before
+    start = m.start(ids, None, salt_root=None, share=True)
+    assert start.cached == (cut if dropped else len(ids) - 1)
+    if start.owned:
+        start.blocks.release()
+    blocks.release()
