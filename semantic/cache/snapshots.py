@@ -17,7 +17,8 @@ and the executor pools the whole cache there (``executor._checkpoint``)::
 
 - a boundary the service found (the system prompt's end: a second agent; the
   last message's start: an edit of it), from ``Request.boundaries``;
-- the prompt's last token but one: a regenerate prefills only the last token;
+- the prompt's last token but one: a regenerate prefills only the last token (when the prompt brings
+  more than ``FEW_NEW`` new tokens: else the regenerate resumes where the turn did);
 - a grid: every ``interval`` tokens, spaced by what a snapshot costs against
   a block of KV (an LFM2 state is a few KiB: every block; a Qwen3.5 state is
   ~12 blocks of KV: every 12 blocks);
@@ -54,6 +55,11 @@ from semantic.cache.spec import ModelCacheSpec
 
 # the sparsest grid, in blocks: a long prefill still leaves a snapshot every 16 blocks
 MAX_GRID_BLOCKS = 16
+# a prompt with at most this many new tokens takes no snapshot at its last token but one: the stop costs
+# every such turn a second forward over the whole context (a 2-token turn after a 32K restore of
+# Qwen3.5's geometry: 1.14 s where one forward is 0.6 s), and a regenerate resumes where the turn did
+# (carried) and prefills those few tokens again in one forward, about what the stop cost
+FEW_NEW = 16
 
 
 class SnapshotPositions:
@@ -77,7 +83,7 @@ class SnapshotPositions:
         if not self.required:
             return ()
         out: list[int] = []
-        for p in (total - 1, *sorted(boundaries, reverse=True), fed):
+        for p in (self._last_but_one(fed, total), *sorted(boundaries, reverse=True), fed):
             if 0 < p < total and p not in out:
                 out.append(p)
         return tuple(out[: self.most - 1])
@@ -87,9 +93,15 @@ class SnapshotPositions:
         ``fed`` of them cached, stops to take a snapshot."""
         if not self.required:
             return []
-        out = {*boundaries, total - 1}
+        out = {*boundaries, self._last_but_one(fed, total)}
         out.update(range(fed // self.interval * self.interval + self.interval, total, self.interval))
         return sorted(p for p in out if fed < p < total)
+
+    @staticmethod
+    def _last_but_one(fed: int, total: int) -> int:
+        """The prompt's last token but one, where its prefill stops for a regenerate; 0 (none) when it
+        brings at most ``FEW_NEW`` new tokens."""
+        return total - 1 if total - fed > FEW_NEW else 0
 
     def passed(self, fed: int, total: int, start: int, end: int) -> list[int]:
         """The block boundaries ``p``, ``fed < p < total``, that a chunk of tokens ``[start, end)`` of

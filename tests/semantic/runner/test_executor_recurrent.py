@@ -12,7 +12,7 @@ import pytest
 
 from semantic import BlockPool, BatchExecutor, ModelCacheSpec, Request
 from semantic.decode.promptlookup import SpecConfig
-from semantic.cache.snapshots import SnapshotPositions
+from semantic.cache.snapshots import FEW_NEW, SnapshotPositions
 from tests.cache_helpers import check
 from tests.tiny_models import byte_tokenizer, tiny_gpt_oss, tiny_lfm2, tiny_qwen3_next
 
@@ -68,16 +68,17 @@ def test_every_turn_type_resumes_from_a_snapshot_and_equals_a_fresh_prefill(mode
     system = _ids(40, 1)
     first = _turn(executor, m, "a", system + _ids(15, 2), boundaries=(40,))
     assert first.cached_tokens == 0
-    append = first.request.ids + tuple(first.token_ids) + tuple(_ids(9, 3))
+    append = first.request.ids + tuple(first.token_ids) + tuple(_ids(20, 3))
     # its new message's start marked, as the service does: the first turn's cache ends one token before it
-    second = _turn(executor, m, "a", append, first.blocks, boundaries=(len(append) - 9,))
+    second = _turn(executor, m, "a", append, first.blocks, boundaries=(len(append) - 20,))
     # the whole previous turn but its reply's last token, never fed
     assert second.cached_tokens == len(first.request.ids) + len(first.token_ids) - 1
     regen = _turn(executor, m, "a", append, second.blocks)
-    assert regen.cached_tokens == len(append) - 1  # the whole prompt but the token that gives the logits
-    edited = append[:-9] + tuple(_ids(7, 4))
-    edit = _turn(executor, m, "a", edited, regen.blocks, boundaries=(len(append) - 9,))
-    assert edit.cached_tokens == len(append) - 9  # everything before the edited message
+    # the whole prompt but the token that gives the logits: it brought more than FEW_NEW new tokens
+    assert regen.cached_tokens == len(append) - 1
+    edited = append[:-20] + tuple(_ids(7, 4))
+    edit = _turn(executor, m, "a", edited, regen.blocks, boundaries=(len(append) - 20,))
+    assert edit.cached_tokens == len(append) - 20  # everything before the edited message
     other = _turn(executor, m, "b", system + _ids(12, 5))
     assert other.cached_tokens == 40  # the shared system prompt
 
@@ -175,6 +176,11 @@ def test_snapshot_points_stop_at_boundaries_the_last_token_but_one_and_a_grid():
     assert pts.required and pts.interval == BT  # a state smaller than a block of KV: every block
     assert pts.taken(0, 40, (21,)) == [16, 21, 32, 39]
     assert pts.taken(20, 40, (21,)) == [21, 32, 39]
+    # a prompt of at most FEW_NEW new tokens stops at no last token but one (a second forward over the whole
+    # context, every such turn): its regenerate resumes where it did, carried
+    few = 40 - FEW_NEW
+    assert 39 not in pts.taken(few, 40) and 39 in pts.taken(few - 1, 40)
+    assert pts.carried(few, 40) == (few,) and pts.carried(few - 1, 40)[0] == 39
     glob = SnapshotPositions(ModelCacheSpec.from_model(tiny_qwen3_next()), 4)
     assert glob.interval > 4  # a state bigger than a block of KV: a sparser grid
 
