@@ -71,9 +71,9 @@ def unresident(x, start: int) -> int:
     segment's spare slots cost nothing until a turn writes them, where they held up to a sixteenth of a
     grown cache after every turn. Linux's private pages read as zeros again once dropped, so the array's
     values do not change; elsewhere (MLX's Metal or CUDA buffers) nothing is done. The bytes dropped."""
+    if x.ndim != 4 or start >= x.shape[2] or not drops() or x.nbytes == 0:
+        return 0  # not a positional layer's (batch, heads, slots, dim), or no spare slots
     b, h, slots, d = x.shape
-    if start >= slots or not drops() or x.nbytes == 0:
-        return 0
     lib = libc()
     if lib is None:
         return 0
