@@ -13,6 +13,7 @@ and after each save, and a segment's growth after it (``cache.lending``).
 from __future__ import annotations
 
 import ctypes
+import functools
 import mmap
 import sys
 
@@ -95,6 +96,7 @@ def unresident(x, start: int) -> int:
 _MADV_DONTNEED = 4
 
 
+@functools.cache
 def drops() -> bool:
     """Whether :func:`unresident` drops pages here: dropped private pages read as zeros again on Linux, and
     only MLX's CPU arrays are host memory the process may drop."""

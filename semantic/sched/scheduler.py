@@ -407,9 +407,9 @@ class ConcurrentScheduler(ResidentView):
             answered = ticket.future.done()  # cancelled while being admitted: cancel() already answered
             self._cv.notify_all()
         del replaced, blocks  # released when nothing else holds them (AgentBlocks' finalizer), outside the lock
-        self.executor.cache_manager.let_go_left()  # old tails of the histories just replaced
         if not answered:
             ticket.future.answer(c)
+        self.executor.cache_manager.let_go_left()  # old tails of the histories just replaced, after the answer
         if prepared is not None and self.executor.keeps_prefixes:
             self._keep_prefix(c.request)
 
