@@ -17,8 +17,9 @@ from pathlib import Path
 
 from harness.matrix.check import REUSE_TURNS, ModelResult, TurnResult, check
 
-# the short run in ``make test``: one of each cache kind that needs a snapshot, or shares KV
-SHORT = ("qwen3_next", "lfm2", "gpt_oss", "gemma4_text", "falcon_h1")
+# the short run in ``make test``: plain global attention (the commonest kind), and one of each kind that
+# needs a snapshot or shares KV
+SHORT = ("llama", "qwen3_next", "lfm2", "gpt_oss", "gemma4_text", "falcon_h1")
 
 
 def run(types: list[str], out: Path, update: bool = False) -> list[ModelResult]:

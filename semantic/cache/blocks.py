@@ -65,9 +65,6 @@ class Segment:
     layer_data: dict[int, LayerKV]
     n_tokens: int
     lent: bool = False
-    # the blocks the last cut gave copies of their own (``lending.cut``): kept cached for a regenerate of
-    # the history before that turn, let go at the next cut, so an agent keeps one old tail, not one a turn
-    copied_out: list = field(default_factory=list)
 
     @property
     def capacity(self) -> int:

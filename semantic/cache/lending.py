@@ -142,10 +142,10 @@ def cut(pool, seg: Segment, total: int, block_tokens: int, left: list | None = N
     cache's end (a completion whose reply the next prompt leaves out, a chat template that renders the reply's
     last token otherwise). Every block holding positions from ``total`` on (the tails in its last block slot)
     takes its own copy of them, or, referenced by nobody, leaves the pool, so no block reads what the turn
-    writes. Those copies stay cached, for a regenerate of the history before the turn, until the next cut
-    lets them go (``Segment.copied_out``): an agent keeps one old tail, and none that the turn leaves at most
-    ``LEFT_OUT`` tokens of (those go to ``left``, let go once the turn's history replaced the old one:
-    ``CacheManager.let_go_left``). False, changing nothing, when those
+    writes. Those copies stay cached like any block, for a regenerate of the history before the turn or a
+    return to that branch, until the pool needs their room; but a tail the turn leaves at most ``LEFT_OUT``
+    tokens of goes to ``left``, let go once the turn's history replaced the old one
+    (``CacheManager.let_go_left``). False, changing nothing, when those
     blocks reach past one block slot (a regenerate or an edit further back: full blocks other histories may
     share): that turn gets a copy."""
     if not cuttable(pool, seg, total):
@@ -153,10 +153,7 @@ def cut(pool, seg: Segment, total: int, block_tokens: int, left: list | None = N
     edge = total - total % block_tokens
     behind = pool.sitting_in(seg, total)
     assert all(b.segment_view.start >= edge for b in behind), (edge, behind)  # blocks start on block boundaries
-    for old in seg.copied_out:  # the cut before's tails, now no one's: the history two turns back
-        if pool.cached(old) and old.segment_view is None:
-            pool.forget(old)
-    made, seg.copied_out = [], []
+    made = []
     for b in behind:
         if pool.refcount(b) == 0:
             pool.forget(b)
@@ -164,7 +161,6 @@ def cut(pool, seg: Segment, total: int, block_tokens: int, left: list | None = N
             past = b.segment_view.start + b.n_tokens - total  # the tokens of it the turn writes over
             b.layer_data = {i: (_owned(k), _owned(v)) for i, (k, v) in b.layer_data.items()}
             made.extend(b.own_data.values())
-            seg.copied_out.append(b)
             if left is not None and past <= LEFT_OUT:
                 left.append(b)
     mx.eval(made)
