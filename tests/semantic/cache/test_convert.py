@@ -472,3 +472,101 @@ def test_the_tails_later_cuts_copy_out_stay_cached_so_a_return_to_any_of_those_b
         for old in tails:
             assert old.segment_view is None and pool.lookup(old.token_hash, old.token_ids) is old, turn
             assert pool.cached(old), turn
+
+
+def test_admission_is_told_what_a_turn_would_copy_nothing_when_lent_else_its_cache_and_room(llama_tiny):
+    """``held_outside`` answers as ``reconstruct`` then builds: a turn lent the segment holds nothing beyond
+    the pool; one that finds it lent to another turn, or resumes too far inside it, holds a copy of exactly
+    the bytes it gets (its tokens and its room)."""
+    spec = ModelCacheSpec.from_model(llama_tiny)
+    pool = BlockPool(spec, 600, block_tokens=4)
+    ids = [1 + i % 50 for i in range(1000)]
+    first, seg = _first_turn(llama_tiny, spec, pool, ids)
+    copied = lambda caches: sum(c.keys.nbytes + c.values.nbytes for c in caches)
+    assert held_outside(first, 1000, 256, pool) == 0
+    loan = Loan()
+    reconstruct(first, room=256, loan=loan)
+    assert loan.lent == [seg]
+    predicted = held_outside(first, 1000, 256, pool)  # the segment is another turn's now
+    other = Loan()
+    assert predicted == copied(reconstruct(first, room=256, loan=other)) > 0 and other.lent == []
+    loan.give_back()
+    inside = held_outside(first, 992, 256, pool)  # a regenerate further back than the last block slot
+    other = Loan()
+    assert inside == copied(reconstruct(first, upto=992, room=256, loan=other)) and other.lent == []
+    assert inside == (992 + 256) * spec.token_bytes()
+    assert held_outside(first, 998, 256, pool) == 0  # within the last block slot: lent, cut there
+
+
+def test_a_lent_turn_decoding_past_its_room_widens_the_pools_buffer_not_a_copy_beside_it(llama_tiny):
+    """A batch of one over a lent segment that runs out of slots mid-decode widens the segment's layers in
+    place of their old buffers (one layer beside its old one at a time, never a second cache), keeps writing
+    there, and its new blocks are positions in the same segment; every step equals a copy's."""
+    from semantic import kinds
+
+    spec = ModelCacheSpec.from_model(llama_tiny)
+    pool = BlockPool(spec, 600, block_tokens=4)
+    ids = [1 + i % 50 for i in range(1000)]
+    first, seg = _first_turn(llama_tiny, spec, pool, ids)
+    loan = Loan()
+    lent, other = reconstruct(first, room=16, loan=loan), reconstruct(first, room=16, loan=Loan())
+    assert loan.lent == [seg] and seg.capacity == 1024
+    new = [7, 8, 9, 10, 11]
+    _run(llama_tiny, lent, new), _run(llama_tiny, other, new)
+    lent, other = kinds.merge([lent]), kinds.merge([other])
+    old_bytes = sum(k.nbytes + v.nbytes for k, v in seg.layer_data.values())
+    one_layer = max(k.nbytes + v.nbytes for k, v in seg.layer_data.values())
+    tokens = []
+    for step in range(30):  # 1005 tokens in 1024 slots: the 20th decode step needs more
+        t = tokens[-1] if tokens else 3
+        if step == 19:
+            mx.clear_cache()
+            mx.reset_peak_memory()
+            start = mx.get_active_memory()
+        a, b = _run(llama_tiny, lent, [t]), _run(llama_tiny, other, [t])
+        if step == 19:
+            grown = sum(k.nbytes + v.nbytes for k, v in seg.layer_data.values())
+            # the growth, and one layer's old buffers beside its new ones (and a step's activations)
+            assert mx.get_peak_memory() - start <= grown - old_bytes + 2 * one_layer + (1 << 18)
+        assert mx.array_equal(a, b).item()
+        tokens.append(int(mx.argmax(a).item()))
+    assert seg.capacity > 1024 and all(c.keys is seg.layer_data[i][0] for i, c in enumerate(lent))
+    rows = [c.extract(0) for c in lent]
+    second = extract(pool, rows, ids + new + tokens, loan=loan)
+    loan.give_back()
+    assert {id(b.segment_view.segment) for b in second.groups["global"]} == {id(seg)} and seg.n_tokens == 1035
+
+
+def test_a_history_split_over_two_segments_is_joined_into_the_first_and_lent(llama_tiny):
+    """A turn that got a copy leaves its history in two segments (the first turn's and its new blocks'); the
+    next turn's rebuild copies the second's blocks into the first (grown with the turn's room), makes them
+    positions there, lends it, and the second segment goes: one copy, lent, exact."""
+    spec = ModelCacheSpec.from_model(llama_tiny)
+    pool = BlockPool(spec, 600, block_tokens=4)
+    ids = [1 + i % 50 for i in range(1000)]
+    first, seg = _first_turn(llama_tiny, spec, pool, ids)
+    loan = Loan()
+    reconstruct(first, room=16, loan=loan)  # another turn has the segment: this one copies
+    copied = reconstruct(first, room=16, loan=Loan())
+    new = [7, 8, 9, 10, 11, 12, 13]
+    _run(llama_tiny, copied, new)
+    second = extract(pool, copied, ids + new)
+    loan.give_back()
+    segs = {id(b.segment_view.segment) for b in second.groups["global"]}
+    assert len(segs) == 2 and seg.n_tokens == 1000
+    other = next(b.segment_view.segment for b in second.groups["global"] if b.segment_view.segment is not seg)
+    assert held_outside(second, 1007, 256, pool) == 0  # admission is told it runs in place
+    plain = reconstruct(second)  # a copy, for the continuation to equal
+    loan = Loan()
+    caches = reconstruct(second, room=256, loan=loan, pool=pool)
+    assert loan.lent == [seg] and loan.joined == 1 and seg.n_tokens == 1007 and seg.capacity >= 1007 + 256
+    assert all(c.keys is seg.layer_data[i][0] for i, c in enumerate(caches))
+    assert {id(b.segment_view.segment) for b in second.groups["global"]} == {id(seg)}
+    assert not any(b.segment_view is not None and b.segment_view.segment is other for b in pool._blocks if b)
+    more = [20, 21, 22]
+    assert mx.array_equal(_run(llama_tiny, caches, more), _run(llama_tiny, plain, more)).item()
+    third = extract(pool, caches, ids + new + more, loan=loan)
+    loan.give_back()
+    assert {id(b.segment_view.segment) for b in third.groups["global"]} == {id(seg)} and seg.n_tokens == 1010
+    for b, p in zip(reconstruct(third), plain):
+        assert mx.array_equal(b.keys, p.keys[..., :1010, :]).item()
