@@ -74,6 +74,7 @@ GEOMETRIES: dict[str, dict] = {
         "real": "Qwen/Qwen3.5-35B-A3B",
         "config": {"model_type": "qwen3_5", "text_config": None, "tie_word_embeddings": False},
         "kv_bytes_per_token": 10 * 2 * 256 * 2 * 2,
+        "hybrid": True,  # recurrent layers: a turn's goals are a hybrid's (report.CACHED_GOAL)
     },
 }
 

@@ -9,6 +9,15 @@ from harness.common.report import fmt, median, verdict_table
 
 GOAL_RESTORE_FROM = 32768       # restore goals from this length on
 GOAL_CACHED_AT = (16384, 32768)  # the cached turn's goal at these lengths
+# a fully cached turn's goal over one decode step: attention models, and hybrids (``models.GEOMETRIES``'s
+# "hybrid"), whose turn resumes from a snapshot a few tokens back and prefills those
+CACHED_GOAL = {"attention": 1.5, "hybrid": 2.0}
+
+
+def cached_goal(geometry: str) -> float:
+    from harness.trials.real_geometry.models import GEOMETRIES
+
+    return CACHED_GOAL["hybrid" if GEOMETRIES.get(geometry, {}).get("hybrid") else "attention"]
 
 
 def _ok(t: dict | None) -> bool:
@@ -153,6 +162,8 @@ def checks(out: dict) -> dict:
     c["restore_cold_over_floor_min"] = lo(pick("restore_cold_over_floor", lambda n: n >= GOAL_RESTORE_FROM))
     c["restore_warm_over_memcpy_min"] = lo(pick("restore_warm_over_memcpy", lambda n: n >= GOAL_RESTORE_FROM))
     c["cached_over_decode_max"] = hi(pick("cached_over_decode", lambda n: n in GOAL_CACHED_AT))
+    c["cached_over_goal_max"] = hi([pc["cached_over_decode"] / cached_goal(key.split("@")[0]) for key, pc in per.items()
+                                    if pc.get("cached_over_decode") is not None and pc["tokens"] in GOAL_CACHED_AT])
     c["beside_over_quiet_max"] = hi(pick("beside_over_quiet"))
     c["rss_over_budget_max"] = hi(pick("rss_over_budget") + pick("default_rss_over_budget"))
     c["load_cold_ours_over_mlx_max"] = hi(pick("load_cold_ours_over_mlx"))

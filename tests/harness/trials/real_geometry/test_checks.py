@@ -74,13 +74,16 @@ def test_the_checks_pair_each_rep_and_take_the_worst():
     assert c["restore_cold_over_floor_min"] == pytest.approx(0.25)
     assert c["restore_warm_over_memcpy_min"] == pytest.approx(0.25)
     assert c["cached_over_decode_max"] == pytest.approx(2.2)     # pairs 2.0 and 2.4
+    assert c["cached_over_goal_max"] == pytest.approx(2.2 / 1.5)  # "g" is no hybrid: an attention model's goal
     assert c["beside_over_quiet_max"] == pytest.approx(1.1)
     assert c["rss_over_budget_max"] == pytest.approx(1.1)
     assert c["load_cold_ours_over_mlx_max"] == pytest.approx(2.0)
     assert c["save_speed_over_floor_min"] == pytest.approx(0.5)
     assert c["g@32K.default_status"] == 400 and c["default_refused"] == 1
     assert c["measured_turn_errors"] == 0 and c["measured_turns_missing_cache"] == 0
-    out["geometries"]["g"]["lengths"]["32K"]["server"]["cached"][0]["one"]["cached_tokens"] = 10
+    out["geometries"]["qwen3.5-35b-a3b"] = out["geometries"].pop("g")
+    assert checks(out)["cached_over_goal_max"] == pytest.approx(2.2 / 2.0)  # a hybrid's goal
+    out["geometries"]["qwen3.5-35b-a3b"]["lengths"]["32K"]["server"]["cached"][0]["one"]["cached_tokens"] = 10
     assert checks(out)["measured_turns_missing_cache"] == 1
 
 

@@ -18,7 +18,7 @@ from harness.runner import run
 
 pytestmark = [pytest.mark.slow]
 
-GOALS = ("restore_cold_over_floor_min", "restore_warm_over_memcpy_min", "cached_over_decode_max",
+GOALS = ("restore_cold_over_floor_min", "restore_warm_over_memcpy_min", "cached_over_goal_max",
          "beside_over_quiet_max", "rss_over_budget_max", "load_cold_ours_over_mlx_max")
 
 
