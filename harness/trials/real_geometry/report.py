@@ -6,6 +6,7 @@ never a ratio of medians of separate sets."""
 from __future__ import annotations
 
 from harness.common.report import fmt, median, verdict_table
+from harness.trials.real_geometry.models import GEOMETRIES
 
 GOAL_RESTORE_FROM = 32768       # restore goals from this length on
 GOAL_CACHED_AT = (16384, 32768)  # the cached turn's goal at these lengths
@@ -15,8 +16,6 @@ CACHED_GOAL = {"attention": 1.5, "hybrid": 2.0}
 
 
 def cached_goal(geometry: str) -> float:
-    from harness.trials.real_geometry.models import GEOMETRIES
-
     return CACHED_GOAL["hybrid" if GEOMETRIES.get(geometry, {}).get("hybrid") else "attention"]
 
 
