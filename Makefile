@@ -370,7 +370,8 @@ exp-023-full: models
 # The block layout's fuzzer at 5000 damaged directories per model (10,000 in all; make test runs 1000 each).
 # Every text model type mlx-lm ships, as a tiny random-weight model (harness/models/zoo.py), served and
 # checked against mlx-lm's generate_step: results/model-matrix/mlx-lm-<version>.{json,md}; docs/models.md
-# quotes the table. Under mlx-lm 0.30.4 too, for the types it has.
+# quotes the table. Under mlx-lm 0.30.4 too, for the types it has. Two checks run side by side (--jobs 2):
+# about 27 min for both versions on 2 cores.
 model-matrix: venv $(COMPAT_STAMP)
 	$(PY) -m harness.matrix
 	$(COMPAT_PY) -m harness.matrix

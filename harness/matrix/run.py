@@ -1,15 +1,21 @@
-"""``python -m harness.matrix [--short] [--types a,b] [--out DIR]``: the support matrix.
+"""``python -m harness.matrix [--short] [--types a,b] [--out DIR] [--jobs N]``: the support matrix.
 
 Every model type ``harness.models.zoo`` builds is checked twice (``check.check``:
 with the echo, and with ``--no-echo-history``); the results go to
 ``results/model-matrix/<mlx-lm version>.json`` and a markdown table that the
 README quotes. A type that cannot be served is a row with its reason, never a pass.
+With ``--jobs`` N > 1 the types are dealt round-robin to N child runs of this module, each into a
+folder of its own, and their rows merged into one file (a check is a server and a client, most of
+it single-threaded: two of them side by side halve the full run on two cores).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
+import sys
 import tempfile
 import time
 from importlib.metadata import version
@@ -22,8 +28,11 @@ from harness.matrix.check import REUSE_TURNS, ModelResult, TurnResult, check
 SHORT = ("llama", "qwen3_next", "lfm2", "gpt_oss", "gemma4_text", "falcon_h1")
 
 
-def run(types: list[str], out: Path, update: bool = False) -> list[ModelResult]:
-    """Check ``types``; with ``update``, the results file keeps its other types' rows (a rerun of a few)."""
+def run(types: list[str], out: Path, update: bool = False, jobs: int = 1) -> list[ModelResult]:
+    """Check ``types``, ``jobs`` child runs at a time; with ``update``, the results file keeps its other
+    types' rows (a rerun of a few)."""
+    if jobs > 1 and len(types) > 1:
+        return write(_in_children(types, jobs), out, types, update)
     results = []
     for t in types:
         with tempfile.TemporaryDirectory(prefix=f"matrix-{t}-") as tmp:
@@ -34,9 +43,37 @@ def run(types: list[str], out: Path, update: bool = False) -> list[ModelResult]:
                     r = check(t, Path(tmp), echo=echo)
                 results.append(r)
                 print(_line(r), flush=True)
+    return write(results, out, types, update)
+
+
+def shares(types: list[str], jobs: int) -> list[list[str]]:
+    """``types`` dealt round-robin to ``jobs`` runs (neighbours in the zoo's order are often one family, of
+    about one cost), none empty."""
+    return [s for s in (types[k::jobs] for k in range(jobs)) if s]
+
+
+def _in_children(types: list[str], jobs: int) -> list[ModelResult]:
+    """Each share of ``types`` checked by a child run of this module into a folder of its own; their rows."""
+    with tempfile.TemporaryDirectory(prefix="matrix-jobs-") as tmp:
+        parts = [Path(tmp) / str(k) for k in range(jobs)]
+        env = {**os.environ, "OPENBLAS_NUM_THREADS": "1"}  # the children share the cores: no BLAS threads
+        children = [subprocess.Popen([sys.executable, "-m", "harness.matrix", "--types", ",".join(share),
+                                      "--out", str(part), "--jobs", "1"], env=env)
+                    for share, part in zip(shares(types, jobs), parts)]
+        codes = [c.wait() for c in children]
+        if any(codes):
+            raise RuntimeError(f"a child run of the matrix exited {codes}: its rows are missing")
+        name = f"mlx-lm-{version('mlx-lm')}.json"
+        return [_result(r) for part in parts if (part / name).exists()
+                for r in json.loads((part / name).read_text())["results"]]
+
+
+def write(results: list[ModelResult], out: Path, types: list[str], update: bool = False) -> list[ModelResult]:
+    """``results`` into ``out``'s JSON and markdown table for this mlx-lm, in the zoo's order; with ``update``,
+    the file's rows of types other than ``types`` stay."""
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"mlx-lm-{version('mlx-lm')}.json"
-    rows = [r.to_json() for r in results]
+    rows = sorted((r.to_json() for r in results), key=lambda r: (r["model_type"], not r["echo"]))
     if update and path.exists():
         rows = [r for r in json.loads(path.read_text())["results"] if r["model_type"] not in types] + rows
         rows.sort(key=lambda r: (r["model_type"], not r["echo"]))
@@ -94,9 +131,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--types", default="", help="comma-separated model types (default: all the zoo builds)")
     p.add_argument("--out", default="results/model-matrix")
     p.add_argument("--update", action="store_true", help="keep the other types' rows of the results file")
+    p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
+                   help="checks run side by side, each in a child run (default: 2, or 1 on one core)")
     a = p.parse_args(argv)
+    if a.jobs < 1:
+        p.error(f"--jobs {a.jobs}: at least 1")
     types = [t for t in a.types.split(",") if t] or (list(SHORT) if a.short else zoo.model_types())
-    results = run(types, Path(a.out), update=a.update)
+    results = run(types, Path(a.out), update=a.update, jobs=a.jobs)
     failed = [r for r in results if not r.passed and r.error is None]
     print(f"{sum(r.passed for r in results)} of {len(results)} runs pass; {len(failed)} fail; "
           f"{sum(r.error is not None for r in results)} not supported")
