@@ -72,6 +72,8 @@ def test_the_checks_pair_each_rep_and_take_the_worst():
     c = checks(out)
     assert c["lengths_run"] == 1 and c["lengths_skipped"] == 1 and c["parts_failed"] == 0
     assert c["restore_cold_over_floor_min"] == pytest.approx(0.25)
+    # an overlapped restore lasts at least the forward: the cached turn (1.1 s median) outlasts the 1.0 s read
+    assert c["restore_cold_bound_min"] == pytest.approx(1.0 / 1.1)
     assert c["restore_warm_over_memcpy_min"] == pytest.approx(0.25)
     assert c["cached_over_decode_max"] == pytest.approx(2.2)     # pairs 2.0 and 2.4
     assert c["cached_over_goal_max"] == pytest.approx(2.2 / 1.5)  # "g" is no hybrid: an attention model's goal
