@@ -70,7 +70,7 @@ def _in_children(types: list[str], jobs: int) -> list[ModelResult]:
 
 
 def write(results: list[ModelResult], out: Path, types: list[str], update: bool = False) -> list[ModelResult]:
-    """``results`` into ``out``'s JSON and markdown table for this mlx-lm, in the zoo's order; with ``update``,
+    """``results`` into ``out``'s JSON and markdown table for this mlx-lm, sorted by type; with ``update``,
     the file's rows of types other than ``types`` stay."""
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"mlx-lm-{version('mlx-lm')}.json"
