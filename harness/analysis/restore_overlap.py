@@ -34,6 +34,8 @@ import threading
 import time
 from pathlib import Path
 
+from harness.trials.real_geometry import floors
+
 ROOT = Path(__file__).resolve().parents[2]
 LAYERS, KV_HEADS, HEAD_DIM = 32, 8, 128
 ROOM = 256   # slots past the history: the turn writes its tokens in place
@@ -74,16 +76,6 @@ def write(d: Path, tokens: int) -> None:
             f.write(bits.astype(np.uint16).tobytes())
             f.flush()
             os.fsync(f.fileno())
-
-
-def _drop(paths) -> None:
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 # ---------------------------------------------------------------- one trial, in its own process
@@ -144,14 +136,8 @@ def trial(variant: str, d: Path, tokens: int) -> dict:
     from mlx_lm.models.cache import KVCache
 
     paths = _paths(d)
-    if variant == "floor":
-        buf = memoryview(bytearray(16 << 20))
-        t = time.perf_counter()
-        for p in paths:
-            with open(p, "rb", buffering=0) as f:
-                while f.readinto(buf):
-                    pass
-        return {"s": time.perf_counter() - t}
+    if variant == "floor":  # EXP-020's floor: a plain sequential read of the files
+        return {"s": floors.read_files(paths, floors.Buffers())["s"]}
     model = _model()
     ids = mx.array([[5, 7]])
     mx.eval(model(ids, cache=[KVCache() for _ in range(LAYERS)]))  # a server's first forward is behind it
@@ -214,7 +200,7 @@ def main(argv=None) -> None:
         order = VARIANTS[r % len(VARIANTS):] + VARIANTS[:r % len(VARIANTS)]
         for v in order:
             if v != "forward":
-                _drop(_paths(d))
+                floors.evict(_paths(d))
             out = subprocess.run([sys.executable, "-m", "harness.analysis.restore_overlap", "--trial", v,
                                   "--dir", str(d), "--tokens", str(a.tokens)], env=env, check=True,
                                  capture_output=True, text=True)

@@ -37,7 +37,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from semantic.cache.reuse import common_prefix
@@ -189,8 +189,6 @@ def judge(ref, tokens: list[int], logprobs: list[float], name: str) -> tuple[int
     """Steps compared, whether the turn is exact, and the tolerance it was held to: the noise measured beside
     ``ref``; or, where mlx-lm's own variants disagree beyond float noise (``noise.CEILING``), ``noise.FLOOR``
     against its one-token decode (no noise could be measured; the floor is stricter than any measured one)."""
-    from dataclasses import replace
-
     from harness import noise
 
     if ref.noise > noise.CEILING:
