@@ -45,7 +45,7 @@ from typing import Callable, Iterator, Sequence
 
 import mlx.core as mx
 from semantic.runner import batchprobe
-from semantic import compat, defaults, kinds
+from semantic import compat, cpuattention, defaults, kinds
 from semantic.modelconfig import ModelConfig
 from semantic.cache.blocks import AgentBlocks
 from semantic.cache.manager import CacheManager, Loan, turn_room
@@ -110,6 +110,7 @@ class BatchExecutor:
             model, kv_bits=quant.kv_bits if quant else None, kv_group_size=quant.kv_group_size if quant else 64
         )
         spec.require_same(probe, "the spec")
+        cpuattention.install()  # MLX's attention unless on the CPU in float32, where its softmax is the slow part
         self.model, self.tokenizer, self.pool, self.spec = model, tokenizer, pool, spec
         self.lock = lock if lock is not None else threading.RLock()
         self.cache_manager = CacheManager(pool, spec, self.lock)  # every pool and cache-object move goes through it
