@@ -59,9 +59,12 @@ def _masks(rng, B, H, L, S):
         yield mx.array(rng.random(shape) > 0.3)
 
 
+@pytest.mark.parametrize("block", [None, 1, 7], ids=["whole", "row-by-row", "blocks-of-7-rows"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_base_two_attention_is_as_close_to_the_exact_one_as_mlxs_own(shape, on_cpu):
+def test_base_two_attention_is_as_close_to_the_exact_one_as_mlxs_own(shape, block, on_cpu, monkeypatch):
     B, H, KV, L, S, D = shape
+    if block is not None:  # query rows in blocks: a causal block's keys end at its last row, a mask's rows sliced
+        monkeypatch.setattr(cpuattention, "BLOCK_ELEMENTS", block * B * H * S)
     rng = np.random.default_rng(sum(shape))
     q, k, v = (mx.array(rng.standard_normal(s).astype(np.float32)) for s in ((B, H, L, D), (B, KV, S, D), (B, KV, S, D)))
     for mask in _masks(rng, B, H, L, S):
@@ -92,6 +95,7 @@ def test_other_dtypes_sinks_and_additive_masks_go_to_mlxs_attention_unchanged(on
         ((q, k, v), {"mask": additive}),
         ((q, k, v), {"mask": "causal", "sinks": sinks}),
         ((q, k, v), {"mask": None, "stream": mx.cpu}),
+        ((k, q[:, :2], q[:, :2]), {"mask": "causal"}),  # more queries than keys: MLX versions place it apart
     ]
     for args, kw in cases:
         assert not cpuattention.handles(*args, kw.get("mask"), kw.get("sinks"), {k: v for k, v in kw.items()
