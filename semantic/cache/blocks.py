@@ -65,11 +65,20 @@ class Segment:
     layer_data: dict[int, LayerKV]
     n_tokens: int
     lent: bool = False
+    # the mlx-lm caches the last turn lent it was handed, by layer: the next turn gets them again while their
+    # buffers are still the segment's (a small resumed turn's rebuild was mostly making and checking them)
+    handed: dict = field(default_factory=dict)
 
     @property
     def capacity(self) -> int:
         """Token slots in its buffers (``n_tokens`` filled; the rest is room a turn lent it may write)."""
         return _first(next(iter(self.layer_data.values()))[0]).shape[2]
+
+    def replace(self, layer: int, kv: LayerKV) -> None:
+        """Layer ``layer``'s buffers from now on (grown, widened, joined); the cache handed over the old ones
+        lets go of them too, so they go once their last holder does."""
+        self.handed.pop(layer, None)
+        self.layer_data[layer] = kv
 
     def rows(self, layer: int, a: int, b: int) -> LayerKV:
         """Layer ``layer``'s (keys, values) rows ``[a, b)``: new views, made now."""

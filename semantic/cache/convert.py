@@ -373,7 +373,7 @@ def reconstruct(blocks: AgentBlocks, materialize: bool = True, upto: int | None 
             # the pool's own buffers: the turn writes past its tokens in place (``Segment``)
             seg, spare = lent[group]
             k, v = seg.layer_data[i]
-            cache = kind.build_with_room(i, layer, k, v, total, held, spare)
+            cache = seg.handed[i] = kind.build_with_room(i, layer, k, v, total, held, spare, seg.handed.get(i))
             # a decode that outgrows the room widens the segment's layer (batchone), not a copy beside it
             setattr(cache, WIDEN, functools.partial(lending.widen, seg, i, loan.releasing))
             caches.append(cache)

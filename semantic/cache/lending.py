@@ -202,7 +202,7 @@ def join(pool, pieces: list, total: int, room: int, seg: Segment, at: int) -> Se
         del k, v, parts_k, parts_v
         mx.eval(joined)
         _unresident(joined, total)
-        seg.layer_data[i] = joined
+        seg.replace(i, joined)
         releasing.let_go(old)
         del joined
     seg.n_tokens = total
@@ -223,7 +223,7 @@ def grow(seg: Segment, more: int) -> None:
         grown = (_widened(k, n, more), _widened(v, n, more))
         mx.eval(grown)
         _unresident(grown, n)
-        seg.layer_data[i] = grown
+        seg.replace(i, grown)
         old = k.nbytes + v.nbytes
         del k, v, grown
         releasing.let_go(old)  # after the last holder of the old layer let go
@@ -241,7 +241,7 @@ def widen(seg: Segment, layer: int, releasing: heap.Releasing, keep: int, slots:
     grown = (_widened(k, keep, more), _widened(v, keep, more))
     old = k.nbytes + v.nbytes
     del k, v
-    seg.layer_data[layer] = grown
+    seg.replace(layer, grown)
     mx.eval(grown)
     _unresident(grown, keep)
     releasing.let_go(old)

@@ -96,8 +96,12 @@ class Attention(Positional):
         # quantized one keeps its own triples
         return not layer.kv_bits
 
-    def build_with_room(self, i, layer, first, second, total, held, room):
+    def build_with_room(self, i, layer, first, second, total, held, room, kept=None):
         assert self.takes_room(layer) and total == held, (layer, total, held)
+        if kept is not None and kept.keys is first and kept.values is second:
+            # the same arrays have the shapes checked when it was made; only where the turn starts moves
+            kept.offset = total
+            return kept
         # the shapes, as check_kv's, without a view of each buffer made to ask (a resumed turn's whole cost),
         # in one comparison: a small resumed turn's rebuild is mostly this, once per layer
         n, dt = held + room, DTYPES[layer.dtype]

@@ -89,8 +89,10 @@ class Kind:
         """Whether :meth:`build_with_room` gives this layer's cache spare slots for a turn's new tokens."""
         return False
 
-    def build_with_room(self, i: int, layer, first, second, total: int, held: int, room: int) -> Any:
-        """:meth:`build` over buffers with ``room`` spare slots after the held tokens (``takes_room``)."""
+    def build_with_room(self, i: int, layer, first, second, total: int, held: int, room: int, kept=None) -> Any:
+        """:meth:`build` over buffers with ``room`` spare slots after the held tokens (``takes_room``). ``kept``:
+        the cache an earlier call made over a pool segment's buffers (``Segment.handed``), given again when
+        its buffers are still ``(first, second)``."""
         raise NotImplementedError
 
     # a kind that ``replays`` answers these three (``semantic.decode.replay``)

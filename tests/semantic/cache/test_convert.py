@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -19,6 +21,7 @@ from semantic import (
 from harness import noise
 from semantic import compat
 from semantic.cache.convert import extract, held_outside, reconstruct
+from semantic.cache import lending
 from semantic.cache.lending import Loan, headroom
 from semantic.cache.spec import held_ranges
 from tests.tiny_models import tiny_gemma3
@@ -323,6 +326,37 @@ def test_a_turn_lent_the_pools_buffer_writes_there_in_place_and_its_new_blocks_s
     back = reconstruct(second)
     for b, o in zip(back, other):
         assert mx.array_equal(b.keys, o.keys[..., :1005, :]).item() and mx.array_equal(b.values, o.values[..., :1005, :]).item()
+
+
+def test_the_next_turn_lent_a_segment_is_handed_its_last_turns_caches_started_where_it_resumes(llama_tiny):
+    """Making and checking a cache object per layer was most of a small resumed turn's rebuild: the segment
+    keeps the ones it handed over, and the next turn lent it gets them again, at its own start, computing what
+    a copy does. A segment grown for a turn hands new ones over the new buffers, and the old buffers go."""
+    spec = ModelCacheSpec.from_model(llama_tiny)
+    pool = BlockPool(spec, 600, block_tokens=4)
+    ids = [1 + i % 50 for i in range(1000)]
+    blocks, seg = _first_turn(llama_tiny, spec, pool, ids)
+    handed = []
+    for new in ([7, 8, 9, 10, 11], [12, 13], [14, 15, 16]):
+        plain = reconstruct(blocks, room=16)  # a copy: what the turn computes from
+        loan = Loan()
+        lent = reconstruct(blocks, room=16, loan=loan)
+        assert all(c.offset == len(ids) and c.keys is seg.layer_data[i][0] for i, c in enumerate(lent))
+        handed.append([id(c) for c in lent])
+        assert mx.array_equal(_run(llama_tiny, lent, new), _run(llama_tiny, plain, new)).item()
+        ids = ids + new
+        blocks = extract(pool, lent, ids, loan=loan)
+        loan.give_back()
+    assert handed[0] == handed[1] == handed[2]
+    old = [weakref.ref(x) for x in [*lent, *(k for k, _ in seg.layer_data.values())]]
+    del lent, plain
+    lending.grow(seg, 256)  # as for a turn with more than its spare (a decode's widen alike)
+    # neither the old caches nor the old buffers are held: the pool keeps the cache once
+    assert all(r() is None for r in old)
+    loan = Loan()
+    grown = reconstruct(blocks, room=256, loan=loan)
+    assert all(c.offset == len(ids) and c.keys is seg.layer_data[i][0] for i, c in enumerate(grown))
+    loan.give_back()
 
 
 def test_a_segment_without_room_grows_one_layer_at_a_time_and_is_lent(llama_tiny):
