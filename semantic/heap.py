@@ -93,29 +93,6 @@ def unresident(x, start: int) -> int:
     return dropped
 
 
-def clear_from(x, start: int) -> None:
-    """Make token slots ``start`` on of each head of ``x`` (batch, heads, slots, dim; evaluated, contiguous,
-    its buffer its own) read as zeros, whatever its buffer held before (an array made without writing it,
-    ``store.blockread.unwritten``): the whole pages among them dropped (:func:`unresident`: they cost nothing
-    until a turn writes them), the bytes at their edges written."""
-    if x.ndim != 4 or start >= x.shape[2] or x.nbytes == 0:
-        return
-    b, h, slots, d = x.shape
-    mv = memoryview(x).cast("B")
-    assert mv.c_contiguous and not mv.readonly and mv.nbytes == x.nbytes
-    per_head, row = slots * d * x.itemsize, d * x.itemsize
-    base, page = ctypes.addressof(ctypes.c_char.from_buffer(mv)), mmap.PAGESIZE
-    lib = libc() if drops() else None
-    for head in range(b * h):
-        lo, hi = head * per_head + start * row, (head + 1) * per_head
-        a, z = -(-(base + lo) // page) * page - base, (base + hi) // page * page - base
-        if lib is None or z <= a or lib.madvise(ctypes.c_void_p(base + a), ctypes.c_size_t(z - a), _MADV_DONTNEED):
-            a = z = hi  # nothing dropped: every byte written
-        ctypes.memset(base + lo, 0, a - lo)
-        ctypes.memset(base + z, 0, hi - z)
-    del mv
-
-
 _MADV_DONTNEED = 4
 
 

@@ -273,8 +273,7 @@ def _restore(m: Manifest, planned: Sequence[ClaimedBlock], files: dict[int, Bloc
         return
     fills = [_snapshot_fill(m, run[0], files) if run[0].snapshot else _run_fill(m, run, files, total) for run in runs]
     blockread.announce_ahead([files[k] for fill in fills for k in fill.rows])  # the disk starts while arrays are made
-    # every byte of them is read from a file, or cleared after (``_run_fill``'s spare slots)
-    made = iter(blockread.unwritten([(s.shape, MX_DTYPES[s.dtype]) for fill in fills for s in fill.slots]))
+    made = iter(blockread.zeros([(s.shape, MX_DTYPES[s.dtype]) for fill in fills for s in fill.slots]))
     for fill in fills:
         fill.arrays = {s.name: next(made) for s in fill.slots}
     try:
@@ -337,7 +336,7 @@ def _run_fill(m: Manifest, run: list[ClaimedBlock], files: dict[int, BlockInfo],
 
     def blocks(fill: _Fill):
         for a in fill.arrays.values():  # read into rows below ``hi - lo``: the spare after costs nothing till written
-            heap.clear_from(a, hi - lo)
+            heap.unresident(a, hi - lo)
         seg = Segment({i: fill.kv(i) for i in first.layers}, hi - lo)
         return [(p, {}, SegmentView(seg, p.start - p.shift - lo)) for p in run]
 

@@ -21,9 +21,6 @@ cores copy and hash.
 
 from __future__ import annotations
 
-import functools
-import io
-import math
 import os
 import struct
 import threading
@@ -31,17 +28,15 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import mlx.core as mx
-import numpy as np
 import xxhash
 
-from semantic import heap
 from semantic.cachefile.atomic import hasher
 from semantic.errors import CacheCorruptError
 from semantic.store.blockformat import BlockInfo
 
 BATCH_BYTES = 1 << 20     # read, then hash, this much at a time: it is still in a core's L2 cache when hashed
 AHEAD_BYTES = 1 << 30     # files announced to the kernel before they are read: what a disk reads while the
-AHEAD_FILES = 64          # arrays are made (:func:`unwritten`), and at most this many files (small blocks)
+AHEAD_FILES = 64          # arrays are made (:func:`zeros`), and at most this many files (small blocks)
 _IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX")) if hasattr(os, "sysconf") else 1024
 
 
@@ -63,7 +58,10 @@ class Into:
 def zeros(shapes: Sequence[tuple[tuple[int, ...], mx.Dtype]]) -> list[mx.array]:
     """Evaluated arrays of zeros of ``shapes`` (shape, dtype), to be read into (:func:`writable`).
 
-    MLX makes no array without writing it, so every page of one is first touched here, not by the
+    MLX makes no array without writing it (but as a load: an ``mx.load`` of a Python file object whose
+    data reads write nothing was measured, 32K tokens warm in 0.54x the time, and dropped, because its reads
+    call back into Python from MLX's worker thread: a server restoring beside other turns hung in CI, SIGTERM
+    ignored, as a GIL held by a thread waiting on that worker leaves it), so every page of one is first touched here, not by the
     read: a page fault and the kernel's zeroing per page (about 0.5 s a GB on this 2-core VM, as much
     as ``mx.load``'s reading into fresh memory) and one more pass over memory than a load of one file
     makes. The arrays are made on the hashing threads and this one together, on the CPU (no GPU work
@@ -86,60 +84,6 @@ def zeros(shapes: Sequence[tuple[tuple[int, ...], mx.Dtype]]) -> list[mx.array]:
     for k, part in enumerate(parts):
         out[k::n] = part
     return out
-
-
-def unwritten(shapes: Sequence[tuple[tuple[int, ...], mx.Dtype]]) -> list[mx.array]:
-    """Evaluated arrays of ``shapes`` whose bytes nobody wrote, to be read into (:func:`writable`): what a
-    restore reads whole, where :func:`zeros` first faulted in and zeroed every page for the read to write
-    again (its arrays made 1.35-1.45x ``mx.load``'s time for the same files). MLX makes an array without
-    writing it only as a load: ``mx.load`` of a file object (:class:`_Unwritten`) whose data reads write
-    nothing, so a page is first touched by the read that fills it, as in ``mx.load`` of a file. Their bytes
-    are whatever the allocator's were (fresh pages read as zeros; a reused buffer, what it held): every
-    byte must be written (``heap.clear_from`` for what no file fills). Elsewhere than Linux on the CPU
-    (Metal, CUDA; not measured here), :func:`zeros`."""
-    if not heap.drops():
-        return zeros(shapes)
-    out = []
-    for shape, dtype in shapes:
-        flat = mx.load(_Unwritten(math.prod(shape) * dtype.size), format="npy", stream=mx.cpu)
-        out.append(flat.view(dtype).reshape(shape))
-    mx.eval(out)
-    return out
-
-
-class _Unwritten:
-    """A file object holding one ``.npy`` array of ``nbytes`` bytes, for :func:`unwritten`: its header is
-    read, its data reads leave the destination as it is."""
-
-    closed = False
-
-    def __init__(self, nbytes: int):
-        self.header = _npy_header(nbytes)
-        self.pos = 0
-
-    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
-        assert whence == os.SEEK_SET, whence  # mlx seeks to the data's start, absolutely
-        self.pos = offset
-        return offset
-
-    def tell(self) -> int:
-        return self.pos
-
-    def readinto(self, dest) -> int:
-        n = memoryview(dest).nbytes
-        if self.pos < len(self.header):
-            n = min(n, len(self.header) - self.pos)
-            memoryview(dest).cast("B")[:n] = self.header[self.pos : self.pos + n]
-        self.pos += n
-        return n
-
-
-@functools.cache
-def _npy_header(nbytes: int) -> bytes:
-    """The ``.npy`` header of a flat uint8 array of ``nbytes``, as numpy writes it."""
-    out = io.BytesIO()
-    np.lib.format.write_array_header_1_0(out, {"descr": "|u1", "fortran_order": False, "shape": (nbytes,)})
-    return out.getvalue()
 
 
 def _shares(jobs: int) -> int:
