@@ -24,6 +24,7 @@ import mlx.core as mx
 
 from semantic import heap
 from semantic.cache.blocks import Segment, SegmentView, segment_runs
+from semantic.kinds.batchone import WIDEN
 
 # a tail a turn's cut leaves at most this many tokens of (a completion's reply the next prompt leaves out, an
 # end-of-turn marker a template renders otherwise) is let go once the agent's history has moved past it
@@ -53,6 +54,8 @@ class Loan:
     def give_back(self) -> None:
         for seg in self.lent:
             seg.lent = False
+            for cache in seg.handed.values():  # its widen names the segment: kept, the two would hold each other
+                setattr(cache, WIDEN, None)
         self.lent = []
 
 

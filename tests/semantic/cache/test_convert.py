@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import weakref
 
 import mlx.core as mx
@@ -357,6 +358,17 @@ def test_the_next_turn_lent_a_segment_is_handed_its_last_turns_caches_started_wh
     grown = reconstruct(blocks, room=256, loan=loan)
     assert all(c.offset == len(ids) and c.keys is seg.layer_data[i][0] for i, c in enumerate(grown))
     loan.give_back()
+    # handed back, the kept caches hold no way back to their segment: once nothing else holds it, its buffers go
+    # at once, not at the cyclic collector's next pass
+    buffers = [weakref.ref(k) for k, _ in seg.layer_data.values()]
+    gc.collect()
+    gc.disable()
+    try:
+        blocks.release()
+        del blocks, grown, seg, pool
+        assert all(r() is None for r in buffers)
+    finally:
+        gc.enable()
 
 
 def test_a_segment_without_room_grows_one_layer_at_a_time_and_is_lent(llama_tiny):
