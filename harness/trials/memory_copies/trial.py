@@ -7,9 +7,10 @@ then ``appends`` turns each add ``append_tokens`` (a coding agent's tool output)
 ``/v1/completions`` of the whole text so far, greedy, ``max_tokens`` 2, the agent named by ``X-Agent-Id``
 (mlx-lm's server finds the prefix in its own prompt cache). The server's resident set (it and its children)
 is sampled every 100 ms from start to stop (``MemorySampler``); each turn reports its peak above the idle
-server's RSS (after one 4-token warm-up turn) and the RSS after it (the median of the last 3 samples of
-``settle_samples``: a second by default, the least an agent's tool call takes before its next turn), each
-over the KV bytes of the agent's cache at that length: 1.0 is one copy.
+server's RSS (the median of the ``settle_samples`` taken after one 4-token warm-up turn has ended) and the
+RSS after it (the median of the last 3 samples of ``settle_samples``: a second by default, the least an
+agent's tool call takes before its next turn), each over the KV bytes of the agent's cache at that length:
+1.0 is one copy.
 
 The sides: ours at each tree of ``trees`` (this checkout, or a commit in a worktree, as EXP-022 resolves
 them), and ``mlx_lm.server`` with its own defaults, one after another on the same prompts.
@@ -108,8 +109,7 @@ def _side(kind: str, tree, model_dir: Path, p: dict, per_token: int, work: Path)
                 return time.perf_counter() - began
 
             turn("Hi\nH", None)
-            sampler.wait_samples(10)
-            idle = _median([r["rss_bytes"] for r in sampler.rss if r["phase"] == "idle"][-10:])
+            idle = settled_rss(sampler, p["settle_samples"])
             prompt = text(p["first_tokens"], 0)
             for i in range(p["appends"] + 1):
                 if i:
@@ -132,6 +132,15 @@ def _side(kind: str, tree, model_dir: Path, p: dict, per_token: int, work: Path)
         sampler.stop()
         running.stop(signal.SIGTERM)
     return {"idle_rss_bytes": idle, "turns": turns, "samples": len(sampler.rss)}
+
+
+def settled_rss(sampler, n: int) -> int:
+    """The median RSS of ``n`` samples taken from now on, in a phase of their own. (The samples of the
+    phase before include the warm-up turn's own working memory: the last ten of them, taken as the idle
+    server's RSS, read 137-274 MB from run to run where the settled server holds 136.)"""
+    sampler.phase = "settled"
+    sampler.wait_samples(n)
+    return _median([r["rss_bytes"] for r in sampler.rss if r["phase"] == "settled"])
 
 
 def _median(xs: list[int]) -> int:

@@ -26,3 +26,19 @@ def test_the_summary_reads_the_first_turn_apart_from_the_appends():
     assert (s["first_peak_x_kv"], s["append_peak_x_kv"], s["append_after_x_kv_max"], s["last_after_x_kv"]) == \
         (1.5, 2.2, 2.1, 2.1)
     assert s["append_seconds_median"] == 3.0 and s["idle_rss_mb"] == 1.0
+
+
+def test_the_idle_baseline_is_taken_after_the_warm_up_not_from_the_samples_during_it():
+    import os
+
+    from harness.trials.memory_copies.trial import settled_rss
+    from harness.trials.multi_model.sampler import MemorySampler
+
+    with MemorySampler(os.getpid, None, interval_s=0.01, phase="idle") as sampler:
+        warm_up = bytearray(256 << 20)  # a warm-up turn's working memory, written so that it is resident
+        sampler.wait_samples(15)
+        del warm_up
+        idle = settled_rss(sampler, 5)
+        during = max(r["rss_bytes"] for r in sampler.rss if r["phase"] == "idle")
+    assert during - idle > 200 << 20
+    assert sum(r["phase"] == "settled" for r in sampler.rss) >= 5
