@@ -76,6 +76,10 @@ def length_checks(d: dict) -> dict:
             c["default_rss_over_budget"] = dflt["rss_max_bytes"] / dflt["budget_bytes"]
     srv = d.get("server") or {}
     c.update(_server_checks(srv))
+    # a restore's peak: the restarted server's RSS during the turn that reads the agent, above its RSS just before
+    peaks = [(r["rss"]["peak"] - r["rss"]["before"]) / d["cache_bytes"] for r in srv.get("restore", [])
+             if _ok(r["turn"]) and (r.get("rss") or {}).get("peak") and r["rss"].get("before")]
+    c["restore_peak_over_cache"] = max(peaks) if peaks else None
     return c
 
 
@@ -163,6 +167,7 @@ def checks(out: dict) -> dict:
 
     c["restore_cold_over_floor_min"] = lo(pick("restore_cold_over_floor", lambda n: n >= GOAL_RESTORE_FROM))
     c["restore_cold_bound_min"] = lo(pick("restore_cold_bound", lambda n: n >= GOAL_RESTORE_FROM))
+    c["restore_peak_over_cache_max"] = hi(pick("restore_peak_over_cache", lambda n: n >= GOAL_RESTORE_FROM))
     c["restore_warm_over_memcpy_min"] = lo(pick("restore_warm_over_memcpy", lambda n: n >= GOAL_RESTORE_FROM))
     c["cached_over_decode_max"] = hi(pick("cached_over_decode", lambda n: n in GOAL_CACHED_AT))
     c["cached_over_goal_max"] = hi([pc["cached_over_decode"] / cached_goal(key.split("@")[0]) for key, pc in per.items()
@@ -279,7 +284,8 @@ def readme(ctx, out: dict, c: dict) -> str:
     cold = [[g, lab, _gb(k(g, lab, "restore_bytes")), k(g, lab, "restore_cold_s"), k(g, lab, "restore_cold_floor_s"),
              _rate(k(g, lab, "restore_bytes"), k(g, lab, "restore_cold_s")),
              _rate(k(g, lab, "restore_bytes"), k(g, lab, "restore_cold_floor_s")), k(g, lab, "restore_cold_over_floor"),
-             k(g, lab, "restore_cold_own_over_floor"), k(g, lab, "restore_cold_bound")] for g, lab, _, _ in run]
+             k(g, lab, "restore_cold_own_over_floor"), k(g, lab, "restore_cold_bound"),
+             k(g, lab, "restore_peak_over_cache")] for g, lab, _, _ in run]
     warm = [[g, lab, k(g, lab, "restore_warm_s"), k(g, lab, "restore_warm_memcpy_s"), k(g, lab, "restore_warm_read_s"),
              k(g, lab, "restore_warm_over_memcpy")] for g, lab, _, _ in run]
     save = [[g, lab, _gb(k(g, lab, "save_bytes")), k(g, lab, "save_s"), k(g, lab, "floor_write_s"),
@@ -344,7 +350,7 @@ Their budget lines:
 
 ## Restore from disk (page cache dropped) against a sequential read of the same files
 
-{_table(['geometry', 'length', 'GB', 'turn s', 'read s', 'restore GB/s', 'read GB/s', 'read s / turn s', 'read s / (turn - cached turn) s', 'read s / max(read, cached turn) s: the most an overlapped restore reaches'], cold)}
+{_table(['geometry', 'length', 'GB', 'turn s', 'read s', 'restore GB/s', 'read GB/s', 'read s / turn s', 'read s / (turn - cached turn) s', 'read s / max(read, cached turn) s: the most an overlapped restore reaches', 'RSS peak above the server before it / cache bytes (cold or warm, the worst)'], cold)}
 
 ## Restore from RAM (page cache warm) against a memcpy of the same bytes
 

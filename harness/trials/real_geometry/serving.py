@@ -171,13 +171,29 @@ def restore(s: Served, prompt: list[int], rep: int, cold: bool, bufs: floors.Buf
         if side == "turn":
             if cold:
                 floors.evict(files)
-            row["turn"] = s.turn(prompt)
+            row["turn"], row["rss"] = rss_around(s.sampler, phase, lambda: s.turn(prompt))
         elif cold:
             row["floor_read"] = floors.cold_read(files, bufs)
         else:
             row["memcpy"] = floors.memcpy(nbytes, bufs)
             row["floor_read"] = floors.read_files(files, bufs)
     return row
+
+
+def rss_around(sampler, phase: str, run, settle: int = 3) -> tuple:
+    """``run()``'s result and the server's RSS around it: ``before`` (the median of ``settle`` samples taken
+    just before, the restarted server idle) and ``peak`` (the largest sample while it ran and over
+    ``settle`` samples after, so that a turn shorter than a sample interval is still seen)."""
+    sampler.phase = f"{phase}-before"
+    sampler.wait_samples(settle)
+    before = sorted(r["rss_bytes"] for r in sampler.rss if r["phase"] == sampler.phase)
+    sampler.phase = f"{phase}-turn"
+    result = run()
+    sampler.phase = f"{phase}-after"
+    sampler.wait_samples(settle)
+    during = [r["rss_bytes"] for r in sampler.rss if r["phase"] in (f"{phase}-turn", f"{phase}-after")]
+    sampler.phase = phase
+    return result, {"before": before[len(before) // 2] if before else None, "peak": max(during, default=None)}
 
 
 def cached_vs_decode(s: Served, prompt: list[int], reps: int, extra: int) -> list[dict]:

@@ -48,8 +48,10 @@ def _turn(s, cached=32768, status=200):
 
 
 def _length():
-    restore = [{"cold": True, "bytes": 1e9, "turn": _turn(4.0), "floor_read": {"s": 1.0}},
-               {"cold": False, "bytes": 1e9, "turn": _turn(2.0), "memcpy": {"s": 0.5}, "floor_read": {"s": 0.6}}]
+    restore = [{"cold": True, "bytes": 1e9, "turn": _turn(4.0), "floor_read": {"s": 1.0},
+                "rss": {"before": 300e6, "peak": 1.35e9}},
+               {"cold": False, "bytes": 1e9, "turn": _turn(2.0), "memcpy": {"s": 0.5}, "floor_read": {"s": 0.6},
+                "rss": {"before": 300e6, "peak": 1.25e9}}]
     cached = [{"one": _turn(1.0), "more": {**_turn(2.0), "completion_tokens": 3}, "decode_step_s": 0.5},
               {"one": _turn(1.2), "more": {**_turn(2.2), "completion_tokens": 3}, "decode_step_s": 0.5}]
     beside = [{"quiet": {"other": _turn(1.0, 0), "turn": _turn(1.0)},
@@ -75,6 +77,7 @@ def test_the_checks_pair_each_rep_and_take_the_worst():
     # an overlapped restore lasts at least the forward: the cached turn (1.1 s median) outlasts the 1.0 s read
     assert c["restore_cold_bound_min"] == pytest.approx(1.0 / 1.1)
     assert c["restore_warm_over_memcpy_min"] == pytest.approx(0.25)
+    assert c["restore_peak_over_cache_max"] == pytest.approx(1.05)   # the cold restore's, the worse of the two
     assert c["cached_over_decode_max"] == pytest.approx(2.2)     # pairs 2.0 and 2.4
     assert c["cached_over_goal_max"] == pytest.approx(2.2 / 1.5)  # "g" is no hybrid: an attention model's goal
     assert c["beside_over_quiet_max"] == pytest.approx(1.1)
@@ -111,3 +114,21 @@ def test_every_criterion_names_a_check_the_kind_writes():
     doc = {"checks": checks(out)}
     for crit in config.criteria:
         resolve(doc, crit.value)
+
+
+def test_a_restore_s_peak_is_read_against_the_server_just_before_the_turn():
+    import os
+
+    from harness.trials.multi_model.sampler import MemorySampler
+    from harness.trials.real_geometry.serving import rss_around
+
+    def turn():  # a turn's working memory, resident for a few samples, then freed
+        held = bytearray(192 << 20)
+        sampler.wait_samples(3)
+        del held
+        return "answered"
+
+    with MemorySampler(os.getpid, None, interval_s=0.01, phase="restore-cold") as sampler:
+        result, rss = rss_around(sampler, "restore-cold", turn)
+    assert result == "answered" and rss["peak"] - rss["before"] > 150 << 20
+    assert sampler.phase == "restore-cold"   # the phase the part goes on in

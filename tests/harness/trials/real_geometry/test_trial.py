@@ -19,7 +19,7 @@ from harness.runner import run
 pytestmark = [pytest.mark.slow]
 
 GOALS = ("restore_cold_over_floor_min", "restore_warm_over_memcpy_min", "cached_over_goal_max",
-         "beside_over_quiet_max", "rss_over_budget_max", "load_cold_ours_over_mlx_max")
+         "beside_over_quiet_max", "rss_over_budget_max", "load_cold_ours_over_mlx_max", "restore_peak_over_cache_max")
 
 
 def test_real_geometry_at_8k_and_32k_is_measured_and_every_turn_finds_the_agent(tmp_path):
