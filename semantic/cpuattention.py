@@ -12,7 +12,8 @@ bits), a block of query rows at a time (:data:`BLOCK_ELEMENTS`). SmolLM2, 2 core
 goes to MLX's own, unchanged.
 
 :func:`install` puts it in place of ``mx.fast.scaled_dot_product_attention`` for this process (mlx-lm's
-models call it there); the executor installs it. ``SEMANTIC_CPU_ATTENTION=off`` keeps MLX's.
+models call it there); the executor installs it. ``SEMANTIC_CPU_ATTENTION=off`` keeps MLX's (and with it,
+batches merge their rows: a row-wise batch's keys, ``kinds.rows.RowKV``, are attended row by row here).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import math
 import os
 
 import mlx.core as mx
+
+from semantic.kinds.rows import RowKV, attend
 
 ENV = "SEMANTIC_CPU_ATTENTION"
 LOG2E = 1.0 / math.log(2.0)
@@ -71,6 +74,8 @@ def attention(q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask=None,
     time faulting in and streaming those), and under a causal mask a block attends only to the keys up to
     its last row (the rest would be masked whole: the fallback computes them, and they add exactly 0).
     """
+    if isinstance(k, RowKV):  # a row-wise batch (kinds.rows): each row over its own keys, by this function
+        return attend(q, k, v, attention, scale=scale, mask=mask, sinks=sinks, **kwargs)
     if not handles(q, k, v, mask, sinks, kwargs):
         return _mlx_sdpa(q, k, v, scale=scale, mask=mask, sinks=sinks, **kwargs)
     B, H, L, D = q.shape

@@ -122,11 +122,14 @@ def turn_need(spec: ModelCacheSpec, misses: dict[str, int], prompt: int, complet
     return need
 
 
-def row_bytes(spec: ModelCacheSpec, tokens: int) -> int:
+def row_bytes(spec: ModelCacheSpec, tokens: int, apart: bool = False) -> int:
     """Bytes one row of a merged batch holds for a cache of ``tokens``: every layer's K/V it attends over
     (a window's at most) and each recurrent state. A batch of two or more rows is a copy of its rows, padded
-    to the longest (mlx-lm's ``BatchKVCache.merge`` and ``extend``); a turn decoding alone is its own."""
-    return sum(layer.bytes_held(tokens) for layer in spec.layers)
+    to the longest (mlx-lm's ``BatchKVCache.merge`` and ``extend``); a turn decoding alone is its own. With
+    ``apart`` (the executor keeps rows apart, ``kinds.rows``), the layers that keep each row in its own
+    buffers hold no copy."""
+    return sum(layer.bytes_held(tokens) for layer in spec.layers
+               if not (apart and kinds.of(layer).keeps_rows(layer)))
 
 
 def merged_bytes(rows: list[int]) -> int:

@@ -17,7 +17,8 @@ The shift copies that row's cache, so it is paid only by rows that kept
 fewer tokens than another row; a batch of one never pays it.
 
 Every batch cache the step loop uses is handled (``BatchKVCache``,
-``BatchRotatingKVCache``, ``batchquant.BatchQuantizedKVCache``), with the
+``BatchRotatingKVCache``, ``batchquant.BatchQuantizedKVCache``; a row-wise
+``rows.RowsKVCache`` just moves each row's end back), with the
 fields both supported mlx-lm versions share. A rotating cache is put back
 in temporal order first (its ring then is a plain right-aligned buffer);
 its left padding may be negative (a full window: every slot holds a
@@ -35,6 +36,7 @@ from mlx_lm.models import cache as C
 
 from semantic import kinds
 from semantic.kinds.batchquant import BatchQuantizedKVCache
+from semantic.kinds.rows import RowsKVCache
 
 
 def prepare(batch: list) -> None:
@@ -51,6 +53,9 @@ def rewind(batch: list, drop: Sequence[int]) -> None:
     common = min(drop)
     extra = [d - common for d in drop]
     for c in _leaves(batch):
+        if isinstance(c, RowsKVCache):  # each row in its own buffers: its end moves back, no shift, no copy
+            c.rewind(drop)
+            continue
         if common:
             _trim_all(c, common)
         if any(extra):

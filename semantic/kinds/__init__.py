@@ -42,9 +42,10 @@ def for_cache(cache) -> Kind | None:
     return None
 
 
-def merge(per_sequence: Sequence[list]) -> list:
-    """Per-layer batch caches from each sequence's single caches (one row each, left-padded);
-    a ``CacheList``'s children are batched each as a layer of their own."""
+def merge(per_sequence: Sequence[list], rows: bool = False) -> list:
+    """Per-layer batch caches from each sequence's single caches (one row each, left-padded; with ``rows``,
+    global attention's rows each in its own buffers: ``kinds.rows``); a ``CacheList``'s children are
+    batched each as a layer of their own."""
     from mlx_lm.models import cache as C
 
     from semantic.errors import UnsupportedCacheError
@@ -52,12 +53,12 @@ def merge(per_sequence: Sequence[list]) -> list:
     merged = []
     for layer in zip(*per_sequence):
         if isinstance(layer[0], C.CacheList):
-            merged.append(C.CacheList(*merge([c.caches for c in layer])))
+            merged.append(C.CacheList(*merge([c.caches for c in layer], rows)))
             continue
         kind = for_cache(layer[0])
         if kind is None:
             raise UnsupportedCacheError(f"cannot batch a {type(layer[0]).__name__}")
-        merged.append(kind.batch(list(layer)))
+        merged.append(kind.batch(list(layer), rows))
     return merged
 
 

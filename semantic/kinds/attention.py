@@ -10,6 +10,7 @@ from semantic import compat
 from semantic.errors import CacheMismatchError, CacheShapeError
 from semantic.kinds.base import DTYPES, Positional
 from semantic.kinds.batchone import BatchOneKVCache
+from semantic.kinds.rows import RowsKVCache
 
 
 class Attention(Positional):
@@ -91,6 +92,9 @@ class Attention(Positional):
         return compat.build_layer(compat.LayerState(kind, first, second, total, group_size=layer.kv_group_size,
                                                     bits=layer.kv_bits))
 
+    def keeps_rows(self, layer) -> bool:
+        return not layer.kv_bits  # a quantized cache's rows merge (batchquant)
+
     def takes_room(self, layer) -> bool:
         # mlx-lm's KVCache writes into spare slots in place and grows by a copy of the whole cache; a
         # quantized one keeps its own triples
@@ -115,11 +119,13 @@ class Attention(Positional):
         cache.keys, cache.values, cache.offset = first, second, total
         return cache
 
-    def batch(self, caches):
+    def batch(self, caches, rows=False):
         if isinstance(caches[0], C.QuantizedKVCache):
             from semantic.kinds.batchquant import BatchQuantizedKVCache  # mlx-lm has none
 
             return BatchQuantizedKVCache.merge(caches)
+        if rows and all(type(c) is C.KVCache for c in caches):  # every row in its own buffers, alone or not
+            return RowsKVCache.merge(caches)
         if len(caches) == 1 and type(caches[0]) is C.KVCache:  # alone: decodes in its own buffers
             return BatchOneKVCache.wrap(caches[0])
         return C.BatchKVCache.merge(caches)

@@ -81,9 +81,15 @@ class Kind:
         tokens in temporal order (a snapshot's, or pieces of blocks joined)."""
         raise NotImplementedError
 
-    def batch(self, caches: list) -> Any:
-        """One batch cache from single-row caches of this kind."""
+    def batch(self, caches: list, rows: bool = False) -> Any:
+        """One batch cache from single-row caches of this kind; ``rows``: each row kept in its own buffers
+        where this kind can (``kinds.rows``), the model's code taking it (``batchprobe.rows_problem``)."""
         raise NotImplementedError
+
+    def keeps_rows(self, layer) -> bool:
+        """Whether a batch of this layer's rows keeps each row in its own buffers (``kinds.rows``), where
+        the model's code takes that: a row joining or leaving copies nothing, and the batch holds no copy."""
+        return False
 
     def takes_room(self, layer) -> bool:
         """Whether :meth:`build_with_room` gives this layer's cache spare slots for a turn's new tokens."""

@@ -72,5 +72,5 @@ class Chunked(Positional):
         return compat.build_layer(compat.LayerState(compat.CHUNKED, first, second, total, max_size=layer.window,
                                                     idx=total - held))
 
-    def batch(self, caches):
+    def batch(self, caches, rows=False):
         raise AssertionError("a model with chunked layers decodes one sequence at a time (batches = False)")

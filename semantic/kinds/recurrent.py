@@ -84,7 +84,7 @@ class Recurrent(Kind):
         self.check_arrays(i, layer, first)
         return compat.build_arrays(first)
 
-    def batch(self, caches):
+    def batch(self, caches, rows=False):
         batch = C.ArraysCache.merge(caches)
         return compat.build_arrays(batch.cache) if len(batch.cache) == 2 else batch  # 0.30.4: a MambaCache
 

@@ -74,7 +74,7 @@ class Sliding(Positional):
         return compat.build_layer(compat.LayerState(compat.ROTATING, first, second, total, layer.keep, layer.window,
                                                     idx=held))
 
-    def batch(self, caches):
+    def batch(self, caches, rows=False):
         # 0.30.4's BatchRotatingKVCache.merge fails on a ring longer than its window, which a
         # multi-token prefill leaves behind: unroll first
         return C.BatchRotatingKVCache.merge([compat.build_layer(compat.temporal_rotating(compat.read_layer(c)))

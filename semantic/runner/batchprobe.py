@@ -97,6 +97,38 @@ def batch_problem(model, spec) -> str | None:
     return None
 
 
+def rows_problem(model, spec) -> str | None:
+    """Why ``model``'s code cannot decode a row-wise batch (``kinds.rows``) exactly, or None when it can.
+
+    Two rows decode one token, then three in one step (a speculative step's width), each in its own
+    buffers; the same tokens decoded by each row alone must give the same logprobs. Asked only of a
+    model that batches (:func:`batch_problem`): one that computes with a layer's keys before attending
+    fails on the row-wise keys, and merges instead."""
+    from semantic import cpuattention
+
+    if not cpuattention.installed():  # the process's attention is MLX's own, which takes no row-wise keys
+        return "the process's attention is MLX's own (SEMANTIC_CPU_ATTENTION=off)"
+    steps = ([11], [12, 13, 14])
+    try:
+        batch_rows, alone = [], []
+        for prompt in _PROMPTS:
+            together, single = spec.make_cache(), spec.make_cache()
+            for c in (together, single):
+                model(mx.array([prompt]), cache=c)
+            batch_rows.append(together)
+            alone.append([_logprobs(model(mx.array([step]), cache=single)[0]) for step in steps])
+        batch = kinds.merge(batch_rows, rows=True)
+        drift = 0.0
+        for j, step in enumerate(steps):
+            out = _logprobs(model(mx.array([step, step]), cache=batch))
+            drift = max(drift, *(float(mx.max(_gap(out[i], alone[i][j]))) for i in range(len(_PROMPTS))))
+    except Exception as exc:  # the model's code computes with the keys, or asks for a mask array
+        return f"its code fails on row-wise batch caches ({type(exc).__name__}: {str(exc)[:120]})"
+    if not drift <= TOLERANCE:
+        return f"its rows drift in a row-wise batch (logprobs {drift:.2g} from the same row alone)"
+    return None
+
+
 def _gap(a, b):
     return mx.where(a == b, 0.0, mx.abs(a - b))  # equal where both are -inf (a model that masks ids out)
 

@@ -130,6 +130,10 @@ class BatchExecutor:
         if self.batch_off is not None:
             log.info("one sequence at a time: %s", self.batch_off)
             max_batch = 1
+        # a batch's rows in their own buffers (no merge copies) where the model's code takes them
+        self.rows_off = self._why_rows_merge(model, spec, used, probe_memo)
+        if self.rows_off is not None:
+            log.info("batches merge their rows: %s", self.rows_off)
         self.speculation_off = self._why_no_speculation(model, spec, used, probe_memo, speculation is not None)
         if speculation is not None and self.speculation_off is not None:
             log.info("speculation is off: %s", self.speculation_off)
@@ -138,12 +142,22 @@ class BatchExecutor:
         self.stop_tokens = frozenset(int(t) for t in (tokenizer.eos_token_ids if stop_tokens is None else stop_tokens))
         budget = StepBudget(defaults.prefill_chunk(), itl_target_s=itl_target_s, fixed=prefill_chunk)
         self._loop = StepLoop(model, stop_tokens=self.stop_tokens, max_batch=max_batch, prefill_chunk=budget,
-                              speculation=speculation, single=self.batch_off is not None)
+                              speculation=speculation, single=self.batch_off is not None,
+                              rows=self.rows_off is None)
         self._uids = itertools.count()
         self._seqs: dict[int, _InFlight] = {}
         self._by_agent: dict[str, int] = {}  # agent id -> its uid in flight
         self._finished: weakref.WeakValueDictionary[int, AgentBlocks] = weakref.WeakValueDictionary()
         self.on_ended = on_ended
+
+    def _why_rows_merge(self, model, spec, used, probe_memo) -> str | None:
+        """Why the batch's global-attention rows merge into one tensor rather than stay each in its own
+        buffers (``kinds.rows``), or None."""
+        if self.batch_off is not None:
+            return f"one sequence at a time: {self.batch_off}"
+        if not any(kinds.of(layer).keeps_rows(layer) for layer in spec.layers):
+            return "no layer keeps its rows apart"
+        return batchprobe.remembered(model, spec, probe_memo, batchprobe.rows_problem)
 
     def _why_no_speculation(self, model, spec, used, probe_memo, asked: bool) -> str | None:
         """Why greedy turns of this model cannot draft, or None: every kind of layer takes rejected drafts

@@ -7,8 +7,9 @@ is ours, built from mlx-lm's model call and cache classes, and behaves the
 same under both mlx-lm versions. One :meth:`StepLoop.step`::
 
     decode    one forward pass: the last token of every generating sequence
-              (B rows, left-padded batch caches: BatchKVCache,
-              BatchRotatingKVCache, batchquant.BatchQuantizedKVCache)
+              (B rows: global attention's each in its own buffers, kinds.rows,
+              where the model's code takes them; else left-padded batch caches:
+              BatchKVCache, BatchRotatingKVCache, batchquant.BatchQuantizedKVCache)
     prefill   then at most the step's budget of prompt tokens (``semantic.runner.stepbudget``:
               the largest chunk when nothing decodes, else a fixed chunk or
               what holds an inter-token latency target) of the waiting
@@ -137,12 +138,15 @@ class StepLoop:
     """Chunked prefill between batched decode steps (see the module docstring)."""
 
     def __init__(self, model, *, stop_tokens: Sequence[int], max_batch: int, prefill_chunk: int | StepBudget,
-                 speculation: SpecConfig | None = None, single: bool = False):
+                 speculation: SpecConfig | None = None, single: bool = False, rows: bool = False):
         """``prefill_chunk``: a step budget, or a fixed number of prompt tokens per step. ``single``: one
-        sequence at a time, decoding on its own caches (a model whose caches or code do not batch)."""
+        sequence at a time, decoding on its own caches (a model whose caches or code do not batch).
+        ``rows``: global attention's rows stay in their own buffers in the batch (``kinds.rows``; a model
+        whose code takes them, ``batchprobe.rows_problem``), else they merge into one left-padded tensor."""
         assert max_batch > 0, max_batch
         assert not single or (max_batch == 1 and speculation is None), "one sequence, no drafts to rewind"
         self.single = single
+        self.rows = rows
         self.budget = prefill_chunk if isinstance(prefill_chunk, StepBudget) else StepBudget(
             prefill_chunk, fixed=prefill_chunk)
         self.model = model
@@ -453,7 +457,7 @@ class StepLoop:
             self._batch, joining[0].caches = joining[0].caches, None
             self._rows += joining
             return
-        merged = kinds.merge([s.caches for s in joining])
+        merged = kinds.merge([s.caches for s in joining], self.rows)
         for s in joining:
             s.caches = None
         if self._batch is None:

@@ -50,13 +50,15 @@ class CacheOrigin:
             given the decision, it returns the plan it carried out.
         live: what a turn starting now from a cache holds beyond the pool's blocks
             (``CacheManager.live_bytes``), charged with its blocks.
+        apart: whether the executor's batches keep rows apart (``kinds.rows``): their layers hold no
+            merged copy to charge.
     """
 
     def __init__(self, store: AgentCacheStore, planner: StepPlanner, cv: threading.Condition,
                  carry_out: Callable[[Callable[[], StepPlan]], StepPlan],
-                 live: Callable[[Request, AgentBlocks | None], int]):
+                 live: Callable[[Request, AgentBlocks | None], int], apart: Callable[[], bool] = lambda: False):
         self.store, self.planner, self._cv, self._carry_out = store, planner, cv, carry_out
-        self._live = live
+        self._live, self._apart = live, apart
 
     def find(self, request: Request) -> AgentBlocks | None:
         """The cache ``request``'s turn starts from; with none, a shared prefix is fetched into the pool.
@@ -109,7 +111,7 @@ class CacheOrigin:
 
     def row(self, request: Request) -> int:
         """``request``'s row in a merged batch, in bytes: its prompt and a step of decode (``room.row_bytes``)."""
-        return room.row_bytes(self.store.spec, len(request.ids) + ROOM_STEP)
+        return room.row_bytes(self.store.spec, len(request.ids) + ROOM_STEP, self._apart())
 
     def _own(self, agent_id: str) -> tuple[AgentBlocks | None, bool]:
         """The agent's newest cache: the one held here unless another server moved on, else its file; and

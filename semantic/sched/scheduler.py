@@ -116,7 +116,8 @@ class ConcurrentScheduler(ResidentView):
         self.executor = self._make_executor()
         self._cv = threading.Condition()
         self.origin = CacheOrigin(store, self.planner, self._cv, self._plan,
-                                  live=lambda r, own: self.executor.cache_manager.live_bytes(r.ids, own, r.salt_root))
+                                  live=lambda r, own: self.executor.cache_manager.live_bytes(r.ids, own, r.salt_root),
+                                  apart=lambda: getattr(self.executor, "rows_off", "") is None)
         self._closing = False
         self._steps = 0
         self._worker = threading.Thread(target=self._work, name="semantic-scheduler", daemon=True)
