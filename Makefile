@@ -18,7 +18,7 @@ AIPERF_ARGS ?=
 # extra requirements for .venv, e.g. PINS="mlx==0.30.3 mlx-lm==0.30.4" (the macOS workflow's matrix)
 PINS ?=
 
-.PHONY: code-map compare-commits help system-blas system-browser system-redis venv models serve serve-models serve-ttft serve-hops append-profile dashboard-screenshot test test-numerics test-slow test-compat exp-003 exp-004 exp-005 exp-006 exp-006-full exp-007 exp-007-full exp-008 exp-008-full exp-008-spec exp-009 exp-009-full exp-009-aiperf exp-010 exp-010-full exp-011 exp-011-full exp-012 exp-012-two-models exp-013 exp-014 exp-014-full exp-015 exp-016 exp-017 exp-018 exp-018-full exp-019 exp-019-full exp-020 exp-020-full exp-020-128k exp-021 exp-021-full exp-023 exp-023-full model-matrix fuzz-blocks chunk-cost restore-speed restore-overlap spec-recurrent exp-throughput exp-throughput-full bench compare-versions test-install clean
+.PHONY: code-map compare-commits help system-blas system-browser system-redis venv models serve serve-models serve-ttft serve-hops append-profile dashboard-screenshot test test-numerics test-slow test-compat exp-003 exp-004 exp-005 exp-006 exp-006-full exp-007 exp-007-full exp-008 exp-008-full exp-008-spec exp-009 exp-009-full exp-009-aiperf exp-010 exp-010-full exp-011 exp-011-full exp-012 exp-012-two-models exp-013 exp-014 exp-014-full exp-015 exp-016 exp-017 exp-018 exp-018-full exp-019 exp-019-full exp-020 exp-020-full exp-020-128k exp-021 exp-021-full exp-023 exp-023-full model-matrix fuzz-blocks chunk-cost restore-speed restore-overlap batch-rows spec-recurrent exp-throughput exp-throughput-full bench compare-versions test-install clean
 
 help:
 	@echo "make test         run the test suite (creates .venv, prepares models; a worker per core; timings: docs/tests.md)"
@@ -45,6 +45,7 @@ help:
 	@echo "make chunk-cost   what a decode step and a prefill chunk cost at 0/4K/8K context"
 	@echo "make restore-speed  an agent restored from block files vs the single file, mlx-lm's file and the disk"
 	@echo "make restore-overlap  a restore's reads overlapped with the turn's forward, against serial and the disk"
+	@echo "make batch-rows   agents decoding together: rows kept in their own buffers against mlx-lm's merged batch"
 	@echo "make spec-recurrent  speculation on recurrent layers: step costs, edit-style turn time, 1000 turns' exactness"
 	@echo "make exp-009      our server vs mlx_lm.server, mlx-vlm and vllm-mlx over one HTTP workload"
 	@echo "make exp-009-aiperf  ours, mlx_lm.server and vllm-mlx measured by NVIDIA's AIPerf instead of our client"
@@ -396,6 +397,12 @@ restore-speed: venv
 TOKENS ?= 32768
 restore-overlap: venv
 	$(PY) -m harness.analysis.restore_overlap --tokens $(TOKENS)
+
+# Three agents of Qwen3-Coder-30B-A3B's cache geometry (4K and 8K tokens) join a batch, decode two steps and
+# leave, with rows kept apart (kinds.rows) and merged as mlx-lm does, interleaved in fresh processes: seconds and
+# MLX's peak memory above the agents' caches (results/batch_rows.json; a few minutes on 2 cores).
+batch-rows: venv
+	$(PY) -m harness.analysis.batch_rows
 
 # Speculation on recurrent layers (semantic.decode.replay) on LFM2-350M's geometry and two tiny hybrids: a verify
 # step vs a replay pass, edit-style turns with and without it at batch 1, 1000 turns' text compared (about 10 min).

@@ -150,6 +150,7 @@ class ServiceStats:
     remote: dict | None = None  # the shared tier's counters (``RemoteTier.stats``), when there is one
     spec_off: str | None = None  # why speculation cannot run on this model (executor.speculation_off), None: it can
     batch_off: str | None = None  # why this model decodes one sequence at a time, None: it batches
+    rows_off: str | None = None   # why its batches merge their rows into one tensor (a copy), None: kept apart
     cache_kinds: tuple[str, ...] = ()  # the model's layer kinds (global, sliding, recurrent)
     in_place: dict | None = None  # which layer groups turns run in the pool's buffers (``CacheManager.in_place``)
 
@@ -451,6 +452,7 @@ class Service:
             spec_replays=self.scheduler.executor.replays[0],
             remote=self.store.remote.stats() if self.store.remote is not None else None,
             spec_off=self.scheduler.executor.speculation_off, batch_off=self.scheduler.executor.batch_off,
+            rows_off=getattr(self.scheduler.executor, "rows_off", None),
             cache_kinds=tuple(sorted({l.kind for l in self.store.spec.layers})),
             in_place=self.scheduler.executor.cache_manager.in_place(),
         )

@@ -240,8 +240,10 @@ class Backend:
             # quantized, sliding, recurrent); lent_turns / copied_turns: resumed turns each way (a copied one
             # was charged its copy at admission); grown_segments, joined_histories: buffers grown or joined for them
             "in_place": st.in_place,
-            # off_reason: why this model decodes one sequence at a time (its code or its caches do not batch)
-            "batch": {"off_reason": st.batch_off},
+            # off_reason: why this model decodes one sequence at a time (its code or its caches do not batch);
+            # rows_apart: whether agents decoding together keep their global layers' rows in their own buffers
+            # (no merged copy), else merge_reason says why they merge
+            "batch": {"off_reason": st.batch_off, "rows_apart": st.rows_off is None, "merge_reason": st.rows_off},
             # the tier shared with other servers (--remote): hits, misses, bytes, verification failures, latency
             "remote": st.remote,
             "evictions": s.evictions + store.disk_evictions,

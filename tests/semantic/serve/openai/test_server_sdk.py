@@ -191,6 +191,8 @@ def test_metrics_and_cache_stats_describe_the_traffic(server):
     stats = server.stats()
     assert any(a["agent"] == "metrics-agent" for a in stats["agents"])
     assert stats["tokens"]["cached"] > 0 and stats["pool"]["used_blocks"] > 0
+    # a llama: agents decoding together keep their rows in their own buffers (kinds.rows)
+    assert stats["batch"] == {"off_reason": None, "rows_apart": True, "merge_reason": None}
 
 
 def test_the_ram_budget_holds_and_an_evicted_agent_continues_from_disk(tiny_dir, tmp_path):
