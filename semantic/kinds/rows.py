@@ -44,9 +44,11 @@ def attend(queries: mx.array, keys: RowKV, values: RowKV, sdpa, *, scale: float,
     """``sdpa`` (an ``mx.fast.scaled_dot_product_attention``) of each row's queries over its own keys."""
     assert queries.shape[0] == len(keys.rows) == len(values.rows), (queries.shape, len(keys.rows))
     assert mask is None or mask == "causal", "a row-wise batch makes no array mask (RowsKVCache.make_mask)"
+    if len(keys.rows) == 1:
+        return sdpa(queries, keys.rows[0], values.rows[0], scale=scale, mask=mask, sinks=sinks, **kwargs)
     outs = [sdpa(queries[b: b + 1], k, v, scale=scale, mask=mask, sinks=sinks, **kwargs)
             for b, (k, v) in enumerate(zip(keys.rows, values.rows))]
-    return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
+    return mx.concatenate(outs, axis=0)
 
 
 class RowsKVCache(C._BaseCache):
@@ -71,7 +73,10 @@ class RowsKVCache(C._BaseCache):
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[RowKV, RowKV]:
         assert keys.shape[0] == len(self.rows), (keys.shape, len(self.rows))
-        fetched = [r.update_and_fetch(keys[b: b + 1], values[b: b + 1]) for b, r in enumerate(self.rows)]
+        if len(self.rows) == 1:  # a lone row: no slice of the step's keys to make
+            fetched = [self.rows[0].update_and_fetch(keys, values)]
+        else:
+            fetched = [r.update_and_fetch(keys[b: b + 1], values[b: b + 1]) for b, r in enumerate(self.rows)]
         self.offset = self.offset + keys.shape[2]
         return RowKV([k for k, _ in fetched]), RowKV([v for _, v in fetched])
 

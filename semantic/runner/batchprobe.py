@@ -91,6 +91,7 @@ def batch_problem(model, spec) -> str | None:
         alone = [_logprobs(model(mx.array([[11]]), cache=c)[0, -1]) for c in caches]
         drift = max(float(mx.max(_gap(_logprobs(together[i]), alone[i]))) for i in range(len(_PROMPTS)))
     except Exception as exc:  # the model's code refused batch caches
+        _settle(model, spec)
         return f"its code fails on batch caches ({type(exc).__name__}: {str(exc)[:120]})"
     if not drift <= TOLERANCE:
         return f"its rows drift in a batch (logprobs {drift:.2g} from the same row alone)"
@@ -123,10 +124,18 @@ def rows_problem(model, spec) -> str | None:
             out = _logprobs(model(mx.array([step, step]), cache=batch))
             drift = max(drift, *(float(mx.max(_gap(out[i], alone[i][j]))) for i in range(len(_PROMPTS))))
     except Exception as exc:  # the model's code computes with the keys, or asks for a mask array
+        _settle(model, spec)
         return f"its code fails on row-wise batch caches ({type(exc).__name__}: {str(exc)[:120]})"
     if not drift <= TOLERANCE:
         return f"its rows drift in a row-wise batch (logprobs {drift:.2g} from the same row alone)"
     return None
+
+
+def _settle(model, spec) -> None:
+    """A whole forward pass, evaluated here, after one that raised midway: what the model's code keeps
+    between passes (gemma3n's) is left unevaluated by the pass that stopped, and MLX evaluates an array
+    only on the thread that made it, so the executor's thread would fail on it at its first turn."""
+    mx.eval(model(mx.array([_PROMPTS[0]]), cache=spec.make_cache()))
 
 
 def _gap(a, b):
@@ -167,6 +176,7 @@ def replay_problem(model, spec) -> str | None:
         together = model(mx.array([[11], [11]]), cache=batch)[:, -1]
         drift = max(float(mx.max(_gap(_logprobs(together[i]), alone[i]))) for i in range(len(_PROMPTS)))
     except Exception as exc:  # the model's code refused row lengths
+        _settle(model, spec)
         return f"its recurrent layers fail on row lengths ({type(exc).__name__}: {str(exc)[:120]})"
     if not (drift <= TOLERANCE and state_drift <= TOLERANCE):
         return (f"its recurrent layers ignore a row's length (state {state_drift:.2g} of its size, logprobs "

@@ -113,6 +113,7 @@ def test_agents_decoding_together_keep_their_rows_apart_and_get_mlx_lms_greedy_t
 def test_the_probe_sends_a_model_that_computes_with_its_keys_to_merged_batches_which_stay_exact():
     from harness.models import zoo
 
+    cpuattention.install()
     model, _ = zoo.build("stablelm")  # its attention casts the keys it fetched before attending
     spec = ModelCacheSpec.from_model(model)
     why = batchprobe.rows_problem(model, spec)
@@ -133,3 +134,29 @@ def test_a_turn_joining_a_row_wise_batch_is_charged_no_copy_of_the_rows_kept_apa
     gemma = ModelCacheSpec.from_model(gemma_tiny)  # its sliding layers' windows still merge
     windows = sum(layer.bytes_held(100) for layer in gemma.layers if not kinds.of(layer).keeps_rows(layer))
     assert 0 < room.row_bytes(gemma, 100, apart=True) == windows < room.row_bytes(gemma, 100)
+
+
+def test_a_model_whose_code_stops_the_rows_probe_midway_still_decodes_on_another_thread():
+    """gemma3n's KV-shared layers ask the cache for ``keys_and_values``: the probe's pass stops there, and
+    what the model keeps between passes was left unevaluated, bound to this thread (MLX evaluates an array
+    only on the thread that made it): the executor's thread failed on it at its first turn."""
+    import threading
+
+    from harness.models import zoo
+
+    cpuattention.install()  # as every executor does: the probe asks only where rows can be attended
+    model, _ = zoo.build("gemma3n")
+    spec = ModelCacheSpec.from_model(model)
+    assert "keys_and_values" in batchprobe.rows_problem(model, spec)
+    failed = []
+
+    def turn():
+        try:
+            mx.eval(model(mx.array([[1, 2, 3]]), cache=spec.make_cache()))
+        except Exception as exc:  # noqa: BLE001 - reported to the test's thread
+            failed.append(exc)
+
+    t = threading.Thread(target=turn)
+    t.start()
+    t.join(60)
+    assert not t.is_alive() and not failed, failed
