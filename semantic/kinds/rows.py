@@ -11,7 +11,10 @@ batch is the list of them::
     update_and_fetch(keys (B, H, L, D))  -> each row writes its L keys in place -> RowKV: one view a row
     attention(queries (B, Hq, L, D))     -> one attention a row over its own keys -> (B, Hq, L, Dv)
 
-Joining, leaving and taking a row out are list operations; a row's rejected draft tokens leave by moving
+A batch keeps its rows apart once one of them holds :data:`APART_FROM_BYTES` of cache (the step loop
+decides as rows join; a merged batch a long row joins is made again, kept apart, from its short rows'
+copies); below that, the copy is cheap and one attention for all rows is faster. Joining, leaving and
+taking a row out are list operations; a row's rejected draft tokens leave by moving
 its own end back (:meth:`RowsKVCache.rewind`). Only the attention reads K/V per row; every other op of a
 layer stays batched. The process's ``mx.fast.scaled_dot_product_attention`` (``semantic.cpuattention``)
 attends a :class:`RowKV` row by row. Most mlx-lm model types hand the keys ``update_and_fetch`` returns
@@ -27,6 +30,11 @@ import mlx.core as mx
 from mlx_lm.models import cache as C
 
 from semantic.kinds.batchone import BatchOneKVCache
+
+# a batch keeps its rows apart once one of them holds this much cache: below it a row's merge copy is cheap,
+# and attending row by row costs each decode step one attention a row (SmolLM2, 4 rows of 300-640 tokens:
+# a step 94 ms against 90 merged; EXP-022's batch of short prompts decoded 1.14x slower kept apart)
+APART_FROM_BYTES = 32 << 20
 
 
 class RowKV:

@@ -78,6 +78,7 @@ from semantic.runner import lastrow
 from semantic.runner.stepbudget import StepBudget
 from semantic.decode.constraint import Constraint
 from semantic.decode.promptlookup import Drafter, SpecConfig, batch_draft_len
+from semantic.kinds.rows import APART_FROM_BYTES
 from semantic.request import Request
 from semantic.decode.sampling import processors_for, sampler_for
 
@@ -160,6 +161,7 @@ class StepLoop:
         self._ready: list[_Seq] = []           # first token read; they join before the next decode
         self._rows: list[_Seq] = []            # the batch, row order of ``_batch``
         self._batch: list | None = None        # per-layer batch caches
+        self._apart = False                    # whether they keep global attention's rows apart (kinds.rows)
         self._seqs: dict[int, _Seq] = {}
 
     # ------------------------------------------------------------ sequences
@@ -457,11 +459,19 @@ class StepLoop:
             self._batch, joining[0].caches = joining[0].caches, None
             self._rows += joining
             return
-        merged = kinds.merge([s.caches for s in joining], self.rows)
+        apart = self.rows and (self._apart or any(_cache_bytes(s.caches) >= APART_FROM_BYTES for s in joining))
+        if apart and self._batch is not None and not self._apart:
+            # a long row joins short merged ones: they are copied out (short: cheap), and all kept apart
+            self._settle()
+            shorts = [self._row(i) for i in range(len(self._rows))]
+            self._batch, self._rows, joining = None, [], [*self._rows, *joining]
+            for s, caches in zip(joining, shorts):
+                s.caches = caches
+        merged = kinds.merge([s.caches for s in joining], apart)
         for s in joining:
             s.caches = None
         if self._batch is None:
-            self._batch = merged
+            self._batch, self._apart = merged, apart
         else:
             for mine, theirs in zip(self._batch, merged):
                 mine.extend(theirs)
@@ -491,10 +501,15 @@ class StepLoop:
         keep = [i for i in range(len(self._rows)) if i not in gone]
         self._rows = [self._rows[i] for i in keep]
         if not keep:
-            self._batch = None
+            self._batch, self._apart = None, False
             return
         for c in self._batch:
             c.filter(keep)
+
+
+def _cache_bytes(caches: list) -> int:
+    """The bytes a sequence's single caches hold (their buffers, spare slots included)."""
+    return sum(a.nbytes for c in caches for a in compat.cache_arrays(c))
 
 
 def _constrain(seqs: list[_Seq], logits: mx.array) -> mx.array:

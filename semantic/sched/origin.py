@@ -32,6 +32,7 @@ from semantic.cache import reuse, room
 from semantic.cache.manager import ROOM_STEP
 from semantic.cache.blocks import AgentBlocks
 from semantic.errors import PoolExhaustedError
+from semantic.kinds.rows import APART_FROM_BYTES
 from semantic.sched.planner import StepPlan, StepPlanner
 from semantic.request import Request
 from semantic.store import AgentCacheStore
@@ -111,7 +112,12 @@ class CacheOrigin:
 
     def row(self, request: Request) -> int:
         """``request``'s row in a merged batch, in bytes: its prompt and a step of decode (``room.row_bytes``)."""
-        return room.row_bytes(self.store.spec, len(request.ids) + ROOM_STEP, self._apart())
+        n = len(request.ids) + ROOM_STEP
+        merged = room.row_bytes(self.store.spec, n)
+        # a row this long keeps the batch's rows apart (its own merged copy is never made); a shorter one may
+        # merge. Its prompt alone is measured: the step loop measures the buffers it joins with, never fewer
+        apart = self._apart() and room.row_bytes(self.store.spec, len(request.ids)) >= APART_FROM_BYTES
+        return room.row_bytes(self.store.spec, n, apart=True) if apart else merged
 
     def _own(self, agent_id: str) -> tuple[AgentBlocks | None, bool]:
         """The agent's newest cache: the one held here unless another server moved on, else its file; and

@@ -13,7 +13,7 @@ from semantic import BatchExecutor, BlockPool, ModelCacheSpec, Request, cpuatten
 from semantic.cache import room
 from semantic.decode import rewind
 from semantic.kinds.rows import RowKV, RowsKVCache
-from semantic.runner import batchprobe
+from semantic.runner import batchprobe, steploop
 from tests.cache_helpers import check
 from tests.tiny_models import byte_tokenizer
 
@@ -83,6 +83,7 @@ def test_agents_decoding_together_keep_their_rows_apart_and_get_mlx_lms_greedy_t
     executor = BatchExecutor(model, byte_tokenizer(), BlockPool(spec, 512, block_tokens=4), spec,
                              stop_tokens=[], prefill_chunk=8, max_batch=4)
     assert executor.rows_off is None
+    monkeypatch.setattr(steploop, "APART_FROM_BYTES", 0)  # every row counts as long: the batch keeps them apart
 
     def no_merge(*a, **k):
         raise AssertionError("a global-attention row was merged into a batch tensor")
@@ -160,3 +161,38 @@ def test_a_model_whose_code_stops_the_rows_probe_midway_still_decodes_on_another
     t.start()
     t.join(60)
     assert not t.is_alive() and not failed, failed
+
+
+def test_short_rows_merge_and_a_long_row_joining_them_has_the_batch_kept_apart_with_every_token_exact(llama_tiny,
+                                                                                                   monkeypatch):
+    """Below ``APART_FROM_BYTES`` a row's merge copy is cheap and one attention for all rows is faster: short
+    rows merge. A long row joining them has the short rows copied out and the batch made again, kept apart."""
+    spec = ModelCacheSpec.from_model(llama_tiny)
+    executor = BatchExecutor(llama_tiny, byte_tokenizer(), BlockPool(spec, 512, block_tokens=4), spec,
+                             stop_tokens=[], prefill_chunk=64, max_batch=4)
+    per_token = sum(layer.bytes_held(1) for layer in spec.layers)
+    monkeypatch.setattr(steploop, "APART_FROM_BYTES", 300 * per_token)  # 300 tokens: the long row's 340 are more
+    kept = []
+    step = executor._loop.step
+
+    def watching():
+        out = step()
+        batch = executor._loop._batch
+        if batch is not None:
+            kept.append((len(executor._loop._rows), isinstance(batch[0], RowsKVCache)))
+        return out
+
+    monkeypatch.setattr(executor._loop, "step", watching)
+    rng = np.random.default_rng(9)
+    shorts = [executor.submit(Request(f"s{i}", [int(t) for t in rng.integers(1, 250, n)], 30)) for i, n in
+              enumerate((7, 12))]
+    done = []
+    while len(kept) < 3:  # the short rows decode together, merged
+        done += executor.step_once()
+    assert kept[-1] == (2, False)
+    executor.submit(Request("long", [int(t) for t in rng.integers(1, 250, 340)], 8))
+    done += list(executor.step())
+    assert any(k == (3, True) for k in kept)  # the long row joined: all three kept apart
+    assert len(done) == 3 and {d.uid for d in done} >= set(shorts)
+    for d in done:
+        check(llama_tiny, d)
