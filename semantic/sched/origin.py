@@ -74,7 +74,7 @@ class CacheOrigin:
         Raises:
             PoolExhaustedError: the file's blocks do not fit the pool and nothing can make room.
         """
-        own, resident = self._own(request.agent_id) if request.persist else (None, False)
+        own, resident = self._own(request.agent_id, request.ids) if request.persist else (None, False)
         if own is None and self.store.remote is not None:
             # a prefix another server published (a shared system prompt): into the pool first
             self.store.prefetch(request.ids, request.salt_root)
@@ -119,7 +119,7 @@ class CacheOrigin:
         apart = self._apart() and room.row_bytes(self.store.spec, len(request.ids)) >= APART_FROM_BYTES
         return room.row_bytes(self.store.spec, n, apart=True) if apart else merged
 
-    def _own(self, agent_id: str) -> tuple[AgentBlocks | None, bool]:
+    def _own(self, agent_id: str, ids) -> tuple[AgentBlocks | None, bool]:
         """The agent's newest cache: the one held here unless another server moved on, else its file; and
         whether it was held here."""
         with self._cv:
@@ -134,7 +134,7 @@ class CacheOrigin:
             return own, True
         while True:
             try:
-                return self.store.load(agent_id), False  # the file (a restart, an eviction), else None
+                return self.store.load(agent_id, ids), False  # the file (a restart, an eviction), else None
             except PoolExhaustedError:  # room for the file's blocks, else the turn fails
                 if not self._carry_out(lambda: self.planner.make_room(exclude=agent_id) or StepPlan()):
                     raise

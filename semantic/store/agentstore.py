@@ -41,7 +41,7 @@ import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 from semantic.cache import blockclaim
 from semantic import cachefile
@@ -182,10 +182,12 @@ class AgentCacheStore:
             self._fetch.publish(agent_id, entry, version, blocks)
         self._budget.trim(keep=agent_id)
 
-    def load(self, agent_id: str) -> AgentBlocks | None:
+    def load(self, agent_id: str, for_ids: Sequence[int] | None = None) -> AgentBlocks | None:
         """``agent_id``'s cache read from its file into the pool (a new reference the caller owns), or None.
 
-        A file that fails verification is quarantined and reported as a miss.
+        A file that fails verification is quarantined and reported as a miss. ``for_ids``: the prompt of the
+        turn it is read for; one that extends the saved history leaves its earlier snapshots on disk
+        (``blockload.load``).
 
         Raises:
             PoolExhaustedError: the pool has no room for the file's blocks
@@ -194,7 +196,7 @@ class AgentCacheStore:
         validate_agent_id(agent_id)
         with self._files.agent_lock(agent_id):
             fetched = self._fetch.fetch_newer(agent_id)
-            blocks = self._files.load(agent_id, self.pool, self.pool_lock)
+            blocks = self._files.load(agent_id, self.pool, self.pool_lock, for_ids)
             if blocks is None and fetched is not None:  # what another server published failed its checks here
                 self._fetch.refused(agent_id, fetched)
         if fetched is not None:  # a file came from elsewhere: the disk tier holds to its budget as on a save

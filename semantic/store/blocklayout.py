@@ -31,7 +31,7 @@ import logging
 import os
 import threading
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import xxhash
 
@@ -255,9 +255,11 @@ class BlockFiles(AgentIndex):
 
     # ------------------------------------------------------------ loading
 
-    def load(self, agent_id: str, pool: BlockPool, pool_lock: threading.RLock) -> AgentBlocks | None:
+    def load(self, agent_id: str, pool: BlockPool, pool_lock: threading.RLock,
+             for_ids: Sequence[int] | None = None) -> AgentBlocks | None:
         """The agent's cache read into ``pool`` (the caller holds the agent's lock), or None; a cache
-        file of the single-file layout is converted on the way.
+        file of the single-file layout is converted on the way. ``for_ids``: the prompt it is for
+        (``blockload.load``: one that extends the history leaves the earlier snapshots on disk).
 
         Raises:
             PoolExhaustedError: the pool has no room for the blocks it lacks.
@@ -292,7 +294,7 @@ class BlockFiles(AgentIndex):
                 return dict(self.index.infos)
 
         release = lambda bl: _locked_release(pool, pool_lock, bl)  # noqa: E731
-        blocks = blockload.load(m, infos, pool, pool_lock, self._bad_block, release)
+        blocks = blockload.load(m, infos, pool, pool_lock, self._bad_block, release, for_ids=for_ids)
         if blocks is None:
             with self.lock:
                 self.misses += 1

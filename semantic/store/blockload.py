@@ -142,13 +142,17 @@ def _covered(ranges, cover) -> bool:
 
 
 def load(m: Manifest, infos: Callable[[], dict[int, BlockInfo]], pool: BlockPool, pool_lock: AbstractContextManager,
-         on_bad: Callable[[BlockInfo, str], None], release, tails: bool = False) -> AgentBlocks | None:
+         on_bad: Callable[[BlockInfo, str], None], release, tails: bool = False,
+         for_ids: Sequence[int] | None = None) -> AgentBlocks | None:
     """``m``'s cache (or its longest whole prefix) in ``pool``; None when nothing of it loads.
 
     Args:
         infos: the indexed block files now (a fresh view each try).
         on_bad: called with a file that failed its checks, and why.
         release: what the returned blocks call to go back to the pool (under ``pool_lock``).
+        for_ids: the prompt of the turn the load is for, when known. A prompt that extends the loaded
+            history resumes from its last snapshot, and its turn carries only that one on: the earlier
+            snapshots (where a regenerate resumes) stay on disk, neither read nor held.
 
     Raises:
         PoolExhaustedError: the pool cannot hold the blocks that missed (nothing taken).
@@ -159,7 +163,7 @@ def load(m: Manifest, infos: Callable[[], dict[int, BlockInfo]], pool: BlockPool
         if total == 0:
             return None
         try:
-            return _load_prefix(at, total, files, pool, pool_lock, release)
+            return _load_prefix(at, total, files, pool, pool_lock, release, not _extends(for_ids, at.token_ids[:total]))
         except _Bad as bad:
             on_bad(bad.info, bad.reason)
         except _Unreadable as exc:  # a miss this time; the files stay
@@ -177,14 +181,19 @@ class _Bad(Exception):
         self.info, self.reason = info, reason
 
 
-def _load_prefix(m: Manifest, total: int, files, pool, pool_lock, release) -> AgentBlocks:
+def _extends(ids: Sequence[int] | None, history: Sequence[int]) -> bool:
+    """Whether the prompt ``ids`` is ``history`` and more (a turn that resumes from its end)."""
+    return ids is not None and len(ids) > len(history) and tuple(ids[:len(history)]) == tuple(history)
+
+
+def _load_prefix(m: Manifest, total: int, files, pool, pool_lock, release, earlier_too: bool = True) -> AgentBlocks:
     tokens = m.token_ids[:total]
     stored_from = m.stored_from if total == m.total_tokens else {}
     chain = chain_keys(tokens, m.block_tokens, m.hash_root)
 
     def plans():
         planned = claim_blocks(pool, m.spec, tokens, chain, m.hash_root, stored_from)
-        return planned, _earlier_plans(m, total, pool, chain)
+        return planned, _earlier_plans(m, total, pool, chain) if earlier_too else []
 
     with pool_lock:
         planned, earlier = plans()

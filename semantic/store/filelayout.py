@@ -27,7 +27,7 @@ import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 from semantic import cachefile
 from semantic.cache.blocks import AgentBlocks
@@ -159,8 +159,10 @@ class AgentFiles(AgentIndex):
             raise
         return path
 
-    def load(self, agent_id: str, pool: BlockPool, pool_lock: threading.RLock) -> AgentBlocks | None:
+    def load(self, agent_id: str, pool: BlockPool, pool_lock: threading.RLock,
+             for_ids: Sequence[int] | None = None) -> AgentBlocks | None:
         """The agent's indexed file read into ``pool`` (the caller holds the agent's lock), or None.
+        ``for_ids`` is ignored: this layout holds no snapshots.
 
         A file that fails verification is quarantined and forgotten; each None counts a miss.
 

@@ -313,7 +313,7 @@ def test_a_store_that_raises_while_loading_costs_the_turn_its_cache_not_the_work
         r1 = sched.submit(Request("a", h, 4)).result(30)
     h2 = h + list(r1.token_ids) + [9, 8]
     with _scheduler(llama_tiny, cache_dir) as restarted:
-        def broken(agent_id):  # a bug in a load path, not a damaged file (those are quarantined)
+        def broken(agent_id, for_ids=None):  # a bug in a load path, not a damaged file (those are quarantined)
             raise TypeError("a load path's bug")
 
         restarted.store.load = broken

@@ -157,6 +157,33 @@ def test_a_saved_agent_reloads_after_a_restart_with_every_snapshot_and_continues
     _continues_like_a_fresh_prefill(fresh, loaded, list(loaded.token_ids) + history(7, seed=2))
 
 
+def test_a_load_for_a_prompt_that_extends_the_history_leaves_the_earlier_snapshots_on_disk(model, tmp_path, monkeypatch):
+    executor = _executor(model)
+    prompt = history(45, seed=1)
+    done = generate(executor, "a", prompt, 4).blocks
+    _store(executor, tmp_path).save("a", done)
+    group, total = _snapshot_group(executor.spec), done.total_tokens
+    earlier = {s.path for s in _snapshot_files(tmp_path, executor.spec) if s.end < total}
+    assert earlier
+    read, real = [], blockread.read_file
+    monkeypatch.setattr(blockread, "read_file", lambda into: (read.append(into.info.path), real(into))[1])
+
+    fresh = _executor(model)  # a restart; the agent's next turn appends to its whole history
+    nxt = [*done.token_ids, *history(7, seed=2)]
+    loaded = _store(fresh, tmp_path).load("a", nxt)
+    assert loaded is not None and loaded.total_tokens == total
+    assert _ends(loaded, group) == [total]  # only the snapshot it resumes from
+    assert read and not earlier & set(read)  # the earlier one neither read nor held
+    _continues_like_a_fresh_prefill(fresh, loaded, nxt, tail=())
+    loaded.release()
+
+    # a regenerate's prompt (the same prompt again) still brings the snapshot it resumes from
+    again = _executor(model)
+    regen = _store(again, tmp_path).load("a", prompt)
+    assert _ends(regen, group) == [len(prompt) - 1, total]
+    _continues_like_a_fresh_prefill(again, regen, prompt, cached=len(prompt) - 1, tail=())
+
+
 def assert_identical_snapshot(a, b, upto=None, group=None) -> None:
     """Every layer's cache rebuilt from ``a`` equals ``b``'s (recurrent states included), after all their tokens
     or their first ``upto`` (of ``group``'s layers only, when given)."""
