@@ -16,6 +16,10 @@ server's directory, under its fingerprint). Then:
    against a decode step at that context; the cached turn right after another agent's saved turn against
    its quiet twin; the process's RSS every 100 ms against the budget it logged.
 
+``restores`` adds geometries and lengths measured by their restores alone (step 3's cold and warm restores
+and their peak memory, on a server sized the same): the quick run's attention model at 32K, whose other
+phases (a decode step of a 48-layer model at 32K) would take minutes here.
+
 What this machine cannot hold is skipped, not attempted: a length whose server would need more than the memory
 available now (``server_factor`` x the cache's bytes; the restore reads every block and then concatenates them)
 is recorded with the reason.
@@ -47,6 +51,10 @@ def validate(p: dict) -> None:
         raise ValueError(f"unknown geometries {bad}; known: {list(GEOMETRIES)}")
     if any(n % 256 for n in p["lengths"]):
         raise ValueError(f"lengths must be whole 256-token blocks: {p['lengths']}")
+    for pair in p["restores"]:
+        if not (isinstance(pair, list) and len(pair) == 2 and pair[0] in GEOMETRIES and isinstance(pair[1], int)
+                and pair[1] > 0 and pair[1] % 256 == 0):
+            raise ValueError(f"restores: [geometry, tokens in whole 256-token blocks] pairs; got {pair!r}")
 
 
 def mem_available() -> int:
@@ -95,7 +103,7 @@ def run(ctx) -> None:
     out: dict = {"machine": {**floors.machine(bufs), "mem_available_bytes_at_start": mem_available(),
                              "cpu_count": os.cpu_count(), "work_dir": str(work)},
                  "geometries": {}, "failed": [], "skipped": []}
-    ctx.progress.total = len(p["geometries"]) * len(p["lengths"])
+    ctx.progress.total = len(p["geometries"]) * len(p["lengths"]) + len(p["restores"])
     t_run = time.perf_counter()
     try:
         for g in p["geometries"]:
@@ -104,6 +112,12 @@ def run(ctx) -> None:
             except Exception as exc:  # recorded (a P0 fails); the other geometries still run
                 out["failed"].append({"part": g, "error": "".join(traceback.format_exception(exc))[-6000:]})
                 print(f"EXP-020 {g} failed: {exc}", file=sys.stderr)
+        for g, n in p["restores"]:
+            try:
+                _restores_of(g, n, p, work / g, bufs, out, ctx)
+            except Exception as exc:
+                out["failed"].append({"part": f"{g} restores", "error": "".join(traceback.format_exception(exc))[-6000:]})
+                print(f"EXP-020 {g} restores failed: {exc}", file=sys.stderr)
     finally:
         if not p["keep_work_dir"]:
             shutil.rmtree(work, ignore_errors=True)
@@ -112,6 +126,31 @@ def run(ctx) -> None:
 
 
 def _geometry(g: str, p: dict, work: Path, bufs, out: dict, ctx) -> dict:
+    geo, spec, model_dir = _described(g, p)
+    for n in p["lengths"]:
+        _part(geo["lengths"], label(n), g, work, out, lambda lab: _length(g, n, p, work / lab, bufs, spec, geo, model_dir, out))
+        ctx.progress.update(1)
+    geo["fleets"] = {}
+    for n, agents in p["fleets"]:
+        _part(geo["fleets"], f"{agents}x{label(n)}", g, work, out,
+              lambda lab: _fleet(g, n, agents, p, work / lab, spec, geo, model_dir, out))
+    return geo
+
+
+def _restores_of(g: str, n: int, p: dict, work: Path, bufs, out: dict, ctx) -> None:
+    """Geometry ``g`` at ``n`` tokens measured by its restores alone (:func:`_restores`), into its geometry's
+    lengths (made when ``geometries`` lacks it)."""
+    if g not in out["geometries"]:
+        out["geometries"][g] = _described(g, p)[0]
+        out["geometries"][g]["fleets"] = {}
+    geo = out["geometries"][g]
+    _, spec, model_dir = _described(g, p)
+    _part(geo["lengths"], label(n), g, work, out, lambda lab: _restores(g, n, p, work / lab, bufs, spec, geo, model_dir, out))
+    ctx.progress.update(1)
+
+
+def _described(g: str, p: dict) -> tuple[dict, object, Path]:
+    """The geometry's model written (once per machine), its spec, and what the results say of it."""
     import gc
 
     import mlx.core as mx
@@ -131,14 +170,7 @@ def _geometry(g: str, p: dict, work: Path, bufs, out: dict, ctx) -> dict:
                     "token_bytes": spec.token_bytes(), "state_bytes": spec.state_bytes(),
                     "groups": len(spec.groups())},
            "lengths": {}}
-    for n in p["lengths"]:
-        _part(geo["lengths"], label(n), g, work, out, lambda lab: _length(g, n, p, work / lab, bufs, spec, geo, model_dir, out))
-        ctx.progress.update(1)
-    geo["fleets"] = {}
-    for n, agents in p["fleets"]:
-        _part(geo["fleets"], f"{agents}x{label(n)}", g, work, out,
-              lambda lab: _fleet(g, n, agents, p, work / lab, spec, geo, model_dir, out))
-    return geo
+    return geo, spec, model_dir
 
 
 def _part(into: dict, lab: str, g: str, work: Path, out: dict, measure) -> None:
@@ -227,6 +259,53 @@ def _length(g: str, n: int, p: dict, work: Path, bufs, spec, geo: dict, model_di
 PROBE_MEMO = "batchprobe.json"
 
 
+def _restores(g: str, n: int, p: dict, work: Path, bufs, spec, geo: dict, model_dir: Path, out: dict) -> dict:
+    """The agent of ``n`` tokens written into a server's directory, then only the sized server's restores
+    (:func:`_sized_server`'s, cold and warm, ``restore_reps`` each) with their peak memory."""
+    from harness.trials.real_geometry import serving
+    from harness.trials.real_geometry.synthetic import token_ids, write_agent
+
+    nbytes = cache_bytes(spec, n)
+    row: dict = {"tokens": n, "cache_bytes": nbytes, "mem_available_bytes": mem_available(), "restores_only": True}
+    if n + p["new_tokens"] * (2 * p["restore_reps"] + 1) + 1 > geo["context"]:
+        row["skipped"] = f"{n} tokens + the turns do not fit the model's context ({geo['context']})"
+    elif p["server_factor"] * nbytes + p["reserve_mb"] * MiB > row["mem_available_bytes"]:
+        row["skipped"] = f"a server restoring {nbytes / 2**30:.1f} GiB does not fit the memory available now"
+    if "skipped" in row:
+        out["skipped"].append({"part": f"{g} {label(n)} restores", "why": row["skipped"]})
+        return row
+    work.mkdir(parents=True, exist_ok=True)
+    cache_dir = work / "cache"
+    ids = token_ids(n, p["seed"] + n)
+    row["write"] = write_agent(cache_dir, spec, geo["fingerprint"], serving.LONG, ids, p["seed"])
+    prompts = serving.Growing(ids, p["new_tokens"], p["seed"] + n + 1)
+    warm = 2 * nbytes + p["reserve_mb"] * MiB <= mem_available()
+    pool = pool_mb_for(spec, n + p["new_tokens"] * (2 * p["restore_reps"] + 1) + 512)
+    args = ["--pool-mb", str(pool), "--ram-mb", str(pool), "--no-speculation", *p["server_args"]]
+    _probe_memo(model_dir, cache_dir)
+    s = serving.Served(model_dir, g, cache_dir, work / "server.log", args, p["request_timeout_s"])
+    res: dict = {"args": args, "restore": [], "cached": [], "beside": []}
+    s.sampler.start()
+    try:
+        s.start("start")
+        for r in range(p["restore_reps"]):
+            for cold in ((True, False) if r % 2 == 0 else (False, True)):
+                if cold or warm:
+                    res["restore"].append(serving.restore(s, prompts.next(), r, cold, bufs))
+    except Exception as exc:
+        raise RuntimeError(f"{exc!r}\n--- server log ---\n{s.server.log_tail(4000)}") from exc
+    finally:
+        s.sampler.stop()
+        s.stop()
+        s.kill()
+        res["lives"] = s.lives
+        res["rss"] = _rss_summary(s.sampler.rss)
+    row["server"] = res
+    row["prompt_tokens"] = len(prompts.last)
+    _probe_memo(cache_dir, model_dir)
+    return row
+
+
 def _probe_memo(src: Path, dst: Path) -> None:
     """Carry the server's own batch-probe answer (``semantic.runner.batchprobe``: kept in its cache directory,
     keyed by the mlx and mlx-lm versions) between this run's fresh cache directories and the model's: a server
@@ -305,6 +384,8 @@ KIND = register(TrialKind(
         "geometries": Param(list, ["qwen3-coder-30b-a3b", "llama-3.1-8b", "gemma-3-12b", "qwen3.5-35b-a3b"],
                             "geometries (harness.trials.real_geometry.models.GEOMETRIES)"),
         "lengths": Param(list, [8192, 16384, 32768, 65536, 130816], "agent lengths in tokens (whole blocks)", min=256),
+        "restores": Param(list, [], "[geometry, tokens] pairs measured by their restores alone (cold and warm, "
+                                    "restore_reps each, and their peak memory) on a server sized for the agent"),
         "fleets": Param(list, [], "[tokens, agents] pairs: that many agents of that length served by one server with no "
                                   "pool flags, each restored from disk then resumed, its RSS against the budget it logged"),
         "new_tokens": Param(int, 2, "new tokens each turn after a restart appends to the agent's last prompt", min=2),

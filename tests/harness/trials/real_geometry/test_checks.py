@@ -87,7 +87,12 @@ def test_the_checks_pair_each_rep_and_take_the_worst():
     assert c["g@32K.default_status"] == 400 and c["default_refused"] == 1
     assert c["measured_turn_errors"] == 0 and c["measured_turns_missing_cache"] == 0
     out["geometries"]["qwen3.5-35b-a3b"] = out["geometries"].pop("g")
-    assert checks(out)["cached_over_goal_max"] == pytest.approx(2.2 / 2.0)  # a hybrid's goal
+    h = checks(out)
+    assert h["cached_over_goal_max"] == pytest.approx(2.2 / 2.0)  # a hybrid's goal
+    # the restore goals are an attention model's: a hybrid's restore figures are its own
+    assert h["restore_peak_over_cache_max"] is None and h["restore_cold_over_floor_min"] is None
+    assert h["hybrid_restore_peak_over_cache_max"] == pytest.approx(1.05)
+    assert h["hybrid_restore_cold_over_floor_min"] == pytest.approx(0.25)
     out["geometries"]["qwen3.5-35b-a3b"]["lengths"]["32K"]["server"]["cached"][0]["one"]["cached_tokens"] = 10
     assert checks(out)["measured_turns_missing_cache"] == 1
 
