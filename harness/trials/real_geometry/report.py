@@ -304,7 +304,7 @@ def readme(ctx, out: dict, c: dict) -> str:
              k(g, lab, "save_speed_over_floor"), k(g, lab, "mlx_save_s"), k(g, lab, "mlx_save_fsync_s")]
             for g, lab, _, _ in full]
     cached = [[g, lab, k(g, lab, "cached_turn_s"), k(g, lab, "decode_step_s"), k(g, lab, "cached_over_decode")]
-              for g, lab, _, _ in full]
+              for g, lab, _, _ in run]
     beside = [[g, lab, k(g, lab, "quiet_turn_s"), k(g, lab, "beside_turn_s"), k(g, lab, "beside_over_quiet"),
                fmt(k(g, lab, "beside_saved"))] for g, lab, _, _ in full]
     rss = [[g, lab, fmt(k(g, lab, "pool_mb")), _mb(k(g, lab, "budget_bytes")), _mb(k(g, lab, "rss_idle_bytes")),

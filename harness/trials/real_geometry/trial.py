@@ -17,8 +17,8 @@ server's directory, under its fingerprint). Then:
    its quiet twin; the process's RSS every 100 ms against the budget it logged.
 
 ``restores`` adds geometries and lengths measured by their restores alone (step 3's cold and warm restores
-and their peak memory, on a server sized the same): the quick run's attention model at 32K, whose other
-phases (a decode step of a 48-layer model at 32K) would take minutes here.
+and their peak memory, then the cached turn against a decode step, on a server sized the same): the quick
+run's attention model at 32K, whose other phases would take minutes here.
 
 What this machine cannot hold is skipped, not attempted: a length whose server would need more than the memory
 available now (``server_factor`` x the cache's bytes; the restore reads every block and then concatenates them)
@@ -261,13 +261,14 @@ PROBE_MEMO = "batchprobe.json"
 
 def _restores(g: str, n: int, p: dict, work: Path, bufs, spec, geo: dict, model_dir: Path, out: dict) -> dict:
     """The agent of ``n`` tokens written into a server's directory, then only the sized server's restores
-    (:func:`_sized_server`'s, cold and warm, ``restore_reps`` each) with their peak memory."""
+    (:func:`_sized_server`'s, cold and warm, ``restore_reps`` each) with their peak memory, and its fully cached
+    turn against a decode step (the forward a restore's read could overlap with, at best)."""
     from harness.trials.real_geometry import serving
     from harness.trials.real_geometry.synthetic import token_ids, write_agent
 
     nbytes = cache_bytes(spec, n)
     row: dict = {"tokens": n, "cache_bytes": nbytes, "mem_available_bytes": mem_available(), "restores_only": True}
-    if n + p["new_tokens"] * (2 * p["restore_reps"] + 1) + 1 > geo["context"]:
+    if n + p["new_tokens"] * (2 * p["restore_reps"] + 2) + p["decode_tokens"] + 1 > geo["context"]:
         row["skipped"] = f"{n} tokens + the turns do not fit the model's context ({geo['context']})"
     elif p["server_factor"] * nbytes + p["reserve_mb"] * MiB > row["mem_available_bytes"]:
         row["skipped"] = f"a server restoring {nbytes / 2**30:.1f} GiB does not fit the memory available now"
@@ -280,7 +281,7 @@ def _restores(g: str, n: int, p: dict, work: Path, bufs, spec, geo: dict, model_
     row["write"] = write_agent(cache_dir, spec, geo["fingerprint"], serving.LONG, ids, p["seed"])
     prompts = serving.Growing(ids, p["new_tokens"], p["seed"] + n + 1)
     warm = 2 * nbytes + p["reserve_mb"] * MiB <= mem_available()
-    pool = pool_mb_for(spec, n + p["new_tokens"] * (2 * p["restore_reps"] + 1) + 512)
+    pool = pool_mb_for(spec, n + p["new_tokens"] * (2 * p["restore_reps"] + 2) + p["decode_tokens"] + 512)
     args = ["--pool-mb", str(pool), "--ram-mb", str(pool), "--no-speculation", *p["server_args"]]
     _probe_memo(model_dir, cache_dir)
     s = serving.Served(model_dir, g, cache_dir, work / "server.log", args, p["request_timeout_s"])
@@ -292,6 +293,12 @@ def _restores(g: str, n: int, p: dict, work: Path, bufs, spec, geo: dict, model_
             for cold in ((True, False) if r % 2 == 0 else (False, True)):
                 if cold or warm:
                     res["restore"].append(serving.restore(s, prompts.next(), r, cold, bufs))
+        # the forward a restore cannot overlap with its read: the cached turn, and a decode step beside it
+        s.sampler.phase = "cached"
+        s.wait_idle()
+        prompt = prompts.next()
+        res["cached_first"] = s.turn(prompt)
+        res["cached"] = serving.cached_vs_decode(s, prompt, p["cached_reps"], p["decode_tokens"])
     except Exception as exc:
         raise RuntimeError(f"{exc!r}\n--- server log ---\n{s.server.log_tail(4000)}") from exc
     finally:
