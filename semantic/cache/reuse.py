@@ -178,6 +178,9 @@ def choose_start(
     if own_len and own_len == limit:
         return Reuse(OWN if own_len == own.total_tokens else OWN_CUT, own_len, own)
     if not share:
+        if same and not own_len:  # a snapshot group's state stands only at its snapshots: the latest of own's before
+            own_len = max((e for e in {b.end for bl in own.groups.values() for b in bl} if e < same
+                           and convert.covers(own, e)), default=0)
         return Reuse(OWN if own_len == own.total_tokens else OWN_CUT, own_len, own) if own_len else Reuse(NONE, 0)
     cands = _candidates(pool, ids, own, same, salt_root)
     ends = {c.valid for cs in cands.values() for c in cs if own_len < c.valid}

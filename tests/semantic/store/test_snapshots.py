@@ -170,18 +170,25 @@ def test_a_load_for_a_prompt_that_extends_the_history_leaves_the_earlier_snapsho
 
     fresh = _executor(model)  # a restart; the agent's next turn appends to its whole history
     nxt = [*done.token_ids, *history(7, seed=2)]
-    loaded = _store(fresh, tmp_path).load("a", nxt)
+    restarted = _store(fresh, tmp_path)
+    loaded = restarted.load("a", nxt)
     assert loaded is not None and loaded.total_tokens == total
     assert _ends(loaded, group) == [total]  # only the snapshot it resumes from
     assert read and not earlier & set(read)  # the earlier one neither read nor held
-    _continues_like_a_fresh_prefill(fresh, loaded, nxt, tail=())
+    after = _continues_like_a_fresh_prefill(fresh, loaded, nxt, tail=())
     loaded.release()
+    # its next save lists where this turn resumed and its end, as a turn after a whole load does; the earlier
+    # file, which no manifest names now, goes
+    restarted.save("a", after)
+    assert [e.end for e in _manifest(tmp_path, fresh.spec, "a").extents[group]] == [total, after.total_tokens]
+    assert not any(Path(p).exists() for p in earlier)
+    after.release()
 
-    # a regenerate's prompt (the same prompt again) still brings the snapshot it resumes from
+    # a regenerate's prompt (the same prompt again) still brings every snapshot, the one it resumes from included
     again = _executor(model)
-    regen = _store(again, tmp_path).load("a", prompt)
-    assert _ends(regen, group) == [len(prompt) - 1, total]
-    _continues_like_a_fresh_prefill(again, regen, prompt, cached=len(prompt) - 1, tail=())
+    regen = _store(again, tmp_path).load("a", nxt)
+    assert _ends(regen, group) == [total, after.total_tokens]
+    _continues_like_a_fresh_prefill(again, regen, nxt, cached=total, tail=())
 
 
 def assert_identical_snapshot(a, b, upto=None, group=None) -> None:
