@@ -221,17 +221,11 @@ def _length(g: str, n: int, p: dict, work: Path, bufs, spec, geo: dict, model_di
     from harness.trials.real_geometry.synthetic import token_ids
 
     nbytes = cache_bytes(spec, n)
-    avail = mem_available()
-    row: dict = {"tokens": n, "cache_bytes": nbytes, "mem_available_bytes": avail}
-    need = p["server_factor"] * nbytes + p["reserve_mb"] * MiB
-    if n + p["new_tokens"] * (2 * p["restore_reps"] + 4) + p["decode_tokens"] + 1 > geo["context"]:
-        row["skipped"] = f"{n} tokens + the turn do not fit the model's context ({geo['context']})"
-    elif need > avail:
-        row["skipped"] = (f"a server restoring {nbytes / 2**30:.1f} GiB needs about {need / 2**30:.1f} GiB "
-                          f"(x{p['server_factor']} + {p['reserve_mb']} MiB); {avail / 2**30:.1f} GiB available now")
-    if "skipped" in row:
-        out["skipped"].append({"part": f"{g} {label(n)}", "why": row["skipped"]})
-        return row
+    row: dict = {"tokens": n, "cache_bytes": nbytes, "mem_available_bytes": mem_available()}
+    why = _unfit(n, p["new_tokens"] * (2 * p["restore_reps"] + 4) + p["decode_tokens"], nbytes, p, geo, row)
+    if why:
+        out["skipped"].append({"part": f"{g} {label(n)}", "why": why})
+        return {**row, "skipped": why}
     work.mkdir(parents=True, exist_ok=True)
     cache_dir, inproc_dir = work / "cache", work / "inproc"
     inproc_dir.mkdir()
@@ -268,49 +262,33 @@ def _restores(g: str, n: int, p: dict, work: Path, bufs, spec, geo: dict, model_
 
     nbytes = cache_bytes(spec, n)
     row: dict = {"tokens": n, "cache_bytes": nbytes, "mem_available_bytes": mem_available(), "restores_only": True}
-    if n + p["new_tokens"] * (2 * p["restore_reps"] + 2) + p["decode_tokens"] + 1 > geo["context"]:
-        row["skipped"] = f"{n} tokens + the turns do not fit the model's context ({geo['context']})"
-    elif p["server_factor"] * nbytes + p["reserve_mb"] * MiB > row["mem_available_bytes"]:
-        row["skipped"] = f"a server restoring {nbytes / 2**30:.1f} GiB does not fit the memory available now"
-    if "skipped" in row:
-        out["skipped"].append({"part": f"{g} {label(n)} restores", "why": row["skipped"]})
-        return row
+    why = _unfit(n, p["new_tokens"] * (2 * p["restore_reps"] + 2) + p["decode_tokens"], nbytes, p, geo, row)
+    if why:
+        out["skipped"].append({"part": f"{g} {label(n)} restores", "why": why})
+        return {**row, "skipped": why}
     work.mkdir(parents=True, exist_ok=True)
     cache_dir = work / "cache"
     ids = token_ids(n, p["seed"] + n)
     row["write"] = write_agent(cache_dir, spec, geo["fingerprint"], serving.LONG, ids, p["seed"])
     prompts = serving.Growing(ids, p["new_tokens"], p["seed"] + n + 1)
     warm = 2 * nbytes + p["reserve_mb"] * MiB <= mem_available()
-    pool = pool_mb_for(spec, n + p["new_tokens"] * (2 * p["restore_reps"] + 2) + p["decode_tokens"] + 512)
-    args = ["--pool-mb", str(pool), "--ram-mb", str(pool), "--no-speculation", *p["server_args"]]
     _probe_memo(model_dir, cache_dir)
-    s = serving.Served(model_dir, g, cache_dir, work / "server.log", args, p["request_timeout_s"])
-    res: dict = {"args": args, "restore": [], "cached": [], "beside": []}
-    s.sampler.start()
-    try:
-        s.start("start")
-        for r in range(p["restore_reps"]):
-            for cold in ((True, False) if r % 2 == 0 else (False, True)):
-                if cold or warm:
-                    res["restore"].append(serving.restore(s, prompts.next(), r, cold, bufs))
-        # the forward a restore cannot overlap with its read: the cached turn, and a decode step beside it
-        s.sampler.phase = "cached"
-        s.wait_idle()
-        prompt = prompts.next()
-        res["cached_first"] = s.turn(prompt)
-        res["cached"] = serving.cached_vs_decode(s, prompt, p["cached_reps"], p["decode_tokens"])
-    except Exception as exc:
-        raise RuntimeError(f"{exc!r}\n--- server log ---\n{s.server.log_tail(4000)}") from exc
-    finally:
-        s.sampler.stop()
-        s.stop()
-        s.kill()
-        res["lives"] = s.lives
-        res["rss"] = _rss_summary(s.sampler.rss)
-    row["server"] = res
+    row["server"] = _sized_server(g, n, p, work, bufs, spec, model_dir, cache_dir, prompts, warm, every_phase=False)
     row["prompt_tokens"] = len(prompts.last)
     _probe_memo(cache_dir, model_dir)
     return row
+
+
+def _unfit(n: int, turns: int, nbytes: int, p: dict, geo: dict, row: dict) -> str | None:
+    """Why an agent of ``n`` tokens (``nbytes`` of cache) and ``turns`` more tokens is not run here, or None: the
+    model's context, or the memory available now (``server_factor`` x its bytes and ``reserve_mb``)."""
+    if n + turns + 1 > geo["context"]:
+        return f"{n} tokens + the turns do not fit the model's context ({geo['context']})"
+    need, avail = p["server_factor"] * nbytes + p["reserve_mb"] * MiB, row["mem_available_bytes"]
+    if need > avail:
+        return (f"a server restoring {nbytes / 2**30:.1f} GiB needs about {need / 2**30:.1f} GiB "
+                f"(x{p['server_factor']} + {p['reserve_mb']} MiB); {avail / 2**30:.1f} GiB available now")
+    return None
 
 
 def _probe_memo(src: Path, dst: Path) -> None:
@@ -323,10 +301,14 @@ def _probe_memo(src: Path, dst: Path) -> None:
         shutil.copyfile(src / PROBE_MEMO, dst / PROBE_MEMO)
 
 
-def _sized_server(g, n, p, work, bufs, spec, model_dir, cache_dir, prompts, warm: bool) -> dict:
+def _sized_server(g, n, p, work, bufs, spec, model_dir, cache_dir, prompts, warm: bool, every_phase: bool = True) -> dict:
+    """A server sized for the agent: its first turn, its restores cold and warm, its cached turn against a decode
+    step, and a cached turn beside another agent's save; without ``every_phase``, the restores and the cached
+    turn alone (the first turn and the saves beside left out)."""
     from harness.trials.real_geometry import serving
 
-    room = n + p["new_tokens"] * (2 * p["restore_reps"] + 3) + p["decode_tokens"] + 512 + p["beside_tokens"] * (p["beside_reps"] + 1)
+    room = n + p["new_tokens"] * (2 * p["restore_reps"] + 3) + p["decode_tokens"] + 512
+    room += p["beside_tokens"] * (p["beside_reps"] + 1) if every_phase else 0
     pool = pool_mb_for(spec, room)
     args = ["--pool-mb", str(pool), "--ram-mb", str(pool), "--no-speculation", *p["server_args"]]
     s = serving.Served(model_dir, g, cache_dir, work / "server.log", args, p["request_timeout_s"])
@@ -334,10 +316,11 @@ def _sized_server(g, n, p, work, bufs, spec, model_dir, cache_dir, prompts, warm
     s.sampler.start()
     try:
         s.start("start")
-        time.sleep(1.0)                         # a second of samples of the idle server
-        s.sampler.phase = "first"
-        res["first"] = s.turn(prompts.next())   # the agent's first turn on this server
-        s.wait_idle()
+        if every_phase:
+            time.sleep(1.0)                         # a second of samples of the idle server
+            s.sampler.phase = "first"
+            res["first"] = s.turn(prompts.next())   # the agent's first turn on this server
+            s.wait_idle()
         for r in range(p["restore_reps"]):
             for cold in ((True, False) if r % 2 == 0 else (False, True)):
                 if cold or warm:
@@ -347,8 +330,9 @@ def _sized_server(g, n, p, work, bufs, spec, model_dir, cache_dir, prompts, warm
         prompt = prompts.next()
         res["cached_first"] = s.turn(prompt)   # its new tokens computed: from here on all but the last are cached
         res["cached"] = serving.cached_vs_decode(s, prompt, p["cached_reps"], p["decode_tokens"])
-        s.sampler.phase = "beside"
-        res["beside"] = serving.beside_save(s, prompt, p["beside_reps"], p["beside_tokens"], p["seed"] + 7 * n)
+        if every_phase:
+            s.sampler.phase = "beside"
+            res["beside"] = serving.beside_save(s, prompt, p["beside_reps"], p["beside_tokens"], p["seed"] + 7 * n)
         res["stats"] = {k: v for k, v in (s.server.stats(timeout_s=30) or {}).items() if k not in ("agents", "recent")}
     except Exception as exc:
         raise RuntimeError(f"{exc!r}\n--- server log ---\n{s.server.log_tail(4000)}") from exc
