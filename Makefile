@@ -18,7 +18,7 @@ AIPERF_ARGS ?=
 # extra requirements for .venv, e.g. PINS="mlx==0.30.3 mlx-lm==0.30.4" (the macOS workflow's matrix)
 PINS ?=
 
-.PHONY: code-map compare-commits help system-blas system-browser system-redis venv models serve serve-models serve-ttft serve-hops append-profile dashboard-screenshot test test-numerics test-slow test-compat exp-003 exp-004 exp-005 exp-006 exp-006-full exp-007 exp-007-full exp-008 exp-008-full exp-008-spec exp-009 exp-009-full exp-009-aiperf exp-010 exp-010-full exp-011 exp-011-full exp-012 exp-012-two-models exp-013 exp-014 exp-014-full exp-015 exp-016 exp-017 exp-018 exp-018-full exp-019 exp-019-full exp-020 exp-020-full exp-020-128k exp-021 exp-021-full exp-023 exp-023-full model-matrix fuzz-blocks chunk-cost restore-speed restore-overlap batch-rows spec-recurrent exp-throughput exp-throughput-full bench compare-versions test-install clean
+.PHONY: code-map compare-commits help system-blas system-browser system-redis venv models serve serve-models serve-ttft serve-hops append-profile dashboard-screenshot test test-numerics test-slow test-compat exp-003 exp-004 exp-005 exp-006 exp-006-full exp-007 exp-007-full exp-008 exp-008-full exp-008-spec exp-009 exp-009-full exp-009-aiperf exp-010 exp-010-full exp-011 exp-011-full exp-012 exp-012-two-models exp-013 exp-014 exp-014-full exp-015 exp-016 exp-017 exp-018 exp-018-full exp-019 exp-019-full exp-020 exp-020-full exp-020-128k exp-020-restore-128k exp-021 exp-021-full exp-023 exp-023-full model-matrix fuzz-blocks chunk-cost restore-speed restore-overlap batch-rows spec-recurrent exp-throughput exp-throughput-full bench compare-versions test-install clean
 
 help:
 	@echo "make test         run the test suite (creates .venv, prepares models; a worker per core; timings: docs/tests.md)"
@@ -39,6 +39,7 @@ help:
 	@echo "make exp-019      several models behind one server: switching cost, caches across unloads, both loaded, RSS"
 	@echo "make exp-020      real models' cache geometry at real lengths: no-flag pool, restore / save against the disk, RSS"
 	@echo "make exp-020-128k one Qwen3-Coder-30B-A3B agent of 128K and two of 64K on a server with no pool flags, RSS"
+	@echo "make exp-020-restore-128k  that 128K agent restored cold on a sized server: against the read, its peak memory"
 	@echo "make exp-021      a sliding-window model on a coding-agent trace against mlx_lm.server (Gemma 3; SmolLM2 as control)"
 	@echo "make model-matrix every mlx-lm text model type served: exact, and reused on every turn type, after SIGKILL too"
 	@echo "make fuzz-blocks  10,000 damaged block files and manifests: every load exact, an exact prefix, or a miss"
@@ -350,6 +351,14 @@ exp-020-full: venv
 exp-020-128k: venv
 	$(PY) -m harness run experiments/exp_020_real_geometry.toml --quick --set 'params.geometries=["qwen3-coder-30b-a3b"]' \
 		--set 'params.lengths=[]' --set 'params.fleets=[[130816, 1], [65536, 2]]'
+
+# Qwen3-Coder-30B-A3B's agent of 128K (12 GiB of KV) restored cold (and warm where twice its bytes fit) on a server
+# sized for it, its restore's peak memory, then its fully cached turn against a decode step: EXP-020's restores alone
+# at 128K (server_factor 1.3: a restore holds about one copy, measured 1.03x at 32K).
+exp-020-restore-128k: venv
+	$(PY) -m harness run experiments/exp_020_real_geometry.toml --quick --set 'params.geometries=[]' \
+		--set 'params.lengths=[]' --set 'params.fleets=[]' --set 'params.server_factor=1.3' \
+		--set 'params.restores=[["qwen3-coder-30b-a3b", 130816]]'
 
 # A coding-agent trace against mlx_lm.server, Gemma 3 270M (sliding window 512) and SmolLM2 as the control:
 # 3 agents x 8 turns appending ~250 tokens of tool output, sub-agents on an agent's system prompt, client TTFT

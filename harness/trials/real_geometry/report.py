@@ -9,7 +9,8 @@ from harness.common.report import fmt, median, verdict_table
 from harness.trials.real_geometry.models import GEOMETRIES
 
 GOAL_RESTORE_FROM = 32768       # restore goals from this length on
-GOAL_CACHED_AT = (16384, 32768)  # the cached turn's goal at these lengths
+# the cached turn's goal at these lengths: 16K, 32K and 128K (or 128K less a block, where the context is 131072)
+GOAL_CACHED_AT = (16384, 32768, 130816, 131072)
 # a fully cached turn's goal over one decode step: attention models, and hybrids (``models.GEOMETRIES``'s
 # "hybrid"), whose turn resumes from a snapshot a few tokens back and prefills those
 CACHED_GOAL = {"attention": 1.5, "hybrid": 2.0}
