@@ -161,9 +161,10 @@ def checks(out: dict) -> dict:
     # its turn computes a new recurrent state beside the snapshot it resumed from, which the pool keeps
     attention = {g for g in (out.get("geometries") or {}) if not GEOMETRIES.get(g, {}).get("hybrid")}
 
-    def pick(field, pred=lambda n: True, of=None):
+    def pick(field, pred=lambda n: True, hybrid=None):
+        """``field`` of every length that ``pred`` takes (of the hybrids alone, or of the attention models alone)."""
         return [pc[field] for key, pc in per.items() if pc.get(field) is not None and pred(pc["tokens"])
-                and (of is None or (key.split("@")[0] in attention) == of)]
+                and (hybrid is None or (key.split("@")[0] not in attention) == hybrid)]
 
     def lo(xs):
         return min(xs) if xs else None
@@ -172,13 +173,13 @@ def checks(out: dict) -> dict:
         return max(xs) if xs else None
 
     at_goal = lambda n: n >= GOAL_RESTORE_FROM  # noqa: E731
-    c["restore_cold_over_floor_min"] = lo(pick("restore_cold_over_floor", at_goal, of=True))
-    c["restore_cold_bound_min"] = lo(pick("restore_cold_bound", at_goal, of=True))
-    c["restore_peak_over_cache_max"] = hi(pick("restore_peak_over_cache", at_goal, of=True))
-    c["hybrid_restore_cold_over_floor_min"] = lo(pick("restore_cold_over_floor", at_goal, of=False))
-    c["hybrid_restore_cold_bound_min"] = lo(pick("restore_cold_bound", at_goal, of=False))
-    c["hybrid_restore_peak_over_cache_max"] = hi(pick("restore_peak_over_cache", at_goal, of=False))
-    c["restore_warm_over_memcpy_min"] = lo(pick("restore_warm_over_memcpy", lambda n: n >= GOAL_RESTORE_FROM))
+    c["restore_cold_over_floor_min"] = lo(pick("restore_cold_over_floor", at_goal, hybrid=False))
+    c["restore_cold_bound_min"] = lo(pick("restore_cold_bound", at_goal, hybrid=False))
+    c["restore_peak_over_cache_max"] = hi(pick("restore_peak_over_cache", at_goal, hybrid=False))
+    c["hybrid_restore_cold_over_floor_min"] = lo(pick("restore_cold_over_floor", at_goal, hybrid=True))
+    c["hybrid_restore_cold_bound_min"] = lo(pick("restore_cold_bound", at_goal, hybrid=True))
+    c["hybrid_restore_peak_over_cache_max"] = hi(pick("restore_peak_over_cache", at_goal, hybrid=True))
+    c["restore_warm_over_memcpy_min"] = lo(pick("restore_warm_over_memcpy", at_goal))
     c["cached_over_decode_max"] = hi(pick("cached_over_decode", lambda n: n in GOAL_CACHED_AT))
     c["cached_over_goal_max"] = hi([pc["cached_over_decode"] / cached_goal(key.split("@")[0]) for key, pc in per.items()
                                     if pc.get("cached_over_decode") is not None and pc["tokens"] in GOAL_CACHED_AT])

@@ -222,7 +222,8 @@ def _length(g: str, n: int, p: dict, work: Path, bufs, spec, geo: dict, model_di
 
     nbytes = cache_bytes(spec, n)
     row: dict = {"tokens": n, "cache_bytes": nbytes, "mem_available_bytes": mem_available()}
-    why = _unfit(n, p["new_tokens"] * (2 * p["restore_reps"] + 4) + p["decode_tokens"], nbytes, p, geo, row)
+    why = _unfit(n, p["new_tokens"] * (2 * p["restore_reps"] + 4) + p["decode_tokens"], nbytes, p, geo,
+                 row["mem_available_bytes"])
     if why:
         out["skipped"].append({"part": f"{g} {label(n)}", "why": why})
         return {**row, "skipped": why}
@@ -262,7 +263,8 @@ def _restores(g: str, n: int, p: dict, work: Path, bufs, spec, geo: dict, model_
 
     nbytes = cache_bytes(spec, n)
     row: dict = {"tokens": n, "cache_bytes": nbytes, "mem_available_bytes": mem_available(), "restores_only": True}
-    why = _unfit(n, p["new_tokens"] * (2 * p["restore_reps"] + 2) + p["decode_tokens"], nbytes, p, geo, row)
+    why = _unfit(n, p["new_tokens"] * (2 * p["restore_reps"] + 2) + p["decode_tokens"], nbytes, p, geo,
+                 row["mem_available_bytes"])
     if why:
         out["skipped"].append({"part": f"{g} {label(n)} restores", "why": why})
         return {**row, "skipped": why}
@@ -279,12 +281,12 @@ def _restores(g: str, n: int, p: dict, work: Path, bufs, spec, geo: dict, model_
     return row
 
 
-def _unfit(n: int, turns: int, nbytes: int, p: dict, geo: dict, row: dict) -> str | None:
+def _unfit(n: int, turns: int, nbytes: int, p: dict, geo: dict, avail: int) -> str | None:
     """Why an agent of ``n`` tokens (``nbytes`` of cache) and ``turns`` more tokens is not run here, or None: the
-    model's context, or the memory available now (``server_factor`` x its bytes and ``reserve_mb``)."""
+    model's context, or the memory ``avail``able now (``server_factor`` x its bytes and ``reserve_mb``)."""
     if n + turns + 1 > geo["context"]:
         return f"{n} tokens + the turns do not fit the model's context ({geo['context']})"
-    need, avail = p["server_factor"] * nbytes + p["reserve_mb"] * MiB, row["mem_available_bytes"]
+    need = p["server_factor"] * nbytes + p["reserve_mb"] * MiB
     if need > avail:
         return (f"a server restoring {nbytes / 2**30:.1f} GiB needs about {need / 2**30:.1f} GiB "
                 f"(x{p['server_factor']} + {p['reserve_mb']} MiB); {avail / 2**30:.1f} GiB available now")
