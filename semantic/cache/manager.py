@@ -1,7 +1,15 @@
-"""The executor's one door into the cache: where a turn starts, what its prefill pools, what its end keeps.
+"""The one door into the cache, for the scheduler and the executor: what a turn may take, where it starts,
+what its prefill pools, what its end keeps.
 
 The step loop computes in mlx-lm's cache objects; the pool keeps 256-token blocks. Between them a turn
-asks five things, and each is a method here (the pool's lock held for it, as its callers share the pool)::
+asks these, and each is a method here (the pool's lock held for it, as its callers share the pool).
+Before a turn is admitted, the scheduler asks::
+
+    cached_now    how much of a prompt a turn started now would find cached (a prediction: nothing held)
+    turn_need     the free pool bytes a turn will take at most (room.turn_need, and live_bytes)
+    batch_row     a turn's row in a merged batch, for the planner to charge (room.row_bytes)
+
+and once it runs, the executor::
 
     start         the longest reusable prefix of a prompt: the agent's own cache or pooled blocks (reuse)
     live_bytes    what a turn starting now would hold beyond the pool's blocks, for admission to charge
@@ -22,12 +30,17 @@ import threading
 from typing import Sequence
 
 from semantic import kinds
-from semantic.cache import blockclaim, convert, reuse, snapshots
+from semantic.cache import blockclaim, convert, reuse, room, snapshots
 from semantic.cache.lending import Loan
+from semantic.cache.room import merged_bytes, size
 from semantic.cache.blocks import AgentBlocks
 from semantic.cache.pool import BlockPool
 from semantic.cache.spec import ModelCacheSpec
 from semantic.errors import PoolExhaustedError
+from semantic.kinds.rows import APART_FROM_BYTES
+
+# what the planner charges a merged batch, and how its errors write bytes: the same accounting as the pool's
+__all__ = ["CacheManager", "Loan", "ROOM_STEP", "merged_bytes", "size", "turn_room"]
 
 
 ROOM_STEP = 256  # mlx-lm's KVCache.step: the slots it grows by, which the room a resumed cache gets follows
@@ -62,6 +75,35 @@ class CacheManager:
         result the caller then owns (``owned``)."""
         with self.lock:
             return reuse.choose_start(self.pool, ids, own, self.release, salt_root, share=share)
+
+    def cached_now(self, ids: Sequence[int], own: AgentBlocks | None, salt_root: int | None) -> int:
+        """The tokens of ``ids`` a turn started now would find cached (its own cache, else pooled blocks), as
+        :meth:`start` would answer: a prediction, which takes no reference and counts no lookup (the turn's
+        start counts them once)."""
+        with self.lock:
+            start = reuse.choose_start(self.pool, ids, own, self.release, salt_root, count=False)
+            if start.owned:
+                start.blocks.release()
+            return start.cached
+
+    def turn_need(self, ids: Sequence[int], max_tokens: int, own: AgentBlocks | None, salt_root: int | None) -> int:
+        """Free pool bytes a turn of ``ids`` generating up to ``max_tokens`` takes at most: the prompt's blocks
+        the pool misses and those its tokens may fill (``room.turn_need``), and what it holds beyond the
+        pool's blocks when it starts from ``own`` (:meth:`live_bytes`)."""
+        with self.lock:
+            claim = blockclaim.claim_blocks(self.pool, self.spec, ids, salt_root=salt_root)
+        blocks = room.turn_need(self.spec, claim.misses, len(ids), max_tokens, self.pool.block_tokens)
+        return blocks + self.live_bytes(ids, own, salt_root)
+
+    def batch_row(self, prompt_tokens: int, apart: bool) -> int:
+        """A turn's row in a merged batch, in bytes: its prompt and a step of decode (``room.row_bytes``). With
+        ``apart`` (the executor keeps a batch's long rows apart, ``kinds.rows``) a row this long holds no merged
+        copy of the layers that keep rows apart; its prompt alone is measured, as the step loop measures the
+        buffers it joins with, never fewer."""
+        n = prompt_tokens + ROOM_STEP
+        if apart and room.row_bytes(self.spec, prompt_tokens) >= APART_FROM_BYTES:
+            return room.row_bytes(self.spec, n, apart=True)
+        return room.row_bytes(self.spec, n)
 
     def live_bytes(self, ids: Sequence[int], own: AgentBlocks | None, salt_root: int | None, share: bool = True) -> int:
         """Bytes a turn of ``ids`` started now (from ``own``, as :meth:`start` and :meth:`rebuild` would) holds

@@ -16,7 +16,9 @@ queue, before the planner decides whether it starts::
 
 A cache read from its file is the turn's alone, not resident. The turn then
 starts from the longest prefix its own cache or the pool covers
-(``semantic.cache.reuse``).
+(``semantic.cache.reuse``). What the pool holds and what a turn takes from it
+are the cache manager's to say (``semantic.cache.manager``), asked here as the
+executor asks it.
 
 Lock order, as the scheduler's: its condition is held only around the
 planner, never while the store is asked (the store takes the pool's lock).
@@ -28,11 +30,9 @@ import logging
 import threading
 from typing import Callable
 
-from semantic.cache import reuse, room
-from semantic.cache.manager import ROOM_STEP
 from semantic.cache.blocks import AgentBlocks
+from semantic.cache.manager import CacheManager
 from semantic.errors import PoolExhaustedError
-from semantic.kinds.rows import APART_FROM_BYTES
 from semantic.sched.planner import StepPlan, StepPlanner
 from semantic.request import Request
 from semantic.store import AgentCacheStore
@@ -49,17 +49,16 @@ class CacheOrigin:
         cv: the scheduler's condition.
         carry_out: how the scheduler does a plan (decides under ``cv``, evicts, waits, fails);
             given the decision, it returns the plan it carried out.
-        live: what a turn starting now from a cache holds beyond the pool's blocks
-            (``CacheManager.live_bytes``), charged with its blocks.
+        cache: the executor's cache manager now (an executor made again after a failure has its own).
         apart: whether the executor's batches keep rows apart (``kinds.rows``): their layers hold no
             merged copy to charge.
     """
 
     def __init__(self, store: AgentCacheStore, planner: StepPlanner, cv: threading.Condition,
                  carry_out: Callable[[Callable[[], StepPlan]], StepPlan],
-                 live: Callable[[Request, AgentBlocks | None], int], apart: Callable[[], bool] = lambda: False):
+                 cache: Callable[[], CacheManager], apart: Callable[[], bool] = lambda: False):
         self.store, self.planner, self._cv, self._carry_out = store, planner, cv, carry_out
-        self._live, self._apart = live, apart
+        self._cache, self._apart = cache, apart
 
     def find(self, request: Request) -> AgentBlocks | None:
         """The cache ``request``'s turn starts from; with none, a shared prefix is fetched into the pool.
@@ -85,14 +84,11 @@ class CacheOrigin:
     def _from_disk(self, request: Request, own: AgentBlocks | None) -> None:
         """Bring into the pool a longer prefix than ``own`` and the pool give when some agent's block files
         on disk hold one (a system prompt saved before a restart); a full pool skips it."""
-        with self.store.pool_lock:
-            start = reuse.choose_start(self.store.pool, request.ids, own, salt_root=request.salt_root)
-            if start.owned:
-                start.blocks.release()
+        cached = self._cache().cached_now(request.ids, own, request.salt_root)
         try:
-            self.store.load_prefix(request.ids, request.salt_root, beyond=start.cached)
+            self.store.load_prefix(request.ids, request.salt_root, beyond=cached)
         except PoolExhaustedError:
-            log.debug("no room for a prefix from disk; the turn starts from %d tokens", start.cached)
+            log.debug("no room for a prefix from disk; the turn starts from %d tokens", cached)
 
     def need(self, request: Request, own: AgentBlocks | None = None) -> int:
         """Free pool bytes ``request``'s turn will take at most.
@@ -102,22 +98,15 @@ class CacheOrigin:
             own: the cache it starts from (:meth:`find`).
 
         Returns:
-            The prompt's blocks the pool misses plus those its generated tokens may fill
-            (``semantic.cache.room.turn_need``), plus the copy of its cache the turn holds when it cannot
-            run in the pool's buffers (``CacheManager.live_bytes``), in bytes.
+            The prompt's blocks the pool misses plus those its generated tokens may fill, plus the copy of
+            its cache the turn holds when it cannot run in the pool's buffers (``CacheManager.turn_need``),
+            in bytes.
         """
-        claim = self.store.claim(request.ids, request.salt_root)
-        return room.turn_need(self.store.spec, claim.misses, len(request.ids), request.max_tokens,
-                              self.store.block_tokens) + self._live(request, own)
+        return self._cache().turn_need(request.ids, request.max_tokens, own, request.salt_root)
 
     def row(self, request: Request) -> int:
-        """``request``'s row in a merged batch, in bytes: its prompt and a step of decode (``room.row_bytes``)."""
-        n = len(request.ids) + ROOM_STEP
-        merged = room.row_bytes(self.store.spec, n)
-        # a row this long keeps the batch's rows apart (its own merged copy is never made); a shorter one may
-        # merge. Its prompt alone is measured: the step loop measures the buffers it joins with, never fewer
-        apart = self._apart() and room.row_bytes(self.store.spec, len(request.ids)) >= APART_FROM_BYTES
-        return room.row_bytes(self.store.spec, n, apart=True) if apart else merged
+        """``request``'s row in a merged batch, in bytes (``CacheManager.batch_row``)."""
+        return self._cache().batch_row(len(request.ids), self._apart())
 
     def _own(self, agent_id: str, ids) -> tuple[AgentBlocks | None, bool]:
         """The agent's newest cache: the one held here unless another server moved on, else its file; and

@@ -50,7 +50,7 @@ from collections import Counter, deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from semantic.cache.room import merged_bytes, size
+from semantic.cache.manager import merged_bytes, size
 from semantic.cache.blocks import AgentBlocks
 from semantic.errors import PoolExhaustedError, TurnTooLargeError
 from semantic.request import Completion, Request

@@ -20,7 +20,7 @@ from collections import OrderedDict
 
 from semantic import cachefile
 from semantic.cache.blocks import AgentBlocks
-from semantic.store.blocklayout import PREFIX
+from semantic.store import PREFIX
 
 Pending = tuple[AgentBlocks, cachefile.PreparedSave]
 

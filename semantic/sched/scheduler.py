@@ -49,7 +49,6 @@ from typing import Callable, Sequence
 
 from semantic.blasshare import SHARE
 from semantic import cachefile, defaults, heap
-from semantic.cache.blockclaim import chain_keys
 from semantic.cache.blocks import AgentBlocks
 from semantic.runner.executor import BatchExecutor
 from semantic.errors import CacheError, PoolExhaustedError, QueueFullError, SchedulerClosedError
@@ -59,7 +58,6 @@ from semantic.sched.planner import SchedulerStats, StepPlan, StepPlanner, Ticket
 from semantic.request import Completion, Request
 from semantic.sched.residentview import ResidentView
 from semantic.store import AgentCacheStore
-from semantic.store.blocklayout import prefix_id
 from semantic.sched.turnfuture import TurnFuture, TurnResult  # noqa: F401  (TurnResult: semantic exports it from here)
 from semantic.sched.writebehind import WriteBehind
 
@@ -116,7 +114,7 @@ class ConcurrentScheduler(ResidentView):
         self.executor = self._make_executor()
         self._cv = threading.Condition()
         self.origin = CacheOrigin(store, self.planner, self._cv, self._plan,
-                                  live=lambda r, own: self.executor.cache_manager.live_bytes(r.ids, own, r.salt_root),
+                                  cache=lambda: self.executor.cache_manager,
                                   apart=lambda: getattr(self.executor, "rows_off", "") is None)
         self._closing = False
         self._steps = 0
@@ -424,10 +422,9 @@ class ConcurrentScheduler(ResidentView):
         bt, ids = self.store.block_tokens, request.ids
         marks = [min(request.boundaries, default=0), max(request.boundaries, default=0), len(ids) - 1, len(ids)]
         cuts = sorted({p // bt * bt for p in marks if p // bt * bt})
-        chain = chain_keys(ids, bt, request.salt_root)
-        made = {prefix_id(chain[at // bt - 1]): at for at in cuts}
         system = min(request.boundaries, default=0) // bt * bt
-        shared = prefix_id(chain[system // bt - 1]) if system else None
+        made = dict(zip(self.store.prefix_ids(ids, request.salt_root, cuts), cuts))
+        shared = self.store.prefix_ids(ids, request.salt_root, [system])[0] if system else None
         old = self._prefixes.pop(request.agent_id, set()) - set(made) - {shared}
         self._prefixes[request.agent_id] = set(made) - {shared}
         for pid in old:

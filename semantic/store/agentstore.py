@@ -53,7 +53,7 @@ from semantic.request import validate_agent_id
 from semantic.cache.spec import ModelCacheSpec
 from semantic.store.disk import DiskBudget
 from semantic.store.fetch import RemoteFetch
-from semantic.store.blocklayout import BlockFiles
+from semantic.store.blocklayout import BlockFiles, prefix_id
 from semantic.store.filelayout import AgentFiles
 from semantic.store.quarantine import Quarantine, Quarantined
 
@@ -220,6 +220,15 @@ class AgentCacheStore:
         got = max(got, self._pooled(self._files.load_prefix(token_ids, salt_root, max(beyond, got), self.pool,
                                                             self.pool_lock)))
         return got
+
+    def prefix_ids(self, token_ids, salt_root: int | None, ends: Sequence[int]) -> list[str]:
+        """The entry ids under which the caches of ``token_ids``' first ``end`` tokens are kept apart from any
+        agent's (a sliding-window model's system prompt, ``Scheduler._keep_prefix``; :meth:`load_prefix` finds
+        them), one per end of ``ends``: each a whole number of blocks, at least one."""
+        bt = self.block_tokens
+        assert all(e > 0 and e % bt == 0 for e in ends), (ends, bt)
+        chain = blockclaim.chain_keys(token_ids, bt, salt_root)
+        return [prefix_id(chain[e // bt - 1]) for e in ends]
 
     def _pooled(self, blocks: AgentBlocks | None) -> int:
         """Leave a loaded cache's blocks in the pool's free queue, hittable until recycled: its tokens."""

@@ -1,8 +1,10 @@
-"""The executor's door into the cache: a turn's start, rebuild, extraction and release, on a tiny model."""
+"""The one door into the cache: a turn's admission, start, rebuild, extraction and release, on a tiny model."""
 
 from __future__ import annotations
 
+import ast
 import threading
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -11,6 +13,7 @@ import pytest
 from semantic import BlockPool, ModelCacheSpec
 from semantic import compat
 from semantic.cache.lending import Loan
+from semantic.cache import room
 from semantic.cache.manager import CacheManager
 from tests.tiny_models import tiny_gemma3, tiny_llama
 
@@ -117,3 +120,55 @@ def test_an_old_tail_a_turn_left_a_token_or_two_of_goes_once_the_history_that_he
     if start.owned:
         start.blocks.release()
     blocks.release()
+
+
+def test_a_prediction_of_what_a_turn_finds_cached_holds_no_reference_and_counts_no_lookup():
+    ids = list(range(1, 19))
+    m, _, blocks = _extracted(ids)
+    before = m.pool.stats()
+    prompt = [*ids[:16], 90, 91, 92]
+    assert m.cached_now(prompt, None, salt_root=None) == 16  # another agent: the four pooled blocks
+    assert m.cached_now([*ids, 40], blocks, salt_root=None) == len(ids)  # the agent's own cache
+    after = m.pool.stats()
+    assert (after.hits, after.misses, after.used) == (before.hits, before.misses, before.used)
+    start = m.start(prompt, None, salt_root=None, share=True)  # the turn itself counts its hits, once
+    assert m.pool.stats().hits == before.hits + 4
+    start.blocks.release()
+
+
+def test_a_turns_need_is_the_blocks_the_pool_misses_and_fills_and_its_row_follows_the_room_accounting():
+    ids = list(range(1, 19))
+    m, _, blocks = _extracted(ids)
+    bt = m.pool.block_tokens
+    prompt = [*ids[:16], 90, 91, 92]  # 16 tokens pooled, the rest missed
+    assert m.turn_need(prompt, 5, None, salt_root=None) == room.turn_need(m.spec, {"global": 1}, len(prompt), 5, bt)
+    fresh = [200 + i for i in range(12)]
+    assert m.turn_need(fresh, 0, None, salt_root=None) == room.turn_need(m.spec, {"global": 3}, 12, 0, bt)
+    assert m.batch_row(12, apart=False) == room.row_bytes(m.spec, 12 + 256)
+    blocks.release()
+
+
+_DOOR = {"semantic.cache.manager": None,  # the door, and the values the flow carries through it
+         "semantic.cache.blocks": {"AgentBlocks"}, "semantic.cache.spec": {"ModelCacheSpec"},
+         "semantic.cache.pool": {"BlockPool"}}
+
+
+def test_the_scheduler_and_the_executor_reach_the_cache_only_through_its_manager_and_the_disk_through_the_store():
+    root = Path(__file__).resolve().parents[3] / "semantic"
+    wrong = []
+    for path in sorted([*(root / "sched").glob("*.py"), *(root / "runner").glob("*.py")]):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found = [(a.name, None) for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                found = [(node.module, {a.name for a in node.names})]
+            else:
+                continue
+            for module, names in found:
+                if module.startswith("semantic.cache"):
+                    allowed = _DOOR.get(module, set())
+                    if module not in _DOOR or (allowed is not None and not names <= allowed):
+                        wrong.append(f"{path.relative_to(root.parent)}: {module} {sorted(names or [])}")
+                elif module.startswith("semantic.store."):
+                    wrong.append(f"{path.relative_to(root.parent)}: {module}")
+    assert not wrong, wrong
