@@ -13,6 +13,8 @@ this order (interleaved, so a slow moment of the machine hits every variant alik
     mlx-lm        mlx_lm.models.cache.load_prompt_cache of the same arrays, evaluated (no checksums)
     mlx-lm+xxh3   the same, then every tensor's xxh3-128 checked (on two threads): the work a restore does
     floor         a plain sequential read of the block files' bytes, 16 MiB at a time, into one buffer
+    floor-fresh   the same read into one buffer of all their bytes, fresh from the kernel (as a restore's
+                  arrays are): what placing the bytes in new memory adds to the disk on this machine
 
 each with the page cache dropped first (fsync, then POSIX_FADV_DONTNEED, for every file of the
 benchmark), and again with the page cache warm (the variant's files read once just before), beside a
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import mmap
 import os
 import subprocess
 import sys
@@ -35,7 +38,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 FP = "qwen3-coder-30b-a3b-synthetic"
 LAYERS, HEADS, HEAD_DIM, DTYPE = 48, 4, 128, "bfloat16"
-COLD = ("blocks", "blocks@before", "file", "mlx-lm", "mlx-lm+xxh3", "floor")
+COLD = ("blocks", "blocks@before", "file", "mlx-lm", "mlx-lm+xxh3", "floor", "floor-fresh")
 WARM = ("blocks", "blocks@before", "file", "mlx-lm", "mlx-lm+xxh3", "memcpy")
 INTO = ("into-readv", "into-copy", "into-readv-threads")  # reading block files into arrays already made
 
@@ -118,6 +121,18 @@ def _trial(d: Path, variant: str, warm: bool) -> dict:
                 with open(p, "rb", buffering=0) as f:
                     while f.readinto(buf):
                         pass
+            return None, None
+    elif kind == "floor-fresh":
+        total, held = sum(p.stat().st_size for p in paths), []
+
+        def run():
+            buf, at = memoryview(mmap.mmap(-1, total)), 0
+            held.append(buf)  # unmapped after the timing, as a restore's arrays outlive it
+            for p in paths:
+                with open(p, "rb", buffering=0) as f:
+                    while k := f.readinto(buf[at: at + (16 << 20)]):
+                        at += k
+            assert at == total
             return None, None
     elif kind.startswith("into-"):
         from semantic.store import blockread
@@ -378,6 +393,9 @@ def main(argv: list[str] | None = None) -> None:
             if f"{mode} blocks@before" in med and f"{mode} file" in med:
                 ratios[f"{mode} blocks@before / file"] = med[f"{mode} blocks@before"] / med[f"{mode} file"]
         ratios["cold floor speed share (floor / blocks)"] = med["cold floor"] / med["cold blocks"]
+        ratios["cold fresh memory's share (floor / floor-fresh)"] = med["cold floor"] / med["cold floor-fresh"]
+        ratios["cold blocks over a read into fresh memory (floor-fresh / blocks)"] = (med["cold floor-fresh"]
+                                                                                    / med["cold blocks"])
         if "cold blocks@before" in med:
             ratios["cold floor speed share before (floor / blocks@before)"] = med["cold floor"] / med["cold blocks@before"]
         ratios["warm blocks / memcpy"] = med["warm blocks"] / med["warm memcpy"]
