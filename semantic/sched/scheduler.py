@@ -422,9 +422,9 @@ class ConcurrentScheduler(ResidentView):
         bt, ids = self.store.block_tokens, request.ids
         marks = [min(request.boundaries, default=0), max(request.boundaries, default=0), len(ids) - 1, len(ids)]
         cuts = sorted({p // bt * bt for p in marks if p // bt * bt})
-        system = min(request.boundaries, default=0) // bt * bt
-        made = dict(zip(self.store.prefix_ids(ids, request.salt_root, cuts), cuts))
-        shared = self.store.prefix_ids(ids, request.salt_root, [system])[0] if system else None
+        named = dict(zip(cuts, self.store.prefix_ids(ids, request.salt_root, cuts)))
+        made = {pid: at for at, pid in named.items()}
+        shared = named.get(min(request.boundaries, default=0) // bt * bt)  # the system prompt's, a cut when any
         old = self._prefixes.pop(request.agent_id, set()) - set(made) - {shared}
         self._prefixes[request.agent_id] = set(made) - {shared}
         for pid in old:

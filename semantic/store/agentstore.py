@@ -227,7 +227,7 @@ class AgentCacheStore:
         them), one per end of ``ends``: each a whole number of blocks, at least one."""
         bt = self.block_tokens
         assert all(e > 0 and e % bt == 0 for e in ends), (ends, bt)
-        chain = blockclaim.chain_keys(token_ids, bt, salt_root)
+        chain = blockclaim.chain_keys(token_ids[: max(ends, default=0)], bt, salt_root)  # a chain's keys: its prefix's
         return [prefix_id(chain[e // bt - 1]) for e in ends]
 
     def _pooled(self, blocks: AgentBlocks | None) -> int:
